@@ -1,0 +1,84 @@
+"""The attention-op contract shared by every op in the repository (DESIGN.md section 3).
+
+Every op takes q, k: [batch, length, heads, head_dim], v: [batch, length, heads, value_dim] and an optional key
+mask [batch, length] (True = real token), and returns [batch, length, heads, value_dim] in v's dtype. This
+module holds the checks and dtype rules so that every op rejects bad input with the same words.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+Array = Any  # jax.Array; kept loose so numpy inputs are accepted and converted.
+
+
+def check_qkv(q: Array, k: Array, v: Array, mask: Array | None, *, op: str) -> tuple[Array, Array, Array, Array]:
+  """Validates the op contract and returns (q, k, v, mask) as jax arrays; mask defaults to all-True."""
+  arrays = {}
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+      raise TypeError(f"{op}: argument {name!r} must be an array of shape [batch, length, heads, dim], "
+                      f"got {type(x).__name__}")
+    x = jnp.asarray(x)
+    if x.ndim != 4:
+      raise ValueError(f"{op}: argument {name!r} must have rank 4 [batch, length, heads, dim], "
+                       f"got shape {tuple(x.shape)}")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise TypeError(f"{op}: argument {name!r} must be floating point, got dtype {x.dtype}")
+    arrays[name] = x
+  q, k, v = arrays["q"], arrays["k"], arrays["v"]
+  if q.shape != k.shape:
+    raise ValueError(f"{op}: arguments 'q' and 'k' must have the same shape [batch, length, heads, head_dim], "
+                     f"got q {tuple(q.shape)} and k {tuple(k.shape)}")
+  if v.shape[:3] != q.shape[:3]:
+    raise ValueError(f"{op}: argument 'v' must share [batch, length, heads] with q, got v {tuple(v.shape)} "
+                     f"and q {tuple(q.shape)}")
+  if q.shape[1] < 1:
+    raise ValueError(f"{op}: length must be >= 1, got {q.shape[1]}")
+  batch, length = q.shape[:2]
+  if mask is None:
+    mask = jnp.ones((batch, length), dtype=bool)
+  else:
+    if not hasattr(mask, "shape"):
+      raise TypeError(f"{op}: argument 'mask' must be None or a bool array [batch, length], "
+                      f"got {type(mask).__name__}")
+    mask = jnp.asarray(mask)
+    if mask.shape != (batch, length):
+      raise ValueError(f"{op}: argument 'mask' must have shape [batch, length] = {(batch, length)}, "
+                       f"got {tuple(mask.shape)}")
+    mask = mask.astype(bool)
+  return q, k, v, mask
+
+
+def check_positive_int(value: Any, *, name: str, op: str) -> int:
+  """Block and row sizes must be positive Python ints (they fix static shapes)."""
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+    raise ValueError(f"{op}: argument {name!r} must be a positive integer, got {value!r}")
+  return int(value)
+
+
+def check_choice(value: Any, *, name: str, allowed: Iterable[str], op: str) -> str:
+  allowed = tuple(allowed)
+  if value not in allowed:
+    raise ValueError(f"{op}: argument {name!r} must be one of {allowed}, got {value!r}")
+  return value
+
+
+def check_bool(value: Any, *, name: str, op: str) -> bool:
+  if not isinstance(value, (bool, np.bool_)):
+    raise ValueError(f"{op}: argument {name!r} must be a bool, got {value!r}")
+  return bool(value)
+
+
+def softmax_dtype(*dtypes: Any) -> jnp.dtype:
+  """Softmax / log-sum-exp run in float32, or float64 when the inputs are float64."""
+  return jnp.promote_types(jnp.result_type(*dtypes), jnp.float32)
+
+
+def logit_scale(head_dim: int) -> float:
+  """1/sqrt(head_dim), applied once by every op (same convention as jax.nn.dot_product_attention)."""
+  return 1.0 / float(np.sqrt(head_dim))
