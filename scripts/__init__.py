@@ -1,0 +1,1 @@
+"""Command-line tools run from the repository root: `python -m scripts.<name> ...` (benchmarks, pictures)."""

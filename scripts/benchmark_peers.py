@@ -1,0 +1,62 @@
+"""Peer implementations timed next to ours by `python -m scripts.benchmark --peers` (DESIGN.md section 7).
+
+A peer is a third-party attention (PyTorch packages from `requirements-bench.txt`: lucidrains'
+`routing-transformer`, HuggingFace `transformers`' YOSO) run on the same shapes as our ops. Each entry of `PEERS`
+maps a row name to a factory
+
+    factory(length, batch, heads, head_dim, causal, dtype) -> (fwd, fwdbwd)
+
+that builds its module and inputs (random, never zeros) and returns two zero-argument callables: `fwd()` runs the
+forward pass, `fwdbwd()` runs forward + backward (gradient of sum(out * random cotangent) with respect to the
+inputs, like ours); both must block until the work is done (PyTorch on CPU is synchronous). The benchmark calls the
+factory inside a fresh worker process, measures the process's peak-RSS increase over the baseline taken *after*
+the factory returned, times one warm-up and `--repeats` calls of each, and reports the row as `peer:<name>`.
+`dtype` is the benchmark's `--dtype` string ("float32", "bfloat16", ...). Raise `ValueError` for shapes or modes
+the peer cannot run (e.g. `causal=False` for a causal-only module): the row then reports the message.
+
+Rules: import torch (and the peer package) only *inside* the factory, so the core never depends on it; set
+`torch.set_num_threads(...)` only if you also say so in the row name, so the comparison stays fair.
+
+Example (a PyTorch dense-attention peer; not registered, keep `PEERS` for real peers):
+
+    def _torch_dense(length, batch, heads, head_dim, causal, dtype):
+      import torch
+      torch_dtype = getattr(torch, dtype)
+      gen = torch.Generator().manual_seed(0)
+      q, k, v = (torch.randn(batch, heads, length, head_dim, generator=gen, dtype=torch_dtype,
+                             requires_grad=True) for _ in range(3))
+      cot = torch.randn(batch, heads, length, head_dim, generator=gen, dtype=torch_dtype)
+      attn = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+      def fwd():
+        with torch.no_grad():
+          attn()
+
+      def fwdbwd():
+        torch.autograd.grad((attn() * cot).sum(), (q, k, v))
+
+      return fwd, fwdbwd
+
+    PEERS["torch_dense"] = _torch_dense   # or decorate the factory with @register_peer("torch_dense")
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+PeerFactory = Callable[[int, int, int, int, bool, str], tuple[Callable[[], object], Callable[[], object]]]
+
+# name -> factory. Filled by the routing (routing-transformer) and YOSO (transformers YOSO) helpers.
+PEERS: dict[str, PeerFactory] = {}
+
+
+def register_peer(name: str) -> Callable[[PeerFactory], PeerFactory]:
+  """Decorator: `@register_peer("routing_transformer")` adds the factory to `PEERS` under `name`."""
+
+  def wrap(factory: PeerFactory) -> PeerFactory:
+    if name in PEERS:
+      raise ValueError(f"benchmark peer {name!r} is already registered")
+    PEERS[name] = factory
+    return factory
+
+  return wrap
