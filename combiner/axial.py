@@ -1,0 +1,128 @@
+"""Combiner-Axial (paper §4.3, Appendix C) on an n x m grid of rows of length m = row_length.
+
+Positions are laid out as (row, col) = (i // m, i % m); the sequence is padded to whole rows with masked keys.
+Each direction is built as a list of `Piece`s for the shared joint softmax so that `mixture(normalize="joint")`
+can put several span families under one softmax.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax.numpy as jnp
+
+from combiner import common, contract
+from combiner import pooling as pool_ops
+from combiner.combine import Piece, attend, joint_softmax
+from combiner.fixed import block_direct_piece, other_block_valid
+
+Array = Any
+DIRECTIONS = ("rowmajor", "vertical", "horizontal")
+
+
+class Grid:
+  """The inputs laid out as [batch, rows, cols, heads, dim] (mask [batch, rows, cols])."""
+
+  def __init__(self, x: common.Inputs, row_length: int):
+    self.length = x.q.shape[1]
+    self.cols = row_length
+    self.rows = common.num_blocks(self.length, row_length)
+    self.q, self.k, self.v, self.pool_q, self.pool_k = (
+        common.to_grid(t, self.rows, self.cols) for t in (x.q, x.k, x.v, x.pool_q, x.pool_k))
+    self.mask = common.to_grid(x.mask, self.rows, self.cols)
+    self.scale = x.scale
+
+
+def row_piece(g: Grid, causal: bool) -> Piece:
+  """Own row ∩ Ω_i (the own row is a 'block' of the grid)."""
+  return block_direct_piece(g.q, g.k, g.v, g.mask, g.scale, causal)
+
+
+def column_piece(g: Grid, causal: bool) -> Piece:
+  """Own column ∩ Ω_i without i itself (i is already in the row piece)."""
+  logits = jnp.einsum("brchd,bschd->brchs", g.q, g.k) * g.scale  # [batch, rows, cols, heads, rows_s]
+  valid = (other_block_valid(g.rows, causal)[None, :, None, None, :]  # [1, rows_r, 1, 1, rows_s]
+           & jnp.swapaxes(g.mask, 1, 2)[:, None, :, None, :])  # [batch, 1, cols, 1, rows_s]
+  return Piece(logits, valid, lambda w: jnp.einsum("brchs,bschd->brchd", w, g.v))
+
+
+def rowmajor_spans(g: Grid, causal: bool, pooling: str, span_key_fn: Callable | None) -> Piece:
+  """One span per other row (causal: rows before). Span key: the pooled row; span query: the column-aligned
+  token's own query q_(r', col(i)), falling back to the pooled row query where that token is masked or padding."""
+  k_bar, nonempty = pool_ops.pool(g.pool_k, g.mask, axis=2, kind=pooling)  # [batch, rows, heads, dim], [b, rows]
+  if span_key_fn is not None:
+    k_bar = span_key_fn(k_bar)
+  q_bar, _ = pool_ops.pool(g.pool_q, g.mask, axis=2, kind=pooling)
+  q_span = jnp.where(g.mask[..., None, None], g.q, q_bar[:, :, None])  # [batch, rows, cols, heads, dim]
+  # v_tilde[s, c]: the whole row s attended by the query aligned with column c.
+  in_row = jnp.einsum("bschd,bsehd->bsche", q_span, g.k) * g.scale  # [batch, rows, cols, heads, cols_e]
+  v_tilde = attend(in_row, g.mask[:, :, None, None, :], g.v, "bsche,bsehd->bschd")  # [b, rows, cols, heads, dv]
+  logits = jnp.einsum("brchd,bshd->brchs", g.q, k_bar) * g.scale  # [batch, rows, cols, heads, rows_s]
+  valid = other_block_valid(g.rows, causal)[None, :, None, None, :] & nonempty[:, None, None, None, :]
+  return Piece(logits, valid, lambda w: jnp.einsum("brchs,bschd->brchd", w, v_tilde))
+
+
+def _all_but_one(x: Array, valid: Array, axis: int, causal: bool, pooling: str) -> tuple[Array, Array]:
+  """Pools, for every position t along `axis`, the members before t (causal) or all members except t."""
+  stats = pool_ops.exclusive_scan_stats(x, valid, axis, pooling)
+  if not causal:
+    stats = pool_ops.merge(stats, pool_ops.exclusive_scan_stats(x, valid, axis, pooling, reverse=True), pooling)
+  return pool_ops.finalize(stats, pooling)
+
+
+def vertical_spans(g: Grid, causal: bool, pooling: str) -> Piece:
+  """For query (r, c) and every other column e: column e ∩ Ω_i minus D_i, i.e. rows s < r (causal) or s != r."""
+  k_bar, nonempty = _all_but_one(g.pool_k, g.mask, 1, causal, pooling)  # [batch, rows_r, cols_e, heads, dim]
+  q_bar, _ = _all_but_one(g.pool_q, g.mask, 1, causal, pooling)
+  # v_tilde[r, e] = softmax over rows s of column e (s < r or s != r) of s(q_bar[r, e], k[s, e]).
+  in_col = jnp.einsum("brehd,bsehd->brehs", q_bar, g.k) * g.scale  # [batch, rows_r, cols_e, heads, rows_s]
+  col_valid = (other_block_valid(g.rows, causal)[None, :, None, None, :]
+               & jnp.swapaxes(g.mask, 1, 2)[:, None, :, None, :])
+  v_tilde = attend(in_col, col_valid, g.v, "brehs,bsehd->brehd")  # [batch, rows, cols, heads, value_dim]
+  logits = jnp.einsum("brchd,brehd->brche", g.q, k_bar) * g.scale  # [batch, rows, cols_c, heads, cols_e]
+  other_col = ~jnp.eye(g.cols, dtype=bool)[None, None, :, None, :]
+  valid = other_col & nonempty[:, :, None, None, :]
+  return Piece(logits, valid, lambda w: jnp.einsum("brche,brehd->brchd", w, v_tilde))
+
+
+def horizontal_spans(g: Grid, causal: bool, pooling: str) -> Piece:
+  """For query (r, c) and every other row s (causal: s < r): row s ∩ Ω_i minus column c."""
+  k_bar, nonempty = _all_but_one(g.pool_k, g.mask, 2, False, pooling)  # [batch, rows_s, cols_c, heads, dim]
+  q_bar, _ = _all_but_one(g.pool_q, g.mask, 2, False, pooling)
+  # v_tilde[s, c] = softmax over columns e != c of row s of s(q_bar[s, c], k[s, e]).
+  in_row = jnp.einsum("bschd,bsehd->bsche", q_bar, g.k) * g.scale  # [batch, rows_s, cols_c, heads, cols_e]
+  row_valid = ~jnp.eye(g.cols, dtype=bool)[None, None, :, None, :] & g.mask[:, :, None, None, :]
+  v_tilde = attend(in_row, row_valid, g.v, "bsche,bsehd->bschd")  # [batch, rows, cols, heads, value_dim]
+  logits = jnp.einsum("brchd,bschd->brchs", g.q, k_bar) * g.scale  # [batch, rows_r, cols, heads, rows_s]
+  valid = (other_block_valid(g.rows, causal)[None, :, None, None, :]
+           & jnp.swapaxes(nonempty, 1, 2)[:, None, :, None, :])
+  return Piece(logits, valid, lambda w: jnp.einsum("brchs,bschd->brchd", w, v_tilde))
+
+
+def axial_pieces(g: Grid, direction: str, causal: bool, pooling: str,
+                 span_key_fn: Callable | None = None) -> list[Piece]:
+  if direction == "rowmajor":
+    return [row_piece(g, causal), rowmajor_spans(g, causal, pooling, span_key_fn)]
+  spans = vertical_spans if direction == "vertical" else horizontal_spans
+  return [row_piece(g, causal), column_piece(g, causal), spans(g, causal, pooling)]
+
+
+def axial(q: Array, k: Array, v: Array, *, row_length: int, direction: str, causal: bool, mask: Array | None = None,
+          pooling: str = "max", pool_q: Array | None = None, pool_k: Array | None = None,
+          span_key_fn: Callable[[Array], Array] | None = None) -> Array:
+  """Combiner-Axial. q, k: [batch, length, heads, head_dim]; v: [batch, length, heads, value_dim].
+
+  direction: "rowmajor" (D_i = own row; one span per other row), "vertical" (D_i = own row ∪ own column; one span
+  per other column), "horizontal" (D_i = own row ∪ own column; one span per other row). Cost O(L·(n + m)·d).
+  span_key_fn (rowmajor only): maps the pooled span keys [batch, rows, heads, head_dim] to the keys used.
+  """
+  op = "combiner.axial"
+  x = common.prepare(q, k, v, mask, op=op, causal=causal, pooling=pooling, pool_q=pool_q, pool_k=pool_k)
+  contract.check_choice(direction, name="direction", allowed=DIRECTIONS, op=op)
+  m = contract.check_positive_int(row_length, name="row_length", op=op)
+  if span_key_fn is not None and direction != "rowmajor":
+    raise ValueError(f"{op}: argument 'span_key_fn' is only supported for direction='rowmajor', got {direction!r}")
+  g = Grid(x, m)
+  out = joint_softmax(axial_pieces(g, direction, causal, pooling, span_key_fn))  # [batch, rows, cols, heads, dv]
+  return common.from_grid(out, g.length).astype(x.out_dtype)

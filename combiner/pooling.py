@@ -1,0 +1,79 @@
+"""Span abstractions: coordinate-wise max or mean pooling over the real (unmasked) members of a span.
+
+Pooling is kept as (value, count) statistics so that pieces can be merged (a span "column minus one row" is the
+merge of an exclusive prefix and an exclusive suffix) before being finalised. Prefix/suffix statistics come from
+`jax.lax.cummax` / `cumsum`, block statistics from reshape-and-reduce; nothing of size L^2 is formed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+Array = Any
+POOLINGS = ("max", "mean")
+
+
+class Stats(NamedTuple):
+  value: Array  # [..., heads, dim]: running max (-inf when empty) or running sum
+  count: Array  # [...]: number of real members
+
+
+def _masked(x: Array, valid: Array, kind: str) -> Array:
+  fill = -jnp.inf if kind == "max" else 0.0
+  return jnp.where(valid[..., None, None], x, fill)
+
+
+def reduce_stats(x: Array, valid: Array, axis: int, kind: str) -> Stats:
+  """Statistics over `axis` (a position axis of x [..., heads, dim]; valid has x's position axes)."""
+  xm = _masked(x, valid, kind)
+  value = jnp.max(xm, axis=axis) if kind == "max" else jnp.sum(xm, axis=axis)
+  return Stats(value, jnp.sum(valid, axis=axis, dtype=jnp.int32))
+
+
+def exclusive_scan_stats(x: Array, valid: Array, axis: int, kind: str, *, reverse: bool = False) -> Stats:
+  """Statistics over the members strictly before (or after, `reverse`) each position along `axis`.
+
+  The one-position shift is what keeps a query's own row/column out of its summary (a summary that included it
+  would leak the future in causal mode).
+  """
+  xm = _masked(x, valid, kind)
+  if kind == "max":
+    value = jax.lax.cummax(xm, axis=axis, reverse=reverse)
+  else:
+    value = jax.lax.cumsum(xm, axis=axis, reverse=reverse)
+  count = jax.lax.cumsum(valid.astype(jnp.int32), axis=axis, reverse=reverse)
+  fill = -jnp.inf if kind == "max" else 0.0
+  return Stats(_shift(value, axis, reverse, fill), _shift(count, axis, reverse, 0))
+
+
+def _shift(x: Array, axis: int, reverse: bool, fill: float) -> Array:
+  """Shift by one along `axis` (forward: x[t] <- x[t-1]; reverse: x[t] <- x[t+1]), filling the vacated slot."""
+  n = x.shape[axis]
+  pad = [(0, 0)] * x.ndim
+  if reverse:
+    pad[axis] = (0, 1)
+    return jnp.pad(jax.lax.slice_in_dim(x, 1, n, axis=axis), pad, constant_values=fill)
+  pad[axis] = (1, 0)
+  return jnp.pad(jax.lax.slice_in_dim(x, 0, n - 1, axis=axis), pad, constant_values=fill)
+
+
+def merge(a: Stats, b: Stats, kind: str) -> Stats:
+  value = jnp.maximum(a.value, b.value) if kind == "max" else a.value + b.value
+  return Stats(value, a.count + b.count)
+
+
+def finalize(s: Stats, kind: str) -> tuple[Array, Array]:
+  """(pooled [..., heads, dim], nonempty [...]); empty spans pool to 0 and must be dropped by the caller."""
+  nonempty = s.count > 0
+  if kind == "max":
+    pooled = jnp.where(nonempty[..., None, None], s.value, 0.0)
+  else:
+    pooled = s.value / jnp.maximum(s.count, 1)[..., None, None].astype(s.value.dtype)
+  return pooled, nonempty
+
+
+def pool(x: Array, valid: Array, axis: int, kind: str) -> tuple[Array, Array]:
+  return finalize(reduce_stats(x, valid, axis, kind), kind)
