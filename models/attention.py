@@ -1,0 +1,188 @@
+"""Attention modules: multi-head projections around a pure op from `models.ops_registry` (DESIGN.md section 3).
+
+`AttentionBase` owns what every attention module shares (q/k/v/output projections with logical axis names,
+heads, compute dtype, output dropout, the plan parameters from the config); `OpAttention` wraps any registered
+pure op by name, so a new op needs no module of its own; `CombinerAttention` adds the model-level Combiner
+options of the paper (Table 3 DeepSets pooling, the row-major learned span key of the released code).
+The constructor signature and call convention are documented in `models/registry.py`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax import nnx
+
+from models import layers
+from models import ops_registry
+
+Array = Any
+AUTO = "auto"
+
+# Fields of `config.model.attention` every module understands; plan parameters live in `params`.
+COMMON_FIELDS = ("name", "params", "dropout_rate")
+
+
+def resolve_plan_params(spec: ops_registry.OpSpec, params: dict[str, Any], length: int) -> dict[str, Any]:
+  """Config plan parameters with "auto" replaced by the op's own choice for this length (spec.params(L))."""
+  auto = spec.params(length)
+  out = {}
+  for key, value in params.items():
+    if isinstance(value, str) and value == AUTO:
+      if key not in auto:
+        raise ValueError(f"attention op {spec.name!r}: parameter {key!r}='auto' has no automatic value; "
+                         f"automatic parameters: {sorted(auto)}")
+      value = auto[key]
+    out[key] = value
+  for key, value in auto.items():  # parameters the config leaves out take the op's automatic value
+    out.setdefault(key, value)
+  return out
+
+
+def check_op_kwargs(spec: ops_registry.OpSpec, names: list[str]) -> None:
+  """Plan parameters the op's signature does not accept are config errors, reported with the accepted ones."""
+  sig = inspect.signature(spec.fn)
+  if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values()):
+    return
+  accepted = [n for n, p in sig.parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY
+              and n not in ("causal", "mask", "pool_q", "pool_k", "span_key_fn")]
+  for name in names:
+    if name not in accepted:
+      raise ValueError(f"attention op {spec.name!r} does not take parameter {name!r}; its parameters: {accepted}")
+
+
+class AttentionBase(nnx.Module):
+  """Multi-head projections shared by all attention modules.
+
+  x: [batch, length, features] -> q, k, v: [batch, length, heads, head_dim] in `dtype`;
+  the output projection maps [batch, length, heads, head_dim] back to [batch, length, features].
+  """
+
+  def __init__(self, config: ml_collections.ConfigDict, *, features: int, num_heads: int, head_dim: int,
+               causal: bool, dtype: Any, rngs: nnx.Rngs):
+    self.name = str(config.name)
+    self.features, self.num_heads, self.head_dim = features, num_heads, head_dim
+    self.causal, self.dtype = causal, dtype
+    proj = dict(in_axes=("embed",), out_axes=("heads", "kv"), dtype=dtype, rngs=rngs)
+    self.query = layers.DenseGeneral((features,), (num_heads, head_dim), **proj)
+    self.key = layers.DenseGeneral((features,), (num_heads, head_dim), **proj)
+    self.value = layers.DenseGeneral((features,), (num_heads, head_dim), **proj)
+    self.out = layers.DenseGeneral((num_heads, head_dim), (features,), in_axes=("heads", "kv"),
+                                   out_axes=("embed",), dtype=dtype, rngs=rngs)
+    # The ops are fused (no attention matrix ever exists), so "attention dropout" drops the per-head op output
+    # before the output projection; with the softmax weights out of reach this is the closest equivalent.
+    self.dropout = nnx.Dropout(float(config.get("dropout_rate", 0.0)), broadcast_dims=(), rngs=rngs)
+
+  def project(self, x: Array) -> tuple[Array, Array, Array]:
+    return self.query(x), self.key(x), self.value(x)  # each [batch, length, heads, head_dim]
+
+  def output(self, o: Array, *, deterministic: bool) -> Array:
+    o = self.dropout(o, deterministic=deterministic)  # [batch, length, heads, head_dim]
+    return self.out(o)  # [batch, length, features]
+
+
+class OpAttention(AttentionBase):
+  """Any pure op of `models.ops_registry`, chosen by `config.name`, with plan parameters `config.params`."""
+
+  def __init__(self, config: ml_collections.ConfigDict, *, features: int, num_heads: int, head_dim: int,
+               causal: bool, dtype: Any, rngs: nnx.Rngs):
+    super().__init__(config, features=features, num_heads=num_heads, head_dim=head_dim, causal=causal,
+                     dtype=dtype, rngs=rngs)
+    self.op_name = str(config.get("op", None) or config.name)
+    spec = ops_registry.get(self.op_name)
+    if causal and not spec.causal:
+      raise ValueError(f"attention {self.op_name!r} does not support causal=True (decoder LM / image models); "
+                       "choose a causal op")
+    if not causal and not spec.bidirectional:
+      raise ValueError(f"attention {self.op_name!r} does not support causal=False (encoders); "
+                       "choose a bidirectional op")
+    params = config.get("params", None)
+    self.plan_params = dict(params.to_dict() if isinstance(params, ml_collections.ConfigDict) else (params or {}))
+    check_op_kwargs(spec, list(self.plan_params))
+
+  def op_kwargs(self, q: Array, k: Array) -> dict[str, Any]:
+    """Extra keyword arguments for the op (subclasses add model-level options)."""
+    return {}
+
+  def __call__(self, x: Array, mask: Array | None, *, deterministic: bool) -> Array:
+    q, k, v = self.project(x)  # [batch, length, heads, head_dim]
+    spec = ops_registry.get(self.op_name)
+    params = resolve_plan_params(spec, self.plan_params, x.shape[1])
+    o = spec.fn(q, k, v, causal=self.causal, mask=mask, **params, **self.op_kwargs(q, k))
+    return self.output(o, deterministic=deterministic)
+
+
+def per_head_init(key: Array, shape: tuple[int, ...], dtype: Any) -> Array:
+  """lecun-normal init of one [in, out] matrix per head: shape [heads, in, out]."""
+  return jax.vmap(lambda kk: layers.default_kernel_init(kk, shape[1:], dtype))(jax.random.split(key, shape[0]))
+
+
+class DeepSetsPool(nnx.Module):
+  """relu(Dense(x)) per head (paper Table 3): the vectors the op pools into span abstractions."""
+
+  def __init__(self, num_heads: int, head_dim: int, *, dtype: Any, rngs: nnx.Rngs):
+    # One kernel per head: [heads, head_dim, head_dim].
+    self.kernel = layers.param(rngs, per_head_init, (num_heads, head_dim, head_dim), ("heads", "kv", None))
+    self.bias = layers.param(rngs, layers.zeros_init, (num_heads, head_dim), ("heads", None))
+
+  def __call__(self, x: Array) -> Array:  # x: [batch, length, heads, head_dim]
+    y = jnp.einsum("blhd,hde->blhe", x, self.kernel[...].astype(x.dtype)) + self.bias[...].astype(x.dtype)
+    return jax.nn.relu(y)  # [batch, length, heads, head_dim]
+
+
+class SpanKey(nnx.Module):
+  """The released code's learned row-summary key (axial rowmajor): pooled key -> dense, residual, layer norm,
+  key projection, per head. Maps [batch, rows, heads, head_dim] to the same shape."""
+
+  def __init__(self, num_heads: int, head_dim: int, *, dtype: Any, rngs: nnx.Rngs):
+    self.dense = layers.param(rngs, per_head_init, (num_heads, head_dim, head_dim), ("heads", "kv", None))
+    self.dense_bias = layers.param(rngs, layers.zeros_init, (num_heads, head_dim), ("heads", None))
+    self.norm_scale = layers.param(rngs, layers.ones_init, (num_heads, head_dim), ("heads", None))
+    self.norm_bias = layers.param(rngs, layers.zeros_init, (num_heads, head_dim), ("heads", None))
+    self.proj = layers.param(rngs, per_head_init, (num_heads, head_dim, head_dim), ("heads", "kv", None))
+
+  def __call__(self, s: Array) -> Array:  # s: [batch, rows, heads, head_dim]
+    dt = s.dtype
+    h = s + jnp.einsum("brhd,hde->brhe", s, self.dense[...].astype(dt)) + self.dense_bias[...].astype(dt)
+    h32 = h.astype(jnp.promote_types(dt, jnp.float32))
+    mean = h32.mean(-1, keepdims=True)
+    h32 = (h32 - mean) * jax.lax.rsqrt(jnp.square(h32 - mean).mean(-1, keepdims=True) + 1e-6)
+    h = (h32 * self.norm_scale[...] + self.norm_bias[...]).astype(dt)
+    return jnp.einsum("brhd,hde->brhe", h, self.proj[...].astype(dt))  # [batch, rows, heads, head_dim]
+
+
+class CombinerAttention(OpAttention):
+  """A Combiner op plus the model-level options.
+
+  config.deepsets: pool relu(Dense_q(q)) / relu(Dense_k(k)) (separate parameters) instead of q / k for the span
+    abstractions; the pooling kind (max | mean) stays the op's `params.pooling`.
+  config.learned_span_key: axial rowmajor only; span keys pass through `SpanKey`.
+  """
+
+  def __init__(self, config: ml_collections.ConfigDict, *, features: int, num_heads: int, head_dim: int,
+               causal: bool, dtype: Any, rngs: nnx.Rngs):
+    super().__init__(config, features=features, num_heads=num_heads, head_dim=head_dim, causal=causal,
+                     dtype=dtype, rngs=rngs)
+    sig = inspect.signature(ops_registry.get(self.op_name).fn).parameters
+    self.use_deepsets = bool(config.get("deepsets", False))
+    self.use_span_key = bool(config.get("learned_span_key", False))
+    if self.use_deepsets and "pool_q" not in sig:
+      raise ValueError(f"attention {self.op_name!r}: 'deepsets' needs an op with pool_q/pool_k arguments")
+    if self.use_span_key and "span_key_fn" not in sig:
+      raise ValueError(f"attention {self.op_name!r}: 'learned_span_key' is only for combiner_axial_rowmajor "
+                       "(an op with a span_key_fn argument)")
+    self.pool_q = DeepSetsPool(num_heads, head_dim, dtype=dtype, rngs=rngs) if self.use_deepsets else None
+    self.pool_k = DeepSetsPool(num_heads, head_dim, dtype=dtype, rngs=rngs) if self.use_deepsets else None
+    self.span_key = SpanKey(num_heads, head_dim, dtype=dtype, rngs=rngs) if self.use_span_key else None
+
+  def op_kwargs(self, q: Array, k: Array) -> dict[str, Any]:
+    kwargs = {}
+    if self.pool_q is not None:
+      kwargs.update(pool_q=self.pool_q(q), pool_k=self.pool_k(k))
+    if self.span_key is not None:
+      kwargs["span_key_fn"] = self.span_key
+    return kwargs

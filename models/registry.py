@@ -1,0 +1,110 @@
+"""The attention-module registry: config name -> Flax NNX module class. The extension points live here.
+
+Adding an attention mechanism
+=============================
+1. A pure op (DESIGN.md section 3) registered in `models.ops_registry` from `<your package>/registry.py` is usable
+   at once by name through `OpAttention` (projections + op); no module is needed. `get_module(name)` falls back
+   to `OpAttention` for every registered op name that has no module entry.
+2. A mechanism with parameters, state or randomness of its own writes a module in `models/<name>_attention.py`
+   and registers it with ONE line in `_MODULE_PROVIDERS` below plus, in that file,
+       `register_module("routing", RoutingAttention)`.
+
+The module contract
+-------------------
+    cls(config_attention, *, features, num_heads, head_dim, causal, dtype, rngs)
+    module(x, mask, *, deterministic) -> y
+  config_attention: the `config.model.attention` ConfigDict (`name`, `params` = plan parameters with "auto" =
+    the op's `params(L)`, `dropout_rate`, plus the module's own fields); x: [batch, length, features] in `dtype`;
+  mask: None or [batch, length] bool (True = real token); y: [batch, length, features]. Subclassing
+  `models.attention.AttentionBase` gives the q/k/v/output projections with logical axis names.
+
+Randomness: `rngs` is an `nnx.Rngs` with the streams "params", "dropout" and "attention". A module needing
+  randomness at call time (hashing, sampling) keeps `self.rng = rngs.attention.fork()` (or `rngs`) and calls
+  `self.rng()` in `__call__`. The train step reseeds every "dropout" and "attention" stream from the step key
+  (`nnx.reseed`), so steps differ and a resumed run repeats them exactly; eval reseeds with a fixed seed, so
+  evaluation is deterministic even for random attention.
+Non-gradient state: a module may own `nnx.Variable` subclasses that are not `nnx.Param` (e.g. `nnx.BatchStat`
+  or a custom `class EmaState(nnx.Variable)` for centroids). Only `nnx.Param` is differentiated; the train step
+  carries the rest through, and the module updates it in place (`self.centroids.value = ...`) when called with
+  `deterministic=False` only. That state is replicated (or sharded by its `out_sharding` logical axes) and
+  saved in checkpoints with the parameters.
+Auxiliary losses: `self.sow(nnx.Intermediate, "aux_loss", value)` with a scalar `value`; the train step adds
+  `config.aux_loss_weight * sum(all sown aux_loss values)` to the loss and logs it as `aux_loss`.
+gin: `configurable_fields(name)` lists the constructor fields gin may bind for ablations (see `models.gin_bridge`).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from models import attention, ops_registry
+
+# Config name -> module class. Generic ops are not listed (they fall back to OpAttention).
+MODULES: dict[str, type] = {}
+# Extra config fields (beyond attention.COMMON_FIELDS) each module class understands; gin binds only these.
+MODULE_FIELDS: dict[type, tuple[str, ...]] = {}
+
+# Modules written in other files register themselves when imported; a missing file is skipped so the registry
+# works while the project grows (a real import error inside the file is raised).
+_MODULE_PROVIDERS = ("models.routing_attention", "models.yoso_attention")
+_loaded = False
+
+
+def register_module(name: str, cls: type, fields: tuple[str, ...] = ()) -> type:
+  """Maps the config name `name` to the module class `cls` (see the contract above).
+
+  `fields` names the extra `config.model.attention` fields the class reads (gin may bind them)."""
+  if name in MODULES:
+    raise ValueError(f"attention module {name!r} is already registered")
+  MODULES[name] = cls
+  MODULE_FIELDS[cls] = tuple(dict.fromkeys(MODULE_FIELDS.get(cls, ()) + tuple(fields)))
+  return cls
+
+
+register_module("dense", attention.OpAttention)
+for _name in ("combiner_fixed", "combiner_logsparse", "combiner_axial_vertical", "combiner_axial_horizontal",
+              "combiner_mixture", "combiner_mixture_joint"):
+  register_module(_name, attention.CombinerAttention, fields=("deepsets",))
+register_module("combiner_axial_rowmajor", attention.CombinerAttention, fields=("deepsets", "learned_span_key"))
+for _name in ("sparse_fixed", "sparse_logsparse", "sparse_axial"):
+  register_module(_name, attention.OpAttention)
+
+
+def _load() -> None:
+  global _loaded
+  if _loaded:
+    return
+  _loaded = True
+  for module in _MODULE_PROVIDERS:
+    try:
+      importlib.import_module(module)
+    except ModuleNotFoundError as e:
+      if e.name != module:
+        raise
+
+
+def names() -> list[str]:
+  """Every attention name a config may use: registered modules plus every registered pure op."""
+  _load()
+  return sorted(set(MODULES) | set(ops_registry.names()))
+
+
+def get_module(name: str) -> type:
+  _load()
+  if name in MODULES:
+    return MODULES[name]
+  if name in ops_registry.names():
+    return attention.OpAttention
+  raise ValueError(f"unknown attention {name!r}; valid names: {names()}")
+
+
+def configurable_fields(name: str) -> tuple[str, ...]:
+  """The `config.model.attention` fields the module for `name` reads (common ones first)."""
+  cls = get_module(name)
+  return tuple(f for f in attention.COMMON_FIELDS if f != "name") + MODULE_FIELDS.get(cls, ())
+
+
+def build(config_attention: Any, **kwargs: Any) -> Any:
+  """Instantiates the module named by `config_attention.name`."""
+  return get_module(str(config_attention.name))(config_attention, **kwargs)

@@ -1,0 +1,204 @@
+"""Pre-LayerNorm Transformer for every task of the project (Flax NNX).
+
+- `lm` / `image`: decoder (causal attention) over the inputs right-shifted by a dedicated BOS id
+  (id = vocab_size, an extra embedding row), predicting `inputs`; images are raster-order pixel/channel tokens
+  (vocabulary 256) with factorised row/column/channel position embeddings.
+- `mlm`: bidirectional encoder predicting `targets` from corrupted `inputs`.
+- `classify`: bidirectional encoder + CLS (first position) or MEAN (padding-aware) pooling + MLP head.
+- `retrieval`: the same encoder applied to both inputs (LRA dual encoder), head on [u, v, u*v, u-v].
+
+The attention module is built from `config.attention` by `models.registry`; every parameter carries logical axes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax import nnx
+
+from models import layers, registry
+
+Array = Any
+TASKS = ("lm", "image", "mlm", "classify", "retrieval")
+CAUSAL_TASKS = ("lm", "image")
+
+
+def dtype_of(name: str) -> Any:
+  allowed = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float64": jnp.float64}
+  if name not in allowed:
+    raise ValueError(f"model.dtype must be one of {sorted(allowed)}, got {name!r}")
+  return allowed[name]
+
+
+class Mlp(nnx.Module):
+  def __init__(self, features: int, mlp_dim: int, *, dropout_rate: float, dtype: Any, rngs: nnx.Rngs):
+    self.up = layers.DenseGeneral((features,), (mlp_dim,), in_axes=("embed",), out_axes=("mlp",), dtype=dtype,
+                                  rngs=rngs)
+    self.down = layers.DenseGeneral((mlp_dim,), (features,), in_axes=("mlp",), out_axes=("embed",), dtype=dtype,
+                                    rngs=rngs)
+    self.dropout = nnx.Dropout(dropout_rate, rngs=rngs)
+
+  def __call__(self, x: Array, *, deterministic: bool) -> Array:
+    h = jax.nn.gelu(self.up(x))  # [batch, length, mlp]
+    return self.down(self.dropout(h, deterministic=deterministic))  # [batch, length, features]
+
+
+class Block(nnx.Module):
+  """x + Attn(LN(x)); x + MLP(LN(x))."""
+
+  def __init__(self, cfg: ml_collections.ConfigDict, *, causal: bool, dtype: Any, rngs: nnx.Rngs):
+    f = cfg.features
+    self.norm1 = layers.LayerNorm(f, dtype=dtype, rngs=rngs)
+    self.attention = registry.build(cfg.attention, features=f, num_heads=cfg.num_heads,
+                                    head_dim=cfg.get("head_dim", None) or f // cfg.num_heads, causal=causal,
+                                    dtype=dtype, rngs=rngs)
+    self.norm2 = layers.LayerNorm(f, dtype=dtype, rngs=rngs)
+    self.mlp = Mlp(f, cfg.mlp_dim, dropout_rate=cfg.dropout_rate, dtype=dtype, rngs=rngs)
+    self.dropout = nnx.Dropout(cfg.dropout_rate, rngs=rngs)
+
+  def __call__(self, x: Array, mask: Array | None, *, deterministic: bool) -> Array:
+    h = self.attention(self.norm1(x), mask, deterministic=deterministic)
+    x = x + self.dropout(h, deterministic=deterministic)
+    h = self.mlp(self.norm2(x), deterministic=deterministic)
+    return x + self.dropout(h, deterministic=deterministic)  # [batch, length, features]
+
+
+class PositionEmbedding(nnx.Module):
+  """Learned [max_len, features] table, or factorised over an image's (height, width, channels) grid:
+  pos(i) = row[r] + col[c] + channel[ch] for raster order with channels innermost."""
+
+  def __init__(self, cfg: ml_collections.ConfigDict, seq_len: int, *, dtype: Any, rngs: nnx.Rngs):
+    self.kind = cfg.get("position_embedding", "learned")
+    f = cfg.features
+    init = nnx.initializers.normal(stddev=0.02)
+    if self.kind == "learned":
+      self.table = layers.param(rngs, init, (max(seq_len, cfg.get("max_len", 0) or 0), f), (None, "embed"))
+    elif self.kind == "factorized":
+      h, w, c = (int(s) for s in cfg.image_shape)
+      if h * w * c != seq_len:
+        raise ValueError(f"model.image_shape {tuple(cfg.image_shape)} has {h * w * c} positions, the data has "
+                         f"seq_len={seq_len}")
+      self.shape = (h, w, c)
+      self.rows = layers.param(rngs, init, (h, f), (None, "embed"))
+      self.cols = layers.param(rngs, init, (w, f), (None, "embed"))
+      self.channels = layers.param(rngs, init, (c, f), (None, "embed"))
+    else:
+      raise ValueError(f"model.position_embedding must be one of ['learned', 'factorized'], got {self.kind!r}")
+    self.dtype = dtype
+
+  def __call__(self, length: int) -> Array:
+    if self.kind == "learned":
+      if length > self.table.shape[0]:
+        raise ValueError(f"sequence length {length} exceeds the position table ({self.table.shape[0]})")
+      return self.table[:length].astype(self.dtype)  # [length, features]
+    h, w, c = self.shape
+    pos = (self.rows[...][:, None, None] + self.cols[...][None, :, None] + self.channels[...][None, None, :])
+    return pos.reshape(h * w * c, -1)[:length].astype(self.dtype)  # [length, features]
+
+
+class Encoder(nnx.Module):
+  """Token + position embeddings, the blocks, and the final layer norm."""
+
+  def __init__(self, cfg: ml_collections.ConfigDict, *, vocab_size: int, seq_len: int, causal: bool, dtype: Any,
+               rngs: nnx.Rngs):
+    self.embed = layers.Embed(vocab_size, cfg.features, dtype=dtype, rngs=rngs)
+    self.pos = PositionEmbedding(cfg, seq_len, dtype=dtype, rngs=rngs)
+    self.dropout = nnx.Dropout(cfg.dropout_rate, rngs=rngs)
+    self.blocks = nnx.List([Block(cfg, causal=causal, dtype=dtype, rngs=rngs) for _ in range(cfg.num_layers)])
+    self.norm = layers.LayerNorm(cfg.features, dtype=dtype, rngs=rngs)
+
+  def __call__(self, ids: Array, mask: Array | None, *, deterministic: bool) -> Array:
+    x = self.embed(ids) + self.pos(ids.shape[1])[None]  # [batch, length, features]
+    x = self.dropout(x, deterministic=deterministic)
+    for block in self.blocks:
+      x = block(x, mask, deterministic=deterministic)
+    return self.norm(x)  # [batch, length, features]
+
+
+class Transformer(nnx.Module):
+  """The model for `task` (one of TASKS). `__call__(batch, *, deterministic)` returns float32 logits:
+  [batch, length, vocab] for lm/image/mlm, [batch, num_classes] for classify/retrieval."""
+
+  def __init__(self, cfg: ml_collections.ConfigDict, *, task: str, vocab_size: int, seq_len: int,
+               num_classes: int | None = None, input_vocab_size: int | None = None, bos_id: int | None = None,
+               rngs: nnx.Rngs):
+    if task not in TASKS:
+      raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+    self.task, self.vocab_size = task, vocab_size
+    dtype = dtype_of(cfg.get("dtype", "float32"))
+    self.dtype = dtype
+    causal = task in CAUSAL_TASKS
+    # Decoders read a dedicated BOS id (default vocab_size, one extra embedding row), never a real token.
+    self.bos_id = (vocab_size if bos_id is None else bos_id) if causal else None
+    if input_vocab_size is None:
+      input_vocab_size = vocab_size + 1
+    if causal and self.bos_id >= input_vocab_size:
+      raise ValueError(f"bos_id={self.bos_id} needs input_vocab_size > bos_id, got {input_vocab_size}")
+    self.encoder = Encoder(cfg, vocab_size=input_vocab_size, seq_len=seq_len, causal=causal, dtype=dtype,
+                           rngs=rngs)
+    f = cfg.features
+    if task in ("lm", "image", "mlm"):
+      self.head = layers.DenseGeneral((f,), (vocab_size,), in_axes=("embed",), out_axes=("vocab",), dtype=dtype,
+                                      rngs=rngs)
+    else:
+      if not num_classes:
+        raise ValueError(f"task {task!r} needs num_classes")
+      self.pool = cfg.get("classifier_pool", "CLS")
+      if self.pool not in ("CLS", "MEAN"):
+        raise ValueError(f"model.classifier_pool must be one of ['CLS', 'MEAN'], got {self.pool!r}")
+      in_f = 4 * f if task == "retrieval" else f
+      self.hidden = layers.DenseGeneral((in_f,), (cfg.mlp_dim,), in_axes=("embed",), out_axes=("mlp",),
+                                        dtype=dtype, rngs=rngs)
+      self.head = layers.DenseGeneral((cfg.mlp_dim,), (num_classes,), in_axes=("mlp",), out_axes=(None,),
+                                      dtype=dtype, rngs=rngs)
+
+  def _pooled(self, ids: Array, mask: Array, *, deterministic: bool) -> Array:
+    x = self.encoder(ids, mask, deterministic=deterministic)  # [batch, length, features]
+    if self.pool == "CLS":  # the first position (LRA convention: its input token is the sequence's first)
+      return x[:, 0]
+    m = mask.astype(x.dtype)[..., None]  # [batch, length, 1]
+    return (x * m).sum(1) / jnp.maximum(m.sum(1), 1.0)  # [batch, features]
+
+  def __call__(self, batch: dict[str, Array], *, deterministic: bool) -> Array:
+    if self.task in CAUSAL_TASKS:
+      ids, mask = batch["inputs"], batch.get("mask")
+      if mask is None:
+        mask = jnp.ones(ids.shape, bool)
+      bos = jnp.full(ids[:, :1].shape, self.bos_id, ids.dtype)
+      shifted = jnp.concatenate([bos, ids[:, :-1]], axis=1)  # [batch, length]
+      shifted_mask = jnp.concatenate([jnp.ones_like(mask[:, :1]), mask[:, :-1]], axis=1)
+      x = self.encoder(shifted, shifted_mask, deterministic=deterministic)
+      return self.head(x).astype(jnp.float32)  # [batch, length, vocab]
+    if self.task == "mlm":
+      ids = batch["inputs"]
+      mask = batch.get("mask")
+      if mask is None:
+        mask = jnp.ones(ids.shape, bool)
+      x = self.encoder(ids, mask, deterministic=deterministic)
+      return self.head(x).astype(jnp.float32)  # [batch, length, vocab]
+    if self.task == "classify":
+      pooled = self._pooled(batch["inputs"], batch["mask"], deterministic=deterministic)
+    else:
+      u = self._pooled(batch["inputs1"], batch["mask1"], deterministic=deterministic)
+      v = self._pooled(batch["inputs2"], batch["mask2"], deterministic=deterministic)
+      pooled = jnp.concatenate([u, v, u * v, u - v], axis=-1)  # [batch, 4 * features]
+    return self.head(jax.nn.relu(self.hidden(pooled))).astype(jnp.float32)  # [batch, num_classes]
+
+
+def build_model(cfg: ml_collections.ConfigDict, *, task: str, vocab_size: int, seq_len: int,
+                num_classes: int | None = None, input_vocab_size: int | None = None, bos_id: int | None = None,
+                seed: int = 0) -> Transformer:
+  """The model with fresh parameters and the rng streams of the registry contract (params/dropout/attention)."""
+  rngs = nnx.Rngs(params=seed, dropout=seed + 1, attention=seed + 2)
+  return Transformer(cfg, task=task, vocab_size=vocab_size, seq_len=seq_len, num_classes=num_classes,
+                     input_vocab_size=input_vocab_size, bos_id=bos_id, rngs=rngs)
+
+
+def from_info(cfg: ml_collections.ConfigDict, info: Any, *, seed: int = 0) -> Transformer:
+  """The model for a `data.DatasetInfo` (task, vocabulary, special ids, length, classes)."""
+  return build_model(cfg, task=info.task, vocab_size=info.vocab_size, seq_len=info.seq_len,
+                     num_classes=info.num_classes, input_vocab_size=info.input_vocab_size, bos_id=info.bos_id,
+                     seed=seed)
