@@ -1,0 +1,159 @@
+"""Combiner-learnable (Ren et al., NeurIPS 2021, section 4.4 and Appendix D): full attention over routed clusters.
+
+A routing module (e.g. `routing.kmeans`) assigns each token a cluster id per head. The partition is made
+balanced: per (batch, head) the tokens are sorted by (cluster id, position) and the sorted order is cut into
+consecutive chunks of `w = ceil(L / num_clusters)` tokens (the last may be shorter). Token `i` attends directly to
+its own chunk and, through one pooled abstraction each, to every other chunk (DESIGN.md section 4, plan `routed`):
+
+- bidirectional: `D_i` = own chunk, spans = the other chunks (masked keys removed, empty spans dropped);
+- causal (paper eq. 12): every set is intersected with the prefix `[0, i]`, so a span is the part of another chunk
+  at positions `<= i`, its abstraction is a *prefix* pooling and its value a softmax over that prefix only.
+
+Layout: tokens are permuted into a [chunks, w] "slot" grid sorted by (chunk, position), where a chunk is a
+reshape axis, so span abstractions are reductions (or cumulative reductions, causal) over the slot axis: the
+contiguous-segment case of `jax.ops.segment_max` without a scatter. The causal prefix state of chunk r seen by
+query i is the slot of the last member of r at a position `<= i`; it is looked up from per-position running counts.
+Cost O(L * (w + chunks) * d) time and memory, i.e. O(L^1.5 d) for num_clusters ~ sqrt(L); never O(L^2).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from combiner import common, contract
+from combiner.combine import Piece, attend, joint_softmax
+
+Array = Any
+
+
+def _pool(x: Array, real: Array, kind: str, *, prefix: bool) -> tuple[Array, Array]:
+  """Pools x [b, h, C, w, d] over the real slots of axis 3 (all of them, or each prefix when `prefix`).
+
+  Returns (pooled, count): [b, h, C, d] and [b, h, C], or [b, h, C, w, d] and [b, h, C, w] for prefixes.
+  Empty pools are 0 (finite) and must be dropped by the caller (count == 0).
+  """
+  fill = -jnp.inf if kind == "max" else 0.0
+  xm = jnp.where(real[..., None], x, fill)
+  if kind == "max":
+    value = jax.lax.cummax(xm, axis=3) if prefix else jnp.max(xm, axis=3)
+  else:
+    value = jax.lax.cumsum(xm, axis=3) if prefix else jnp.sum(xm, axis=3)
+  ones = real.astype(jnp.int32)
+  count = jax.lax.cumsum(ones, axis=3) if prefix else jnp.sum(ones, axis=3)
+  if kind == "max":
+    value = jnp.where(count[..., None] > 0, value, 0.0)
+  else:
+    value = value / jnp.maximum(count, 1)[..., None].astype(value.dtype)
+  return value, count
+
+
+def _check_cluster_ids(cluster_ids: Any, shape: tuple[int, int, int], num_clusters: int, op: str) -> Array:
+  if not hasattr(cluster_ids, "shape") or tuple(cluster_ids.shape) != shape:
+    raise ValueError(f"{op}: argument 'cluster_ids' must be an int array [batch, length, heads] = {shape}, "
+                     f"got {getattr(cluster_ids, 'shape', type(cluster_ids).__name__)}")
+  cluster_ids = jnp.asarray(cluster_ids)
+  if not jnp.issubdtype(cluster_ids.dtype, jnp.integer):
+    raise TypeError(f"{op}: argument 'cluster_ids' must have an integer dtype, got {cluster_ids.dtype}")
+  if not isinstance(cluster_ids, jax.core.Tracer) and cluster_ids.size:
+    lo, hi = int(jnp.min(cluster_ids)), int(jnp.max(cluster_ids))
+    if lo < 0 or hi >= num_clusters:
+      raise ValueError(f"{op}: argument 'cluster_ids' must lie in [0, num_clusters={num_clusters}), "
+                       f"got values in [{lo}, {hi}]")
+  return cluster_ids.astype(jnp.int32)
+
+
+def routed(q: Array, k: Array, v: Array, *, cluster_ids: Array, num_clusters: int, causal: bool = False,
+           mask: Array | None = None, pooling: str = "max", pool_q: Array | None = None,
+           pool_k: Array | None = None) -> Array:
+  """Combiner-routed attention under the op contract.
+
+  q, k: [batch, length, heads, head_dim]; v: [batch, length, heads, value_dim]; mask: [batch, length] bool.
+  cluster_ids: int [batch, length, heads] in [0, num_clusters) (no gradient; e.g. nearest k-means centroid).
+  pooling: "max" | "mean" over a span's real members; pool_q / pool_k (shaped like q) are pooled instead of q / k
+  for the span abstractions. Returns [batch, length, heads, value_dim] in v's dtype.
+  """
+  op = "combiner.routed"
+  x = common.prepare(q, k, v, mask, op=op, causal=causal, pooling=pooling, pool_q=pool_q, pool_k=pool_k)
+  n = contract.check_positive_int(num_clusters, name="num_clusters", op=op)
+  batch, length, heads, _ = x.q.shape
+  ids = _check_cluster_ids(cluster_ids, (batch, length, heads), n, op).transpose(0, 2, 1)  # [b, h, L]
+  ids = jax.lax.stop_gradient(ids)
+  w = -(-length // n)  # chunk size
+  chunks = -(-length // w)  # may be < num_clusters when w does not divide evenly
+  slots = chunks * w
+
+  # Balanced partition: rank in (cluster, position) order -> chunk; then slot order = (chunk, position).
+  pos = jnp.arange(length, dtype=jnp.int32)
+  rank = jnp.argsort(jnp.argsort(ids, axis=-1, stable=True), axis=-1).astype(jnp.int32)  # [b, h, L]
+  chunk = rank // w  # [b, h, L]
+  order = jnp.argsort(chunk, axis=-1, stable=True).astype(jnp.int32)  # [b, h, L]: slot -> position
+  slot_of = jnp.argsort(order, axis=-1).astype(jnp.int32)  # [b, h, L]: position -> slot
+  pad = ((0, 0), (0, 0), (0, slots - length))
+  order_p = jnp.pad(order, pad)  # [b, h, slots]; padded slots point at position 0 and are masked below
+  in_range = jnp.arange(slots) < length  # [slots]
+  pos_s = jnp.where(in_range, order_p, length).reshape(batch, heads, chunks, w)  # [b, h, C, w]
+  real_s = (jnp.take_along_axis(x.mask[:, None, :], order_p, axis=-1) & in_range)
+  real_s = real_s.reshape(batch, heads, chunks, w)  # [b, h, C, w]
+
+  def to_slots(t: Array) -> Array:  # [b, L, h, d] -> [b, h, C, w, d]
+    g = jnp.take_along_axis(t.transpose(0, 2, 1, 3), order_p[..., None], axis=2)
+    return g.reshape(batch, heads, chunks, w, t.shape[-1])
+
+  qs, ks, vs = to_slots(x.q), to_slots(x.k), to_slots(x.v)  # [b, h, C, w, d|dv]
+  pqs, pks = to_slots(x.pool_q), to_slots(x.pool_k)
+  scale = x.scale
+  own = jnp.arange(chunks)
+
+  direct_logits = jnp.einsum("bhcqd,bhckd->bhcqk", qs, ks) * scale  # [b, h, C, w, w]
+  direct_valid = real_s[:, :, :, None, :]  # [b, h, C, 1, w]
+  if causal:
+    direct_valid = direct_valid & (pos_s[..., None, :] <= pos_s[..., :, None])
+  direct = Piece(direct_logits, direct_valid, lambda p: jnp.einsum("bhcqk,bhckd->bhcqd", p, vs))
+
+  if not causal:
+    kbar, count = _pool(pks, real_s, pooling, prefix=False)  # [b, h, C, d], [b, h, C]
+    qbar, _ = _pool(pqs, real_s, pooling, prefix=False)
+    inner = jnp.einsum("bhcd,bhckd->bhck", qbar, ks) * scale  # [b, h, C, w]
+    vbar = attend(inner, real_s, vs, "bhck,bhckd->bhcd")  # [b, h, C, dv]
+    span_logits = jnp.einsum("bhcqd,bhrd->bhcqr", qs, kbar) * scale  # [b, h, C, w, C]
+    span_valid = (count > 0)[:, :, None, None, :] & (own[:, None, None] != own[None, None, :])  # [b, h, C, 1, C]
+    span = Piece(span_logits, span_valid, lambda p: jnp.einsum("bhcqr,bhrd->bhcqd", p, vbar))
+  else:
+    # Prefix abstractions of every chunk: state t pools the chunk's slots 0..t (they are sorted by position).
+    kbar, count = _pool(pks, real_s, pooling, prefix=True)  # [b, h, C, w, d], [b, h, C, w]
+    qbar, _ = _pool(pqs, real_s, pooling, prefix=True)
+    inner = jnp.einsum("bhctd,bhcud->bhctu", qbar, ks) * scale  # [b, h, C, w(state), w(key)]
+    inner_valid = real_s[:, :, :, None, :] & (jnp.arange(w)[None, :] <= jnp.arange(w)[:, None])
+    vbar = attend(inner, inner_valid, vs, "bhctu,bhcud->bhctd")  # [b, h, C, w, dv]
+    # members[b, h, i, r] = #tokens of chunk r at positions <= i; the state query i sees is slot members - 1.
+    members = jnp.cumsum(jax.nn.one_hot(chunk, chunks, dtype=jnp.int32), axis=2)  # [b, h, L, C]
+    members = jnp.take_along_axis(members, order_p[..., None], axis=2)  # [b, h, slots, C], per query slot
+    state = own[None, None, None, :] * w + jnp.maximum(members - 1, 0)  # [b, h, slots, C] flat state index
+    flat = state.reshape(batch, heads, slots * chunks, 1)
+
+    def lookup(table: Array) -> Array:  # [b, h, C, w, e] -> [b, h, C(query), w, C(span), e]
+      t = table.reshape(batch, heads, slots, table.shape[-1])
+      return jnp.take_along_axis(t, flat, axis=2).reshape(batch, heads, chunks, w, chunks, table.shape[-1])
+
+    kbar_q, vbar_q = lookup(kbar), lookup(vbar)
+    count_q = jnp.take_along_axis(count.reshape(batch, heads, slots), flat[..., 0], axis=2)
+    count_q = count_q.reshape(batch, heads, chunks, w, chunks)
+    nonempty = (members.reshape(batch, heads, chunks, w, chunks) > 0) & (count_q > 0)
+    span_logits = jnp.einsum("bhcqd,bhcqrd->bhcqr", qs, kbar_q) * scale  # [b, h, C, w, C]
+    span_valid = nonempty & (own[:, None, None] != own[None, None, :])
+    span = Piece(span_logits, span_valid, lambda p: jnp.einsum("bhcqr,bhcqrd->bhcqd", p, vbar_q))
+
+  out = joint_softmax([direct, span])  # [b, h, C, w, dv], slot layout
+  out = out.reshape(batch, heads, slots, -1)
+  out = jnp.take_along_axis(out, slot_of[..., None], axis=2)  # [b, h, L, dv]
+  return out.transpose(0, 2, 1, 3).astype(x.out_dtype)
+
+
+def num_chunks(length: int, num_clusters: int) -> int:
+  """How many chunks `routed` cuts a length into (ceil(L / ceil(L / num_clusters)) <= num_clusters)."""
+  w = -(-length // num_clusters)
+  return int(np.ceil(length / w))
