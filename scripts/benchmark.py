@@ -267,6 +267,10 @@ def write_report(rows: Sequence[Mapping[str, Any]], columns: Sequence[tuple[str,
   return {"markdown": md_path, "json": json_path}
 
 
+def _length_label(length: int) -> str:
+  return f"{length // 1024}K" if length >= 1024 and length % 1024 == 0 else str(length)
+
+
 def plot_scaling(rows: Sequence[Mapping[str, Any]], path: str, *, key: str = "op", title: str = "",
                  panels: Sequence[tuple[str, str]] = (("fwdbwd_ms", "forward+backward time (ms)"),
                                                       ("fwd_ms", "forward time (ms)"),
@@ -276,6 +280,7 @@ def plot_scaling(rows: Sequence[Mapping[str, Any]], path: str, *, key: str = "op
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+  import matplotlib.ticker
 
   names = list(dict.fromkeys(r[key] for r in rows))
   fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.4), squeeze=False)
@@ -290,6 +295,12 @@ def plot_scaling(rows: Sequence[Mapping[str, Any]], path: str, *, key: str = "op
                 color="black" if name == BASELINE else None)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
+    lengths = sorted({r["length"] for r in rows})
+    ax.set_xticks(lengths, [_length_label(n) for n in lengths], fontsize=8)
+    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+    ax.yaxis.set_major_locator(matplotlib.ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda y, _: f"{y:g}"))
+    ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xlabel("sequence length L")
     ax.set_title(label, fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
