@@ -1,0 +1,205 @@
+"""Routing Transformer and Combiner-routed attention modules (issue 5): k-means centroids as non-gradient state.
+
+`RoutingAttention` ("routing"): the paper's layer, `routing_heads` heads of routing attention (shared QK by
+default in causal models) next to `num_heads - routing_heads` local heads (own + previous block), all in one
+layer with one output projection. Layers not listed in `routing_layers` use local heads only (the paper's PG-19
+setting routes only the last layers); they own no centroids.
+
+`RoutedCombinerAttention` ("combiner_routed"): every head is Combiner-learnable (Combiner paper section 4.4),
+the cluster of each token being its nearest centroid.
+
+Both keep per-head centroids `[heads, clusters, head_dim]` in a `Centroids` variable (not an `nnx.Param`, so the
+optimizer never sees it), update them by an EMA of the assigned layer-normed vectors when called with
+`deterministic=False`, and sow the commitment loss as `aux_loss` (the train step multiplies it by
+`config.aux_loss_weight`, 1e-4 in the routing configs). The update uses batch sums, so under a jit over a
+data-sharded batch every device applies the same global update.
+
+Config fields (`config.model.attention`), besides `name`, `params`, `dropout_rate`:
+  params.num_clusters  int, or "auto" = sqrt(seq_len) rounded up to a power of two, which needs the field
+                       `seq_len` (the configs set it); fixed at construction because it shapes the state
+  params.window        int or "auto" (= ceil(length / num_clusters) at call time); routing only
+  params.block_size    local heads' block, int or "auto" (= the window); routing only
+  params.pooling       "max" | "mean"; combiner_routed only
+  routing_heads        routing heads per routing layer (default num_heads // 2; routing only)
+  routing_layers       None (every layer) or a list of layer indices, negative counting from the end (routing only;
+                       needs the block to pass `layer=` and `num_layers=`)
+  share_qk             None (= causal), True or False; routing only (combiner_routed routes a token by its query
+                       and key together and needs no sharing)
+  scale_logits, mask_self  see `routing.attention` (defaults True, False)
+  ema_decay            0.999
+  centroid_seed        seed of the centroids' initial values (default 0; layers offset it by their index)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax import nnx
+
+import combiner
+from models import attention, ops_registry, registry
+from routing import kmeans
+from routing.attention import RoutingAux, routing_attention
+from routing.local import local_attention
+
+Array = Any
+AUTO = "auto"
+
+ROUTING_FIELDS = ("routing_heads", "routing_layers", "share_qk", "scale_logits", "mask_self", "ema_decay",
+                  "centroid_seed", "seq_len")
+ROUTED_FIELDS = ("ema_decay", "centroid_seed", "seq_len")
+
+
+class Centroids(nnx.Variable):
+  """k-means centroids [heads, clusters, head_dim]: state updated by EMA, never by gradients."""
+
+
+def _params(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  params = config.get("params", None)
+  return dict(params.to_dict() if isinstance(params, ml_collections.ConfigDict) else (params or {}))
+
+
+def _num_clusters(config: ml_collections.ConfigDict, name: str) -> int:
+  value = _params(config).get("num_clusters", AUTO)
+  if isinstance(value, str) and value == AUTO:
+    seq_len = config.get("seq_len", None)
+    if not seq_len:
+      raise ValueError(f"attention {name!r}: params.num_clusters='auto' needs config.model.attention.seq_len "
+                       "(the centroid state is shaped at construction); set an int num_clusters or seq_len")
+    return ops_registry.sqrt_pow2(int(seq_len))
+  if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    raise ValueError(f"attention {name!r}: params.num_clusters must be a positive int or 'auto', got {value!r}")
+  return value
+
+
+def _int_or_auto(value: Any, auto: int, name: str) -> int:
+  if isinstance(value, str) and value == AUTO:
+    return auto
+  if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    raise ValueError(f"routing attention: params.{name} must be a positive int or 'auto', got {value!r}")
+  return value
+
+
+class _CentroidMixin:
+  """Centroid state, its EMA update and the commitment loss, shared by both modules."""
+
+  def _init_centroids(self, config: ml_collections.ConfigDict, heads: int, clusters: int, head_dim: int,
+                      layer: int | None) -> None:
+    self.ema_decay = float(config.get("ema_decay", 0.999))
+    if not 0.0 <= self.ema_decay <= 1.0:
+      raise ValueError(f"attention {self.name!r}: ema_decay must be in [0, 1], got {self.ema_decay}")
+    seed = int(config.get("centroid_seed", 0)) + (layer or 0)
+    # Fixed-seed init keeps construction a pure function of the config (no draw from the params stream).
+    self.centroids = Centroids(kmeans.init_centroids(jax.random.key(seed), heads, clusters, head_dim))
+
+  def _update(self, aux: Any, *, deterministic: bool) -> None:
+    self.sow(nnx.Intermediate, "aux_loss", aux.commit_loss.astype(jnp.float32))
+    if not deterministic:
+      self.centroids[...] = kmeans.ema_update(self.centroids[...], aux.stats, self.ema_decay)
+
+
+class RoutingAttention(attention.AttentionBase, _CentroidMixin):
+  """Local heads + routing heads in one layer (Roy et al., section 5)."""
+
+  def __init__(self, config: ml_collections.ConfigDict, *, features: int, num_heads: int, head_dim: int,
+               causal: bool, dtype: Any, rngs: nnx.Rngs, layer: int | None = None,
+               num_layers: int | None = None):
+    super().__init__(config, features=features, num_heads=num_heads, head_dim=head_dim, causal=causal,
+                     dtype=dtype, rngs=rngs)
+    params = _params(config)
+    extra = sorted(set(params) - {"num_clusters", "window", "block_size"})
+    if extra:
+      raise ValueError(f"attention 'routing' does not take parameters {extra}; its parameters: "
+                       "['num_clusters', 'window', 'block_size']")
+    self.window_param = params.get("window", AUTO)
+    self.block_param = params.get("block_size", AUTO)
+    routing_heads = config.get("routing_heads", None)
+    routing_heads = num_heads // 2 if routing_heads is None else int(routing_heads)
+    if not 0 <= routing_heads <= num_heads:
+      raise ValueError(f"attention 'routing': routing_heads must be in [0, num_heads={num_heads}], "
+                       f"got {routing_heads}")
+    layers = config.get("routing_layers", None)
+    if layers is not None:
+      if layer is None or num_layers is None:
+        raise ValueError("attention 'routing': routing_layers needs the block to pass layer= and num_layers=")
+      chosen = {int(i) % num_layers for i in layers}
+      if layer not in chosen:
+        routing_heads = 0
+    self.routing_heads = routing_heads
+    share_qk = config.get("share_qk", None)
+    self.share_qk = bool(causal if share_qk is None else share_qk)
+    self.scale_logits = bool(config.get("scale_logits", True))
+    self.mask_self = bool(config.get("mask_self", False))
+    self.num_clusters = _num_clusters(config, "routing")
+    if routing_heads:
+      self._init_centroids(config, routing_heads, self.num_clusters, head_dim, layer)
+    else:
+      self.ema_decay, self.centroids = None, None
+
+  def __call__(self, x: Array, mask: Array | None, *, deterministic: bool) -> Array:
+    q, k, v = self.project(x)  # [batch, length, heads, head_dim]
+    length = x.shape[1]
+    window = min(_int_or_auto(self.window_param, -(-length // self.num_clusters), "window"), length)
+    block = _int_or_auto(self.block_param, window, "block_size")
+    r = self.routing_heads
+    parts = []
+    if r < self.num_heads:
+      parts.append(local_attention(q[:, :, r:], k[:, :, r:], v[:, :, r:], block_size=block, causal=self.causal,
+                                   mask=mask))  # [batch, length, local_heads, head_dim]
+    if r:
+      o, aux = routing_attention(q[:, :, :r], k[:, :, :r], v[:, :, :r], centroids=self.centroids[...],
+                                 window=window, causal=self.causal, mask=mask, share_qk=self.share_qk,
+                                 scale_logits=self.scale_logits, mask_self=self.mask_self)
+      self._update(aux, deterministic=deterministic)
+      parts.insert(0, o)  # [batch, length, routing_heads, head_dim]
+    o = jnp.concatenate(parts, axis=2) if len(parts) > 1 else parts[0]  # [batch, length, heads, head_dim]
+    return self.output(o, deterministic=deterministic)
+
+
+class RoutedCombinerAttention(attention.AttentionBase, _CentroidMixin):
+  """Combiner-learnable: clusters = nearest k-means centroid of each layer-normed query (and key), per head."""
+
+  def __init__(self, config: ml_collections.ConfigDict, *, features: int, num_heads: int, head_dim: int,
+               causal: bool, dtype: Any, rngs: nnx.Rngs, layer: int | None = None,
+               num_layers: int | None = None):
+    super().__init__(config, features=features, num_heads=num_heads, head_dim=head_dim, causal=causal,
+                     dtype=dtype, rngs=rngs)
+    params = _params(config)
+    extra = sorted(set(params) - {"num_clusters", "pooling"})
+    if extra:
+      raise ValueError(f"attention 'combiner_routed' does not take parameters {extra}; its parameters: "
+                       "['num_clusters', 'pooling']")
+    self.pooling = str(params.get("pooling", "max"))
+    self.num_clusters = _num_clusters(config, "combiner_routed")
+    self._init_centroids(config, num_heads, self.num_clusters, head_dim, layer)
+
+  def __call__(self, x: Array, mask: Array | None, *, deterministic: bool) -> Array:
+    q, k, v = self.project(x)  # [batch, length, heads, head_dim]
+    if mask is None:
+      mask = jnp.ones(x.shape[:2], bool)
+    ct = jnp.promote_types(q.dtype, jnp.float32)
+    mu = self.centroids[...]
+    # The plan needs one partition per head shared by queries and keys: a token goes to the centroid closest to
+    # its query and key together (the Combiner plan handles causality itself, so no shared QK is needed).
+    qn = kmeans.layer_norm(q.astype(ct))  # [batch, length, heads, head_dim]
+    kn = kmeans.layer_norm(k.astype(ct))
+    q_scores = kmeans.scores(qn, mu)  # [batch, heads, clusters, length]
+    k_scores = kmeans.scores(kn, mu)
+    ids = kmeans.nearest_centroid(q_scores + k_scores).transpose(0, 2, 1)  # [batch, length, heads]
+    o = combiner.routed(q, k, v, cluster_ids=ids, num_clusters=self.num_clusters, causal=self.causal, mask=mask,
+                        pooling=self.pooling)  # [batch, length, heads, head_dim]
+    q_assign = kmeans.nearest_centroid(q_scores)
+    k_assign = kmeans.nearest_centroid(k_scores)
+    stats = kmeans.merge_stats(kmeans.centroid_stats(qn, q_assign, mask, self.num_clusters),
+                               kmeans.centroid_stats(kn, k_assign, mask, self.num_clusters))
+    commit = 0.5 * (kmeans.commitment_loss(qn, q_assign, mu, mask) + kmeans.commitment_loss(kn, k_assign, mu, mask))
+
+    self._update(RoutingAux(stats, commit), deterministic=deterministic)
+    return self.output(o, deterministic=deterministic)
+
+
+registry.register_module("routing", RoutingAttention, fields=ROUTING_FIELDS)
+registry.register_module("combiner_routed", RoutedCombinerAttention, fields=ROUTED_FIELDS)

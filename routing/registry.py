@@ -1,0 +1,54 @@
+"""Registers the routing ops as pure functions for the benchmark and OpAttention (issue 5).
+
+The registered functions return only the output. Their k-means centroids come from a fixed key (a stand-in for
+trained state, same for every call), with the benchmark's setting clusters = window = sqrt(L) rounded up to a
+power of two and shared QK. Models use the modules in `models/routing_attention.py`, which own and update the
+centroids instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from combiner.routed import routed
+from models.ops_registry import OpSpec, register, sqrt_pow2
+from routing import kmeans
+from routing.attention import routing_attention
+
+Array = Any
+CENTROID_SEED = 0
+
+
+def _centroids(q: Array, clusters: int) -> Array:
+  """Fixed [heads, clusters, head_dim] centroids for q [batch, length, heads, head_dim]."""
+  return kmeans.init_centroids(jax.random.key(CENTROID_SEED), q.shape[2], clusters, q.shape[3])
+
+
+def routing_op(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None, num_clusters: int,
+               window: int) -> Array:
+  """Routing attention with shared QK and fixed centroids; q, k: [batch, length, heads, head_dim] -> out."""
+  out, _ = routing_attention(q, k, v, centroids=_centroids(q, num_clusters), window=window, causal=causal,
+                             mask=mask, share_qk=True)
+  return out  # [batch, length, heads, value_dim]
+
+
+def combiner_routed_op(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None,
+                       num_clusters: int, pooling: str = "max") -> Array:
+  """Combiner-routed attention, clusters = nearest fixed centroid of the layer-normed query and key."""
+  mu = _centroids(q, num_clusters)
+  ct = jnp.promote_types(q.dtype, jnp.float32)
+  token_scores = (kmeans.scores(kmeans.layer_norm(q.astype(ct)), mu)
+                  + kmeans.scores(kmeans.layer_norm(k.astype(ct)), mu))  # [batch, heads, clusters, length]
+  ids = kmeans.nearest_centroid(token_scores).transpose(0, 2, 1)  # [batch, length, heads]
+  return routed(q, k, v, cluster_ids=ids, num_clusters=num_clusters, causal=causal, mask=mask, pooling=pooling)
+
+
+register(OpSpec("routing", routing_op,
+                params=lambda length: {"num_clusters": sqrt_pow2(length), "window": sqrt_pow2(length)},
+                description="Routing Transformer attention: balanced spherical k-means clusters, O(L^1.5 d)"))
+register(OpSpec("combiner_routed", combiner_routed_op,
+                params=lambda length: {"num_clusters": sqrt_pow2(length)},
+                description="Combiner-learnable: full attention over k-means routed chunks, O(L^1.5 d)"))
