@@ -75,7 +75,7 @@ class AttentionBase(nnx.Module):
                                    out_axes=("embed",), dtype=dtype, rngs=rngs)
     # The ops are fused (no attention matrix ever exists), so "attention dropout" drops the per-head op output
     # before the output projection; with the softmax weights out of reach this is the closest equivalent.
-    self.dropout = nnx.Dropout(float(config.get("dropout_rate", 0.0)), broadcast_dims=(), rngs=rngs)
+    self.dropout = nnx.Dropout(float(config.get("dropout_rate", None) or 0.0), broadcast_dims=(), rngs=rngs)
 
   def project(self, x: Array) -> tuple[Array, Array, Array]:
     return self.query(x), self.key(x), self.value(x)  # each [batch, length, heads, head_dim]

@@ -105,6 +105,24 @@ def configurable_fields(name: str) -> tuple[str, ...]:
   return tuple(f for f in attention.COMMON_FIELDS if f != "name") + MODULE_FIELDS.get(cls, ())
 
 
+def check_fields(config_attention: Any) -> None:
+  """Unknown fields, and options set for a module that does not read them, are config errors."""
+  name = str(config_attention.name)
+  known = set(attention.COMMON_FIELDS) | {"op"}
+  for fields in MODULE_FIELDS.values():
+    known |= set(fields)
+  own = set(configurable_fields(name)) | {"name", "op"}
+  for key in config_attention.keys():
+    if key not in known:
+      raise ValueError(f"config.model.attention has unknown field {key!r}; valid fields: {sorted(known)}")
+    value = config_attention[key]
+    if key not in own and value not in (None, False):
+      raise ValueError(f"config.model.attention.{key}={value!r}: attention {name!r} does not read it; "
+                       f"its fields: {sorted(own)}")
+
+
 def build(config_attention: Any, **kwargs: Any) -> Any:
-  """Instantiates the module named by `config_attention.name`."""
-  return get_module(str(config_attention.name))(config_attention, **kwargs)
+  """Instantiates the module named by `config_attention.name` (after checking its fields)."""
+  cls = get_module(str(config_attention.name))
+  check_fields(config_attention)
+  return cls(config_attention, **kwargs)

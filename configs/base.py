@@ -1,0 +1,189 @@
+"""The config schema every experiment shares, and the `get_config(arg)` argument parser.
+
+Every field train.py reads exists here, so `--config.<field>=...` overrides are type-checked by ml_collections and a
+misspelled field is an error. `arg` is a comma-separated list of `key=value` items and flags (`smoke`), e.g.
+`attention=combiner_axial_vertical,layers=6,smoke`; an unknown key is an error that lists the valid ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import ml_collections
+
+# Logical parameter axis -> mesh axis (None = replicated). Model parallelism splits heads, MLP and vocabulary.
+SHARDING_RULES = (("embed", None), ("mlp", "model"), ("heads", "model"), ("kv", None), ("vocab", "model"))
+
+
+def attention_config(name: str = "combiner_fixed") -> ml_collections.ConfigDict:
+  """`config.model.attention`: the module registry name, plan parameters and module options.
+
+  params: plan parameters passed to the op ("auto" = the op's own choice for the sequence length,
+    `models.ops_registry` `params(L)`); type-unsafe so that "auto" can be replaced by an int from the command line.
+  Module options default to None = the module's default; gin may bind only fields left at None / "auto".
+  """
+  att = ml_collections.ConfigDict()
+  att.name = name
+  att.params = ml_collections.ConfigDict(type_safe=False)
+  # Dropout on the attention output per head (the ops are fused: no weights to drop).
+  att.dropout_rate = ml_collections.FieldReference(None, field_type=float)
+  # Combiner: relu(Dense(q)) / relu(Dense(k)) pooled into the span abstractions (paper Table 3).
+  att.deepsets = ml_collections.FieldReference(None, field_type=bool)
+  # Combiner axial rowmajor: the released code's learned row-summary span key.
+  att.learned_span_key = ml_collections.FieldReference(None, field_type=bool)
+  return att
+
+
+def base_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+  c.eval_seed = 0  # rng seed of every evaluation (random attention stays deterministic in eval)
+  c.aux_loss_weight = 1e-4  # weight of the sum of sown `aux_loss` values (routing commitment loss)
+  c.eval_split = "validation"
+
+  c.data = ml_collections.ConfigDict()
+  c.data.name = "synthetic_recall"
+  c.data.data_dir = ml_collections.FieldReference(None, field_type=str)
+  c.data.seq_len = 512
+
+  c.model = ml_collections.ConfigDict()
+  c.model.num_layers = 2
+  c.model.features = 128
+  c.model.num_heads = 4
+  c.model.head_dim = ml_collections.FieldReference(None, field_type=int)  # None = features // num_heads
+  c.model.mlp_dim = 512
+  c.model.dropout_rate = 0.0
+  c.model.dtype = "float32"  # "bfloat16": activations/matmuls in bf16, softmax and parameters in float32
+  c.model.position_embedding = "learned"  # "learned" | "factorized" (images: rows + columns + channels)
+  c.model.image_shape = ml_collections.FieldReference(None, field_type=tuple)
+  c.model.max_len = 0  # position table length; 0 = the data's seq_len
+  c.model.classifier_pool = "CLS"  # "CLS" (first position) | "MEAN" (padding-aware)
+  c.model.attention = attention_config()
+
+  c.optimizer = ml_collections.ConfigDict()
+  c.optimizer.name = "adam"  # "adam" | "adamw" | "adafactor"
+  c.optimizer.lr = 1e-3
+  c.optimizer.b1 = 0.9
+  c.optimizer.b2 = 0.98
+  c.optimizer.eps = 1e-9
+  c.optimizer.weight_decay = 0.0  # adamw only
+  c.optimizer.schedule = "cosine"  # "cosine" | "rsqrt" | "constant" (all with linear warmup)
+  c.optimizer.warmup_steps = 1000
+  c.optimizer.end_lr_ratio = 0.0  # cosine: final lr / peak lr
+  c.optimizer.clip_norm = 1.0  # global-norm gradient clipping; 0 = off
+
+  c.train = ml_collections.ConfigDict()
+  c.train.batch_size = 32  # global batch (all hosts)
+  c.train.eval_batch_size = 32
+  c.train.num_steps = 10_000
+  c.train.log_every = 100
+  c.train.eval_every = 1000  # 0 = only at the end
+  c.train.eval_batches = -1  # batches per evaluation; -1 = the whole split
+  c.train.checkpoint_every = 1000
+  c.train.keep_checkpoints = 3
+  c.train.inject_nan_at_step = -1  # testing hook: make the loss NaN at this step (checks the divergence stop)
+
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.data = -1  # -1 = all devices not used by the other axis
+  c.mesh.model = 1
+  c.sharding_rules = SHARDING_RULES
+  return c
+
+
+# Keys every config file's arg understands: key -> (setter, converter).
+def _set(path: str) -> Callable[[ml_collections.ConfigDict, Any], None]:
+  def setter(c: ml_collections.ConfigDict, value: Any) -> None:
+    *parents, leaf = path.split(".")
+    node = c
+    for p in parents:
+      node = node[p]
+    node[leaf] = value
+
+  return setter
+
+
+def _set_param(key: str) -> Callable[[ml_collections.ConfigDict, Any], None]:
+  def setter(c: ml_collections.ConfigDict, value: Any) -> None:
+    c.model.attention.params[key] = value
+
+  return setter
+
+
+def _auto_or_int(value: str) -> Any:
+  return value if value == "auto" else int(value)
+
+
+def _bool(value: str) -> bool:
+  if value.lower() in ("1", "true", "yes"):
+    return True
+  if value.lower() in ("0", "false", "no"):
+    return False
+  raise ValueError(f"expected a boolean, got {value!r}")
+
+
+COMMON_KEYS: dict[str, tuple[Callable, Callable]] = {
+  "attention": (_set("model.attention.name"), str),
+  "layers": (_set("model.num_layers"), int),
+  "features": (_set("model.features"), int),
+  "heads": (_set("model.num_heads"), int),
+  "mlp_dim": (_set("model.mlp_dim"), int),
+  "seq_len": (_set("data.seq_len"), int),
+  "steps": (_set("train.num_steps"), int),
+  "batch_size": (_set("train.batch_size"), int),
+  "lr": (_set("optimizer.lr"), float),
+  "dtype": (_set("model.dtype"), str),
+  "block_size": (_set_param("block_size"), _auto_or_int),
+  "row_length": (_set_param("row_length"), _auto_or_int),
+  "pooling": (_set_param("pooling"), str),
+  "normalize": (_set_param("normalize"), str),
+  "deepsets": (_set("model.attention.deepsets"), _bool),
+  "learned_span_key": (_set("model.attention.learned_span_key"), _bool),
+  "pool": (_set("model.classifier_pool"), str.upper),
+}
+
+
+def parse_arg(arg: str | None, extra: tuple[str, ...] = ()) -> tuple[dict[str, str], set[str]]:
+  """Splits `k=v,flag` into ({k: v}, {flags}); keys must be COMMON_KEYS, 'smoke' or in `extra`."""
+  values: dict[str, str] = {}
+  flags: set[str] = set()
+  valid = sorted(set(COMMON_KEYS) | {"smoke"} | set(extra))
+  for item in (arg or "").split(","):
+    item = item.strip()
+    if not item:
+      continue
+    key, sep, value = item.partition("=")
+    key = key.strip()
+    if key not in valid:
+      raise ValueError(f"unknown config argument {key!r} in {arg!r}; valid: {valid}")
+    if sep:
+      values[key] = value.strip()
+    else:
+      flags.add(key)
+  return values, flags
+
+
+def apply_common(c: ml_collections.ConfigDict, values: dict[str, str]) -> None:
+  for key, value in values.items():
+    if key in COMMON_KEYS:
+      setter, convert = COMMON_KEYS[key]
+      setter(c, convert(value))
+
+
+def shrink_for_smoke(c: ml_collections.ConfigDict, *, seq_len: int | None = None) -> None:
+  """A model/data/step budget that trains and evaluates on a CPU in seconds (the `smoke` variant)."""
+  c.model.num_layers = 1
+  c.model.features = 32
+  c.model.num_heads = 2
+  c.model.mlp_dim = 64
+  c.model.max_len = 0
+  c.train.batch_size = 8
+  c.train.eval_batch_size = 8
+  c.train.num_steps = 4
+  c.train.log_every = 2
+  c.train.eval_every = 0
+  c.train.eval_batches = 2
+  c.train.checkpoint_every = 2
+  c.optimizer.warmup_steps = 1
+  if seq_len is not None:
+    c.data.seq_len = seq_len

@@ -1,0 +1,40 @@
+"""Shared settings of the image density-estimation configs (cifar10.py, imagenet64.py): paper Appendix E.1/E.2."""
+
+from configs import base
+
+IMAGE_KEYS = ("main",)
+
+
+def image_config(name: str, image_shape: tuple[int, int, int], arg: str | None):
+  """6 layers, width 512, 8 heads, lr 1e-3, batch 32 (the ablation of Table 1); `main` = the Table 4 model."""
+  c = base.base_config()
+  c.data.name = name
+  c.data.seq_len = image_shape[0] * image_shape[1] * image_shape[2]
+  c.eval_split = "test"
+  c.model.num_layers = 6
+  c.model.features = 512
+  c.model.num_heads = 8
+  c.model.mlp_dim = 2048  # not stated in the paper; the usual 4x width
+  c.model.dropout_rate = 0.0
+  c.model.position_embedding = "factorized"
+  c.model.image_shape = image_shape
+  c.model.attention = base.attention_config("combiner_axial_vertical")
+  c.optimizer.name = "adam"
+  c.optimizer.lr = 1e-3
+  c.optimizer.schedule = "cosine"
+  c.optimizer.warmup_steps = 5000
+  c.optimizer.clip_norm = 1.0
+  c.train.batch_size = 32
+  c.train.eval_batch_size = 32
+  c.train.num_steps = 400_000
+  c.train.log_every = 100
+  c.train.eval_every = 10_000
+  c.train.eval_batches = -1
+  c.train.checkpoint_every = 2000
+  values, flags = base.parse_arg(arg, extra=IMAGE_KEYS)
+  if "main" in flags:
+    c.train.num_steps = 1_200_000
+  if "smoke" in flags:
+    base.shrink_for_smoke(c, seq_len=None)  # images keep their real length (the tokens are the pixels)
+  base.apply_common(c, values)
+  return c

@@ -1,0 +1,62 @@
+"""Losses and metrics per task, as sums so that batches, hosts and devices aggregate exactly.
+
+`loss_and_sums(task, logits, batch)` returns the mean training loss of the batch and a dict of sums:
+  nll_sum / weight_sum  (every task: summed cross-entropy in nats and the number of counted targets)
+  correct_sum           (classify / retrieval: correctly classified examples)
+`summarize(task, sums)` turns accumulated sums into the reported metrics: `loss` (nats), plus
+  bits_per_dim (image), perplexity (lm, mlm), accuracy (classify, retrieval).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+Array = Any
+
+
+def _xent(logits: Array, labels: Array) -> Array:
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  return -jnp.take_along_axis(logp, labels[..., None].astype(jnp.int32), axis=-1)[..., 0]
+
+
+def loss_and_sums(task: str, logits: Array, batch: dict[str, Array]) -> tuple[Array, dict[str, Array]]:
+  if task in ("lm", "image", "mlm"):
+    targets = batch["targets"] if task == "mlm" else batch["inputs"]
+    weights = batch.get("weights")
+    if weights is None:
+      weights = batch["mask"]
+    weights = weights.astype(jnp.float32)  # [batch, length]
+    nll = _xent(logits, targets) * weights  # [batch, length]
+    sums = {"nll_sum": nll.sum(), "weight_sum": weights.sum()}
+  elif task in ("classify", "retrieval"):
+    valid = batch.get("valid")
+    weights = jnp.ones(logits.shape[0], jnp.float32) if valid is None else valid.astype(jnp.float32)  # [batch]
+    labels = batch["label"]
+    nll = _xent(logits, labels) * weights
+    correct = (jnp.argmax(logits, -1) == labels).astype(jnp.float32) * weights
+    sums = {"nll_sum": nll.sum(), "weight_sum": weights.sum(), "correct_sum": correct.sum()}
+  else:
+    raise ValueError(f"unknown task {task!r}")
+  loss = sums["nll_sum"] / jnp.maximum(sums["weight_sum"], 1.0)
+  return loss, sums
+
+
+def summarize(task: str, sums: dict[str, float]) -> dict[str, float]:
+  n = max(float(sums["weight_sum"]), 1.0)
+  loss = float(sums["nll_sum"]) / n
+  out = {"loss": loss}
+  if task == "image":
+    out["bits_per_dim"] = loss / math.log(2.0)
+  elif task in ("lm", "mlm"):
+    out["perplexity"] = math.exp(min(loss, 700.0))
+  else:
+    out["accuracy"] = float(sums["correct_sum"]) / n
+  return out
+
+
+def main_metric(task: str) -> str:
+  return {"image": "bits_per_dim", "lm": "perplexity", "mlm": "perplexity"}.get(task, "accuracy")
