@@ -1,47 +1,51 @@
 """Speed and memory of every registered attention op, side by side in one run (DESIGN.md section 7).
 
-    python -m scripts.benchmark                                   # all ops, L = 1024 .. 65536, causal
+    python -m scripts.benchmark                           # all ops, L = 1024 .. 65536, causal
     python -m scripts.benchmark --ops dense,combiner_fixed --lengths 256,512,1024 --repeats 3
     python -m scripts.benchmark --causal false --dtype bfloat16 --out_dir bench_bidir
-    python -m scripts.benchmark --peers                           # + third-party rows (scripts/benchmark_peers.py)
-    python -m scripts.benchmark --mode train ...                  # scripts/benchmark_train.py (models/)
-    python -m scripts.benchmark --mode input ...                  # scripts/benchmark_input.py (data/)
+    python -m scripts.benchmark --peers                   # + third-party rows (scripts/benchmark_peers.py)
+    python -m scripts.benchmark --mode train ...          # scripts/benchmark_train.py (models/)
+    python -m scripts.benchmark --mode input ...          # scripts/benchmark_input.py (data/)
 
-What is measured (`--mode ops`, the default). For every op in `models.ops_registry` (or `--ops`) and every length,
-a fresh worker process (`python -m scripts.benchmark --_worker ...`, printing one JSON line) does:
+What is measured (`--mode ops`, the default). For every op in `models.ops_registry` (or `--ops`) and every
+length, a fresh worker process (`python -m scripts.benchmark --_worker ...`, printing one JSON line) does:
   1. AOT-compiles `jax.jit(op)` (forward) and `jax.jit(grad of sum(op(q, k, v) * cotangent) w.r.t. q, k, v)`
      (forward+backward) from shapes only, and reads XLA's `memory_analysis()`. If arguments + temporaries +
      outputs exceed `--memory_budget_gb`, it stops there: "skipped: > budget". Compile time is never timed.
   2. Draws random q, k, v, cotangent ([batch, length, heads, head_dim]), resets the process's peak-RSS counter
      (Linux: "5" > /proc/self/clear_refs resets VmHWM) and takes the current RSS as the baseline.
-  3. Runs each function once (warm-up) and then `--repeats` times with `block_until_ready`; reports the median.
-     When one call takes so long that the repeats would exceed `--time_budget_s`, fewer repeats are run (>= 1).
+  3. Runs each function once (warm-up) and then `--repeats` times with `block_until_ready`; reports the
+     median. When one call takes so long that the repeats would exceed `--time_budget_s`, fewer repeats are
+     run (>= 1).
   4. Reports the peak-RSS increase over the baseline (VmHWM - baseline), after the forward calls and after all
      calls, XLA's compiled temp + output bytes, and on accelerators the device allocator's peak.
-Lengths run in increasing order. An op is not run at a length where its forward+backward, extrapolated from its
-last measured length (as L^2 for dense; at the op's own measured growth, clamped to [L, L^2], for the others),
-would exceed `--time_budget_s` ("skipped: time > budget"), nor at lengths above one where it was over the memory
-budget or killed. Ops that only support `causal=False` run bidirectional under `--causal true` (column `mode`).
+Lengths run in increasing order. An op is not run at a length where its forward+backward, extrapolated from
+its last measured length (as L^2 for dense; at the op's own measured growth, clamped to [L, L^2], for the
+others), would exceed `--time_budget_s` ("skipped: time > budget"), nor at lengths above one where it was over
+the memory budget or killed. Ops that only support `causal=False` run bidirectional under `--causal true`
+(column `mode`).
 
-Output (`--out_dir`, default `bench_out/`): `benchmark_ops.md` (table of absolute figures, ratios to dense from the
-same run: speedup = dense_time / op_time, mem/dense = op_peak / dense_peak, "n/a" where dense has no figure at
-that length; growth = fwd+bwd time(L) / time(L/2)), `benchmark_ops.json` (header + every field of every row) and
-`benchmark_ops.png` (time and memory against L, log-log, one line per op). The header gives the JAX version,
-device kind, CPU count, date and flags.
+Output (`--out_dir`, default `bench_out/`): `benchmark_ops.md` (table of absolute figures, ratios to dense
+from the same run: speedup = dense_time / op_time, mem/dense = op_peak / dense_peak, "n/a" where dense has no
+figure at that length; growth = fwd+bwd time(L) / time(L/2)), `benchmark_ops.json` (header + every field of
+every row) and `benchmark_ops.png` (time and memory against L, log-log, one line per op). The header gives the
+JAX version, device kind, CPU count, date and flags.
 
 Extension points (for the other packages' helpers):
-  * Ops: register a pure op with `models.ops_registry.register(OpSpec(...))` in `<pkg>/registry.py`; it appears
-    here by name. Ops that need explicit state or randomness get it from `OpSpec.params`: the benchmark calls
-    `params(length)` and additionally passes whichever of the keywords `batch`, `heads`, `head_dim`, `dtype` the
-    callable's signature names (e.g. `params=lambda L, *, heads, head_dim: {"centroids": ...}`). Array-valued
-    params are closed over (compile-time constants). An op may return `(out, aux)`: only `out` is timed/diffed.
-  * `--mode train` / `--mode input`: imported lazily from `scripts/benchmark_train.py` / `scripts/benchmark_input.py`,
-    which define `main(args)`; `args` is this parser's `argparse.Namespace` (shared flags: lengths, batch, heads,
-    head_dim, dtype, causal, repeats, out_dir, ops, memory_budget_gb, time_budget_s, seed) plus `args.extra`, the
-    list of command-line flags this parser did not know (parse them with your own parser). Report through
-    `write_report(rows, columns, out_dir, name, header=header_info(args))` (and `plot_scaling` if useful) so
-    every mode writes the same markdown + JSON; `add_ratios` computes ratios to a baseline row. `run_worker` and
-    `median_time` are reusable for per-process measurements.
+  * Ops: register a pure op with `models.ops_registry.register(OpSpec(...))` in `<pkg>/registry.py`; it
+    appears here by name. Ops that need explicit state or randomness get it from `OpSpec.params`: the
+    benchmark calls `params(length)` and additionally passes whichever of the keywords `batch`, `heads`,
+    `head_dim`, `dtype` the callable's signature names (e.g. `params=lambda L, *, heads, head_dim:
+    {"centroids": ...}`). Array-valued params are closed over (compile-time constants). An op may return
+    `(out, aux)`: only `out` is timed/diffed.
+  * `--mode train` / `--mode input`: imported lazily from `scripts/benchmark_train.py` /
+    `scripts/benchmark_input.py`, which define `main(args)`; `args` is this parser's `argparse.Namespace`
+    (shared flags: lengths, batch, heads, head_dim, dtype, causal, repeats, out_dir, ops, memory_budget_gb,
+    time_budget_s, seed) plus `args.extra`, the list of command-line flags this parser did not know (parse
+    them with your own parser). Report through `write_report(rows, columns, out_dir, name,
+    header=header_info(args))` (and `plot_scaling` if useful) so every mode writes the same markdown + JSON;
+    `add_ratios` computes ratios to a baseline row. `run_worker` and `median_time` are reusable for
+    per-process measurements.
   * `--peers [a,b]`: rows from `scripts/benchmark_peers.py` (`PEERS: name -> factory(length, batch, heads,
     head_dim, causal, dtype) -> (fwd, fwdbwd)`), each measured in its own worker like the ops.
 """
@@ -93,7 +97,7 @@ _MODE_MODULES = {
 }
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Pure logic (unit-tested in tests/test_scripts.py).
 
 
@@ -133,7 +137,8 @@ def parse_names(text: str | None, available: Sequence[str], *, flag: str) -> lis
 def op_direction(supports_causal: bool, supports_bidirectional: bool, causal: bool) -> tuple[bool, str]:
   """The direction an op runs in when `causal` is requested, and the table's `mode` cell.
 
-  An op that supports only one direction runs in that one; the cell says so ("bidirectional*" under a causal run).
+  An op that supports only one direction runs in that one; the cell says so ("bidirectional*" under a causal
+  run).
   """
   if causal and not supports_causal:
     return False, "bidirectional*"
@@ -163,7 +168,7 @@ def predict_time(length: int, history: Sequence[tuple[int, float]], exponent: fl
 
 def time_skip_reason(name: str, length: int, history: Sequence[tuple[int, float]],
                      budget_s: float) -> str | None:
-  """"skipped: time > budget (...)" when the predicted fwd+bwd time at `length` exceeds `budget_s`, else None."""
+  """"skipped: time > budget (...)" when the predicted fwd+bwd time at `length` exceeds `budget_s`."""
   predicted = predict_time(length, history, extrapolation_exponent(name, history))
   if predicted is None or predicted <= budget_s:
     return None
@@ -184,14 +189,16 @@ def _ratio(numer: Any, denom: Any) -> float | None:
 
 
 def add_ratios(rows: Sequence[dict[str, Any]], *, baseline: str = BASELINE, key: str = "op",
-               time_fields: Sequence[tuple[str, str]] = (("fwd_ms", "speedup_fwd"), ("fwdbwd_ms", "speedup_fwdbwd")),
-               memory_fields: Sequence[tuple[str, str]] = (("peak_mb", "mem_ratio"), ("xla_mb", "xla_mem_ratio")),
+               time_fields: Sequence[tuple[str, str]] = (("fwd_ms", "speedup_fwd"),
+                                                         ("fwdbwd_ms", "speedup_fwdbwd")),
+               memory_fields: Sequence[tuple[str, str]] = (("peak_mb", "mem_ratio"),
+                                                           ("xla_mb", "xla_mem_ratio")),
                growth_field: str | None = "fwdbwd_ms") -> list[dict[str, Any]]:
   """Adds ratios to the `baseline` row of the same length (from the same run) and the growth per doubling.
 
-  speedup = baseline_time / row_time; memory ratio = row_mem / baseline_mem; None ("n/a") when either figure is
-  missing (e.g. the baseline was skipped at that length). growth = (t(L) / t(L'))^(1 / log2(L / L')) against the
-  row's previous measured length L' < L, i.e. t(L) / t(L/2) for consecutive powers of two.
+  speedup = baseline_time / row_time; memory ratio = row_mem / baseline_mem; None ("n/a") when either figure
+  is missing (e.g. the baseline was skipped at that length). growth = (t(L) / t(L'))^(1 / log2(L / L'))
+  against the row's previous measured length L' < L, i.e. t(L) / t(L/2) for consecutive powers of two.
   """
   time_fields, memory_fields = dict(time_fields), dict(memory_fields)
   base = {r["length"]: r for r in rows if r.get(key) == baseline}
@@ -245,10 +252,11 @@ def markdown_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[tuple[st
   return "\n".join(lines) + "\n"
 
 
-def write_report(rows: Sequence[Mapping[str, Any]], columns: Sequence[tuple[str, str]], out_dir: str, name: str,
-                 *, header: Mapping[str, Any] | None = None, title: str | None = None,
+def write_report(rows: Sequence[Mapping[str, Any]], columns: Sequence[tuple[str, str]], out_dir: str,
+                 name: str, *, header: Mapping[str, Any] | None = None, title: str | None = None,
                  notes: Sequence[str] = ()) -> dict[str, str]:
-  """Writes `<out_dir>/<name>.md` (header list + table of `columns`) and `<name>.json` (header + all row fields).
+  """Writes `<out_dir>/<name>.md` (header list + table of `columns`) and `<name>.json` (header + all row
+  fields).
 
   Shared by every benchmark mode so their outputs look alike. Returns {"markdown": path, "json": path}.
   """
@@ -340,7 +348,7 @@ def header_info(args: argparse.Namespace, *, device: str | None = None) -> dict[
   }
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Worker: one (op or peer, length) per process, one JSON line on stdout.
 
 
@@ -446,7 +454,8 @@ def _worker_op(args: argparse.Namespace, result: dict[str, Any]) -> None:
   causal, result["mode"] = op_direction(spec.causal, spec.bidirectional, args.causal)
   length = args.lengths[0]
   dtype = jnp.dtype(args.dtype)
-  params = op_params(spec, length, batch=args.batch, heads=args.heads, head_dim=args.head_dim, dtype=args.dtype)
+  params = op_params(spec, length, batch=args.batch, heads=args.heads, head_dim=args.head_dim,
+                     dtype=args.dtype)
   result["params"] = {k: v for k, v in params.items() if isinstance(v, (int, float, str, bool))}
 
   def forward(q, k, v):  # [batch, length, heads, head_dim] each
@@ -478,11 +487,11 @@ def _worker_op(args: argparse.Namespace, result: dict[str, Any]) -> None:
   jax.block_until_ready((q, k, v, cotangent))
   rss = PeakRSS()
   result["rss_resettable"] = rss.resettable
-  result["fwd_s"], result["fwd_repeats"] = median_time(lambda: fwd_c(q, k, v), args.repeats, args.time_budget_s,
-                                                       jax.block_until_ready)
+  result["fwd_s"], result["fwd_repeats"] = median_time(
+    lambda: fwd_c(q, k, v), args.repeats, args.time_budget_s, jax.block_until_ready)
   result["fwd_peak_mb"] = rss.increase_mb()
-  result["fwdbwd_s"], result["fwdbwd_repeats"] = median_time(lambda: fwdbwd_c(q, k, v, cotangent), args.repeats,
-                                                             args.time_budget_s, jax.block_until_ready)
+  result["fwdbwd_s"], result["fwdbwd_repeats"] = median_time(
+    lambda: fwdbwd_c(q, k, v, cotangent), args.repeats, args.time_budget_s, jax.block_until_ready)
   result["peak_mb"] = rss.increase_mb()
   result["device_peak_mb"] = _device_peak_mb()
   result["status"] = "ok"
@@ -494,7 +503,8 @@ def _worker_peer(args: argparse.Namespace, result: dict[str, Any]) -> None:
   if args._name not in PEERS:
     raise ValueError(f"unknown peer {args._name!r}; registered: {sorted(PEERS)}")
   result["mode"] = "causal" if args.causal else "bidirectional"
-  fwd, fwdbwd = PEERS[args._name](args.lengths[0], args.batch, args.heads, args.head_dim, args.causal, args.dtype)
+  fwd, fwdbwd = PEERS[args._name](args.lengths[0], args.batch, args.heads, args.head_dim, args.causal,
+                                  args.dtype)
   rss = PeakRSS()
   result["rss_resettable"] = rss.resettable
   result["fwd_s"], result["fwd_repeats"] = median_time(fwd, args.repeats, args.time_budget_s)
@@ -547,7 +557,8 @@ def run_worker(command: Sequence[str], *, timeout_s: float) -> tuple[dict[str, A
   env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # so an accelerator's peak is the op's own
   env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
   try:
-    proc = subprocess.run(list(command), cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+    proc = subprocess.run(list(command), cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout_s)
   except subprocess.TimeoutExpired:
     return None, f"failed: worker timed out after {timeout_s:.0f} s"
   parsed = parse_worker_output(proc.stdout)
@@ -559,7 +570,7 @@ def run_worker(command: Sequence[str], *, timeout_s: float) -> tuple[dict[str, A
   return None, f"failed: rc={proc.returncode}: {tail}"[:300]
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Orchestration.
 
 
@@ -579,13 +590,15 @@ def measure_all(args: argparse.Namespace, entries: Sequence[tuple[str, str]]) ->
     for kind, name in entries:
       row_name = name if kind == "op" else PEER_PREFIX + name
       row: dict[str, Any] = {"op": row_name, "length": length}
-      # A time skip repeats by itself at larger L (the prediction only grows); memory and kills are remembered.
+      # A time skip repeats by itself at larger L (the prediction only grows); memory skips and kills are
+      # remembered.
       reason = stopped.get(row_name) or time_skip_reason(row_name, length, history.get(row_name, []),
                                                          args.time_budget_s)
       if reason:
         row["status"] = reason
       else:
-        parsed, failure = run_worker(worker_command(args, kind, name, length), timeout_s=args.worker_timeout_s)
+        parsed, failure = run_worker(worker_command(args, kind, name, length),
+                                     timeout_s=args.worker_timeout_s)
         row.update(parsed or {"status": failure})
         status = row.get("status", "")
         if status.startswith(SKIP_MEMORY):
@@ -609,16 +622,17 @@ def run_ops_mode(args: argparse.Namespace) -> dict[str, str]:
     from scripts.benchmark_peers import PEERS
 
     entries += [("peer", n) for n in parse_names(args.peers, list(PEERS), flag="--peers")]
-  print(f"[benchmark] {len(entries)} rows x {len(args.lengths)} lengths: {[n for _, n in entries]}", flush=True)
+  print(f"[benchmark] {len(entries)} rows x {len(args.lengths)} lengths: {[n for _, n in entries]}",
+        flush=True)
   rows = add_ratios(measure_all(args, entries))
   device = next((r["device"] for r in rows if r.get("device")), None)
   header = header_info(args, device=device)
   notes = [
     f"shapes: q, k, v [batch={args.batch}, L, heads={args.heads}, head_dim={args.head_dim}], {args.dtype}",
-    "fwd / fwd+bwd ms: median of repeats after a warm-up, compile excluded; fwd+bwd = grad of sum(out * random "
-    "cotangent) w.r.t. q, k, v",
-    "peak MB: the worker process's peak-RSS increase over its baseline after inputs were created (host memory); "
-    "XLA MB: compiled temp + output bytes (max of fwd and fwd+bwd)",
+    "fwd / fwd+bwd ms: median of repeats after a warm-up, compile excluded; fwd+bwd = grad of "
+    "sum(out * random cotangent) w.r.t. q, k, v",
+    "peak MB: the worker process's peak-RSS increase over its baseline after inputs were created "
+    "(host memory); XLA MB: compiled temp + output bytes (max of fwd and fwd+bwd)",
     f"speedup = {BASELINE} time / op time, mem/dense = op peak / {BASELINE} peak, both against {BASELINE} in "
     "this run at the same L (n/a: no dense figure there); growth = fwd+bwd time(L) / time(L/2)",
     "mode with *: the op supports only that direction",
@@ -664,7 +678,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="GiB; skip an (op, L) whose XLA footprint exceeds it (default 20 of 24)")
   parser.add_argument("--time_budget_s", type=float, default=300.0,
                       help="skip an op at L when its predicted fwd+bwd time exceeds this")
-  parser.add_argument("--worker_timeout_s", type=float, default=3600.0, help="wall limit of one worker process")
+  parser.add_argument("--worker_timeout_s", type=float, default=3600.0,
+                      help="wall limit of one worker process")
   parser.add_argument("--peers", nargs="?", const="all", default=None,
                       help="also time scripts/benchmark_peers.py PEERS (all, or a comma list)")
   parser.add_argument("--seed", type=int, default=0)

@@ -1,18 +1,19 @@
 """Peer implementations timed next to ours by `python -m scripts.benchmark --peers` (DESIGN.md section 7).
 
 A peer is a third-party attention (PyTorch packages from `requirements-bench.txt`: lucidrains'
-`routing-transformer`, HuggingFace `transformers`' YOSO) run on the same shapes as our ops. Each entry of `PEERS`
-maps a row name to a factory
+`routing-transformer`, HuggingFace `transformers`' YOSO) run on the same shapes as our ops. Each entry of
+`PEERS` maps a row name to a factory
 
     factory(length, batch, heads, head_dim, causal, dtype) -> (fwd, fwdbwd)
 
-that builds its module and inputs (random, never zeros) and returns two zero-argument callables: `fwd()` runs the
-forward pass, `fwdbwd()` runs forward + backward (gradient of sum(out * random cotangent) with respect to the
-inputs, like ours); both must block until the work is done (PyTorch on CPU is synchronous). The benchmark calls the
-factory inside a fresh worker process, measures the process's peak-RSS increase over the baseline taken *after*
-the factory returned, times one warm-up and `--repeats` calls of each, and reports the row as `peer:<name>`.
-`dtype` is the benchmark's `--dtype` string ("float32", "bfloat16", ...). Raise `ValueError` for shapes or modes
-the peer cannot run (e.g. `causal=False` for a causal-only module): the row then reports the message.
+that builds its module and inputs (random, never zeros) and returns two zero-argument callables: `fwd()` runs
+the forward pass, `fwdbwd()` runs forward + backward (gradient of sum(out * random cotangent) with respect to
+the inputs, like ours); both must block until the work is done (PyTorch on CPU is synchronous). The benchmark
+calls the factory inside a fresh worker process, measures the process's peak-RSS increase over the baseline
+taken *after* the factory returned, times one warm-up and `--repeats` calls of each, and reports the row as
+`peer:<name>`. `dtype` is the benchmark's `--dtype` string ("float32", "bfloat16", ...). Raise `ValueError`
+for shapes or modes the peer cannot run (e.g. `causal=False` for a causal-only module): the row then reports
+the message.
 
 Rules: import torch (and the peer package) only *inside* the factory, so the core never depends on it; set
 `torch.set_num_threads(...)` only if you also say so in the row name, so the comparison stays fair.

@@ -1,0 +1,327 @@
+"""scripts/benchmark.py and scripts/plot_patterns.py: pure logic, a tiny end-to-end run, worker, pictures."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from scripts import benchmark as bm
+from scripts import plot_patterns as pp
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+# Two non-dense ops for the end-to-end run: the first two of these that are registered.
+E2E_CANDIDATES = ("combiner_fixed", "sparse_axial", "combiner_axial_rowmajor", "combiner_logsparse",
+                  "sparse_fixed")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Pure functions of the benchmark
+
+
+def test_parse_lengths_sorted_unique_and_rejects_bad():
+  assert bm.parse_lengths("128,64, 64") == [64, 128]
+  for bad in ("", "0,64", "64,x", "-2"):
+    with pytest.raises(argparse.ArgumentTypeError):
+      bm.parse_lengths(bad)
+
+
+def test_parse_names_and_bool():
+  available = ["dense", "a", "b"]
+  assert bm.parse_names(None, available, flag="--ops") == available
+  assert bm.parse_names("all", available, flag="--ops") == available
+  assert bm.parse_names("b,dense,b", available, flag="--ops") == ["b", "dense"]
+  with pytest.raises(ValueError, match="--ops.*'zz'"):
+    bm.parse_names("a,zz", available, flag="--ops")
+  assert bm.parse_bool("True") is True and bm.parse_bool("0") is False
+  with pytest.raises(argparse.ArgumentTypeError):
+    bm.parse_bool("maybe")
+
+
+def test_op_direction_runs_unsupported_direction_in_the_supported_one():
+  assert bm.op_direction(True, True, True) == (True, "causal")
+  assert bm.op_direction(True, True, False) == (False, "bidirectional")
+  assert bm.op_direction(False, True, True) == (False, "bidirectional*")
+  assert bm.op_direction(True, False, False) == (True, "causal*")
+
+
+def test_extrapolation_exponent_dense_quadratic_others_measured_and_clamped():
+  assert bm.extrapolation_exponent("dense", [(1024, 1.0), (2048, 2.0)]) == 2.0
+  assert bm.extrapolation_exponent("x", [(1024, 1.0)]) == 2.0
+  assert bm.extrapolation_exponent("x", [(1024, 1.0), (2048, 2.0 ** 1.5)]) == pytest.approx(1.5)
+  assert bm.extrapolation_exponent("x", [(1024, 1.0), (2048, 8.0)]) == 2.0
+  assert bm.extrapolation_exponent("x", [(1024, 1.0), (2048, 1.1)]) == 1.0
+
+
+def test_time_skip_follows_the_dense_numbers_of_design_section_8():
+  history = [(4096, 4.3), (8192, 20.0)]
+  assert bm.time_skip_reason("dense", 16384, history, 300.0) is None  # ~80 s
+  reason = bm.time_skip_reason("dense", 32768, history, 300.0)  # ~320 s
+  assert reason.startswith(bm.SKIP_TIME) and "L=8192" in reason
+  assert bm.time_skip_reason("dense", 1024, [], 300.0) is None
+  # A sub-quadratic op extrapolates at its own growth: 2 s at 8K growing x2.83 per doubling -> ~45 s at 64K.
+  fast = [(4096, 2.0 / 2 ** 1.5), (8192, 2.0)]
+  assert bm.time_skip_reason("combiner_fixed", 65536, fast, 50.0) is None
+  assert bm.time_skip_reason("combiner_fixed", 65536, fast, 40.0).startswith(bm.SKIP_TIME)
+
+
+def test_memory_skip_reason():
+  assert bm.memory_skip_reason(None, 1e9) is None
+  assert bm.memory_skip_reason(1e9, 2e9) is None
+  assert bm.memory_skip_reason(3 * bm.GB, 2 * bm.GB).startswith(bm.SKIP_MEMORY)
+
+
+def test_add_ratios_against_dense_of_same_length_na_when_dense_missing_and_growth():
+  rows = [
+    {"op": "dense", "length": 64, "fwd_ms": 10.0, "fwdbwd_ms": 30.0, "peak_mb": 200.0, "xla_mb": 100.0},
+    {"op": "a", "length": 64, "fwd_ms": 2.0, "fwdbwd_ms": 5.0, "peak_mb": 20.0, "xla_mb": 25.0},
+    {"op": "dense", "length": 128, "status": "skipped: > budget", "xla_mb": 400.0},
+    {"op": "a", "length": 128, "fwd_ms": 4.0, "fwdbwd_ms": 10.0, "peak_mb": 40.0, "xla_mb": 50.0},
+    {"op": "a", "length": 512, "fwd_ms": 16.0, "fwdbwd_ms": 40.0, "peak_mb": 160.0, "xla_mb": 200.0},
+  ]
+  out = {(r["op"], r["length"]): r for r in bm.add_ratios(rows)}
+  a64 = out["a", 64]
+  assert a64["speedup_fwd"] == pytest.approx(5.0) and a64["speedup_fwdbwd"] == pytest.approx(6.0)
+  assert a64["mem_ratio"] == pytest.approx(0.1) and a64["xla_mem_ratio"] == pytest.approx(0.25)
+  assert out["dense", 64]["speedup_fwdbwd"] == pytest.approx(1.0)
+  a128 = out["a", 128]
+  assert a128["speedup_fwd"] is None and a128["speedup_fwdbwd"] is None and a128["mem_ratio"] is None
+  assert a128["xla_mem_ratio"] == pytest.approx(50.0 / 400.0)  # dense's compile-time figure still exists
+  assert a64["growth"] is None and a128["growth"] == pytest.approx(2.0)
+  assert out["a", 512]["growth"] == pytest.approx(2.0)  # (40 / 10) over two doublings
+  assert out["dense", 128]["growth"] is None
+  assert rows[1].get("speedup_fwd") is None  # inputs are not modified
+
+
+def test_format_value_and_markdown_table():
+  assert [bm.format_value(v) for v in (None, float("nan"), 3, 1234.5, 12.345, 1.2345, 0.012345, "a|b")] == \
+    ["n/a", "n/a", "3", "1234", "12.3", "1.23", "0.0123", "a/b"]
+  table = bm.markdown_table([{"op": "dense", "length": 64, "fwd_ms": None}],
+                            [("op", "op"), ("length", "L"), ("fwd_ms", "fwd ms")])
+  assert table.splitlines() == ["| op | L | fwd ms |", "|---|---|---|", "| dense | 64 | n/a |"]
+
+
+def test_write_report_markdown_and_json(tmp_path):
+  rows = [{"op": "dense", "length": 64, "fwd_ms": 1.5, "extra": [1, 2]}]
+  paths = bm.write_report(rows, [("op", "op"), ("fwd_ms", "fwd ms")], str(tmp_path / "r"), "demo",
+                          header={"jax": "X"}, title="Demo", notes=["a note"])
+  md = open(paths["markdown"]).read()
+  assert md.startswith("# Demo\n") and "- jax: X" in md and "- a note" in md and "| dense | 1.50 |" in md
+  data = json.load(open(paths["json"]))
+  assert data["header"] == {"jax": "X"} and data["rows"] == rows
+  assert data["columns"][1] == ["fwd_ms", "fwd ms"]
+
+
+def test_median_time_reduces_repeats_to_the_time_budget(monkeypatch):
+  clock = {"t": 0.0, "calls": 0}
+
+  def fn():
+    clock["calls"] += 1
+    clock["t"] += float(clock["calls"])  # call n takes n seconds
+
+  monkeypatch.setattr(bm.time, "perf_counter", lambda: clock["t"])
+  assert bm.median_time(fn, 5, 1000.0) == (4.0, 5)  # warm-up 1 s, then 2..6 s
+  clock.update(t=0.0, calls=0)
+  assert bm.median_time(fn, 5, 2.5) == (2.5, 2)  # warm-up 1 s -> only two repeats fit
+  clock.update(t=0.0, calls=0)
+  assert bm.median_time(fn, 5, 0.1) == (2.0, 1)  # never fewer than one
+
+
+def test_peak_rss_sees_a_freed_allocation():
+  rss = bm.PeakRSS()
+  assert rss.resettable  # Linux
+  block = np.ones(80 * 2**20 // 8)  # 80 MB, touched
+  del block
+  assert rss.increase_mb() >= 70
+
+
+def test_op_params_passes_only_named_shape_keywords():
+  class Spec:
+    params = staticmethod(lambda length, *, heads: {"n": length, "heads": heads})
+
+  assert bm.op_params(Spec, 16, batch=1, heads=8, head_dim=4) == {"n": 16, "heads": 8}
+
+  class Plain:
+    params = staticmethod(lambda length: {"block_size": length // 4})
+
+  assert bm.op_params(Plain, 16, batch=1, heads=8) == {"block_size": 4}
+
+
+def test_parse_worker_output_takes_the_last_json_line():
+  assert bm.parse_worker_output('warning\n{"a": 1}\nnoise\n{"a": 2}\n') == {"a": 2}
+  assert bm.parse_worker_output("no json here") is None
+
+
+def test_parse_args_rejects_unknown_flags_in_ops_mode_and_forwards_them_otherwise():
+  with pytest.raises(SystemExit):
+    bm.parse_args(["--bogus", "1"])
+  args = bm.parse_args(["--mode", "train", "--layers", "6"])
+  assert args.extra == ["--layers", "6"] and args.lengths == list(bm.DEFAULT_LENGTHS) and args.causal is True
+
+
+def test_delegated_modes_import_lazily_and_name_the_missing_file(monkeypatch, tmp_path):
+  (tmp_path / "h1_fake_mode.py").write_text("def main(args):\n  return ('ran', args.extra, args.batch)\n")
+  monkeypatch.syspath_prepend(str(tmp_path))
+  monkeypatch.setitem(bm._MODE_MODULES, "train", ("h1_fake_mode", "h1_fake_mode.py", "fake"))
+  assert bm.main(["--mode", "train", "--batch", "3", "--steps", "2"]) == ("ran", ["--steps", "2"], 3)
+  monkeypatch.setitem(bm._MODE_MODULES, "input", ("h1_missing_mode", "scripts/h1_missing_mode.py", "fake"))
+  with pytest.raises(SystemExit, match="scripts/h1_missing_mode.py"):
+    bm.main(["--mode", "input"])
+
+
+def test_peer_worker_reports_one_json_line(monkeypatch):
+  calls = []
+
+  def factory(length, batch, heads, head_dim, causal, dtype):
+    calls.append((length, batch, heads, head_dim, causal, dtype))
+    data = np.random.default_rng(0).normal(size=(length, 8))
+    return (lambda: data @ data.T), (lambda: (data @ data.T).sum())
+
+  from scripts import benchmark_peers
+
+  monkeypatch.setitem(benchmark_peers.PEERS, "h1_fake", factory)
+  args = bm.parse_args(["--_worker", "--_kind", "peer", "--_name", "h1_fake", "--lengths", "32",
+                        "--heads", "2",
+                        "--repeats", "2", "--causal", "false"])
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    assert bm.worker_main(args) == 0
+  result = json.loads(out.getvalue().strip().splitlines()[-1])
+  assert calls == [(32, 1, 2, 64, False, "float32")]
+  assert result["op"] == "peer:h1_fake" and result["status"] == "ok" and result["mode"] == "bidirectional"
+  assert result["fwd_ms"] > 0 and result["fwdbwd_ms"] > 0 and result["fwdbwd_repeats"] == 2
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Subprocess runs (the real entry points)
+
+
+def _run(argv: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
+  # These runs check the plumbing, not the numbers: unoptimised XLA code compiles about twice as fast.
+  env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0")
+  return subprocess.run([sys.executable, "-m", "scripts.benchmark", *argv], cwd=REPO_ROOT, env=env,
+                        capture_output=True, text=True, timeout=timeout)
+
+
+def test_worker_prints_one_parsable_json_line_and_skips_over_memory_budget():
+  common = ["--_worker", "--_name", "dense", "--lengths", "32", "--heads", "2", "--head_dim", "8",
+            "--repeats", "1"]
+  proc = _run(common + ["--memory_budget_gb", "1e-6"])
+  assert proc.returncode == 0, proc.stderr
+  result = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert result["op"] == "dense" and result["length"] == 32 and result["mode"] == "causal"
+  assert result["status"].startswith(bm.SKIP_MEMORY) and result["xla_mb"] > 0
+  assert "fwd_ms" not in result  # skipped before any input was created
+
+  proc = _run(common + ["--_name", "no_such_op"])
+  assert proc.returncode == 1
+  assert "unknown attention op 'no_such_op'" in json.loads(proc.stdout.strip().splitlines()[-1])["status"]
+
+
+def test_tiny_benchmark_run_writes_table_json_and_plot(tmp_path):
+  from models import ops_registry
+
+  others = [n for n in E2E_CANDIDATES if n in ops_registry.names()][:2]
+  assert len(others) == 2, f"need two of {E2E_CANDIDATES} registered, have {ops_registry.names()}"
+  out_dir = tmp_path / "bench"
+  proc = _run(["--ops", ",".join(["dense"] + others), "--lengths", "64,128", "--heads", "2",
+               "--head_dim", "16", "--repeats", "2", "--out_dir", str(out_dir)], timeout=300)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  progress = [line for line in proc.stdout.splitlines() if line.startswith("[benchmark] ") and " L=" in line]
+  assert len(progress) == 6
+
+  data = json.load(open(out_dir / "benchmark_ops.json"))
+  assert data["header"]["jax"] and data["header"]["device"].startswith("cpu")
+  rows = {(r["op"], r["length"]): r for r in data["rows"]}
+  assert set(rows) == {(op, n) for op in ["dense"] + others for n in (64, 128)}
+  for (op, length), row in rows.items():
+    assert row["status"] == "ok", row
+    assert row["fwd_ms"] > 0 and row["fwdbwd_ms"] > 0 and row["peak_mb"] >= 0 and row["xla_mb"] > 0
+    dense = rows["dense", length]
+    assert row["speedup_fwdbwd"] == pytest.approx(dense["fwdbwd_ms"] / row["fwdbwd_ms"])
+    assert row["speedup_fwd"] == pytest.approx(dense["fwd_ms"] / row["fwd_ms"])
+    if length == 128:
+      assert row["growth"] == pytest.approx(row["fwdbwd_ms"] / rows[op, 64]["fwdbwd_ms"])
+  assert rows["dense", 64]["speedup_fwdbwd"] == pytest.approx(1.0)
+
+  md = (out_dir / "benchmark_ops.md").read_text()
+  header_line = "| " + " | ".join(h for _, h in bm.OP_COLUMNS) + " |"
+  assert header_line in md and "- jax: " in md and "- device: cpu" in md and "- cpus: " in md
+  table_rows = [line for line in md.splitlines() if line.startswith("| ") and line != header_line]
+  assert len(table_rows) == 6 and all(line.count("|") == len(bm.OP_COLUMNS) + 1 for line in table_rows)
+  assert (out_dir / "benchmark_ops.png").read_bytes()[:8] == PNG_MAGIC
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Attention-pattern pictures
+
+
+def _stand_in_sets(plan, length, i, *, causal, block_size):
+  """Minimal fixed plan (own block direct, other blocks spans) to test the code matrix independently."""
+  del plan
+  visible = range(i + 1) if causal else range(length)
+  direct = [j for j in visible if j // block_size == i // block_size]
+  spans = {}
+  for j in visible:
+    if j // block_size != i // block_size:
+      spans.setdefault(j // block_size, []).append(j)
+  return direct, list(reversed(spans.values()))  # unordered on purpose: codes sort spans by first position
+
+
+def test_pattern_codes_from_stand_in_sets():
+  codes = pp.pattern_codes("fixed", 6, causal=True, sets_fn=_stand_in_sets, block_size=2)
+  expected = np.array([[1, 0, 0, 0, 0, 0],
+                       [1, 1, 0, 0, 0, 0],
+                       [2, 2, 1, 0, 0, 0],
+                       [2, 2, 1, 1, 0, 0],
+                       [2, 2, 3, 3, 1, 0],
+                       [2, 2, 3, 3, 1, 1]])
+  np.testing.assert_array_equal(codes, expected)
+  with pytest.raises(ValueError, match="twice"):
+    pp.pattern_codes("x", 3, causal=False, sets_fn=lambda *a, **k: ([0, 1], [[1, 2]]))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_reference_patterns_cover_omega_and_sparse_supports_stay_inside(causal):
+  length = 16
+  omega = np.tril(np.ones((length, length), bool)) if causal else np.ones((length, length), bool)
+  codes = pp.all_codes(length, 4)
+  assert {stem for stem, _ in codes} == {stem for stem, *_ in pp.plan_panels(4)}
+  for (stem, c), code in codes.items():
+    if c != causal:
+      continue
+    assert np.all(np.diag(code) == pp.DIRECT), stem
+    if stem.startswith("combiner_"):
+      np.testing.assert_array_equal(code > 0, omega, err_msg=stem)  # full attention: every j in Omega_i
+      assert code.max() >= 3, stem  # at least two spans somewhere
+    else:
+      assert np.all(code[~omega] == 0) and 0 < code.sum() < omega.sum(), stem
+  rgb = pp.codes_to_rgb(codes["combiner_fixed", causal])
+  assert rgb.shape == (length, length, 3)
+
+
+def test_plot_patterns_writes_small_pngs(tmp_path):
+  paths = pp.main(["--out_dir", str(tmp_path), "--length", "8", "--block", "2"])
+  names = sorted(os.path.basename(p) for p in paths)
+  expected = sorted([f"{stem}_{d}.png" for stem, *_ in pp.plan_panels(2) for d in ("causal", "bidirectional")]
+                    + ["overview.png"])
+  assert names == expected
+  for path in paths:
+    data = open(path, "rb").read()
+    assert data[:8] == PNG_MAGIC and 1000 < len(data) < 100_000, path
+
+
+def test_committed_pattern_pictures_are_present_and_small():
+  pictures = os.path.join(REPO_ROOT, "docs", "patterns")
+  expected = [f"{stem}_{d}.png" for stem, *_ in pp.plan_panels(4) for d in ("causal", "bidirectional")]
+  for name in expected + ["overview.png"]:
+    size = os.path.getsize(os.path.join(pictures, name))
+    assert 1000 < size < 100_000, name
