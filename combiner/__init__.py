@@ -4,7 +4,11 @@ Every op follows the contract of DESIGN.md §3; `combiner.reference` builds the 
 definitions with explicit loops, and `combiner.sparse` holds the sparse baselines each plan is derived from.
 """
 
+from combiner import sparse
 from combiner.axial import axial
 from combiner.fixed import fixed
+from combiner.logsparse import logsparse
+from combiner.mixture import mixture
+from combiner.routed import routed
 
-__all__ = ["axial", "fixed"]
+__all__ = ["axial", "fixed", "logsparse", "mixture", "routed", "sparse"]

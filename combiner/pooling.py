@@ -46,10 +46,10 @@ def exclusive_scan_stats(x: Array, valid: Array, axis: int, kind: str, *, revers
     value = jax.lax.cumsum(xm, axis=axis, reverse=reverse)
   count = jax.lax.cumsum(valid.astype(jnp.int32), axis=axis, reverse=reverse)
   fill = -jnp.inf if kind == "max" else 0.0
-  return Stats(_shift(value, axis, reverse, fill), _shift(count, axis, reverse, 0))
+  return Stats(shift(value, axis, reverse, fill), shift(count, axis, reverse, 0))
 
 
-def _shift(x: Array, axis: int, reverse: bool, fill: float) -> Array:
+def shift(x: Array, axis: int, reverse: bool, fill: Any) -> Array:
   """Shift by one along `axis` (forward: x[t] <- x[t-1]; reverse: x[t] <- x[t+1]), filling the vacated slot."""
   n = x.shape[axis]
   pad = [(0, 0)] * x.ndim

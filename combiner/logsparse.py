@@ -1,0 +1,98 @@
+"""Combiner-Logsparse (paper §4.2, Appendix B): a dyadic partition of the past (and, bidirectionally, the future).
+
+For query i and each bit l set in i, the span is the aligned dyadic block [p, p + 2^l) with
+p = (i >> (l+1)) << (l+1). At level l the blocks of size 2^l tile the sequence and query i (in block t = i >> l)
+uses block t - 1 exactly when t is odd, so every level is a reshape, a pool and a one-block shift: no gathers,
+O(L·d) per level and O(L·log L·d) in all. The bidirectional plan runs the same construction on the reversed
+sequence for the positions after i.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+
+from combiner import common
+from combiner import pooling as pool_ops
+from combiner.combine import Piece, attend, joint_softmax
+
+Array = Any
+
+
+def num_levels(length: int) -> int:
+  # (L-1).bit_length(), not ceil(log2(L)) - 1: the latter loses the top span when L = 2^k + 1.
+  return (length - 1).bit_length()
+
+
+def level_pieces(x: common.Inputs, pooling: str | None) -> list[Piece]:
+  """One piece per level for the prefix spans of every query, in the frame of `x`.
+
+  pooling=None gives the sparse counterpart: the span is represented by its last position (the suffix sums of
+  i's binary expansion) instead of pooled abstractions.
+  """
+  batch, length = x.q.shape[:2]
+  pieces = []
+  for level in range(num_levels(length)):
+    size = 1 << level
+    blocks = common.num_blocks(length, size)
+    qb, kb, vb, pqb, pkb = (common.to_grid(t, blocks, size) for t in (x.q, x.k, x.v, x.pool_q, x.pool_k))
+    mb = common.to_grid(x.mask, blocks, size)  # [batch, blocks, size]
+    if pooling is None:
+      k_bar, v_tilde, nonempty = kb[:, :, -1], vb[:, :, -1], mb[:, :, -1]
+    else:
+      k_bar, nonempty = pool_ops.pool(pkb, mb, axis=2, kind=pooling)  # [batch, blocks, heads, head_dim]
+      q_bar, _ = pool_ops.pool(pqb, mb, axis=2, kind=pooling)
+      in_span = jnp.einsum("bnhd,bnkhd->bnhk", q_bar, kb) * x.scale  # [batch, blocks, heads, size]
+      v_tilde = attend(in_span, mb[:, :, None, :], vb, "bnhk,bnkhd->bnhd")  # [batch, blocks, heads, value_dim]
+    # Query block t reads span block t - 1.
+    k_prev = pool_ops.shift(k_bar, 1, False, 0.0)
+    v_prev = pool_ops.shift(v_tilde, 1, False, 0.0)
+    ok_prev = pool_ops.shift(nonempty, 1, False, False)
+    logits = jnp.einsum("bnqhd,bnhd->bnqh", qb, k_prev) * x.scale  # [batch, blocks, size, heads]
+    odd = (jnp.arange(blocks) % 2 == 1)[None, :]  # bit `level` of i is set
+    valid = jnp.broadcast_to((odd & ok_prev)[:, :, None, None], logits.shape)
+    pieces.append(Piece(common.from_grid(logits, length)[..., None], common.from_grid(valid, length)[..., None],
+                        _block_apply(v_prev, blocks, size, length)))
+  return pieces
+
+
+def _block_apply(v_prev: Array, blocks: int, size: int, length: int):
+  def apply(w: Array) -> Array:  # w: [batch, length, heads, 1] -> [batch, length, heads, value_dim]
+    wb = common.to_grid(w, blocks, size)  # [batch, blocks, size, heads, 1]
+    return common.from_grid(wb * v_prev[:, :, None], length)
+  return apply
+
+
+def self_piece(x: common.Inputs) -> Piece:
+  """D_i = {i}."""
+  logits = jnp.sum(x.q * x.k, axis=-1, keepdims=True) * x.scale  # [batch, length, heads, 1]
+  return Piece(logits, x.mask[:, :, None, None], lambda w: w * x.v)
+
+
+def flipped(x: common.Inputs) -> common.Inputs:
+  f = lambda t: jnp.flip(t, axis=1)
+  return x._replace(q=f(x.q), k=f(x.k), v=f(x.v), mask=f(x.mask), pool_q=f(x.pool_q), pool_k=f(x.pool_k))
+
+
+def unflip(p: Piece) -> Piece:
+  f = lambda t: jnp.flip(t, axis=1)
+  return Piece(f(p.logits), f(p.valid), lambda w: f(p.apply(f(w))))
+
+
+def logsparse_pieces(x: common.Inputs, causal: bool, pooling: str | None) -> list[Piece]:
+  pieces = [self_piece(x)] + level_pieces(x, pooling)
+  if not causal:
+    pieces += [unflip(p) for p in level_pieces(flipped(x), pooling)]
+  return pieces
+
+
+def logsparse(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None, pooling: str = "max",
+              pool_q: Array | None = None, pool_k: Array | None = None) -> Array:
+  """Combiner-Logsparse. q, k: [batch, length, heads, head_dim]; v: [batch, length, heads, value_dim].
+
+  D_i = {i}; spans = the dyadic partition of [0, i) (and of (i, L) when bidirectional). O(L·log L·d).
+  """
+  x = common.prepare(q, k, v, mask, op="combiner.logsparse", causal=causal, pooling=pooling, pool_q=pool_q,
+                     pool_k=pool_k)
+  return joint_softmax(logsparse_pieces(x, causal, pooling)).astype(x.out_dtype)

@@ -1,0 +1,53 @@
+"""The sparse attentions Combiner is derived from (the paper's Fixed / Logsparse / Axial baselines).
+
+Each is its Combiner plan with the spans dropped: query i attends to D_i plus, for `fixed`, the summary positions
+of Child et al. (j mod s = s - 1), for `logsparse`, the last position of each dyadic span. Same contract and same
+pieces as the Combiner plans, so the two differ only by what the definition says.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+
+from combiner import common, contract
+from combiner.axial import Grid, column_piece, row_piece
+from combiner.combine import Piece, joint_softmax
+from combiner.fixed import block_direct_piece, other_block_valid
+from combiner.logsparse import logsparse_pieces
+
+Array = Any
+
+
+def fixed(q: Array, k: Array, v: Array, *, block_size: int, causal: bool, mask: Array | None = None) -> Array:
+  """Sparse Transformer "fixed": own block ∩ Ω_i plus the summary positions {j in Ω_i : j mod s = s-1}."""
+  op = "sparse.fixed"
+  x = common.prepare(q, k, v, mask, op=op, causal=causal)
+  size = contract.check_positive_int(block_size, name="block_size", op=op)
+  length = x.q.shape[1]
+  blocks = common.num_blocks(length, size)
+  qb, kb, vb = (common.to_grid(t, blocks, size) for t in (x.q, x.k, x.v))  # [batch, blocks, size, heads, dim]
+  mb = common.to_grid(x.mask, blocks, size)
+  # The own block's summary position is already in the direct piece; a ragged last block has none (padding).
+  k_sum, v_sum, m_sum = kb[:, :, -1], vb[:, :, -1], mb[:, :, -1]  # [batch, blocks, heads, dim], [batch, blocks]
+  logits = jnp.einsum("bnqhd,brhd->bnqhr", qb, k_sum) * x.scale  # [batch, blocks, size, heads, blocks_r]
+  valid = other_block_valid(blocks, causal)[None, :, None, None, :] & m_sum[:, None, None, None, :]
+  summary = Piece(logits, valid, lambda w: jnp.einsum("bnqhr,brhd->bnqhd", w, v_sum))
+  out = joint_softmax([block_direct_piece(qb, kb, vb, mb, x.scale, causal), summary])
+  return common.from_grid(out, length).astype(x.out_dtype)
+
+
+def logsparse(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None) -> Array:
+  """LogSparse: {i} plus the last position of each dyadic span of [0, i) (mirrored for (i, L) if bidirectional)."""
+  x = common.prepare(q, k, v, mask, op="sparse.logsparse", causal=causal)
+  return joint_softmax(logsparse_pieces(x, causal, None)).astype(x.out_dtype)
+
+
+def axial(q: Array, k: Array, v: Array, *, row_length: int, causal: bool, mask: Array | None = None) -> Array:
+  """Axial attention: (own row ∪ own column) ∩ Ω_i."""
+  op = "sparse.axial"
+  x = common.prepare(q, k, v, mask, op=op, causal=causal)
+  g = Grid(x, contract.check_positive_int(row_length, name="row_length", op=op))
+  out = joint_softmax([row_piece(g, causal), column_piece(g, causal)])
+  return common.from_grid(out, g.length).astype(x.out_dtype)
