@@ -1,0 +1,252 @@
+"""Routing attention (issue 5): k-means statistics, EMA, balanced membership, attention vs NumPy, causality."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from routing import kmeans
+from routing.attention import routing_attention
+from routing.local import local_attention
+
+
+@functools.partial(jax.jit, static_argnames=("window", "causal", "share_qk", "scale_logits", "mask_self"))
+def _routing(q, k, v, mu, mask, *, window, causal, share_qk=True, scale_logits=True, mask_self=False):
+  """Jitted once per option set: eager dispatch compiles every primitive per shape, which is slower here."""
+  return routing_attention(q, k, v, centroids=mu, window=window, causal=causal, mask=mask, share_qk=share_qk,
+                           scale_logits=scale_logits, mask_self=mask_self)
+
+
+def _ln(x):
+  x = np.asarray(x, np.float64)
+  c = x - x.mean(-1, keepdims=True)
+  return c / np.sqrt((c ** 2).mean(-1, keepdims=True) + kmeans.LAYER_NORM_EPS)
+
+
+def _softmax_rows(s, keep):
+  s = np.where(keep, s, -np.inf)
+  m = np.max(s, -1, keepdims=True)
+  m = np.where(np.isfinite(m), m, 0.0)
+  e = np.where(keep, np.exp(s - m), 0.0)
+  d = e.sum(-1, keepdims=True)
+  return e / np.where(d > 0, d, 1.0)
+
+
+def _inputs(key, b, n, h, d, dv=None, mask_p=0.7):
+  ks = jax.random.split(jax.random.key(key), 5)
+  q = jax.random.normal(ks[0], (b, n, h, d), jnp.float64)
+  k = jax.random.normal(ks[1], (b, n, h, d), jnp.float64)
+  v = jax.random.normal(ks[2], (b, n, h, dv or d), jnp.float64)
+  mask = jax.random.bernoulli(ks[3], mask_p, (b, n)).at[:, 0].set(True)
+  mu = kmeans.init_centroids(ks[4], h, 3, d, jnp.float64)
+  return q, k, v, mask, mu
+
+
+def _routing_numpy(q, k, v, mu, mask, window, causal, share_qk, scale_logits, mask_self):
+  """Algorithm 1 with explicit loops: per centroid top-window tokens, attention inside, scatter-mean back."""
+  q, k, v, mu, mask = (np.asarray(x) for x in (q, k, v, mu, mask))
+  b, n, h, d = q.shape
+  qn = _ln(q)
+  kn = qn if share_qk else _ln(k)
+  out = np.zeros(v.shape)
+  for bi in range(b):
+    for hi in range(h):
+      total, count = np.zeros((n, v.shape[-1])), np.zeros(n)
+      for c in range(mu.shape[1]):
+        def members(x):
+          s = np.where(mask[bi], x[bi, :, hi] @ mu[hi, c], -np.inf)
+          return np.sort(np.argsort(-s, kind="stable")[:window])
+        qi = members(qn)
+        ki = qi if share_qk else members(kn)
+        s = qn[bi, qi, hi] @ kn[bi, ki, hi].T
+        if scale_logits:
+          s = s / np.sqrt(d)
+        keep = np.broadcast_to(mask[bi, ki][None, :], s.shape).copy()
+        if causal:
+          keep &= qi[:, None] >= ki[None, :]
+        if mask_self:
+          other = keep & (qi[:, None] != ki[None, :])
+          keep = np.where(other.any(-1, keepdims=True), other, keep)
+        total[qi] += _softmax_rows(s, keep) @ v[bi, ki, hi]
+        count[qi] += 1
+      out[bi, :, hi] = total / np.maximum(count, 1)[:, None]
+  return out
+
+
+def test_kmeans_statistics_and_ema_match_numpy():
+  with jax.enable_x64(True):
+    q, _, _, mask, mu = _inputs(0, 2, 9, 2, 4)
+    qn = kmeans.layer_norm(q)
+    np.testing.assert_allclose(qn, _ln(q), rtol=1e-12, atol=1e-12)
+    sc = kmeans.scores(qn, mu)  # [b, h, c, n]
+    ids = kmeans.nearest_centroid(sc)
+    stats = kmeans.centroid_stats(qn, ids, mask, 3)
+    want_sums, want_counts = np.zeros((2, 3, 4)), np.zeros((2, 3))
+    x, m = _ln(q), np.asarray(mask)
+    for bi in range(2):
+      for j in range(9):
+        for hi in range(2):
+          c = int(np.argmax(np.asarray(mu)[hi] @ x[bi, j, hi]))
+          assert ids[bi, hi, j] == c
+          if m[bi, j]:
+            want_sums[hi, c] += x[bi, j, hi]
+            want_counts[hi, c] += 1
+    np.testing.assert_allclose(stats.sums, want_sums, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(stats.counts, want_counts)
+    new = kmeans.ema_update(mu, stats, decay=0.9, smoothing=1.0)
+    mu_np = np.asarray(mu)
+    target = (want_sums + mu_np) / (want_counts + 1.0)[..., None]
+    np.testing.assert_allclose(new, 0.9 * mu_np + 0.1 * target, rtol=1e-12, atol=1e-12)
+    # A centroid with no assigned vector does not move.
+    empty = kmeans.CentroidStats(jnp.zeros_like(mu), jnp.zeros(mu.shape[:2]))
+    np.testing.assert_allclose(kmeans.ema_update(mu, empty), mu, rtol=1e-12)
+    with pytest.raises(ValueError, match="decay"):
+      kmeans.ema_update(mu, stats, decay=1.5)
+
+
+def test_balanced_membership_has_window_sorted_members():
+  with jax.enable_x64(True):
+    q, _, _, mask, mu = _inputs(1, 2, 12, 2, 4, mask_p=0.8)
+    sc = kmeans.scores(kmeans.layer_norm(q), mu)
+    idx = np.asarray(kmeans.balanced_membership(sc, 4, mask))
+    assert idx.shape == (2, 2, 3, 4)
+    assert (np.diff(idx, axis=-1) > 0).all()  # exactly `window` distinct members, sorted by position
+    sc, m = np.asarray(sc), np.asarray(mask)
+    for bi in range(2):
+      assert m[bi].sum() >= 4
+      for hi in range(2):
+        for c in range(3):
+          s = np.where(m[bi], sc[bi, hi, c], -np.inf)
+          np.testing.assert_array_equal(idx[bi, hi, c], np.sort(np.argsort(-s)[:4]))
+          assert m[bi, idx[bi, hi, c]].all()  # padding is never chosen while real tokens remain
+    with pytest.raises(ValueError, match="window"):
+      kmeans.balanced_membership(jnp.asarray(sc), 13)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("share_qk", [True, False])
+def test_routing_attention_matches_numpy(causal, share_qk):
+  with jax.enable_x64(True):
+    q, k, v, mask, mu = _inputs(2, 2, 11, 2, 4, dv=3)
+    for scale_logits, mask_self in ((True, False), (False, True)):
+      out, aux = _routing(q, k, v, mu, mask, window=4, causal=causal, share_qk=share_qk,
+                          scale_logits=scale_logits, mask_self=mask_self)
+      assert out.dtype == jnp.float64 and out.shape == v.shape
+      want = _routing_numpy(q, k, v, mu, mask, 4, causal, share_qk, scale_logits, mask_self)
+      np.testing.assert_allclose(out, want, rtol=1e-10, atol=1e-12)
+    # Statistics: queries and keys assigned to their nearest centroid, real tokens only.
+    m = np.asarray(mask)
+    assert float(aux.stats.counts.sum()) == 2 * 2 * m.sum()  # q and k, each head
+    x = _ln(q) if share_qk else None
+    if x is not None:
+      err = []
+      for bi in range(2):
+        for j in range(11):
+          for hi in range(2):
+            if m[bi, j]:
+              c = np.argmax(np.asarray(mu)[hi] @ x[bi, j, hi])
+              err.append(np.mean((x[bi, j, hi] - np.asarray(mu)[hi, c]) ** 2))
+      np.testing.assert_allclose(aux.commit_loss, np.mean(err), rtol=1e-10)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_one_cluster_full_window_equals_dense(causal):
+  with jax.enable_x64(True):
+    q, _, v, mask, _ = _inputs(3, 2, 7, 2, 4)
+    mu = kmeans.init_centroids(jax.random.key(5), 2, 1, 4, jnp.float64)
+    qn = _ln(q)
+    n = 7
+    for scale_logits, mask_self in ((True, False), (False, True)):
+      out, _ = _routing(q, q, v, mu, mask, window=n, causal=causal, scale_logits=scale_logits,
+                        mask_self=mask_self)
+      s = np.einsum("bqhd,bkhd->bhqk", qn, qn) / (2.0 if scale_logits else 1.0)  # sqrt(head_dim=4) = 2
+      keep = np.broadcast_to(np.asarray(mask)[:, None, None, :], s.shape)
+      if causal:
+        keep = keep & np.tril(np.ones((n, n), bool))
+      if mask_self:
+        other = keep & ~np.eye(n, dtype=bool)
+        keep = np.where(other.any(-1, keepdims=True), other, keep)
+      want = np.einsum("bhqk,bkhd->bqhd", _softmax_rows(s, keep), np.asarray(v))
+      np.testing.assert_allclose(out, want, rtol=1e-10, atol=1e-12)
+
+
+def test_padding_never_moves_centroids_or_real_outputs():
+  with jax.enable_x64(True):
+    q, k, v, mask, mu = _inputs(4, 2, 11, 2, 4, dv=3)
+    noise = jax.random.normal(jax.random.key(9), q.shape, jnp.float64) * 10
+    pad = ~mask[:, :, None, None]
+    out1, aux1 = _routing(q, k, v, mu, mask, window=4, causal=True)
+    out2, aux2 = _routing(jnp.where(pad, noise, q), k, jnp.where(pad, noise[..., :3], v), mu, mask,
+                          window=4, causal=True)
+    np.testing.assert_allclose(aux1.stats.sums, aux2.stats.sums, rtol=1e-12)
+    np.testing.assert_allclose(aux1.stats.counts, aux2.stats.counts)
+    np.testing.assert_allclose(aux1.commit_loss, aux2.commit_loss, rtol=1e-12)
+    real = np.asarray(mask)[:, :, None, None]
+    np.testing.assert_allclose(np.where(real, out1, 0), np.where(real, out2, 0), rtol=1e-12, atol=1e-12)
+    assert bool(jnp.isfinite(out2).all())
+
+
+def test_causal_jacobian_has_exact_zeros():
+  with jax.enable_x64(True):
+    q, k, v, _, mu = _inputs(5, 1, 8, 1, 4)
+
+    def f(v_):
+      return routing_attention(q, k, v_, centroids=mu, window=4, causal=True)[0][0, :, 0, 0]
+
+    jac = np.asarray(jax.jit(jax.jacrev(f))(v))[:, 0, :, 0, :]  # [out position, in position, value dim]
+    future = np.triu(np.ones((8, 8), bool), 1)
+    assert np.all(jac[future] == 0.0)
+    assert np.any(jac[~future] != 0.0)
+
+
+def test_gradients_finite_and_bf16_close():
+  q, k, v, mask, mu = (x.astype(jnp.float32) if x.dtype != bool else x for x in _inputs(6, 1, 16, 2, 8))
+
+  def loss(q_, v_):
+    out, aux = routing_attention(q_, k, v_, centroids=mu, window=4, causal=True, mask=mask)
+    return jnp.sum(out ** 2) + aux.commit_loss
+
+  gq, gv = jax.jit(jax.grad(loss, argnums=(0, 1)))(q, v)
+  assert bool(jnp.isfinite(gq).all() and jnp.isfinite(gv).all()) and float(jnp.abs(gq).sum()) > 0
+  f32, _ = _routing(q, k, v, mu, mask, window=4, causal=True)
+  b16, _ = _routing(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), mu, mask, window=4,
+                    causal=True)
+  assert b16.dtype == jnp.bfloat16
+  real = np.asarray(mask)[:, :, None, None]
+  np.testing.assert_allclose(np.where(real, np.asarray(b16, np.float32), 0), np.where(real, f32, 0), atol=0.1)
+
+
+def test_rejects_bad_arguments():
+  q = jnp.ones((1, 4, 2, 3))
+  mu = kmeans.init_centroids(jax.random.key(0), 2, 2, 3)
+  with pytest.raises(ValueError, match="centroids"):
+    routing_attention(q, q, q, centroids=mu[:1], window=2, causal=True)
+  with pytest.raises(ValueError, match="window"):
+    routing_attention(q, q, q, centroids=mu, window=0, causal=True)
+  with pytest.raises(ValueError, match="causal"):
+    routing_attention(q, q, q, centroids=mu, window=2, causal="yes")
+  with pytest.raises(ValueError, match="block_size"):
+    local_attention(q, q, q, block_size=0, causal=True)
+
+
+def _local_numpy(q, k, v, mask, size, causal):
+  q, k, v, mask = (np.asarray(x) for x in (q, k, v, mask))
+  b, n, h, d = q.shape
+  blk = np.arange(n) // size
+  keep = (blk[None, :] >= blk[:, None] - 1) & (blk[None, :] <= blk[:, None] + (0 if causal else 1))
+  if causal:
+    keep &= np.tril(np.ones((n, n), bool))
+  s = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d)
+  keep = keep[None, None] & mask[:, None, None, :]
+  return np.einsum("bhqk,bkhd->bqhd", _softmax_rows(s, keep), v)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("n,size", [(1, 3), (10, 3)])
+def test_local_attention_matches_numpy(causal, n, size):
+  with jax.enable_x64(True):
+    q, k, v, mask, _ = _inputs(7 + n, 2, n, 2, 4, dv=3)
+    out = jax.jit(functools.partial(local_attention, block_size=size, causal=causal))(q, k, v, mask=mask)
+    np.testing.assert_allclose(out, _local_numpy(q, k, v, mask, size, causal), rtol=1e-10, atol=1e-12)
