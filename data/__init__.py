@@ -1,0 +1,90 @@
+"""Input pipelines: one entry point for every experiment config.
+
+    loader = data.create_dataset(config, "train", batch_size=32, seed=0)
+    it = iter(loader)                    # grain DataLoaderIterator
+    batch = next(it)                     # dict of NumPy arrays, leading dim = per-host batch
+    state = it.get_state(); it.set_state(state)   # exact resume (train.py checkpoints it with orbax)
+    info = data.dataset_info(config)     # task, vocab_size, seq_len, num_classes, special ids
+
+`config.data.name` picks a module from `DATASETS`; each module provides
+`create_dataset(config, split, *, batch_size, seed, shard_index, shard_count, shuffle, num_epochs)` and
+`dataset_info(config)`. Adding a dataset is one line in the table (modules are imported lazily, so a missing
+optional module only fails for the datasets that need it).
+
+Batch layouts (every batch also carries `valid` bool [B]: False for the rows that pad the last evaluation batch
+to the full batch size; training batches are always full and all-valid):
+  image, lm:  inputs int32 [B, L], mask bool [B, L], weights float32 [B, L], segment_ids int32 [B, L]
+  mlm:        inputs (corrupted) int32 [B, L], targets int32 [B, L], weights float32 [B, L] (1 = predicted),
+              mask bool [B, L], segment_ids int32 [B, L] (at most `max_segments` per row)
+  classify:   inputs int32 [B, L], mask bool [B, L], label int32 [B]
+  retrieval:  inputs1, mask1, inputs2, mask2 ([B, L] each), label int32 [B]
+Padding is always given by `mask` (True = real token); token value 0 is an ordinary token (a black pixel, a
+NUL byte).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from data.info import DatasetInfo
+
+__all__ = ["DATASETS", "DatasetInfo", "create_dataset", "dataset_info"]
+
+# config.data.name -> module providing create_dataset(...) and dataset_info(config).
+DATASETS: dict[str, str] = {
+  "cifar10": "data.images",
+  "imagenet64": "data.images",
+  "wiki40b": "data.text",
+  "c4": "data.text",
+  "lra_listops": "data.lra",
+  "lra_text": "data.lra",
+  "lra_retrieval": "data.lra",
+  "lra_image": "data.lra",
+  "lra_pathfinder": "data.lra",
+  "listops_synthetic": "data.listops",
+  "synthetic_recall": "data.synthetic",
+}
+
+
+def _module(config: Any):
+  name = config.data.name
+  if name not in DATASETS:
+    raise ValueError(f"config.data.name={name!r} is not a known dataset; allowed: {sorted(DATASETS)}")
+  return importlib.import_module(DATASETS[name])
+
+
+def create_dataset(
+  config: Any,
+  split: str,
+  *,
+  batch_size: int,
+  seed: int,
+  shard_index: int | None = None,
+  shard_count: int | None = None,
+  shuffle: bool | None = None,
+  num_epochs: int | None = None,
+):
+  """A grain.DataLoader over `split` ("train", "validation", "test") of `config.data.name`.
+
+  shard_index/shard_count default to jax.process_index()/jax.process_count(). shuffle defaults to
+  split == "train"; num_epochs defaults to None (repeat forever) for "train" and 1 otherwise. `batch_size` is
+  the per-host batch.
+  """
+  if batch_size < 1:
+    raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+  return _module(config).create_dataset(
+    config,
+    split,
+    batch_size=batch_size,
+    seed=seed,
+    shard_index=shard_index,
+    shard_count=shard_count,
+    shuffle=shuffle,
+    num_epochs=num_epochs,
+  )
+
+
+def dataset_info(config: Any) -> DatasetInfo:
+  """Static facts about `config.data.name` (no data is read)."""
+  return _module(config).dataset_info(config)

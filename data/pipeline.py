@@ -1,0 +1,166 @@
+"""The grain plumbing every dataset shares: sampler, sharding, batching, padding of the last eval batch.
+
+Determinism and resume: every element the loader yields is a function of the sampler's record order (seeded
+`IndexSampler`, reshuffled per epoch) and of the record index, so `get_state()` / `set_state()` of the
+iterator continue with exactly the same batches. Per-record randomness (flips, MLM corruption) is seeded from
+(seed, record index), never from a stateful generator.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import grain
+import numpy as np
+
+log = logging.getLogger("data")
+
+TRAIN_SPLITS = ("train",)
+
+
+def cfg_get(config: Any, key: str, default: Any = None) -> Any:
+  """`config.data.<key>` with a default (ConfigDict or plain attribute objects)."""
+  data = config.data
+  if hasattr(data, "get"):
+    value = data.get(key, default)
+  else:
+    value = getattr(data, key, default)
+  return default if value is None else value
+
+
+def resolve_shards(shard_index: int | None, shard_count: int | None) -> tuple[int, int]:
+  if shard_index is None or shard_count is None:
+    import jax  # only when the caller leaves sharding to the JAX process layout
+
+    shard_index = jax.process_index() if shard_index is None else shard_index
+    shard_count = jax.process_count() if shard_count is None else shard_count
+  if shard_count < 1 or not 0 <= shard_index < shard_count:
+    raise ValueError(f"need 0 <= shard_index < shard_count, got shard_index={shard_index}, shard_count={shard_count}")
+  return shard_index, shard_count
+
+
+def missing(path: str, dataset: str, data_dir: str | None, what: str = "dataset") -> FileNotFoundError:
+  """The error for data that is not there: names the path and the command that makes it."""
+  dd = data_dir or "DIR"
+  return FileNotFoundError(
+    f"{what} for {dataset!r} not found at {path}; prepare it with: python -m data.prepare {dataset} --data_dir {dd}"
+  )
+
+
+class PadBatch:
+  """Stacks examples; pads a short (last, evaluation) batch to `batch_size` with all-zero rows, valid=False.
+
+  Zero rows have mask False and weights 0, so they drop out of every masked metric; `valid` marks them for the
+  per-example ones (accuracy).
+  """
+
+  def __init__(self, batch_size: int):
+    self.batch_size = batch_size
+
+  def __call__(self, examples: Sequence[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    out = {}
+    n = len(examples)
+    for key in examples[0]:
+      stacked = np.stack([e[key] for e in examples])
+      if n < self.batch_size:
+        pad = np.zeros((self.batch_size - n,) + stacked.shape[1:], stacked.dtype)
+        stacked = np.concatenate([stacked, pad])
+      out[key] = stacked
+    return out
+
+
+class Example(grain.transforms.Map):
+  """Wraps a per-record function `fn(record, index_rng) -> dict`, adding valid=True."""
+
+  def __init__(self, fn: Callable[[Any], dict[str, np.ndarray]]):
+    self.fn = fn
+
+  def map(self, element):
+    out = self.fn(element)
+    out["valid"] = np.bool_(True)
+    return out
+
+
+class SeededExample(grain.transforms.RandomMap):
+  """Like `Example` for functions that draw randomness: the rng grain passes is seeded per record index."""
+
+  def __init__(self, fn: Callable[[Any, np.random.Generator], dict[str, np.ndarray]]):
+    self.fn = fn
+
+  def random_map(self, element, rng: np.random.Generator):
+    out = self.fn(element, rng)
+    out["valid"] = np.bool_(True)
+    return out
+
+
+def make_loader(
+  source: Any,
+  operations: Sequence[Any],
+  *,
+  split: str,
+  batch_size: int | None,
+  seed: int,
+  shard_index: int | None,
+  shard_count: int | None,
+  shuffle: bool | None,
+  num_epochs: int | None,
+  config: Any,
+) -> grain.DataLoader:
+  """A DataLoader: seeded IndexSampler sharded per host, `operations`, then batching when `batch_size` is set.
+
+  Training (shuffle, repeat forever) drops ragged remainders so every host sees full batches of equal count;
+  evaluation keeps every record: host shards may differ by one record and the last batch is padded.
+  `batch_size=None` means the operations batch themselves (text packing).
+  """
+  shard_index, shard_count = resolve_shards(shard_index, shard_count)
+  is_train = split in TRAIN_SPLITS
+  shuffle = is_train if shuffle is None else shuffle
+  if num_epochs is None and not is_train:
+    num_epochs = 1
+  drop = num_epochs is None  # endless streams: equal, full shards and batches
+  num_records = len(source)
+  if num_records == 0:
+    raise ValueError(f"split {split!r} of {config.data.name!r} has no records")
+  shard_options = grain.sharding.ShardOptions(shard_index=shard_index, shard_count=shard_count, drop_remainder=drop)
+  if drop and num_records % shard_count:
+    log.info("%s/%s: %d records beyond an equal split over %d hosts are left out of each epoch",
+             config.data.name, split, num_records % shard_count, shard_count)
+  sampler = grain.samplers.IndexSampler(
+    num_records=num_records, shard_options=shard_options, shuffle=shuffle, num_epochs=num_epochs, seed=seed
+  )
+  ops = list(operations)
+  if batch_size is not None:
+    ops.append(grain.transforms.Batch(batch_size=batch_size, drop_remainder=drop, batch_fn=PadBatch(batch_size)))
+  read_options = grain.ReadOptions(
+    num_threads=int(cfg_get(config, "read_threads", 2)), prefetch_buffer_size=int(cfg_get(config, "prefetch", 64))
+  )
+  return grain.DataLoader(
+    data_source=source,
+    sampler=sampler,
+    operations=ops,
+    worker_count=int(cfg_get(config, "worker_count", 0)),
+    shard_options=shard_options,
+    read_options=read_options,
+  )
+
+
+class Counter:
+  """Counts of dropped/truncated/resized items, logged once when first seen and then every `every` events.
+
+  Nothing in the pipelines is dropped or shortened without passing through one of these.
+  """
+
+  def __init__(self, what: str, every: int = 1000):
+    self.what = what
+    self.every = every
+    self.counts: collections.Counter[str] = collections.Counter()
+
+  def add(self, key: str, n: int = 1, detail: str = "") -> None:
+    before = self.counts[key]
+    self.counts[key] += n
+    if before == 0 or before // self.every != self.counts[key] // self.every:
+      log.warning("%s: %s so far: %d%s", self.what, key, self.counts[key], f" ({detail})" if detail else "")
+

@@ -1,0 +1,190 @@
+"""Offline stand-ins for every dataset, for tests and CPU smoke runs.
+
+    with data.testing.mock_data("wiki40b", tmp_path) as data_dir:
+      config.data.data_dir = data_dir
+      loader = data.create_dataset(config, "train", batch_size=2, seed=0)
+
+TFDS-backed sets (cifar10, imagenet64, lra_text, lra_image) use `tfds.testing.mock_data` (random records,
+served through `tfds.data_source` exactly like real data); LRA file sets get small files in the official
+`lra_release/lra_release/...` layout; wiki40b/c4 get a small prepared TFDS ArrayRecord directory plus a
+SentencePiece model (vocabulary `spm_vocab`, at most config.data.vocab_size) trained on the generated text;
+listops_synthetic and synthetic_recall need nothing. All content is generated from `seed`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+import numpy as np
+
+from data import listops
+
+TFDS_BACKED = {"cifar10", "imagenet64", "lra_text", "lra_image"}
+SYLLABLES = ("ka", "to", "ri", "me", "su", "na", "lo", "pe", "zi", "vu", "ban", "dor", "el", "qui", "stra", "om")
+
+
+def words(rng: np.random.Generator, n: int) -> str:
+  """n pseudo-words (a Zipf-ish vocabulary so SentencePiece has structure to learn)."""
+  out = []
+  for _ in range(n):
+    k = 1 + min(int(rng.zipf(2.0)), 3)
+    out.append("".join(SYLLABLES[int(rng.zipf(1.5)) % len(SYLLABLES)] for _ in range(k)))
+  return " ".join(out)
+
+
+def documents(rng: np.random.Generator, n: int, *, min_words: int = 3, max_words: int = 400,
+              wiki_markup: bool = False) -> list[str]:
+  docs = []
+  for i in range(n):
+    body = words(rng, int(rng.integers(min_words, max_words + 1)))
+    if wiki_markup:
+      half = len(body) // 2
+      body = (f"\n_START_ARTICLE_\nTitle {i}\n_START_SECTION_\nPart\n_START_PARAGRAPH_\n"
+              f"{body[:half]}_NEWLINE_{body[half:]}")
+    docs.append(body)
+  return docs
+
+
+# --------------------------------------------------------------------------------------------------------------
+# LRA files in the official layout
+
+
+def write_listops(path: str, rng: np.random.Generator, n: int, *, min_length: int = 10, max_length: int = 60,
+                  max_depth: int = 4) -> list[tuple[str, int]]:
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  rows = []
+  for _ in range(n):
+    toks, label = listops.sample(rng, min_length=min_length, max_length=max_length, max_depth=max_depth,
+                                 max_args=5, op_p=0.4)
+    rows.append((" ".join(toks), label))
+  with open(path, "w") as f:
+    f.write("Source\tTarget\n")
+    for src, label in rows:
+      f.write(f"{src}\t{label}\n")
+  return rows
+
+
+def write_retrieval(path: str, rng: np.random.Generator, n: int) -> list[tuple[int, str, str]]:
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  rows = []
+  with open(path, "w") as f:
+    for i in range(n):
+      label = int(rng.integers(2))
+      t1, t2 = words(rng, int(rng.integers(5, 300))), words(rng, int(rng.integers(5, 300)))
+      rows.append((label, t1, t2))
+      f.write(f"{float(label)}\tpaper{i}a\tpaper{i}b\t{t1}\t{t2}\n")
+  return rows
+
+
+def write_pathfinder(root: str, rng: np.random.Generator, n_files: int = 10, per_file: int = 3,
+                     resolution: int = 32) -> None:
+  """`<root>/metadata/<i>.npy` index text files and `<root>/imgs/<i>/sample_<j>.png` grayscale images."""
+  from PIL import Image
+
+  os.makedirs(os.path.join(root, "metadata"), exist_ok=True)
+  for i in range(n_files):
+    os.makedirs(os.path.join(root, "imgs", str(i)), exist_ok=True)
+    lines = []
+    for j in range(per_file):
+      pixels = rng.integers(0, 256, size=(resolution, resolution), dtype=np.uint8)
+      Image.fromarray(pixels, mode="L").save(os.path.join(root, "imgs", str(i), f"sample_{j}.png"))
+      lines.append(f"imgs/{i} sample_{j}.png {j} {int(rng.integers(2))} 0 0")
+    with open(os.path.join(root, "metadata", f"{i}.npy"), "w") as f:
+      f.write("\n".join(lines) + "\n")
+
+
+def write_lra(data_dir: str, seed: int = 0, num_examples: int = 12) -> str:
+  """All LRA file sets under `{data_dir}/lra_release/lra_release/` (the archive's double nesting)."""
+  from data import lra
+
+  rng = np.random.default_rng(seed)
+  root = os.path.join(data_dir, "lra_release", "lra_release")
+  for split, name in lra.LISTOPS_FILES.items():
+    write_listops(os.path.join(root, "listops-1000", name), rng, num_examples)
+  for split, name in lra.RETRIEVAL_FILES.items():
+    write_retrieval(os.path.join(root, "tsv_data", name), rng, num_examples)
+  for difficulty in lra.PATHFINDER_DIFFICULTIES:
+    write_pathfinder(os.path.join(root, "pathfinder32", difficulty), rng, n_files=10,
+                     per_file=max(1, num_examples // 4))
+  return root
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Wiki-40B / C4: a small prepared TFDS directory + SentencePiece model
+
+
+def write_prepared_text(name: str, data_dir: str, split_docs: dict[str, list[str]]) -> str:
+  """Writes `{data_dir}/<tfds name>/<version>` with TFDS's own ArrayRecord writer (no TensorFlow needed)."""
+  import tensorflow_datasets as tfds
+
+  from data import text
+
+  spec = text.SPECS[name]
+  tfds_name, config_name = spec["tfds_name"].split("/")
+  extra = {"wiki40b": ("wikidata_id", "version_id"), "c4": ("timestamp", "url")}[name]
+
+  class _Mock(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+    VERSION = tfds.core.Version(spec["version"])
+    BUILDER_CONFIGS = [tfds.core.BuilderConfig(name=config_name)]
+    code_path = None  # a builder defined inside a package: skip tfds's source-file lookup (checksums)
+
+    def _info(self):
+      feats = {"text": tfds.features.Text(), **{k: tfds.features.Text() for k in extra}}
+      return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict(feats))
+
+    def _split_generators(self, dl_manager):
+      return {split: self._generate_examples(docs) for split, docs in split_docs.items()}
+
+    def _generate_examples(self, docs):
+      for i, doc in enumerate(docs):
+        yield i, {"text": doc, **{k: f"{k}{i}" for k in extra}}
+
+  _Mock.name = tfds_name
+  builder = _Mock(data_dir=data_dir, config=config_name, file_format="array_record")
+  builder.download_and_prepare(download_config=tfds.download.DownloadConfig(verify_ssl=False))
+  return builder.data_dir
+
+
+def write_text(name: str, data_dir: str, *, seed: int = 0, num_examples: int = 24, spm_vocab: int = 200) -> None:
+  from data import text, tokenizer
+
+  rng = np.random.default_rng(seed)
+  wiki = name == "wiki40b"
+  splits = ("train", "validation", "test") if wiki else ("train", "validation")
+  split_docs = {s: documents(rng, num_examples, wiki_markup=wiki) for s in splits}
+  write_prepared_text(name, data_dir, split_docs)
+  corpus = [text.clean_text(d) for d in split_docs["train"]]
+  tokenizer.train(corpus, os.path.join(data_dir, "spm", f"{name}.model"), vocab_size=spm_vocab,
+                  character_coverage=1.0)
+
+
+# --------------------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def mock_data(name: str, tmp_dir: str, *, num_examples: int = 12, seed: int = 0) -> Iterator[str]:
+  """Makes dataset `name` available offline on tiny generated data; yields the data_dir to put in the config.
+
+  Inside the context, `config.data.data_dir = <yielded dir>` (with the dataset's usual other fields) makes
+  `data.create_dataset(config, split, ...)` read the mock. TFDS-backed sets are patched process-wide for the
+  duration of the context.
+  """
+  from data import DATASETS
+
+  if name not in DATASETS:
+    raise ValueError(f"unknown dataset {name!r}; allowed: {sorted(DATASETS)}")
+  data_dir = os.path.join(str(tmp_dir), f"mock_{name}")
+  os.makedirs(data_dir, exist_ok=True)
+  if name in TFDS_BACKED:
+    import tensorflow_datasets as tfds
+
+    with tfds.testing.mock_data(num_examples=num_examples):
+      yield data_dir
+    return
+  if name.startswith("lra_"):
+    write_lra(data_dir, seed=seed, num_examples=num_examples)
+  elif name in ("wiki40b", "c4"):
+    write_text(name, data_dir, seed=seed, num_examples=max(num_examples, 12))
+  yield data_dir

@@ -1,0 +1,220 @@
+"""Wiki-40B (autoregressive LM) and C4 (masked LM), SentencePiece-tokenized and packed to config.data.seq_len.
+
+Storage: the TFDS-prepared ArrayRecord directory `{data_dir}/wiki40b/en/1.3.0` / `{data_dir}/c4/en/3.1.0`
+(written by `python -m data.prepare`, which needs TensorFlow + Beam; reading needs neither), opened with
+`tfds.builder_from_directory(...).as_data_source(split)` because these Beam builders are not registered in a
+TensorFlow-free install. Tokenizer: `config.data.spm_model`, default `{data_dir}/spm/<name>.model` (32K pieces,
+trained by data.prepare from the training split; special ids in data.tokenizer).
+
+Each document becomes `[bos] + pieces + [eos]`. Packing (per host, per batch, in the sampler's order):
+  lm (wiki40b): documents are laid end to end across the B rows of a batch of length L; a document that reaches
+    the end of a row continues in the next row. segment_ids number the document pieces of each row 1, 2, ...;
+    weights are 1 on every real position except the first position of each segment, which would otherwise be
+    predicted from another document (or from nothing, at a row start): the loss never crosses a boundary. The
+    remainder of the document that overflows a batch's last row is dropped and counted, so every batch is a
+    function of a contiguous run of records and the iterator state resumes exactly.
+  mlm (c4): at most `max_segments` (2, Appendix E.5) documents per row; a document longer than the room left
+    in its row is truncated (counted); the rest of the row is padding. 15% of the real non-special tokens are
+    predicted (weights 1, targets = originals); of those 80% become [MASK], 10% a random ordinary piece, 10%
+    stay. The randomness is seeded by (seed, record index), so it is identical after a resume.
+Wiki-40B markup (_START_ARTICLE_, _START_SECTION_, _START_PARAGRAPH_, _NEWLINE_) becomes line breaks.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+from typing import Any
+
+import grain
+import numpy as np
+
+from data import pipeline, tokenizer
+from data.info import DatasetInfo
+
+SPECS: dict[str, dict[str, Any]] = {
+  "wiki40b": dict(tfds_name="wiki40b/en", version="1.3.0", task="lm", max_segments=None,
+                  splits={"train": "train", "validation": "validation", "test": "test"},
+                  split_sizes={"train": 2_926_536, "validation": 163_597, "test": 162_274}),
+  "c4": dict(tfds_name="c4/en", version="3.1.0", task="mlm", max_segments=2,
+             splits={"train": "train", "validation": "validation", "test": "validation"},
+             split_sizes={"train": 364_868_892, "validation": 364_608}),
+}
+DEFAULT_VOCAB = 32000
+_MARKUP = re.compile(r"_START_(?:ARTICLE|SECTION|PARAGRAPH)_")
+
+
+def _spec(config: Any) -> dict[str, Any]:
+  name = config.data.name
+  if name not in SPECS:
+    raise ValueError(f"data.text handles {sorted(SPECS)}, got {name!r}")
+  return SPECS[name]
+
+
+def data_dir(config: Any) -> str:
+  return os.path.expanduser(pipeline.cfg_get(config, "data_dir", "~/tensorflow_datasets"))
+
+
+def prepared_dir(config: Any) -> str:
+  """`{data_dir}/<tfds name>/<version>`; config.data.tfds_version overrides the version."""
+  spec = _spec(config)
+  version = pipeline.cfg_get(config, "tfds_version", spec["version"])
+  return os.path.join(data_dir(config), spec["tfds_name"], version)
+
+
+def spm_path(config: Any) -> str:
+  return os.path.expanduser(pipeline.cfg_get(config, "spm_model",
+                                             os.path.join(data_dir(config), "spm", f"{config.data.name}.model")))
+
+
+def clean_text(text: str | bytes) -> str:
+  if isinstance(text, bytes):
+    text = text.decode("utf-8", errors="replace")
+  text = _MARKUP.sub("\n", text.replace("_NEWLINE_", "\n"))
+  return re.sub(r"\n{2,}", "\n", text).strip()
+
+
+def text_source(config: Any, split: str):
+  """The random-access source of raw documents (dicts with a `text` field) of one split."""
+  import tensorflow_datasets as tfds
+
+  spec = _spec(config)
+  base, sep, rest = split.partition("[")
+  if base not in spec["splits"]:
+    raise ValueError(f"split must be one of {sorted(spec['splits'])}, got {split!r}")
+  path = prepared_dir(config)
+  if not glob.glob(os.path.join(path, "dataset_info.json")):
+    raise pipeline.missing(path, config.data.name, pipeline.cfg_get(config, "data_dir"),
+                           what=f"prepared tfds directory of {spec['tfds_name']}")
+  return tfds.builder_from_directory(path).as_data_source(spec["splits"][base] + sep + rest)
+
+
+def dataset_info(config: Any) -> DatasetInfo:
+  spec = _spec(config)
+  seq_len = int(pipeline.cfg_get(config, "seq_len", 2048))
+  vocab = int(pipeline.cfg_get(config, "vocab_size", DEFAULT_VOCAB))
+  return DatasetInfo(
+    name=config.data.name, task=spec["task"], vocab_size=vocab, seq_len=seq_len, input_vocab_size=vocab,
+    pad_id=tokenizer.PAD_ID, bos_id=tokenizer.BOS_ID, eos_id=tokenizer.EOS_ID,
+    mask_id=tokenizer.MASK_ID if spec["task"] == "mlm" else None,
+    metric="perplexity", max_segments=int(pipeline.cfg_get(config, "max_segments", spec["max_segments"] or 0)) or None,
+    split_sizes=dict(spec["split_sizes"]),
+  )
+
+
+class Tokenize(grain.transforms.Map):
+  """Raw record -> int32 [bos] + pieces + [eos]."""
+
+  def __init__(self, model_path: str, vocab_size: int):
+    self.model_path = model_path
+    sp = tokenizer.load(model_path)
+    tokenizer.check(sp, model_path)
+    if sp.get_piece_size() > vocab_size:
+      raise ValueError(f"{model_path} has {sp.get_piece_size()} pieces, more than config.data.vocab_size="
+                       f"{vocab_size}")
+
+  def map(self, record) -> np.ndarray:
+    ids = tokenizer.load(self.model_path).encode(clean_text(record["text"]))
+    return np.asarray([tokenizer.BOS_ID] + ids + [tokenizer.EOS_ID], np.int32)
+
+
+def segment_starts(segment_ids: np.ndarray) -> np.ndarray:
+  """bool [..., L]: True at the first position of each segment (padding excluded)."""
+  prev = np.concatenate([np.zeros_like(segment_ids[..., :1]), segment_ids[..., :-1]], axis=-1)
+  return (segment_ids != prev) & (segment_ids > 0)
+
+
+def mlm_corrupt(inputs: np.ndarray, mask: np.ndarray, rng: np.random.Generator, *, vocab_size: int,
+                rate: float = 0.15) -> tuple[np.ndarray, np.ndarray]:
+  """BERT corruption: (corrupted inputs, weights) with weights 1 at the predicted positions."""
+  special = (inputs == tokenizer.BOS_ID) | (inputs == tokenizer.EOS_ID) | (inputs == tokenizer.PAD_ID)
+  chosen = mask & ~special & (rng.random(inputs.shape) < rate)
+  kind = rng.random(inputs.shape)
+  random_ids = rng.integers(tokenizer.FIRST_PIECE_ID, vocab_size, size=inputs.shape, dtype=np.int32)
+  out = np.where(chosen & (kind < 0.8), np.int32(tokenizer.MASK_ID), inputs)
+  out = np.where(chosen & (kind >= 0.8) & (kind < 0.9), random_ids, out)
+  return out.astype(np.int32), chosen.astype(np.float32)
+
+
+class PackBatches:
+  """Legacy grain operation: token arrays -> packed batches (see the module docstring).
+
+  It never reads a record beyond the ones a yielded batch uses, which is what makes the DataLoader's
+  last-seen-record state an exact resume point.
+  """
+
+  def __init__(self, *, batch_size: int, seq_len: int, task: str, max_segments: int | None, vocab_size: int,
+               seed: int, mlm_rate: float = 0.15):
+    self.batch_size, self.seq_len, self.task = batch_size, seq_len, task
+    self.max_segments, self.vocab_size, self.seed, self.mlm_rate = max_segments, vocab_size, seed, mlm_rate
+    self.counter = pipeline.Counter(f"text packing ({task})", every=10_000)
+
+  def _finish(self, inputs: np.ndarray, segs: np.ndarray, metadata) -> grain.Record:
+    mask = segs > 0
+    valid = mask.any(axis=1)
+    if self.task == "lm":
+      batch = {"inputs": inputs, "mask": mask, "weights": (mask & ~segment_starts(segs)).astype(np.float32),
+               "segment_ids": segs, "valid": valid}
+    else:
+      rng = np.random.default_rng([self.seed, int(metadata.index)])
+      corrupted, weights = mlm_corrupt(inputs, mask, rng, vocab_size=self.vocab_size, rate=self.mlm_rate)
+      batch = {"inputs": corrupted, "targets": inputs, "weights": weights, "mask": mask, "segment_ids": segs,
+               "valid": valid}
+    return grain.Record(metadata=metadata.remove_record_key(), data=batch)
+
+  def __call__(self, records):
+    b, length = self.batch_size, self.seq_len
+    inputs = np.zeros((b, length), np.int32)
+    segs = np.zeros((b, length), np.int32)
+    row = pos = nseg = 0
+    metadata = None
+    for rec in records:
+      metadata = rec.metadata
+      toks = rec.data
+      if self.max_segments is None:  # lm: continue across rows
+        while toks.size and row < b:
+          take = min(length - pos, toks.size)
+          nseg += 1
+          inputs[row, pos:pos + take] = toks[:take]
+          segs[row, pos:pos + take] = nseg
+          toks, pos = toks[take:], pos + take
+          if pos == length:
+            row, pos, nseg = row + 1, 0, 0
+        if toks.size:
+          self.counter.add("tokens dropped at batch ends", toks.size)
+      else:  # mlm: at most max_segments documents per row, truncated to the room left
+        take = min(length - pos, toks.size)
+        nseg += 1
+        inputs[row, pos:pos + take] = toks[:take]
+        segs[row, pos:pos + take] = nseg
+        if take < toks.size:
+          self.counter.add("tokens truncated", toks.size - take)
+        pos += take
+        if pos == length or nseg == self.max_segments:
+          row, pos, nseg = row + 1, 0, 0
+      if row == b:
+        yield self._finish(inputs, segs, metadata)
+        inputs = np.zeros((b, length), np.int32)
+        segs = np.zeros((b, length), np.int32)
+        row = pos = nseg = 0
+    if metadata is not None and (row or pos):  # end of a finite split: padded last batch
+      yield self._finish(inputs, segs, metadata)
+
+
+def create_dataset(config: Any, split: str, *, batch_size: int, seed: int, shard_index=None, shard_count=None,
+                   shuffle=None, num_epochs=None):
+  info = dataset_info(config)
+  source = text_source(config, split)
+  model = spm_path(config)
+  if not os.path.exists(model):
+    raise pipeline.missing(model, config.data.name, pipeline.cfg_get(config, "data_dir"), what="SentencePiece model")
+  ops = [
+    Tokenize(model, info.vocab_size),
+    PackBatches(batch_size=batch_size, seq_len=info.seq_len, task=info.task, max_segments=info.max_segments,
+                vocab_size=info.vocab_size, seed=seed, mlm_rate=float(pipeline.cfg_get(config, "mlm_rate", 0.15))),
+  ]
+  return pipeline.make_loader(
+    source, ops, split=split.partition("[")[0], batch_size=None, seed=seed, shard_index=shard_index,
+    shard_count=shard_count, shuffle=shuffle, num_epochs=num_epochs, config=config,
+  )
