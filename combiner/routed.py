@@ -55,15 +55,15 @@ def _check_cluster_ids(cluster_ids: Any, shape: tuple[int, int, int], num_cluste
   if not hasattr(cluster_ids, "shape") or tuple(cluster_ids.shape) != shape:
     raise ValueError(f"{op}: argument 'cluster_ids' must be an int array [batch, length, heads] = {shape}, "
                      f"got {getattr(cluster_ids, 'shape', type(cluster_ids).__name__)}")
-  cluster_ids = jnp.asarray(cluster_ids)
   if not jnp.issubdtype(cluster_ids.dtype, jnp.integer):
     raise TypeError(f"{op}: argument 'cluster_ids' must have an integer dtype, got {cluster_ids.dtype}")
-  if not isinstance(cluster_ids, jax.core.Tracer) and cluster_ids.size:
-    lo, hi = int(jnp.min(cluster_ids)), int(jnp.max(cluster_ids))
+  if not isinstance(cluster_ids, jax.core.Tracer):  # values are checkable only outside a trace
+    concrete = np.asarray(cluster_ids)
+    lo, hi = int(concrete.min()), int(concrete.max())
     if lo < 0 or hi >= num_clusters:
       raise ValueError(f"{op}: argument 'cluster_ids' must lie in [0, num_clusters={num_clusters}), "
                        f"got values in [{lo}, {hi}]")
-  return cluster_ids.astype(jnp.int32)
+  return jnp.asarray(cluster_ids).astype(jnp.int32)
 
 
 def routed(q: Array, k: Array, v: Array, *, cluster_ids: Array, num_clusters: int, causal: bool = False,

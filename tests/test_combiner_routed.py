@@ -1,0 +1,138 @@
+"""combiner.routed (Combiner-learnable, issue 5) against the from-definition reference in float64."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import combiner
+from combiner import reference
+from models import ops_registry
+
+
+@functools.partial(jax.jit, static_argnames=("num_clusters", "causal", "pooling"))
+def _routed(q, k, v, ids, mask, *, num_clusters, causal, pooling="max", pool_q=None, pool_k=None):
+  return combiner.routed(q, k, v, cluster_ids=ids, num_clusters=num_clusters, causal=causal, mask=mask,
+                         pooling=pooling, pool_q=pool_q, pool_k=pool_k)
+
+
+def _inputs(seed, b, n, h, d, dv, clusters):
+  ks = jax.random.split(jax.random.key(seed), 5)
+  q = jax.random.normal(ks[0], (b, n, h, d), jnp.float64)
+  k = jax.random.normal(ks[1], (b, n, h, d), jnp.float64)
+  v = jax.random.normal(ks[2], (b, n, h, dv), jnp.float64)
+  # Skewed cluster ids: some clusters large, some empty, so chunks straddle clusters.
+  ids = jnp.minimum(jax.random.randint(ks[3], (b, n, h), 0, clusters + 2), clusters - 1)
+  mask = jax.random.bernoulli(ks[4], 0.75, (b, n)).at[:, 0].set(True)
+  return q, k, v, ids, mask
+
+
+def _real(out, mask):
+  return np.where(np.asarray(mask)[:, :, None, None], np.asarray(out), 0.0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("n,clusters", [(1, 1), (10, 4), (13, 3)])
+def test_matches_reference(causal, n, clusters):
+  with jax.enable_x64(True):
+    q, k, v, ids, mask = _inputs(n, 2, n, 2, 3, 4, clusters)
+    for pooling in ("max", "mean"):
+      out = _routed(q, k, v, ids, mask, num_clusters=clusters, causal=causal, pooling=pooling)
+      assert out.dtype == jnp.float64 and out.shape == v.shape
+      want = reference.reference_op("routed", q, k, v, causal=causal, mask=mask, pooling=pooling,
+                                    cluster_ids=ids, num_clusters=clusters)
+      np.testing.assert_allclose(_real(out, mask), _real(want, mask), rtol=1e-10, atol=1e-12)
+
+
+def test_pool_vectors_match_reference():
+  with jax.enable_x64(True):
+    q, k, v, ids, mask = _inputs(3, 1, 9, 2, 3, 2, 3)
+    pq, pk = jax.nn.relu(k[..., ::-1]), jax.nn.relu(q + 1.0)
+    for causal in (False, True):
+      out = _routed(q, k, v, ids, mask, num_clusters=3, causal=causal, pool_q=pq, pool_k=pk)
+      want = reference.reference_op("routed", q, k, v, causal=causal, mask=mask, pool_q=pq, pool_k=pk,
+                                    cluster_ids=ids, num_clusters=3)
+      np.testing.assert_allclose(_real(out, mask), _real(want, mask), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_full_support_rows_sum_to_one_and_causal_zeros(causal):
+  """A from one-hot values (v = I): positive exactly on Omega_i, rows sum to 1, zeros above the diagonal."""
+  with jax.enable_x64(True):
+    n = 12
+    q, k, _, ids, mask = _inputs(5, 1, n, 1, 3, 1, 4)
+    eye = jnp.eye(n, dtype=jnp.float64)[None, :, None, :]  # [1, n, 1, n]: value of key j = e_j
+    a = np.asarray(_routed(q, k, eye, ids, mask, num_clusters=4, causal=causal))[0, :, 0, :]  # [query, key]
+    real = np.asarray(mask[0])
+    omega = np.broadcast_to(real[None, :], (n, n))
+    if causal:
+      omega = omega & np.tril(np.ones((n, n), bool))
+    rows = real  # padded query rows are don't-care
+    assert np.all(a[rows][omega[rows]] > 0)
+    assert np.all(a[rows][~omega[rows]] == 0.0)
+    np.testing.assert_allclose(a[rows].sum(-1), 1.0, rtol=1e-12)
+
+
+def test_padding_invariance_gradients_and_bf16():
+  q, k, v, ids, mask = (x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x
+                        for x in _inputs(7, 2, 16, 2, 8, 8, 4))
+  pad = ~mask[:, :, None, None]
+  noise = 50.0 * jax.random.normal(jax.random.key(1), q.shape)
+  for causal in (False, True):
+    out = _routed(q, k, v, ids, mask, num_clusters=4, causal=causal)
+    out2 = _routed(jnp.where(pad, noise, q), jnp.where(pad, -noise, k), jnp.where(pad, noise, v), ids, mask,
+                   num_clusters=4, causal=causal)
+    np.testing.assert_allclose(_real(out, mask), _real(out2, mask), rtol=1e-5, atol=1e-6)
+    assert bool(jnp.isfinite(out2).all())
+  b16 = _routed(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), ids, mask,
+                num_clusters=4, causal=True)
+  assert b16.dtype == jnp.bfloat16
+  np.testing.assert_allclose(_real(b16.astype(jnp.float32), mask), _real(out, mask), atol=0.1)
+
+  def loss(q_, k_, v_):
+    return jnp.sum(combiner.routed(q_, k_, v_, cluster_ids=ids, num_clusters=4, causal=True, mask=mask) ** 2)
+
+  grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+  assert all(bool(jnp.isfinite(g).all()) for g in grads)
+
+
+def test_causal_jacobian_exact_zeros():
+  with jax.enable_x64(True):
+    n = 9
+    q, k, v, ids, _ = _inputs(11, 1, n, 1, 3, 2, 3)
+
+    def f(q_, k_, v_):
+      return combiner.routed(q_, k_, v_, cluster_ids=ids, num_clusters=3, causal=True)[0, :, 0, 0]
+
+    jacs = jax.jit(jax.jacrev(f, argnums=(0, 1, 2)))(q, k, v)
+    future = np.triu(np.ones((n, n), bool), 1)
+    for jac in jacs:
+      j = np.abs(np.asarray(jac)[:, 0, :, 0, :]).sum(-1)  # [out position, in position]
+      assert np.all(j[future] == 0.0)
+      assert np.any(j[~future] != 0.0)
+
+
+def test_rejects_bad_arguments():
+  q = jnp.ones((1, 5, 2, 3))
+  ids = jnp.zeros((1, 5, 2), jnp.int32)
+  with pytest.raises(ValueError, match="cluster_ids"):
+    combiner.routed(q, q, q, cluster_ids=ids + 3, num_clusters=3)
+  with pytest.raises(ValueError, match="cluster_ids"):
+    combiner.routed(q, q, q, cluster_ids=ids[:, :4], num_clusters=3)
+  with pytest.raises(TypeError, match="cluster_ids"):
+    combiner.routed(q, q, q, cluster_ids=ids.astype(jnp.float32), num_clusters=3)
+  with pytest.raises(ValueError, match="num_clusters"):
+    combiner.routed(q, q, q, cluster_ids=ids, num_clusters=0)
+  with pytest.raises(ValueError, match="pooling"):
+    combiner.routed(q, q, q, cluster_ids=ids, num_clusters=2, pooling="sum")
+
+
+def test_registered_ops_run_under_jit():
+  q = jax.random.normal(jax.random.key(0), (1, 20, 2, 8))
+  for name in ("routing", "combiner_routed"):
+    spec = ops_registry.get(name)
+    params = spec.params(20)
+    out = jax.jit(functools.partial(spec.fn, causal=True, **params))(q, q, q)
+    assert out.shape == q.shape and bool(jnp.isfinite(out).all())
