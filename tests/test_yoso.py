@@ -1,0 +1,324 @@
+"""YOSO attention: hashing statistics, convergence to YOSO-E, the custom backward, masking and bad arguments.
+
+Statistical checks are seeded and compare against the Monte-Carlo standard error they measure themselves, with
+margins (>= 6 standard errors) that a correct implementation passes for any seed, while a wrong expectation
+(an off-by-one tau, a dropped hash, a biased backward) misses by tens of standard errors.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from yoso import hashing
+from yoso.attention import expected_collision, l2_normalize, yoso, yoso_e
+
+
+def _key(seed):
+  # RBG keys compile in a fraction of threefry's time; the op treats every key impl alike.
+  return jax.random.key(seed, impl="rbg")
+
+
+def _inputs(seed, b=1, length=10, h=2, d=8, e=5, dtype=jnp.float64):
+  rng = np.random.default_rng(seed)
+  q = rng.normal(size=(b, length, h, d))
+  # Keys correlated with queries give a spread of collision probabilities (not all near 2^-tau).
+  k = q + 0.8 * rng.normal(size=(b, length, h, d))
+  v = rng.normal(size=(b, length, h, e))
+  return tuple(jnp.asarray(x, dtype) for x in (q, k, v))
+
+
+def _surrogate(q, k, v, mask, tau):
+  """From the definition: P V on normalised q, k, where dP/d(q.k) is replaced by (tau/2) P (paper eq. 4)."""
+  qn, kn = l2_normalize(q), l2_normalize(k)
+  cos = jnp.einsum("bqhd,bkhd->bhqk", qn, kn)
+
+  @jax.custom_jvp
+  def prob(c):
+    return (1 - jnp.arccos(c) / np.pi) ** tau
+
+  @prob.defjvp
+  def _(primals, tangents):
+    p = prob(primals[0])
+    return p, (tau / 2) * p * tangents[0]
+
+  p = jnp.where(mask[:, None, None, :], prob(cos), 0.0)
+  return jnp.einsum("bhqk,bkhe->bqhe", p, v)
+
+
+def _reference_yoso_e(q, k, v, mask, tau, normalize):
+  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  out = np.zeros(v.shape)
+  for bi in range(q.shape[0]):
+    for hi in range(q.shape[2]):
+      qn = q[bi, :, hi] / np.linalg.norm(q[bi, :, hi], axis=-1, keepdims=True)
+      kn = k[bi, :, hi] / np.linalg.norm(k[bi, :, hi], axis=-1, keepdims=True)
+      p = (1 - np.arccos(np.clip(qn @ kn.T, -1, 1)) / np.pi) ** tau * np.asarray(mask[bi])[None, :]
+      y = p @ v[bi, :, hi]
+      out[bi, :, hi] = y / np.linalg.norm(y, axis=-1, keepdims=True) if normalize else y
+  return out
+
+
+# ----------------------------------------------------------------------------------------------- hashing
+
+
+def test_hadamard_matches_sylvester_matrix():
+  with jax.enable_x64(True):
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(3, 16)))
+    hmat = np.array([[1.0]])
+    for _ in range(4):
+      hmat = np.block([[hmat, hmat], [hmat, -hmat]])
+    np.testing.assert_allclose(hashing.hadamard(x), np.asarray(x) @ hmat.T, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("method,rel_tol", [("gaussian", None), ("fast", 0.25)])
+def test_collision_rate_matches_hyperplane_probability(method, rel_tol):
+  # Pairs of unit vectors at known angles in d = 64; each hash of each draw is one Bernoulli sample.
+  d, tau, m, draws = 64, 6, 32, 300
+  rng = np.random.default_rng(0)
+  thetas = np.array([0.2, 0.6, 1.0, 1.6, 2.4])
+  x = rng.normal(size=(len(thetas), d))
+  x /= np.linalg.norm(x, axis=-1, keepdims=True)
+  u = rng.normal(size=(len(thetas), d))
+  u -= np.sum(u * x, -1, keepdims=True) * x
+  u /= np.linalg.norm(u, axis=-1, keepdims=True)
+  y = np.cos(thetas)[:, None] * x + np.sin(thetas)[:, None] * u
+  pairs = jnp.asarray(np.stack([x, y]), jnp.float32)[:, :, None, :]  # [2, pairs, heads=1, d]
+  codes = jax.jit(jax.vmap(lambda r: hashing.hash_codes(pairs, r, num_hashes=m, tau=tau, method=method)))(
+      jax.random.split(_key(1), draws))  # [draws, 2, pairs, 1, m]
+  assert codes.dtype == jnp.int32 and int(codes.min()) >= 0 and int(codes.max()) < 2**tau
+  rate = np.asarray(jnp.mean(codes[:, 0] == codes[:, 1], axis=(0, 2, 3)))
+  expected = (1 - thetas / np.pi) ** tau
+  if rel_tol is None:  # independent hyperplanes: exact in expectation, binomial standard error
+    se = np.sqrt(expected * (1 - expected) / (draws * m))
+    np.testing.assert_array_less(np.abs(rate - expected), 6 * se + 1e-4)
+  else:  # orthogonal rotated coordinates: close, not exact
+    np.testing.assert_allclose(rate, expected, rtol=rel_tol, atol=2e-3)
+
+
+def test_hash_functions_depend_only_on_rng_and_head():
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 5, 3, 8)), jnp.float32)
+
+  @jax.jit
+  def codes(x, r):
+    return [hashing.hash_codes(x, r, num_hashes=4, tau=5, method=m) for m in ("gaussian", "fast")]
+
+  a, b, c = codes(x, _key(7)), codes(x[1:, 2:], _key(7)), codes(x, _key(8))
+  for a, b, c in zip(a, b, c, strict=True):
+    np.testing.assert_array_equal(a[1:, 2:], b)
+    assert np.mean(np.asarray(a) != np.asarray(c)) > 0.5
+
+
+# ----------------------------------------------------------------------------------------------- forward
+
+
+def test_yoso_e_matches_definition():
+  with jax.enable_x64(True):
+    q, k, v = _inputs(0, b=2, length=7)
+    mask = jnp.ones((2, 7), bool).at[1, 2:4].set(False)
+    for normalize in (True, False):
+      out = yoso_e(q, k, v, tau=3, mask=mask, normalize_output=normalize)
+      assert out.dtype == jnp.float64
+      np.testing.assert_allclose(out, _reference_yoso_e(q, k, v, mask, 3, normalize), rtol=1e-10, atol=1e-12)
+
+
+def test_sampled_mean_converges_to_yoso_e_and_variance_falls_as_one_over_m():
+  with jax.enable_x64(True):
+    q, k, v = _inputs(1)
+    mask = jnp.ones((1, 10), bool).at[0, 6].set(False)
+    tau, draws = 3, 400
+    expect = yoso_e(q, k, v, tau=tau, mask=mask, normalize_output=False)
+    total_var = {}
+    for m in (4, 16):
+      f = jax.jit(jax.vmap(lambda r, m=m: yoso(q, k, v, rng=r, num_hashes=m, tau=tau, mask=mask,
+                                               normalize_output=False)))
+      samples = f(jax.random.split(_key(m), draws))  # [draws, b, L, h, e]
+      mean, std = samples.mean(0), samples.std(0)
+      np.testing.assert_array_less(np.abs(mean - expect), 6 * std / np.sqrt(draws) + 1e-9)
+      total_var[m] = float(jnp.sum(std**2))
+    # Hashes are independent, so the total variance falls as 1/m: ratio 4 for m = 4 -> 16.
+    assert 2.8 < total_var[4] / total_var[16] < 5.5, total_var
+    # An off-by-one tau is many standard errors away: the check above can fail.
+    wrong = yoso_e(q, k, v, tau=tau + 1, mask=mask, normalize_output=False)
+    assert float(jnp.max(jnp.abs(wrong - expect) / (std / np.sqrt(draws) + 1e-9))) > 20
+
+
+def test_normalized_output_is_the_unit_row_of_the_raw_output():
+  with jax.enable_x64(True):
+    q, k, v = _inputs(2, length=9)
+    f = jax.jit(lambda r: (yoso(q, k, v, rng=r, num_hashes=8, tau=2, normalize_output=False),
+                           yoso(q, k, v, rng=r, num_hashes=8, tau=2)))
+    raw, out = f(_key(3))
+    norms = np.linalg.norm(np.asarray(raw), axis=-1, keepdims=True)
+    assert np.all(norms > 1e-3)
+    np.testing.assert_allclose(out, np.asarray(raw) / norms, rtol=1e-12)
+
+
+def test_masked_keys_contribute_nothing_and_padding_is_invariant():
+  with jax.enable_x64(True):
+    q, k, v = _inputs(4, length=8)
+    mask = jnp.array([[True, True, False, True, True, False, True, False]])
+    real = np.flatnonzero(np.asarray(mask[0]))
+    junk = jnp.asarray(np.random.default_rng(9).normal(size=q.shape)) * 100
+    k2 = jnp.where(mask[..., None, None], k, junk)
+    v2 = jnp.where(mask[..., None, None], v, junk[..., :5])
+    rng = _key(5)
+    kwargs = dict(rng=rng, num_hashes=16, tau=2)
+    f = jax.jit(lambda q, k, v, mask: yoso(q, k, v, mask=mask, **kwargs))
+    out = f(q, k, v, mask)
+    np.testing.assert_array_equal(out, f(q, k2, v2, mask))
+    # Same as the sequence with the masked positions removed (hash functions do not depend on length).
+    short = f(q[:, real], k[:, real], v[:, real], mask[:, real])
+    np.testing.assert_allclose(out[:, real], short, rtol=1e-12, atol=1e-14)
+    # And no gradient reaches masked keys or values.
+    grads = jax.jit(jax.grad(lambda kk, vv: jnp.sum(f(q, kk, vv, mask) ** 3), argnums=(0, 1)))(k, v)
+    for g in grads:
+      assert np.all(np.asarray(g)[:, ~np.asarray(mask[0])] == 0)
+      assert np.any(np.asarray(g)[:, real] != 0)
+
+
+def test_finite_for_zero_vectors_and_fully_padded_rows():
+  q, k, v = _inputs(5, b=2, length=6, dtype=jnp.float32)
+  q = q.at[0, 1].set(0.0)
+  k = k.at[0, 2].set(0.0)
+  v = v.at[0, 3].set(0.0)
+  mask = jnp.ones((2, 6), bool).at[1].set(False)  # a batch row with no real key at all
+  fns = (lambda q, k, v: yoso(q, k, v, rng=_key(0), num_hashes=4, tau=4, mask=mask),
+         lambda q, k, v: yoso_e(q, k, v, tau=4, mask=mask),
+         lambda q, k, v: yoso(q, q, v, rng=_key(0), num_hashes=4, tau=4, backward="dense"))
+
+  @jax.jit
+  def all_grads(q, k, v):
+    return [jax.value_and_grad(lambda *a, fn=fn: jnp.sum(fn(*a) * v), argnums=(0, 1, 2))(q, k, v) for fn in fns]
+
+  for out, grads in all_grads(q, k, v):
+    assert np.isfinite(out)
+    for g in grads:
+      assert np.all(np.isfinite(np.asarray(g)))
+
+
+def test_dtype_jit_length_one_and_key_kinds():
+  q, k, v = _inputs(6, length=5, dtype=jnp.bfloat16)
+
+  @jax.jit
+  def run(q, k, v):
+    return (yoso(q, k, v, rng=jax.random.key(0), num_hashes=4, tau=3, hash="fast"),
+            yoso_e(q, k, v, tau=3),
+            yoso(q[:, :1], k[:, :1], v[:, :1], rng=_key(0), num_hashes=3, tau=2),
+            # Old-style uint32 keys are accepted and equal to the typed key with the same data.
+            yoso(q, k, v, rng=jax.random.PRNGKey(0), num_hashes=4, tau=3, hash="fast"))
+
+  out, expect, one, old = run(q, k, v)
+  assert out.dtype == jnp.bfloat16 and out.shape == v.shape and expect.dtype == jnp.bfloat16
+  assert np.all(np.isfinite(np.asarray(one, np.float32)))
+  np.testing.assert_array_equal(np.asarray(old, np.float32), np.asarray(out, np.float32))
+
+
+# ----------------------------------------------------------------------------------------------- backward
+
+
+def _grads(fn, q, k, v):
+  return jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v) * jnp.cos(jnp.arange(v.shape[-1]))), argnums=(0, 1, 2))(
+      q, k, v)
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_dense_backward_matches_surrogate_exactly(normalize):
+  with jax.enable_x64(True):
+    q, k, v = _inputs(7, b=2, length=6)
+    mask = jnp.ones((2, 6), bool).at[0, 4].set(False)
+    rng = _key(11)
+    sampled = yoso(q, k, v, rng=rng, num_hashes=5, tau=3, mask=mask, normalize_output=False)
+
+    def reference(q, k, v):
+      # The sampled forward value with the surrogate's gradient, then (maybe) the l2 normalisation.
+      s = _surrogate(q, k, v, mask, 3)
+      y = jax.lax.stop_gradient(sampled) + s - jax.lax.stop_gradient(s)
+      return l2_normalize(y) if normalize else y
+
+    got = _grads(lambda q, k, v: yoso(q, k, v, rng=rng, num_hashes=5, tau=3, mask=mask, backward="dense",
+                                      normalize_output=normalize), q, k, v)
+    want = _grads(reference, q, k, v)
+    for g, w in zip(got, want, strict=True):
+      np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("features", [None, 2])
+def test_sampled_backward_is_unbiased_for_surrogate_gradient(features):
+  # The forward's codes are re-used; dV is exact in expectation, dQ/dK too (features=2 adds an unbiased sketch).
+  with jax.enable_x64(True):
+    q, k, v = _inputs(8, length=8, e=4)
+    mask = jnp.ones((1, 8), bool).at[0, 5].set(False)
+    tau, m, draws = 3, 8, 300
+    want = _grads(lambda q, k, v: _surrogate(q, k, v, mask, tau), q, k, v)
+    one = jax.jit(jax.vmap(lambda r: _grads(
+        lambda q, k, v: yoso(q, k, v, rng=r, num_hashes=m, tau=tau, mask=mask, normalize_output=False,
+                             backward_features=features), q, k, v)))
+    got = one(jax.random.split(_key(12), draws))
+    for name, g, w in zip("qkv", got, want, strict=True):
+      mean, se = g.mean(0), g.std(0) / np.sqrt(draws)
+      err = np.abs(np.asarray(mean - w))
+      assert np.all(err < 6 * se + 1e-9), (name, float(np.max(err / (se + 1e-9))))
+      # Not vacuous: the noise is small next to the gradient itself.
+      assert float(jnp.max(se)) < 0.2 * float(jnp.max(jnp.abs(w))), name
+
+
+def test_sampled_backward_matches_definition_with_forward_codes():
+  # From the definition with the forward's own codes (B^t per hash t), exact for backward_features=None:
+  # dV_j = 1/m sum_t,i B_ij dY_i, dQn_i = (tau/2)/m sum_t,j B_ij (dY_i.v_j) kn_j, dKn_j likewise; then the
+  # normalisations of q and k by autodiff. Re-hashing in the backward (another rng) would not match.
+  with jax.enable_x64(True):
+    q, k, v = _inputs(9, b=2, length=7)
+    mask = jnp.ones((2, 7), bool).at[1, 3].set(False)
+    rng, tau, m = _key(2), 2, 6
+    fn = lambda q, k, v: yoso(q, k, v, rng=rng, num_hashes=m, tau=tau, mask=mask, normalize_output=False,
+                              backward_features=None)
+    got = jax.jit(lambda q, k, v: _grads(fn, q, k, v))(q, k, v)
+    hash_rng = jax.random.split(rng)[0]
+    qn, kn = l2_normalize(q), l2_normalize(k)
+    qc = np.asarray(hashing.hash_codes(qn, hash_rng, num_hashes=m, tau=tau))
+    kc = np.asarray(hashing.hash_codes(kn, hash_rng, num_hashes=m, tau=tau))
+    bmat = (qc[:, :, None] == kc[:, None, :]) * np.asarray(mask)[:, None, :, None, None]  # [b, Lq, Lk, h, m]
+    bmat = bmat.mean(-1)
+    np.testing.assert_allclose(fn(q, k, v), np.einsum("bqkh,bkhe->bqhe", bmat, v), rtol=1e-12, atol=1e-12)
+    dy = np.broadcast_to(np.cos(np.arange(v.shape[-1])), v.shape)
+    w = bmat * np.einsum("bqhe,bkhe->bqkh", dy, v)  # B_ij (dY_i . v_j)
+    dqn = (tau / 2) * np.einsum("bqkh,bkhd->bqhd", w, kn)
+    dkn = (tau / 2) * np.einsum("bqkh,bqhd->bkhd", w, qn)
+    np.testing.assert_allclose(got[2], np.einsum("bqkh,bqhe->bkhe", bmat, dy), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(got[0], jax.vjp(l2_normalize, q)[1](dqn)[0], rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(got[1], jax.vjp(l2_normalize, k)[1](dkn)[0], rtol=1e-10, atol=1e-12)
+
+
+def test_expected_collision_is_finite_at_parallel_vectors():
+  c = jnp.array([1.0, -1.0, 1.0000001, 0.3], jnp.float32)
+  p, g = jax.value_and_grad(lambda c: jnp.sum(expected_collision(c, 8)))(c)
+  assert np.isfinite(p) and np.all(np.isfinite(np.asarray(g)))
+
+
+# ----------------------------------------------------------------------------------------------- arguments
+
+
+def test_bad_arguments_raise_naming_the_argument():
+  q, k, v = _inputs(10, length=4, d=6, dtype=jnp.float32)
+  good = dict(rng=jax.random.key(0), num_hashes=2, tau=3)
+  with pytest.raises(ValueError, match="'causal'"):
+    yoso(q, k, v, causal=True, **good)
+  with pytest.raises(ValueError, match="'causal'"):
+    yoso_e(q, k, v, tau=3, causal=True)
+  with pytest.raises(ValueError, match="'hash'.*power-of-two head_dim"):
+    yoso(q, k, v, hash="fast", **good)
+  with pytest.raises(ValueError, match="'hash'"):
+    yoso(q, k, v, hash="simhash", **good)
+  with pytest.raises(ValueError, match="'num_hashes'"):
+    yoso(q, k, v, rng=good["rng"], num_hashes=0, tau=3)
+  with pytest.raises(ValueError, match="'tau'"):
+    yoso(q, k, v, rng=good["rng"], num_hashes=2, tau=40)
+  with pytest.raises(ValueError, match="'backward'"):
+    yoso(q, k, v, backward="exact", **good)
+  with pytest.raises(ValueError, match="'backward_features'"):
+    yoso(q, k, v, backward_features=0, **good)
+  with pytest.raises(TypeError, match="'rng'"):
+    yoso(q, k, v, rng=None, num_hashes=2, tau=3)
+  with pytest.raises(ValueError, match="'mask'"):
+    yoso(q, k, v, mask=jnp.ones((1, 3), bool), **good)

@@ -1,0 +1,16 @@
+"""Registers the YOSO pure ops (bidirectional only; the benchmark uses the paper's m = 32, tau = 8)."""
+
+import jax
+
+from models.ops_registry import OpSpec, register
+from yoso.attention import yoso, yoso_e
+
+register(OpSpec(
+    "yoso", yoso, causal=False, bidirectional=True,
+    # A fixed key: the benchmark times one sample; models pass a fresh key per training step.
+    params=lambda length: {"rng": jax.random.key(0), "num_hashes": 32, "tau": 8},
+    description="YOSO-32: LSH Bernoulli sampling, tau=8, O(L*m*d) forward, sampled linear-cost backward"))
+register(OpSpec(
+    "yoso_e", yoso_e, causal=False, bidirectional=True,
+    params=lambda length: {"tau": 8},
+    description="YOSO-E: expected collision probability attention, tau=8, O(L^2)"))
