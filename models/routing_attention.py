@@ -15,8 +15,8 @@ optimizer never sees it), update them by an EMA of the assigned layer-normed vec
 data-sharded batch every device applies the same global update.
 
 Config fields (`config.model.attention`), besides `name`, `params`, `dropout_rate`:
-  params.num_clusters  int, or "auto" = sqrt(seq_len) rounded up to a power of two, which needs the field
-                       `seq_len` (the configs set it); fixed at construction because it shapes the state
+  params.num_clusters  int, or "auto" = sqrt(length) rounded up to a power of two at call time, using the first
+                       rows of `max_clusters` (default 128, enough up to L = 16384) allocated centroids
   params.window        int or "auto" (= ceil(length / num_clusters) at call time); routing only
   params.block_size    local heads' block, int or "auto" (= the window); routing only
   params.pooling       "max" | "mean"; combiner_routed only
@@ -47,10 +47,13 @@ from routing.local import local_attention
 
 Array = Any
 AUTO = "auto"
+# "auto" clusters depend on the length, unknown at construction: allocate this many centroids and use the first
+# sqrt_pow2(L) of them (an unused centroid gets no assignment, so its EMA leaves it exactly unchanged).
+DEFAULT_MAX_CLUSTERS = 128
 
 ROUTING_FIELDS = ("routing_heads", "routing_layers", "share_qk", "scale_logits", "mask_self", "ema_decay",
-                  "centroid_seed", "seq_len")
-ROUTED_FIELDS = ("ema_decay", "centroid_seed", "seq_len")
+                  "centroid_seed", "max_clusters")
+ROUTED_FIELDS = ("ema_decay", "centroid_seed", "max_clusters")
 
 
 class Centroids(nnx.Variable):
@@ -62,17 +65,26 @@ def _params(config: ml_collections.ConfigDict) -> dict[str, Any]:
   return dict(params.to_dict() if isinstance(params, ml_collections.ConfigDict) else (params or {}))
 
 
-def _num_clusters(config: ml_collections.ConfigDict, name: str) -> int:
+def _cluster_state(config: ml_collections.ConfigDict, name: str) -> tuple[int | None, int]:
+  """(num_clusters or None for "auto", number of centroid rows to allocate)."""
   value = _params(config).get("num_clusters", AUTO)
   if isinstance(value, str) and value == AUTO:
-    seq_len = config.get("seq_len", None)
-    if not seq_len:
-      raise ValueError(f"attention {name!r}: params.num_clusters='auto' needs config.model.attention.seq_len "
-                       "(the centroid state is shaped at construction); set an int num_clusters or seq_len")
-    return ops_registry.sqrt_pow2(int(seq_len))
+    rows = config.get("max_clusters", None) or DEFAULT_MAX_CLUSTERS
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+      raise ValueError(f"attention {name!r}: max_clusters must be a positive int, got {rows!r}")
+    return None, rows
   if isinstance(value, bool) or not isinstance(value, int) or value < 1:
     raise ValueError(f"attention {name!r}: params.num_clusters must be a positive int or 'auto', got {value!r}")
-  return value
+  return value, value
+
+
+def _clusters_for(num_clusters: int | None, rows: int, length: int, name: str) -> int:
+  """The clusters used at this length: the configured number, or sqrt(L) rounded up to a power of two."""
+  clusters = num_clusters or ops_registry.sqrt_pow2(length)
+  if clusters > rows:
+    raise ValueError(f"attention {name!r}: 'auto' wants {clusters} clusters at length {length} but only "
+                     f"max_clusters={rows} centroids exist; raise config.model.attention.max_clusters")
+  return clusters
 
 
 def _int_or_auto(value: Any, auto: int, name: str) -> int:
@@ -95,10 +107,12 @@ class _CentroidMixin:
     # Fixed-seed init keeps construction a pure function of the config (no draw from the params stream).
     self.centroids = Centroids(kmeans.init_centroids(jax.random.key(seed), heads, clusters, head_dim))
 
-  def _update(self, aux: Any, *, deterministic: bool) -> None:
+  def _update(self, aux: Any, clusters: int, *, deterministic: bool) -> None:
+    """Sows the commitment loss; in training, moves the first `clusters` centroids (the ones in use)."""
     self.sow(nnx.Intermediate, "aux_loss", aux.commit_loss.astype(jnp.float32))
     if not deterministic:
-      self.centroids[...] = kmeans.ema_update(self.centroids[...], aux.stats, self.ema_decay)
+      mu = self.centroids[...]
+      self.centroids[...] = mu.at[:, :clusters].set(kmeans.ema_update(mu[:, :clusters], aux.stats, self.ema_decay))
 
 
 class RoutingAttention(attention.AttentionBase, _CentroidMixin):
@@ -133,27 +147,28 @@ class RoutingAttention(attention.AttentionBase, _CentroidMixin):
     self.share_qk = bool(causal if share_qk is None else share_qk)
     self.scale_logits = bool(config.get("scale_logits", True))
     self.mask_self = bool(config.get("mask_self", False))
-    self.num_clusters = _num_clusters(config, "routing")
+    self.num_clusters, rows = _cluster_state(config, "routing")
     if routing_heads:
-      self._init_centroids(config, routing_heads, self.num_clusters, head_dim, layer)
+      self._init_centroids(config, routing_heads, rows, head_dim, layer)
     else:
       self.ema_decay, self.centroids = None, None
 
   def __call__(self, x: Array, mask: Array | None, *, deterministic: bool) -> Array:
     q, k, v = self.project(x)  # [batch, length, heads, head_dim]
     length = x.shape[1]
-    window = min(_int_or_auto(self.window_param, -(-length // self.num_clusters), "window"), length)
-    block = _int_or_auto(self.block_param, window, "block_size")
     r = self.routing_heads
+    clusters = _clusters_for(self.num_clusters, self.centroids.shape[1], length, "routing") if r else 1
+    window = min(_int_or_auto(self.window_param, -(-length // clusters), "window"), length)
+    block = _int_or_auto(self.block_param, window, "block_size")
     parts = []
     if r < self.num_heads:
       parts.append(local_attention(q[:, :, r:], k[:, :, r:], v[:, :, r:], block_size=block, causal=self.causal,
                                    mask=mask))  # [batch, length, local_heads, head_dim]
     if r:
-      o, aux = routing_attention(q[:, :, :r], k[:, :, :r], v[:, :, :r], centroids=self.centroids[...],
+      o, aux = routing_attention(q[:, :, :r], k[:, :, :r], v[:, :, :r], centroids=self.centroids[:, :clusters],
                                  window=window, causal=self.causal, mask=mask, share_qk=self.share_qk,
                                  scale_logits=self.scale_logits, mask_self=self.mask_self)
-      self._update(aux, deterministic=deterministic)
+      self._update(aux, clusters, deterministic=deterministic)
       parts.insert(0, o)  # [batch, length, routing_heads, head_dim]
     o = jnp.concatenate(parts, axis=2) if len(parts) > 1 else parts[0]  # [batch, length, heads, head_dim]
     return self.output(o, deterministic=deterministic)
@@ -173,15 +188,16 @@ class RoutedCombinerAttention(attention.AttentionBase, _CentroidMixin):
       raise ValueError(f"attention 'combiner_routed' does not take parameters {extra}; its parameters: "
                        "['num_clusters', 'pooling']")
     self.pooling = str(params.get("pooling", "max"))
-    self.num_clusters = _num_clusters(config, "combiner_routed")
-    self._init_centroids(config, num_heads, self.num_clusters, head_dim, layer)
+    self.num_clusters, rows = _cluster_state(config, "combiner_routed")
+    self._init_centroids(config, num_heads, rows, head_dim, layer)
 
   def __call__(self, x: Array, mask: Array | None, *, deterministic: bool) -> Array:
     q, k, v = self.project(x)  # [batch, length, heads, head_dim]
     if mask is None:
       mask = jnp.ones(x.shape[:2], bool)
     ct = jnp.promote_types(q.dtype, jnp.float32)
-    mu = self.centroids[...]
+    clusters = _clusters_for(self.num_clusters, self.centroids.shape[1], x.shape[1], "combiner_routed")
+    mu = self.centroids[:, :clusters]
     # The plan needs one partition per head shared by queries and keys: a token goes to the centroid closest to
     # its query and key together (the Combiner plan handles causality itself, so no shared QK is needed).
     qn = kmeans.layer_norm(q.astype(ct))  # [batch, length, heads, head_dim]
@@ -189,15 +205,15 @@ class RoutedCombinerAttention(attention.AttentionBase, _CentroidMixin):
     q_scores = kmeans.scores(qn, mu)  # [batch, heads, clusters, length]
     k_scores = kmeans.scores(kn, mu)
     ids = kmeans.nearest_centroid(q_scores + k_scores).transpose(0, 2, 1)  # [batch, length, heads]
-    o = combiner.routed(q, k, v, cluster_ids=ids, num_clusters=self.num_clusters, causal=self.causal, mask=mask,
+    o = combiner.routed(q, k, v, cluster_ids=ids, num_clusters=clusters, causal=self.causal, mask=mask,
                         pooling=self.pooling)  # [batch, length, heads, head_dim]
     q_assign = kmeans.nearest_centroid(q_scores)
     k_assign = kmeans.nearest_centroid(k_scores)
-    stats = kmeans.merge_stats(kmeans.centroid_stats(qn, q_assign, mask, self.num_clusters),
-                               kmeans.centroid_stats(kn, k_assign, mask, self.num_clusters))
+    stats = kmeans.merge_stats(kmeans.centroid_stats(qn, q_assign, mask, clusters),
+                               kmeans.centroid_stats(kn, k_assign, mask, clusters))
     commit = 0.5 * (kmeans.commitment_loss(qn, q_assign, mu, mask) + kmeans.commitment_loss(kn, k_assign, mu, mask))
 
-    self._update(RoutingAux(stats, commit), deterministic=deterministic)
+    self._update(RoutingAux(stats, commit), clusters, deterministic=deterministic)
     return self.output(o, deterministic=deterministic)
 
 

@@ -1,0 +1,139 @@
+"""Routing model modules (issue 5): centroid state, EMA in training only, sharded update, checkpoints, causality."""
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from models import registry
+from models.routing_attention import Centroids
+from routing.local import local_attention
+
+FEATURES, HEADS, HEAD_DIM, LENGTH = 16, 4, 4, 16
+
+
+def _build(name, causal=True, **fields):
+  params = fields.pop("params", {"num_clusters": 4})
+  cfg = ml_collections.ConfigDict(dict(name=name, params=params, dropout_rate=0.0, **fields))
+  return registry.build(cfg, features=FEATURES, num_heads=HEADS, head_dim=HEAD_DIM, causal=causal,
+                        dtype=jnp.float32, rngs=nnx.Rngs(params=0, dropout=1, attention=2))
+
+
+def _x(batch=2, seed=0):
+  return jax.random.normal(jax.random.key(seed), (batch, LENGTH, FEATURES))
+
+
+def _step(module, x, deterministic):
+  """One jitted call through split/merge, as a train step does: returns (y, new state, sown aux losses)."""
+  graphdef, state = nnx.split(module)
+
+  @jax.jit
+  def f(state, x):
+    m = nnx.merge(graphdef, state)
+    y = m(x, None, deterministic=deterministic)
+    sown = nnx.pop(m, nnx.Intermediate)
+    return y, nnx.state(m), sown
+
+  return f(state, x)
+
+
+@pytest.mark.parametrize("name", ["routing", "combiner_routed"])
+def test_centroids_move_in_training_only_and_aux_loss_is_sown(name):
+  m = _build(name)
+  assert isinstance(m.centroids, Centroids) and not isinstance(m.centroids, nnx.Param)
+  param_paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(nnx.state(m, nnx.Param))]
+  assert param_paths and not any("centroids" in p for p in param_paths)  # never seen by the optimizer
+  before = np.asarray(m.centroids[...])
+  y, state, sown = _step(m, _x(), deterministic=True)
+  after_eval = np.asarray(jax.tree.leaves(nnx.state(nnx.merge(nnx.graphdef(m), state), Centroids))[0])
+  np.testing.assert_array_equal(after_eval, before)
+  losses = jax.tree.leaves(sown)
+  assert len(losses) == 1 and losses[0].shape == () and float(losses[0]) > 0
+  _, state, _ = _step(m, _x(), deterministic=False)
+  after_train = np.asarray(jax.tree.leaves(nnx.state(nnx.merge(nnx.graphdef(m), state), Centroids))[0])
+  assert np.abs(after_train - before).max() > 0
+  assert y.shape == (2, LENGTH, FEATURES) and bool(jnp.isfinite(y).all())
+
+
+def test_auto_clusters_use_the_first_centroids_only():
+  m = _build("routing", params={}, max_clusters=8)
+  before = np.asarray(m.centroids[...])
+  assert before.shape == (HEADS // 2, 8, HEAD_DIM)
+  _, state, _ = _step(m, _x(), deterministic=False)
+  after = np.asarray(jax.tree.leaves(nnx.state(nnx.merge(nnx.graphdef(m), state), Centroids))[0])
+  moved = np.abs(after - before).max(axis=(0, 2)) > 0
+  assert moved[:4].any() and not moved[4:].any()  # sqrt_pow2(16) = 4 clusters in use
+  with pytest.raises(ValueError, match="max_clusters"):
+    _build("routing", params={}, max_clusters=2)(_x(), None, deterministic=True)
+
+
+def test_layers_without_routing_are_pure_local_attention():
+  with pytest.raises(ValueError, match="layer="):
+    _build("routing", routing_layers=[-1])
+  cfg = ml_collections.ConfigDict(dict(name="routing", params={"num_clusters": 4, "block_size": 4},
+                                       dropout_rate=0.0, routing_layers=[-1]))
+  kw = dict(features=FEATURES, num_heads=HEADS, head_dim=HEAD_DIM, causal=True, dtype=jnp.float32)
+  first = registry.build(cfg, rngs=nnx.Rngs(0), layer=0, num_layers=3, **kw)
+  last = registry.build(cfg, rngs=nnx.Rngs(0), layer=2, num_layers=3, **kw)
+  assert first.routing_heads == 0 and first.centroids is None
+  assert last.routing_heads == HEADS // 2 and last.centroids is not None
+  x = _x()
+  q, k, v = first.project(x)
+  want = first.out(local_attention(q, k, v, block_size=4, causal=True))
+  np.testing.assert_allclose(first(x, None, deterministic=True), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["routing", "combiner_routed"])
+def test_layer_jacobian_is_causal(name):
+  m = _build(name)
+  x = _x(batch=1)[0]
+  graphdef, state = nnx.split(m)
+
+  def f(x_):
+    return nnx.merge(graphdef, state)(x_[None], None, deterministic=True)[0]
+
+  jac = np.abs(np.asarray(jax.jit(jax.jacrev(f))(x))).sum(axis=(1, 3))  # [out position, in position]
+  future = np.triu(np.ones((LENGTH, LENGTH), bool), 1)
+  assert np.all(jac[future] == 0.0)
+  assert np.all(np.diag(jac) > 0)
+
+
+def test_sharded_ema_update_equals_one_device():
+  devices = jax.devices()
+  assert len(devices) == 8
+  m = _build("routing")
+  x = _x(batch=8, seed=3)
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=devices)  # as train.py
+  graphdef, state = nnx.split(m)
+
+  def step(state, x):
+    mod = nnx.merge(graphdef, state)
+    mod(x, None, deterministic=False)
+    return mod.centroids[...]
+
+  one = jax.jit(step)(state, x)
+  replicated = jax.device_put(state, NamedSharding(mesh, P()))
+  sharded = jax.jit(step, in_shardings=(NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))),
+                    out_shardings=NamedSharding(mesh, P()))(replicated, jax.device_put(x, NamedSharding(mesh, P("data"))))
+  np.testing.assert_allclose(np.asarray(sharded), np.asarray(one), rtol=1e-6, atol=1e-7)
+  assert np.abs(np.asarray(one) - np.asarray(m.centroids[...])).max() > 0
+
+
+def test_centroids_survive_a_checkpoint_round_trip(tmp_path):
+  m = _build("routing")
+  _, state, _ = _step(m, _x(), deterministic=False)
+  trained = nnx.merge(nnx.graphdef(m), state)
+  path = tmp_path / "ckpt"
+  with ocp.StandardCheckpointer() as ckpt:
+    ckpt.save(path, nnx.state(trained))
+  fresh = _build("routing")
+  assert np.abs(np.asarray(fresh.centroids[...]) - np.asarray(trained.centroids[...])).max() > 0
+  with ocp.StandardCheckpointer() as ckpt:
+    restored = ckpt.restore(path, nnx.state(fresh))
+  nnx.update(fresh, restored)
+  np.testing.assert_array_equal(np.asarray(fresh.centroids[...]), np.asarray(trained.centroids[...]))
