@@ -16,7 +16,8 @@ data-sharded batch every device applies the same global update.
 
 Config fields (`config.model.attention`), besides `name`, `params`, `dropout_rate`:
   params.num_clusters  int, or "auto" = sqrt(length) rounded up to a power of two at call time, using the first
-                       rows of `max_clusters` (default 128, enough up to L = 16384) allocated centroids
+                       rows of the allocated centroids: sqrt_pow2(seq_len) of them when `seq_len` is known (the
+                       registry fills it in from the model), else `max_clusters` (default 128: L <= 16384)
   params.window        int or "auto" (= ceil(length / num_clusters) at call time); routing only
   params.block_size    local heads' block, int or "auto" (= the window); routing only
   params.pooling       "max" | "mean"; combiner_routed only
@@ -52,8 +53,8 @@ AUTO = "auto"
 DEFAULT_MAX_CLUSTERS = 128
 
 ROUTING_FIELDS = ("routing_heads", "routing_layers", "share_qk", "scale_logits", "mask_self", "ema_decay",
-                  "centroid_seed", "max_clusters")
-ROUTED_FIELDS = ("ema_decay", "centroid_seed", "max_clusters")
+                  "centroid_seed", "max_clusters", "seq_len")
+ROUTED_FIELDS = ("ema_decay", "centroid_seed", "max_clusters", "seq_len")
 
 
 class Centroids(nnx.Variable):
@@ -69,7 +70,9 @@ def _cluster_state(config: ml_collections.ConfigDict, name: str) -> tuple[int | 
   """(num_clusters or None for "auto", number of centroid rows to allocate)."""
   value = _params(config).get("num_clusters", AUTO)
   if isinstance(value, str) and value == AUTO:
-    rows = config.get("max_clusters", None) or DEFAULT_MAX_CLUSTERS
+    seq_len = config.get("seq_len", None)  # filled in by models.registry.build from the model's length
+    rows = config.get("max_clusters", None) or (ops_registry.sqrt_pow2(int(seq_len)) if seq_len
+                                                 else DEFAULT_MAX_CLUSTERS)
     if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
       raise ValueError(f"attention {name!r}: max_clusters must be a positive int, got {rows!r}")
     return None, rows

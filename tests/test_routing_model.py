@@ -137,3 +137,29 @@ def test_centroids_survive_a_checkpoint_round_trip(tmp_path):
     restored = ckpt.restore(path, nnx.state(fresh))
   nnx.update(fresh, restored)
   np.testing.assert_array_equal(np.asarray(fresh.centroids[...]), np.asarray(trained.centroids[...]))
+
+
+@pytest.mark.parametrize("config_file", ["cifar10", "imagenet64"])
+def test_routing_paper_variants(config_file):
+  import importlib
+
+  from models import transformer
+
+  module = importlib.import_module(f"configs.{config_file}")
+  c = module.get_config("routing_paper")
+  att = c.model.attention
+  assert att.name == "routing" and att.routing_heads == c.model.num_heads // 2
+  assert att.params.num_clusters * att.params.window >= c.data.seq_len  # every token can be routed
+  assert c.optimizer.lr == 2e-4 and c.aux_loss_weight == 1e-4
+  assert module.get_config("routing_paper,layers=3").model.num_layers == 3  # user arguments win
+  if config_file == "cifar10":  # routing heads only in the top 4 of 12 layers (the block passes its index)
+    model = nnx.eval_shape(lambda: transformer.build_model(c.model, task="image", vocab_size=256,
+                                                           seq_len=c.data.seq_len))
+    heads = [block.attention.routing_heads for block in model.encoder.blocks]
+    assert heads == [0] * 8 + [4] * 4
+  for arg in ("routing_paper,smoke", "routing_paper,smoke,attention=combiner_routed", "attention=routing,smoke"):
+    c = module.get_config(arg)
+    model = nnx.eval_shape(lambda c=c: transformer.build_model(c.model, task="image", vocab_size=256,
+                                                               seq_len=c.data.seq_len))
+    centroids = [v for _, v in nnx.iter_graph(model) if isinstance(v, Centroids)]
+    assert centroids, arg
