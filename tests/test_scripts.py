@@ -155,6 +155,36 @@ def test_op_params_passes_only_named_shape_keywords():
   assert bm.op_params(Plain, 16, batch=1, heads=8) == {"block_size": 4}
 
 
+def test_measure_all_applies_time_memory_and_kill_skips_in_length_order(monkeypatch, capsys):
+  """Orchestration with fake workers: dense slows down quadratically, 'big' exceeds memory at 256, 'oom' dies."""
+  launched = []
+
+  def fake_run_worker(command, *, timeout_s):
+    name, length = command[command.index("--_name") + 1], int(command[command.index("--lengths") + 1])
+    launched.append((name, length))
+    if name == "oom" and length >= 128:
+      return None, "failed: killed (out of memory?)"
+    if name == "big" and length >= 256:
+      return {"op": name, "length": length, "status": bm.SKIP_MEMORY + " (XLA needs 30 GiB > 20 GiB)"}, ""
+    seconds = (length / 64) ** 2 * (1.0 if name == "dense" else 0.1)
+    return {"op": name, "length": length, "status": "ok", "fwd_s": seconds / 3, "fwdbwd_s": seconds,
+            "fwd_ms": seconds * 333, "fwdbwd_ms": seconds * 1000}, ""
+
+  monkeypatch.setattr(bm, "run_worker", fake_run_worker)
+  args = bm.parse_args(["--lengths", "64,128,256,512", "--time_budget_s", "20"])
+  rows = bm.measure_all(args, [("op", "dense"), ("op", "big"), ("op", "oom")])
+  status = {(r["op"], r["length"]): r["status"] for r in rows}
+  # dense: 1 s, 4 s, 16 s measured; 64 s predicted at 512 > 20 s.
+  assert [status["dense", n] for n in (64, 128, 256)] == ["ok"] * 3
+  assert status["dense", 512].startswith(bm.SKIP_TIME) and "L=256" in status["dense", 512]
+  assert status["big", 256].startswith(bm.SKIP_MEMORY)
+  assert status["big", 512] == bm.SKIP_MEMORY + " (at L=256 already)"
+  assert status["oom", 128] == "failed: killed (out of memory?)" and status["oom", 256].startswith("skipped: killed")
+  assert ("dense", 512) not in launched and ("big", 512) not in launched and ("oom", 256) not in launched
+  assert [r["length"] for r in rows] == [64] * 3 + [128] * 3 + [256] * 3 + [512] * 3
+  assert capsys.readouterr().out.count("[benchmark] ") == 12  # one progress line per measurement
+
+
 def test_parse_worker_output_takes_the_last_json_line():
   assert bm.parse_worker_output('warning\n{"a": 1}\nnoise\n{"a": 2}\n') == {"a": 2}
   assert bm.parse_worker_output("no json here") is None
