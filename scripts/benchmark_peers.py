@@ -61,3 +61,36 @@ def register_peer(name: str) -> Callable[[PeerFactory], PeerFactory]:
     return factory
 
   return wrap
+
+
+@register_peer("routing_transformer")
+def _routing_transformer(length, batch, heads, head_dim, causal, dtype):
+  """lucidrains' `routing-transformer` KmeansAttention, set up like our `routing` op (issue 5): clusters = window =
+  sqrt(L) rounded up to a power of two, shared QK. Its one-time k-means initialisation (10 Lloyd iterations) runs
+  here, untimed; the timed calls are in eval mode, so like ours they do not update the centroids."""
+  import torch
+  from routing_transformer.routing_transformer import KmeansAttention
+
+  from models.ops_registry import sqrt_pow2
+
+  torch_dtype = getattr(torch, dtype)
+  size = sqrt_pow2(length)
+  attn = KmeansAttention(size, size, heads, head_dim, causal=causal, shared_qk=True).to(torch_dtype)
+  gen = torch.Generator().manual_seed(0)
+  q, v = (torch.randn(batch, heads, length, head_dim, generator=gen, dtype=torch_dtype, requires_grad=True)
+          for _ in range(2))
+  cot = torch.randn(batch, heads, length, head_dim, generator=gen, dtype=torch_dtype)
+  with torch.no_grad():
+    attn.train()
+    attn(q, q, v)  # k-means init
+  attn.eval()
+
+  def fwd():
+    with torch.no_grad():
+      attn(q, q, v)
+
+  def fwdbwd():
+    out, _ = attn(q, q, v)
+    torch.autograd.grad((out * cot).sum(), (q, v))
+
+  return fwd, fwdbwd
