@@ -47,7 +47,9 @@ Extension points (for the other packages' helpers):
     `add_ratios` computes ratios to a baseline row. `run_worker` and `median_time` are reusable for
     per-process measurements.
   * `--peers [a,b]`: rows from `scripts/benchmark_peers.py` (`PEERS: name -> factory(length, batch, heads,
-    head_dim, causal, dtype) -> (fwd, fwdbwd)`), each measured in its own worker like the ops.
+    head_dim, causal, dtype) -> (fwd, fwdbwd)`), each measured in its own worker like the ops, as rows
+    `peer:<name>`; `COUNTERPARTS` there names our ops each peer is compared with in `benchmark_peers.md`
+    (ratio = peer time / our time).
 """
 
 from __future__ import annotations
@@ -221,6 +223,48 @@ def add_ratios(rows: Sequence[dict[str, Any]], *, baseline: str = BASELINE, key:
         if prev is not None and row["length"] > prev[0]:
           row["growth"] = (value / prev[1]) ** (1.0 / math.log2(row["length"] / prev[0]))
         last[row[key]] = (row["length"], float(value))
+  return out
+
+
+PEER_COLUMNS: tuple[tuple[str, str], ...] = (
+  ("peer", "peer"),
+  ("op", "ours"),
+  ("length", "L"),
+  ("peer_fwd_ms", "peer fwd ms"),
+  ("op_fwd_ms", "ours fwd ms"),
+  ("fwd_ratio", "fwd peer/ours"),
+  ("peer_fwdbwd_ms", "peer fwd+bwd ms"),
+  ("op_fwdbwd_ms", "ours fwd+bwd ms"),
+  ("fwdbwd_ratio", "fwd+bwd peer/ours"),
+  ("peer_peak_mb", "peer peak MB"),
+  ("op_peak_mb", "ours peak MB"),
+  ("status", "status"),
+)
+
+
+def peer_comparisons(rows: Sequence[Mapping[str, Any]], counterparts: Mapping[str, Sequence[str]]
+                     ) -> list[dict[str, Any]]:
+  """One row per (peer, our counterpart op, length) present in `rows`: ratio = peer time / our time
+  (>= 1: ours is at least as fast), "n/a" where either has no figure."""
+  by_key = {(r["op"], r["length"]): r for r in rows}
+  out = []
+  for peer, ours in counterparts.items():
+    for length in sorted({r["length"] for r in rows}):
+      p = by_key.get((PEER_PREFIX + peer, length))
+      if p is None:
+        continue
+      for op in ours:
+        o = by_key.get((op, length), {"status": "not in this run"})
+        statuses = {f"peer {p.get('status')}", f"ours {o.get('status')}"}
+        out.append({
+          "peer": PEER_PREFIX + peer, "op": op, "length": length,
+          "peer_fwd_ms": p.get("fwd_ms"), "op_fwd_ms": o.get("fwd_ms"),
+          "fwd_ratio": _ratio(p.get("fwd_ms"), o.get("fwd_ms")),
+          "peer_fwdbwd_ms": p.get("fwdbwd_ms"), "op_fwdbwd_ms": o.get("fwdbwd_ms"),
+          "fwdbwd_ratio": _ratio(p.get("fwdbwd_ms"), o.get("fwdbwd_ms")),
+          "peer_peak_mb": p.get("peak_mb"), "op_peak_mb": o.get("peak_mb"),
+          "status": "ok" if statuses == {"peer ok", "ours ok"} else ", ".join(sorted(statuses)),
+        })
   return out
 
 
@@ -645,6 +689,16 @@ def run_ops_mode(args: argparse.Namespace) -> dict[str, str]:
                                     f"{'causal' if args.causal else 'bidirectional'}")
   with open(paths["markdown"]) as f:
     print(f.read())
+  if args.peers is not None:
+    from scripts.benchmark_peers import COUNTERPARTS
+
+    comparisons = peer_comparisons(rows, COUNTERPARTS)
+    peer_paths = write_report(comparisons, PEER_COLUMNS, args.out_dir, "benchmark_peers", header=header,
+                              title="Peers against our counterpart ops",
+                              notes=["ratio = peer time / our time: >= 1 means ours is at least as fast"])
+    paths.update(peers_markdown=peer_paths["markdown"], peers_json=peer_paths["json"])
+    with open(peer_paths["markdown"]) as f:
+      print(f.read())
   print(f"[benchmark] wrote {', '.join(paths.values())}", flush=True)
   return paths
 

@@ -39,6 +39,7 @@ Example (a PyTorch dense-attention peer; not registered, keep `PEERS` for real p
       return fwd, fwdbwd
 
     PEERS["torch_dense"] = _torch_dense   # or decorate the factory with @register_peer("torch_dense")
+    COUNTERPARTS["torch_dense"] = ("dense",)  # -> benchmark_peers.md: peer time / dense time per L
 """
 
 from __future__ import annotations
@@ -51,19 +52,28 @@ PeerFactory = Callable[[int, int, int, int, bool, str], tuple[Callable[[], objec
 PEERS: dict[str, PeerFactory] = {}
 
 
-def register_peer(name: str) -> Callable[[PeerFactory], PeerFactory]:
-  """Decorator: `@register_peer("routing_transformer")` adds the factory to `PEERS` under `name`."""
+# peer name -> our registered ops it is compared with in `benchmark_peers.md` (ratio = peer time / our time,
+# so >= 1 means ours is at least as fast), e.g. {"routing_transformer": ("routing",),
+# "hf_yoso": ("yoso_e", "yoso")}.
+COUNTERPARTS: dict[str, tuple[str, ...]] = {}
+
+
+def register_peer(name: str, *, counterparts: tuple[str, ...] = ()) -> Callable[[PeerFactory], PeerFactory]:
+  """Decorator: `@register_peer("routing_transformer", counterparts=("routing",))` adds the factory to `PEERS`
+  under `name` and compares it with our `counterparts` ops (when they are in the same run)."""
 
   def wrap(factory: PeerFactory) -> PeerFactory:
     if name in PEERS:
       raise ValueError(f"benchmark peer {name!r} is already registered")
     PEERS[name] = factory
+    if counterparts:
+      COUNTERPARTS[name] = tuple(counterparts)
     return factory
 
   return wrap
 
 
-@register_peer("routing_transformer")
+@register_peer("routing_transformer", counterparts=("routing",))
 def _routing_transformer(length, batch, heads, head_dim, causal, dtype):
   """lucidrains' `routing-transformer` KmeansAttention, set up like our `routing` op (issue 5): clusters = window =
   sqrt(L) rounded up to a power of two, shared QK. Its one-time k-means initialisation (10 Lloyd iterations) runs

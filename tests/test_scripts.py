@@ -101,6 +101,22 @@ def test_add_ratios_against_dense_of_same_length_na_when_dense_missing_and_growt
   assert rows[1].get("speedup_fwd") is None  # inputs are not modified
 
 
+def test_peer_comparisons_ratio_is_peer_time_over_ours():
+  rows = [
+    {"op": "routing", "length": 64, "status": "ok", "fwd_ms": 2.0, "fwdbwd_ms": 5.0, "peak_mb": 3.0},
+    {"op": "peer:rt", "length": 64, "status": "ok", "fwd_ms": 3.0, "fwdbwd_ms": 10.0, "peak_mb": 9.0},
+    {"op": "peer:rt", "length": 128, "status": "ok", "fwd_ms": 6.0, "fwdbwd_ms": 20.0},
+    {"op": "routing", "length": 128, "status": bm.SKIP_MEMORY},
+  ]
+  out = bm.peer_comparisons(rows, {"rt": ("routing", "yoso"), "absent": ("routing",)})
+  assert [(r["op"], r["length"]) for r in out] == [("routing", 64), ("yoso", 64), ("routing", 128),
+                                                   ("yoso", 128)]
+  assert out[0]["fwd_ratio"] == pytest.approx(1.5) and out[0]["fwdbwd_ratio"] == pytest.approx(2.0)
+  assert out[0]["status"] == "ok" and out[0]["peer_peak_mb"] == 9.0
+  assert out[1]["fwd_ratio"] is None and "ours not in this run" in out[1]["status"]
+  assert out[2]["fwdbwd_ratio"] is None and bm.SKIP_MEMORY in out[2]["status"]
+
+
 def test_format_value_and_markdown_table():
   assert [bm.format_value(v) for v in (None, float("nan"), 3, 1234.5, 12.345, 1.2345, 0.012345, "a|b")] == \
     ["n/a", "n/a", "3", "1234", "12.3", "1.23", "0.0123", "a/b"]
@@ -156,7 +172,7 @@ def test_op_params_passes_only_named_shape_keywords():
 
 
 def test_measure_all_applies_time_memory_and_kill_skips_in_length_order(monkeypatch, capsys):
-  """Orchestration with fake workers: dense slows down quadratically, 'big' exceeds memory at 256, 'oom' dies."""
+  """Orchestration with fake workers: dense grows quadratically, 'big' exceeds memory at 256, 'oom' dies."""
   launched = []
 
   def fake_run_worker(command, *, timeout_s):
@@ -179,7 +195,8 @@ def test_measure_all_applies_time_memory_and_kill_skips_in_length_order(monkeypa
   assert status["dense", 512].startswith(bm.SKIP_TIME) and "L=256" in status["dense", 512]
   assert status["big", 256].startswith(bm.SKIP_MEMORY)
   assert status["big", 512] == bm.SKIP_MEMORY + " (at L=256 already)"
-  assert status["oom", 128] == "failed: killed (out of memory?)" and status["oom", 256].startswith("skipped: killed")
+  assert status["oom", 128] == "failed: killed (out of memory?)"
+  assert status["oom", 256].startswith("skipped: killed")
   assert ("dense", 512) not in launched and ("big", 512) not in launched and ("oom", 256) not in launched
   assert [r["length"] for r in rows] == [64] * 3 + [128] * 3 + [256] * 3 + [512] * 3
   assert capsys.readouterr().out.count("[benchmark] ") == 12  # one progress line per measurement
