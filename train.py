@@ -1,7 +1,7 @@
 r"""Trains an experiment config: jit over a named device mesh, orbax checkpoints with exact resume.
 
     python train.py                                      # the embedded default (configs/default.py), ~2 min CPU
-    python train.py --config configs/cifar10.py:attention=combiner_axial_vertical --workdir runs/c10 \
+    python train.py --config configs/cifar10.py:attention=combiner_axial_vertical --workdir workdirs/c10 \
         --config.optimizer.lr=3e-4 --gin_bindings "attention.deepsets = True"
 
 - Mesh: `jax.make_mesh((data, model), ("data", "model"))` (sizes from `config.mesh`, -1 = the rest); parameters
@@ -438,6 +438,12 @@ class _Preemption:
       signal.signal(signal.SIGTERM, self._previous)
 
 
+def _say(bar: Any, line: str) -> None:
+  """A metrics line on stdout that does not break the progress bar, flushed (stdout is often a pipe)."""
+  bar.write(line, file=sys.stdout)
+  sys.stdout.flush()
+
+
 def _fingerprint(batch: dict[str, np.ndarray]) -> str:
   import hashlib
 
@@ -446,6 +452,20 @@ def _fingerprint(batch: dict[str, np.ndarray]) -> str:
     h.update(k.encode())
     h.update(np.ascontiguousarray(batch[k]).tobytes())
   return h.hexdigest()[:16]
+
+
+def summary_writer(logdir: str) -> Any:
+  """A tensorboardX writer. tensorboardX imports torch (seconds) only to accept torch tensors, which this
+  project never logs, so the import is skipped when torch is not loaded already."""
+  blocked = "torch" not in sys.modules
+  if blocked:
+    sys.modules["torch"] = None  # makes `import torch` raise ImportError inside tensorboardX
+  try:
+    from tensorboardX import SummaryWriter
+  finally:
+    if blocked:
+      del sys.modules["torch"]
+  return SummaryWriter(logdir)
 
 
 def save_config(config: ml_collections.ConfigDict, workdir: str) -> None:
@@ -500,11 +520,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, devic
   print(f"task={exp.task} data={config.data.name} attention={config.model.attention.name} params={n_params:,} "
         f"mesh={dict(exp.mesh.shape)} steps={start}->{num_steps} workdir={workdir}", flush=True)
 
-  writer = None
-  if is_main:
-    from tensorboardX import SummaryWriter
-
-    writer = SummaryWriter(os.path.join(workdir, "tensorboard"))
+  writer = summary_writer(os.path.join(workdir, "tensorboard")) if is_main else None
 
   def log_scalars(prefix: str, values: dict[str, Any], step: int) -> None:
     if writer is not None:
@@ -553,12 +569,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, devic
                 "grad_norm": acc["grad_norm"] / acc_n, "lr": float(out["lr"]),
                 "steps_per_s": acc_n / max(now - t_last, 1e-9)}
         line.update({k: v for k, v in train_m.items() if k != "loss"})
-        bar.write(f"step {state.step}: " + " ".join(f"{k}={v:.4g}" for k, v in line.items()))
+        _say(bar, f"step {state.step}: " + " ".join(f"{k}={v:.4g}" for k, v in line.items()))
         log_scalars("train", line, state.step)
         acc, acc_n, t_last = {}, 0, now
       if eval_every > 0 and state.step % eval_every == 0 and state.step < num_steps:
         eval_metrics = exp.evaluate(state)
-        bar.write(f"eval {config.eval_split} @ {state.step}: "
+        _say(bar, f"eval {config.eval_split} @ {state.step}: "
                   + " ".join(f"{k}={v:.4g}" for k, v in eval_metrics.items()))
         log_scalars(f"eval_{config.eval_split}", eval_metrics, state.step)
         t_last = time.time()
@@ -603,7 +619,7 @@ def _flags():
 
   config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "experiment config file (path[:arg])",
                                   lock_config=True)
-  flags.DEFINE_string("workdir", None, "checkpoints, summaries and config; default runs/<config>-<time>")
+  flags.DEFINE_string("workdir", None, "checkpoints, summaries and config; default workdirs/<config>-<time>")
   flags.DEFINE_multi_string("gin_file", [], "gin files binding attention constructor fields (ablations)")
   flags.DEFINE_multi_string("gin_bindings", [], "gin bindings, e.g. 'attention.deepsets = True'")
   flags.DEFINE_bool("multihost", False, "call jax.distributed.initialize() (Cloud TPU pods, multi-GPU hosts)")
@@ -617,6 +633,9 @@ def main(argv: list[str]) -> None:
 
   from models import gin_bridge
 
+  from absl import logging
+
+  logging.set_verbosity(logging.WARNING)  # orbax and grain log every save at INFO
   flags = absl_flags.FLAGS
   if flags.multihost:
     jax.distributed.initialize()
@@ -626,17 +645,26 @@ def main(argv: list[str]) -> None:
   workdir = flags.workdir
   if workdir is None:
     name = os.path.splitext(os.path.basename(config_path_of(flags)))[0]
-    workdir = os.path.join("runs", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    workdir = os.path.join("workdirs", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
   info = dataset_info(config)
-  chance = f" (chance: {100.0 / info.num_classes:.1f}%)" if info.num_classes else ""
-  print(f"training {config.data.name} -> {workdir}{chance}", flush=True)
+  chance = chance_accuracy(config, info)
+  print(f"training {config.data.name} -> {workdir}"
+        + (f" (chance accuracy: {100 * chance:.1f}%)" if chance else ""), flush=True)
   try:
     result = train_and_evaluate(config, workdir, progress=flags.progress)
   except TrainingDiverged as e:
     print(f"ERROR: {e}", file=sys.stderr, flush=True)
     sys.exit(1)
-  if "accuracy" in result and info.num_classes:
-    print(f"accuracy {100 * result['accuracy']:.1f}% vs chance {100.0 / info.num_classes:.1f}%", flush=True)
+  if "accuracy" in result and chance:
+    print(f"accuracy {100 * result['accuracy']:.1f}% vs chance {100 * chance:.1f}%", flush=True)
+
+
+def chance_accuracy(config: ml_collections.ConfigDict, info: Any) -> float | None:
+  if config.data.name == "synthetic_recall":
+    from data import synthetic
+
+    return synthetic.chance(config)
+  return 1.0 / info.num_classes if info.num_classes else None
 
 
 def config_path_of(flags: Any) -> str:

@@ -1,7 +1,7 @@
 """ImageNet 64x64 density estimation (12288 sub-pixel tokens), bits/dim on the validation set.
 
 Command:   python train.py --config configs/imagenet64.py:attention=combiner_axial_vertical \
-             --workdir runs/imagenet64_axial --config.data.data_dir ~/tensorflow_datasets
+             --workdir workdirs/imagenet64_axial --config.data.data_dir ~/tensorflow_datasets
 Paper:     Table 1 (ablation, the CIFAR-10 architecture: 6 layers, width 512, 8 heads; Appendix E.2):
            combiner_axial_* / combiner_mixture 3.585, combiner_fixed 3.654, combiner_logsparse 3.795,
            sparse_fixed 3.696, sparse_axial 4.032, sparse_logsparse 4.351 bits/dim. Table 4 (3.42): `main` =
@@ -10,8 +10,13 @@ Expected:  ~3.59 bits/dim for the default after 400k steps.
 Cost:      several TPU-days (12288-token sequences); the smoke variant (`:smoke`) runs in seconds on a CPU.
 """
 
-from configs import images
+from configs import images, routing_paper
 
 
 def get_config(arg: str | None = None):
-  return images.image_config("imagenet64", (64, 64, 3), arg)
+  # `routing_paper`: the Routing Transformer paper's model and optimizer (configs/routing_paper.py).
+  arg, paper = routing_paper.split_flag(arg)
+  c = images.image_config("imagenet64", (64, 64, 3), arg)
+  if paper:
+    routing_paper.apply(c, routing_paper.IMAGENET64, arg, images.IMAGE_KEYS)
+  return c

@@ -1,7 +1,7 @@
 """Long Range Arena (Tay et al. 2021): ListOps, Text, Retrieval, Image, Pathfinder; test accuracy.
 
 Command:   python train.py --config configs/lra.py:task=listops,attention=combiner_fixed \
-             --workdir runs/lra_listops_fixed --config.data.data_dir DIR    (DIR: the LRA release, `lra_release/`)
+             --workdir workdirs/lra_listops_fixed --config.data.data_dir DIR    (DIR: the LRA release, `lra_release/`)
 Paper:     Table 5 (LRA's own per-task settings; Appendix E.4; best of CLS/MEAN pooling, `pool=mean`):
            task        combiner_fixed  combiner_axial_*  dense  (chance)
            listops     36.65           36.15             36.38  (10)

@@ -1,7 +1,7 @@
 """Wiki-40B-En language modeling (SentencePiece 32K, packed documents), perplexity on the validation set.
 
 Command:   python train.py --config configs/wiki40b.py:attention=combiner_fixed,seq_len=8192 \
-             --workdir runs/wiki40b_fixed_8k --config.data.data_dir DIR   (DIR prepared by `python -m data.prepare`)
+             --workdir workdirs/wiki40b_fixed_8k --config.data.data_dir DIR   (DIR prepared by `python -m data.prepare`)
 Paper:     Table 2 (12 layers, width 768, 12 heads, batch 128, 125k steps, cosine with 10k warmup, Adam with
            clipping; Appendix E.3): combiner_fixed 17.70 (2k) / 16.60 (8k), combiner_axial_* 17.56 (2k) / 16.49 (8k),
            sparse_fixed 18.04 (2k), sparse_axial 20.82 (2k), dense 17.26 (2k). Table 3 (8k, DeepSets):

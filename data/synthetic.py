@@ -1,16 +1,16 @@
-"""`synthetic_recall`: key-value retrieval over a long sequence, generated on the fly (the embedded default task).
+"""`synthetic_recall`: multi-query key-value recall over a long sequence, generated on the fly (the embedded
+default task of `python train.py`).
 
-Each example is a classification problem at length L (default 512):
-  position 0           a query token `Q_k` naming one key k,
-  num_pairs positions  "pair" tokens `P_(k', v')` (one per key, distinct keys; one of them has k' = k), each at a
-                       random offset inside its own 1/num_pairs slice of (0, L), so the pairs are far apart,
-  all other positions  filler tokens drawn uniformly from `num_filler` ids.
-The label is the value v of the pair whose key is the query's key: chance is 1/num_values. The model must
-match the query at position 0 against a token up to L-1 positions away (content-based, long-range attention);
-a bag of tokens does not suffice because every example stores a value for each of its keys.
+A causal LM task at length L (default 512) with the loss only on the answers:
+  first half   filler tokens with `num_pairs` "pair" tokens P(k, v) (distinct keys k, values v), one at a random
+               offset inside each 1/num_pairs slice of the first half, so the pairs are far apart;
+  second half  (query, answer) couples Q(k) A(v): k one of the stored keys, v its stored value.
+The model predicts every A(v) from the context ending in Q(k): it must find, up to L-1 positions back, the pair
+token whose key matches and read its value (content-based long-range attention). Chance accuracy is
+1/num_values; `weights` is 1 exactly at the answer positions, so the reported loss/accuracy are the answers'.
 
 Every example is a pure function of (seed, split, record index), so the grain iterator state alone resumes it.
-Vocabulary: 0 unused; [1, 1+F) filler; [1+F, 1+F+K) queries; [1+F+K, 1+F+K+K*V) pairs.
+Vocabulary: [0, F) filler; [F, F+K) queries; [F+K, F+K+K*V) pairs; [F+K+K*V, F+K+K*V+V) answers.
 """
 
 from __future__ import annotations
@@ -33,12 +33,21 @@ def _field(config: Any, key: str) -> int:
   return int(pipeline.cfg_get(config, key, DEFAULTS[key]))
 
 
-def dataset_info(config: Any) -> DatasetInfo:
+def vocab_size(config: Any) -> int:
   f, k, v = _field(config, "num_filler"), _field(config, "num_keys"), _field(config, "num_values")
-  vocab = 1 + f + k + k * v
+  return f + k + k * v + v
+
+
+def chance(config: Any) -> float:
+  """Accuracy of guessing the answer: 1 / num_values."""
+  return 1.0 / _field(config, "num_values")
+
+
+def dataset_info(config: Any) -> DatasetInfo:
+  vocab = vocab_size(config)
   eval_n = _field(config, "eval_examples")
-  return DatasetInfo(name=NAME, task="classify", vocab_size=vocab, seq_len=_field(config, "seq_len"),
-                     input_vocab_size=vocab + 1, num_classes=v, cls_id=vocab, metric="accuracy",
+  return DatasetInfo(name=NAME, task="lm", vocab_size=vocab, seq_len=_field(config, "seq_len"),
+                     input_vocab_size=vocab + 1, bos_id=vocab, metric="accuracy",
                      split_sizes={"train": _field(config, "train_examples"), "validation": eval_n, "test": eval_n})
 
 
@@ -53,8 +62,8 @@ class RecallSource:
     self.num_pairs, self.num_filler = _field(config, "num_pairs"), _field(config, "num_filler")
     if not 1 <= self.num_pairs <= self.num_keys:
       raise ValueError(f"{NAME}: need 1 <= num_pairs <= num_keys, got {self.num_pairs} and {self.num_keys}")
-    if self.seq_len < 2 * self.num_pairs + 1:
-      raise ValueError(f"{NAME}: seq_len={self.seq_len} too short for num_pairs={self.num_pairs}")
+    if self.seq_len < 4 * self.num_pairs:
+      raise ValueError(f"{NAME}: seq_len={self.seq_len} must be >= 4 * num_pairs = {4 * self.num_pairs}")
     self.size = _field(config, "train_examples") if split == "train" else _field(config, "eval_examples")
     self.seed, self.salt = int(seed), _SPLIT_SALT[split]
 
@@ -68,18 +77,23 @@ class RecallSource:
 
   def __getitem__(self, index: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng((self.seed, self.salt, int(index)))
-    length, f, k = self.seq_len, self.num_filler, self.num_keys
-    tokens = rng.integers(1, 1 + f, size=length)  # filler
+    length, f, k, v = self.seq_len, self.num_filler, self.num_keys, self.num_values
+    half = length // 2
+    tokens = rng.integers(0, f, size=length)  # filler
     keys = rng.choice(k, size=self.num_pairs, replace=False)
-    values = rng.integers(0, self.num_values, size=self.num_pairs)
-    # One pair per slice of (0, length): pairs never share a neighbourhood.
-    edges = np.linspace(1, length, self.num_pairs + 1).astype(int)
+    values = rng.integers(0, v, size=self.num_pairs)
+    edges = np.linspace(0, half, self.num_pairs + 1).astype(int)  # one pair per slice of the first half
     positions = np.array([rng.integers(lo, hi) for lo, hi in zip(edges[:-1], edges[1:])])
-    tokens[positions] = 1 + f + k + keys * self.num_values + values
-    which = rng.integers(self.num_pairs)
-    tokens[0] = 1 + f + keys[which]
-    return {"inputs": tokens.astype(np.int32), "mask": np.ones(length, bool),
-            "label": np.int32(values[which])}
+    tokens[positions] = f + k + keys * v + values
+    n_queries = (length - half) // 2
+    which = rng.integers(0, self.num_pairs, size=n_queries)
+    q_pos = half + 2 * np.arange(n_queries)
+    tokens[q_pos] = f + keys[which]
+    tokens[q_pos + 1] = f + k + k * v + values[which]
+    weights = np.zeros(length, np.float32)
+    weights[q_pos + 1] = 1.0
+    return {"inputs": tokens.astype(np.int32), "mask": np.ones(length, bool), "weights": weights,
+            "segment_ids": np.ones(length, np.int32)}
 
 
 def _identity(example: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

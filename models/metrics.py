@@ -2,9 +2,9 @@
 
 `loss_and_sums(task, logits, batch)` returns the mean training loss of the batch and a dict of sums:
   nll_sum / weight_sum  (every task: summed cross-entropy in nats and the number of counted targets)
-  correct_sum           (classify / retrieval: correctly classified examples)
+  correct_sum           (correctly predicted examples, or tokens at the weighted positions)
 `summarize(task, sums)` turns accumulated sums into the reported metrics: `loss` (nats), plus
-  bits_per_dim (image), perplexity (lm, mlm), accuracy (classify, retrieval).
+  bits_per_dim (image), perplexity (lm, mlm), accuracy (classify, retrieval; token accuracy for lm/mlm).
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ def loss_and_sums(task: str, logits: Array, batch: dict[str, Array]) -> tuple[Ar
       weights = batch["mask"]
     weights = weights.astype(jnp.float32)  # [batch, length]
     nll = _xent(logits, targets) * weights  # [batch, length]
-    sums = {"nll_sum": nll.sum(), "weight_sum": weights.sum()}
+    correct = (jnp.argmax(logits, -1) == targets).astype(jnp.float32) * weights
+    sums = {"nll_sum": nll.sum(), "weight_sum": weights.sum(), "correct_sum": correct.sum()}
   elif task in ("classify", "retrieval"):
     valid = batch.get("valid")
     weights = jnp.ones(logits.shape[0], jnp.float32) if valid is None else valid.astype(jnp.float32)  # [batch]
@@ -53,7 +54,7 @@ def summarize(task: str, sums: dict[str, float]) -> dict[str, float]:
     out["bits_per_dim"] = loss / math.log(2.0)
   elif task in ("lm", "mlm"):
     out["perplexity"] = math.exp(min(loss, 700.0))
-  else:
+  if "correct_sum" in sums:  # classification accuracy; token accuracy at the weighted positions for lm/mlm
     out["accuracy"] = float(sums["correct_sum"]) / n
   return out
 

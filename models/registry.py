@@ -36,7 +36,10 @@ gin: `configurable_fields(name)` lists the constructor fields gin may bind for a
 from __future__ import annotations
 
 import importlib
+import inspect
 from typing import Any
+
+import ml_collections
 
 from models import attention, ops_registry
 
@@ -121,8 +124,21 @@ def check_fields(config_attention: Any) -> None:
                        f"its fields: {sorted(own)}")
 
 
-def build(config_attention: Any, **kwargs: Any) -> Any:
-  """Instantiates the module named by `config_attention.name` (after checking its fields)."""
+def build(config_attention: Any, *, layer: int | None = None, num_layers: int | None = None,
+          seq_len: int | None = None, **kwargs: Any) -> Any:
+  """Instantiates the module named by `config_attention.name` (after checking its fields).
+
+  Optional context, passed only to modules that ask for it: `layer` / `num_layers` when the constructor takes
+  them (per-layer choices such as routing layers), and `seq_len` written into a copy of the config when the
+  module declares a `seq_len` field the config leaves unset (state shaped at construction, e.g. centroids)."""
   cls = get_module(str(config_attention.name))
   check_fields(config_attention)
+  if seq_len is not None and "seq_len" in MODULE_FIELDS.get(cls, ()) and config_attention.get("seq_len") is None:
+    config_attention = ml_collections.ConfigDict(config_attention.to_dict())
+    config_attention.seq_len = int(seq_len)
+  params = inspect.signature(cls.__init__).parameters
+  if "layer" in params:
+    kwargs["layer"] = layer
+  if "num_layers" in params:
+    kwargs["num_layers"] = num_layers
   return cls(config_attention, **kwargs)

@@ -49,12 +49,14 @@ class Mlp(nnx.Module):
 class Block(nnx.Module):
   """x + Attn(LN(x)); x + MLP(LN(x))."""
 
-  def __init__(self, cfg: ml_collections.ConfigDict, *, causal: bool, dtype: Any, rngs: nnx.Rngs):
+  def __init__(self, cfg: ml_collections.ConfigDict, *, causal: bool, dtype: Any, rngs: nnx.Rngs,
+               layer: int | None = None, seq_len: int | None = None):
     f = cfg.features
     self.norm1 = layers.LayerNorm(f, dtype=dtype, rngs=rngs)
     self.attention = registry.build(cfg.attention, features=f, num_heads=cfg.num_heads,
                                     head_dim=cfg.get("head_dim", None) or f // cfg.num_heads, causal=causal,
-                                    dtype=dtype, rngs=rngs)
+                                    dtype=dtype, rngs=rngs, layer=layer, num_layers=cfg.num_layers,
+                                    seq_len=seq_len)
     self.norm2 = layers.LayerNorm(f, dtype=dtype, rngs=rngs)
     self.mlp = Mlp(f, cfg.mlp_dim, dropout_rate=cfg.dropout_rate, dtype=dtype, rngs=rngs)
     self.dropout = nnx.Dropout(cfg.dropout_rate, rngs=rngs)
@@ -107,7 +109,8 @@ class Encoder(nnx.Module):
     self.embed = layers.Embed(vocab_size, cfg.features, dtype=dtype, rngs=rngs)
     self.pos = PositionEmbedding(cfg, seq_len, dtype=dtype, rngs=rngs)
     self.dropout = nnx.Dropout(cfg.dropout_rate, rngs=rngs)
-    self.blocks = nnx.List([Block(cfg, causal=causal, dtype=dtype, rngs=rngs) for _ in range(cfg.num_layers)])
+    self.blocks = nnx.List([Block(cfg, causal=causal, dtype=dtype, rngs=rngs, layer=i, seq_len=seq_len)
+                            for i in range(cfg.num_layers)])
     self.norm = layers.LayerNorm(cfg.features, dtype=dtype, rngs=rngs)
 
   def __call__(self, ids: Array, mask: Array | None, *, deterministic: bool) -> Array:
