@@ -87,7 +87,10 @@ class Malformed:
     if not self.skip:
       raise ValueError(message + " (set config.data.skip_malformed=True to skip such rows with a logged count)")
     self.skipped += 1
-    self.counter.add("skipped", detail=message)
+    if self.skipped <= 20:  # each of the first rows by location, then a running count
+      log.warning("skipping malformed row %s", message)
+    else:
+      self.counter.add("skipped after the first 20", detail=message)
 
 
 class TsvSource:

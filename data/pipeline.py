@@ -50,6 +50,35 @@ def missing(path: str, dataset: str, data_dir: str | None, what: str = "dataset"
   )
 
 
+def host_seed(seed: int, shard_index: int) -> int:
+  """Decorrelates the hosts' shuffles and per-record randomness (their local indices coincide)."""
+  return int(np.random.SeedSequence([seed, shard_index]).generate_state(1)[0])
+
+
+class ShardView:
+  """Records [lo, hi) of `source` for host `shard_index`: equal sizes n // hosts when `equal`, else sizes that
+  differ by at most one and together cover every record."""
+
+  def __init__(self, source: Any, shard_index: int, shard_count: int, *, equal: bool):
+    n = len(source)
+    if equal:
+      size = n // shard_count
+      self.lo, self.hi = shard_index * size, (shard_index + 1) * size
+    else:
+      self.lo, self.hi = shard_index * n // shard_count, (shard_index + 1) * n // shard_count
+    self.source = source
+    self.shard = (shard_index, shard_count)
+
+  def __len__(self) -> int:
+    return self.hi - self.lo
+
+  def __getitem__(self, index: int):
+    return self.source[self.lo + int(index)]
+
+  def __repr__(self) -> str:  # grain checks it on restore: a state only fits the same host layout
+    return f"{self.source!r}[{self.lo}:{self.hi}] (shard {self.shard[0]} of {self.shard[1]})"
+
+
 class PadBatch:
   """Stacks examples; pads a short (last, evaluation) batch to `batch_size` with all-zero rows, valid=False.
 
@@ -124,12 +153,19 @@ def make_loader(
   num_records = len(source)
   if num_records == 0:
     raise ValueError(f"split {split!r} of {config.data.name!r} has no records")
-  shard_options = grain.sharding.ShardOptions(shard_index=shard_index, shard_count=shard_count, drop_remainder=drop)
   if drop and num_records % shard_count:
     log.info("%s/%s: %d records beyond an equal split over %d hosts are left out of each epoch",
              config.data.name, split, num_records % shard_count, shard_count)
+  # Each host reads a contiguous range of records (grain's own sharding floors every shard to n // hosts even
+  # without drop_remainder, which would lose evaluation records); the sampler then sees only the local range.
+  source = ShardView(source, shard_index, shard_count, equal=drop)
+  if len(source) == 0:
+    raise ValueError(f"split {split!r} of {config.data.name!r} has {num_records} records, fewer than the "
+                     f"{shard_count} hosts")
+  shard_options = grain.sharding.NoSharding()
   sampler = grain.samplers.IndexSampler(
-    num_records=num_records, shard_options=shard_options, shuffle=shuffle, num_epochs=num_epochs, seed=seed
+    num_records=len(source), shard_options=shard_options, shuffle=shuffle, num_epochs=num_epochs,
+    seed=host_seed(seed, shard_index),
   )
   ops = list(operations)
   if batch_size is not None:

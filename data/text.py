@@ -205,6 +205,7 @@ class PackBatches:
 def create_dataset(config: Any, split: str, *, batch_size: int, seed: int, shard_index=None, shard_count=None,
                    shuffle=None, num_epochs=None):
   info = dataset_info(config)
+  shard_index, shard_count = pipeline.resolve_shards(shard_index, shard_count)
   source = text_source(config, split)
   model = spm_path(config)
   if not os.path.exists(model):
@@ -212,7 +213,7 @@ def create_dataset(config: Any, split: str, *, batch_size: int, seed: int, shard
   ops = [
     Tokenize(model, info.vocab_size),
     PackBatches(batch_size=batch_size, seq_len=info.seq_len, task=info.task, max_segments=info.max_segments,
-                vocab_size=info.vocab_size, seed=seed, mlm_rate=float(pipeline.cfg_get(config, "mlm_rate", 0.15))),
+                vocab_size=info.vocab_size, seed=pipeline.host_seed(seed, shard_index), mlm_rate=float(pipeline.cfg_get(config, "mlm_rate", 0.15))),
   ]
   return pipeline.make_loader(
     source, ops, split=split.partition("[")[0], batch_size=None, seed=seed, shard_index=shard_index,
