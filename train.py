@@ -587,6 +587,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, devic
         why = "SIGTERM" if preempt.requested else f"stop_after={stop_after}"
         print(f"{why}: saved checkpoint at step {state.step} in {mgr.directory}; rerun to resume", flush=True)
         mgr.close()
+        if writer is not None:
+          writer.close()
         return {"step": state.step, "preempted": True, "start_step": start}
   bar.close()
   if mgr.latest_step() != state.step:
