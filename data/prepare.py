@@ -1,0 +1,225 @@
+"""Prepare a dataset on the user's machine: build, train the tokenizer, verify record counts.
+
+    python -m data.prepare cifar10 --data_dir ~/tensorflow_datasets
+    python -m data.prepare imagenet64 --data_dir DIR     # manual download first (printed)
+    python -m data.prepare wiki40b --data_dir DIR        # TFDS Beam build + 32K SentencePiece model
+    python -m data.prepare c4 --data_dir DIR             # Beam build (very large) + 32K SentencePiece model
+    python -m data.prepare lra --data_dir DIR            # unpack/check lra_release, build imdb_reviews + cifar10
+    python -m data.prepare lra_listops --data_dir DIR    # or one LRA task
+    python -m data.prepare wiki40b --data_dir DIR --skip_build   # tokenizer + verification only
+
+It first prints what it will do, how large and how long (rough figures for one workstation), and any manual
+step, then runs, then verifies every split's record count against the published size (exit status 1 on a
+mismatch, 2 when a manual step is still missing). TFDS builds and the Beam builders (wiki40b, c4) need the
+extras in requirements-prepare.txt (TensorFlow, Apache Beam); training and evaluation never do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import tarfile
+import time
+from typing import Any
+
+import ml_collections
+import numpy as np
+
+log = logging.getLogger("data.prepare")
+
+LRA_TASKS = ("lra_listops", "lra_text", "lra_retrieval", "lra_image", "lra_pathfinder")
+
+# name -> (size, time, manual steps or None)
+PLAN: dict[str, tuple[str, str, str | None]] = {
+  "cifar10": ("~170 MB download, ~150 MB prepared", "a few minutes", None),
+  "imagenet64": (
+    "~12 GB of archives, ~13 GB prepared",
+    "~1-2 hours",
+    "Download the 64x64 'Downsampled ImageNet' archives train_64x64.tar and valid_64x64.tar (image-net.org, "
+    "https://image-net.org/download-images.php, needs an ImageNet account; tfds fetches them from "
+    "http://image-net.org/small/ when that still answers). Put both files in {data_dir}/downloads/manual/ and "
+    "re-run this command.",
+  ),
+  "wiki40b": ("~10 GB download (wiki40b/en), ~10 GB prepared", "~1-3 hours with the Beam DirectRunner, plus "
+              "~30-60 min SentencePiece training", None),
+  "c4": ("~7 TB of Common Crawl input, ~800 GB prepared", "days on one machine; use a Beam runner on a cluster "
+         "(e.g. --beam_runner DataflowRunner via --beam_flags), plus ~1 h SentencePiece training", None),
+  "lra": (
+    "~7.7 GB archive (lra_release.gz), ~30 GB unpacked, plus imdb_reviews (~80 MB) and cifar10 (~170 MB)",
+    "~20-40 min to unpack and check",
+    "Download https://storage.googleapis.com/long-range-arena/lra_release.gz into {data_dir}/ (this command "
+    "unpacks it to {data_dir}/lra_release/), or unpack it there yourself: tar xzf lra_release.gz -C {data_dir}",
+  ),
+  "listops_synthetic": ("nothing to download", "nothing to prepare (examples are generated on access)", None),
+}
+
+
+def _config(name: str, data_dir: str, **fields: Any) -> ml_collections.ConfigDict:
+  return ml_collections.ConfigDict({"data": {"name": name, "data_dir": data_dir, **fields}})
+
+
+def plan_key(name: str) -> str:
+  return "lra" if name.startswith("lra") else name
+
+
+def describe(name: str, data_dir: str) -> str:
+  size, duration, manual = PLAN[plan_key(name)]
+  lines = [f"data.prepare {name} -> {data_dir}", f"  size: {size}", f"  time: {duration}"]
+  if manual:
+    lines.append("  manual step: " + manual.format(data_dir=data_dir))
+  return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------- verify
+
+
+def split_counts(name: str, data_dir: str, **fields: Any) -> dict[str, int | str]:
+  """Records per split as the pipelines read them (an error string where a split cannot be opened)."""
+  import data
+  from data import images, lra, text
+
+  config = _config(name, data_dir, **fields)
+  expected = data.dataset_info(config).split_sizes
+  out: dict[str, int | str] = {}
+  for split in expected:
+    try:
+      if name in images.SPECS:
+        source = images.tfds_source(images.SPECS[name][0], split, data_dir, name)  # sizes use tfds split names
+      elif name in text.SPECS:
+        source = text.text_source(config, split)
+      elif name in ("lra_text", "lra_image"):
+        tfds_name = "imdb_reviews" if name == "lra_text" else "cifar10"
+        source = images.tfds_source(tfds_name, split, data_dir, name)
+      else:
+        source, _ = lra.make_source(config, split)
+      out[split] = len(source)
+    except (FileNotFoundError, ValueError) as e:
+      out[split] = f"error: {e}"
+  return out
+
+
+def verify(name: str, data_dir: str, expected: dict[str, int] | None = None, **fields: Any) -> bool:
+  """Prints a table of split, records found, records expected; True when all match."""
+  import data
+
+  expected = expected or data.dataset_info(_config(name, data_dir, **fields)).split_sizes
+  got = split_counts(name, data_dir, **fields)
+  ok = True
+  print(f"verify {name}:")
+  for split, want in expected.items():
+    have = got.get(split, "missing")
+    good = have == want
+    ok &= good
+    print(f"  {split:<11} found {have!s:<12} expected {want:<12} {'ok' if good else 'MISMATCH'}")
+  return ok
+
+
+# ------------------------------------------------------------------------------------------------------ steps
+
+
+def build_tfds(tfds_name: str, data_dir: str, beam_flags: list[str] | None = None) -> None:
+  import tensorflow_datasets as tfds
+
+  builder = tfds.builder(tfds_name, data_dir=data_dir, file_format="array_record")
+  config = {}
+  if beam_flags is not None:
+    try:
+      import apache_beam as beam
+    except ImportError as e:
+      raise SystemExit(f"{tfds_name} is built with Apache Beam: pip install -r requirements-prepare.txt") from e
+    config["beam_options"] = beam.options.pipeline_options.PipelineOptions(flags=beam_flags)
+  manual = os.path.join(data_dir, "downloads", "manual")
+  builder.download_and_prepare(download_config=tfds.download.DownloadConfig(manual_dir=manual, **config))
+
+
+def train_spm(name: str, data_dir: str, *, vocab_size: int, docs: int, seed: int) -> str:
+  """Trains `{data_dir}/spm/<name>.model` on `docs` random training documents (cleaned like the pipeline)."""
+  from data import text, tokenizer
+
+  config = _config(name, data_dir)
+  source = text.text_source(config, "train")
+  n = len(source)
+  rng = np.random.default_rng(seed)
+  picks = np.sort(rng.choice(n, size=min(docs, n), replace=False))
+  log.info("training SentencePiece (%d pieces) on %d of %d training documents", vocab_size, len(picks), n)
+  path = text.spm_path(config)
+  tokenizer.train((text.clean_text(source[int(i)]["text"]) for i in picks), path, vocab_size=vocab_size)
+  return path
+
+
+def unpack_lra(data_dir: str) -> str | None:
+  """Unpacks {data_dir}/lra_release.gz when the tree is not there yet; returns the LRA root or None."""
+  from data import lra
+
+  config = _config("lra_listops", data_dir)
+  root = lra.lra_root(config)
+  if os.path.isdir(os.path.join(root, "listops-1000")):
+    return root
+  archive = os.path.join(data_dir, "lra_release.gz")
+  if not os.path.exists(archive):
+    return None
+  print(f"unpacking {archive} into {data_dir} ...", flush=True)
+  with tarfile.open(archive, "r:gz") as tar:
+    tar.extractall(data_dir, filter="data")
+  root = lra.lra_root(config)
+  return root if os.path.isdir(os.path.join(root, "listops-1000")) else None
+
+
+def prepare(name: str, data_dir: str, *, skip_build: bool = False, vocab_size: int = 32000, spm_docs: int = 1_000_000,
+            beam_flags: list[str] | None = None, seed: int = 0) -> int:
+  """Runs the steps for `name`; returns the exit status (0 ok, 1 verification failed, 2 manual step missing)."""
+  from data import images, text
+
+  data_dir = os.path.expanduser(data_dir)
+  os.makedirs(data_dir, exist_ok=True)
+  print(describe(name, data_dir), flush=True)
+  start = time.time()
+  if name == "listops_synthetic":
+    return 0
+  if name == "lra":
+    status = 0
+    for task in LRA_TASKS:
+      status = max(status, prepare(task, data_dir, skip_build=skip_build, seed=seed))
+    return status
+  if name in images.SPECS and not skip_build:
+    build_tfds(images.SPECS[name][0], data_dir)
+  elif name in text.SPECS:
+    if not skip_build:
+      build_tfds(text.SPECS[name]["tfds_name"], data_dir,
+                 beam_flags=beam_flags or ["--runner=DirectRunner", "--direct_running_mode=multi_processing",
+                                           f"--direct_num_workers={os.cpu_count()}"])
+    train_spm(name, data_dir, vocab_size=vocab_size, docs=spm_docs, seed=seed)
+  elif name in ("lra_text", "lra_image") and not skip_build:
+    build_tfds("imdb_reviews/plain_text" if name == "lra_text" else "cifar10", data_dir)
+  elif name in ("lra_listops", "lra_retrieval", "lra_pathfinder"):
+    if unpack_lra(data_dir) is None:
+      print(f"MANUAL STEP MISSING: {PLAN['lra'][2].format(data_dir=data_dir)}")
+      return 2
+  ok = verify(name, data_dir)
+  print(f"{name}: {'verified' if ok else 'VERIFICATION FAILED'} in {time.time() - start:.0f} s")
+  return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+  from data import DATASETS
+
+  names = sorted(n for n in DATASETS if n != "synthetic_recall") + ["lra"]
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("dataset", choices=names)
+  parser.add_argument("--data_dir", required=True)
+  parser.add_argument("--skip_build", action="store_true", help="only tokenizer training and verification")
+  parser.add_argument("--vocab_size", type=int, default=32000)
+  parser.add_argument("--spm_docs", type=int, default=1_000_000, help="training documents sampled for SentencePiece")
+  parser.add_argument("--beam_flags", default=None, help="Beam pipeline flags, space-separated (wiki40b, c4)")
+  parser.add_argument("--seed", type=int, default=0)
+  args = parser.parse_args(argv)
+  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+  return prepare(args.dataset, args.data_dir, skip_build=args.skip_build, vocab_size=args.vocab_size,
+                 spm_docs=args.spm_docs, beam_flags=args.beam_flags.split() if args.beam_flags else None,
+                 seed=args.seed)
+
+
+if __name__ == "__main__":
+  sys.exit(main())
