@@ -164,10 +164,25 @@ def parse_arg(arg: str | None, extra: tuple[str, ...] = ()) -> tuple[dict[str, s
 
 
 def apply_common(c: ml_collections.ConfigDict, values: dict[str, str]) -> None:
+  """Applies the common `key=value` arguments, then pre-fills the chosen op's automatic plan parameters."""
   for key, value in values.items():
     if key in COMMON_KEYS:
       setter, convert = COMMON_KEYS[key]
       setter(c, convert(value))
+  fill_auto_params(c)
+
+
+def fill_auto_params(c: ml_collections.ConfigDict) -> None:
+  """Writes "auto" for every automatic plan parameter of the chosen op the config leaves out, so that each can be
+  overridden from the command line (`--config.model.attention.params.block_size=64`)."""
+  from models import ops_registry
+
+  name = c.model.attention.name
+  if name not in ops_registry.names():
+    return
+  for key in ops_registry.get(name).params(max(int(c.data.seq_len), 1)):
+    if key not in c.model.attention.params:
+      c.model.attention.params[key] = "auto"
 
 
 def shrink_for_smoke(c: ml_collections.ConfigDict, *, seq_len: int | None = None) -> None:

@@ -32,6 +32,8 @@ def resolve_plan_params(spec: ops_registry.OpSpec, params: dict[str, Any], lengt
   auto = spec.params(length)
   out = {}
   for key, value in params.items():
+    if isinstance(value, str) and value.lstrip("-").isdigit():  # "16" from a command-line override of "auto"
+      value = int(value)
     if isinstance(value, str) and value == AUTO:
       if key not in auto:
         raise ValueError(f"attention op {spec.name!r}: parameter {key!r}='auto' has no automatic value; "
@@ -43,13 +45,20 @@ def resolve_plan_params(spec: ops_registry.OpSpec, params: dict[str, Any], lengt
   return out
 
 
-def check_op_kwargs(spec: ops_registry.OpSpec, names: list[str]) -> None:
-  """Plan parameters the op's signature does not accept are config errors, reported with the accepted ones."""
+def op_parameters(spec: ops_registry.OpSpec) -> list[str] | None:
+  """The plan parameters an op takes (keyword-only, minus the contract's own); None if it takes **kwargs."""
   sig = inspect.signature(spec.fn)
   if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values()):
+    return None
+  return [n for n, p in sig.parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY
+          and n not in ("causal", "mask", "pool_q", "pool_k", "span_key_fn")]
+
+
+def check_op_kwargs(spec: ops_registry.OpSpec, names: list[str]) -> None:
+  """Plan parameters the op's signature does not accept are config errors, reported with the accepted ones."""
+  accepted = op_parameters(spec)
+  if accepted is None:
     return
-  accepted = [n for n, p in sig.parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY
-              and n not in ("causal", "mask", "pool_q", "pool_k", "span_key_fn")]
   for name in names:
     if name not in accepted:
       raise ValueError(f"attention op {spec.name!r} does not take parameter {name!r}; its parameters: {accepted}")
@@ -101,7 +110,12 @@ class OpAttention(AttentionBase):
       raise ValueError(f"attention {self.op_name!r} does not support causal=False (encoders); "
                        "choose a bidirectional op")
     params = config.get("params", None)
-    self.plan_params = dict(params.to_dict() if isinstance(params, ml_collections.ConfigDict) else (params or {}))
+    params = dict(params.to_dict() if isinstance(params, ml_collections.ConfigDict) else (params or {}))
+    # "auto" entries the op does not take are dropped: configs pre-fill "auto" for their default attention so
+    # that `--config.model.attention.params.block_size=64` works, and a later switch of op must not trip on it.
+    accepted = op_parameters(spec)
+    self.plan_params = {k: v for k, v in params.items() if not (v == AUTO and accepted is not None
+                                                               and k not in accepted)}
     check_op_kwargs(spec, list(self.plan_params))
 
   def op_kwargs(self, q: Array, k: Array) -> dict[str, Any]:

@@ -1,0 +1,136 @@
+"""Config files: every variant builds, bad names/fields/paths give errors that list the valid options, gin
+bindings fold into the config, and (slow) each config file trains a few smoke steps on mock data + eval.py."""
+
+import importlib
+
+import jax
+import pytest
+from absl import flags
+from ml_collections import config_flags
+
+import train
+from configs import base, default, lra
+from models import gin_bridge, registry
+
+CONFIG_FILES = ("default", "cifar10", "imagenet64", "wiki40b", "c4", "lra")
+VARIANTS = [(f, "") for f in CONFIG_FILES] + [(f, "smoke") for f in CONFIG_FILES if f != "lra"] + [
+  ("lra", f"task={t}") for t in lra.TASKS] + [("lra", f"task={t},smoke") for t in lra.TASKS]
+
+
+@pytest.mark.parametrize("module,arg", VARIANTS)
+def test_every_config_variant_builds(module, arg):
+  c = importlib.import_module(f"configs.{module}").get_config(arg)
+  assert c.model.attention.name in registry.names()
+  assert c.train.batch_size % 8 == 0 or "smoke" in arg or c.train.batch_size >= 8
+  assert c.model.features % c.model.num_heads == 0
+  if "smoke" in arg:
+    assert c.train.num_steps <= 10 and c.model.num_layers == 1
+  c2 = importlib.import_module(f"configs.{module}").get_config(
+      (arg + "," if arg else "") + "attention=combiner_axial_rowmajor,layers=3,block_size=8,deepsets=true")
+  assert (c2.model.attention.name, c2.model.num_layers) == ("combiner_axial_rowmajor", 3)
+  assert c2.model.attention.params.block_size == 8 and c2.model.attention.deepsets is True
+
+
+def test_paper_defaults():
+  from configs import cifar10, wiki40b
+
+  c = cifar10.get_config("")
+  assert (c.model.num_layers, c.model.features, c.model.num_heads, c.optimizer.lr, c.train.batch_size,
+          c.data.seq_len) == (6, 512, 8, 1e-3, 32, 3072)
+  w = wiki40b.get_config("seq_len=8192")
+  assert (w.model.num_layers, w.model.features, w.model.num_heads, w.model.mlp_dim, w.train.batch_size,
+          w.train.num_steps, w.optimizer.warmup_steps, w.data.seq_len) == (12, 768, 12, 3072, 128, 125_000,
+                                                                            10_000, 8192)
+  assert lra.get_config("task=pathfinder").model.classifier_pool == "MEAN"
+
+
+def test_unknown_config_argument_lists_valid_keys():
+  with pytest.raises(ValueError, match=r"unknown config argument 'layerz'.*valid: \[.*'layers'"):
+    default.get_config("layerz=3")
+  with pytest.raises(ValueError, match="lra task must be one of"):
+    lra.get_config("task=chess")
+
+
+def test_unknown_attention_name_lists_valid_names():
+  c = default.get_config("smoke,attention=combiner_fixd")
+  with pytest.raises(ValueError, match=r"unknown attention 'combiner_fixd'; valid names: \[.*'combiner_fixed'"):
+    train.Experiment(c, devices=jax.devices()[:1])
+
+
+def test_unknown_config_field_is_an_error():
+  # config_flags reads the command line when the flag is defined (as train.py does at import).
+  bad = ["train.py", "--config=configs/default.py", "--config.model.num_layerz=3"]
+  fv = flags.FlagValues()
+  config_flags.DEFINE_config_file("config", "configs/default.py", flag_values=fv, lock_config=True, sys_argv=bad)
+  with pytest.raises(Exception, match="num_layerz"):
+    fv(bad)
+  good = ["train.py", "--config=configs/default.py", "--config.model.num_layers=3",
+          "--config.model.attention.params.block_size=16"]
+  fv2 = flags.FlagValues()
+  config_flags.DEFINE_config_file("config", "configs/default.py", flag_values=fv2, lock_config=True,
+                                  sys_argv=good)
+  fv2(good)
+  assert fv2.config.model.num_layers == 3 and int(fv2.config.model.attention.params.block_size) == 16
+
+
+def test_unknown_attention_field_lists_valid_fields():
+  c = default.get_config("smoke")
+  with c.model.attention.unlocked():
+    c.model.attention.deepset = True
+  with pytest.raises(ValueError, match=r"unknown field 'deepset'; valid fields: \[.*'deepsets'"):
+    registry.check_fields(c.model.attention)
+
+
+def test_missing_data_names_the_expected_path(tmp_path):
+  from configs import cifar10
+
+  c = cifar10.get_config("smoke")
+  c.data.data_dir = str(tmp_path / "nowhere")
+  with pytest.raises(FileNotFoundError, match=str(tmp_path / "nowhere")):
+    train.create_dataset(c, "train", batch_size=8, seed=0)
+  c = lra.get_config("task=listops,smoke")
+  c.data.data_dir = str(tmp_path / "nowhere")
+  with pytest.raises(FileNotFoundError, match="lra_release"):
+    train.create_dataset(c, "train", batch_size=8, seed=0)
+
+
+def test_gin_bindings_fold_into_config():
+  c = default.get_config("attention=combiner_axial_rowmajor")
+  bound = gin_bridge.apply(c, gin_bindings=["attention.deepsets = True", "attention.row_length = 16",
+                                            "attention.learned_span_key = True"])
+  assert bound == {"deepsets": True, "row_length": 16, "learned_span_key": True}
+  assert c.model.attention.deepsets is True and c.model.attention.params.row_length == 16
+  # A field the config itself sets may not also be bound.
+  c = default.get_config("attention=combiner_fixed,block_size=8")
+  with pytest.raises(ValueError, match="conflicts with config.model.attention.params.block_size=8"):
+    gin_bridge.apply(c, gin_bindings=["attention.block_size = 16"])
+  c = default.get_config("attention=combiner_fixed,deepsets=false")
+  with pytest.raises(ValueError, match="conflicts with config.model.attention.deepsets"):
+    gin_bridge.apply(c, gin_bindings=["attention.deepsets = True"])
+  # A field the chosen module does not read is refused with the valid ones.
+  c = default.get_config("attention=dense")
+  with pytest.raises(ValueError, match=r"has no field 'deepsets'; valid: \[.*'dropout_rate'"):
+    gin_bridge.apply(c, gin_bindings=["attention.deepsets = True"])
+
+
+SMOKE_RUNS = [("cifar10", ""), ("imagenet64", ""), ("wiki40b", ""), ("c4", "")] + [
+  ("lra", f"task={t}") for t in lra.TASKS]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module,arg", SMOKE_RUNS)
+def test_config_smoke_run_and_eval(module, arg, tmp_path):
+  import eval as eval_lib
+  from data.testing import mock_data
+
+  c = importlib.import_module(f"configs.{module}").get_config((arg + "," if arg else "") + "smoke")
+  c.train.num_steps = 2
+  with mock_data(c.data.name, str(tmp_path / "data")) as data_dir:
+    c.data.data_dir = data_dir
+    result = train.train_and_evaluate(c, str(tmp_path / "run"), progress=False)
+    assert result["step"] == 2
+    metrics = eval_lib.evaluate_workdir(str(tmp_path / "run"), max_batches=1)
+  key = {"image": "bits_per_dim", "lm": "perplexity", "mlm": "perplexity"}.get(result["experiment"].task,
+                                                                              "accuracy")
+  assert key in metrics and metrics["step"] == 2
+  assert base.SHARDING_RULES == tuple(tuple(r) for r in train.load_config(str(tmp_path / "run")).sharding_rules)
