@@ -11,21 +11,25 @@ its own chunk and, through one pooled abstraction each, to every other chunk (DE
 
 Layout: tokens are permuted into a [chunks, w] "slot" grid sorted by (chunk, position), where a chunk is a
 reshape axis, so span abstractions are reductions (or cumulative reductions, causal) over the slot axis: the
-contiguous-segment case of `jax.ops.segment_max` without a scatter. The causal prefix state of chunk r seen by
-query i is the slot of the last member of r at a position `<= i`; it is looked up from per-position running counts.
-Cost O(L * (w + chunks) * d) time and memory, i.e. O(L^1.5 d) for num_clusters ~ sqrt(L); never O(L^2).
+contiguous-segment case of `jax.ops.segment_max` without a scatter. Causal: the prefix state of chunk r seen by
+query i is the one ended by the last member of r at a position `<= i`; per block of w positions that is a
+block-start state or the state ended by a token of the same block (see the code), so no [L, chunks, d] tensor
+is formed. Cost O(L * (w + chunks) * d) time, O(L * (w + chunks)) memory besides the inputs, i.e. O(L^1.5 d)
+for num_clusters ~ sqrt(L); never O(L^2).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from combiner import common, contract
+from combiner import contract
 from combiner.combine import Piece, attend, joint_softmax
+
+POOLINGS = ("max", "mean")
 
 Array = Any
 
@@ -66,6 +70,36 @@ def _check_cluster_ids(cluster_ids: Any, shape: tuple[int, int, int], num_cluste
   return jnp.asarray(cluster_ids).astype(jnp.int32)
 
 
+class _Inputs(NamedTuple):
+  q: Array  # [batch, length, heads, head_dim], compute dtype
+  k: Array  # [batch, length, heads, head_dim]
+  v: Array  # [batch, length, heads, value_dim]
+  mask: Array  # [batch, length] bool
+  pool_q: Array  # [batch, length, heads, head_dim]: pooled into span queries
+  pool_k: Array  # [batch, length, heads, head_dim]: pooled into span keys
+  scale: float
+  out_dtype: Any
+
+
+def _prepare(q: Array, k: Array, v: Array, mask: Array | None, *, op: str, causal: Any, pooling: Any,
+             pool_q: Array | None, pool_k: Array | None) -> _Inputs:
+  """The op contract's checks, everything cast to the softmax dtype, in the op layout [batch, length, ...]."""
+  q, k, v, mask = contract.check_qkv(q, k, v, mask, op=op)
+  contract.check_bool(causal, name="causal", op=op)
+  contract.check_choice(pooling, name="pooling", allowed=POOLINGS, op=op)
+  ct = contract.softmax_dtype(q.dtype, k.dtype, v.dtype)
+  pooled = []
+  for name, t, default in (("pool_q", pool_q, q), ("pool_k", pool_k, k)):
+    if t is None:
+      t = default
+    elif not hasattr(t, "shape") or tuple(t.shape) != tuple(q.shape):
+      raise ValueError(f"{op}: argument {name!r} must be None or an array shaped like q {tuple(q.shape)}, "
+                       f"got {getattr(t, 'shape', type(t).__name__)}")
+    pooled.append(jnp.asarray(t).astype(ct))
+  return _Inputs(q.astype(ct), k.astype(ct), v.astype(ct), mask, pooled[0], pooled[1],
+                 contract.logit_scale(q.shape[-1]), v.dtype)
+
+
 def routed(q: Array, k: Array, v: Array, *, cluster_ids: Array, num_clusters: int, causal: bool = False,
            mask: Array | None = None, pooling: str = "max", pool_q: Array | None = None,
            pool_k: Array | None = None) -> Array:
@@ -77,7 +111,7 @@ def routed(q: Array, k: Array, v: Array, *, cluster_ids: Array, num_clusters: in
   for the span abstractions. Returns [batch, length, heads, value_dim] in v's dtype.
   """
   op = "combiner.routed"
-  x = common.prepare(q, k, v, mask, op=op, causal=causal, pooling=pooling, pool_q=pool_q, pool_k=pool_k)
+  x = _prepare(q, k, v, mask, op=op, causal=causal, pooling=pooling, pool_q=pool_q, pool_k=pool_k)
   n = contract.check_positive_int(num_clusters, name="num_clusters", op=op)
   batch, length, heads, _ = x.q.shape
   ids = _check_cluster_ids(cluster_ids, (batch, length, heads), n, op).transpose(0, 2, 1)  # [b, h, L]
@@ -110,11 +144,8 @@ def routed(q: Array, k: Array, v: Array, *, cluster_ids: Array, num_clusters: in
 
   direct_logits = jnp.einsum("bhcqd,bhckd->bhcqk", qs, ks) * scale  # [b, h, C, w, w]
   direct_valid = real_s[:, :, :, None, :]  # [b, h, C, 1, w]
-  if causal:
-    direct_valid = direct_valid & (pos_s[..., None, :] <= pos_s[..., :, None])
-  direct = Piece(direct_logits, direct_valid, lambda p: jnp.einsum("bhcqk,bhckd->bhcqd", p, vs))
-
   if not causal:
+    direct = Piece(direct_logits, direct_valid, lambda p: jnp.einsum("bhcqk,bhckd->bhcqd", p, vs))
     kbar, count = _pool(pks, real_s, pooling, prefix=False)  # [b, h, C, d], [b, h, C]
     qbar, _ = _pool(pqs, real_s, pooling, prefix=False)
     inner = jnp.einsum("bhcd,bhckd->bhck", qbar, ks) * scale  # [b, h, C, w]
@@ -122,34 +153,80 @@ def routed(q: Array, k: Array, v: Array, *, cluster_ids: Array, num_clusters: in
     span_logits = jnp.einsum("bhcqd,bhrd->bhcqr", qs, kbar) * scale  # [b, h, C, w, C]
     span_valid = (count > 0)[:, :, None, None, :] & (own[:, None, None] != own[None, None, :])  # [b, h, C, 1, C]
     span = Piece(span_logits, span_valid, lambda p: jnp.einsum("bhcqr,bhrd->bhcqd", p, vbar))
-  else:
-    # Prefix abstractions of every chunk: state t pools the chunk's slots 0..t (they are sorted by position).
-    kbar, count = _pool(pks, real_s, pooling, prefix=True)  # [b, h, C, w, d], [b, h, C, w]
-    qbar, _ = _pool(pqs, real_s, pooling, prefix=True)
-    inner = jnp.einsum("bhctd,bhcud->bhctu", qbar, ks) * scale  # [b, h, C, w(state), w(key)]
-    inner_valid = real_s[:, :, :, None, :] & (jnp.arange(w)[None, :] <= jnp.arange(w)[:, None])
-    vbar = attend(inner, inner_valid, vs, "bhctu,bhcud->bhctd")  # [b, h, C, w, dv]
-    # members[b, h, i, r] = #tokens of chunk r at positions <= i; the state query i sees is slot members - 1.
-    members = jnp.cumsum(jax.nn.one_hot(chunk, chunks, dtype=jnp.int32), axis=2)  # [b, h, L, C]
-    members = jnp.take_along_axis(members, order_p[..., None], axis=2)  # [b, h, slots, C], per query slot
-    state = own[None, None, None, :] * w + jnp.maximum(members - 1, 0)  # [b, h, slots, C] flat state index
-    flat = state.reshape(batch, heads, slots * chunks, 1)
+    out = joint_softmax([direct, span])  # [b, h, C, w, dv], slot layout
+    out = jnp.take_along_axis(out.reshape(batch, heads, slots, -1), slot_of[..., None], axis=2)  # [b, h, L, dv]
+    return out.transpose(0, 2, 1, 3).astype(x.out_dtype)
 
-    def lookup(table: Array) -> Array:  # [b, h, C, w, e] -> [b, h, C(query), w, C(span), e]
-      t = table.reshape(batch, heads, slots, table.shape[-1])
-      return jnp.take_along_axis(t, flat, axis=2).reshape(batch, heads, chunks, w, chunks, table.shape[-1])
+  # Causal (eq. 12). Chunk r's prefix states: state t pools the chunk's slots 0..t (sorted by position), with
+  # the span value a softmax over those slots under the pooled query of the same prefix.
+  direct_valid = direct_valid & (pos_s[..., None, :] <= pos_s[..., :, None])
+  kbar, count = _pool(pks, real_s, pooling, prefix=True)  # [b, h, C, w, d], [b, h, C, w]
+  qbar, _ = _pool(pqs, real_s, pooling, prefix=True)
+  inner = jnp.einsum("bhctd,bhcud->bhctu", qbar, ks) * scale  # [b, h, C, w(state), w(key)]
+  inner_valid = real_s[:, :, :, None, :] & (jnp.arange(w)[None, :] <= jnp.arange(w)[:, None])
+  vbar = attend(inner, inner_valid, vs, "bhctu,bhcud->bhctd")  # [b, h, C, w, dv]
+  kbar_f = kbar.reshape(batch, heads, slots, -1)  # flat state index = r * w + t
+  vbar_f = vbar.reshape(batch, heads, slots, -1)
+  count_f = count.reshape(batch, heads, slots)
 
-    kbar_q, vbar_q = lookup(kbar), lookup(vbar)
-    count_q = jnp.take_along_axis(count.reshape(batch, heads, slots), flat[..., 0], axis=2)
-    count_q = count_q.reshape(batch, heads, chunks, w, chunks)
-    nonempty = (members.reshape(batch, heads, chunks, w, chunks) > 0) & (count_q > 0)
-    span_logits = jnp.einsum("bhcqd,bhcqrd->bhcqr", qs, kbar_q) * scale  # [b, h, C, w, C]
-    span_valid = nonempty & (own[:, None, None] != own[None, None, :])
-    span = Piece(span_logits, span_valid, lambda p: jnp.einsum("bhcqr,bhcqrd->bhcqd", p, vbar_q))
+  # Query i sees chunk r in state t_r(i) = (#members of r at positions <= i) - 1: L x chunks vectors, too many
+  # to gather. Cut positions into blocks of B = w: at a block's start every chunk has one "base" state
+  # ([blocks, chunks] of them), and inside the block only the chunks of the block's own tokens advance, each to
+  # the state that token ends (one per token). So query i takes chunk r from the base state unless a token of r
+  # at a position in [block start, i] advanced it, and then from the last such token. Both are dense pieces.
+  nb = -(-length // w)
+  lp = nb * w
 
-  out = joint_softmax([direct, span])  # [b, h, C, w, dv], slot layout
-  out = out.reshape(batch, heads, slots, -1)
-  out = jnp.take_along_axis(out, slot_of[..., None], axis=2)  # [b, h, L, dv]
+  def to_blocks(t: Array, fill: Any = 0) -> Array:  # [b, h, L, ...] -> [b, h, nb, w, ...]
+    t = jnp.pad(t, [(0, 0), (0, 0), (0, lp - length)] + [(0, 0)] * (t.ndim - 3), constant_values=fill)
+    return t.reshape(batch, heads, nb, w, *t.shape[3:])
+
+  qb = to_blocks(x.q.transpose(0, 2, 1, 3))  # [b, h, nb, B, d], queries in position order
+  chunk_b = to_blocks(chunk, chunks)  # [b, h, nb, B]; padding gets chunk id `chunks` (none)
+  token_b = to_blocks(jnp.broadcast_to(pos < length, chunk.shape), False)  # [b, h, nb, B] real positions
+  onehot = jax.nn.one_hot(chunk_b, chunks, dtype=jnp.int32)  # [b, h, nb, B, C]
+  before = jnp.cumsum(onehot.sum(axis=3), axis=2) - onehot.sum(axis=3)  # [b, h, nb, C] members before block
+  base = own * w + jnp.maximum(before - 1, 0)  # [b, h, nb, C] flat state index
+
+  def states(table: Array, index: Array) -> Array:  # table [b, h, slots, e], index [b, h, ...] -> [b, h, ..., e]
+    flat = jnp.take_along_axis(table, index.reshape(batch, heads, -1, 1), axis=2)
+    return flat.reshape(*index.shape, table.shape[-1])
+
+  kb, vb = states(kbar_f, base), states(vbar_f, base)  # [b, h, nb, C, d|dv]
+  base_nonempty = (before > 0) & (jnp.take_along_axis(count_f, base.reshape(batch, heads, -1), axis=2)
+                                  .reshape(base.shape) > 0)  # [b, h, nb, C]
+  advanced = jnp.cumsum(onehot, axis=3) > 0  # [b, h, nb, B, C]: chunk r advanced at a position in [start, i]
+  not_own = chunk_b[..., :, None] != own  # [b, h, nb, B, C]
+  base_logits = jnp.einsum("bhnqd,bhnrd->bhnqr", qb, kb) * scale  # [b, h, nb, B, C]
+  base_valid = base_nonempty[:, :, :, None, :] & ~advanced & not_own
+  base_piece = Piece(base_logits, base_valid, lambda p: jnp.einsum("bhnqr,bhnrd->bhnqd", p, vb))
+
+  tok_state = to_blocks(slot_of)  # [b, h, nb, B]: the state token j ends is its own slot
+  ku, vu = states(kbar_f, tok_state), states(vbar_f, tok_state)  # [b, h, nb, B, d|dv]
+  tok_nonempty = token_b & (jnp.take_along_axis(count_f, tok_state.reshape(batch, heads, -1), axis=2)
+                            .reshape(tok_state.shape) > 0)
+  ar = jnp.arange(w)
+  later_same = (chunk_b[..., :, None] == chunk_b[..., None, :]) & (ar[:, None] < ar[None, :])  # [b,h,nb,j,j']
+  next_same = jnp.min(jnp.where(later_same, ar, w), axis=-1)  # [b, h, nb, B]: next token of j's chunk
+  last = (ar[None, :] <= ar[:, None]) & (ar[:, None] < next_same[..., None, :])  # [b, h, nb, B(i), B(j)]
+  upd_valid = last & tok_nonempty[..., None, :] & (chunk_b[..., None, :] != chunk_b[..., :, None])
+  upd_logits = jnp.einsum("bhnqd,bhnjd->bhnqj", qb, ku) * scale  # [b, h, nb, B, B]
+  upd_piece = Piece(upd_logits, upd_valid, lambda p: jnp.einsum("bhnqj,bhnjd->bhnqd", p, vu))
+
+  # The direct piece lives in slot layout; its rows move to position order and its weights move back.
+  def rows_to_blocks(t: Array) -> Array:  # [b, h, C, w, e] slot layout -> [b, h, nb, B, e] position layout
+    t = jnp.take_along_axis(t.reshape(batch, heads, slots, -1), slot_of[..., None], axis=2)
+    return to_blocks(t)
+
+  def direct_apply(p: Array) -> Array:  # p [b, h, nb, B, w] -> [b, h, nb, B, dv]
+    p = p.reshape(batch, heads, lp, w)[:, :, :length]
+    p = jnp.take_along_axis(p, order_p[..., None], axis=2).reshape(batch, heads, chunks, w, w)
+    return rows_to_blocks(jnp.einsum("bhcqk,bhckd->bhcqd", p, vs))
+
+  direct_valid = jnp.broadcast_to(direct_valid, direct_logits.shape)
+  direct = Piece(rows_to_blocks(direct_logits), rows_to_blocks(direct_valid), direct_apply)
+  out = joint_softmax([direct, base_piece, upd_piece])  # [b, h, nb, B, dv]
+  out = out.reshape(batch, heads, lp, -1)[:, :, :length]
   return out.transpose(0, 2, 1, 3).astype(x.out_dtype)
 
 
