@@ -46,13 +46,30 @@ def apply_op(op: str, args: list[int]) -> int:
   raise ValueError(f"unknown ListOps operator {op!r}; allowed: {OPERATORS}")
 
 
-def generate_tree(rng: np.random.Generator, *, max_depth: int, max_args: int, op_p: float, depth: int = 1):
-  """A nested (op, [children]) tree or an int leaf; the root has depth 1, operators stop at `max_depth`."""
+class _TooLong(Exception):
+  pass
+
+
+def generate_tree(rng: np.random.Generator, *, max_depth: int, max_args: int, op_p: float, depth: int = 1,
+                  budget: list[int] | None = None):
+  """A nested (op, [children]) tree or an int leaf; the root has depth 1, operators stop at `max_depth`.
+
+  `budget` ([remaining length]) aborts with _TooLong as soon as the tree is known to exceed it: rejection
+  would discard it anyway, so stopping early changes only the cost, not the distribution of accepted trees.
+  """
   if depth < max_depth and rng.random() < op_p:
     n = int(rng.integers(2, max_args + 1))
     op = OPERATORS[int(rng.integers(len(OPERATORS)))]
-    return (op, [generate_tree(rng, max_depth=max_depth, max_args=max_args, op_p=op_p, depth=depth + 1)
-                 for _ in range(n)])
+    if budget is not None:
+      budget[0] -= 2  # the operator and its `]`
+      if budget[0] < 0:
+        raise _TooLong
+    return (op, [generate_tree(rng, max_depth=max_depth, max_args=max_args, op_p=op_p, depth=depth + 1,
+                               budget=budget) for _ in range(n)])
+  if budget is not None:
+    budget[0] -= 1
+    if budget[0] < 0:
+      raise _TooLong
   return int(rng.integers(10))
 
 
@@ -133,7 +150,10 @@ def sample(rng: np.random.Generator, *, min_length: int, max_length: int, max_de
            op_p: float, max_tries: int = 1_000_000) -> tuple[list[str], int]:
   """One (tokens with parentheses, label) with min_length <= tree_length <= max_length, by rejection."""
   for _ in range(max_tries):
-    tree = generate_tree(rng, max_depth=max_depth, max_args=max_args, op_p=op_p)
+    try:
+      tree = generate_tree(rng, max_depth=max_depth, max_args=max_args, op_p=op_p, budget=[max_length])
+    except _TooLong:
+      continue
     if min_length <= tree_length(tree) <= max_length:
       return tree_tokens(tree), tree_value(tree)
   raise RuntimeError(f"ListOps generator found no tree of length {min_length}..{max_length} in {max_tries} tries "

@@ -14,8 +14,9 @@ Sources:
                  image, `imgs/<d> sample_<n>.png <x> <label> ...`), PNGs under the same directory;
                  difficulty `curv_contour_length_14` (hard) by default. Splits by metadata file, in numeric
                  order: the first 80% train, next 10% validation, last 10% test.
-where {lra} is `config.data.lra_dir` or `{data_dir}/lra_release`, unpacked either as `lra_release/...` or
-`lra_release/lra_release/...` (the archive nests one level): both are accepted.
+where {lra} is found under `config.data.lra_dir` or else `config.data.data_dir` (the TFDS data directory, which
+also holds imdb_reviews and cifar10): the archive unpacked there as `lra_release/...` or
+`lra_release/lra_release/...` (it nests one level), or the directory given being the release itself.
 
 Malformed rows (wrong field count, unknown token, bad label, missing image) raise ValueError naming file and
 line; with `config.data.skip_malformed=True` they are skipped and counted in the log. Over-long inputs are
@@ -62,7 +63,9 @@ def lra_root(config: Any) -> str:
   explicit = pipeline.cfg_get(config, "lra_dir")
   data_dir = pipeline.cfg_get(config, "data_dir", "~/tensorflow_datasets")
   base = os.path.expanduser(explicit or os.path.join(data_dir, "lra_release"))
-  for cand in (os.path.join(base, "lra_release"), base):
+  # Also accept data_dir pointing at the unpacked release itself.
+  top = os.path.expanduser(explicit or data_dir)
+  for cand in (os.path.join(base, "lra_release"), base, os.path.join(top, "lra_release"), top):
     if any(os.path.isdir(os.path.join(cand, d)) for d in ("listops-1000", "tsv_data", "pathfinder32")):
       return cand
   return base
