@@ -32,7 +32,8 @@ def tfds_split(table: dict[str, str], split: str) -> str:
   """Our split name -> the tfds split; tfds slicing syntax ("train[:1000]") passes through."""
   base, sep, rest = split.partition("[")
   if base not in table:
-    raise ValueError(f"split must be one of {sorted(table)} (optionally sliced, e.g. 'train[:1000]'), got {split!r}")
+    raise ValueError(f"split must be one of {sorted(table)} (optionally sliced, e.g. 'train[:1000]'), "
+                     f"got {split!r}")
   return table[base] + sep + rest
 
 
@@ -112,7 +113,8 @@ def create_dataset(config: Any, split: str, *, batch_size: int, seed: int, shard
                    shuffle=None, num_epochs=None):
   tfds_name, shape, splits, _ = _spec(config)
   dataset_info(config)  # validates seq_len
-  source = tfds_source(tfds_name, tfds_split(splits, split), pipeline.cfg_get(config, "data_dir"), config.data.name)
+  data_dir = pipeline.cfg_get(config, "data_dir")
+  source = tfds_source(tfds_name, tfds_split(splits, split), data_dir, config.data.name)
   flip = bool(pipeline.cfg_get(config, "random_flip", False)) and split.startswith("train")
   op = pipeline.SeededExample(_ImageFn(shape, flip))
   return pipeline.make_loader(

@@ -170,7 +170,8 @@ def encode(tokens: list[str], where: str = "", parens: bool = False) -> np.ndarr
     raise ValueError(f"{where}: unknown ListOps token {e.args[0]!r}; allowed: {VOCAB[1:]}") from None
 
 
-def pad_to(ids: np.ndarray, seq_len: int, counter: pipeline.Counter | None = None) -> tuple[np.ndarray, np.ndarray]:
+def pad_to(ids: np.ndarray, seq_len: int,
+           counter: pipeline.Counter | None = None) -> tuple[np.ndarray, np.ndarray]:
   """(tokens [seq_len], mask [seq_len]); longer inputs are truncated and counted."""
   if ids.shape[0] > seq_len:
     if counter is not None:
@@ -243,6 +244,7 @@ def create_dataset(config: Any, split: str, *, batch_size: int, seed: int, shard
   source = GeneratedSource(split, di.split_sizes[split], int(pipeline.cfg_get(config, "data_seed", 0)),
                            _params(config))
   return pipeline.make_loader(
-    source, [pipeline.Example(_Encode(di.seq_len, bool(pipeline.cfg_get(config, 'listops_parens', False))))], split=split, batch_size=batch_size, seed=seed,
+    source, [pipeline.Example(_Encode(di.seq_len, bool(pipeline.cfg_get(config, "listops_parens", False))))],
+    split=split, batch_size=batch_size, seed=seed,
     shard_index=shard_index, shard_count=shard_count, shuffle=shuffle, num_epochs=num_epochs, config=config,
   )

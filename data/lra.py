@@ -324,7 +324,8 @@ def make_source(config: Any, split: str):
     return source, _ListOpsFn(info.seq_len, bool(pipeline.cfg_get(config, "listops_parens", False)))
   if name == "lra_retrieval":
     path = _need(os.path.join(lra_root(config), "tsv_data", RETRIEVAL_FILES[split]), config)
-    return TsvSource(path, _parse_retrieval, malformed=Malformed(config), header="label"), _RetrievalFn(info.seq_len)
+    source = TsvSource(path, _parse_retrieval, malformed=Malformed(config), header="label")
+    return source, _RetrievalFn(info.seq_len)
   if name == "lra_pathfinder":
     difficulty = pipeline.cfg_get(config, "difficulty", "curv_contour_length_14")
     if difficulty not in PATHFINDER_DIFFICULTIES:

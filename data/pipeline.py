@@ -38,7 +38,8 @@ def resolve_shards(shard_index: int | None, shard_count: int | None) -> tuple[in
     shard_index = jax.process_index() if shard_index is None else shard_index
     shard_count = jax.process_count() if shard_count is None else shard_count
   if shard_count < 1 or not 0 <= shard_index < shard_count:
-    raise ValueError(f"need 0 <= shard_index < shard_count, got shard_index={shard_index}, shard_count={shard_count}")
+    raise ValueError(f"need 0 <= shard_index < shard_count, got shard_index={shard_index}, "
+                     f"shard_count={shard_count}")
   return shard_index, shard_count
 
 
@@ -46,7 +47,8 @@ def missing(path: str, dataset: str, data_dir: str | None, what: str = "dataset"
   """The error for data that is not there: names the path and the command that makes it."""
   dd = data_dir or "DIR"
   return FileNotFoundError(
-    f"{what} for {dataset!r} not found at {path}; prepare it with: python -m data.prepare {dataset} --data_dir {dd}"
+    f"{what} for {dataset!r} not found at {path}; "
+    f"prepare it with: python -m data.prepare {dataset} --data_dir {dd}"
   )
 
 

@@ -167,8 +167,8 @@ def unpack_lra(data_dir: str) -> str | None:
   return root if os.path.isdir(os.path.join(root, "listops-1000")) else None
 
 
-def prepare(name: str, data_dir: str, *, skip_build: bool = False, vocab_size: int = 32000, spm_docs: int = 1_000_000,
-            beam_flags: list[str] | None = None, seed: int = 0) -> int:
+def prepare(name: str, data_dir: str, *, skip_build: bool = False, vocab_size: int = 32000,
+            spm_docs: int = 1_000_000, beam_flags: list[str] | None = None, seed: int = 0) -> int:
   """Runs the steps for `name`; returns the exit status (0 ok, 1 verification failed, 2 manual step missing)."""
   from data import images, text
 
@@ -211,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--data_dir", required=True)
   parser.add_argument("--skip_build", action="store_true", help="only tokenizer training and verification")
   parser.add_argument("--vocab_size", type=int, default=32000)
-  parser.add_argument("--spm_docs", type=int, default=1_000_000, help="training documents sampled for SentencePiece")
+  parser.add_argument("--spm_docs", type=int, default=1_000_000,
+                      help="training documents sampled for SentencePiece")
   parser.add_argument("--beam_flags", default=None, help="Beam pipeline flags, space-separated (wiki40b, c4)")
   parser.add_argument("--seed", type=int, default=0)
   args = parser.parse_args(argv)

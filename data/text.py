@@ -98,7 +98,8 @@ def dataset_info(config: Any) -> DatasetInfo:
     name=config.data.name, task=spec["task"], vocab_size=vocab, seq_len=seq_len, input_vocab_size=vocab,
     pad_id=tokenizer.PAD_ID, bos_id=tokenizer.BOS_ID, eos_id=tokenizer.EOS_ID,
     mask_id=tokenizer.MASK_ID if spec["task"] == "mlm" else None,
-    metric="perplexity", max_segments=int(pipeline.cfg_get(config, "max_segments", spec["max_segments"] or 0)) or None,
+    metric="perplexity",
+    max_segments=int(pipeline.cfg_get(config, "max_segments", spec["max_segments"] or 0)) or None,
     split_sizes=dict(spec["split_sizes"]),
   )
 
@@ -209,11 +210,13 @@ def create_dataset(config: Any, split: str, *, batch_size: int, seed: int, shard
   source = text_source(config, split)
   model = spm_path(config)
   if not os.path.exists(model):
-    raise pipeline.missing(model, config.data.name, pipeline.cfg_get(config, "data_dir"), what="SentencePiece model")
+    raise pipeline.missing(model, config.data.name, pipeline.cfg_get(config, "data_dir"),
+                           what="SentencePiece model")
   ops = [
     Tokenize(model, info.vocab_size),
     PackBatches(batch_size=batch_size, seq_len=info.seq_len, task=info.task, max_segments=info.max_segments,
-                vocab_size=info.vocab_size, seed=pipeline.host_seed(seed, shard_index), mlm_rate=float(pipeline.cfg_get(config, "mlm_rate", 0.15))),
+                vocab_size=info.vocab_size, seed=pipeline.host_seed(seed, shard_index),
+                mlm_rate=float(pipeline.cfg_get(config, "mlm_rate", 0.15))),
   ]
   return pipeline.make_loader(
     source, ops, split=split.partition("[")[0], batch_size=None, seed=seed, shard_index=shard_index,
