@@ -64,11 +64,11 @@ def _reference_yoso_e(q, k, v, mask, tau, normalize):
 
 def test_hadamard_matches_sylvester_matrix():
   with jax.enable_x64(True):
-    x = jnp.asarray(np.random.default_rng(0).normal(size=(3, 16)))
     hmat = np.array([[1.0]])
-    for _ in range(4):
+    for n in (2, 4, 8, 16, 32, 64):  # 32 and 64 use two Kronecker factors
       hmat = np.block([[hmat, hmat], [hmat, -hmat]])
-    np.testing.assert_allclose(hashing.hadamard(x), np.asarray(x) @ hmat.T, rtol=1e-12, atol=1e-12)
+      x = jnp.asarray(np.random.default_rng(n).normal(size=(3, n)))
+      np.testing.assert_allclose(hashing.hadamard(x), np.asarray(x) @ hmat.T, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("method,rel_tol", [("gaussian", None), ("fast", 0.25)])
@@ -83,11 +83,11 @@ def test_collision_rate_matches_hyperplane_probability(method, rel_tol):
   u -= np.sum(u * x, -1, keepdims=True) * x
   u /= np.linalg.norm(u, axis=-1, keepdims=True)
   y = np.cos(thetas)[:, None] * x + np.sin(thetas)[:, None] * u
-  pairs = jnp.asarray(np.stack([x, y]), jnp.float32)[:, :, None, :]  # [2, pairs, heads=1, d]
+  pairs = jnp.asarray(np.stack([x, y]), jnp.float32)[:, None]  # [2, heads=1, pairs, d]
   codes = jax.jit(jax.vmap(lambda r: hashing.hash_codes(pairs, r, num_hashes=m, tau=tau, method=method)))(
-      jax.random.split(_key(1), draws))  # [draws, 2, pairs, 1, m]
+      jax.random.split(_key(1), draws))  # [draws, 2, 1, pairs, m]
   assert codes.dtype == jnp.int32 and int(codes.min()) >= 0 and int(codes.max()) < 2**tau
-  rate = np.asarray(jnp.mean(codes[:, 0] == codes[:, 1], axis=(0, 2, 3)))
+  rate = np.asarray(jnp.mean(codes[:, 0] == codes[:, 1], axis=(0, 1, 3)))
   expected = (1 - thetas / np.pi) ** tau
   if rel_tol is None:  # independent hyperplanes: exact in expectation, binomial standard error
     se = np.sqrt(expected * (1 - expected) / (draws * m))
@@ -103,9 +103,10 @@ def test_hash_functions_depend_only_on_rng_and_head():
   def codes(x, r):
     return [hashing.hash_codes(x, r, num_hashes=4, tau=5, method=m) for m in ("gaussian", "fast")]
 
-  a, b, c = codes(x, _key(7)), codes(x[1:, 2:], _key(7)), codes(x, _key(8))
+  # x: [batch, heads, length, dim]; functions are shared over batch and length, drawn per head.
+  a, b, c = codes(x, _key(7)), codes(x[1:, :, 2:], _key(7)), codes(x, _key(8))
   for a, b, c in zip(a, b, c, strict=True):
-    np.testing.assert_array_equal(a[1:, 2:], b)
+    np.testing.assert_array_equal(a[1:, :, 2:], b)
     assert np.mean(np.asarray(a) != np.asarray(c)) > 0.5
 
 
@@ -276,8 +277,9 @@ def test_sampled_backward_matches_definition_with_forward_codes():
     got = jax.jit(lambda q, k, v: _grads(fn, q, k, v))(q, k, v)
     hash_rng = jax.random.split(rng)[0]
     qn, kn = l2_normalize(q), l2_normalize(k)
-    qc = np.asarray(hashing.hash_codes(qn, hash_rng, num_hashes=m, tau=tau))
-    kc = np.asarray(hashing.hash_codes(kn, hash_rng, num_hashes=m, tau=tau))
+    heads_major = lambda x: jnp.swapaxes(x, 1, 2)  # hashing takes [batch, heads, length, dim]
+    qc = np.asarray(heads_major(hashing.hash_codes(heads_major(qn), hash_rng, num_hashes=m, tau=tau)))
+    kc = np.asarray(heads_major(hashing.hash_codes(heads_major(kn), hash_rng, num_hashes=m, tau=tau)))
     bmat = (qc[:, :, None] == kc[:, None, :]) * np.asarray(mask)[:, None, :, None, None]  # [b, Lq, Lk, h, m]
     bmat = bmat.mean(-1)
     np.testing.assert_allclose(fn(q, k, v), np.einsum("bqkh,bkhe->bqhe", bmat, v), rtol=1e-12, atol=1e-12)

@@ -4,9 +4,9 @@ A hash is `tau` hyperplane bits; its code is `sum_b 2^b [r_b . x > 0]`, an integ
 vectors at angle `theta` share one bit with probability `1 - theta/pi` (Charikar, 2002), so with independent bits
 they collide with probability `(1 - theta/pi)^tau`: the Bernoulli success probability YOSO attention is built on.
 
-Hash functions are drawn independently per head (axis -2 of `[..., heads, dim]`) and shared along the other
-leading axes, so queries and keys hashed with the same `rng` see the same functions. Both families take the rng
-explicitly; nothing here holds state.
+Inputs are heads-major, `[batch, heads, length, dim]` (the layout in which XLA's CPU dot is fast). Hash functions
+are drawn independently per head and shared along batch and length, so queries and keys hashed with the same
+`rng` see the same functions. Both families take the rng explicitly; nothing here holds state.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Array = Any
 
@@ -27,11 +28,9 @@ def is_power_of_two(n: int) -> bool:
 
 
 def _codes_from_projections(proj: Array, num_hashes: int, tau: int) -> Array:
-  """proj [..., heads, >= num_hashes * tau] -> int32 codes [..., heads, num_hashes]."""
-  bits = (proj[..., : num_hashes * tau] > 0).astype(jnp.int32)
-  bits = bits.reshape(*proj.shape[:-1], num_hashes, tau)  # [..., heads, num_hashes, tau]
-  weights = jnp.left_shift(jnp.int32(1), jnp.arange(tau, dtype=jnp.int32))  # [tau]: 2^b
-  return jnp.sum(bits * weights, axis=-1)
+  """proj [..., >= num_hashes * tau] -> int32 codes [..., num_hashes]: bit b of hash t is coordinate t * tau + b."""
+  bits = (proj[..., : num_hashes * tau] > 0).reshape(*proj.shape[:-1], num_hashes, tau)  # [..., m, tau]
+  return sum(bits[..., b].astype(jnp.int32) << b for b in range(tau))
 
 
 def gaussian_projections(rng: Array, *, heads: int, dim: int, num_hashes: int, tau: int, dtype: Any) -> Array:
@@ -40,52 +39,70 @@ def gaussian_projections(rng: Array, *, heads: int, dim: int, num_hashes: int, t
 
 
 def gaussian_codes(x: Array, rng: Array, *, num_hashes: int, tau: int) -> Array:
-  """Hyperplane LSH with Gaussian projections. x [..., heads, dim] -> int32 codes [..., heads, num_hashes].
+  """Hyperplane LSH with Gaussian projections. x [batch, heads, length, dim] -> int32 codes [b, h, L, num_hashes].
 
   Bits of different hashes and within a hash are independent, so the collision probability is exactly
   `(1 - theta/pi)^tau`. Cost O(dim * num_hashes * tau) per vector.
   """
-  heads, dim = x.shape[-2:]
+  _, heads, _, dim = x.shape
   r = gaussian_projections(rng, heads=heads, dim=dim, num_hashes=num_hashes, tau=tau, dtype=x.dtype)
-  proj = jnp.einsum("...hd,hdn->...hn", x, r)  # [..., heads, num_hashes * tau]
+  proj = jnp.einsum("bhld,hdn->bhln", x, r)  # [batch, heads, length, num_hashes * tau]
   return _codes_from_projections(proj, num_hashes, tau)
 
 
+def _sylvester(n: int) -> np.ndarray:
+  h = np.ones((1, 1))
+  while h.shape[0] < n:
+    h = np.block([[h, h], [h, -h]])
+  return h
+
+
+HADAMARD_RADIX = 16  # largest dense factor: small matmuls beat log2(d) butterfly passes on CPU
+
+
 def hadamard(x: Array) -> Array:
-  """Unnormalised fast Walsh-Hadamard transform along the last axis (power-of-two length), O(d log d)."""
+  """Unnormalised fast Walsh-Hadamard transform along the last axis (power-of-two length, Sylvester order).
+
+  H_d = H_a (x) H_b (x) ... with factors of at most HADAMARD_RADIX: the coordinates are viewed as a tensor
+  [a, b, ...] and each factor is a small dense matmul on its axis, O(d * sum(factors)) = O(d log d) for a bounded
+  radix, in a handful of passes instead of log2(d) butterflies.
+  """
   d = x.shape[-1]
   if not is_power_of_two(d):
     raise ValueError(f"hadamard: the last axis must have a power-of-two length, got {d}")
   lead = x.shape[:-1]
-  h = 1
-  while h < d:
-    # Butterfly on pairs (i, i + h) inside blocks of 2h: [a, b] -> [a + b, a - b].
-    y = x.reshape(*lead, d // (2 * h), 2, h)
-    a, b = y[..., 0, :], y[..., 1, :]
-    x = jnp.stack([a + b, a - b], axis=-2).reshape(*lead, d)
-    h *= 2
-  return x
+  sizes = []
+  while d > 1:
+    sizes.append(min(d, HADAMARD_RADIX))
+    d //= sizes[-1]
+  y = x.reshape(*lead, *sizes)
+  for _ in sizes:
+    # Transform the last tensor axis, then rotate it to the front of the factor axes: after len(sizes) steps
+    # every axis is transformed once and the original order is back.
+    y = y @ jnp.asarray(_sylvester(y.shape[-1]), x.dtype)
+    y = jnp.moveaxis(y, -1, len(lead))
+  return y.reshape(x.shape)
 
 
 def fast_codes(x: Array, rng: Array, *, num_hashes: int, tau: int) -> Array:
   """Hyperplane LSH with the fast approximate random rotation H D3 H D2 H D1 (power-of-two dim only).
 
-  x [..., heads, dim] -> int32 codes [..., heads, num_hashes]. Each rotation yields `dim` pseudo-random
+  x [batch, heads, length, dim] -> int32 codes [b, h, L, num_hashes]. Each rotation yields `dim` pseudo-random
   hyperplane coordinates, so `ceil(num_hashes * tau / dim)` independent rotations are cut into the
   `num_hashes * tau` bits. Coordinates of one rotation are orthogonal rather than independent, so the collision
   probability matches `(1 - theta/pi)^tau` only approximately (closely for dim >= 32). Cost
   O(num_hashes * tau * log(dim)) per vector.
   """
-  heads, dim = x.shape[-2:]
+  _, heads, _, dim = x.shape
   if not is_power_of_two(dim):
     raise ValueError(f"fast_codes: argument 'hash'='fast' needs a power-of-two head_dim, got head_dim={dim}; "
                      f"use hash='gaussian'")
   rotations = -(-num_hashes * tau // dim)
   signs = jax.random.rademacher(rng, (FAST_ROUNDS, heads, rotations, dim), x.dtype)
-  y = jnp.broadcast_to(x[..., None, :], (*x.shape[:-1], rotations, dim))  # [..., heads, rotations, dim]
+  y = x[..., None, :]  # [batch, heads, length, 1, dim]
   for r in range(FAST_ROUNDS):
-    y = hadamard(y * signs[r])
-  proj = y.reshape(*x.shape[:-1], rotations * dim)  # [..., heads, rotations * dim]
+    y = hadamard(y * signs[r][:, None])  # signs [heads, 1, rotations, dim] -> y [b, h, L, rotations, dim]
+  proj = y.reshape(*x.shape[:-1], rotations * dim)  # [batch, heads, length, rotations * dim]
   return _codes_from_projections(proj, num_hashes, tau)
 
 
@@ -93,7 +110,9 @@ HASHES = {"gaussian": gaussian_codes, "fast": fast_codes}
 
 
 def hash_codes(x: Array, rng: Array, *, num_hashes: int, tau: int, method: str = "gaussian") -> Array:
-  """Dispatches to a hash family by name: x [..., heads, dim] -> int32 codes [..., heads, num_hashes]."""
+  """Dispatches to a hash family by name: x [batch, heads, length, dim] -> int32 codes [b, h, L, num_hashes]."""
+  if x.ndim != 4:
+    raise ValueError(f"hash_codes: x must be [batch, heads, length, dim], got shape {tuple(x.shape)}")
   if method not in HASHES:
     raise ValueError(f"argument 'hash' must be one of {tuple(HASHES)}, got {method!r}")
   return HASHES[method](x, rng, num_hashes=num_hashes, tau=tau)
