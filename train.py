@@ -166,9 +166,10 @@ class TrainState:
 class Experiment:
   """Everything that does not depend on the workdir: mesh, model definition, shardings, jitted steps."""
 
-  def __init__(self, config: ml_collections.ConfigDict, *, devices: list | None = None):
+  def __init__(self, config: ml_collections.ConfigDict, *, devices: list | None = None, info: Any = None):
+    """info: the dataset's `DatasetInfo` (default: `data.dataset_info(config)`)."""
     self.config = config
-    self.info = dataset_info(config)
+    self.info = dataset_info(config) if info is None else info
     self.task = self.info.task
     self.mesh = make_mesh(config, devices)
     self.rules = {name: axis for name, axis in config.sharding_rules}
