@@ -17,6 +17,9 @@ The module contract
     the op's `params(L)`, `dropout_rate`, plus the module's own fields); x: [batch, length, features] in `dtype`;
   mask: None or [batch, length] bool (True = real token); y: [batch, length, features]. Subclassing
   `models.attention.AttentionBase` gives the q/k/v/output projections with logical axis names.
+  Optional context: a constructor that also names `layer` and/or `num_layers` receives the block's index and
+  the depth; a module that registers a `seq_len` field receives the model's sequence length in a copy of its
+  config when the config leaves it unset (state shaped at construction).
 
 Randomness: `rngs` is an `nnx.Rngs` with the streams "params", "dropout" and "attention". A module needing
   randomness at call time (hashing, sampling) keeps `self.rng = rngs.attention.fork()` (or `rngs`) and calls
