@@ -318,3 +318,43 @@ def yoso_e(q: Array, k: Array, v: Array, *, tau: int, causal: bool = False, mask
   if normalize_output:
     out = l2_normalize(out)
   return jnp.swapaxes(out, 1, 2).astype(v.dtype)  # [batch, length, heads, value_dim]
+
+
+def depthwise_conv(v: Array, kernel: Array, mask: Array | None = None) -> Array:
+  """Per-head convolution of V along the sequence ("same" zero padding), one kernel per head shared by its dims.
+
+  v: [batch, length, heads, value_dim]; kernel: [heads, size] or [size] (shared by all heads), size odd;
+  mask: [batch, length] (padded tokens are zeroed first, so their contents never reach a real token).
+  Returns [batch, length, heads, value_dim] in v's dtype. O(L * size * heads * value_dim).
+  """
+  if mask is not None:
+    v = jnp.where(mask[:, :, None, None], v, 0)
+  b, length, h, e = v.shape
+  kernel = jnp.broadcast_to(jnp.asarray(kernel), (h, jnp.shape(kernel)[-1]))
+  size = kernel.shape[-1]
+  if size % 2 == 0:
+    raise ValueError(f"depthwise_conv: the kernel size must be odd, got {size}")
+  # Channels = heads * value_dim with each head's kernel repeated over its dims: a grouped (depthwise) conv.
+  rhs = jnp.repeat(kernel.T, e, axis=1)[:, None, :].astype(v.dtype)  # [size, 1, heads * value_dim]
+  out = jax.lax.conv_general_dilated(
+      v.reshape(b, length, h * e), rhs, window_strides=(1,), padding=[(size // 2, size // 2)],
+      dimension_numbers=("NWC", "WIO", "NWC"), feature_group_count=h * e)  # [batch, length, heads * value_dim]
+  return out.reshape(b, length, h, e)
+
+
+def yoso_c(q: Array, k: Array, v: Array, *, rng: Array, num_hashes: int, tau: int, conv_kernel: Array,
+           causal: bool = False, mask: Array | None = None, normalize_output: bool = True, hash: str = "gaussian",
+           backward: str = "sampled", backward_features: int | None = None) -> Array:
+  """YOSO-C (paper section 4.2): `yoso(...)` plus a per-head depthwise convolution of V (`depthwise_conv`).
+
+  conv_kernel: [heads, size] or [size], size odd, an explicit input like YOSO's rng (the model owns it as a
+  parameter). Other arguments as in `yoso`. Returns [batch, length, heads, value_dim] in v's dtype.
+  """
+  out = yoso(q, k, v, rng=rng, num_hashes=num_hashes, tau=tau, causal=causal, mask=mask,
+             normalize_output=normalize_output, hash=hash, backward=backward, backward_features=backward_features)
+  shape = jnp.shape(conv_kernel)
+  if len(shape) not in (1, 2) or shape[-1] % 2 == 0 or (len(shape) == 2 and shape[0] != q.shape[2]):
+    raise ValueError(f"yoso_c: argument 'conv_kernel' must be [heads={q.shape[2]}, size] or [size] with an odd "
+                     f"size, got shape {shape}")
+  conv = depthwise_conv(v, conv_kernel, None if mask is None else jnp.asarray(mask, bool))
+  return (out + conv).astype(v.dtype)  # [batch, length, heads, value_dim]

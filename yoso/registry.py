@@ -1,9 +1,10 @@
 """Registers the YOSO pure ops (bidirectional only; the benchmark uses the paper's m = 32, tau = 8)."""
 
 import jax
+import jax.numpy as jnp
 
 from models.ops_registry import OpSpec, register
-from yoso.attention import yoso, yoso_e
+from yoso.attention import yoso, yoso_c, yoso_e
 
 register(OpSpec(
     "yoso", yoso, causal=False, bidirectional=True,
@@ -14,3 +15,9 @@ register(OpSpec(
     "yoso_e", yoso_e, causal=False, bidirectional=True,
     params=lambda length: {"tau": 8},
     description="YOSO-E: expected collision probability attention, tau=8, O(L^2)"))
+register(OpSpec(
+    "yoso_c", yoso_c, causal=False, bidirectional=True,
+    # The model learns one kernel per head; the benchmark times a fixed averaging kernel of the paper's size 33.
+    params=lambda length: {"rng": jax.random.key(0), "num_hashes": 32, "tau": 8,
+                           "conv_kernel": jnp.full((33,), 1 / 33, jnp.float32)},
+    description="YOSO-C-32: YOSO-32 plus a per-head depthwise convolution of V (kernel 33)"))

@@ -1,0 +1,77 @@
+"""YOSO attention modules (issue 6): the sampled op with a fresh hash rng per call, YOSO-E, and YOSO-C.
+
+Names (`config.model.attention.name`):
+  yoso     YOSO-m, `yoso.attention.yoso`; the hash functions come from the "attention" rng stream, which the train
+           step reseeds from the step key (fresh hashes every step) and evaluation reseeds with a fixed seed
+           (deterministic evaluation).
+  yoso_e   YOSO-E, the dense expectation (no randomness).
+  yoso_c   YOSO-C (paper section 4.2), `yoso.attention.yoso_c`: YOSO-m plus a per-head depthwise convolution of
+           V along the sequence, added to the attention output; the kernel [heads, size] is a parameter here.
+           `conv_kernel_size` also adds the convolution to yoso / yoso_e (a YOSO-E-C ablation).
+
+Config fields besides `name`, `params`, `dropout_rate`:
+  params.num_hashes, params.tau, params.hash, params.backward, params.backward_features, params.normalize_output
+                     the op's arguments ("auto" = the registry's m = 32, tau = 8); `params.rng` and
+                     `params.conv_kernel` are ignored (the module supplies the key and its kernel parameter)
+  conv_kernel_size   odd int; None = no convolution for yoso / yoso_e, 33 for yoso_c (the convolution size the
+                     paper uses for Nystromformer, section 4.2)
+YOSO is bidirectional: the op registry marks these ops causal=False, so decoder models refuse them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import ml_collections
+from flax import nnx
+
+from models import attention, layers, ops_registry, registry
+from yoso.attention import depthwise_conv
+
+Array = Any
+DEFAULT_CONV_KERNEL = 33
+YOSO_FIELDS = ("conv_kernel_size",)
+
+
+class YosoAttention(attention.OpAttention):
+  """Projections + a YOSO op (+ the YOSO-C convolution of V)."""
+
+  def __init__(self, config: ml_collections.ConfigDict, *, features: int, num_heads: int, head_dim: int,
+               causal: bool, dtype: Any, rngs: nnx.Rngs):
+    super().__init__(config, features=features, num_heads=num_heads, head_dim=head_dim, causal=causal,
+                     dtype=dtype, rngs=rngs)
+    # "auto" entries from the registry's benchmark parameters; the module owns the key and the kernel.
+    self.plan_params.pop("rng", None)
+    self.plan_params.pop("conv_kernel", None)
+    self.sampled = self.op_name in ("yoso", "yoso_c")
+    self.rng = rngs.attention.fork() if self.sampled else None
+    size = config.get("conv_kernel_size", None)
+    if size is None and self.op_name == "yoso_c":
+      size = DEFAULT_CONV_KERNEL
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1 or size % 2 == 0):
+      raise ValueError(f"attention {self.name!r}: conv_kernel_size must be a positive odd int or None, got {size!r}")
+    bound = 1.0 / float(size or 1) ** 0.5
+
+    def init(key, shape, dt):
+      # Uniform(+-1/sqrt(fan_in)), fan_in = size: PyTorch's conv default, as in the Nystromformer/YOSO code.
+      return jax.random.uniform(key, shape, dt, -bound, bound)
+
+    self.conv = layers.param(rngs, init, (num_heads, size), ("heads", None)) if size else None  # [heads, size]
+
+  def __call__(self, x: Array, mask: Array | None, *, deterministic: bool) -> Array:
+    q, k, v = self.project(x)  # [batch, length, heads, head_dim]
+    spec = ops_registry.get(self.op_name)
+    params = attention.resolve_plan_params(spec, self.plan_params, x.shape[1])
+    if self.sampled:
+      params["rng"] = self.rng()
+    if self.op_name == "yoso_c":
+      params["conv_kernel"] = self.conv[...]
+    o = spec.fn(q, k, v, causal=self.causal, mask=mask, **params)  # [batch, length, heads, head_dim]
+    if self.conv is not None and self.op_name != "yoso_c":
+      o = o + depthwise_conv(v, self.conv[...], mask).astype(o.dtype)
+    return self.output(o, deterministic=deterministic)
+
+
+for _name in ("yoso", "yoso_e", "yoso_c"):
+  registry.register_module(_name, YosoAttention, fields=YOSO_FIELDS)
