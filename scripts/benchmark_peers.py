@@ -104,3 +104,37 @@ def _routing_transformer(length, batch, heads, head_dim, causal, dtype):
     torch.autograd.grad((out * cot).sum(), (q, v))
 
   return fwd, fwdbwd
+
+
+@register_peer("hf_yoso", counterparts=("yoso_e", "yoso"))
+def _hf_yoso(length, batch, heads, head_dim, causal, dtype):
+  """HuggingFace `transformers`' `YosoSelfAttention` (issue 6) with tau = hash_code_len = 8, as our `yoso_e` and
+  `yoso`. Without CUDA its LSH kernels do not exist, so only the expectation path (`use_expectation=True`, dense
+  O(L^2), YOSO-E) runs here. The q/k/v linear projections are replaced by identities so that, like our ops, only
+  the attention is timed (the module then attends over q = k = v = its input, which costs the same as distinct
+  inputs). Padding mask: all real tokens; no convolution (conv_window=None)."""
+  if causal:
+    raise ValueError("hf_yoso: YOSO attention is bidirectional only (causal=True unsupported)")
+  import torch
+  from transformers import YosoConfig
+  from transformers.models.yoso.modeling_yoso import YosoSelfAttention
+
+  torch_dtype = getattr(torch, dtype)
+  config = YosoConfig(hidden_size=heads * head_dim, num_attention_heads=heads, use_expectation=True,
+                      hash_code_len=8, num_hash=32, conv_window=None, attention_probs_dropout_prob=0.0)
+  attn = YosoSelfAttention(config).to(torch_dtype).eval()
+  attn.query = attn.key = attn.value = torch.nn.Identity()
+  gen = torch.Generator().manual_seed(0)
+  x = torch.randn(batch, length, heads * head_dim, generator=gen, dtype=torch_dtype, requires_grad=True)
+  cot = torch.randn(batch, length, heads * head_dim, generator=gen, dtype=torch_dtype)
+  mask = torch.zeros(batch, length, dtype=torch_dtype)  # the extended mask: 0 = real token
+
+  def fwd():
+    with torch.no_grad():
+      attn(x, mask)
+
+  def fwdbwd():
+    out = attn(x, mask)[0]
+    torch.autograd.grad((out * cot).sum(), (x,))
+
+  return fwd, fwdbwd
