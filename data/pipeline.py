@@ -172,6 +172,12 @@ def make_loader(
   ops = list(operations)
   if batch_size is not None:
     ops.append(grain.transforms.Batch(batch_size=batch_size, drop_remainder=drop, batch_fn=PadBatch(batch_size)))
+  workers = int(cfg_get(config, "worker_count", 0))
+  if workers > 0:
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():  # grain's worker processes read absl flags; outside absl.app use defaults
+      flags.FLAGS.mark_as_parsed()
   read_options = grain.ReadOptions(
     num_threads=int(cfg_get(config, "read_threads", 2)), prefetch_buffer_size=int(cfg_get(config, "prefetch", 64))
   )
@@ -179,7 +185,7 @@ def make_loader(
     data_source=source,
     sampler=sampler,
     operations=ops,
-    worker_count=int(cfg_get(config, "worker_count", 0)),
+    worker_count=workers,
     shard_options=shard_options,
     read_options=read_options,
   )

@@ -119,10 +119,36 @@ def verify(name: str, data_dir: str, expected: dict[str, int] | None = None, **f
 # ------------------------------------------------------------------------------------------------------ steps
 
 
+IMAGENET64_ARCHIVES = ("train_64x64.tar", "valid_64x64.tar")
+
+
+def _serve_manual_archives(builder: Any, manual: str, names: tuple[str, ...]) -> None:
+  """Makes `builder` read `names` from `manual` instead of downloading them (downsampled_imagenet has no
+  manual-download path of its own and its image-net.org URLs now need a login)."""
+  original = builder._split_generators
+
+  class _Local:
+    def __init__(self, dl_manager):
+      self._dl = dl_manager
+
+    def download(self, urls):
+      return [os.path.join(manual, os.path.basename(u)) for u in urls]
+
+    def __getattr__(self, attr):  # iter_archive etc. from the real download manager
+      return getattr(self._dl, attr)
+
+  builder._split_generators = lambda dl_manager: original(_Local(dl_manager))
+  log.info("reading %s from %s", ", ".join(names), manual)
+
+
 def build_tfds(tfds_name: str, data_dir: str, beam_flags: list[str] | None = None) -> None:
   import tensorflow_datasets as tfds
 
   builder = tfds.builder(tfds_name, data_dir=data_dir, file_format="array_record")
+  manual_dir = os.path.join(data_dir, "downloads", "manual")
+  if tfds_name.startswith("downsampled_imagenet") and all(
+      os.path.exists(os.path.join(manual_dir, n)) for n in IMAGENET64_ARCHIVES):
+    _serve_manual_archives(builder, manual_dir, IMAGENET64_ARCHIVES)
   config = {}
   if beam_flags is not None:
     try:
@@ -130,8 +156,7 @@ def build_tfds(tfds_name: str, data_dir: str, beam_flags: list[str] | None = Non
     except ImportError as e:
       raise SystemExit(f"{tfds_name} is built with Apache Beam: pip install -r requirements-prepare.txt") from e
     config["beam_options"] = beam.options.pipeline_options.PipelineOptions(flags=beam_flags)
-  manual = os.path.join(data_dir, "downloads", "manual")
-  builder.download_and_prepare(download_config=tfds.download.DownloadConfig(manual_dir=manual, **config))
+  builder.download_and_prepare(download_config=tfds.download.DownloadConfig(manual_dir=manual_dir, **config))
 
 
 def train_spm(name: str, data_dir: str, *, vocab_size: int, docs: int, seed: int) -> str:

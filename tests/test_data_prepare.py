@@ -60,3 +60,24 @@ def test_wiki40b_tokenizer_training_from_prepared_directory(tmp_path, capsys):
 def test_unknown_dataset_is_rejected():
   with pytest.raises(SystemExit):
     prepare.main(["mnist", "--data_dir", "/tmp"])
+
+
+def test_imagenet64_archives_are_served_from_the_manual_directory(tmp_path):
+  calls = []
+
+  class _Builder:
+    def _split_generators(self, dl_manager):
+      paths = dl_manager.download(["http://image-net.org/small/train_64x64.tar",
+                                   "http://image-net.org/small/valid_64x64.tar"])
+      calls.append(dl_manager.iter_archive(paths[0]))
+      return paths
+
+  class _RealManager:
+    def iter_archive(self, path):
+      return f"iter:{path}"
+
+  builder = _Builder()
+  prepare._serve_manual_archives(builder, str(tmp_path), prepare.IMAGENET64_ARCHIVES)
+  paths = builder._split_generators(_RealManager())
+  assert paths == [str(tmp_path / "train_64x64.tar"), str(tmp_path / "valid_64x64.tar")]
+  assert calls == [f"iter:{tmp_path / 'train_64x64.tar'}"]
