@@ -61,14 +61,26 @@ class Centroids(nnx.Variable):
   """k-means centroids [heads, clusters, head_dim]: state updated by EMA, never by gradients."""
 
 
-def _params(config: ml_collections.ConfigDict) -> dict[str, Any]:
+def _params(config: ml_collections.ConfigDict, accepted: tuple[str, ...], name: str) -> dict[str, Any]:
+  """The module's plan parameters. "auto" entries for other plans are dropped (configs pre-fill "auto" for their
+  default attention); digit strings from command-line overrides of "auto" become ints."""
   params = config.get("params", None)
-  return dict(params.to_dict() if isinstance(params, ml_collections.ConfigDict) else (params or {}))
+  raw = dict(params.to_dict() if isinstance(params, ml_collections.ConfigDict) else (params or {}))
+  out = {}
+  for key, value in raw.items():
+    if isinstance(value, str) and value.lstrip("-").isdigit():
+      value = int(value)
+    if key not in accepted:
+      if isinstance(value, str) and value == AUTO:
+        continue
+      raise ValueError(f"attention {name!r} does not take parameter {key!r}; its parameters: {list(accepted)}")
+    out[key] = value
+  return out
 
 
-def _cluster_state(config: ml_collections.ConfigDict, name: str) -> tuple[int | None, int]:
+def _cluster_state(config: ml_collections.ConfigDict, params: dict[str, Any], name: str) -> tuple[int | None, int]:
   """(num_clusters or None for "auto", number of centroid rows to allocate)."""
-  value = _params(config).get("num_clusters", AUTO)
+  value = params.get("num_clusters", AUTO)
   if isinstance(value, str) and value == AUTO:
     seq_len = config.get("seq_len", None)  # filled in by models.registry.build from the model's length
     rows = config.get("max_clusters", None) or (ops_registry.sqrt_pow2(int(seq_len)) if seq_len
@@ -126,11 +138,7 @@ class RoutingAttention(attention.AttentionBase, _CentroidMixin):
                num_layers: int | None = None):
     super().__init__(config, features=features, num_heads=num_heads, head_dim=head_dim, causal=causal,
                      dtype=dtype, rngs=rngs)
-    params = _params(config)
-    extra = sorted(set(params) - {"num_clusters", "window", "block_size"})
-    if extra:
-      raise ValueError(f"attention 'routing' does not take parameters {extra}; its parameters: "
-                       "['num_clusters', 'window', 'block_size']")
+    params = _params(config, ("num_clusters", "window", "block_size"), "routing")
     self.window_param = params.get("window", AUTO)
     self.block_param = params.get("block_size", AUTO)
     routing_heads = config.get("routing_heads", None)
@@ -150,7 +158,7 @@ class RoutingAttention(attention.AttentionBase, _CentroidMixin):
     self.share_qk = bool(causal if share_qk is None else share_qk)
     self.scale_logits = bool(config.get("scale_logits", True))
     self.mask_self = bool(config.get("mask_self", False))
-    self.num_clusters, rows = _cluster_state(config, "routing")
+    self.num_clusters, rows = _cluster_state(config, params, "routing")
     if routing_heads:
       self._init_centroids(config, routing_heads, rows, head_dim, layer)
     else:
@@ -185,13 +193,9 @@ class RoutedCombinerAttention(attention.AttentionBase, _CentroidMixin):
                num_layers: int | None = None):
     super().__init__(config, features=features, num_heads=num_heads, head_dim=head_dim, causal=causal,
                      dtype=dtype, rngs=rngs)
-    params = _params(config)
-    extra = sorted(set(params) - {"num_clusters", "pooling"})
-    if extra:
-      raise ValueError(f"attention 'combiner_routed' does not take parameters {extra}; its parameters: "
-                       "['num_clusters', 'pooling']")
+    params = _params(config, ("num_clusters", "pooling"), "combiner_routed")
     self.pooling = str(params.get("pooling", "max"))
-    self.num_clusters, rows = _cluster_state(config, "combiner_routed")
+    self.num_clusters, rows = _cluster_state(config, params, "combiner_routed")
     self._init_centroids(config, num_heads, rows, head_dim, layer)
 
   def __call__(self, x: Array, mask: Array | None, *, deterministic: bool) -> Array:

@@ -163,3 +163,22 @@ def test_routing_paper_variants(config_file):
                                                                seq_len=c.data.seq_len))
     centroids = [v for _, v in nnx.iter_graph(model) if isinstance(v, Centroids)]
     assert centroids, arg
+
+
+def test_routing_attentions_build_in_every_experiment_config():
+  import importlib
+
+  import data
+  from models import transformer
+
+  for config_file in ("default", "cifar10", "imagenet64", "wiki40b", "c4", "lra"):
+    for name in ("routing", "combiner_routed"):
+      c = importlib.import_module(f"configs.{config_file}").get_config(f"attention={name},smoke")
+      info = data.dataset_info(c)
+      model = nnx.eval_shape(lambda c=c, info=info: transformer.from_info(c.model, info))
+      assert [v for _, v in nnx.iter_graph(model) if isinstance(v, Centroids)], (config_file, name)
+  # Bidirectional (encoder) routing runs: separate query/key routing, no shared QK.
+  m = _build("routing", causal=False)
+  assert not m.share_qk
+  y, _, sown = _step(m, _x(), deterministic=False)
+  assert bool(jnp.isfinite(y).all()) and len(jax.tree.leaves(sown)) == 1
