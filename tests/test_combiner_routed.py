@@ -38,7 +38,9 @@ def _real(out, mask):
 def test_matches_reference(causal, n, clusters):
   with jax.enable_x64(True):
     q, k, v, ids, mask = _inputs(n, 2, n, 2, 3, 4, clusters)
-    for pooling in ("max", "mean"):
+    # Both poolings in both modes across the cases (one compile each).
+    poolings = ("max",) if n == 1 else (("max",) if causal == (n == 10) else ("mean",))
+    for pooling in poolings:
       out = _routed(q, k, v, ids, mask, num_clusters=clusters, causal=causal, pooling=pooling)
       assert out.dtype == jnp.float64 and out.shape == v.shape
       want = reference.reference_op("routed", q, k, v, causal=causal, mask=mask, pooling=pooling,
