@@ -102,7 +102,8 @@ class _ImageFn:
     self.shape = shape
     self.flip = flip
 
-  def __call__(self, record: dict[str, Any], rng: np.random.Generator) -> dict[str, np.ndarray]:
+  def __call__(self, record: dict[str, Any],
+               rng: np.random.Generator | None = None) -> dict[str, np.ndarray]:
     image = fit_image(record["image"], self.shape)
     if self.flip and rng.random() < 0.5:
       image = image[:, ::-1]
@@ -116,7 +117,9 @@ def create_dataset(config: Any, split: str, *, batch_size: int, seed: int, shard
   data_dir = pipeline.cfg_get(config, "data_dir")
   source = tfds_source(tfds_name, tfds_split(splits, split), data_dir, config.data.name)
   flip = bool(pipeline.cfg_get(config, "random_flip", False)) and split.startswith("train")
-  op = pipeline.SeededExample(_ImageFn(shape, flip))
+  fn = _ImageFn(shape, flip)
+  # A per-record generator costs more than the image itself: only draw one when flipping.
+  op = pipeline.SeededExample(fn) if flip else pipeline.Example(fn)
   return pipeline.make_loader(
     source, [op], split=split.partition("[")[0], batch_size=batch_size, seed=seed, shard_index=shard_index,
     shard_count=shard_count, shuffle=shuffle, num_epochs=num_epochs, config=config,

@@ -2,7 +2,7 @@
 
     python -m scripts.benchmark --mode input                       # every pipeline, batch 8, 5 s each
     python -m scripts.benchmark --mode input --datasets cifar10,wiki40b --batch_size 32 --seconds 10
-    python -m scripts.benchmark --mode input --read_threads 1      # grain's per-record threads (default 2)
+    python -m scripts.benchmark --mode input --read_threads 4      # grain's record-reading threads
 
 For each dataset, `data.testing.mock_data` makes a small generated copy (TFDS mock records, LRA files in the
 official layout, a prepared Wiki-40B/C4 directory with its SentencePiece model), then the real pipeline
@@ -37,7 +37,7 @@ def parse(extra: list[str]) -> argparse.Namespace:
   parser.add_argument("--batch_size", type=int, default=8)
   parser.add_argument("--seconds", type=float, default=5.0, help="time budget per pipeline")
   parser.add_argument("--seq_len", type=int, default=None, help="override for text and LRA text-like tasks")
-  parser.add_argument("--read_threads", type=int, default=2)
+  parser.add_argument("--read_threads", type=int, default=None, help="default: data.pipeline's choice")
   parser.add_argument("--num_examples", type=int, default=64, help="records in each mock split")
   return parser.parse_args(extra)
 
@@ -47,7 +47,9 @@ def measure(name: str, opts: argparse.Namespace, tmp: str, seed: int) -> dict[st
   from data import testing
 
   with testing.mock_data(name, tmp, num_examples=opts.num_examples) as data_dir:
-    fields: dict[str, Any] = {"name": name, "data_dir": data_dir, "read_threads": opts.read_threads}
+    fields: dict[str, Any] = {"name": name, "data_dir": data_dir}
+    if opts.read_threads is not None:
+      fields["read_threads"] = opts.read_threads
     if name in SEQ_LEN:
       fields["seq_len"] = opts.seq_len or SEQ_LEN[name]
     elif opts.seq_len and name in ("lra_listops", "lra_text", "lra_retrieval", "listops_synthetic"):
