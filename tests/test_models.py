@@ -81,12 +81,21 @@ def check_model(name, task):
   batch = batch_for(task, np.random.default_rng(0))
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
+  j = LENGTH // 2  # decoders: changing token j must move no logit at positions <= j
+  changed = dict(batch, inputs=batch["inputs"].at[:, j].set((batch["inputs"][:, j] + 1) % VOCAB))
+
   def loss_fn(params):
     m = nnx.merge(graphdef, params, rest, copy=True)
     logits = m(batch, deterministic=False)
     return metrics.loss_and_sums(task, logits, batch)[0], logits
 
-  (loss, logits), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(params)
+  @jax.jit  # one compilation per case: gradients plus the two deterministic forwards of the causality check
+  def run(params):
+    value_grad = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    m = nnx.merge(graphdef, params, rest, copy=True)
+    return value_grad, m(batch, deterministic=True), m(changed, deterministic=True)
+
+  ((loss, logits), grads), a, b = run(params)
   expected = (2, LENGTH, VOCAB) if task in ("lm", "mlm") else (2, CLASSES)
   assert logits.shape == expected and logits.dtype == jnp.float32
   assert np.isfinite(float(loss))
@@ -95,15 +104,7 @@ def check_model(name, task):
   # The attention's query projection receives gradient: the op is really in the computation graph.
   q_grad = grads["encoder"]["blocks"][0]["attention"]["query"]["kernel"][...]
   assert float(jnp.abs(q_grad).sum()) > 0.0
-
-  if task == "lm":  # causality through the whole decoder: changing token j moves no logit at positions <= j
-    j = LENGTH // 2
-    changed = dict(batch, inputs=batch["inputs"].at[:, j].set((batch["inputs"][:, j] + 1) % VOCAB))
-    @jax.jit
-    def forward(params, batch):
-      return nnx.merge(graphdef, params, rest, copy=True)(batch, deterministic=True)
-
-    a, b = forward(params, batch), forward(params, changed)
+  if task == "lm":  # causality through the whole decoder
     np.testing.assert_allclose(a[:, : j + 1], b[:, : j + 1], atol=1e-5, rtol=1e-5)
     assert float(jnp.abs(a[:, j + 1:] - b[:, j + 1:]).max()) > 1e-6
 
