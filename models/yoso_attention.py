@@ -1,16 +1,19 @@
 """YOSO attention modules (issue 6): the sampled op with a fresh hash rng per call, YOSO-E, and YOSO-C.
 
 Names (`config.model.attention.name`):
-  yoso     YOSO-m, `yoso.attention.yoso`; the hash functions come from the "attention" rng stream, which the train
+  yoso     YOSO-m, `yoso.attention.yoso`; the hash functions come from the "attention" rng stream, which the
+  train
            step reseeds from the step key (fresh hashes every step) and evaluation reseeds with a fixed seed
            (deterministic evaluation).
   yoso_e   YOSO-E, the dense expectation (no randomness).
-  yoso_c   YOSO-C (paper section 4.2), `yoso.attention.yoso_c`: YOSO-m plus a per-head depthwise convolution of
+  yoso_c   YOSO-C (paper section 4.2), `yoso.attention.yoso_c`: YOSO-m plus a per-head depthwise convolution
+  of
            V along the sequence, added to the attention output; the kernel [heads, size] is a parameter here.
            `conv_kernel_size` also adds the convolution to yoso / yoso_e (a YOSO-E-C ablation).
 
 Config fields besides `name`, `params`, `dropout_rate`:
-  params.num_hashes, params.tau, params.hash, params.backward, params.backward_features, params.normalize_output
+  params.num_hashes, params.tau, params.hash, params.backward, params.backward_features,
+  params.normalize_output
                      the op's arguments ("auto" = the registry's m = 32, tau = 8); `params.rng` and
                      `params.conv_kernel` are ignored (the module supplies the key and its kernel parameter)
   conv_kernel_size   odd int; None = no convolution for yoso / yoso_e, 33 for yoso_c (the convolution size the
@@ -49,15 +52,18 @@ class YosoAttention(attention.OpAttention):
     size = config.get("conv_kernel_size", None)
     if size is None and self.op_name == "yoso_c":
       size = DEFAULT_CONV_KERNEL
-    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1 or size % 2 == 0):
-      raise ValueError(f"attention {self.name!r}: conv_kernel_size must be a positive odd int or None, got {size!r}")
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size % 2 == 0
+                             or size < 1):
+      raise ValueError(f"attention {self.name!r}: conv_kernel_size must be a positive odd int or None, "
+                       f"got {size!r}")
     bound = 1.0 / float(size or 1) ** 0.5
 
     def init(key, shape, dt):
       # Uniform(+-1/sqrt(fan_in)), fan_in = size: PyTorch's conv default, as in the Nystromformer/YOSO code.
       return jax.random.uniform(key, shape, dt, -bound, bound)
 
-    self.conv = layers.param(rngs, init, (num_heads, size), ("heads", None)) if size else None  # [heads, size]
+    # [heads, size]
+    self.conv = layers.param(rngs, init, (num_heads, size), ("heads", None)) if size else None
 
   def __call__(self, x: Array, mask: Array | None, *, deterministic: bool) -> Array:
     q, k, v = self.project(x)  # [batch, length, heads, head_dim]

@@ -190,7 +190,8 @@ def test_finite_for_zero_vectors_and_fully_padded_rows():
 
   @jax.jit
   def all_grads(q, k, v):
-    return [jax.value_and_grad(lambda *a, fn=fn: jnp.sum(fn(*a) * v), argnums=(0, 1, 2))(q, k, v) for fn in fns]
+    return [jax.value_and_grad(lambda *a, fn=fn: jnp.sum(fn(*a) * v), argnums=(0, 1, 2))(q, k, v)
+            for fn in fns]
 
   for out, grads in all_grads(q, k, v):
     assert np.isfinite(out)
@@ -246,7 +247,7 @@ def test_dense_backward_matches_surrogate_exactly(normalize):
 
 @pytest.mark.parametrize("features", [None, 2])
 def test_sampled_backward_is_unbiased_for_surrogate_gradient(features):
-  # The forward's codes are re-used; dV is exact in expectation, dQ/dK too (features=2 adds an unbiased sketch).
+  # The forward's codes are re-used; dV is exact in expectation, dQ/dK too (features=2: an unbiased sketch).
   with jax.enable_x64(True):
     q, k, v = _inputs(8, length=8, e=4)
     mask = jnp.ones((1, 8), bool).at[0, 5].set(False)

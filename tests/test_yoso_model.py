@@ -1,8 +1,9 @@
-"""YOSO at the model level: YOSO-C's depthwise convolution, the module's rng handling, and a tiny model that trains.
+"""YOSO at the model level: YOSO-C's depthwise convolution, the module's rng handling, a tiny model that
+trains.
 
 The embedded default task (`synthetic_recall`) is a causal LM and YOSO is bidirectional, so the training check
-reads the same generated recall records as a masked-token task: every answer token is replaced by a mask id and
-predicted from the whole sequence (the model must find the pair token of the queried key, anywhere).
+reads the same generated recall records as a masked-token task: every answer token is replaced by a mask id
+and predicted from the whole sequence (the model must find the pair token of the queried key, anywhere).
 """
 
 import jax

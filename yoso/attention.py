@@ -1,14 +1,14 @@
 """YOSO attention (Zeng et al., 2021): self-attention as LSH Bernoulli sampling, with its own backward.
 
-With l2-normalised queries and keys, `B_ij = 1[f(q_i) = f(k_j)]` for a random `tau`-bit hyperplane hash `f` is a
-Bernoulli variable with mean `p_ij = (1 - arccos(q_i . k_j)/pi)^tau`. YOSO-m averages `B V` over `m` hashes;
+With l2-normalised queries and keys, `B_ij = 1[f(q_i) = f(k_j)]` for a random `tau`-bit hyperplane hash `f` is
+a Bernoulli variable with mean `p_ij = (1 - arccos(q_i . k_j)/pi)^tau`. YOSO-m averages `B V` over `m` hashes;
 YOSO-E is its expectation `P V`. N-YOSO l2-normalises the output (the paper's default), which also makes the
 missing row normalisation of `P` irrelevant.
 
 Forward (paper section 3.2): for each hash, a table of `2^tau` buckets holds the sum of the values of the keys
-hashed there (`jax.ops.segment_sum`), and each query reads its bucket. A `lax.scan` over hashes keeps one table
-per step alive, so memory is O(b*h*2^tau*d) for tables plus O(L*m) int32 codes and O(L*d) accumulators; time is
-O(L*m*d). Masked keys go to an extra bucket that no query ever reads.
+hashed there (`jax.ops.segment_sum`), and each query reads its bucket. A `lax.scan` over hashes keeps one
+table per step alive, so memory is O(b*h*2^tau*d) for tables plus O(L*m) int32 codes and O(L*d) accumulators;
+time is O(L*m*d). Masked keys go to an extra bucket that no query ever reads.
 
 Backward (paper section 3.3), a `jax.custom_vjp` that re-uses the forward's codes (nothing is re-hashed):
   dV_j = 1/m sum_hashes sum_i B_ij dY_i                                   (tables keyed by query codes)
@@ -18,13 +18,13 @@ both unbiased for the gradient of the dense surrogate `P V` whose `dP/d(q.k)` is
 bilinear weight `dY_i . v_j` is decomposed over value features (the paper's per-feature tables):
 `sum_l dY_il sum_j B_ij v_jl k_j`, one table of `d`-vectors per (hash, feature). The default
 (`backward_features=None`) does this exactly for every hash: O(L*m*d*e) time, O(b*h*2^tau*d) table memory -
-linear in L, quadratic in the head size, exactly the paper's estimator (section 3.3, Table 1). On a CPU it costs
-about `e` forward passes. `backward_features=s` is a cheaper, linear-in-d alternative: per hash, the value space
-is sketched with `s` random orthonormal directions scaled so that `E[R R^T] = I`, i.e. `dY . v` becomes
-`(dY R) . (v R)`: still unbiased, O(L*m*s*d), but the sketch multiplies the gradient variance of dQ/dK by roughly
-`e/s` (measured: relative squared error 3 exact vs 49 with s=4 at e=64, m=32). The chain rule through the
-l2-normalisations of q, k and of the output is ordinary autodiff. `backward="dense"` replaces the sampled backward
-by the exact O(L^2) surrogate gradient (short sequences, tests).
+linear in L, quadratic in the head size, exactly the paper's estimator (section 3.3, Table 1). On a CPU it
+costs about `e` forward passes. `backward_features=s` is a cheaper, linear-in-d alternative: per hash, the
+value space is sketched with `s` random orthonormal directions scaled so that `E[R R^T] = I`, i.e. `dY . v`
+becomes `(dY R) . (v R)`: still unbiased, O(L*m*s*d), but the sketch multiplies the gradient variance of dQ/dK
+by roughly `e/s` (measured: relative squared error 3 exact vs 49 with s=4 at e=64, m=32). The chain rule
+through the l2-normalisations of q, k and of the output is ordinary autodiff. `backward="dense"` replaces the
+sampled backward by the exact O(L^2) surrogate gradient (short sequences, tests).
 
 The 1/sqrt(head_dim) logit scale of the op contract is a no-op here: YOSO only sees directions of q and k.
 """
@@ -57,8 +57,8 @@ def l2_normalize(x: Array) -> Array:
 def expected_collision(cos: Array, tau: int) -> Array:
   """(1 - arccos(cos)/pi)^tau, the collision probability of `tau` hyperplane bits.
 
-  The cosine is clipped a few ulps inside [-1, 1] so that rounding (|q.k| slightly above 1) gives no NaN and the
-  arccos derivative stays finite when a query is parallel to a key.
+  The cosine is clipped a few ulps inside [-1, 1] so that rounding (|q.k| slightly above 1) gives no NaN and
+  the arccos derivative stays finite when a query is parallel to a key.
   """
   eps = 8 * float(jnp.finfo(cos.dtype).eps)
   cos = jnp.clip(cos, -1.0 + eps, 1.0 - eps)
@@ -82,7 +82,7 @@ def _surrogate_collision_jvp(tau, primals, tangents):
 
 
 def _dense_surrogate(qn: Array, kn: Array, v: Array, kvalid: Array, tau: int) -> Array:
-  """P V with the surrogate derivative; qn, kn [g, L, d] unit rows, v [g, L, e], kvalid [g, L]; g = batch*heads."""
+  """P V with the surrogate derivative; qn, kn [g, L, d] unit rows, v [g, L, e], kvalid [g, L]; g = b*h."""
   cos = jnp.einsum("gqd,gkd->gqk", qn, kn)  # [groups, length_q, length_k]
   p = jnp.where(kvalid[:, None, :], surrogate_collision(cos, tau), 0.0)
   return jnp.einsum("gqk,gke->gqe", p, v)  # [groups, length, value_dim]
@@ -90,7 +90,7 @@ def _dense_surrogate(qn: Array, kn: Array, v: Array, kvalid: Array, tau: int) ->
 
 def _lsh_cumulate(read_codes: Array, write_codes: Array, write_valid: Array, per_hash: Any, write_fn, read_fn,
                   num_buckets: int, out_dim: int, dtype: Any) -> Array:
-  """sum_t read_fn(T_t[read_code_t(i)], t) with T_t[c] = sum of write_fn(t)[j] over valid j with write_code_t(j) = c.
+  """sum_t read_fn(T_t[read_code_t(i)], t), T_t[c] = sum of write_fn(t)[j] over valid j, write_code_t(j) = c.
 
   Groups g = batch * heads, heads-major: read_codes, write_codes [g, L, m] int32; write_valid [g, L] bool;
   per_hash: pytree with leading axis m. write_fn(per_hash_t) -> [g, L, e] rows to insert;
@@ -118,13 +118,14 @@ def _lsh_cumulate(read_codes: Array, write_codes: Array, write_valid: Array, per
 
 def _weighted_cumulate(read_codes: Array, write_codes: Array, write_valid: Array, directions: Array | None,
                        src_w: Array, dst_w: Array, vec: Array, num_buckets: int) -> Array:
-  """sum_t sum_s (dst_w_i . r_ts) sum_{j valid, code_t(j) = code_t(i)} (src_w_j . r_ts) vec_j: per-feature tables.
+  """sum_t sum_s (dst_w_i . r_ts) sum_{j valid, code_t(j) = code_t(i)} (src_w_j . r_ts) vec_j (feature
+  tables).
 
   Groups g heads-major: read_codes, write_codes [g, L, m]; write_valid [g, L]; src_w [g, L, e] (writer side),
   dst_w [g, L, e] (reader side), vec [g, L, d] (writer side). directions: None for the e unit vectors, which
   makes this exactly sum_j B_ij (dst_w_i . src_w_j) vec_j, or [m, g, e, s] directions per hash (the sketch).
-  One table of d-vectors per (hash, direction), scanned, so each scatter moves rows of d floats (wider rows are
-  several times slower per float on CPU).
+  One table of d-vectors per (hash, direction), scanned, so each scatter moves rows of d floats (wider rows
+  are several times slower per float on CPU).
   """
   g, length, _ = read_codes.shape
   d = vec.shape[-1]
@@ -204,7 +205,8 @@ def _make_cumulation(tau: int, backward: str):
     qvalid = jnp.ones(kvalid.shape, bool)  # every query read the forward, so every query's cotangent counts
     kv = kvalid[..., None]
     # dV: tables of dY keyed by query codes, read at key codes.
-    dv = _lsh_cumulate(kcodes, qcodes, qvalid, None, lambda _: dy, lambda rows, _: rows, num_buckets, e, v.dtype)
+    dv = _lsh_cumulate(kcodes, qcodes, qvalid, None, lambda _: dy, lambda rows, _: rows, num_buckets, e,
+                       v.dtype)
     dv = jnp.where(kv, dv / m, 0.0)
 
     scale = (tau / 2) / m
@@ -255,8 +257,9 @@ def yoso(q: Array, k: Array, v: Array, *, rng: Array, num_hashes: int, tau: int,
   hash: "gaussian" (exact hyperplanes) or "fast" (Hadamard rotations, power-of-two head_dim).
   backward: "sampled" (linear cost, re-uses the forward's codes) or "dense" (exact O(L^2) surrogate gradient).
   backward_features: None (default) computes the sampled dQ/dK with every value feature, exactly the paper's
-  estimator, O(L*m*d*value_dim); an int s sketches the value space with s random directions per hash, O(L*m*s*d),
-  unbiased but with about value_dim/s times the gradient variance. Returns [batch, length, heads, value_dim] in v's dtype.
+  estimator, O(L*m*d*value_dim); an int s sketches the value space with s random directions per hash,
+  O(L*m*s*d), unbiased but with about value_dim/s times the gradient variance. Returns [batch, length, heads,
+  value_dim] in v's dtype.
   """
   op = "yoso"
   q, k, v, mask = contract.check_qkv(q, k, v, mask, op=op)
@@ -281,8 +284,9 @@ def yoso(q: Array, k: Array, v: Array, *, rng: Array, num_hashes: int, tau: int,
   kn = l2_normalize(jnp.swapaxes(k, 1, 2).astype(ct))
   vh = jnp.swapaxes(v, 1, 2).astype(ct)  # [batch, heads, length, value_dim]
   # Codes are integers: no gradient flows through hashing; the custom backward supplies dQ and dK.
-  qcodes = hashing.hash_codes(jax.lax.stop_gradient(qn), hash_rng, num_hashes=num_hashes, tau=tau, method=hash)
-  kcodes = hashing.hash_codes(jax.lax.stop_gradient(kn), hash_rng, num_hashes=num_hashes, tau=tau, method=hash)
+  lsh = dict(num_hashes=num_hashes, tau=tau, method=hash)
+  qcodes = hashing.hash_codes(jax.lax.stop_gradient(qn), hash_rng, **lsh)  # [batch, heads, length, m]
+  kcodes = hashing.hash_codes(jax.lax.stop_gradient(kn), hash_rng, **lsh)
   directions = _sketch_directions(sketch_rng, batch, heads, num_hashes, v.shape[-1], backward_features, ct)
   groups = batch * heads
 
@@ -290,8 +294,8 @@ def yoso(q: Array, k: Array, v: Array, *, rng: Array, num_hashes: int, tau: int,
     return x.reshape(groups, length, *x.shape[3:])
 
   kvalid = jnp.broadcast_to(mask[:, None, :], (batch, heads, length))
-  out = _make_cumulation(tau, backward)(flat(qn), flat(kn), flat(vh), flat(qcodes), flat(kcodes), flat(kvalid),
-                                         directions)  # [batch * heads, length, value_dim]
+  out = _make_cumulation(tau, backward)(flat(qn), flat(kn), flat(vh), flat(qcodes), flat(kcodes),
+                                         flat(kvalid), directions)  # [batch * heads, length, value_dim]
   if normalize_output:
     out = l2_normalize(out)
   out = out.reshape(batch, heads, length, -1)
@@ -314,14 +318,15 @@ def yoso_e(q: Array, k: Array, v: Array, *, tau: int, causal: bool = False, mask
   kn = l2_normalize(jnp.swapaxes(k, 1, 2).astype(ct))
   cos = jnp.einsum("bhqd,bhkd->bhqk", qn, kn)  # [batch, heads, length_q, length_k]
   p = jnp.where(mask[:, None, None, :], expected_collision(cos, tau), 0.0)
-  out = jnp.einsum("bhqk,bhke->bhqe", p, jnp.swapaxes(v, 1, 2).astype(ct))  # [batch, heads, length, value_dim]
+  out = jnp.einsum("bhqk,bhke->bhqe", p, jnp.swapaxes(v, 1, 2).astype(ct))  # [batch, heads, length, e]
   if normalize_output:
     out = l2_normalize(out)
   return jnp.swapaxes(out, 1, 2).astype(v.dtype)  # [batch, length, heads, value_dim]
 
 
 def depthwise_conv(v: Array, kernel: Array, mask: Array | None = None) -> Array:
-  """Per-head convolution of V along the sequence ("same" zero padding), one kernel per head shared by its dims.
+  """Per-head convolution of V along the sequence ("same" zero padding), one kernel per head shared by its
+  dims.
 
   v: [batch, length, heads, value_dim]; kernel: [heads, size] or [size] (shared by all heads), size odd;
   mask: [batch, length] (padded tokens are zeroed first, so their contents never reach a real token).
@@ -338,23 +343,24 @@ def depthwise_conv(v: Array, kernel: Array, mask: Array | None = None) -> Array:
   rhs = jnp.repeat(kernel.T, e, axis=1)[:, None, :].astype(v.dtype)  # [size, 1, heads * value_dim]
   out = jax.lax.conv_general_dilated(
       v.reshape(b, length, h * e), rhs, window_strides=(1,), padding=[(size // 2, size // 2)],
-      dimension_numbers=("NWC", "WIO", "NWC"), feature_group_count=h * e)  # [batch, length, heads * value_dim]
+      dimension_numbers=("NWC", "WIO", "NWC"), feature_group_count=h * e)  # [batch, length, heads * e]
   return out.reshape(b, length, h, e)
 
 
 def yoso_c(q: Array, k: Array, v: Array, *, rng: Array, num_hashes: int, tau: int, conv_kernel: Array,
-           causal: bool = False, mask: Array | None = None, normalize_output: bool = True, hash: str = "gaussian",
-           backward: str = "sampled", backward_features: int | None = None) -> Array:
+           causal: bool = False, mask: Array | None = None, normalize_output: bool = True,
+           hash: str = "gaussian", backward: str = "sampled", backward_features: int | None = None) -> Array:
   """YOSO-C (paper section 4.2): `yoso(...)` plus a per-head depthwise convolution of V (`depthwise_conv`).
 
   conv_kernel: [heads, size] or [size], size odd, an explicit input like YOSO's rng (the model owns it as a
   parameter). Other arguments as in `yoso`. Returns [batch, length, heads, value_dim] in v's dtype.
   """
   out = yoso(q, k, v, rng=rng, num_hashes=num_hashes, tau=tau, causal=causal, mask=mask,
-             normalize_output=normalize_output, hash=hash, backward=backward, backward_features=backward_features)
+             normalize_output=normalize_output, hash=hash, backward=backward,
+             backward_features=backward_features)
   shape = jnp.shape(conv_kernel)
   if len(shape) not in (1, 2) or shape[-1] % 2 == 0 or (len(shape) == 2 and shape[0] != q.shape[2]):
-    raise ValueError(f"yoso_c: argument 'conv_kernel' must be [heads={q.shape[2]}, size] or [size] with an odd "
-                     f"size, got shape {shape}")
+    raise ValueError(f"yoso_c: argument 'conv_kernel' must be [heads={q.shape[2]}, size] or [size] with an "
+                     f"odd size, got shape {shape}")
   conv = depthwise_conv(v, conv_kernel, None if mask is None else jnp.asarray(mask, bool))
   return (out + conv).astype(v.dtype)  # [batch, length, heads, value_dim]

@@ -1,12 +1,13 @@
 """Hyperplane LSH for YOSO attention (paper section 3.2), with Gaussian or fast Hadamard projections.
 
 A hash is `tau` hyperplane bits; its code is `sum_b 2^b [r_b . x > 0]`, an integer in `[0, 2^tau)`. Two unit
-vectors at angle `theta` share one bit with probability `1 - theta/pi` (Charikar, 2002), so with independent bits
-they collide with probability `(1 - theta/pi)^tau`: the Bernoulli success probability YOSO attention is built on.
+vectors at angle `theta` share one bit with probability `1 - theta/pi` (Charikar, 2002), so with independent
+bits they collide with probability `(1 - theta/pi)^tau`: the Bernoulli success probability YOSO attention is
+built on.
 
-Inputs are heads-major, `[batch, heads, length, dim]` (the layout in which XLA's CPU dot is fast). Hash functions
-are drawn independently per head and shared along batch and length, so queries and keys hashed with the same
-`rng` see the same functions. Both families take the rng explicitly; nothing here holds state.
+Inputs are heads-major, `[batch, heads, length, dim]` (the layout in which XLA's CPU dot is fast). Hash
+functions are drawn independently per head and shared along batch and length, so queries and keys hashed with
+the same `rng` see the same functions. Both families take the rng explicitly; nothing here holds state.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def is_power_of_two(n: int) -> bool:
 
 
 def _codes_from_projections(proj: Array, num_hashes: int, tau: int) -> Array:
-  """proj [..., >= num_hashes * tau] -> int32 codes [..., num_hashes]: bit b of hash t is coordinate t * tau + b."""
+  """proj [..., >= m * tau] -> int32 codes [..., m]; bit b of hash t is coordinate t * tau + b."""
   bits = (proj[..., : num_hashes * tau] > 0).reshape(*proj.shape[:-1], num_hashes, tau)  # [..., m, tau]
   return sum(bits[..., b].astype(jnp.int32) << b for b in range(tau))
 
@@ -39,7 +40,7 @@ def gaussian_projections(rng: Array, *, heads: int, dim: int, num_hashes: int, t
 
 
 def gaussian_codes(x: Array, rng: Array, *, num_hashes: int, tau: int) -> Array:
-  """Hyperplane LSH with Gaussian projections. x [batch, heads, length, dim] -> int32 codes [b, h, L, num_hashes].
+  """Hyperplane LSH with Gaussian projections: x [batch, heads, length, dim] -> int32 codes [b, h, L, m].
 
   Bits of different hashes and within a hash are independent, so the collision probability is exactly
   `(1 - theta/pi)^tau`. Cost O(dim * num_hashes * tau) per vector.
@@ -64,8 +65,8 @@ def hadamard(x: Array) -> Array:
   """Unnormalised fast Walsh-Hadamard transform along the last axis (power-of-two length, Sylvester order).
 
   H_d = H_a (x) H_b (x) ... with factors of at most HADAMARD_RADIX: the coordinates are viewed as a tensor
-  [a, b, ...] and each factor is a small dense matmul on its axis, O(d * sum(factors)) = O(d log d) for a bounded
-  radix, in a handful of passes instead of log2(d) butterflies.
+  [a, b, ...] and each factor is a small dense matmul on its axis, O(d * sum(factors)) = O(d log d) for a
+  bounded radix, in a handful of passes instead of log2(d) butterflies.
   """
   d = x.shape[-1]
   if not is_power_of_two(d):
@@ -89,8 +90,8 @@ def fast_codes(x: Array, rng: Array, *, num_hashes: int, tau: int) -> Array:
 
   x [batch, heads, length, dim] -> int32 codes [b, h, L, num_hashes]. Each rotation yields `dim` pseudo-random
   hyperplane coordinates, so `ceil(num_hashes * tau / dim)` independent rotations are cut into the
-  `num_hashes * tau` bits. Coordinates of one rotation are orthogonal rather than independent, so the collision
-  probability matches `(1 - theta/pi)^tau` only approximately (closely for dim >= 32). Cost
+  `num_hashes * tau` bits. Coordinates of one rotation are orthogonal rather than independent, so the
+  collision probability matches `(1 - theta/pi)^tau` only approximately (closely for dim >= 32). Cost
   O(num_hashes * tau * log(dim)) per vector.
   """
   _, heads, _, dim = x.shape
@@ -110,7 +111,7 @@ HASHES = {"gaussian": gaussian_codes, "fast": fast_codes}
 
 
 def hash_codes(x: Array, rng: Array, *, num_hashes: int, tau: int, method: str = "gaussian") -> Array:
-  """Dispatches to a hash family by name: x [batch, heads, length, dim] -> int32 codes [b, h, L, num_hashes]."""
+  """Dispatches to a hash family by name: x [batch, heads, length, dim] -> int32 codes [b, h, L, m]."""
   if x.ndim != 4:
     raise ValueError(f"hash_codes: x must be [batch, heads, length, dim], got shape {tuple(x.shape)}")
   if method not in HASHES:

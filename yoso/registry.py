@@ -17,7 +17,7 @@ register(OpSpec(
     description="YOSO-E: expected collision probability attention, tau=8, O(L^2)"))
 register(OpSpec(
     "yoso_c", yoso_c, causal=False, bidirectional=True,
-    # The model learns one kernel per head; the benchmark times a fixed averaging kernel of the paper's size 33.
+    # The model learns one kernel per head; the benchmark times a fixed averaging kernel of size 33.
     params=lambda length: {"rng": jax.random.key(0), "num_hashes": 32, "tau": 8,
                            "conv_kernel": jnp.full((33,), 1 / 33, jnp.float32)},
     description="YOSO-C-32: YOSO-32 plus a per-head depthwise convolution of V (kernel 33)"))
