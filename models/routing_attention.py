@@ -27,6 +27,9 @@ Config fields (`config.model.attention`), besides `name`, `params`, `dropout_rat
   share_qk             None (= causal), True or False; routing only (combiner_routed routes a token by its query
                        and key together and needs no sharing)
   scale_logits, mask_self  see `routing.attention` (defaults True, False)
+  membership           "balanced" (default, the paper: top-window tokens per centroid; in a decoder the discrete
+                       membership depends on later tokens) or "nearest" (nearest centroid, the window most recent
+                       cluster-mates: exactly causal); see `routing.attention.routing_attention`
   ema_decay            0.999
   centroid_seed        seed of the centroids' initial values (default 0; layers offset it by their index)
 """
@@ -52,7 +55,8 @@ AUTO = "auto"
 # sqrt_pow2(L) of them (an unused centroid gets no assignment, so its EMA leaves it exactly unchanged).
 DEFAULT_MAX_CLUSTERS = 128
 
-ROUTING_FIELDS = ("routing_heads", "routing_layers", "share_qk", "scale_logits", "mask_self", "ema_decay",
+ROUTING_FIELDS = ("routing_heads", "routing_layers", "share_qk", "scale_logits", "mask_self", "membership",
+                  "ema_decay",
                   "centroid_seed", "max_clusters", "seq_len")
 ROUTED_FIELDS = ("ema_decay", "centroid_seed", "max_clusters", "seq_len")
 
@@ -158,6 +162,7 @@ class RoutingAttention(attention.AttentionBase, _CentroidMixin):
     self.share_qk = bool(causal if share_qk is None else share_qk)
     self.scale_logits = bool(config.get("scale_logits", True))
     self.mask_self = bool(config.get("mask_self", False))
+    self.membership = str(config.get("membership", None) or "balanced")
     self.num_clusters, rows = _cluster_state(config, params, "routing")
     if routing_heads:
       self._init_centroids(config, routing_heads, rows, head_dim, layer)
@@ -178,7 +183,8 @@ class RoutingAttention(attention.AttentionBase, _CentroidMixin):
     if r:
       o, aux = routing_attention(q[:, :, :r], k[:, :, :r], v[:, :, :r], centroids=self.centroids[:, :clusters],
                                  window=window, causal=self.causal, mask=mask, share_qk=self.share_qk,
-                                 scale_logits=self.scale_logits, mask_self=self.mask_self)
+                                 scale_logits=self.scale_logits, mask_self=self.mask_self,
+                                 membership=self.membership)
       self._update(aux, clusters, deterministic=deterministic)
       parts.insert(0, o)  # [batch, length, routing_heads, head_dim]
     o = jnp.concatenate(parts, axis=2) if len(parts) > 1 else parts[0]  # [batch, length, heads, head_dim]

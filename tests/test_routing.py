@@ -12,11 +12,13 @@ from routing.attention import routing_attention
 from routing.local import local_attention
 
 
-@functools.partial(jax.jit, static_argnames=("window", "causal", "share_qk", "scale_logits", "mask_self"))
-def _routing(q, k, v, mu, mask, *, window, causal, share_qk=True, scale_logits=True, mask_self=False):
+@functools.partial(jax.jit, static_argnames=("window", "causal", "share_qk", "scale_logits", "mask_self",
+                                             "membership"))
+def _routing(q, k, v, mu, mask, *, window, causal, share_qk=True, scale_logits=True, mask_self=False,
+             membership="balanced"):
   """Jitted once per option set: eager dispatch compiles every primitive per shape, which is slower here."""
   return routing_attention(q, k, v, centroids=mu, window=window, causal=causal, mask=mask, share_qk=share_qk,
-                           scale_logits=scale_logits, mask_self=mask_self)
+                           scale_logits=scale_logits, mask_self=mask_self, membership=membership)
 
 
 def _ln(x):
@@ -252,3 +254,40 @@ def test_local_attention_matches_numpy(causal, n, size):
     q, k, v, mask, _ = _inputs(7 + n, 2, n, 2, 4, dv=3)
     out = jax.jit(functools.partial(local_attention, block_size=size, causal=causal))(q, k, v, mask=mask)
     np.testing.assert_allclose(out, _local_numpy(q, k, v, mask, size, causal), rtol=1e-10, atol=1e-12)
+
+
+def _nearest_numpy(q, v, mu, mask, window, causal):
+  """Nearest-centroid membership: each token attends to its `window` most recent cluster-mates (self included),
+  or to those within `window - 1` cluster-mates on either side when bidirectional."""
+  qn, v, mu, mask = _ln(q), np.asarray(v), np.asarray(mu), np.asarray(mask)
+  b, n, h, d = qn.shape
+  out = np.zeros(v.shape)
+  for bi in range(b):
+    for hi in range(h):
+      cid = np.argmax(qn[bi, :, hi] @ mu[hi].T, axis=-1)
+      for i in range(n):
+        mates = [j for j in range(n) if cid[j] == cid[i]]
+        r = mates.index(i)
+        sel = [j for j in mates[max(0, r - window + 1):r + (1 if causal else window)] if mask[bi, j]]
+        if not sel:  # a padded query with no real key in reach: don't-care
+          continue
+        s = qn[bi, i, hi] @ qn[bi, sel, hi].T / np.sqrt(d)
+        out[bi, i, hi] = _softmax_rows(s[None], np.ones((1, len(sel)), bool))[0] @ v[bi, sel, hi]
+  return out
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_nearest_membership_matches_numpy_and_is_exactly_causal(causal):
+  with jax.enable_x64(True):
+    q, _, v, mask, mu = _inputs(2, 2, 11, 2, 4, dv=3)
+    out, aux = _routing(q, q, v, mu, mask, window=3, causal=causal, membership="nearest")
+    real = np.asarray(mask)[:, :, None, None]
+    np.testing.assert_allclose(np.where(real, out, 0), np.where(real, _nearest_numpy(q, v, mu, mask, 3, causal), 0),
+                               rtol=1e-10, atol=1e-12)
+    assert float(aux.stats.counts.sum()) == 2 * 2 * np.asarray(mask).sum()
+    if causal:  # changing tokens >= 6 (queries, keys and values) moves no output before 6
+      q2 = q.at[:, 6:].set(3.0 * jax.random.normal(jax.random.key(1), q[:, 6:].shape, jnp.float64))
+      out2, _ = _routing(q2, q2, v.at[:, 6:].add(5.0), mu, mask, window=3, causal=True, membership="nearest")
+      np.testing.assert_array_equal(np.asarray(out2)[:, :6], np.asarray(out)[:, :6])
+  with pytest.raises(ValueError, match="membership"):
+    routing_attention(q, q, v, centroids=mu, window=3, causal=causal, share_qk=False, membership="nearest")
