@@ -288,6 +288,7 @@ def test_nearest_membership_matches_numpy_and_is_exactly_causal(causal):
     if causal:  # changing tokens >= 6 (queries, keys and values) moves no output before 6
       q2 = q.at[:, 6:].set(3.0 * jax.random.normal(jax.random.key(1), q[:, 6:].shape, jnp.float64))
       out2, _ = _routing(q2, q2, v.at[:, 6:].add(5.0), mu, mask, window=3, causal=True, membership="nearest")
-      np.testing.assert_array_equal(np.asarray(out2)[:, :6], np.asarray(out)[:, :6])
+      # (equal up to summation order: the sorted layout, hence the order of a row's keys, may shift)
+      np.testing.assert_allclose(np.asarray(out2)[:, :6], np.asarray(out)[:, :6], rtol=1e-12, atol=1e-13)
   with pytest.raises(ValueError, match="membership"):
     routing_attention(q, q, v, centroids=mu, window=3, causal=causal, share_qk=False, membership="nearest")
