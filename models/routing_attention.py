@@ -173,7 +173,10 @@ class RoutingAttention(attention.AttentionBase, _CentroidMixin):
     q, k, v = self.project(x)  # [batch, length, heads, head_dim]
     length = x.shape[1]
     r = self.routing_heads
-    clusters = _clusters_for(self.num_clusters, self.centroids.shape[1], length, "routing") if r else 1
+    if r:
+      clusters = _clusters_for(self.num_clusters, self.centroids.shape[1], length, "routing")
+    else:  # no centroids in this layer, but "auto" local blocks still follow the routing window
+      clusters = self.num_clusters or ops_registry.sqrt_pow2(length)
     window = min(_int_or_auto(self.window_param, -(-length // clusters), "window"), length)
     block = _int_or_auto(self.block_param, window, "block_size")
     parts = []

@@ -86,6 +86,9 @@ def test_layers_without_routing_are_pure_local_attention():
   q, k, v = first.project(x)
   want = first.out(local_attention(q, k, v, block_size=4, causal=True))
   np.testing.assert_allclose(first(x, None, deterministic=True), want, rtol=1e-5, atol=1e-6)
+  cfg.params = {"num_clusters": 4}  # "auto" block = the routing window ceil(16 / 4), even without routing heads
+  auto = registry.build(cfg, rngs=nnx.Rngs(0), layer=0, num_layers=3, **kw)
+  np.testing.assert_allclose(auto(x, None, deterministic=True), want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("name", ["routing", pytest.param("combiner_routed", marks=pytest.mark.slow)])
