@@ -20,6 +20,13 @@ to the full batch size; training batches are always full and all-valid):
   retrieval:  inputs1, mask1, inputs2, mask2 ([B, L] each), label int32 [B]
 Padding is always given by `mask` (True = real token); token value 0 is an ordinary token (a black pixel, a
 NUL byte).
+
+config.data fields read here (all optional except `name`): data_dir (TFDS data directory; LRA unpacked
+inside it or `lra_dir`), seq_len, worker_count (grain worker processes, default 0), read_threads, prefetch;
+images: random_flip; text: spm_model, vocab_size (32000), tfds_version, max_segments, mlm_rate; LRA:
+lra_dir, skip_malformed, listops_parens, difficulty, resolution; listops_synthetic: min_length, max_length,
+max_depth, max_args, op_p, num_train/num_validation/num_test, data_seed. Offline stand-ins for every dataset:
+`data.testing.mock_data`; preparation of the real ones: `python -m data.prepare`.
 """
 
 from __future__ import annotations

@@ -18,6 +18,9 @@ Each document becomes `[bos] + pieces + [eos]`. Packing (per host, per batch, in
     predicted (weights 1, targets = originals); of those 80% become [MASK], 10% a random ordinary piece, 10%
     stay. The randomness is seeded by (seed, record index), so it is identical after a resume.
 Wiki-40B markup (_START_ARTICLE_, _START_SECTION_, _START_PARAGRAPH_, _NEWLINE_) becomes line breaks.
+Attention masks only padding (the op contract has a key mask, no segment mask), so a token may attend to an
+earlier document of its row, as in GPT-style concatenation; bos/eos mark the boundary and `segment_ids` is
+there for models that want segment embeddings or a segment-aware right shift.
 """
 
 from __future__ import annotations
