@@ -437,3 +437,21 @@ def test_lra_shards_cover_real_reader(lra_dir):
   for b in _batches(config, split="validation", batch_size=5):
     alone += [tuple(x[m]) for x, m, v in zip(b["inputs"], b["mask"], b["valid"], strict=True) if v]
   assert sorted(rows) == sorted(alone) and len(rows) == 12
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["wiki40b", "lra_listops"])
+def test_worker_processes_resume_exactly(name, text_dirs, lra_dir):
+  base = lra_dir if name.startswith("lra") else text_dirs[name]
+  config = _config(name, base, seq_len=32, worker_count=2)
+  it = iter(data.create_dataset(config, "train", batch_size=2, seed=3, shard_index=0, shard_count=1))
+  for _ in range(3):
+    next(it)
+  state = it.get_state()
+  expected = [next(it) for _ in range(4)]
+  fresh = iter(data.create_dataset(config, "train", batch_size=2, seed=3, shard_index=0, shard_count=1))
+  fresh.set_state(state)
+  for want in expected:
+    got = next(fresh)
+    for k in want:
+      np.testing.assert_array_equal(got[k], want[k])
