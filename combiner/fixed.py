@@ -14,13 +14,13 @@ Array = Any
 
 
 def block_direct_piece(qb: Array, kb: Array, vb: Array, mb: Array, scale: float, causal: bool) -> Piece:
-  """Attention to the own block ∩ Ω_i. qb, kb: [batch, blocks, size, heads, dim]; mb: [batch, blocks, size]."""
-  size = qb.shape[2]
-  logits = jnp.einsum("bnqhd,bnkhd->bnqhk", qb, kb) * scale  # [batch, blocks, size_q, heads, size_k]
-  valid = mb[:, :, None, None, :]
+  """Attention to the own block ∩ Ω_i. qb, kb: [batch, heads, blocks, size, dim]; mb: [batch, 1, blocks, size]."""
+  size = qb.shape[3]
+  logits = jnp.einsum("bhnqd,bhnkd->bhnqk", qb, kb) * scale  # [batch, heads, blocks, size_q, size_k]
+  valid = mb[:, :, :, None, :]
   if causal:
-    valid = valid & jnp.tril(jnp.ones((size, size), dtype=bool))[:, None, :]
-  return Piece(logits, valid, lambda w: jnp.einsum("bnqhk,bnkhd->bnqhd", w, vb))
+    valid = valid & jnp.tril(jnp.ones((size, size), dtype=bool))
+  return Piece(logits, valid, lambda w: jnp.einsum("bhnqk,bhnkd->bhnqd", w, vb))
 
 
 def other_block_valid(blocks: int, causal: bool) -> Array:
@@ -39,21 +39,20 @@ def fixed(q: Array, k: Array, v: Array, *, block_size: int, causal: bool, mask: 
   x = common.prepare(q, k, v, mask, op="combiner.fixed", causal=causal, pooling=pooling, pool_q=pool_q,
                      pool_k=pool_k)
   size = contract.check_positive_int(block_size, name="block_size", op="combiner.fixed")
-  length = x.q.shape[1]
+  length = x.q.shape[2]
   blocks = common.num_blocks(length, size)
-  qb, kb, vb, pqb, pkb = (common.to_grid(t, blocks, size) for t in (x.q, x.k, x.v, x.pool_q, x.pool_k))
-  mb = common.to_grid(x.mask, blocks, size)  # [batch, blocks, size]
+  qb, kb, vb, pqb, pkb = (common.to_grid(t, blocks, size, 2) for t in (x.q, x.k, x.v, x.pool_q, x.pool_k))
+  mb = common.to_grid(x.mask, blocks, size, 1)[:, None]  # [batch, 1, blocks, size]
 
   # Span abstractions, one per block, and their in-span expectations (independent of the query).
-  k_bar, nonempty = pool_ops.pool(pkb, mb, axis=2, kind=pooling)  # [batch, blocks, heads, head_dim], [batch, blocks]
-  q_bar, _ = pool_ops.pool(pqb, mb, axis=2, kind=pooling)
-  span_logits = jnp.einsum("brhd,brkhd->brhk", q_bar, kb) * x.scale  # [batch, blocks, heads, size]
-  v_tilde = attend(span_logits, mb[:, :, None, :], vb, "brhk,brkhd->brhd")  # [batch, blocks, heads, value_dim]
+  k_bar, nonempty = pool_ops.pool(pkb, mb, axis=3, kind=pooling)  # [batch, heads, blocks, dim], [batch, 1, blocks]
+  q_bar, _ = pool_ops.pool(pqb, mb, axis=3, kind=pooling)
+  span_logits = jnp.einsum("bhrd,bhrkd->bhrk", q_bar, kb) * x.scale  # [batch, heads, blocks, size]
+  v_tilde = attend(span_logits, mb, vb, "bhrk,bhrkd->bhrd")  # [batch, heads, blocks, value_dim]
 
   direct = block_direct_piece(qb, kb, vb, mb, x.scale, causal)
-  logits = jnp.einsum("bnqhd,brhd->bnqhr", qb, k_bar) * x.scale  # [batch, blocks, size, heads, blocks_r]
-  valid = other_block_valid(blocks, causal)[None, :, None, None, :] & nonempty[:, None, None, None, :]
-  spans = Piece(logits, valid, lambda w: jnp.einsum("bnqhr,brhd->bnqhd", w, v_tilde))
-  out = joint_softmax([direct, spans])  # [batch, blocks, size, heads, value_dim]
-  return common.from_grid(out, length).astype(x.out_dtype)
-
+  logits = jnp.einsum("bhnqd,bhrd->bhnqr", qb, k_bar) * x.scale  # [batch, heads, blocks, size, blocks_r]
+  valid = other_block_valid(blocks, causal)[:, None, :] & nonempty[:, :, None, None, :]
+  spans = Piece(logits, valid, lambda w: jnp.einsum("bhnqr,bhrd->bhnqd", w, v_tilde))
+  out = joint_softmax([direct, spans])  # [batch, heads, blocks, size, value_dim]
+  return common.finish(common.from_grid(out, length, 2), x)

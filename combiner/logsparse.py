@@ -26,57 +26,65 @@ def num_levels(length: int) -> int:
 
 
 def level_pieces(x: common.Inputs, pooling: str | None) -> list[Piece]:
-  """One piece per level for the prefix spans of every query, in the frame of `x`.
+  """One piece per level for the prefix spans of every query, in the frame of `x` (head-major).
 
   pooling=None gives the sparse counterpart: the span is represented by its last position (the suffix sums of
   i's binary expansion) instead of pooled abstractions.
   """
-  batch, length = x.q.shape[:2]
+  length = x.q.shape[2]
   pieces = []
+  # Level-0 statistics are the tokens themselves; level l+1 pools pairs of level-l blocks, so all pooling costs
+  # O(L·d) in total (and its max-gradient touches full-length tensors only once).
+  stats_k = pool_ops.Stats(pool_ops.masked(x.pool_k, x.mask[:, None], pooling or "max"), x.mask[:, None])
+  stats_q = pool_ops.Stats(pool_ops.masked(x.pool_q, x.mask[:, None], pooling or "max"), x.mask[:, None])
   for level in range(num_levels(length)):
     size = 1 << level
     blocks = common.num_blocks(length, size)
-    qb, kb, vb, pqb, pkb = (common.to_grid(t, blocks, size) for t in (x.q, x.k, x.v, x.pool_q, x.pool_k))
-    mb = common.to_grid(x.mask, blocks, size)  # [batch, blocks, size]
+    qb, kb, vb = (common.to_grid(t, blocks, size, 2) for t in (x.q, x.k, x.v))  # [batch, heads, blocks, size, d]
+    mb = common.to_grid(x.mask, blocks, size, 1)[:, None]  # [batch, 1, blocks, size]
     if pooling is None:
-      k_bar, v_tilde, nonempty = kb[:, :, -1], vb[:, :, -1], mb[:, :, -1]
+      k_bar, v_tilde, nonempty = kb[:, :, :, -1], vb[:, :, :, -1], mb[:, :, :, -1]
     else:
-      k_bar, nonempty = pool_ops.pool(pkb, mb, axis=2, kind=pooling)  # [batch, blocks, heads, head_dim]
-      q_bar, _ = pool_ops.pool(pqb, mb, axis=2, kind=pooling)
-      in_span = jnp.einsum("bnhd,bnkhd->bnhk", q_bar, kb) * x.scale  # [batch, blocks, heads, size]
-      v_tilde = attend(in_span, mb[:, :, None, :], vb, "bnhk,bnkhd->bnhd")  # [batch, blocks, heads, value_dim]
-    # Query block t reads span block t - 1.
-    k_prev = pool_ops.shift(k_bar, 1, False, 0.0)
-    v_prev = pool_ops.shift(v_tilde, 1, False, 0.0)
-    ok_prev = pool_ops.shift(nonempty, 1, False, False)
-    logits = jnp.einsum("bnqhd,bnhd->bnqh", qb, k_prev) * x.scale  # [batch, blocks, size, heads]
-    odd = (jnp.arange(blocks) % 2 == 1)[None, :]  # bit `level` of i is set
-    valid = jnp.broadcast_to((odd & ok_prev)[:, :, None, None], logits.shape)
-    pieces.append(Piece(common.from_grid(logits, length)[..., None], common.from_grid(valid, length)[..., None],
+      if level:
+        stats_k, stats_q = (pool_ops.pair_stats(s, blocks, pooling) for s in (stats_k, stats_q))
+      k_bar, nonempty = pool_ops.finalize(stats_k, pooling)  # [batch, heads, blocks, head_dim], [batch, 1, blocks]
+      q_bar, _ = pool_ops.finalize(stats_q, pooling)
+      in_span = jnp.einsum("bhnd,bhnkd->bhnk", q_bar, kb) * x.scale  # [batch, heads, blocks, size]
+      v_tilde = attend(in_span, mb, vb, "bhnk,bhnkd->bhnd")  # [batch, heads, blocks, value_dim]
+    # Query block t reads span block t - 1, and only when t is odd (bit `level` of i is set).
+    k_prev = pool_ops.shift(k_bar, 2, False, 0.0)
+    v_prev = pool_ops.shift(v_tilde, 2, False, 0.0)
+    ok_prev = pool_ops.shift(nonempty, 2, False, False) & (jnp.arange(blocks) % 2 == 1)  # [batch, 1, blocks]
+    # Contractions and outer products stay einsums: XLA:CPU runs broadcast-multiply-reduce forms of them 10-80x
+    # slower, above all in the backward pass.
+    logits = jnp.einsum("bhnqd,bhnd->bhnq", qb, k_prev) * x.scale  # [batch, heads, blocks, size]
+    valid = jnp.broadcast_to(ok_prev[..., None], (*ok_prev.shape, size))  # [batch, 1, blocks, size]
+    pieces.append(Piece(common.from_grid(logits, length, 2)[..., None], common.from_grid(valid, length, 2)[..., None],
                         _block_apply(v_prev, blocks, size, length)))
   return pieces
 
 
 def _block_apply(v_prev: Array, blocks: int, size: int, length: int):
-  def apply(w: Array) -> Array:  # w: [batch, length, heads, 1] -> [batch, length, heads, value_dim]
-    wb = common.to_grid(w, blocks, size)  # [batch, blocks, size, heads, 1]
-    return common.from_grid(wb * v_prev[:, :, None], length)
+  def apply(w: Array) -> Array:  # w: [batch, heads, length, 1] -> [batch, heads, length, value_dim]
+    wb = common.to_grid(w[..., 0], blocks, size, 2)  # [batch, heads, blocks, size]
+    return common.from_grid(jnp.einsum("bhnq,bhnd->bhnqd", wb, v_prev), length, 2)
   return apply
 
 
 def self_piece(x: common.Inputs) -> Piece:
   """D_i = {i}."""
-  logits = jnp.sum(x.q * x.k, axis=-1, keepdims=True) * x.scale  # [batch, length, heads, 1]
-  return Piece(logits, x.mask[:, :, None, None], lambda w: w * x.v)
+  logits = jnp.einsum("bhld,bhld->bhl", x.q, x.k)[..., None] * x.scale  # [batch, heads, length, 1]
+  return Piece(logits, x.mask[:, None, :, None], lambda w: jnp.einsum("bhl,bhld->bhld", w[..., 0], x.v))
 
 
 def flipped(x: common.Inputs) -> common.Inputs:
-  f = lambda t: jnp.flip(t, axis=1)
-  return x._replace(q=f(x.q), k=f(x.k), v=f(x.v), mask=f(x.mask), pool_q=f(x.pool_q), pool_k=f(x.pool_k))
+  f = lambda t: jnp.flip(t, axis=2)
+  return x._replace(q=f(x.q), k=f(x.k), v=f(x.v), mask=jnp.flip(x.mask, axis=1), pool_q=f(x.pool_q),
+                    pool_k=f(x.pool_k))
 
 
 def unflip(p: Piece) -> Piece:
-  f = lambda t: jnp.flip(t, axis=1)
+  f = lambda t: jnp.flip(t, axis=2)
   return Piece(f(p.logits), f(p.valid), lambda w: f(p.apply(f(w))))
 
 
@@ -95,4 +103,4 @@ def logsparse(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None 
   """
   x = common.prepare(q, k, v, mask, op="combiner.logsparse", causal=causal, pooling=pooling, pool_q=pool_q,
                      pool_k=pool_k)
-  return joint_softmax(logsparse_pieces(x, causal, pooling)).astype(x.out_dtype)
+  return common.finish(joint_softmax(logsparse_pieces(x, causal, pooling)), x)

@@ -31,5 +31,5 @@ def mixture(q: Array, k: Array, v: Array, *, row_length: int, causal: bool, mask
   if normalize == "mean":
     out = 0.5 * (joint_softmax(direct + [vertical]) + joint_softmax(direct + [horizontal]))
   else:
-    out = joint_softmax(direct + [vertical, horizontal])  # [batch, rows, cols, heads, value_dim]
-  return common.from_grid(out, g.length).astype(x.out_dtype)
+    out = joint_softmax(direct + [vertical, horizontal])  # [batch, heads, rows, cols, value_dim]
+  return common.finish(common.from_grid(out, g.length, 2), x)

@@ -17,18 +17,18 @@ POOLINGS = ("max", "mean")
 
 
 class Stats(NamedTuple):
-  value: Array  # [..., heads, dim]: running max (-inf when empty) or running sum
-  count: Array  # [...]: number of real members
+  value: Array  # [..., dim]: running max (-inf when empty) or running sum
+  count: Array  # [...] (heads may broadcast as 1): number of real members
 
 
-def _masked(x: Array, valid: Array, kind: str) -> Array:
+def masked(x: Array, valid: Array, kind: str) -> Array:
   fill = -jnp.inf if kind == "max" else 0.0
-  return jnp.where(valid[..., None, None], x, fill)
+  return jnp.where(valid[..., None], x, fill)
 
 
 def reduce_stats(x: Array, valid: Array, axis: int, kind: str) -> Stats:
-  """Statistics over `axis` (a position axis of x [..., heads, dim]; valid has x's position axes)."""
-  xm = _masked(x, valid, kind)
+  """Statistics over `axis` of x [..., dim]; `valid` broadcasts against x.shape[:-1] (heads may be 1)."""
+  xm = masked(x, valid, kind)
   value = jnp.max(xm, axis=axis) if kind == "max" else jnp.sum(xm, axis=axis)
   return Stats(value, jnp.sum(valid, axis=axis, dtype=jnp.int32))
 
@@ -39,7 +39,7 @@ def exclusive_scan_stats(x: Array, valid: Array, axis: int, kind: str, *, revers
   The one-position shift is what keeps a query's own row/column out of its summary (a summary that included it
   would leak the future in causal mode).
   """
-  xm = _masked(x, valid, kind)
+  xm = masked(x, valid, kind)
   if kind == "max":
     value = jax.lax.cummax(xm, axis=axis, reverse=reverse)
   else:
@@ -60,18 +60,40 @@ def shift(x: Array, axis: int, reverse: bool, fill: Any) -> Array:
   return jnp.pad(jax.lax.slice_in_dim(x, 0, n - 1, axis=axis), pad, constant_values=fill)
 
 
+def pair_stats(s: Stats, blocks: int, kind: str) -> Stats:
+  """Statistics of `blocks` blocks, each the union of two consecutive blocks of `s` (along axis 2).
+
+  s.value: [batch, heads, n, dim], s.count: [batch, 1, n] with n >= 2 * blocks - 1 (padded with empty blocks).
+  """
+  fill = -jnp.inf if kind == "max" else 0.0
+  value = common_pad(s.value, 2 * blocks, fill)
+  count = common_pad(s.count, 2 * blocks, 0)
+  value = value.reshape(*value.shape[:2], blocks, 2, value.shape[-1])
+  value = jnp.max(value, axis=3) if kind == "max" else jnp.sum(value, axis=3)
+  return Stats(value, jnp.sum(count.reshape(*count.shape[:2], blocks, 2), axis=3))
+
+
+def common_pad(x: Array, n: int, fill: Any) -> Array:
+  extra = n - x.shape[2]
+  if extra <= 0:
+    return x[:, :, :n]
+  pad = [(0, 0)] * x.ndim
+  pad[2] = (0, extra)
+  return jnp.pad(x, pad, constant_values=fill)
+
+
 def merge(a: Stats, b: Stats, kind: str) -> Stats:
   value = jnp.maximum(a.value, b.value) if kind == "max" else a.value + b.value
   return Stats(value, a.count + b.count)
 
 
 def finalize(s: Stats, kind: str) -> tuple[Array, Array]:
-  """(pooled [..., heads, dim], nonempty [...]); empty spans pool to 0 and must be dropped by the caller."""
+  """(pooled [..., dim], nonempty [...]); empty spans pool to 0 and must be dropped by the caller."""
   nonempty = s.count > 0
   if kind == "max":
-    pooled = jnp.where(nonempty[..., None, None], s.value, 0.0)
+    pooled = jnp.where(nonempty[..., None], s.value, 0.0)
   else:
-    pooled = s.value / jnp.maximum(s.count, 1)[..., None, None].astype(s.value.dtype)
+    pooled = s.value / jnp.maximum(s.count, 1)[..., None].astype(s.value.dtype)
   return pooled, nonempty
 
 

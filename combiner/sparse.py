@@ -25,23 +25,23 @@ def fixed(q: Array, k: Array, v: Array, *, block_size: int, causal: bool, mask: 
   op = "sparse.fixed"
   x = common.prepare(q, k, v, mask, op=op, causal=causal)
   size = contract.check_positive_int(block_size, name="block_size", op=op)
-  length = x.q.shape[1]
+  length = x.q.shape[2]
   blocks = common.num_blocks(length, size)
-  qb, kb, vb = (common.to_grid(t, blocks, size) for t in (x.q, x.k, x.v))  # [batch, blocks, size, heads, dim]
-  mb = common.to_grid(x.mask, blocks, size)
+  qb, kb, vb = (common.to_grid(t, blocks, size, 2) for t in (x.q, x.k, x.v))  # [batch, heads, blocks, size, dim]
+  mb = common.to_grid(x.mask, blocks, size, 1)[:, None]  # [batch, 1, blocks, size]
   # The own block's summary position is already in the direct piece; a ragged last block has none (padding).
-  k_sum, v_sum, m_sum = kb[:, :, -1], vb[:, :, -1], mb[:, :, -1]  # [batch, blocks, heads, dim], [batch, blocks]
-  logits = jnp.einsum("bnqhd,brhd->bnqhr", qb, k_sum) * x.scale  # [batch, blocks, size, heads, blocks_r]
-  valid = other_block_valid(blocks, causal)[None, :, None, None, :] & m_sum[:, None, None, None, :]
-  summary = Piece(logits, valid, lambda w: jnp.einsum("bnqhr,brhd->bnqhd", w, v_sum))
+  k_sum, v_sum, m_sum = kb[:, :, :, -1], vb[:, :, :, -1], mb[:, :, :, -1]  # [b, heads, blocks, dim], [b, 1, blocks]
+  logits = jnp.einsum("bhnqd,bhrd->bhnqr", qb, k_sum) * x.scale  # [batch, heads, blocks, size, blocks_r]
+  valid = other_block_valid(blocks, causal)[:, None, :] & m_sum[:, :, None, None, :]
+  summary = Piece(logits, valid, lambda w: jnp.einsum("bhnqr,bhrd->bhnqd", w, v_sum))
   out = joint_softmax([block_direct_piece(qb, kb, vb, mb, x.scale, causal), summary])
-  return common.from_grid(out, length).astype(x.out_dtype)
+  return common.finish(common.from_grid(out, length, 2), x)
 
 
 def logsparse(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None) -> Array:
   """LogSparse: {i} plus the last position of each dyadic span of [0, i) (mirrored for (i, L) if bidirectional)."""
   x = common.prepare(q, k, v, mask, op="sparse.logsparse", causal=causal)
-  return joint_softmax(logsparse_pieces(x, causal, None)).astype(x.out_dtype)
+  return common.finish(joint_softmax(logsparse_pieces(x, causal, None)), x)
 
 
 def axial(q: Array, k: Array, v: Array, *, row_length: int, causal: bool, mask: Array | None = None) -> Array:
@@ -49,5 +49,5 @@ def axial(q: Array, k: Array, v: Array, *, row_length: int, causal: bool, mask: 
   op = "sparse.axial"
   x = common.prepare(q, k, v, mask, op=op, causal=causal)
   g = Grid(x, contract.check_positive_int(row_length, name="row_length", op=op))
-  out = joint_softmax([row_piece(g, causal), column_piece(g, causal)])
-  return common.from_grid(out, g.length).astype(x.out_dtype)
+  out = joint_softmax([row_piece(g, causal), column_piece(g, causal)])  # [batch, heads, rows, cols, value_dim]
+  return common.finish(common.from_grid(out, g.length, 2), x)
