@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from combiner import common, contract
 from combiner import pooling as pool_ops
 from combiner.combine import Piece, attend, joint_softmax
-from combiner.fixed import block_direct_piece, other_block_valid
+from combiner.fixed import block_direct_piece, block_logits, other_block_valid
 
 Array = Any
 DIRECTIONS = ("rowmajor", "vertical", "horizontal")
@@ -38,9 +38,9 @@ class Grid:
     return jnp.swapaxes(self.mask, 2, 3)[:, :, None]
 
 
-def row_piece(g: Grid, causal: bool) -> Piece:
+def row_piece(g: Grid, causal: bool, logits: Array | None = None) -> Piece:
   """Own row ∩ Ω_i (the own row is a 'block' of the grid)."""
-  return block_direct_piece(g.q, g.k, g.v, g.mask, g.scale, causal)
+  return block_direct_piece(g.q, g.k, g.v, g.mask, g.scale, causal, logits)
 
 
 def column_piece(g: Grid, causal: bool) -> Piece:
@@ -50,16 +50,20 @@ def column_piece(g: Grid, causal: bool) -> Piece:
   return Piece(logits, valid, lambda w: jnp.einsum("bhrcs,bhscd->bhrcd", w, g.v))
 
 
-def rowmajor_spans(g: Grid, causal: bool, pooling: str, span_key_fn: Callable | None) -> Piece:
+def rowmajor_spans(g: Grid, causal: bool, pooling: str, span_key_fn: Callable | None, row_logits: Array) -> Piece:
   """One span per other row (causal: rows before). Span key: the pooled row; span query: the column-aligned
-  token's own query q_(r', col(i)), falling back to the pooled row query where that token is masked or padding."""
+  token's own query q_(r', col(i)), falling back to the pooled row query where that token is masked or padding.
+
+  row_logits: [batch, heads, rows, cols_q, cols_k], the in-row logits the direct piece uses too.
+  """
   k_bar, nonempty = pool_ops.pool(g.pool_k, g.mask, axis=3, kind=pooling)  # [b, heads, rows, dim], [b, 1, rows]
   if span_key_fn is not None:
     k_bar = common.head_major(span_key_fn(common.head_major(k_bar)))  # the hook sees [batch, rows, heads, dim]
   q_bar, _ = pool_ops.pool(g.pool_q, g.mask, axis=3, kind=pooling)
-  q_span = jnp.where(g.mask[..., None], g.q, q_bar[:, :, :, None])  # [batch, heads, rows, cols, dim]
-  # v_tilde[s, c]: the whole row s attended by the query aligned with column c.
-  in_row = jnp.einsum("bhscd,bhsed->bhsce", q_span, g.k) * g.scale  # [batch, heads, rows, cols, cols_e]
+  # v_tilde[s, c]: the whole row s attended by the query aligned with column c: the direct piece's row logits,
+  # except where that token is masked or padding and the pooled row query stands in.
+  pooled_logits = jnp.einsum("bhsd,bhsed->bhse", q_bar, g.k) * g.scale  # [batch, heads, rows, cols_e]
+  in_row = jnp.where(g.mask[..., None], row_logits, pooled_logits[:, :, :, None])  # [b, heads, rows, cols, cols_e]
   v_tilde = attend(in_row, g.mask[:, :, :, None, :], g.v, "bhsce,bhsed->bhscd")  # [b, heads, rows, cols, dv]
   logits = jnp.einsum("bhrcd,bhsd->bhrcs", g.q, k_bar) * g.scale  # [batch, heads, rows, cols, rows_s]
   valid = other_block_valid(g.rows, causal)[:, None, :] & nonempty[:, :, None, None, :]
@@ -103,7 +107,8 @@ def horizontal_spans(g: Grid, causal: bool, pooling: str) -> Piece:
 def axial_pieces(g: Grid, direction: str, causal: bool, pooling: str,
                  span_key_fn: Callable | None = None) -> list[Piece]:
   if direction == "rowmajor":
-    return [row_piece(g, causal), rowmajor_spans(g, causal, pooling, span_key_fn)]
+    logits = block_logits(g.q, g.k, g.scale)
+    return [row_piece(g, causal, logits), rowmajor_spans(g, causal, pooling, span_key_fn, logits)]
   spans = vertical_spans if direction == "vertical" else horizontal_spans
   return [row_piece(g, causal), column_piece(g, causal), spans(g, causal, pooling)]
 

@@ -13,10 +13,17 @@ from combiner.combine import Piece, attend, joint_softmax
 Array = Any
 
 
-def block_direct_piece(qb: Array, kb: Array, vb: Array, mb: Array, scale: float, causal: bool) -> Piece:
+def block_logits(qb: Array, kb: Array, scale: float) -> Array:
+  """[batch, heads, blocks, size_q, size_k] logits of every query against its own block."""
+  return jnp.einsum("bhnqd,bhnkd->bhnqk", qb, kb) * scale
+
+
+def block_direct_piece(qb: Array, kb: Array, vb: Array, mb: Array, scale: float, causal: bool,
+                       logits: Array | None = None) -> Piece:
   """Attention to the own block ∩ Ω_i. qb, kb: [batch, heads, blocks, size, dim]; mb: [batch, 1, blocks, size]."""
   size = qb.shape[3]
-  logits = jnp.einsum("bhnqd,bhnkd->bhnqk", qb, kb) * scale  # [batch, heads, blocks, size_q, size_k]
+  if logits is None:
+    logits = block_logits(qb, kb, scale)
   valid = mb[:, :, :, None, :]
   if causal:
     valid = valid & jnp.tril(jnp.ones((size, size), dtype=bool))
