@@ -42,8 +42,8 @@ def batch_for(task: str, rng: np.random.Generator) -> dict:
 
 
 # Known defects found by these tests, kept visible: strict xfail turns into a failure once fixed.
-KNOWN = {("routing", "lm"): "routing attention leaks the future in a decoder: balanced top-k cluster membership "
-                            "depends on later tokens (reported to the routing owner)"}
+KNOWN = {("routing", "lm"): "routing's default membership='balanced' (the paper's top-k per centroid) leaks the "
+                            "future in a decoder; membership='nearest' is the causal option"}
 
 
 def _cases(tasks_for):
