@@ -1,8 +1,8 @@
 """From-definition Combiner reference: the dense effective attention matrix built with explicit loops.
 
-This module is the independent statement of DESIGN.md section 4 that the fast ops in `combiner/` are tested
-against, and the source of the attention-pattern pictures. Everything is NumPy float64 and written for clarity,
-never for speed: one query at a time, sets as Python lists, softmax written out.
+This module is the independent statement of DESIGN.md section 4 that the fast ops in `combiner/` are
+tested against, and the source of the attention-pattern pictures. Everything is NumPy float64 and written
+for clarity, never for speed: one query at a time, sets as Python lists, softmax written out.
 
 For query `i` a plan gives a direct set `D_i` and disjoint spans `S_i^r` that together partition
 `Omega_i = {j <= i}` (causal) or all `j` (bidirectional), masked keys removed. With `s(a, b) = a.b / sqrt(d)`:
@@ -11,8 +11,9 @@ For query `i` a plan gives a direct set `D_i` and disjoint spans `S_i^r` that to
   A[i, j] = w_ij                              for j in D_i
   A[i, j] = w_ir * softmax_{j in S_r}(s(qbar_r, k_j))   for j in S_r
 
-`kbar_r` pools (max or mean, coordinate-wise, over the span's real members) `pool_k` (default k); `qbar_r` pools
-`pool_q` (default q), except for `axial_rowmajor`, whose span query is the column-aligned token's own query `q`.
+`kbar_r` pools (max or mean, coordinate-wise, over the span's real members) `pool_k` (default k); `qbar_r`
+pools `pool_q` (default q), except for `axial_rowmajor`, whose span query is the column-aligned token's own
+query `q`.
 
 Plans (`plan_sets`): "fixed" (block_size), "logsparse", "axial_rowmajor", "axial_vertical", "axial_horizontal"
 (row_length), "routed" (cluster_ids [length], num_clusters). `attention_matrix` also takes "mixture"
@@ -37,7 +38,7 @@ POOLINGS = ("max", "mean")
 NORMALIZES = ("mean", "joint")
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------
 # Argument helpers
 
 
@@ -73,15 +74,15 @@ def omega(length: int, i: int, *, causal: bool, mask: Array | None = None) -> li
   return [j for j in range(stop) if real[j]]
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------
 # Plans: D_i and the spans, straight from the table in DESIGN.md section 4
 
 
 def _logsparse_causal_spans(i: int) -> list[list[int]]:
   """Dyadic partition of [0, i): for every bit l set in i, [p, p + 2^l) with p = (i >> (l+1)) << (l+1).
 
-  Listed from the highest bit down, i.e. from the far past towards i. The number of levels is whatever i's binary
-  expansion needs; with i <= L - 1 that is at most (L-1).bit_length(), so the top span is never lost.
+  Listed from the highest bit down, i.e. from the far past towards i. The number of levels is whatever i's
+  binary expansion needs; with i <= L - 1 that is at most (L-1).bit_length(), so the top span is never lost.
   """
   spans = []
   for l in reversed(range(i.bit_length())):
@@ -104,7 +105,8 @@ def _routed_chunks(length: int, cluster_ids: Array, num_clusters: int) -> list[l
   """Balanced partition: tokens sorted by (cluster id, position) cut into chunks of ceil(L / num_clusters)."""
   cluster_ids = np.asarray(cluster_ids)
   if cluster_ids.shape != (length,):
-    raise ValueError(f"reference: argument 'cluster_ids' must have shape ({length},), got {cluster_ids.shape}")
+    raise ValueError(f"reference: argument 'cluster_ids' must have shape ({length},), "
+                     f"got {cluster_ids.shape}")
   order = sorted(range(length), key=lambda j: (int(cluster_ids[j]), j))
   w = -(-length // num_clusters)
   return [sorted(order[c:c + w]) for c in range(0, length, w)]
@@ -157,7 +159,7 @@ def _raw_sets(plan: str, length: int, i: int, causal: bool, params: dict[str, An
 
 def plan_sets(plan: str, length: int, i: int, *, causal: bool, mask: Array | None = None, **params: Any
               ) -> tuple[list[int], list[list[int]]]:
-  """(D_i, [S_i^1, ...]) for query i: sorted lists of key positions, masked keys removed, empty spans dropped."""
+  """(D_i, [S_i^1, ...]) for query i: sorted key positions, masked keys removed, empty spans dropped."""
   if not 0 <= i < length:
     raise ValueError(f"reference: query index {i} outside [0, {length})")
   real = _real(length, mask)
@@ -172,8 +174,8 @@ def span_query_rows(plan: str, length: int, i: int, *, causal: bool, mask: Array
   """For each span of `plan_sets(...)` (same order): the position whose own query is the span query, or None.
 
   Only `axial_rowmajor` uses a token's query: the column-aligned token (r', col(i)) of span row r'. When that
-  token is masked or lies beyond a ragged last row, the span query is pooled like the key (None here). All other
-  plans pool the span query (None).
+  token is masked or lies beyond a ragged last row, the span query is pooled like the key (None here). All
+  other plans pool the span query (None).
   """
   real = _real(length, mask)
   _, spans = plan_sets(plan, length, i, causal=causal, mask=mask, **params)
@@ -187,7 +189,7 @@ def span_query_rows(plan: str, length: int, i: int, *, causal: bool, mask: Array
   return out
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------
 # The effective attention matrix
 
 
@@ -238,7 +240,8 @@ def _plan_matrix(plan: str, q: np.ndarray, k: np.ndarray, pool_q: np.ndarray, po
   for i in range(length):
     direct, spans = plan_sets(plan, length, i, causal=causal, mask=mask, **params)
     aligned = span_query_rows(plan, length, i, causal=causal, mask=mask, **params)
-    span_q = [q[t] if t is not None else _pool(pool_q, span, pooling) for span, t in zip(spans, aligned, strict=True)]
+    span_q = [q[t] if t is not None else _pool(pool_q, span, pooling)
+              for span, t in zip(spans, aligned, strict=True)]
     span_k = [_pool(pool_k, span, pooling) for span in spans]
     if span_key_fn is not None:
       span_k = [np.asarray(span_key_fn(kb), np.float64) for kb in span_k]
@@ -266,7 +269,7 @@ def attention_matrix(plan: str, q: Array, k: Array, *, causal: bool, mask: Array
   pool_q = q if pool_q is None else _as_matrix(pool_q, "pool_q", length)
   pool_k = k if pool_k is None else _as_matrix(pool_k, "pool_k", length)
   if pool_q.shape[1] != q.shape[1] or pool_k.shape[1] != q.shape[1]:
-    raise ValueError("reference: 'pool_q' and 'pool_k' must have q's head_dim (they meet k_j and q_i in logits)")
+    raise ValueError("reference: 'pool_q' and 'pool_k' must have q's head_dim (they meet k_j, q_i in logits)")
   if span_key_fn is not None and plan != "axial_rowmajor":
     raise ValueError("reference: argument 'span_key_fn' applies to plan 'axial_rowmajor' only")
   common = dict(causal=causal, mask=mask, pooling=pooling, span_key_fn=span_key_fn)
@@ -293,7 +296,7 @@ def attention_matrix(plan: str, q: Array, k: Array, *, causal: bool, mask: Array
   return _plan_matrix(plan, q, k, pool_q, pool_k, params=params, **common)
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------
 # Sparse baselines: the plans with the spans dropped (DESIGN.md section 4, last note)
 
 
@@ -302,8 +305,8 @@ def sparse_support(plan: str, length: int, i: int, *, causal: bool, mask: Array 
   """Sorted keys query i attends to in the sparse baseline of `plan` ("fixed", "logsparse", "axial").
 
   fixed: D_i u {j in Omega_i : j mod s = s-1} (Child et al.'s summary positions); logsparse: {i} u the last
-  position of each (unmasked) span, the one nearest i; axial: (own row u own column) n Omega_i. Masked keys are
-  removed afterwards: a masked summary position is simply absent, nothing replaces it.
+  position of each (unmasked) span, the one nearest i; axial: (own row u own column) n Omega_i. Masked keys
+  are removed afterwards: a masked summary position is simply absent, nothing replaces it.
   """
   if not 0 <= i < length:
     raise ValueError(f"reference: query index {i} outside [0, {length})")
@@ -329,7 +332,7 @@ def sparse_support(plan: str, length: int, i: int, *, causal: bool, mask: Array 
 
 def sparse_attention_matrix(plan: str, q: Array, k: Array, *, causal: bool, mask: Array | None = None,
                             **params: Any) -> np.ndarray:
-  """A [L, L] of a sparse baseline for one (batch, head): plain softmax of s(q_i, k_j) over `sparse_support`."""
+  """A [L, L] of a sparse baseline for one (batch, head): softmax of s(q_i, k_j) over `sparse_support`."""
   q, k = _as_matrix(q, "q"), _as_matrix(k, "k")
   length = q.shape[0]
   scale = 1.0 / math.sqrt(q.shape[1])
@@ -341,7 +344,7 @@ def sparse_attention_matrix(plan: str, q: Array, k: Array, *, causal: bool, mask
   return a
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------
 # Batched convenience under the op layout
 
 
@@ -388,5 +391,5 @@ def reference_op(plan: str, q: Array, k: Array, v: Array, *, causal: bool, mask:
 def sparse_reference_op(plan: str, q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None,
                         **params: Any) -> np.ndarray:
   """Sparse baseline out = A @ v per (batch, head) under the op layout."""
-  return _batched(lambda qq, kk, **kw: sparse_attention_matrix(plan, qq, kk, causal=causal, **kw), q, k, v, mask,
-                  lambda b, h: dict(params))
+  return _batched(lambda qq, kk, **kw: sparse_attention_matrix(plan, qq, kk, causal=causal, **kw), q, k, v,
+                  mask, lambda b, h: dict(params))

@@ -1,9 +1,10 @@
-"""The fast Combiner ops against the from-definition reference, and the contract checks of DESIGN.md section 7.
+"""The fast Combiner ops against the from-definition reference, and the contract checks of DESIGN.md §7.
 
 Every op is linear in v, so feeding one-hot values (v[b, j, h, :] = e_j, value_dim = L) returns the effective
-attention matrix itself: out[b, i, h, :] = A[i, :]. That matrix is compared with `combiner.reference` in float64,
-then checked for the properties the paper promises (rows sum to 1, exact causal zeros, full support). Ops run
-eagerly on tiny shapes: compiling would cost more than running.
+attention matrix itself: out[b, i, h, :] = A[i, :]. That matrix is compared with `combiner.reference` in
+float64, then checked for the properties the paper promises (rows sum to 1, exact causal zeros, full
+support). Ops run on tiny shapes, several calls jitted into one program: on CPU, op-by-op dispatch compiles
+every primitive at every new shape and costs more than compiling whole programs (see `run_many`).
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ from combiner import reference as ref
 PLANS = ("fixed", "logsparse", "axial_rowmajor", "axial_vertical", "axial_horizontal", "mixture_mean",
          "mixture_joint")
 HEADS, HEAD_DIM = 2, 3
-# (length, block/row size): every size 1, 2, 3, 4, L appears at two lengths, with non-multiples (3/2, 5/4, 10/4,
-# 17/3). A full cross product would only add compile time: each (length, size) is its own program. Size = L at
-# larger lengths is checked against dense attention in test_degenerate_plans_equal_dense.
+# (length, block/row size): every size 1, 2, 3, 4, L appears at two lengths, with non-multiples (3/2, 5/4,
+# 10/4, 17/3). A full cross product would only add compile time: each (length, size) is its own program.
+# Size = L at larger lengths is checked against dense attention in test_degenerate_plans_equal_dense.
 COMBOS = ((1, 1), (2, 2), (3, 2), (5, 1), (5, 4), (9, 3), (10, 4), (17, 3))
 LOGSPARSE_LENGTHS = (1, 2, 3, 5, 10, 16, 17)
 VARIANT_COMBOS = ((10, 4), (17, 3))  # where mean pooling and pool_q/pool_k are checked too
@@ -40,8 +41,8 @@ def fast_jit(fn):
 def run_many(fns, args, group=8):
   """[f(*a) for f, a in zip(fns, args)], compiled in groups of `group` calls per XLA program.
 
-  Measured on this CPU: op-by-op (eager) dispatch of one tiny Combiner call costs ~2.5 s of primitive compiles,
-  one jitted call ~0.7 s, and each further call in the same program ~0.1-0.2 s.
+  Measured on this CPU: op-by-op (eager) dispatch of one tiny Combiner call costs ~2.5 s of primitive
+  compiles, one jitted call ~0.7 s, and each further call in the same program ~0.1-0.2 s.
   """
   outs = []
   for s in range(0, len(fns), group):
@@ -53,7 +54,8 @@ def run_many(fns, args, group=8):
 def plan_call(plan, size):
   """(op(q, k, v, **kw) -> out, reference plan name, reference params) for a plan at a block/row size."""
   if plan == "fixed":
-    return (lambda q, k, v, **kw: combiner.fixed(q, k, v, block_size=size, **kw)), "fixed", {"block_size": size}
+    return ((lambda q, k, v, **kw: combiner.fixed(q, k, v, block_size=size, **kw)), "fixed",
+            {"block_size": size})
   if plan == "logsparse":
     return (lambda q, k, v, **kw: combiner.logsparse(q, k, v, **kw)), "logsparse", {}
   if plan.startswith("axial_"):
@@ -92,7 +94,7 @@ def random_masks(g, batch, length, size):
   mask = g.random((batch, length)) < 0.65
   mask[0] = True
   if batch > 2 and size is not None and length > size:
-    mask[-1, size:2 * size] = False  # a fully masked block / row: its span must vanish, not poison the softmax
+    mask[-1, size:2 * size] = False  # a fully masked block/row: its span must vanish, not poison the softmax
   for b in range(batch):
     if not mask[b].any():
       mask[b, length // 2] = True  # at least one real token
@@ -163,7 +165,8 @@ def test_op_equals_reference(plan):
           ref_fn = (lambda qq, kk, rp=ref_plan, pr=params, c=causal, p=pooling, **rk:
                     ref.attention_matrix(rp, qq, kk, causal=c, pooling=p, **pr, **rk))
           kw = {"pool_q": pq, "pool_k": pk} if with_pool else {}
-          checks.append((ref_fn, q, k, mask, causal, kw, f"{plan}({size}) pooling={pooling} pool_qk={with_pool}"))
+          what = f"{plan}({size}) pooling={pooling} pool_qk={with_pool}"
+          checks.append((ref_fn, q, k, mask, causal, kw, what))
     outs = run_many(fns, args)
     for out, (ref_fn, q, k, mask, causal, kw, what), a in zip(outs, checks, args, strict=True):
       assert out.dtype == np.float64 and out.shape == a[2].shape
@@ -177,13 +180,14 @@ def test_rowmajor_span_key_fn():
     g = np.random.default_rng(7)
     q, k = random_qk(g, batch, length)
     mask = random_masks(g, batch, length, size)
-    fns = [lambda q, k, v, m, c=c: combiner.axial(q, k, v, row_length=size, direction="rowmajor", causal=c, mask=m,
-                                                  span_key_fn=lambda kb: 1.5 * jnp.tanh(kb) + 0.3)
+    fns = [lambda q, k, v, m, c=c: combiner.axial(q, k, v, row_length=size, direction="rowmajor", causal=c,
+                                                  mask=m, span_key_fn=lambda kb: 1.5 * jnp.tanh(kb) + 0.3)
            for c in (True, False)]
     outs = run_many(fns, [(q, k, one_hot_v(batch, length), mask)] * 2)
     for out, causal in zip(outs, (True, False), strict=True):
       ref_fn = lambda qq, kk, c=causal, **rk: ref.attention_matrix(  # noqa: E731
-          "axial_rowmajor", qq, kk, causal=c, row_length=size, span_key_fn=lambda kb: 1.5 * np.tanh(kb) + 0.3, **rk)
+          "axial_rowmajor", qq, kk, causal=c, row_length=size, span_key_fn=lambda kb: 1.5 * np.tanh(kb) + 0.3,
+          **rk)
       check_against_reference(op_matrix(out), ref_fn, q, k, mask, causal=causal, what="rowmajor span_key_fn")
 
 
@@ -234,7 +238,7 @@ def _layer(op, x, params, mask, *, causal):
 
 @pytest.mark.parametrize("plan", PLANS)
 def test_jacobian_causality_through_a_layer(plan):
-  """d output_i / d x_j is exactly zero for j > i (causal) and nonzero for every real j <= i (full attention)."""
+  """d out_i / d x_j is exactly zero for j > i (causal) and nonzero for every real j <= i (full attention)."""
   with jax.enable_x64(True):
     length, model_dim, size = 10, 4, 3
     g = np.random.default_rng(13)
@@ -256,7 +260,7 @@ def test_jacobian_causality_through_a_layer(plan):
 
 @pytest.mark.parametrize("plan", PLANS)
 def test_gradients_match_finite_differences(plan):
-  """check_grads (float64, order 1, reverse mode) on causal/max and bidirectional/mean outputs with a key mask."""
+  """check_grads (float64, order 1, rev mode) on causal/max and bidirectional/mean outputs with a key mask."""
   with jax.enable_x64(True):
     length, size, batch = 7, 3, 2
     g = np.random.default_rng(17)
@@ -267,8 +271,9 @@ def test_gradients_match_finite_differences(plan):
 
     def f(q, k, v):
       real = mask[:, :, None, None]  # padded query rows are don't-care outputs
-      return jnp.concatenate([jnp.where(real, op(q, k, v, causal=True, mask=mask), 0),
-                              jnp.where(real, op(q, k, v, causal=False, mask=mask, pooling="mean"), 0)], axis=-1)
+      causal_max = op(q, k, v, causal=True, mask=mask)
+      bidir_mean = op(q, k, v, causal=False, mask=mask, pooling="mean")
+      return jnp.concatenate([jnp.where(real, causal_max, 0), jnp.where(real, bidir_mean, 0)], axis=-1)
 
     # A NaN or Inf gradient fails this comparison too.
     check_grads(jax.jit(f), (q, k, v), order=1, modes=["rev"], atol=1e-6, rtol=1e-6)
@@ -324,7 +329,7 @@ def test_degenerate_plans_equal_dense():
 
 @pytest.mark.parametrize("plan", PLANS)
 def test_no_nan_fully_masked_spans_and_huge_logits(plan):
-  """Whole masked blocks/rows/columns and q scaled by 100: finite forward and gradient, rows still sum to 1."""
+  """Whole masked blocks/rows/columns and q scaled by 100: finite forward and gradient, rows sum to 1."""
   with jax.enable_x64(True):
     length, size, batch = 16, 4, 2
     g = np.random.default_rng(29)
@@ -340,7 +345,8 @@ def test_no_nan_fully_masked_spans_and_huge_logits(plan):
 
     def value_and_grads(q, k, v, w, causal):
       out = op(q, k, v, causal=causal, mask=mask)
-      return out, jax.grad(lambda *a: jnp.sum(op(*a, causal=causal, mask=mask) * w), argnums=(0, 1, 2))(q, k, v)
+      loss = lambda *a: jnp.sum(op(*a, causal=causal, mask=mask) * w)  # noqa: E731
+      return out, jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
     for dtype in (jnp.float32,):  # float32 is where huge logits overflow; float64 shares the code path
       v = one_hot_v(batch, length, dtype)
@@ -360,8 +366,8 @@ def _bad_calls():
   """(description, call, exception, name that the message must contain)."""
   good = jnp.ones((1, 6, 2, 3))
   ops = {
-      "fixed": lambda q=good, k=good, v=good, **kw: combiner.fixed(q, k, v, **{"block_size": 2, "causal": True,
-                                                                               **kw}),
+      "fixed": lambda q=good, k=good, v=good, **kw: combiner.fixed(
+          q, k, v, **{"block_size": 2, "causal": True, **kw}),
       "logsparse": lambda q=good, k=good, v=good, **kw: combiner.logsparse(q, k, v, **{"causal": True, **kw}),
       "axial": lambda q=good, k=good, v=good, **kw: combiner.axial(
           q, k, v, **{"row_length": 2, "direction": "rowmajor", "causal": True, **kw}),
@@ -381,7 +387,8 @@ def _bad_calls():
          "'pool_q'"),
     ]
   for bad in (0, -1, 2.5):
-    cases.append((f"fixed block_size={bad}", lambda b=bad: ops["fixed"](block_size=b), ValueError, "'block_size'"))
+    cases.append((f"fixed block_size={bad}", lambda b=bad: ops["fixed"](block_size=b), ValueError,
+                  "'block_size'"))
     for name in ("axial", "mixture"):
       cases.append((f"{name} row_length={bad}", lambda b=bad, n=name: ops[n](row_length=b), ValueError,
                     "'row_length'"))

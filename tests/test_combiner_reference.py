@@ -1,4 +1,4 @@
-"""Self-checks of the from-definition reference (combiner/reference.py) against DESIGN.md section 4 and the paper.
+"""Self-checks of the from-definition reference (combiner/reference.py) against DESIGN.md §4 and the paper.
 
 The reference is what the fast ops are tested against, so it is checked here on its own: the sets partition
 Omega_i for every plan, length, block/row size and mask; hand-written cases from the paper's figures; and the
@@ -151,7 +151,7 @@ def test_attention_matrix_matches_hand_formulas():
   expect = np.array([w[2] * inner[0], w[2] * inner[1], w[0], w[1]])
   a = ref.attention_matrix("fixed", q, k, causal=True, block_size=2, pooling="mean")
   np.testing.assert_allclose(a[3], expect, rtol=1e-13)
-  # Row-major, causal, i=3 (row 1, col 1): the span query of row 0 is q[1], its key is pooled (pool_k if given).
+  # Row-major, causal, i=3 (row 1, col 1): row 0's span query is q[1], its key is pooled (pool_k if given).
   pk = rng.normal(size=(4, d))
   kb = np.maximum(pk[0], pk[1])
   w = _softmax([s(q[3], k[2]), s(q[3], k[3]), s(q[3], kb)])
@@ -174,7 +174,8 @@ def test_mixture_and_joint_hand_formula():
   av = ref.attention_matrix("axial_vertical", q, k, causal=False, row_length=2)
   ah = ref.attention_matrix("axial_horizontal", q, k, causal=False, row_length=2)
   np.testing.assert_allclose(ref.attention_matrix("mixture", q, k, causal=False, row_length=2), (av + ah) / 2)
-  # 2x2 grid, i=0: D = {0, 1, 2}; vertical span = column 1 minus row 0 = {3}; horizontal = row 1 minus col 0 = {3}.
+  # 2x2 grid, i=0: D = {0, 1, 2}; vertical span = column 1 minus row 0 = {3};
+  # horizontal span = row 1 minus col 0 = {3}.
   s = lambda a, b: a @ b / math.sqrt(d)  # noqa: E731
   w = _softmax([s(q[0], k[0]), s(q[0], k[1]), s(q[0], k[2]), s(q[0], k[3]), s(q[0], k[3])])
   expect = np.array([w[0], w[1], w[2], w[3] + w[4]])
@@ -204,7 +205,8 @@ def test_attention_matrix_full_support_rows_sum_to_one(causal):
       allowed = np.broadcast_to(real[None, :], (length, length))
       if causal:
         allowed = allowed & np.tril(np.ones((length, length), bool))
-      plans = _matrix_plans(length) + [("routed", {"cluster_ids": rng.integers(0, 3, length), "num_clusters": 3})]
+      routed = ("routed", {"cluster_ids": rng.integers(0, 3, length), "num_clusters": 3})
+      plans = _matrix_plans(length) + [routed]
       for plan, params in plans:
         for pooling in ("max", "mean"):
           a = ref.attention_matrix(plan, q, k, causal=causal, mask=mask, pooling=pooling, **params)
@@ -226,10 +228,12 @@ def test_degenerate_sizes_equal_dense():
       dense /= dense.sum(-1, keepdims=True)
       for plan, params in [("fixed", {"block_size": length}), ("axial_rowmajor", {"row_length": length}),
                            ("routed", {"cluster_ids": rng.integers(0, 4, length), "num_clusters": 1})]:
-        np.testing.assert_allclose(ref.attention_matrix(plan, q, k, causal=causal, **params), dense, rtol=1e-12)
+        a = ref.attention_matrix(plan, q, k, causal=causal, **params)
+        np.testing.assert_allclose(a, dense, rtol=1e-12)
       for name in ("fixed", "axial"):
         p = {"block_size" if name == "fixed" else "row_length": length}
-        np.testing.assert_allclose(ref.sparse_attention_matrix(name, q, k, causal=causal, **p), dense, rtol=1e-12)
+        a = ref.sparse_attention_matrix(name, q, k, causal=causal, **p)
+        np.testing.assert_allclose(a, dense, rtol=1e-12)
       if length == 1:
         np.testing.assert_allclose(ref.attention_matrix("logsparse", q, k, causal=causal), dense)
 
@@ -267,7 +271,8 @@ def test_reference_op_layout():
   np.testing.assert_allclose(out[1, :, 2], a @ v[1, :, 2])
   ids = rng.integers(0, 2, (2, 6, 3))
   out = ref.reference_op("routed", q, k, v, causal=False, cluster_ids=ids, num_clusters=2)
-  a = ref.attention_matrix("routed", q[0, :, 1], k[0, :, 1], causal=False, cluster_ids=ids[0, :, 1], num_clusters=2)
+  a = ref.attention_matrix("routed", q[0, :, 1], k[0, :, 1], causal=False, cluster_ids=ids[0, :, 1],
+                           num_clusters=2)
   np.testing.assert_allclose(out[0, :, 1], a @ v[0, :, 1])
   out = ref.sparse_reference_op("axial", q, k, v, causal=False, mask=mask, row_length=3)
   a = ref.sparse_attention_matrix("axial", q[0, :, 0], k[0, :, 0], causal=False, mask=mask[0], row_length=3)

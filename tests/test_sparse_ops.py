@@ -1,7 +1,7 @@
 """The sparse baselines (combiner/sparse.py: Fixed, Logsparse, Axial) against the from-definition reference.
 
-Same method as tests/test_combiner_ops.py: one-hot values return the attention matrix, compared in float64 with
-`combiner.reference.sparse_attention_matrix`; the support must be exactly `reference.sparse_support`.
+Same method as tests/test_combiner_ops.py: one-hot values return the attention matrix, compared in float64
+with `combiner.reference.sparse_attention_matrix`; the support must be exactly `reference.sparse_support`.
 """
 
 from __future__ import annotations
@@ -62,8 +62,8 @@ def test_sparse_op_equals_reference_and_support(plan):
           what = f"sparse {plan}({size}) L={length} causal={causal} b={b} h={h}"
           a = a_op[b, h]
           assert np.all(np.isfinite(a)), what
-          a_ref = ref.sparse_attention_matrix(plan, np.asarray(q[b, :, h]), np.asarray(k[b, :, h]), causal=causal,
-                                              mask=real, **params)
+          a_ref = ref.sparse_attention_matrix(plan, np.asarray(q[b, :, h]), np.asarray(k[b, :, h]),
+                                              causal=causal, mask=real, **params)
           np.testing.assert_allclose(a[real], a_ref[real], rtol=1e-10, atol=1e-13, err_msg=what)
           np.testing.assert_allclose(a[real].sum(-1), 1.0, rtol=1e-12, err_msg=what)
           if causal:
@@ -123,7 +123,8 @@ def test_sparse_gradients_bf16_and_huge_logits(plan):
 
     def f(q, k, v):
       real = mask[:, :, None, None]
-      return jnp.concatenate([jnp.where(real, op(q, k, v, causal=c, mask=mask), 0) for c in (True, False)], -1)
+      outs = [jnp.where(real, op(q, k, v, causal=c, mask=mask), 0) for c in (True, False)]
+      return jnp.concatenate(outs, axis=-1)
 
     check_grads(jax.jit(f), (q, k, v), order=1, modes=["rev"], atol=1e-6, rtol=1e-6)
     # q scaled by 100 in float32: finite forward and gradient. bfloat16 inputs: close to float32 on the same
@@ -160,11 +161,10 @@ def test_sparse_degenerate_sizes_equal_dense():
 
 def test_sparse_invalid_arguments():
   good = jnp.ones((1, 6, 2, 3))
-  calls = {"fixed": lambda **kw: sparse.fixed(**{"q": good, "k": good, "v": good, "block_size": 2, "causal": True,
-                                                  **kw}),
-           "logsparse": lambda **kw: sparse.logsparse(**{"q": good, "k": good, "v": good, "causal": True, **kw}),
-           "axial": lambda **kw: sparse.axial(**{"q": good, "k": good, "v": good, "row_length": 2, "causal": True,
-                                                 **kw})}
+  base = {"q": good, "k": good, "v": good, "causal": True}
+  calls = {"fixed": lambda **kw: sparse.fixed(**{**base, "block_size": 2, **kw}),
+           "logsparse": lambda **kw: sparse.logsparse(**{**base, **kw}),
+           "axial": lambda **kw: sparse.axial(**{**base, "row_length": 2, **kw})}
   failures = []
 
   def expect(what, call, exc, name):
