@@ -20,16 +20,14 @@ for num_clusters ~ sqrt(L); never O(L^2).
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from combiner import contract
+from combiner import common, contract
 from combiner.combine import Piece, attend, joint_softmax
-
-POOLINGS = ("max", "mean")
 
 Array = Any
 
@@ -70,36 +68,6 @@ def _check_cluster_ids(cluster_ids: Any, shape: tuple[int, int, int], num_cluste
   return jnp.asarray(cluster_ids).astype(jnp.int32)
 
 
-class _Inputs(NamedTuple):
-  q: Array  # [batch, length, heads, head_dim], compute dtype
-  k: Array  # [batch, length, heads, head_dim]
-  v: Array  # [batch, length, heads, value_dim]
-  mask: Array  # [batch, length] bool
-  pool_q: Array  # [batch, length, heads, head_dim]: pooled into span queries
-  pool_k: Array  # [batch, length, heads, head_dim]: pooled into span keys
-  scale: float
-  out_dtype: Any
-
-
-def _prepare(q: Array, k: Array, v: Array, mask: Array | None, *, op: str, causal: Any, pooling: Any,
-             pool_q: Array | None, pool_k: Array | None) -> _Inputs:
-  """The op contract's checks, everything cast to the softmax dtype, in the op layout [batch, length, ...]."""
-  q, k, v, mask = contract.check_qkv(q, k, v, mask, op=op)
-  contract.check_bool(causal, name="causal", op=op)
-  contract.check_choice(pooling, name="pooling", allowed=POOLINGS, op=op)
-  ct = contract.softmax_dtype(q.dtype, k.dtype, v.dtype)
-  pooled = []
-  for name, t, default in (("pool_q", pool_q, q), ("pool_k", pool_k, k)):
-    if t is None:
-      t = default
-    elif not hasattr(t, "shape") or tuple(t.shape) != tuple(q.shape):
-      raise ValueError(f"{op}: argument {name!r} must be None or an array shaped like q {tuple(q.shape)}, "
-                       f"got {getattr(t, 'shape', type(t).__name__)}")
-    pooled.append(jnp.asarray(t).astype(ct))
-  return _Inputs(q.astype(ct), k.astype(ct), v.astype(ct), mask, pooled[0], pooled[1],
-                 contract.logit_scale(q.shape[-1]), v.dtype)
-
-
 def routed(q: Array, k: Array, v: Array, *, cluster_ids: Array, num_clusters: int, causal: bool = False,
            mask: Array | None = None, pooling: str = "max", pool_q: Array | None = None,
            pool_k: Array | None = None) -> Array:
@@ -111,9 +79,9 @@ def routed(q: Array, k: Array, v: Array, *, cluster_ids: Array, num_clusters: in
   for the span abstractions. Returns [batch, length, heads, value_dim] in v's dtype.
   """
   op = "combiner.routed"
-  x = _prepare(q, k, v, mask, op=op, causal=causal, pooling=pooling, pool_q=pool_q, pool_k=pool_k)
+  x = common.prepare(q, k, v, mask, op=op, causal=causal, pooling=pooling, pool_q=pool_q, pool_k=pool_k)
   n = contract.check_positive_int(num_clusters, name="num_clusters", op=op)
-  batch, length, heads, _ = x.q.shape
+  batch, heads, length, _ = x.q.shape  # head-major
   ids = _check_cluster_ids(cluster_ids, (batch, length, heads), n, op).transpose(0, 2, 1)  # [b, h, L]
   ids = jax.lax.stop_gradient(ids)
   w = -(-length // n)  # chunk size
@@ -133,8 +101,8 @@ def routed(q: Array, k: Array, v: Array, *, cluster_ids: Array, num_clusters: in
   real_s = (jnp.take_along_axis(x.mask[:, None, :], order_p, axis=-1) & in_range)
   real_s = real_s.reshape(batch, heads, chunks, w)  # [b, h, C, w]
 
-  def to_slots(t: Array) -> Array:  # [b, L, h, d] -> [b, h, C, w, d]
-    g = jnp.take_along_axis(t.transpose(0, 2, 1, 3), order_p[..., None], axis=2)
+  def to_slots(t: Array) -> Array:  # [b, h, L, d] -> [b, h, C, w, d]
+    g = jnp.take_along_axis(t, order_p[..., None], axis=2)
     return g.reshape(batch, heads, chunks, w, t.shape[-1])
 
   qs, ks, vs = to_slots(x.q), to_slots(x.k), to_slots(x.v)  # [b, h, C, w, d|dv]
@@ -155,7 +123,7 @@ def routed(q: Array, k: Array, v: Array, *, cluster_ids: Array, num_clusters: in
     span = Piece(span_logits, span_valid, lambda p: jnp.einsum("bhcqr,bhrd->bhcqd", p, vbar))
     out = joint_softmax([direct, span])  # [b, h, C, w, dv], slot layout
     out = jnp.take_along_axis(out.reshape(batch, heads, slots, -1), slot_of[..., None], axis=2)  # [b, h, L, dv]
-    return out.transpose(0, 2, 1, 3).astype(x.out_dtype)
+    return common.finish(out, x)
 
   # Causal (eq. 12). Chunk r's prefix states: state t pools the chunk's slots 0..t (sorted by position), with
   # the span value a softmax over those slots under the pooled query of the same prefix.
@@ -181,7 +149,7 @@ def routed(q: Array, k: Array, v: Array, *, cluster_ids: Array, num_clusters: in
     t = jnp.pad(t, [(0, 0), (0, 0), (0, lp - length)] + [(0, 0)] * (t.ndim - 3), constant_values=fill)
     return t.reshape(batch, heads, nb, w, *t.shape[3:])
 
-  qb = to_blocks(x.q.transpose(0, 2, 1, 3))  # [b, h, nb, B, d], queries in position order
+  qb = to_blocks(x.q)  # [b, h, nb, B, d], queries in position order
   chunk_b = to_blocks(chunk, chunks)  # [b, h, nb, B]; padding gets chunk id `chunks` (none)
   token_b = to_blocks(jnp.broadcast_to(pos < length, chunk.shape), False)  # [b, h, nb, B] real positions
   onehot = jax.nn.one_hot(chunk_b, chunks, dtype=jnp.int32)  # [b, h, nb, B, C]
@@ -227,7 +195,7 @@ def routed(q: Array, k: Array, v: Array, *, cluster_ids: Array, num_clusters: in
   direct = Piece(rows_to_blocks(direct_logits), rows_to_blocks(direct_valid), direct_apply)
   out = joint_softmax([direct, base_piece, upd_piece])  # [b, h, nb, B, dv]
   out = out.reshape(batch, heads, lp, -1)[:, :, :length]
-  return out.transpose(0, 2, 1, 3).astype(x.out_dtype)
+  return common.finish(out, x)
 
 
 def num_chunks(length: int, num_clusters: int) -> int:

@@ -44,3 +44,15 @@ def test_dense_rejects_bad_input():
     dense(q, q, q, causal=True, mask=jnp.ones((1, 3), bool))
   with pytest.raises(TypeError, match="'q'"):
     dense([1, 2], q, q, causal=True)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_dense_xla_matches_dense(causal):
+  from baselines.dense import dense_xla
+  ks = jax.random.split(jax.random.key(7), 4)
+  q, k, v = (jax.random.normal(kk, (2, 6, 2, 4)) for kk in ks[:3])
+  mask = jnp.array([[True] * 6, [True, True, False, True, False, False]])
+  np.testing.assert_allclose(dense_xla(q, k, v, causal=causal, mask=mask), dense(q, k, v, causal=causal, mask=mask),
+                             rtol=1e-5, atol=1e-6)
+  with pytest.raises(ValueError, match="'v'"):
+    dense_xla(q, k, jnp.ones((2, 6, 2, 5)), causal=causal)
