@@ -72,9 +72,10 @@ def rowmajor_spans(g: Grid, causal: bool, pooling: str, span_key_fn: Callable | 
 
 def _all_but_one(x: Array, valid: Array, axis: int, causal: bool, pooling: str) -> tuple[Array, Array]:
   """Pools, for every position t along `axis`, the members before t (causal) or all members except t."""
-  stats = pool_ops.exclusive_scan_stats(x, valid, axis, pooling)
-  if not causal:
-    stats = pool_ops.merge(stats, pool_ops.exclusive_scan_stats(x, valid, axis, pooling, reverse=True), pooling)
+  if causal:
+    stats = pool_ops.exclusive_scan_stats(x, valid, axis, pooling)
+  else:
+    stats = pool_ops.all_but_one_stats(x, valid, axis, pooling)
   return pool_ops.finalize(stats, pooling)
 
 

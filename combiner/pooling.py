@@ -1,8 +1,8 @@
 """Span abstractions: coordinate-wise max or mean pooling over the real (unmasked) members of a span.
 
-Pooling is kept as (value, count) statistics so that pieces can be merged (a span "column minus one row" is the
-merge of an exclusive prefix and an exclusive suffix) before being finalised. Prefix/suffix statistics come from
-`jax.lax.cummax` / `cumsum`, block statistics from reshape-and-reduce; nothing of size L^2 is formed.
+Pooling is kept as (value, count) statistics until it is finalised, so that empty spans are known and dropped.
+Exclusive prefix statistics come from `jax.lax.cummax` / `cumsum`, "all members but one" from a top-2 (or
+total-minus-self) reduction, block statistics from reshape-and-reduce; nothing of size L^2 is formed.
 """
 
 from __future__ import annotations
@@ -82,9 +82,21 @@ def common_pad(x: Array, n: int, fill: Any) -> Array:
   return jnp.pad(x, pad, constant_values=fill)
 
 
-def merge(a: Stats, b: Stats, kind: str) -> Stats:
-  value = jnp.maximum(a.value, b.value) if kind == "max" else a.value + b.value
-  return Stats(value, a.count + b.count)
+def all_but_one_stats(x: Array, valid: Array, axis: int, kind: str) -> Stats:
+  """Statistics over all members along `axis` except the one at each position, in O(n) per position.
+
+  max: the top value, except at the (first) arg-max position, which gets the runner-up; sum: total minus self.
+  Both replace a prefix-and-suffix scan pair (two cummax passes and their gradients).
+  """
+  xm = masked(x, valid, kind)
+  count = jnp.sum(valid, axis=axis, keepdims=True, dtype=jnp.int32) - valid.astype(jnp.int32)
+  if kind != "max":
+    return Stats(jnp.sum(xm, axis=axis, keepdims=True) - xm, count)
+  first = jnp.argmax(xm, axis=axis, keepdims=True)  # [..., 1, ..., dim]
+  is_first = jax.lax.broadcasted_iota(jnp.int32, xm.shape, axis) == first
+  top1 = jnp.max(xm, axis=axis, keepdims=True)
+  top2 = jnp.max(jnp.where(is_first, -jnp.inf, xm), axis=axis, keepdims=True)
+  return Stats(jnp.where(is_first, top2, top1), count)
 
 
 def finalize(s: Stats, kind: str) -> tuple[Array, Array]:
