@@ -397,16 +397,17 @@ def _bad_calls():
   return cases
 
 
+def raise_failure(what, call, exc, name) -> str | None:
+  """None if `call()` raises `exc` with `name` in its message, else a line saying what happened instead."""
+  try:
+    call()
+  except exc as e:
+    return None if name in str(e) else f"{what}: message does not name {name}: {e}"
+  except Exception as e:  # noqa: BLE001 - any other exception type is a failure to report
+    return f"{what}: raised {type(e).__name__} instead of {exc.__name__}: {e}"
+  return f"{what}: did not raise"
+
+
 def test_invalid_arguments_raise_naming_the_parameter():
-  failures = []
-  for what, call, exc, name in _bad_calls():
-    try:
-      call()
-    except exc as e:
-      if name not in str(e):
-        failures.append(f"{what}: message does not name {name}: {e}")
-    except Exception as e:  # noqa: BLE001 - any other exception type is a failure to report
-      failures.append(f"{what}: raised {type(e).__name__} instead of {exc.__name__}: {e}")
-    else:
-      failures.append(f"{what}: did not raise")
+  failures = [f for case in _bad_calls() if (f := raise_failure(*case))]
   assert not failures, "\n".join(failures)

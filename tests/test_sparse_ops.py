@@ -18,7 +18,7 @@ from baselines.dense import dense
 from combiner import reference as ref
 from combiner import sparse
 from tests.test_combiner_ops import (COMBOS, HEADS, LOGSPARSE_LENGTHS, fast_jit, normal, one_hot_v, op_matrix,
-                                     random_masks, random_qk, run_many)
+                                     raise_failure, random_masks, random_qk, run_many)
 
 PLANS = ("fixed", "logsparse", "axial")
 
@@ -168,15 +168,8 @@ def test_sparse_invalid_arguments():
   failures = []
 
   def expect(what, call, exc, name):
-    try:
-      call()
-    except exc as e:
-      if name not in str(e):
-        failures.append(f"{what}: message does not name {name}: {e}")
-    except Exception as e:  # noqa: BLE001 - any other exception type is a failure to report
-      failures.append(f"{what}: raised {type(e).__name__} instead of {exc.__name__}: {e}")
-    else:
-      failures.append(f"{what}: did not raise")
+    if (failure := raise_failure(what, call, exc, name)):
+      failures.append(failure)
 
   for plan, call in calls.items():
     expect(f"{plan} list q", lambda c=call: c(q=[[1.0]]), TypeError, "'q'")
