@@ -33,20 +33,25 @@ def reduce_stats(x: Array, valid: Array, axis: int, kind: str) -> Stats:
   return Stats(value, jnp.sum(valid, axis=axis, dtype=jnp.int32))
 
 
+def inclusive_scan_stats(x: Array, valid: Array, axis: int, kind: str, *, reverse: bool = False) -> Stats:
+  """Statistics over the members up to and including (or from, `reverse`) each position along `axis`."""
+  xm = masked(x, valid, kind)
+  if kind == "max":
+    value = jax.lax.cummax(xm, axis=axis, reverse=reverse)
+  else:
+    value = jax.lax.cumsum(xm, axis=axis, reverse=reverse)
+  return Stats(value, jax.lax.cumsum(valid.astype(jnp.int32), axis=axis, reverse=reverse))
+
+
 def exclusive_scan_stats(x: Array, valid: Array, axis: int, kind: str, *, reverse: bool = False) -> Stats:
   """Statistics over the members strictly before (or after, `reverse`) each position along `axis`.
 
   The one-position shift is what keeps a query's own row/column out of its summary (a summary that included it
   would leak the future in causal mode).
   """
-  xm = masked(x, valid, kind)
-  if kind == "max":
-    value = jax.lax.cummax(xm, axis=axis, reverse=reverse)
-  else:
-    value = jax.lax.cumsum(xm, axis=axis, reverse=reverse)
-  count = jax.lax.cumsum(valid.astype(jnp.int32), axis=axis, reverse=reverse)
+  s = inclusive_scan_stats(x, valid, axis, kind, reverse=reverse)
   fill = -jnp.inf if kind == "max" else 0.0
-  return Stats(shift(value, axis, reverse, fill), shift(count, axis, reverse, 0))
+  return Stats(shift(s.value, axis, reverse, fill), shift(s.count, axis, reverse, 0))
 
 
 def shift(x: Array, axis: int, reverse: bool, fill: Any) -> Array:

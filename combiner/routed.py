@@ -27,30 +27,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from combiner import common, contract
+from combiner import pooling as pool_ops
 from combiner.combine import Piece, attend, joint_softmax
 
 Array = Any
-
-
-def _pool(x: Array, real: Array, kind: str, *, prefix: bool) -> tuple[Array, Array]:
-  """Pools x [b, h, C, w, d] over the real slots of axis 3 (all of them, or each prefix when `prefix`).
-
-  Returns (pooled, count): [b, h, C, d] and [b, h, C], or [b, h, C, w, d] and [b, h, C, w] for prefixes.
-  Empty pools are 0 (finite) and must be dropped by the caller (count == 0).
-  """
-  fill = -jnp.inf if kind == "max" else 0.0
-  xm = jnp.where(real[..., None], x, fill)
-  if kind == "max":
-    value = jax.lax.cummax(xm, axis=3) if prefix else jnp.max(xm, axis=3)
-  else:
-    value = jax.lax.cumsum(xm, axis=3) if prefix else jnp.sum(xm, axis=3)
-  ones = real.astype(jnp.int32)
-  count = jax.lax.cumsum(ones, axis=3) if prefix else jnp.sum(ones, axis=3)
-  if kind == "max":
-    value = jnp.where(count[..., None] > 0, value, 0.0)
-  else:
-    value = value / jnp.maximum(count, 1)[..., None].astype(value.dtype)
-  return value, count
 
 
 def _check_cluster_ids(cluster_ids: Any, shape: tuple[int, int, int], num_clusters: int, op: str) -> Array:
@@ -114,12 +94,12 @@ def routed(q: Array, k: Array, v: Array, *, cluster_ids: Array, num_clusters: in
   direct_valid = real_s[:, :, :, None, :]  # [b, h, C, 1, w]
   if not causal:
     direct = Piece(direct_logits, direct_valid, lambda p: jnp.einsum("bhcqk,bhckd->bhcqd", p, vs))
-    kbar, count = _pool(pks, real_s, pooling, prefix=False)  # [b, h, C, d], [b, h, C]
-    qbar, _ = _pool(pqs, real_s, pooling, prefix=False)
+    kbar, nonempty = pool_ops.pool(pks, real_s, axis=3, kind=pooling)  # [b, h, C, d], [b, h, C]
+    qbar, _ = pool_ops.pool(pqs, real_s, axis=3, kind=pooling)
     inner = jnp.einsum("bhcd,bhckd->bhck", qbar, ks) * scale  # [b, h, C, w]
     vbar = attend(inner, real_s, vs, "bhck,bhckd->bhcd")  # [b, h, C, dv]
     span_logits = jnp.einsum("bhcqd,bhrd->bhcqr", qs, kbar) * scale  # [b, h, C, w, C]
-    span_valid = (count > 0)[:, :, None, None, :] & (own[:, None, None] != own[None, None, :])  # [b, h, C, 1, C]
+    span_valid = nonempty[:, :, None, None, :] & (own[:, None, None] != own[None, None, :])  # [b, h, C, 1, C]
     span = Piece(span_logits, span_valid, lambda p: jnp.einsum("bhcqr,bhrd->bhcqd", p, vbar))
     out = joint_softmax([direct, span])  # [b, h, C, w, dv], slot layout
     out = jnp.take_along_axis(out.reshape(batch, heads, slots, -1), slot_of[..., None], axis=2)  # [b, h, L, dv]
@@ -128,14 +108,15 @@ def routed(q: Array, k: Array, v: Array, *, cluster_ids: Array, num_clusters: in
   # Causal (eq. 12). Chunk r's prefix states: state t pools the chunk's slots 0..t (sorted by position), with
   # the span value a softmax over those slots under the pooled query of the same prefix.
   direct_valid = direct_valid & (pos_s[..., None, :] <= pos_s[..., :, None])
-  kbar, count = _pool(pks, real_s, pooling, prefix=True)  # [b, h, C, w, d], [b, h, C, w]
-  qbar, _ = _pool(pqs, real_s, pooling, prefix=True)
+  kbar, nonempty = pool_ops.finalize(pool_ops.inclusive_scan_stats(pks, real_s, 3, pooling), pooling)
+  qbar, _ = pool_ops.finalize(pool_ops.inclusive_scan_stats(pqs, real_s, 3, pooling), pooling)
+  # kbar: [b, h, C, w, d], nonempty: [b, h, C, w] (prefix state t of chunk r has a real member)
   inner = jnp.einsum("bhctd,bhcud->bhctu", qbar, ks) * scale  # [b, h, C, w(state), w(key)]
   inner_valid = real_s[:, :, :, None, :] & (jnp.arange(w)[None, :] <= jnp.arange(w)[:, None])
   vbar = attend(inner, inner_valid, vs, "bhctu,bhcud->bhctd")  # [b, h, C, w, dv]
   kbar_f = kbar.reshape(batch, heads, slots, -1)  # flat state index = r * w + t
   vbar_f = vbar.reshape(batch, heads, slots, -1)
-  count_f = count.reshape(batch, heads, slots)
+  nonempty_f = nonempty.reshape(batch, heads, slots)
 
   # Query i sees chunk r in state t_r(i) = (#members of r at positions <= i) - 1: L x chunks vectors, too many
   # to gather. Cut positions into blocks of B = w: at a block's start every chunk has one "base" state
@@ -161,8 +142,8 @@ def routed(q: Array, k: Array, v: Array, *, cluster_ids: Array, num_clusters: in
     return flat.reshape(*index.shape, table.shape[-1])
 
   kb, vb = states(kbar_f, base), states(vbar_f, base)  # [b, h, nb, C, d|dv]
-  base_nonempty = (before > 0) & (jnp.take_along_axis(count_f, base.reshape(batch, heads, -1), axis=2)
-                                  .reshape(base.shape) > 0)  # [b, h, nb, C]
+  base_nonempty = (before > 0) & jnp.take_along_axis(  # [b, h, nb, C]
+      nonempty_f, base.reshape(batch, heads, -1), axis=2).reshape(base.shape)
   advanced = jnp.cumsum(onehot, axis=3) > 0  # [b, h, nb, B, C]: chunk r advanced at a position in [start, i]
   not_own = chunk_b[..., :, None] != own  # [b, h, nb, B, C]
   base_logits = jnp.einsum("bhnqd,bhnrd->bhnqr", qb, kb) * scale  # [b, h, nb, B, C]
@@ -171,8 +152,8 @@ def routed(q: Array, k: Array, v: Array, *, cluster_ids: Array, num_clusters: in
 
   tok_state = to_blocks(slot_of)  # [b, h, nb, B]: the state token j ends is its own slot
   ku, vu = states(kbar_f, tok_state), states(vbar_f, tok_state)  # [b, h, nb, B, d|dv]
-  tok_nonempty = token_b & (jnp.take_along_axis(count_f, tok_state.reshape(batch, heads, -1), axis=2)
-                            .reshape(tok_state.shape) > 0)
+  tok_nonempty = token_b & jnp.take_along_axis(
+      nonempty_f, tok_state.reshape(batch, heads, -1), axis=2).reshape(tok_state.shape)
   ar = jnp.arange(w)
   later_same = (chunk_b[..., :, None] == chunk_b[..., None, :]) & (ar[:, None] < ar[None, :])  # [b,h,nb,j,j']
   next_same = jnp.min(jnp.where(later_same, ar, w), axis=-1)  # [b, h, nb, B]: next token of j's chunk
