@@ -20,17 +20,22 @@ def _size(size, length):
   return length if size == "L" else size
 
 
-def _set_plans(length, rng):
-  """(plan, params) for every set plan at every block/row size, including 'routed' with random clusters."""
+def _sized_plans(length, extra):
+  """(plan, params): logsparse, then fixed and the axial plans at every block/row size s, plus extra(s)."""
   out = [("logsparse", {})]
   for size in SIZES:
     s = _size(size, length)
     out.append(("fixed", {"block_size": s}))
     for direction in ("rowmajor", "vertical", "horizontal"):
       out.append((f"axial_{direction}", {"row_length": s}))
-    out.append(("routed", {"cluster_ids": rng.integers(0, s, length), "num_clusters": s}))
+    out += extra(s)
   return out
 
+
+def _set_plans(length, rng):
+  """Every set plan at every block/row size, including 'routed' with random clusters."""
+  return _sized_plans(length, lambda s: [("routed", {"cluster_ids": rng.integers(0, s, length),
+                                                     "num_clusters": s})])
 
 def _masks(length, rng):
   mask = rng.random(length) < 0.6
@@ -184,15 +189,8 @@ def test_mixture_and_joint_hand_formula():
 
 
 def _matrix_plans(length):
-  out = [("logsparse", {})]
-  for size in SIZES:
-    s = _size(size, length)
-    out.append(("fixed", {"block_size": s}))
-    for direction in ("rowmajor", "vertical", "horizontal"):
-      out.append((f"axial_{direction}", {"row_length": s}))
-    out.append(("mixture", {"row_length": s, "normalize": "mean"}))
-    out.append(("mixture", {"row_length": s, "normalize": "joint"}))
-  return out
+  return _sized_plans(length, lambda s: [("mixture", {"row_length": s, "normalize": n})
+                                         for n in ("mean", "joint")])
 
 
 @pytest.mark.parametrize("causal", [True, False])
