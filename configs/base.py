@@ -59,6 +59,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.model.image_shape = ml_collections.FieldReference(None, field_type=tuple)
   c.model.max_len = 0  # position table length; 0 = the data's seq_len
   c.model.classifier_pool = "CLS"  # "CLS" (first position) | "MEAN" (padding-aware)
+  c.model.remat = "none"  # "block": recompute each block's activations in the backward (long L, less memory)
   c.model.attention = attention_config()
 
   c.optimizer = ml_collections.ConfigDict()
@@ -133,6 +134,7 @@ COMMON_KEYS: dict[str, tuple[Callable, Callable]] = {
   "batch_size": (_set("train.batch_size"), int),
   "lr": (_set("optimizer.lr"), float),
   "dtype": (_set("model.dtype"), str),
+  "remat": (_set("model.remat"), str),
   "block_size": (_set_param("block_size"), _auto_or_int),
   "row_length": (_set_param("row_length"), _auto_or_int),
   "pooling": (_set_param("pooling"), str),

@@ -24,6 +24,7 @@ from models import layers, registry
 Array = Any
 TASKS = ("lm", "image", "mlm", "classify", "retrieval")
 CAUSAL_TASKS = ("lm", "image")
+REMAT = ("none", "block")  # model.remat: keep every activation, or recompute each block in the backward
 
 
 def dtype_of(name: str) -> Any:
@@ -112,13 +113,27 @@ class Encoder(nnx.Module):
     self.blocks = nnx.List([Block(cfg, causal=causal, dtype=dtype, rngs=rngs, layer=i, seq_len=seq_len)
                             for i in range(cfg.num_layers)])
     self.norm = layers.LayerNorm(cfg.features, dtype=dtype, rngs=rngs)
+    self.remat = cfg.get("remat", "none")
+    if self.remat not in REMAT:
+      raise ValueError(f"model.remat must be one of {list(REMAT)}, got {self.remat!r}")
 
   def __call__(self, ids: Array, mask: Array | None, *, deterministic: bool) -> Array:
     x = self.embed(ids) + self.pos(ids.shape[1])[None]  # [batch, length, features]
     x = self.dropout(x, deterministic=deterministic)
     for block in self.blocks:
-      x = block(x, mask, deterministic=deterministic)
+      if self.remat == "block":
+        x = _rematted_block(block, x, mask, deterministic)
+      else:
+        x = block(x, mask, deterministic=deterministic)
     return self.norm(x)  # [batch, length, features]
+
+
+@nnx.remat(static_argnums=(3,))
+def _rematted_block(block: Block, x: Array, mask: Array | None, deterministic: bool) -> Array:
+  """One block whose activations are recomputed in the backward pass: only its input is kept, so a step's
+  memory holds one block's intermediates (for dense attention the [heads, L, L] probabilities) instead of
+  num_layers of them, for about one extra forward pass of compute."""
+  return block(x, mask, deterministic=deterministic)  # [batch, length, features]
 
 
 class Transformer(nnx.Module):

@@ -178,3 +178,28 @@ def test_option_for_wrong_module_is_an_error():
     c = tiny_cfg("combiner_logsparse")
     c.attention.params.block_size = 4
     transformer.build_model(c, task="lm", vocab_size=VOCAB, seq_len=LENGTH)
+
+
+def test_remat_block_gives_the_same_loss_and_gradients():
+  """model.remat='block' only changes what is kept for the backward; dropout rngs are threaded identically."""
+  rng = np.random.default_rng(3)
+  ids = jnp.asarray(rng.integers(0, VOCAB, size=(2, LENGTH)), jnp.int32)
+  results = []
+  with jax.enable_x64(True):
+    for remat in ("none", "block"):
+      c = tiny_cfg("dense")
+      c.num_layers, c.dtype, c.dropout_rate, c.remat = 2, "float64", 0.1, remat
+      model = transformer.build_model(c, task="lm", vocab_size=VOCAB, seq_len=LENGTH)
+      loss, grads = nnx.value_and_grad(lambda m: m({"inputs": ids}, deterministic=False).sum())(model)
+      results.append((loss, jax.tree.leaves(nnx.state(grads))))
+  (l0, g0), (l1, g1) = results
+  np.testing.assert_allclose(l1, l0, rtol=1e-12)
+  for a, b in zip(g0, g1):
+    np.testing.assert_allclose(b, a, rtol=1e-9, atol=1e-12)
+
+
+def test_unknown_remat_is_an_error():
+  c = tiny_cfg("dense")
+  c.remat = "layer"
+  with pytest.raises(ValueError, match="model.remat"):
+    transformer.build_model(c, task="lm", vocab_size=VOCAB, seq_len=LENGTH)
