@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from yoso import hashing
-from yoso.attention import expected_collision, l2_normalize, yoso, yoso_e
+from yoso.attention import arccos_poly, expected_collision, l2_normalize, yoso, yoso_e
 
 
 def _key(seed):
@@ -291,6 +291,23 @@ def test_sampled_backward_matches_definition_with_forward_codes():
     np.testing.assert_allclose(got[2], np.einsum("bqkh,bqhe->bkhe", bmat, dy), rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(got[0], jax.vjp(l2_normalize, q)[1](dqn)[0], rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(got[1], jax.vjp(l2_normalize, k)[1](dkn)[0], rtol=1e-10, atol=1e-12)
+
+
+def test_polynomial_arccos_and_collision_derivative_are_float32_exact():
+  with jax.enable_x64(True):
+    x = jnp.concatenate([jnp.linspace(-1.0, 1.0, 20001), jnp.array([-1.0, -0.0, 0.0, 1.0])])
+    err = np.max(np.abs(np.asarray(arccos_poly(x)) - np.arccos(np.asarray(x))))
+    assert err <= 3e-8, err  # A&S 4.4.46 bound 2e-8, plus float64 rounding
+    # float32 inputs take the polynomial; compare value and derivative with the float64 (jnp.arccos) path.
+    c = jnp.linspace(-0.999, 0.999, 4001)
+    fn = lambda c: jnp.sum(expected_collision(c, 8))
+    p64, g64 = expected_collision(c, 8), jax.grad(fn)(c)
+    p32, g32 = expected_collision(c.astype(jnp.float32), 8), jax.grad(fn)(c.astype(jnp.float32))
+    assert p32.dtype == g32.dtype == jnp.float32
+    np.testing.assert_allclose(p32, p64, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(g32, g64, rtol=1e-4, atol=1e-6)
+    want = 8 * (1 - np.arccos(np.asarray(c)) / np.pi) ** 7 / (np.pi * np.sqrt(1 - np.asarray(c) ** 2))
+    np.testing.assert_allclose(g64, want, rtol=1e-12)
 
 
 def test_expected_collision_is_finite_at_parallel_vectors():

@@ -54,15 +54,55 @@ def l2_normalize(x: Array) -> Array:
   return x * jax.lax.rsqrt(jnp.maximum(jnp.sum(x * x, axis=-1, keepdims=True), _NORM_EPS**2))
 
 
+# Abramowitz & Stegun 4.4.46: arccos(x) = sqrt(1 - x) * sum_n c_n x^n on [0, 1], |error| <= 2e-8.
+_ACOS_COEFFS = (1.5707963050, -0.2145988016, 0.0889789874, -0.0501743046, 0.0308918810, -0.0170881256,
+                0.0066700901, -0.0012624911)
+
+
+def arccos_poly(x: Array) -> Array:
+  """arccos on [-1, 1] from A&S 4.4.46 and arccos(-x) = pi - arccos(x): |error| <= 2e-8 (float32-exact).
+
+  XLA:CPU lowers jnp.arccos to an atan2 of a sqrt, several times slower than this Horner polynomial, which
+  matters in YOSO-E's L^2 elementwise pass.
+  """
+  a = jnp.abs(x)
+  r = jnp.asarray(_ACOS_COEFFS[-1], x.dtype)
+  for c in _ACOS_COEFFS[-2::-1]:
+    r = r * a + c
+  r = jnp.sqrt(1 - a) * r
+  return jnp.where(x >= 0, r, np.pi - r)
+
+
+def _collision_base(cos: Array) -> Array:
+  """1 - arccos(cos)/pi: the polynomial arccos up to float32, jnp.arccos for wider types (exact tests)."""
+  acos = arccos_poly(cos) if jnp.finfo(cos.dtype).bits <= 32 else jnp.arccos(cos)
+  return 1.0 - acos / np.pi
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _collision(cos: Array, tau: int) -> Array:
+  return jax.lax.integer_pow(_collision_base(cos), tau)
+
+
+@_collision.defjvp
+def _collision_jvp(tau, primals, tangents):
+  # d/dc (1 - arccos(c)/pi)^tau = tau base^(tau-1) / (pi sqrt(1 - c^2)): re-uses base^(tau-1) from the value,
+  # so the forward keeps one elementwise pass and no transcendental beyond one sqrt and one rsqrt.
+  (cos,), (dcos,) = primals, tangents
+  base = _collision_base(cos)
+  low = jax.lax.integer_pow(base, tau - 1)
+  slope = (tau / np.pi) * low * jax.lax.rsqrt((1 - cos) * (1 + cos))
+  return low * base, slope * dcos
+
+
 def expected_collision(cos: Array, tau: int) -> Array:
-  """(1 - arccos(cos)/pi)^tau, the collision probability of `tau` hyperplane bits.
+  """(1 - arccos(cos)/pi)^tau, the collision probability of `tau` hyperplane bits, with its exact derivative.
 
   The cosine is clipped a few ulps inside [-1, 1] so that rounding (|q.k| slightly above 1) gives no NaN and
   the arccos derivative stays finite when a query is parallel to a key.
   """
   eps = 8 * float(jnp.finfo(cos.dtype).eps)
-  cos = jnp.clip(cos, -1.0 + eps, 1.0 - eps)
-  return (1.0 - jnp.arccos(cos) / np.pi) ** tau
+  return _collision(jnp.clip(cos, -1.0 + eps, 1.0 - eps), tau)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
@@ -316,9 +356,11 @@ def yoso_e(q: Array, k: Array, v: Array, *, tau: int, causal: bool = False, mask
   ct = contract.softmax_dtype(q.dtype, k.dtype, v.dtype)
   qn = l2_normalize(jnp.swapaxes(q, 1, 2).astype(ct))  # [batch, heads, length, head_dim]
   kn = l2_normalize(jnp.swapaxes(k, 1, 2).astype(ct))
+  # Masked keys are zeroed in V rather than in P: one [L, L] elementwise pass less, and their P column then
+  # receives an exactly zero cotangent, so they still get no gradient.
+  vh = jnp.where(mask[:, None, :, None], jnp.swapaxes(v, 1, 2).astype(ct), 0.0)  # [batch, heads, length, e]
   cos = jnp.einsum("bhqd,bhkd->bhqk", qn, kn)  # [batch, heads, length_q, length_k]
-  p = jnp.where(mask[:, None, None, :], expected_collision(cos, tau), 0.0)
-  out = jnp.einsum("bhqk,bhke->bhqe", p, jnp.swapaxes(v, 1, 2).astype(ct))  # [batch, heads, length, e]
+  out = jnp.einsum("bhqk,bhke->bhqe", expected_collision(cos, tau), vh)  # [batch, heads, length, e]
   if normalize_output:
     out = l2_normalize(out)
   return jnp.swapaxes(out, 1, 2).astype(v.dtype)  # [batch, length, heads, value_dim]
