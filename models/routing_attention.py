@@ -27,9 +27,10 @@ Config fields (`config.model.attention`), besides `name`, `params`, `dropout_rat
   share_qk             None (= causal), True or False; routing only (combiner_routed routes a token by its query
                        and key together and needs no sharing)
   scale_logits, mask_self  see `routing.attention` (defaults True, False)
-  membership           "balanced" (default, the paper: top-window tokens per centroid; in a decoder the discrete
-                       membership depends on later tokens) or "nearest" (nearest centroid, the window most recent
-                       cluster-mates: exactly causal); see `routing.attention.routing_attention`
+  membership           None (default: "nearest" in decoders with shared QK, exactly causal; "balanced" otherwise),
+                       "nearest" (nearest centroid, the window most recent cluster-mates) or "balanced" (the paper:
+                       top-window tokens per centroid; in a decoder it leaks the future through the discrete
+                       membership, an explicit opt-in); see the `routing.attention` module docstring
   ema_decay            0.999
   centroid_seed        seed of the centroids' initial values (default 0; layers offset it by their index)
 """
@@ -162,7 +163,8 @@ class RoutingAttention(attention.AttentionBase, _CentroidMixin):
     self.share_qk = bool(causal if share_qk is None else share_qk)
     self.scale_logits = bool(config.get("scale_logits", True))
     self.mask_self = bool(config.get("mask_self", False))
-    self.membership = str(config.get("membership", None) or "balanced")
+    membership = config.get("membership", None)
+    self.membership = None if membership is None else str(membership)  # None: the op decides from causal/share_qk
     self.num_clusters, rows = _cluster_state(config, params, "routing")
     if routing_heads:
       self._init_centroids(config, routing_heads, rows, head_dim, layer)

@@ -10,17 +10,33 @@ The two reference implementations disagree in two places, which are options here
   DESIGN.md section 3) or use the raw dot products of the layer-normed vectors (the paper's TF code);
 - `mask_self`: with shared QK a token's key is its own query, so its self logit is the largest one; lucidrains
   masks it unless it is the only key visible (the first token of a causal cluster). Off by default (paper).
+
+Membership in decoders (the default is decided here, with the reason). The paper's balanced membership (each
+centroid takes its top-`window` tokens) is not causal: whether token i makes a centroid's top-`window` depends on
+the scores of tokens after i, so a later token can push i out of (or pull it into) a cluster and change out_i.
+The Jacobian of out_i with respect to later inputs is still zero (membership is discrete), which is why gradient
+checks miss it; a teacher-forced decoder can exploit it and its likelihoods are then not those of a causal model.
+Both reference codes (the paper's top-k and lucidrains' `routing-transformer`) share this leak. So:
+
+- `membership=None` (default) resolves to "nearest" when `causal and share_qk` (exactly causal: a token's
+  cluster is its own nearest centroid and it attends to the `window` most recent cluster-mates) and to
+  "balanced" otherwise (bidirectional models have nothing to leak; without shared QK "nearest" is undefined);
+- `membership="balanced"` in a decoder is an explicit opt-in, documented as leaking, kept for reproducing the
+  paper and for like-for-like timing against lucidrains' peer (the `routing` benchmark row uses it);
+- speed: "nearest" sorts tokens by (centroid, position) and attends over a sliding window of that order
+  (2 * window keys per query instead of window), measured in `docs/benchmarks.md`.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from combiner import contract
-from combiner.combine import attend
+from combiner.combine import Piece, attend, joint_softmax
 from routing import kmeans
 
 Array = Any
@@ -59,6 +75,42 @@ def _scatter_mean(y: Array, idx: Array, length: int) -> Array:
     return total / jnp.maximum(count, 1.0)[:, None]
 
   return jax.vmap(one)(flat_idx, flat_y).reshape(b, h, length, dv)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _cluster_attention(q: Array, k: Array, v: Array, valid: Array, scale: float) -> Array:
+  """Masked softmax attention inside each cluster, with a hand-written backward.
+
+  q: [..., queries, d]; k: [..., keys, d]; v: [..., keys, dv]; valid: bool broadcastable to [..., queries, keys].
+  Returns [..., queries, dv]. Rows with no valid key give zeros.
+
+  Why a custom VJP: autodiff of the shared `joint_softmax` (numerator / denominator) differentiates the division
+  through the value contraction, and XLA:CPU fuses that contraction into a reduction which runs several times
+  slower than the matmuls themselves; the textbook backward from the saved weights is plain einsums.
+  """
+  return _cluster_attention_fwd(q, k, v, valid, scale)[0]
+
+
+def _cluster_attention_fwd(q: Array, k: Array, v: Array, valid: Array, scale: float) -> tuple[Array, tuple]:
+  logits = jnp.einsum("...qd,...kd->...qk", q, k) * scale  # [..., queries, keys]
+  weights = joint_softmax([Piece(logits, valid, lambda w: w)])  # the shared softmax, normalised weights
+  out = jnp.einsum("...qk,...kd->...qd", weights, v)  # [..., queries, dv]
+  return out, (q, k, v, weights)
+
+
+def _cluster_attention_bwd(scale: float, res: tuple, g: Array) -> tuple:
+  q, k, v, weights = res
+  dv = jnp.einsum("...qk,...qd->...kd", weights, g)  # [..., keys, dv]
+  dw = jnp.einsum("...qd,...kd->...qk", g, v)  # [..., queries, keys]
+  # softmax Jacobian: dlogit = w * (dw - sum_k w dw). (sum_k w dw equals sum_d g * out, but reading `out` lets
+  # XLA:CPU re-run the value contraction inside this fusion.)
+  dlogits = weights * (dw - jnp.sum(weights * dw, axis=-1, keepdims=True)) * scale
+  dq = jnp.einsum("...qk,...kd->...qd", dlogits, k)
+  dk = jnp.einsum("...qk,...qd->...kd", dlogits, q)
+  return dq, dk, dv, None
+
+
+_cluster_attention.defvjp(_cluster_attention_fwd, _cluster_attention_bwd)
 
 
 MEMBERSHIPS = ("balanced", "nearest")
@@ -117,7 +169,7 @@ def _nearest_window(qn: Array, v: Array, assign: Array, mask: Array, *, window: 
 
 def routing_attention(q: Array, k: Array, v: Array, *, centroids: Array, window: int, causal: bool,
                       mask: Array | None = None, share_qk: bool = True, scale_logits: bool = True,
-                      mask_self: bool = False, membership: str = "balanced") -> tuple[Array, RoutingAux]:
+                      mask_self: bool = False, membership: str | None = None) -> tuple[Array, RoutingAux]:
   """Content-routed sparse attention; returns (out, aux).
 
   q, k: [batch, length, heads, head_dim]; v: [batch, length, heads, value_dim]; mask: [batch, length] bool.
@@ -127,7 +179,8 @@ def routing_attention(q: Array, k: Array, v: Array, *, centroids: Array, window:
   both routing and attention, as in Algorithm 1. Returns out [batch, length, heads, value_dim] in v's dtype and
   `RoutingAux`. A query whose cluster holds no visible key (only possible without shared QK) gets zeros.
 
-  membership: "balanced" (the paper): top-`window` tokens per centroid. In a decoder this leaks the future
+  membership: None (default) = "nearest" when `causal and share_qk`, else "balanced" (see the module docstring).
+    "balanced" (the paper): top-`window` tokens per centroid. In a decoder this leaks the future
     through a discrete channel: whether an earlier token makes a centroid's top-`window` depends on later
     tokens' scores, so out_i can change when a later token changes (its Jacobian is still exactly zero).
     "nearest": every token joins only its nearest centroid and attends to its `window` most recent cluster-mates
@@ -142,6 +195,8 @@ def routing_attention(q: Array, k: Array, v: Array, *, centroids: Array, window:
   scale_logits = contract.check_bool(scale_logits, name="scale_logits", op=op)
   mask_self = contract.check_bool(mask_self, name="mask_self", op=op)
   window = contract.check_positive_int(window, name="window", op=op)
+  if membership is None:
+    membership = "nearest" if causal and share_qk else "balanced"
   membership = contract.check_choice(membership, name="membership", allowed=MEMBERSHIPS, op=op)
   if membership == "nearest" and not share_qk:
     raise ValueError(f"{op}: argument 'membership'='nearest' needs share_qk=True (one cluster per token)")
@@ -154,10 +209,12 @@ def routing_attention(q: Array, k: Array, v: Array, *, centroids: Array, window:
   window = min(window, length)
   ct = contract.softmax_dtype(q.dtype, k.dtype, v.dtype)
 
-  qn = kmeans.layer_norm(q.astype(ct))  # [batch, length, heads, head_dim]
-  kn = qn if share_qk else kmeans.layer_norm(k.astype(ct))
-  q_scores = kmeans.scores(qn, centroids)  # [batch, heads, clusters, length]
-  k_scores = q_scores if share_qk else kmeans.scores(kn, centroids)
+  # Head-major from here on: the layer norm, the centroid scores and the row gathers all read [b, h, L, d].
+  qh = kmeans.layer_norm(q.astype(ct).transpose(0, 2, 1, 3))  # [batch, heads, length, head_dim]
+  kh = qh if share_qk else kmeans.layer_norm(k.astype(ct).transpose(0, 2, 1, 3))
+  qn, kn = qh.transpose(0, 2, 1, 3), kh.transpose(0, 2, 1, 3)  # [batch, length, heads, head_dim]
+  q_scores = kmeans.scores(qh, centroids, heads_first=True)  # [batch, heads, clusters, length]
+  k_scores = q_scores if share_qk else kmeans.scores(kh, centroids, heads_first=True)
   if membership == "nearest":
     q_assign = kmeans.nearest_centroid(q_scores)  # [batch, heads, length]
     out = _nearest_window(qn, v.astype(ct), q_assign, mask, window=window, causal=causal,
@@ -167,22 +224,39 @@ def routing_attention(q: Array, k: Array, v: Array, *, centroids: Array, window:
     return out.astype(v.dtype), RoutingAux(stats, kmeans.commitment_loss(qn, q_assign, centroids, mask))
   q_idx = kmeans.balanced_membership(q_scores, window, mask)  # [batch, heads, clusters, window]
   k_idx = q_idx if share_qk else kmeans.balanced_membership(k_scores, window, mask)
+  # Flat row ids into [batch * heads * length, e] head-major tables: plain row gathers (and row scatter-adds in
+  # the backward), which XLA:CPU runs far faster than batched take_along_axis.
+  base = (jnp.arange(batch * heads, dtype=jnp.int32) * length).reshape(batch, heads, 1, 1)
+  q_rows, k_rows = q_idx + base, k_idx + base  # [batch, heads, clusters, window]
 
-  qg = _gather(qn.transpose(0, 2, 1, 3), q_idx)  # [batch, heads, clusters, window, head_dim]
-  kg = _gather(kn.transpose(0, 2, 1, 3), k_idx)  # [batch, heads, clusters, window, head_dim]
-  vg = _gather(v.astype(ct).transpose(0, 2, 1, 3), k_idx)  # [batch, heads, clusters, window, value_dim]
-  logits = jnp.einsum("bhcqd,bhckd->bhcqk", qg, kg)  # [batch, heads, clusters, window, window]
-  if scale_logits:
-    logits = logits * contract.logit_scale(head_dim)
-  key_real = jnp.take_along_axis(mask[:, None, None, :], k_idx, axis=-1)  # [batch, heads, clusters, window]
+  def rows(t: Array, r: Array) -> Array:  # t [batch, heads, length, e] -> [batch, heads, clusters, window, e]
+    return t.reshape(batch * heads * length, t.shape[-1]).at[r].get(mode="promise_in_bounds")
+
+  qg = rows(qh, q_rows)  # [batch, heads, clusters, window, head_dim]
+  kg = qg if share_qk else rows(kh, k_rows)
+  vg = rows(v.astype(ct).transpose(0, 2, 1, 3), k_rows)  # [batch, heads, clusters, window, value_dim]
+  key_real = jnp.broadcast_to(mask[:, None, :], (batch, heads, length)).reshape(-1).at[k_rows].get(
+      mode="promise_in_bounds")  # [batch, heads, clusters, window]
   valid = key_real[..., None, :]  # [batch, heads, clusters, 1, window]
+  if share_qk:
+    # Queries and keys are the same position-sorted distinct indices, so position order is slot order.
+    slot = jnp.arange(window)
+    later, same = slot[:, None] >= slot[None, :], slot[:, None] == slot[None, :]  # [window, window]
+  else:
+    later = q_idx[..., :, None] >= k_idx[..., None, :]  # [batch, heads, clusters, window, window]
+    same = q_idx[..., :, None] == k_idx[..., None, :]
   if causal:
-    valid = valid & (q_idx[..., :, None] >= k_idx[..., None, :])
+    valid = valid & later
   if mask_self:
-    others = valid & (q_idx[..., :, None] != k_idx[..., None, :])
+    others = valid & ~same
     valid = jnp.where(jnp.any(others, axis=-1, keepdims=True), others, valid)
-  yg = attend(logits, valid, vg, "bhcqk,bhckd->bhcqd")  # [batch, heads, clusters, window, value_dim]
-  out = _scatter_mean(yg, q_idx, length).transpose(0, 2, 1, 3)  # [batch, length, heads, value_dim]
+  scale = contract.logit_scale(head_dim) if scale_logits else 1.0
+  yg = _cluster_attention(qg, kg, vg, valid, scale)  # [batch, heads, clusters, window, value_dim]
+  n = batch * heads * length
+  flat_rows = q_rows.reshape(-1)
+  total = jnp.zeros((n, yg.shape[-1]), ct).at[flat_rows].add(yg.reshape(-1, yg.shape[-1]), mode="promise_in_bounds")
+  count = jnp.zeros((n,), ct).at[flat_rows].add(1.0, mode="promise_in_bounds")
+  out = (total / jnp.maximum(count, 1.0)[:, None]).reshape(batch, heads, length, -1).transpose(0, 2, 1, 3)
 
   q_assign = kmeans.nearest_centroid(q_scores)  # [batch, heads, length]
   k_assign = q_assign if share_qk else kmeans.nearest_centroid(k_scores)

@@ -48,14 +48,15 @@ def init_centroids(key: Array, heads: int, clusters: int, head_dim: int, dtype: 
   return layer_norm(jax.random.normal(key, (heads, clusters, head_dim), jnp.float32)).astype(dtype)
 
 
-def scores(x: Array, centroids: Array) -> Array:
+def scores(x: Array, centroids: Array, *, heads_first: bool = False) -> Array:
   """Dot products of layer-normed tokens x [batch, length, heads, d] with centroids [heads, clusters, d].
 
+  heads_first: x is [batch, heads, length, d] instead (no transpose of x before the contraction).
   Returns [batch, heads, clusters, length]; the routing decision carries no gradient.
   """
   x = jax.lax.stop_gradient(x)
   centroids = jax.lax.stop_gradient(centroids).astype(x.dtype)
-  return jnp.einsum("blhd,hcd->bhcl", x, centroids)
+  return jnp.einsum("bhld,hcd->bhcl" if heads_first else "blhd,hcd->bhcl", x, centroids)
 
 
 def balanced_membership(token_scores: Array, window: int, mask: Array | None = None) -> Array:

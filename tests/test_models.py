@@ -42,8 +42,9 @@ def batch_for(task: str, rng: np.random.Generator) -> dict:
 
 
 # Known defects found by these tests, kept visible: strict xfail turns into a failure once fixed.
-KNOWN = {("routing", "lm"): "routing's default membership='balanced' (the paper's top-k per centroid) leaks the "
-                            "future in a decoder; membership='nearest' is the causal option"}
+# (routing's decoder default is the exactly causal membership='nearest'; the leak of the paper's opt-in
+# membership='balanced' is pinned by tests/test_routing_model.py.)
+KNOWN: dict[tuple[str, str], str] = {}
 
 
 def _cases(tasks_for):

@@ -292,3 +292,22 @@ def test_nearest_membership_matches_numpy_and_is_exactly_causal(causal):
       np.testing.assert_allclose(np.asarray(out2)[:, :6], np.asarray(out)[:, :6], rtol=1e-12, atol=1e-13)
   with pytest.raises(ValueError, match="membership"):
     routing_attention(q, q, v, centroids=mu, window=3, causal=causal, share_qk=False, membership="nearest")
+
+
+def test_default_membership_is_exactly_causal_and_the_balanced_opt_in_leaks():
+  """The decision documented in `routing.attention`: decoders (causal, shared QK) default to "nearest"; the paper's
+  "balanced" top-k stays an explicit opt-in, and in a decoder it leaks: changing only tokens >= 8 moves outputs
+  before 8 (a later token pushes an earlier one out of a centroid's top-`window`)."""
+  with jax.enable_x64(True):
+    q, k, v, _, mu = _inputs(5, 2, 16, 2, 4, mask_p=1.0)
+    mask = jnp.ones((2, 16), bool)
+    for causal, share_qk, want in [(True, True, "nearest"), (False, True, "balanced"), (True, False, "balanced")]:
+      got = _routing(q, k, v, mu, mask, window=4, causal=causal, share_qk=share_qk, membership=None)[0]
+      ref = _routing(q, k, v, mu, mask, window=4, causal=causal, share_qk=share_qk, membership=want)[0]
+      np.testing.assert_array_equal(got, ref)
+    q2 = q.at[:, 8:].set(3.0 * jax.random.normal(jax.random.key(9), q[:, 8:].shape, jnp.float64))
+    v2 = v.at[:, 8:].add(5.0)
+    for membership, leaks in [("nearest", False), ("balanced", True)]:
+      a = _routing(q, q, v, mu, mask, window=4, causal=True, membership=membership)[0][:, :8]
+      b = _routing(q2, q2, v2, mu, mask, window=4, causal=True, membership=membership)[0][:, :8]
+      assert (float(jnp.max(jnp.abs(a - b))) > 1e-3) == leaks, membership

@@ -185,3 +185,14 @@ def test_routing_attentions_build_in_every_experiment_config():
   assert not m.share_qk
   y, _, sown = _step(m, _x(), deterministic=False)
   assert bool(jnp.isfinite(y).all()) and len(jax.tree.leaves(sown)) == 1
+
+
+def test_decoder_default_is_exactly_causal_and_balanced_opt_in_leaks():
+  """Finite changes, not Jacobians: the paper's balanced membership has a zero Jacobian into the future but still
+  leaks through which tokens make a centroid's top-`window`; the module's decoder default does not."""
+  x = _x(batch=1)
+  x2 = x.at[:, 8:].set(3.0 * jax.random.normal(jax.random.key(7), x[:, 8:].shape))
+  for membership, leaks in [(None, False), ("balanced", True)]:
+    m = _build("routing", routing_heads=HEADS, membership=membership)
+    a, b = m(x, None, deterministic=True)[:, :8], m(x2, None, deterministic=True)[:, :8]
+    assert (float(jnp.max(jnp.abs(a - b))) > 1e-4) == leaks, membership
