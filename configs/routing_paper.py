@@ -4,6 +4,10 @@
 and evaluation and replace the model and optimizer with the paper's; every other config argument (`layers=`,
 `smoke`, `attention=combiner_routed`, ...) still applies on top. The paper trains with Adam (b1 0.9, b2 0.98),
 learning rate 2e-4 and the Transformer rsqrt schedule (section 5).
+
+Membership: these are decoders, so the routing heads use the exactly causal "nearest" membership by default. The
+paper's balanced top-k membership leaks future tokens into a decoder's likelihood (see `routing/attention.py`);
+to run it as published anyway: `--config.model.attention.membership=balanced`.
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ def apply(c: ml_collections.ConfigDict, settings: dict[str, Any], arg: str, extr
   att.params.num_clusters = settings["num_clusters"]
   att.params.window = settings["window"]
   att.params.block_size = settings["window"]  # local heads get the same attention budget as routing heads
+  if "membership" not in att:  # None = the module's default (decoders: "nearest"); overridable from the command line
+    att.membership = ml_collections.FieldReference(None, field_type=str)
   if "smoke" in flags:  # keep the shrunken CPU model; route in its single layer with one of its two heads
     att.routing_heads = 1
     att.routing_layers = None
@@ -66,5 +72,7 @@ def apply(c: ml_collections.ConfigDict, settings: dict[str, Any], arg: str, extr
     for key in ("window", "block_size"):
       if key in c.model.attention.params:
         del c.model.attention.params[key]
+    if c.model.attention.get("membership", None) is None and "membership" in c.model.attention:
+      del c.model.attention["membership"]
     att.routing_heads = None
     att.routing_layers = None
