@@ -1,7 +1,7 @@
 """Input pipelines: one entry point for every experiment config.
 
     loader = data.create_dataset(config, "train", batch_size=32, seed=0)
-    it = iter(loader)                    # grain DataLoaderIterator
+    it = iter(loader)                    # grain DatasetIterator (DataLoaderIterator for packed text)
     batch = next(it)                     # dict of NumPy arrays, leading dim = per-host batch
     state = it.get_state(); it.set_state(state)   # exact resume (train.py checkpoints it with orbax)
     info = data.dataset_info(config)     # task, vocab_size, seq_len, num_classes, special ids
@@ -72,7 +72,7 @@ def create_dataset(
   shuffle: bool | None = None,
   num_epochs: int | None = None,
 ):
-  """A grain.DataLoader over `split` ("train", "validation", "test") of `config.data.name`.
+  """A grain IterDataset (packed text: a grain.DataLoader) over `split` ("train", "validation", "test") of `config.data.name`.
 
   shard_index/shard_count default to jax.process_index()/jax.process_count(). shuffle defaults to
   split == "train"; num_epochs defaults to None (repeat forever) for "train" and 1 otherwise. `batch_size` is

@@ -102,7 +102,7 @@ def _identity(example: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 def create_dataset(config: Any, split: str, *, batch_size: int, seed: int, shard_index: int | None = None,
                    shard_count: int | None = None, shuffle: bool | None = None,
-                   num_epochs: int | None = None) -> grain.DataLoader:
+                   num_epochs: int | None = None) -> grain.IterDataset:
   source = RecallSource(config, split, seed)
   return pipeline.make_loader(source, [pipeline.Example(_identity)], split=split, batch_size=batch_size,
                               seed=seed, shard_index=shard_index, shard_count=shard_count, shuffle=shuffle,

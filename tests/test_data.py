@@ -455,3 +455,30 @@ def test_worker_processes_resume_exactly(name, text_dirs, lra_dir):
     got = next(fresh)
     for k in want:
       np.testing.assert_array_equal(got[k], want[k])
+
+
+class _Noisy(pipeline.SeededExample):
+  """A RandomMap whose output shows the generator it got (the engines must seed it alike)."""
+
+  def __init__(self):
+    super().__init__(lambda i, rng: {"inputs": np.array([i, rng.integers(1 << 30)], np.int32)})
+
+
+@pytest.mark.parametrize("split,shuffle,num_epochs", [("train", None, None), ("validation", True, 2),
+                                                      ("validation", None, None)])
+def test_dataset_engine_yields_the_data_loader_batches(split, shuffle, num_epochs):
+  config = _config("numbered", virtual_records=29)  # 29 records cycling 11: also checks VirtualRecords
+  batches = {}
+  for engine in ("dataset", "loader"):
+    loader = pipeline.make_loader(_Numbered(11), [_Noisy()], split=split, batch_size=4, seed=3, shard_index=1,
+                                  shard_count=2, shuffle=shuffle, num_epochs=num_epochs, config=config, engine=engine)
+    it = iter(loader)
+    batches[engine] = [b for _, b in zip(range(12), it)]
+  assert len(batches["dataset"]) == len(batches["loader"]) > 2
+  for got, want in zip(batches["dataset"], batches["loader"], strict=True):
+    assert set(got) == set(want) == {"inputs", "valid"}
+    for k in want:
+      assert got[k].dtype == want[k].dtype
+      np.testing.assert_array_equal(got[k], want[k])
+  keys = np.concatenate([b["inputs"][b["valid"], 0] for b in batches["dataset"]])
+  assert keys.max() < 11 and len(set(keys.tolist())) == 11  # record i is mock record i % 11
