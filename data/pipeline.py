@@ -162,31 +162,41 @@ class SeededExample(grain.transforms.RandomMap):
     return out
 
 
-class ReadAndTransform:
-  """Record key -> example: reads `source[key]` and applies the per-record `operations` in order.
+def _key_array(keys: Sequence[int]) -> np.ndarray:
+  return np.asarray(keys, np.int64)
 
-  The `index` is the position in the stream (what grain.DataLoader's IndexSampler calls the record index), so
-  RandomMap operations get the generator the DataLoader gives them: Philox keyed by seed + index, one per
-  record, shared by that record's operations in order.
+
+class ReadBatch:
+  """(batch index, record keys) -> batch: reads each `source[key]`, applies the per-record `operations` in
+  order and stacks the examples (`PadBatch`).
+
+  Stream position `batch index * batch_size + j` is what grain.DataLoader's IndexSampler calls the record
+  index, so RandomMap operations get the generator the DataLoader gives them: Philox keyed by seed + index,
+  one per record, shared by that record's operations in order.
   """
 
-  def __init__(self, source: Any, operations: Sequence[Any], seed: int):
+  def __init__(self, source: Any, operations: Sequence[Any], *, seed: int, batch_size: int):
     for op in operations:
       if not isinstance(op, (grain.transforms.Map, grain.transforms.RandomMap)):
         raise TypeError(f"per-record operations must be grain.transforms.Map or RandomMap, got {op!r}")
     self.source, self.operations, self.seed = source, list(operations), seed
+    self.batch_size, self.stack = batch_size, PadBatch(batch_size)
 
-  def __call__(self, index: int, key: int):
+  def one(self, index: int, key: int):
     element = self.source[int(key)]
     rng = None
     for op in self.operations:
       if isinstance(op, grain.transforms.RandomMap):
         if rng is None:
-          rng = np.random.Generator(np.random.Philox(key=self.seed + int(index)))
+          rng = np.random.Generator(np.random.Philox(key=self.seed + index))
         element = op.random_map(element, rng)
       else:
         element = op.map(element)
     return element
+
+  def __call__(self, batch_index: int, keys: np.ndarray) -> dict[str, np.ndarray]:
+    first = int(batch_index) * self.batch_size
+    return self.stack([self.one(first + j, key) for j, key in enumerate(keys.tolist())])
 
 
 def make_loader(
@@ -209,8 +219,9 @@ def make_loader(
   evaluation keeps every record: host shards may differ by one record and the last batch is padded.
   `batch_size=None` means the operations batch themselves (text packing).
 
-  engine: "dataset" (the default when `batch_size` is set): a grain `MapDataset` pipeline (range -> shuffle ->
-    read + per-record operations -> batch) turned into an `IterDataset` whose threads prefetch whole batches;
+  engine: "dataset" (the default when `batch_size` is set): a grain `MapDataset` pipeline of record keys
+    (range -> shuffle -> repeat -> batch of keys), each batch of keys read, transformed and stacked by one
+    `ReadBatch` call, turned into an `IterDataset` whose threads prefetch whole batches;
     "loader" (the only choice for self-batching legacy operations): a `grain.DataLoader` with an
     `IndexSampler`. Both yield the same batches in the same order (the record order is the same shuffled
     range, and RandomMap generators are seeded the same way; tests check it); the dataset engine costs a few
@@ -258,8 +269,9 @@ def make_loader(
     if shuffle:
       keys = keys.shuffle(seed=seed)  # the IndexSampler's order: the same shuffle, reseeded per epoch
     keys = keys.repeat(num_epochs)
-    ds = keys.map_with_index(ReadAndTransform(source, operations, seed))
-    ds = ds.batch(batch_size, drop_remainder=drop, batch_fn=PadBatch(batch_size))
+    # Batching the keys before reading leaves grain one call per batch instead of a chain of per-record calls.
+    ds = keys.batch(batch_size, drop_remainder=drop, batch_fn=_key_array)
+    ds = ds.map_with_index(ReadBatch(source, operations, seed=seed, batch_size=batch_size))
     out = ds.to_iter_dataset(grain.ReadOptions(num_threads=threads,
                                                prefetch_buffer_size=max(2, -(-prefetch // batch_size))))
     if workers > 0:
