@@ -66,6 +66,14 @@ class RecallSource:
       raise ValueError(f"{NAME}: seq_len={self.seq_len} must be >= 4 * num_pairs = {4 * self.num_pairs}")
     self.size = _field(config, "train_examples") if split == "train" else _field(config, "eval_examples")
     self.seed, self.salt = int(seed), _SPLIT_SALT[split]
+    length, half = self.seq_len, self.seq_len // 2
+    edges = np.linspace(0, half, self.num_pairs + 1).astype(int)
+    # One vectorised draw over the slices consumes the generator like one scalar draw per slice, in order.
+    self._slice_lo, self._slice_hi = edges[:-1], edges[1:]
+    self._q_pos = half + 2 * np.arange((length - half) // 2)  # query positions; answers follow each
+    self._weights = np.zeros(length, np.float32)
+    self._weights[self._q_pos + 1] = 1.0
+    self._ones_bool, self._ones_int = np.ones(length, bool), np.ones(length, np.int32)
 
   def __len__(self) -> int:
     return self.size
@@ -76,24 +84,19 @@ class RecallSource:
             f"salt={self.salt})")
 
   def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+    # The draws (and their order) define the data; everything that does not depend on them is precomputed.
     rng = np.random.default_rng((self.seed, self.salt, int(index)))
-    length, f, k, v = self.seq_len, self.num_filler, self.num_keys, self.num_values
-    half = length // 2
-    tokens = rng.integers(0, f, size=length)  # filler
+    f, k, v = self.num_filler, self.num_keys, self.num_values
+    tokens = rng.integers(0, f, size=self.seq_len)  # filler
     keys = rng.choice(k, size=self.num_pairs, replace=False)
     values = rng.integers(0, v, size=self.num_pairs)
-    edges = np.linspace(0, half, self.num_pairs + 1).astype(int)  # one pair per slice of the first half
-    positions = np.array([rng.integers(lo, hi) for lo, hi in zip(edges[:-1], edges[1:])])
+    positions = rng.integers(self._slice_lo, self._slice_hi)  # one pair per slice of the first half
     tokens[positions] = f + k + keys * v + values
-    n_queries = (length - half) // 2
-    which = rng.integers(0, self.num_pairs, size=n_queries)
-    q_pos = half + 2 * np.arange(n_queries)
-    tokens[q_pos] = f + keys[which]
-    tokens[q_pos + 1] = f + k + k * v + values[which]
-    weights = np.zeros(length, np.float32)
-    weights[q_pos + 1] = 1.0
-    return {"inputs": tokens.astype(np.int32), "mask": np.ones(length, bool), "weights": weights,
-            "segment_ids": np.ones(length, np.int32)}
+    which = rng.integers(0, self.num_pairs, size=self._q_pos.shape[0])
+    tokens[self._q_pos] = f + keys[which]
+    tokens[self._q_pos + 1] = f + k + k * v + values[which]
+    return {"inputs": tokens.astype(np.int32), "mask": self._ones_bool.copy(), "weights": self._weights.copy(),
+            "segment_ids": self._ones_int.copy()}
 
 
 def _identity(example: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

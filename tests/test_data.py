@@ -482,3 +482,39 @@ def test_dataset_engine_yields_the_data_loader_batches(split, shuffle, num_epoch
       np.testing.assert_array_equal(got[k], want[k])
   keys = np.concatenate([b["inputs"][b["valid"], 0] for b in batches["dataset"]])
   assert keys.max() < 11 and len(set(keys.tolist())) == 11  # record i is mock record i % 11
+
+
+def _recall_reference(source, index: int) -> dict[str, np.ndarray]:
+  """The first, loop-based synthetic_recall generator: the faster one must draw the same data."""
+  rng = np.random.default_rng((source.seed, source.salt, int(index)))
+  length, f, k, v = source.seq_len, source.num_filler, source.num_keys, source.num_values
+  half = length // 2
+  tokens = rng.integers(0, f, size=length)
+  keys = rng.choice(k, size=source.num_pairs, replace=False)
+  values = rng.integers(0, v, size=source.num_pairs)
+  edges = np.linspace(0, half, source.num_pairs + 1).astype(int)
+  positions = np.array([rng.integers(lo, hi) for lo, hi in zip(edges[:-1], edges[1:])])
+  tokens[positions] = f + k + keys * v + values
+  n_queries = (length - half) // 2
+  which = rng.integers(0, source.num_pairs, size=n_queries)
+  q_pos = half + 2 * np.arange(n_queries)
+  tokens[q_pos] = f + keys[which]
+  tokens[q_pos + 1] = f + k + k * v + values[which]
+  weights = np.zeros(length, np.float32)
+  weights[q_pos + 1] = 1.0
+  return {"inputs": tokens.astype(np.int32), "mask": np.ones(length, bool), "weights": weights,
+          "segment_ids": np.ones(length, np.int32)}
+
+
+@pytest.mark.parametrize("fields", [dict(seq_len=64), dict(seq_len=37, num_pairs=9, num_keys=12, num_values=7),
+                                    dict(seq_len=2000, num_pairs=3)])
+def test_synthetic_recall_matches_the_loop_generator(fields):
+  from data import synthetic
+
+  source = synthetic.RecallSource(_config("synthetic_recall", **fields), "validation", seed=11)
+  for index in np.random.default_rng(5).integers(0, 1 << 40, size=40):
+    got, want = source[int(index)], _recall_reference(source, int(index))
+    assert set(got) == set(want)
+    for key in want:
+      assert got[key].dtype == want[key].dtype
+      np.testing.assert_array_equal(got[key], want[key])
