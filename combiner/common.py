@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax.numpy as jnp
+import numpy as np
 
 from combiner import contract
 from combiner.pooling import POOLINGS
@@ -29,8 +30,12 @@ class Inputs(NamedTuple):
 
 
 def prepare(q: Array, k: Array, v: Array, mask: Array | None, *, op: str, causal: Any, pooling: Any = "max",
-            pool_q: Array | None = None, pool_k: Array | None = None) -> Inputs:
-  """Checks the op contract, casts to the softmax dtype (float32, or float64 under x64), goes head-major."""
+            pool_q: Array | None = None, pool_k: Array | None = None, materialize: bool = False) -> Inputs:
+  """Checks the op contract, casts to the softmax dtype (float32, or float64 under x64), goes head-major.
+
+  materialize: build the head-major q, k, v as real arrays (`materialized_head_major`); for plans that reshape
+  them into many different grids (logsparse: one per level).
+  """
   q, k, v, mask = contract.check_qkv(q, k, v, mask, op=op)
   contract.check_bool(causal, name="causal", op=op)
   contract.check_choice(pooling, name="pooling", allowed=POOLINGS, op=op)
@@ -43,13 +48,29 @@ def prepare(q: Array, k: Array, v: Array, mask: Array | None, *, op: str, causal
       raise ValueError(f"{op}: argument {name!r} must be None or an array shaped like q {tuple(q.shape)}, "
                        f"got {getattr(x, 'shape', type(x).__name__)}")
     pooled.append(head_major(jnp.asarray(x).astype(ct)))
-  return Inputs(head_major(q.astype(ct)), head_major(k.astype(ct)), head_major(v.astype(ct)), mask,
-                pooled[0], pooled[1], contract.logit_scale(q.shape[-1]), v.dtype)
+  to_heads = materialized_head_major if materialize else head_major
+  return Inputs(to_heads(q.astype(ct)), to_heads(k.astype(ct)), to_heads(v.astype(ct)), mask, pooled[0], pooled[1],
+                contract.logit_scale(q.shape[-1]), v.dtype)
 
 
 def head_major(x: Array) -> Array:
   """[batch, length, heads, dim] <-> [batch, heads, length, dim] (its own inverse)."""
   return jnp.swapaxes(x, 1, 2)
+
+
+def materialized_head_major(x: Array) -> Array:
+  """head_major(x) [batch, heads, length, dim] as a permuting gather instead of a transpose.
+
+  XLA:CPU turns a transpose into a layout change and then fuses a transposing copy into every consumer that
+  reshapes it; with one grid per logsparse level that is ~40 full-size copies at L = 8192, all kept alive for the
+  backward pass (temp memory 1079 MB -> 567 MB with the gather). A gather is always a real array, so every grid
+  is a free reshape of it; its backward is a scatter with unique indices, as cheap as the copy it replaces.
+  """
+  batch, length, heads, dim = x.shape
+  rows = (np.arange(heads)[:, None] + heads * np.arange(length)[None, :]).reshape(-1)  # (head, position) order
+  out = jnp.take(x.reshape(batch, length * heads, dim), jnp.asarray(rows, jnp.int32), axis=1,
+                 unique_indices=True, indices_are_sorted=False, mode="clip")  # [batch, heads * length, dim]
+  return out.reshape(batch, heads, length, dim)
 
 
 def finish(out: Array, x: Inputs) -> Array:

@@ -102,5 +102,5 @@ def logsparse(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None 
   D_i = {i}; spans = the dyadic partition of [0, i) (and of (i, L) when bidirectional). O(L·log L·d).
   """
   x = common.prepare(q, k, v, mask, op="combiner.logsparse", causal=causal, pooling=pooling, pool_q=pool_q,
-                     pool_k=pool_k)
+                     pool_k=pool_k, materialize=True)
   return common.finish(joint_softmax(logsparse_pieces(x, causal, pooling)), x)

@@ -6,7 +6,8 @@ from typing import Any
 
 from combiner import common, contract
 from combiner.axial import Grid, column_piece, horizontal_spans, row_piece, vertical_spans
-from combiner.combine import joint_softmax
+from combiner import combine
+from combiner.combine import joint_softmax, merge, partial_softmax
 
 Array = Any
 NORMALIZE = ("mean", "joint")
@@ -29,7 +30,9 @@ def mixture(q: Array, k: Array, v: Array, *, row_length: int, causal: bool, mask
   direct = [row_piece(g, causal), column_piece(g, causal)]
   vertical, horizontal = vertical_spans(g, causal, pooling), horizontal_spans(g, causal, pooling)
   if normalize == "mean":
-    out = 0.5 * (joint_softmax(direct + [vertical]) + joint_softmax(direct + [horizontal]))
+    # Both plans share D_i: its exponentials and value sums are computed once and merged into each softmax.
+    shared = partial_softmax(direct)
+    out = 0.5 * sum(combine.normalize(merge([shared, partial_softmax([spans])])) for spans in (vertical, horizontal))
   else:
     out = joint_softmax(direct + [vertical, horizontal])  # [batch, heads, rows, cols, value_dim]
   return common.finish(common.from_grid(out, g.length, 2), x)
