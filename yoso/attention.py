@@ -164,39 +164,47 @@ def _weighted_cumulate(read_codes: Array, write_codes: Array, write_valid: Array
   Groups g heads-major: read_codes, write_codes [g, L, m]; write_valid [g, L]; src_w [g, L, e] (writer side),
   dst_w [g, L, e] (reader side), vec [g, L, d] (writer side). directions: None for the e unit vectors, which
   makes this exactly sum_j B_ij (dst_w_i . src_w_j) vec_j, or [m, g, e, s] directions per hash (the sketch).
-  One table of d-vectors per (hash, direction), scanned, so each scatter moves rows of d floats (wider rows
-  are several times slower per float on CPU).
+  Returns [g, L, d].
+
+  One table of d-vectors per (group, hash, direction): each scatter moves rows of d floats (wider rows are
+  several times slower per float on CPU). Groups run one after another (`lax.map`) so that a group's [L, d]
+  rows and accumulator stay in a core's L2 cache across its m * e table passes; all groups at once stream
+  [g, L, d] through memory on every pass (measured 1.1x faster exact, ~1.8x with a 4-direction sketch, at
+  L = 4096, 8 groups).
   """
-  g, length, _ = read_codes.shape
-  d = vec.shape[-1]
-  stride = num_buckets + 1
-  base = (jnp.arange(g, dtype=jnp.int32) * stride)[:, None, None]  # [g, 1, 1]
-  write_ids = jnp.where(write_valid[..., None], write_codes, num_buckets) + base  # [g, L, m]
-  read_ids = read_codes + base
+  if directions is not None:
+    directions = jnp.moveaxis(directions, 1, 0)  # [g, m, e, s]
+  group = functools.partial(_group_weighted_cumulate, num_buckets=num_buckets)
+  return jax.lax.map(lambda xs: group(*xs), (read_codes, write_codes, write_valid, directions, src_w, dst_w,
+                                             vec))
+
+
+def _group_weighted_cumulate(read_codes: Array, write_codes: Array, write_valid: Array, directions: Array | None,
+                             src_w: Array, dst_w: Array, vec: Array, num_buckets: int) -> Array:
+  """`_weighted_cumulate` for one group: codes [L, m]; write_valid [L]; src_w, dst_w [L, e]; vec [L, d];
+  directions None or [m, e, s]. Returns [L, d]."""
+  length, d = vec.shape
+  write_ids = jnp.where(write_valid[:, None], write_codes, num_buckets)  # [L, m]; bucket 2^tau is never read
   if directions is None:  # the same e unit directions for every hash: plain feature columns
-    src_cols, dst_cols = jnp.moveaxis(src_w, -1, 0), jnp.moveaxis(dst_w, -1, 0)  # [e, g, L]
+    src_cols, dst_cols = src_w.T, dst_w.T  # [e, L]
 
   def hash_step(acc, xs):
-    wid, rid, r = xs  # [g, L], [g, L], None or [g, e, s]
-    wid, rid = wid.reshape(-1), rid.reshape(-1)
+    wid, rid, r = xs  # [L], [L], None or [e, s]
     if r is None:
       a_src, a_dst = src_cols, dst_cols
     else:
-      a_src = jnp.einsum("gle,ges->sgl", src_w, r)  # [s, g, L]
-      a_dst = jnp.einsum("gle,ges->sgl", dst_w, r)
+      a_src, a_dst = (r.T @ src_w.T), (r.T @ dst_w.T)  # [s, L]
 
     def feature_step(acc, a):
-      a_s, a_d = a  # [g, L] each
-      rows = (a_s[..., None] * vec).reshape(g * length, d)  # [g*L, d]
-      table = jax.ops.segment_sum(rows, wid, num_segments=g * stride)  # [g * (2^tau + 1), d]
-      return acc + a_d[..., None] * table[rid].reshape(g, length, d), None
+      a_s, a_d = a  # [L] each
+      table = jax.ops.segment_sum(a_s[:, None] * vec, wid, num_segments=num_buckets + 1)  # [2^tau + 1, d]
+      return acc + a_d[:, None] * table[rid], None  # [L, d]
 
     acc, _ = jax.lax.scan(feature_step, acc, (a_src, a_dst))
     return acc, None
 
-  init = jnp.zeros((g, length, d), vec.dtype)
-  xs = (jnp.moveaxis(write_ids, -1, 0), jnp.moveaxis(read_ids, -1, 0), directions)
-  out, _ = jax.lax.scan(hash_step, init, xs)
+  init = jnp.zeros((length, d), vec.dtype)
+  out, _ = jax.lax.scan(hash_step, init, (write_ids.T, read_codes.T, directions))
   return out
 
 
