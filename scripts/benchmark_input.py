@@ -17,6 +17,8 @@ run trains on (`--against none`: the paper config's length, batch `--batch_size`
   2. step: the smoke config's model and jitted train step are built the way train.py builds them
      (`train.Experiment` on one device, `init_state`, `train_step` on a pipeline batch, host-to-device
      transfer included); after two untimed steps (compile), the median of `--repeats` steps.
+  1 and 2 alternate in `--rounds` rounds (fresh pipeline iterator each round); the medians are reported, so
+  a change in the machine's load during a run (other jobs) moves both sides of the ratio alike.
 Reported: pipeline examples/s (= rows/s; packed text: one row is one packed sequence), the examples/s the step
 consumes (batch / step time), their ratio and whether it meets the issue's target (>= 10x: input is never the
 bottleneck). Per-record costs are the mock data's (mock text documents are shorter than real ones; TFDS mock
@@ -30,7 +32,9 @@ import gc
 import importlib
 import logging
 import tempfile
+import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 DATASETS = ("cifar10", "imagenet64", "wiki40b", "c4", "lra_listops", "lra_text", "lra_retrieval", "lra_image",
@@ -65,7 +69,9 @@ def parse(extra: list[str]) -> argparse.Namespace:
   parser.add_argument("--batch_size", type=int, default=None,
                       help="override (default: the smoke config's batch; 8 with --against none)")
   parser.add_argument("--seconds", type=float, default=5.0, help="time budget per pipeline")
-  parser.add_argument("--repeats", type=int, default=10, help="timed train steps (median)")
+  parser.add_argument("--repeats", type=int, default=10, help="timed train steps per round (median)")
+  parser.add_argument("--rounds", type=int, default=3,
+                      help="alternating pipeline/step rounds (medians); the pipeline gets --seconds in all")
   parser.add_argument("--seq_len", type=int, default=None, help="override for the text and LRA text-like tasks")
   parser.add_argument("--read_threads", type=int, default=None, help="default: data.pipeline's choice")
   parser.add_argument("--num_examples", type=int, default=64, help="records in each mock split")
@@ -94,7 +100,7 @@ def experiment_config(name: str, opts: argparse.Namespace) -> tuple[Any, str]:
 
 
 def measure_pipeline(config: Any, seconds: float, seed: int) -> tuple[dict[str, Any], dict[str, Any]]:
-  """(throughput fields, the first batch) of `config`'s training pipeline."""
+  """(throughput fields, the first batch) of `config`'s training pipeline, from a fresh iterator."""
   import data
 
   batch_size = int(config.train.batch_size)
@@ -119,8 +125,9 @@ def measure_pipeline(config: Any, seconds: float, seed: int) -> tuple[dict[str, 
           "ms_per_batch": 1000 * elapsed / batches, "first_batch_s": first}, first_batch
 
 
-def measure_step(config: Any, batch: dict[str, Any], repeats: int) -> dict[str, Any]:
-  """The smoke train step, built as train.py builds it (train.Experiment), on one device."""
+def step_timer(config: Any, batch: dict[str, Any]) -> Callable[[int], float]:
+  """A function timing the smoke train step (median seconds of n steps), built as train.py builds it
+  (train.Experiment, init_state, train_step with the host-to-device transfer) on one device, compiled."""
   import jax
 
   import train
@@ -135,28 +142,43 @@ def measure_step(config: Any, batch: dict[str, Any], repeats: int) -> dict[str, 
 
   for _ in range(2):  # compile (the first step) and settle
     jax.block_until_ready(step())
-  seconds, n = bench.median_time(step, repeats, 60.0, block=jax.block_until_ready)
-  batch_size = int(config.train.batch_size)
-  return {"step_ms": 1000 * seconds, "step_examples_per_s": batch_size / seconds, "steps_timed": n,
-          "device": f"{jax.devices()[0].platform} ({jax.devices()[0].device_kind})"}
+  return lambda n: bench.median_time(step, n, 60.0, block=jax.block_until_ready)[0]
 
 
 def measure(name: str, opts: argparse.Namespace, tmp: str, seed: int) -> dict[str, Any]:
+  """One row. Pipeline and step are timed in `--rounds` alternating rounds (medians), so that a change of the
+  machine's load during the run moves both sides of the ratio alike."""
+  import jax
+
   import data
   from data import testing
 
   config, spelled = experiment_config(name, opts)
   row: dict[str, Any] = {"dataset": name, "config": spelled}
+  rounds = opts.rounds if opts.against == "smoke" else 1
+  pipes, steps = [], []
   with testing.mock_data(name, tmp, num_examples=opts.num_examples) as data_dir:
     with config.unlocked():
       config.data.data_dir = data_dir
       split_size = data.dataset_info(config).split_sizes.get("train")
       if split_size:
         config.data.virtual_records = int(split_size)
-    fields, batch = measure_pipeline(config, opts.seconds, seed)
-    row.update(fields)
-  if opts.against == "smoke":
-    row.update(measure_step(config, batch, opts.repeats))
+    timer = None
+    for _ in range(rounds):
+      fields, batch = measure_pipeline(config, opts.seconds / rounds, seed)
+      pipes.append(fields)
+      if opts.against == "smoke":
+        timer = timer or step_timer(config, batch)
+        steps.append(timer(opts.repeats))
+  pipe = sorted(pipes, key=lambda f: f["examples_per_s"])[len(pipes) // 2]  # the median round
+  row.update(pipe, first_batch_s=min(p["first_batch_s"] for p in pipes),
+             pipeline_rounds=[round(p["examples_per_s"], 1) for p in pipes])
+  if steps:
+    step_s = statistics.median(steps)
+    batch_size = int(config.train.batch_size)
+    row.update(step_ms=1000 * step_s, step_examples_per_s=batch_size / step_s, steps_timed=opts.repeats,
+               step_ms_rounds=[round(1000 * t, 3) for t in steps],
+               device=f"{jax.devices()[0].platform} ({jax.devices()[0].device_kind})")
     row["ratio"] = row["examples_per_s"] / row["step_examples_per_s"]
     row["target"] = "met" if row["ratio"] >= TARGET else "missed"
   return row

@@ -518,3 +518,20 @@ def test_synthetic_recall_matches_the_loop_generator(fields):
     for key in want:
       assert got[key].dtype == want[key].dtype
       np.testing.assert_array_equal(got[key], want[key])
+
+
+@pytest.mark.slow  # ~15 s on the 2-core box, mostly compiling the smoke train step
+def test_input_benchmark_reports_pipeline_against_smoke_step(tmp_path):
+  import json
+
+  from scripts import benchmark, benchmark_input
+
+  args = benchmark.parse_args(["--mode", "input", "--out_dir", str(tmp_path), "--datasets", "synthetic_recall",
+                               "--seconds", "0.2", "--repeats", "2", "--rounds", "2"])
+  paths = benchmark_input.main(args)
+  (row,) = json.load(open(paths["json"]))["rows"]
+  assert row["config"] == "configs/default.py:smoke" and row["seq_len"] == 64 and row["batch"] == 8
+  assert row["examples_per_s"] > 0 and row["step_ms"] > 0 and len(row["step_ms_rounds"]) == 2
+  assert row["ratio"] == pytest.approx(row["examples_per_s"] * row["step_ms"] / 1000 / 8)
+  assert row["target"] == ("met" if row["ratio"] >= 10 else "missed")
+  assert "| synthetic_recall |" in open(paths["markdown"]).read()
