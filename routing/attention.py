@@ -77,6 +77,21 @@ def _scatter_mean(y: Array, idx: Array, length: int) -> Array:
   return jax.vmap(one)(flat_idx, flat_y).reshape(b, h, length, dv)
 
 
+def _softmax_weights(q: Array, k: Array, valid: Array, scale: float) -> Array:
+  """Normalised attention weights [..., queries, keys] from the shared softmax (`combiner.combine`)."""
+  logits = jnp.einsum("...qd,...kd->...qk", q, k) * scale  # [..., queries, keys]
+  return joint_softmax([Piece(logits, valid, lambda w: w)])
+
+
+def _dlogits(weights: Array, v: Array, g: Array, scale: float) -> tuple[Array, Array]:
+  """Backward of out = weights @ v through the softmax: (d scaled-logit inputs, dv)."""
+  dv = jnp.einsum("...qk,...qd->...kd", weights, g)  # [..., keys, dv]
+  dw = jnp.einsum("...qd,...kd->...qk", g, v)  # [..., queries, keys]
+  # softmax Jacobian: dlogit = w * (dw - sum_k w dw). (sum_k w dw equals sum_d g * out, but reading `out` lets
+  # XLA:CPU re-run the value contraction inside this fusion.)
+  return weights * (dw - jnp.sum(weights * dw, axis=-1, keepdims=True)) * scale, dv
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _cluster_attention(q: Array, k: Array, v: Array, valid: Array, scale: float) -> Array:
   """Masked softmax attention inside each cluster, with a hand-written backward.
@@ -88,29 +103,45 @@ def _cluster_attention(q: Array, k: Array, v: Array, valid: Array, scale: float)
   through the value contraction, and XLA:CPU fuses that contraction into a reduction which runs several times
   slower than the matmuls themselves; the textbook backward from the saved weights is plain einsums.
   """
-  return _cluster_attention_fwd(q, k, v, valid, scale)[0]
+  return jnp.einsum("...qk,...kd->...qd", _softmax_weights(q, k, valid, scale), v)
 
 
 def _cluster_attention_fwd(q: Array, k: Array, v: Array, valid: Array, scale: float) -> tuple[Array, tuple]:
-  logits = jnp.einsum("...qd,...kd->...qk", q, k) * scale  # [..., queries, keys]
-  weights = joint_softmax([Piece(logits, valid, lambda w: w)])  # the shared softmax, normalised weights
-  out = jnp.einsum("...qk,...kd->...qd", weights, v)  # [..., queries, dv]
-  return out, (q, k, v, weights)
+  weights = _softmax_weights(q, k, valid, scale)
+  return jnp.einsum("...qk,...kd->...qd", weights, v), (q, k, v, weights)
 
 
 def _cluster_attention_bwd(scale: float, res: tuple, g: Array) -> tuple:
   q, k, v, weights = res
-  dv = jnp.einsum("...qk,...qd->...kd", weights, g)  # [..., keys, dv]
-  dw = jnp.einsum("...qd,...kd->...qk", g, v)  # [..., queries, keys]
-  # softmax Jacobian: dlogit = w * (dw - sum_k w dw). (sum_k w dw equals sum_d g * out, but reading `out` lets
-  # XLA:CPU re-run the value contraction inside this fusion.)
-  dlogits = weights * (dw - jnp.sum(weights * dw, axis=-1, keepdims=True)) * scale
+  dlogits, dv = _dlogits(weights, v, g, scale)
   dq = jnp.einsum("...qk,...kd->...qd", dlogits, k)
   dk = jnp.einsum("...qk,...qd->...kd", dlogits, q)
   return dq, dk, dv, None
 
 
 _cluster_attention.defvjp(_cluster_attention_fwd, _cluster_attention_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _shared_cluster_attention(q: Array, v: Array, valid: Array, scale: float) -> Array:
+  """`_cluster_attention` with keys = queries (shared QK): the backward forms dq with one contraction,
+  (dlogits + dlogits^T) @ q, instead of two."""
+  return _cluster_attention(q, q, v, valid, scale)
+
+
+def _shared_cluster_attention_fwd(q: Array, v: Array, valid: Array, scale: float) -> tuple[Array, tuple]:
+  weights = _softmax_weights(q, q, valid, scale)
+  return jnp.einsum("...qk,...kd->...qd", weights, v), (q, v, weights)
+
+
+def _shared_cluster_attention_bwd(scale: float, res: tuple, g: Array) -> tuple:
+  q, v, weights = res
+  dlogits, dv = _dlogits(weights, v, g, scale)
+  dq = jnp.einsum("...qk,...kd->...qd", dlogits + jnp.swapaxes(dlogits, -1, -2), q)
+  return dq, dv, None
+
+
+_shared_cluster_attention.defvjp(_shared_cluster_attention_fwd, _shared_cluster_attention_bwd)
 
 
 MEMBERSHIPS = ("balanced", "nearest")
@@ -251,7 +282,10 @@ def routing_attention(q: Array, k: Array, v: Array, *, centroids: Array, window:
     others = valid & ~same
     valid = jnp.where(jnp.any(others, axis=-1, keepdims=True), others, valid)
   scale = contract.logit_scale(head_dim) if scale_logits else 1.0
-  yg = _cluster_attention(qg, kg, vg, valid, scale)  # [batch, heads, clusters, window, value_dim]
+  if share_qk:
+    yg = _shared_cluster_attention(qg, vg, valid, scale)  # [batch, heads, clusters, window, value_dim]
+  else:
+    yg = _cluster_attention(qg, kg, vg, valid, scale)
   n = batch * heads * length
   flat_rows = q_rows.reshape(-1)
   total = jnp.zeros((n, yg.shape[-1]), ct).at[flat_rows].add(yg.reshape(-1, yg.shape[-1]), mode="promise_in_bounds")

@@ -311,3 +311,20 @@ def test_default_membership_is_exactly_causal_and_the_balanced_opt_in_leaks():
       a = _routing(q, q, v, mu, mask, window=4, causal=True, membership=membership)[0][:, :8]
       b = _routing(q2, q2, v2, mu, mask, window=4, causal=True, membership=membership)[0][:, :8]
       assert (float(jnp.max(jnp.abs(a - b))) > 1e-3) == leaks, membership
+
+
+@pytest.mark.parametrize("share_qk", [True, False])
+def test_gradients_match_finite_differences(share_qk):
+  """The cluster attention has a hand-written VJP (shared-QK and general forms): check it numerically (float64;
+  membership is piecewise constant, so the tiny steps of the check keep it fixed)."""
+  from jax.test_util import check_grads
+
+  with jax.enable_x64(True):
+    q, k, v, mask, mu = _inputs(11, 1, 9, 2, 4, dv=3)
+
+    @jax.jit
+    def f(q, k, v):
+      return routing_attention(q, k, v, centroids=mu, window=4, causal=True, mask=mask, share_qk=share_qk,
+                               mask_self=True, membership="balanced")[0]
+
+    check_grads(f, (q, k, v), order=1, modes=["rev"], eps=1e-6, atol=1e-6, rtol=1e-6)
