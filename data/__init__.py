@@ -22,7 +22,8 @@ Padding is always given by `mask` (True = real token); token value 0 is an ordin
 NUL byte).
 
 config.data fields read here (all optional except `name`): data_dir (TFDS data directory; LRA unpacked
-inside it or `lra_dir`), seq_len, worker_count (grain worker processes, default 0), read_threads, prefetch;
+inside it or `lra_dir`), seq_len, worker_count (grain worker processes, default 0), read_threads, prefetch,
+virtual_records (benchmarks: a small split presented at a real split's size, data.pipeline.VirtualRecords);
 images: random_flip; text: spm_model, vocab_size (32000), tfds_version, max_segments, mlm_rate; LRA:
 lra_dir, skip_malformed, listops_parens, difficulty, resolution; listops_synthetic: min_length, max_length,
 max_depth, max_args, op_p, num_train/num_validation/num_test, data_seed. Offline stand-ins for every dataset:
