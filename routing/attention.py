@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from combiner import contract
-from combiner.combine import Piece, attend, joint_softmax
+from combiner.combine import Piece, joint_softmax
 from routing import kmeans
 
 Array = Any
@@ -160,7 +160,11 @@ def _nearest_window(qn: Array, v: Array, assign: Array, mask: Array, *, window: 
   nb = -(-length // w)
   lp = nb * w
   order = jnp.argsort(assign, axis=-1, stable=True).astype(jnp.int32)  # [b, h, L]: sorted index -> position
-  rank = jnp.argsort(order, axis=-1).astype(jnp.int32)  # position -> sorted index
+  # position -> sorted index: the inverse permutation, by a scatter (a second sort would cost as much as the first)
+  flat_order = (order + (jnp.arange(batch * heads, dtype=jnp.int32) * length).reshape(batch, heads, 1)).reshape(-1)
+  rank = jnp.zeros((batch * heads * length,), jnp.int32).at[flat_order].set(
+      jnp.tile(jnp.arange(length, dtype=jnp.int32), batch * heads), unique_indices=True,
+      mode="promise_in_bounds").reshape(batch, heads, length)
 
   def sorted_blocks(t: Array, fill: Any = 0) -> Array:  # [b, h, L, ...] in sorted order -> [b, h, nb, w, ...]
     t = jnp.pad(t, [(0, 0), (0, 0), (0, lp - length)] + [(0, 0)] * (t.ndim - 3), constant_values=fill)
@@ -193,8 +197,8 @@ def _nearest_window(qn: Array, v: Array, assign: Array, mask: Array, *, window: 
   if mask_self:
     others = valid & (delta != 0)
     valid = jnp.where(jnp.any(others, axis=-1, keepdims=True), others, valid)
-  logits = jnp.einsum("bhnqd,bhnkd->bhnqk", qs, ks) * scale  # [b, h, nb, w, keys]
-  out = attend(logits, valid, vk, "bhnqk,bhnkd->bhnqd").reshape(batch, heads, lp, -1)[:, :, :length]
+  out = _cluster_attention(qs, ks, vk, valid, scale)  # [b, h, nb, w, dv]
+  out = out.reshape(batch, heads, lp, -1)[:, :, :length]
   return jnp.take_along_axis(out, rank[..., None], axis=2).transpose(0, 2, 1, 3)  # [b, L, h, dv]
 
 
