@@ -294,19 +294,22 @@ def test_sampled_backward_matches_definition_with_forward_codes():
 
 
 def test_polynomial_arccos_and_collision_derivative_are_float32_exact():
+  @jax.jit  # one compile per dtype (eager, every primitive of the polynomial compiles on its own)
+  def pieces(x, c):
+    grad = jax.grad(lambda c: jnp.sum(expected_collision(c, 8)))(c)  # elementwise: the derivative
+    return arccos_poly(x), expected_collision(c, 8), grad
+
   with jax.enable_x64(True):
-    x = jnp.concatenate([jnp.linspace(-1.0, 1.0, 20001), jnp.array([-1.0, -0.0, 0.0, 1.0])])
-    err = np.max(np.abs(np.asarray(arccos_poly(x)) - np.arccos(np.asarray(x))))
-    assert err <= 3e-8, err  # A&S 4.4.46 bound 2e-8, plus float64 rounding
-    # float32 inputs take the polynomial; compare value and derivative with the float64 (jnp.arccos) path.
-    c = jnp.linspace(-0.999, 0.999, 4001)
-    fn = lambda c: jnp.sum(expected_collision(c, 8))
-    p64, g64 = expected_collision(c, 8), jax.grad(fn)(c)
-    p32, g32 = expected_collision(c.astype(jnp.float32), 8), jax.grad(fn)(c.astype(jnp.float32))
+    x = np.concatenate([np.linspace(-1.0, 1.0, 20001), [-1.0, -0.0, 0.0, 1.0]])
+    c = np.linspace(-0.999, 0.999, 4001)
+    acos, p64, g64 = pieces(x, c)
+    assert np.max(np.abs(np.asarray(acos) - np.arccos(x))) <= 3e-8  # A&S 4.4.46 bound 2e-8, plus rounding
+    # float32 takes the polynomial, float64 jnp.arccos: values and derivatives agree to float32 accuracy.
+    _, p32, g32 = pieces(x.astype(np.float32), c.astype(np.float32))
     assert p32.dtype == g32.dtype == jnp.float32
     np.testing.assert_allclose(p32, p64, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(g32, g64, rtol=1e-4, atol=1e-6)
-    want = 8 * (1 - np.arccos(np.asarray(c)) / np.pi) ** 7 / (np.pi * np.sqrt(1 - np.asarray(c) ** 2))
+    want = 8 * (1 - np.arccos(c) / np.pi) ** 7 / (np.pi * np.sqrt(1 - c**2))
     np.testing.assert_allclose(g64, want, rtol=1e-12)
 
 
