@@ -32,6 +32,9 @@ def attention_config(name: str = "combiner_fixed") -> ml_collections.ConfigDict:
   att.deepsets = ml_collections.FieldReference(None, field_type=bool)
   # Combiner axial rowmajor: the released code's learned row-summary span key.
   att.learned_span_key = ml_collections.FieldReference(None, field_type=bool)
+  # Ops from the op registry: recompute the op in the backward pass instead of keeping its intermediates
+  # (dense: the [heads, L, L] probabilities); exact same gradients, one extra op forward (models.recompute).
+  att.recompute = ml_collections.FieldReference(None, field_type=bool)
   return att
 
 
@@ -59,7 +62,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.model.image_shape = ml_collections.FieldReference(None, field_type=tuple)
   c.model.max_len = 0  # position table length; 0 = the data's seq_len
   c.model.classifier_pool = "CLS"  # "CLS" (first position) | "MEAN" (padding-aware)
-  c.model.remat = "none"  # "block": recompute each block's activations in the backward (long L, less memory)
+  c.model.remat = "none"  # "full" | "minimal": recompute each block (or its attention core) in the backward
   c.model.attention = attention_config()
 
   c.optimizer = ml_collections.ConfigDict()

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from models import layers
+from models import layers, recompute
 from models import ops_registry
 
 Array = Any
@@ -117,6 +117,8 @@ class OpAttention(AttentionBase):
     self.plan_params = {k: v for k, v in params.items() if not (v == AUTO and accepted is not None
                                                                and k not in accepted)}
     check_op_kwargs(spec, list(self.plan_params))
+    # Recompute the op in the backward pass instead of keeping its intermediates (models.recompute).
+    self.recompute = bool(config.get("recompute", None) or False)
 
   def op_kwargs(self, q: Array, k: Array) -> dict[str, Any]:
     """Extra keyword arguments for the op (subclasses add model-level options)."""
@@ -126,8 +128,21 @@ class OpAttention(AttentionBase):
     q, k, v = self.project(x)  # [batch, length, heads, head_dim]
     spec = ops_registry.get(self.op_name)
     params = resolve_plan_params(spec, self.plan_params, x.shape[1])
-    o = spec.fn(q, k, v, causal=self.causal, mask=mask, **params, **self.op_kwargs(q, k))
-    return self.output(o, deterministic=deterministic)
+    extra = self.op_kwargs(q, k)
+    if self.recompute:
+      arrays = {name: a for name, a in extra.items() if not callable(a)}
+      if len(arrays) != len(extra):
+        raise ValueError(f"attention {self.op_name!r}: 'recompute' needs array-only op arguments; "
+                         f"{sorted(set(extra) - set(arrays))} is a learned function (learned_span_key)")
+      names = list(arrays)
+
+      def op(q, k, v, mask, *rest):
+        return spec.fn(q, k, v, causal=self.causal, mask=mask, **params, **dict(zip(names, rest)))
+
+      o = recompute.recompute_in_backward(op, q, k, v, mask, *arrays.values())
+    else:
+      o = spec.fn(q, k, v, causal=self.causal, mask=mask, **params, **extra)
+    return self.output(o, deterministic=deterministic)  # [batch, length, features]
 
 
 def per_head_init(key: Array, shape: tuple[int, ...], dtype: Any) -> Array:

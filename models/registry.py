@@ -68,11 +68,12 @@ def register_module(name: str, cls: type, fields: tuple[str, ...] = ()) -> type:
   return cls
 
 
-register_module("dense", attention.OpAttention)
+register_module("dense", attention.OpAttention, fields=("recompute",))
 for _name in ("combiner_fixed", "combiner_logsparse", "combiner_axial_vertical", "combiner_axial_horizontal",
               "combiner_mixture", "combiner_mixture_joint"):
-  register_module(_name, attention.CombinerAttention, fields=("deepsets",))
-register_module("combiner_axial_rowmajor", attention.CombinerAttention, fields=("deepsets", "learned_span_key"))
+  register_module(_name, attention.CombinerAttention, fields=("deepsets", "recompute"))
+register_module("combiner_axial_rowmajor", attention.CombinerAttention,
+                fields=("deepsets", "learned_span_key", "recompute"))
 for _name in ("sparse_fixed", "sparse_logsparse", "sparse_axial"):
   register_module(_name, attention.OpAttention)
 

@@ -24,7 +24,10 @@ from models import layers, registry
 Array = Any
 TASKS = ("lm", "image", "mlm", "classify", "retrieval")
 CAUSAL_TASKS = ("lm", "image")
-REMAT = ("none", "block")  # model.remat: keep every activation, or recompute each block in the backward
+# model.remat: "none" keeps every activation for the backward; "full" keeps only each block's input and recomputes
+# the block; "minimal" also keeps the outputs of matmuls without batch dimensions (projections, MLP), so only the
+# attention core (batched over heads) is recomputed: dense's [heads, L, L] probabilities are never kept.
+REMAT = ("none", "full", "minimal")
 
 
 def dtype_of(name: str) -> Any:
@@ -121,19 +124,23 @@ class Encoder(nnx.Module):
     x = self.embed(ids) + self.pos(ids.shape[1])[None]  # [batch, length, features]
     x = self.dropout(x, deterministic=deterministic)
     for block in self.blocks:
-      if self.remat == "block":
-        x = _rematted_block(block, x, mask, deterministic)
+      if self.remat != "none":
+        x = _REMATTED_BLOCK[self.remat](block, x, mask, deterministic)
       else:
         x = block(x, mask, deterministic=deterministic)
     return self.norm(x)  # [batch, length, features]
 
 
-@nnx.remat(static_argnums=(3,))
-def _rematted_block(block: Block, x: Array, mask: Array | None, deterministic: bool) -> Array:
-  """One block whose activations are recomputed in the backward pass: only its input is kept, so a step's
-  memory holds one block's intermediates (for dense attention the [heads, L, L] probabilities) instead of
-  num_layers of them, for about one extra forward pass of compute."""
+def _block_call(block: Block, x: Array, mask: Array | None, deterministic: bool) -> Array:
   return block(x, mask, deterministic=deterministic)  # [batch, length, features]
+
+
+# Each trades about one extra forward pass of the recomputed part for a step memory of one block's intermediates.
+_REMATTED_BLOCK = {
+    "full": nnx.remat(_block_call, static_argnums=(3,)),
+    "minimal": nnx.remat(_block_call, static_argnums=(3,),
+                         policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable),
+}
 
 
 class Transformer(nnx.Module):

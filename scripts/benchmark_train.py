@@ -1,6 +1,6 @@
 """Training throughput: tokens/s of a full train step (forward, backward, Adam update) per attention.
 
-    python -m scripts.benchmark --mode train --lengths 8192 --remat block      # the issue's comparison
+    python -m scripts.benchmark --mode train --lengths 8192 --recompute true   # the issue's comparison
     python -m scripts.benchmark --mode train --lengths 1024,2048 --ops dense,combiner_fixed --layers 2
 
 The model is the paper's ablation architecture (6 layers, width 512, 8 heads, MLP 2048; `--layers`,
@@ -36,14 +36,17 @@ def parse(extra: list[str]) -> argparse.Namespace:
   parser.add_argument("--layers", type=int, default=6)
   parser.add_argument("--features", type=int, default=512)
   parser.add_argument("--mlp_dim", type=int, default=2048)
-  parser.add_argument("--remat", default="none", choices=("none", "block"),
-                      help="model.remat for every attention: 'block' recomputes each block in the backward, so "
-                           "dense fits in memory at long L (the same setting for every row)")
+  parser.add_argument("--remat", default="none", choices=("none", "full", "minimal"),
+                      help="model.remat for every row (jax.checkpoint per block; no memory effect on XLA:CPU)")
+  parser.add_argument("--recompute", default="false", choices=("true", "false"),
+                      help="model.attention.recompute for every row that supports it: the op is recomputed in "
+                           "the backward pass, so dense fits in memory at long L on any backend")
   return parser.parse_args(extra)
 
 
 def experiment_config(name: str, length: int, *, layers: int, features: int, heads: int, mlp_dim: int,
-                      batch: int, dtype: str, causal: bool, remat: str = "none") -> Any:
+                      batch: int, dtype: str, causal: bool, remat: str = "none",
+                      recompute: bool = False) -> Any:
   """A config whose model is the benchmark's, on the synthetic task's shapes (no data is read)."""
   from configs import default
 
@@ -53,6 +56,11 @@ def experiment_config(name: str, length: int, *, layers: int, features: int, hea
   c.model.num_layers, c.model.features, c.model.num_heads, c.model.mlp_dim = layers, features, heads, mlp_dim
   c.model.dtype = dtype
   c.model.remat = remat
+  if recompute:
+    from models import registry
+
+    if "recompute" in registry.configurable_fields(name):
+      c.model.attention.recompute = True
   c.train.batch_size = batch
   c.mesh.data, c.mesh.model = 1, 1
   c.optimizer.warmup_steps = 1
@@ -73,7 +81,7 @@ def worker(args: argparse.Namespace, name: str, length: int, opts: argparse.Name
     causal, mode = bench.op_direction(spec.causal, spec.bidirectional, bool(args.causal))
   config = experiment_config(name, length, layers=opts.layers, features=opts.features, heads=args.heads,
                              mlp_dim=opts.mlp_dim, batch=args.batch, dtype=args.dtype, causal=causal,
-                             remat=opts.remat)
+                             remat=opts.remat, recompute=opts.recompute == "true")
   info = train.dataset_info(config)
   if not causal:  # bidirectional-only attention: the same shapes as an MLM encoder
     import dataclasses
@@ -131,7 +139,7 @@ def main(args: argparse.Namespace) -> dict[str, str]:
     row["x_dense"] = mine / base if isinstance(mine, float) and isinstance(base, float) and base > 0 else None
   header = bench.header_info(args, device=device)
   header["model"] = (f"{opts.layers} layers, width {opts.features}, {args.heads} heads, MLP {opts.mlp_dim}, "
-                     f"batch {args.batch}, {args.dtype}, remat {opts.remat}")
+                     f"batch {args.batch}, {args.dtype}, remat {opts.remat}, attention recompute {opts.recompute}")
   paths = bench.write_report(rows, COLUMNS, args.out_dir, "benchmark_train", header=header,
                              title="Training throughput (tokens/s of a train step)",
                              notes=["x dense = tokens/s / dense tokens/s at the same L (same run)"])

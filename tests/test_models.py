@@ -181,22 +181,52 @@ def test_option_for_wrong_module_is_an_error():
     transformer.build_model(c, task="lm", vocab_size=VOCAB, seq_len=LENGTH)
 
 
-def test_remat_block_gives_the_same_loss_and_gradients():
-  """model.remat='block' only changes what is kept for the backward; dropout rngs are threaded identically."""
+def test_remat_gives_the_same_loss_and_gradients():
+  """model.remat only changes what is kept for the backward; dropout rngs are threaded identically."""
   rng = np.random.default_rng(3)
   ids = jnp.asarray(rng.integers(0, VOCAB, size=(2, LENGTH)), jnp.int32)
   results = []
   with jax.enable_x64(True):
-    for remat in ("none", "block"):
+    for remat in transformer.REMAT:
       c = tiny_cfg("dense")
       c.num_layers, c.dtype, c.dropout_rate, c.remat = 2, "float64", 0.1, remat
       model = transformer.build_model(c, task="lm", vocab_size=VOCAB, seq_len=LENGTH)
       loss, grads = nnx.value_and_grad(lambda m: m({"inputs": ids}, deterministic=False).sum())(model)
       results.append((loss, jax.tree.leaves(nnx.state(grads))))
+  (l0, g0), *others = results
+  for l1, g1 in others:
+    np.testing.assert_allclose(l1, l0, rtol=1e-12)
+    for a, b in zip(g0, g1):
+      np.testing.assert_allclose(b, a, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("name,deepsets", [("dense", None), ("combiner_axial_vertical", True)])
+def test_attention_recompute_gives_the_same_loss_and_gradients(name, deepsets):
+  """attention.recompute only changes what the backward keeps (DeepSets pool_q/pool_k still get gradients)."""
+  rng = np.random.default_rng(4)
+  ids = jnp.asarray(rng.integers(0, VOCAB, size=(2, LENGTH)), jnp.int32)
+  mask = jnp.asarray(rng.random((2, LENGTH)) < 0.8)
+  results = []
+  with jax.enable_x64(True):
+    for recompute in (False, True):
+      c = tiny_cfg(name, recompute=recompute, deepsets=deepsets)
+      c.dtype = "float64"
+      model = transformer.build_model(c, task="mlm", vocab_size=VOCAB, seq_len=LENGTH)
+      loss, grads = nnx.value_and_grad(
+          lambda m: m({"inputs": ids, "mask": mask}, deterministic=True).sum())(model)
+      results.append((loss, jax.tree.leaves(nnx.state(grads))))
   (l0, g0), (l1, g1) = results
   np.testing.assert_allclose(l1, l0, rtol=1e-12)
+  assert len(g0) == len(g1)
   for a, b in zip(g0, g1):
     np.testing.assert_allclose(b, a, rtol=1e-9, atol=1e-12)
+
+
+def test_attention_recompute_rejects_learned_functions():
+  c = tiny_cfg("combiner_axial_rowmajor", recompute=True, learned_span_key=True)
+  model = transformer.build_model(c, task="lm", vocab_size=VOCAB, seq_len=LENGTH)
+  with pytest.raises(ValueError, match="recompute"):
+    model({"inputs": jnp.zeros((1, LENGTH), jnp.int32)}, deterministic=True)
 
 
 def test_unknown_remat_is_an_error():
