@@ -83,13 +83,19 @@ def _softmax_weights(q: Array, k: Array, valid: Array, scale: float) -> Array:
   return joint_softmax([Piece(logits, valid, lambda w: w)])
 
 
-def _dlogits(weights: Array, v: Array, g: Array, scale: float) -> tuple[Array, Array]:
+def _dlogits(weights: Array, v: Array, out: Array, g: Array, scale: float) -> tuple[Array, Array]:
   """Backward of out = weights @ v through the softmax: (d scaled-logit inputs, dv)."""
   dv = jnp.einsum("...qk,...qd->...kd", weights, g)  # [..., keys, dv]
   dw = jnp.einsum("...qd,...kd->...qk", g, v)  # [..., queries, keys]
-  # softmax Jacobian: dlogit = w * (dw - sum_k w dw). (sum_k w dw equals sum_d g * out, but reading `out` lets
-  # XLA:CPU re-run the value contraction inside this fusion.)
-  return weights * (dw - jnp.sum(weights * dw, axis=-1, keepdims=True)) * scale, dv
+  # softmax Jacobian: dlogit = w * (dw - sum_k w dw), with sum_k w dw = sum_d g * out (a [..., queries, dv]
+  # reduction instead of one fused into the dw contraction, which XLA:CPU runs several times slower than the dot).
+  return weights * (dw - jnp.sum(g * out, axis=-1, keepdims=True)) * scale, dv
+
+
+def _saved(out: Array) -> Array:
+  # The barrier keeps the saved output a stored value: otherwise XLA:CPU re-runs the weights @ v contraction
+  # inside the backward's fusions.
+  return jax.lax.optimization_barrier(out)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -108,12 +114,13 @@ def _cluster_attention(q: Array, k: Array, v: Array, valid: Array, scale: float)
 
 def _cluster_attention_fwd(q: Array, k: Array, v: Array, valid: Array, scale: float) -> tuple[Array, tuple]:
   weights = _softmax_weights(q, k, valid, scale)
-  return jnp.einsum("...qk,...kd->...qd", weights, v), (q, k, v, weights)
+  out = jnp.einsum("...qk,...kd->...qd", weights, v)
+  return out, (q, k, v, weights, _saved(out))
 
 
 def _cluster_attention_bwd(scale: float, res: tuple, g: Array) -> tuple:
-  q, k, v, weights = res
-  dlogits, dv = _dlogits(weights, v, g, scale)
+  q, k, v, weights, out = res
+  dlogits, dv = _dlogits(weights, v, out, g, scale)
   dq = jnp.einsum("...qk,...kd->...qd", dlogits, k)
   dk = jnp.einsum("...qk,...qd->...kd", dlogits, q)
   return dq, dk, dv, None
@@ -131,12 +138,13 @@ def _shared_cluster_attention(q: Array, v: Array, valid: Array, scale: float) ->
 
 def _shared_cluster_attention_fwd(q: Array, v: Array, valid: Array, scale: float) -> tuple[Array, tuple]:
   weights = _softmax_weights(q, q, valid, scale)
-  return jnp.einsum("...qk,...kd->...qd", weights, v), (q, v, weights)
+  out = jnp.einsum("...qk,...kd->...qd", weights, v)
+  return out, (q, v, weights, _saved(out))
 
 
 def _shared_cluster_attention_bwd(scale: float, res: tuple, g: Array) -> tuple:
-  q, v, weights = res
-  dlogits, dv = _dlogits(weights, v, g, scale)
+  q, v, weights, out = res
+  dlogits, dv = _dlogits(weights, v, out, g, scale)
   dq = jnp.einsum("...qk,...kd->...qd", dlogits + jnp.swapaxes(dlogits, -1, -2), q)
   return dq, dv, None
 
