@@ -1,8 +1,9 @@
 """Routing Transformer attention (Roy et al., TACL 2021) as pure JAX functions.
 
-`routing_attention` routes layer-normed queries/keys to per-head centroids (balanced top-`window` membership) and
-attends inside clusters; `kmeans` holds the centroid state helpers (init, EMA update from batch sums, commitment
-loss); `local_attention` is the paper's local heads. The Flax module that owns the centroids is in
+`routing_attention` routes layer-normed queries/keys to per-head centroids (the paper's balanced top-`window`
+membership, or by default in decoders the exactly causal nearest-centroid membership) and attends inside
+clusters; `kmeans` holds the centroid state helpers (init, EMA update from batch sums, commitment loss);
+`local_attention` is the paper's local heads. The Flax module that owns the centroids is in
 `models/routing_attention.py`.
 """
 
