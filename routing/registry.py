@@ -2,8 +2,8 @@
 
 The registered functions return only the output. Their k-means centroids come from a fixed key (a stand-in for
 trained state, same for every call), with the benchmark's setting clusters = window = sqrt(L) rounded up to a
-power of two, shared QK and (routing) the paper's balanced membership, as the lucidrains peer. Models use the modules in `models/routing_attention.py`, which own and update the
-centroids instead.
+power of two, shared QK and (routing) the paper's balanced membership, as the lucidrains peer. Models use the
+modules in `models/routing_attention.py`, which own and update the centroids instead.
 """
 
 from __future__ import annotations
