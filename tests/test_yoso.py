@@ -313,6 +313,29 @@ def test_polynomial_arccos_and_collision_derivative_are_float32_exact():
     np.testing.assert_allclose(g64, want, rtol=1e-12)
 
 
+def test_exact_backward_tables_match_per_feature_scatter_form():
+  # Two implementations of the exact estimator: bucket-sorted chunked matmuls (used) vs one scatter of
+  # d-vectors per (hash, feature) (the sketch's path with unit directions). Lengths give chunks of 2 and 16.
+  from yoso import attention as ya
+  exact = jax.jit(ya._exact_feature_tables, static_argnums=7)
+  scatter = jax.jit(ya._weighted_cumulate, static_argnums=(3, 7))
+  with jax.enable_x64(True):
+    for length, tau, m in ((10, 3, 3), (300, 4, 3)):
+      rng = np.random.default_rng(length)
+      g, d, e, nb = 3, 8, 5, 1 << tau
+      qn, kn = (jnp.asarray(rng.normal(size=(g, length, d))) for _ in range(2))
+      v, dy = (jnp.asarray(rng.normal(size=(g, length, e))) for _ in range(2))
+      qc, kc = (jnp.asarray(rng.integers(0, nb, size=(g, length, m)), jnp.int32) for _ in range(2))
+      kvalid = jnp.asarray(rng.random((g, length)) > 0.3)
+      dq, dk = exact(qc, kc, kvalid, qn, kn, v, dy, nb)
+      want_dq = scatter(qc, kc, kvalid, None, v, dy, kn, nb)
+      want_dk = scatter(kc, qc, jnp.ones_like(kvalid), None, dy, v, qn, nb)
+      np.testing.assert_allclose(dq, want_dq, rtol=1e-10, atol=1e-12)
+      np.testing.assert_allclose(np.where(kvalid[..., None], dk, 0.0), np.where(kvalid[..., None], want_dk, 0.0),
+                                 rtol=1e-10, atol=1e-12)
+      assert not np.any(np.asarray(dk)[~np.asarray(kvalid)])  # masked keys read an empty bucket
+
+
 def test_expected_collision_is_finite_at_parallel_vectors():
   c = jnp.array([1.0, -1.0, 1.0000001, 0.3], jnp.float32)
   p, g = jax.value_and_grad(lambda c: jnp.sum(expected_collision(c, 8)))(c)

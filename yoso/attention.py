@@ -213,6 +213,84 @@ def _group_weighted_cumulate(read_codes: Array, write_codes: Array, write_valid:
   return out
 
 
+MAX_CHUNK = 16  # rows per matmul block in the exact backward; more pads more (measured 16 > 32 > 8 at L=4096)
+
+
+def _chunk_size(length: int, buckets: int) -> int:
+  """The largest power of two <= MAX_CHUNK and <= twice the mean bucket size (padding stays below ~L)."""
+  chunk = 1
+  while chunk * 2 <= min(MAX_CHUNK, 2 * length / buckets):
+    chunk *= 2
+  return chunk
+
+
+def _bucket_layout(codes: Array, buckets: int, chunk: int, padded_length: int) -> tuple[Array, Array]:
+  """Rows sorted by bucket, each bucket padded to a multiple of `chunk` rows, so every chunk of the padded
+  order lies in one bucket. codes [L] in [0, buckets) -> slot [L] (each row's padded position, a permutation
+  into [0, padded_length)) and chunk_bucket [padded_length // chunk] (`buckets` for the unused tail)."""
+  length = codes.shape[0]
+  counts = jnp.zeros((buckets,), jnp.int32).at[codes].add(1)
+  padded = (counts + chunk - 1) // chunk * chunk
+  ends = jnp.cumsum(padded)
+  order = jnp.argsort(codes, stable=True)
+  sorted_codes = codes[order]
+  rank = jnp.arange(length, dtype=jnp.int32) - (jnp.cumsum(counts) - counts)[sorted_codes]  # within bucket
+  slot = jnp.zeros((length,), jnp.int32).at[order].set((ends - padded)[sorted_codes] + rank)
+  chunk_bucket = jnp.searchsorted(ends // chunk, jnp.arange(padded_length // chunk), side="right")
+  return slot, chunk_bucket.astype(jnp.int32)
+
+
+def _exact_feature_tables(qcodes: Array, kcodes: Array, kvalid: Array, qn: Array, kn: Array, v: Array,
+                          dy: Array, num_buckets: int) -> tuple[Array, Array]:
+  """sum_t sum_j B^t_ij (dY_i . v_j) k_j and sum_t sum_i B^t_ij (dY_i . v_j) q_i, exactly, for all hashes t.
+
+  Groups heads-major: qcodes, kcodes [g, L, m]; kvalid [g, L]; qn, kn [g, L, d]; v, dy [g, L, e]. Returns
+  (dq, dk) [g, L, d] each, unscaled; masked keys write nothing, and read nothing (their bucket has no query).
+
+  The paper's per-feature tables, all features at once: per hash, bucket b's table is the [e, d] matrix
+  T_b = sum_{j in b} v_j k_j^T and query i reads dY_i^T T_{code(i)} (dK alike with U_b = sum_{i in b} dY_i
+  q_i^T read by v_j). Rather than e scatters of d-wide rows per hash (memory-bound on CPU), rows are sorted
+  by code with every bucket padded to a multiple of `chunk` rows, so T is a batched [e, chunk] x [chunk, d]
+  matmul per chunk summed over each bucket's chunks, and the read is a batched matmul of each query chunk
+  with its bucket's table. Same O(L*m*e*d) work (plus padding), about 2x faster than the scatter form at
+  L=4096 (measured); values equal it up to float summation order. Groups run one at a time (lax.map).
+  """
+  _, length, _ = qcodes.shape
+  buckets = num_buckets + 1  # the extra bucket holds masked keys; query codes never reach it
+  chunk = _chunk_size(length, buckets)
+  padded_length = -(-(length + buckets * (chunk - 1)) // chunk) * chunk  # worst case over bucket sizes
+  num_chunks = padded_length // chunk
+
+  def pad(x, slot):  # [L, f] -> [num_chunks, chunk, f], zero rows between buckets
+    out = jnp.zeros((padded_length, x.shape[-1]), x.dtype).at[slot].set(x, unique_indices=True)
+    return out.reshape(num_chunks, chunk, -1)
+
+  def tables(a, b, chunk_bucket):  # [n, C, e], [n, C, d] -> [buckets + 1, e, d]
+    per_chunk = jnp.einsum("nce,ncd->ned", a, b)  # [num_chunks, e, d]
+    return jax.ops.segment_sum(per_chunk, chunk_bucket, num_segments=buckets + 1, indices_are_sorted=True)
+
+  def read(a, table, chunk_bucket, slot):  # a [n, C, e], table [buckets + 1, e, d] -> [L, d]
+    return jnp.einsum("nce,ned->ncd", a, table[chunk_bucket]).reshape(padded_length, -1)[slot]
+
+  def group(xs):
+    qc, kc, kval, q, k, vg, dyg = xs  # [L, m], [L, m], [L], [L, d], [L, d], [L, e], [L, e]
+    kc = jnp.where(kval[:, None], kc, num_buckets)
+
+    def hash_step(acc, codes):
+      qslot, qchunks = _bucket_layout(codes[0], buckets, chunk, padded_length)
+      kslot, kchunks = _bucket_layout(codes[1], buckets, chunk, padded_length)
+      pv, pdy = pad(vg, kslot), pad(dyg, qslot)
+      dq = read(pdy, tables(pv, pad(k, kslot), kchunks), qchunks, qslot)  # queries read sum v_j k_j^T
+      dk = read(pv, tables(pdy, pad(q, qslot), qchunks), kchunks, kslot)  # keys read sum dY_i q_i^T
+      return (acc[0] + dq, acc[1] + dk), None
+
+    init = (jnp.zeros_like(q), jnp.zeros_like(k))
+    out, _ = jax.lax.scan(hash_step, init, jnp.stack([qc.T, kc.T], axis=1))  # scanned over [m, 2, L]
+    return out
+
+  return jax.lax.map(group, (qcodes, kcodes, kvalid, qn, kn, v, dy))
+
+
 def _sketch_directions(rng: Array, batch: int, heads: int, num_hashes: int, value_dim: int,
                        features: int | None, dtype: Any) -> Array | None:
   """[m, batch * heads, e, s] value-space directions per hash with E[R R^T] = I (shared over the batch).
@@ -264,9 +342,13 @@ def _make_cumulation(tau: int, backward: str):
 
     scale = (tau / 2) / m
     # dQ_i = (tau/2)/m sum B_ij (dY_i . v_j) k_j: keys write (v_j . c) k_j, queries read with (dY_i . c).
-    dq = scale * _weighted_cumulate(qcodes, kcodes, kvalid, directions, v, dy, kn, num_buckets)
-    # dK_j = (tau/2)/m sum B_ij (dY_i . v_j) q_i: queries write (dY_i . c) q_i, keys read with (v_j . c).
-    dk = scale * _weighted_cumulate(kcodes, qcodes, qvalid, directions, dy, v, qn, num_buckets)
+    if directions is None:  # the exact per-feature estimator
+      dq, dk = _exact_feature_tables(qcodes, kcodes, kvalid, qn, kn, v, dy, num_buckets)
+      dq, dk = scale * dq, scale * dk
+    else:  # the sketch
+      dq = scale * _weighted_cumulate(qcodes, kcodes, kvalid, directions, v, dy, kn, num_buckets)
+      # dK_j = (tau/2)/m sum B_ij (dY_i . v_j) q_i: queries write (dY_i . c) q_i, keys read with (v_j . c).
+      dk = scale * _weighted_cumulate(kcodes, qcodes, qvalid, directions, dy, v, qn, num_buckets)
     dk = jnp.where(kv, dk, 0.0)
     return dq, dk, dv, None, None, None, None
 
