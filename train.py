@@ -394,6 +394,9 @@ def restore_checkpoint(mgr: Any, exp: Experiment, data_iter: Any | None, step: i
     del target["rest"]
   items = {"state": ocp.args.StandardRestore(target), "meta": ocp.args.JsonRestore()}
   if data_iter is not None:
+    from data import pipeline  # a state of the other input engine: a clear error instead of grain's
+
+    pipeline.check_iterator_checkpoint(os.path.join(str(mgr.directory), str(step)), data_iter, exp.config)
     items["data"] = grain.checkpoint.CheckpointRestore(data_iter)
   restored = mgr.restore(step, args=ocp.args.Composite(**items))
   tree = restored["state"]

@@ -10,12 +10,27 @@ that way and the LRA input pipeline strips the parentheses, so by default (`conf
 sequences are the same tokens without parentheses and fit seq_len 2000. The label is the tree's value, 0..9.
 
 `listops_synthetic` serves such examples through the same interface as the LRA files: example i of a split is
-generated from its own seed (config seed, split, i), so it is random access, needs no preparation and is
-identical on every host and after a resume.
+generated from its own seed (data_seed, split, i), so it is random access and identical on every host and after
+a resume. Generation is slow (rejection sampling: ~7 ms per example at 500..2000, ~1.3 ms at 16..64), so like
+the LRA ListOps files each split is generated once: on first use (or by `python -m data.prepare
+listops_synthetic --data_dir DIR`) it is written under `{cache_dir or data_dir}/listops_synthetic/<split>-<key>/`
+(token ids, offsets, labels as .npy; written to a temporary directory and renamed, so concurrent hosts and
+interrupted runs never see a partial cache), `<key>` hashing every field that changes the examples (data_seed,
+split size, lengths, depth, arguments, op_p, parentheses). Later runs memory-map it; the examples are the
+generator's, bit for bit. With neither `cache_dir` nor `data_dir` set, examples are generated on access.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import hashlib
+import json
+import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
+import time
 import zlib
 from typing import Any
 
@@ -23,6 +38,8 @@ import numpy as np
 
 from data import pipeline
 from data.info import DatasetInfo
+
+log = logging.getLogger("data")
 
 MIN, MAX, MED, SUM_MOD, END = "[MIN", "[MAX", "[MED", "[SM", "]"
 OPERATORS = (MAX, MIN, MED, SUM_MOD)
@@ -216,6 +233,120 @@ class GeneratedSource:
     return f"GeneratedListOps(split={self.split}, size={self.size}, seed={self.data_seed}, params={self.params})"
 
 
+CACHE_VERSION = 1  # bump when the generator or the stored layout changes: old caches are then ignored
+
+
+def cache_spec(config: Any, split: str) -> dict[str, Any]:
+  """Every field that changes the examples of `split` (the cache key hashes exactly this)."""
+  if split not in SPLIT_SIZES:
+    raise ValueError(f"split must be one of {sorted(SPLIT_SIZES)}, got {split!r}")
+  return {"version": CACHE_VERSION, "split": split, "size": dataset_info(config).split_sizes[split],
+          "data_seed": int(pipeline.cfg_get(config, "data_seed", 0)),
+          "parens": bool(pipeline.cfg_get(config, "listops_parens", False)),
+          **{k: (float(v) if k == "op_p" else int(v)) for k, v in _params(config).items()}}
+
+
+def cache_path(config: Any, split: str) -> str | None:
+  """`{cache_dir or data_dir}/listops_synthetic/<split>-<key>`, None when neither directory is configured."""
+  root = pipeline.cfg_get(config, "cache_dir") or pipeline.cfg_get(config, "data_dir")
+  if not root:
+    return None
+  spec = cache_spec(config, split)
+  key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+  return os.path.join(os.path.expanduser(root), "listops_synthetic", f"{split}-{key}")
+
+
+def _generate_range(args: tuple[str, int, int, dict[str, Any], bool, int, int]):
+  """Token ids (flat), lengths and labels of records [lo, hi) (a worker's share of a split)."""
+  split, size, data_seed, params, parens, lo, hi = args
+  source = GeneratedSource(split, size, data_seed, params)
+  ids, lengths, labels = [], np.zeros(hi - lo, np.int64), np.zeros(hi - lo, np.int8)
+  for j, index in enumerate(range(lo, hi)):
+    tokens, label = source[index]
+    ids.append(encode(tokens, parens=parens))
+    lengths[j], labels[j] = ids[-1].shape[0], label
+  return np.concatenate(ids).astype(np.uint8), lengths, labels
+
+
+def build_cache(config: Any, split: str, *, workers: int | None = None) -> str:
+  """Generates `split` once into its cache directory (no-op when it is there) and returns the directory.
+
+  workers: generator processes (spawned, so safe after JAX has started threads; the caller's main module must
+  be importable, as for `python -m data.prepare`). Default 1: training on first use generates in-process;
+  `data.prepare` passes the CPU count.
+  """
+  path = cache_path(config, split)
+  if path is None:
+    raise ValueError("listops_synthetic: set config.data.cache_dir or config.data.data_dir to cache the splits")
+  if os.path.isdir(path):
+    return path
+  spec = cache_spec(config, split)
+  size = spec["size"]
+  workers = max(1, min(int(workers or 1), size))
+  per = 1.3e-3 if spec["max_length"] <= 64 else 7e-3
+  if workers == 1 and size * per > 60:
+    log.warning("listops_synthetic: `python -m data.prepare listops_synthetic --data_dir DIR` generates the "
+                "splits with every CPU")
+  log.warning("listops_synthetic: generating the %s split once (%d examples, ~%.0f s on %d process%s) into %s",
+              split, size, size * per / workers, workers, "" if workers == 1 else "es", path)
+  start = time.time()
+  params = _params(config)
+  bounds = np.linspace(0, size, max(1, min(workers * 4, size)) + 1).astype(int)
+  jobs = [(split, size, spec["data_seed"], params, spec["parens"], int(lo), int(hi))
+          for lo, hi in zip(bounds[:-1], bounds[1:]) if hi > lo]
+  if workers > 1:
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+      parts = list(pool.map(_generate_range, jobs))
+  else:
+    parts = [_generate_range(job) for job in jobs]
+  tokens = np.concatenate([p[0] for p in parts])
+  offsets = np.concatenate([[0], np.cumsum(np.concatenate([p[1] for p in parts]))]).astype(np.int64)
+  labels = np.concatenate([p[2] for p in parts])
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  tmp = tempfile.mkdtemp(prefix=os.path.basename(path) + ".tmp-", dir=os.path.dirname(path))
+  try:
+    np.save(os.path.join(tmp, "tokens.npy"), tokens)
+    np.save(os.path.join(tmp, "offsets.npy"), offsets)
+    np.save(os.path.join(tmp, "labels.npy"), labels)
+    with open(os.path.join(tmp, "spec.json"), "w") as f:
+      json.dump(spec, f, indent=1, sort_keys=True)
+    os.rename(tmp, path)  # atomic; another host that finished first wins, its files are the same
+  except OSError:
+    if not os.path.isdir(path):
+      raise
+  finally:
+    shutil.rmtree(tmp, ignore_errors=True)
+  log.warning("listops_synthetic: %s split cached in %.0f s (%d tokens)", split, time.time() - start,
+              tokens.shape[0])
+  return path
+
+
+class CachedSource:
+  """Random access to a generated split in its cache directory (memory-mapped: RAM only for what is read).
+
+  Record i is (token ids int32 as `encode` returns them, label): the generator's record i, already encoded.
+  """
+
+  def __init__(self, path: str):
+    self.path = path
+    self.tokens = np.load(os.path.join(path, "tokens.npy"), mmap_mode="r")
+    self.offsets = np.load(os.path.join(path, "offsets.npy"))
+    self.labels = np.load(os.path.join(path, "labels.npy"))
+    if self.offsets.shape[0] != self.labels.shape[0] + 1 or self.offsets[-1] != self.tokens.shape[0]:
+      raise ValueError(f"listops_synthetic cache {path} is inconsistent (offsets/labels/tokens disagree); "
+                       "delete the directory and it is generated again")
+
+  def __len__(self) -> int:
+    return self.labels.shape[0]
+
+  def __getitem__(self, index: int) -> tuple[np.ndarray, int]:
+    lo, hi = self.offsets[index], self.offsets[index + 1]
+    return self.tokens[lo:hi].astype(np.int32), int(self.labels[index])
+
+  def __repr__(self) -> str:  # grain validates the source on restore by repr
+    return f"CachedListOps({os.path.basename(self.path)}, records={len(self)})"
+
+
 class _Encode:
   def __init__(self, seq_len: int, parens: bool):
     self.seq_len = seq_len
@@ -224,7 +355,8 @@ class _Encode:
 
   def __call__(self, record) -> dict[str, np.ndarray]:
     tokens, label = record
-    ids, mask = pad_to(encode(tokens, parens=self.parens), self.seq_len, self.counter)
+    ids = tokens if isinstance(tokens, np.ndarray) else encode(tokens, parens=self.parens)  # cached: encoded
+    ids, mask = pad_to(ids, self.seq_len, self.counter)
     return {"inputs": ids, "mask": mask, "label": np.int32(label)}
 
 
@@ -235,14 +367,23 @@ def dataset_info(config: Any) -> DatasetInfo:
   return info("listops_synthetic", seq_len, sizes)
 
 
-def create_dataset(config: Any, split: str, *, batch_size: int, seed: int, shard_index=None, shard_count=None,
-                   shuffle=None, num_epochs=None):
+def make_source(config: Any, split: str) -> CachedSource | GeneratedSource:
+  """The cached split (built on first use) or, with no cache directory configured, the generator itself."""
   if split not in SPLIT_SIZES:
     raise ValueError(f"split must be one of {sorted(SPLIT_SIZES)}, got {split!r}")
+  if cache_path(config, split) is not None:
+    return CachedSource(build_cache(config, split))
+  log.warning("listops_synthetic: no config.data.cache_dir or data_dir, so examples are generated on access "
+              "(~1-7 ms each); set one to generate each split once")
+  # The data itself depends on data_seed only, so every run and host sees the same examples.
+  return GeneratedSource(split, dataset_info(config).split_sizes[split],
+                         int(pipeline.cfg_get(config, "data_seed", 0)), _params(config))
+
+
+def create_dataset(config: Any, split: str, *, batch_size: int, seed: int, shard_index=None, shard_count=None,
+                   shuffle=None, num_epochs=None):
+  source = make_source(config, split)  # `seed` orders the examples; the examples depend on data_seed only
   di = dataset_info(config)
-  # The data itself depends on data_seed only, so every run and host sees the same examples; `seed` orders them.
-  source = GeneratedSource(split, di.split_sizes[split], int(pipeline.cfg_get(config, "data_seed", 0)),
-                           _params(config))
   return pipeline.make_loader(
     source, [pipeline.Example(_Encode(di.seq_len, bool(pipeline.cfg_get(config, "listops_parens", False))))],
     split=split, batch_size=batch_size, seed=seed,

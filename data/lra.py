@@ -18,6 +18,9 @@ where {lra} is found under `config.data.lra_dir` or else `config.data.data_dir` 
 also holds imdb_reviews and cifar10): the archive unpacked there as `lra_release/...` or
 `lra_release/lra_release/...` (it nests one level), or the directory given being the release itself.
 
+lra_text and lra_image read their tfds split into memory once when it fits `config.data.cache_in_memory` (MB,
+default 512; 0 reads every record through tfds).
+
 Malformed rows (wrong field count, unknown token, bad label, missing image) raise ValueError naming file and
 line; with `config.data.skip_malformed=True` they are skipped and counted in the log. Over-long inputs are
 truncated to seq_len and counted in the log.
@@ -335,9 +338,12 @@ def make_source(config: Any, split: str):
     return PathfinderSource(root, split, Malformed(config), res), _pathfinder_fn
   data_dir = pipeline.cfg_get(config, "data_dir")
   table = {"train": "train", "validation": "test", "test": "test"}
+  # Both splits are small (imdb ~35 MB, cifar10 ~150 MB): read once into memory (config.data.cache_in_memory).
   if name == "lra_text":
-    return images.tfds_source("imdb_reviews", table[split], data_dir, name), _TextFn(info.seq_len)
-  return images.tfds_source("cifar10", table[split], data_dir, name), _GrayImageFn()
+    source = images.tfds_source("imdb_reviews", table[split], data_dir, name)
+    return pipeline.maybe_in_memory(source, config, name), _TextFn(info.seq_len)
+  source = images.tfds_source("cifar10", table[split], data_dir, name)
+  return pipeline.maybe_in_memory(source, config, name), _GrayImageFn()
 
 
 def create_dataset(config: Any, split: str, *, batch_size: int, seed: int, shard_index=None, shard_count=None,

@@ -14,7 +14,8 @@ from models import gin_bridge, registry
 
 CONFIG_FILES = ("default", "cifar10", "imagenet64", "wiki40b", "c4", "lra")
 VARIANTS = [(f, "") for f in CONFIG_FILES] + [(f, "smoke") for f in CONFIG_FILES if f != "lra"] + [
-  ("lra", f"task={t}") for t in lra.TASKS] + [("lra", f"task={t},smoke") for t in lra.TASKS]
+  ("lra", f"task={t}") for t in lra.TASKS + ("listops_synthetic",)] + [
+  ("lra", f"task={t},smoke") for t in lra.TASKS + ("listops_synthetic",)]
 
 
 @pytest.mark.parametrize("module,arg", VARIANTS)
@@ -29,6 +30,15 @@ def test_every_config_variant_builds(module, arg):
       (arg + "," if arg else "") + "attention=combiner_axial_rowmajor,layers=3,block_size=8,deepsets=true")
   assert (c2.model.attention.name, c2.model.num_layers) == ("combiner_axial_rowmajor", 3)
   assert c2.model.attention.params.block_size == 8 and c2.model.attention.deepsets is True
+
+
+def test_listops_synthetic_variant_reads_the_generator():
+  full, smoke = lra.get_config("task=listops_synthetic"), lra.get_config("task=listops_synthetic,smoke")
+  listops = lra.get_config("task=listops")
+  assert (full.data.name, full.data.seq_len, full.model.num_layers) == ("listops_synthetic", 2000, 6)
+  assert full.optimizer.lr == listops.optimizer.lr and full.train.batch_size == listops.train.batch_size
+  assert "min_length" not in full.data  # the published 500..2000
+  assert (smoke.data.seq_len, smoke.data.max_length, smoke.data.num_train) == (64, 64, 1024)
 
 
 def test_paper_defaults():
@@ -114,7 +124,7 @@ def test_gin_bindings_fold_into_config():
 
 
 SMOKE_RUNS = [("cifar10", ""), ("imagenet64", ""), ("wiki40b", ""), ("c4", "")] + [
-  ("lra", f"task={t}") for t in lra.TASKS]
+  ("lra", f"task={t}") for t in lra.TASKS + ("listops_synthetic",)]
 
 
 @pytest.mark.slow

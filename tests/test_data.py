@@ -535,3 +535,121 @@ def test_input_benchmark_reports_pipeline_against_smoke_step(tmp_path):
   assert row["ratio"] == pytest.approx(row["examples_per_s"] * row["step_ms"] / 1000 / 8)
   assert row["target"] == ("met" if row["ratio"] >= 10 else "missed")
   assert "| synthetic_recall |" in open(paths["markdown"]).read()
+
+
+# ------------------------------------------------------------------------------------------------ caches
+
+
+def test_listops_synthetic_split_is_generated_once_and_bit_identical(tmp_path, monkeypatch):
+  fields = dict(min_length=20, max_length=80, num_train=24, num_validation=7, data_seed=3)
+  fly = _config("listops_synthetic", **fields)  # no directory: generated on access
+  cached = _config("listops_synthetic", str(tmp_path), **fields)
+  for split, kw in (("validation", {}), ("train", dict(num_epochs=2))):
+    a, b = _batches(fly, split, batch_size=5, **kw), _batches(cached, split, batch_size=5, **kw)
+    assert len(a) == len(b) > 1
+    for x, y in zip(a, b, strict=True):
+      assert x.keys() == y.keys()
+      for key in x:
+        assert x[key].dtype == y[key].dtype
+        np.testing.assert_array_equal(x[key], y[key])
+  assert isinstance(listops.make_source(cached, "train"), listops.CachedSource)
+  root = tmp_path / "listops_synthetic"
+  assert sorted(p.name.split("-")[0] for p in root.iterdir()) == ["train", "validation"]  # no temporaries left
+  # Later runs read the cache (the generator is not called again) ...
+  monkeypatch.setattr(listops, "_generate_range", lambda args: pytest.fail("generated again"))
+  assert len(_batches(cached, "validation", batch_size=5)) == 2
+  # ... and every field that changes the examples changes the key.
+  for change in (dict(data_seed=4), dict(num_validation=8), dict(max_length=81), dict(listops_parens=True)):
+    assert listops.cache_path(_config("listops_synthetic", str(tmp_path), **{**fields, **change}),
+                              "validation") != listops.cache_path(cached, "validation")
+  assert listops.cache_path(_config("listops_synthetic", str(tmp_path), cache_dir=str(tmp_path / "c"), **fields),
+                            "validation").startswith(str(tmp_path / "c"))
+
+
+def test_prepare_builds_the_listops_synthetic_cache(tmp_path, monkeypatch, capsys):
+  from data import prepare
+
+  monkeypatch.setattr(listops, "SPLIT_SIZES", {"train": 6, "validation": 3, "test": 2})
+  monkeypatch.setattr(listops, "DEFAULTS", dict(listops.DEFAULTS, min_length=10, max_length=40))
+  monkeypatch.setattr(os, "cpu_count", lambda: 1)
+  assert prepare.prepare("listops_synthetic", str(tmp_path)) == 0
+  out = capsys.readouterr().out
+  assert "verified" in out and "listops_synthetic/train-" in out
+  config = _config("listops_synthetic", str(tmp_path))
+  for split, n in listops.SPLIT_SIZES.items():
+    source = listops.CachedSource(listops.cache_path(config, split))
+    gen = listops.GeneratedSource(split, n, 0, listops._params(config))
+    for i in range(n):
+      tokens, label = gen[i]
+      np.testing.assert_array_equal(source[i][0], listops.encode(tokens))
+      assert source[i][1] == label
+
+
+def test_lra_text_split_in_memory_gives_the_same_batches(tmp_path):
+  with testing.mock_data("lra_text", tmp_path, num_examples=11) as dd:
+    memory = _config("lra_text", dd, seq_len=40)
+    disk = _config("lra_text", dd, seq_len=40, cache_in_memory=0)
+    source, _ = lra.make_source(memory, "train")
+    assert isinstance(source, pipeline.InMemorySource) and len(source) == 11
+    assert not isinstance(lra.make_source(disk, "train")[0], pipeline.InMemorySource)
+    too_small = _config("lra_text", dd, seq_len=40, cache_in_memory=1e-6)  # MB: the split does not fit
+    assert not isinstance(lra.make_source(too_small, "train")[0], pipeline.InMemorySource)
+    a = _batches(memory, "train", batch_size=4, num_epochs=2)
+    b = _batches(disk, "train", batch_size=4, num_epochs=2)
+    image = lra.make_source(_config("lra_image", dd), "test")[0]
+  assert len(a) == len(b) == 6  # 22 records (2 epochs), the last batch padded
+  for x, y in zip(a, b, strict=True):
+    for key in x:
+      assert x[key].dtype == y[key].dtype
+      np.testing.assert_array_equal(x[key], y[key])
+  assert isinstance(image, pipeline.InMemorySource)
+
+
+def test_data_loader_checkpoint_on_the_dataset_engine_is_a_clear_error(tmp_path):
+  import grain
+
+  def loader(engine=None):
+    config = _config("synthetic_recall", seq_len=32, train_examples=40, **({"engine": engine} if engine else {}))
+    return iter(data.create_dataset(config, "train", batch_size=4, seed=0, shard_index=0, shard_count=1))
+
+  old = loader("loader")
+  assert not isinstance(old, grain.DatasetIterator)
+  next(old)
+  step_dir = tmp_path / "checkpoints" / "7"
+  (step_dir / "data").mkdir(parents=True)
+  grain.checkpoint.CheckpointHandler().save(step_dir / "data", item=old)
+  config = _config("synthetic_recall")
+  with pytest.raises(ValueError, match=r"checkpoints/7 holds a data-iterator state of engine 'loader'.*"
+                                       r"--config.data.engine=loader"):
+    pipeline.check_iterator_checkpoint(str(step_dir), loader(), config)
+  # The engine named in the message restores it and continues with the same batches.
+  again = loader("loader")
+  pipeline.check_iterator_checkpoint(str(step_dir), again, config)
+  grain.checkpoint.CheckpointHandler().restore(step_dir / "data", item=again)
+  np.testing.assert_array_equal(next(again)["inputs"], next(old)["inputs"])
+  np.testing.assert_array_equal(next(loader("loader"))["inputs"], next(loader())["inputs"])
+  # And a new-engine checkpoint read by the old engine is named the same way.
+  new = loader()
+  next(new)
+  (tmp_path / "new" / "data").mkdir(parents=True)
+  grain.checkpoint.CheckpointHandler().save(tmp_path / "new" / "data", item=new)
+  with pytest.raises(ValueError, match=r"engine 'dataset'.*--config.data.engine=dataset"):
+    pipeline.check_iterator_checkpoint(str(tmp_path / "new"), loader("loader"), config)
+
+
+@pytest.mark.slow  # ~15 s: three smoke trainings (the unit test above covers the check itself)
+def test_train_resume_from_an_old_engine_checkpoint_names_the_workdir(tmp_path):
+  import train
+  from configs import default
+
+  config = default.get_config("smoke,attention=dense")
+  config.train.num_steps, config.train.checkpoint_every, config.train.eval_every = 2, 2, 0
+  config.data.engine = "loader"  # what batched datasets ran on before the dataset engine
+  workdir = str(tmp_path / "run")
+  assert train.train_and_evaluate(config, workdir, progress=False)["step"] == 2
+  config.train.num_steps = 3
+  config.data.engine = None
+  with pytest.raises(ValueError, match=rf"{workdir}/checkpoints/2 holds .*--config.data.engine=loader"):
+    train.train_and_evaluate(config, workdir, progress=False)
+  config.data.engine = "loader"
+  assert train.train_and_evaluate(config, workdir, progress=False)["start_step"] == 2
