@@ -16,18 +16,21 @@ Backward (paper section 3.3), a `jax.custom_vjp` that re-uses the forward's code
   dK_j = (tau/2)/m sum_hashes sum_i B_ij (dY_i . v_j) q_i
 both unbiased for the gradient of the dense surrogate `P V` whose `dP/d(q.k)` is replaced by `(tau/2) P`. The
 bilinear weight `dY_i . v_j` is decomposed over value features (the paper's per-feature tables):
-`sum_l dY_il sum_j B_ij v_jl k_j`, one table of `d`-vectors per (hash, feature). The default
-(`backward_features=None`) does this exactly for every hash: O(L*m*d*e) time, O(b*h*2^tau*d) table memory -
-linear in L, quadratic in the head size, exactly the paper's estimator (section 3.3, Table 1). On a CPU it
-costs about `e` forward passes. `backward_features=s` is a cheaper, linear-in-d alternative: per hash, the
+`sum_l dY_il sum_j B_ij v_jl k_j`, i.e. one [e, d] table per (hash, bucket). The default
+(`backward_features=None`) does this exactly for every hash: O(L*m*d*e) time and O((L/chunk + 2^tau)*d*e)
+table memory (one group and one hash at a time) - linear in L, quadratic in the head size, exactly the
+paper's estimator (section 3.3, Table 1). The tables are built and read by batched matmuls over bucket-sorted,
+chunk-padded rows (`_exact_feature_tables`), 2.3-2.7x faster on CPU than e scatters of d-vectors per hash
+(`_weighted_cumulate`, which the sketch still uses: its fixed sort/pad cost of about 1 s at L=4096 does not
+pay off for s <= 8). `backward_features=s` is a cheaper, linear-in-d alternative: per hash, the
 value space is sketched with `s` random orthonormal directions scaled so that `E[R R^T] = I`, i.e. `dY . v`
 becomes `(dY R) . (v R)`: still unbiased, O(L*m*s*d), but the sketch multiplies the gradient variance of dQ/dK
 by roughly `e/s`. Measured relative error of dQ against the dense surrogate gradient through the same forward
 (L=256, d=e=64, m=32, tau=8, correlated q/k, mean of 6 keys): exact 1.6, s=16 3.3, s=8 4.6, s=4 6.5, s=1 13.0
 (dV 1.1 for all); cycling the blocks of one random basis over the hashes instead of independent directions
-measured the same. Cost ceiling of the exact form: its table passes are 4*L*m*d*e element operations against
-dense's ~6*L^2*d multiply-adds, a ratio of 3L/(2*m*e) = 6 at L=8192, m=32, e=64 before the constant factors
-(scatter/gather are memory-bound on CPU where dense is a matmul). The chain rule
+measured the same. Cost ceiling of the exact form: its tables cost 4*L*m*d*e multiply-adds (build and read,
+dQ and dK) against dense's ~6*L^2*d, a ratio of 3L/(2*m*e) = 6 at L=8192, m=32, e=64 before padding (about
+1.5-2x at L=4096) and sorting, so 10x dense at L=8192 is out of its reach. The chain rule
 through the l2-normalisations of q, k and of the output is ordinary autodiff. `backward="dense"` replaces the
 sampled backward by the exact O(L^2) surrogate gradient (short sequences, tests).
 
@@ -184,8 +187,9 @@ def _weighted_cumulate(read_codes: Array, write_codes: Array, write_valid: Array
                                              vec))
 
 
-def _group_weighted_cumulate(read_codes: Array, write_codes: Array, write_valid: Array, directions: Array | None,
-                             src_w: Array, dst_w: Array, vec: Array, num_buckets: int) -> Array:
+def _group_weighted_cumulate(read_codes: Array, write_codes: Array, write_valid: Array,
+                             directions: Array | None, src_w: Array, dst_w: Array, vec: Array,
+                             num_buckets: int) -> Array:
   """`_weighted_cumulate` for one group: codes [L, m]; write_valid [L]; src_w, dst_w [L, e]; vec [L, d];
   directions None or [m, e, s]. Returns [L, d]."""
   length, d = vec.shape
