@@ -332,7 +332,8 @@ def test_exact_backward_tables_match_per_feature_scatter_form():
       want_dk = scatter(kc, qc, jnp.ones_like(kvalid), None, dy, v, qn, nb)
       np.testing.assert_allclose(dq, want_dq, rtol=1e-10, atol=1e-12)
       real = np.asarray(kvalid)[..., None]
-      np.testing.assert_allclose(np.where(real, dk, 0.0), np.where(real, want_dk, 0.0), rtol=1e-10, atol=1e-12)
+      np.testing.assert_allclose(np.where(real, dk, 0.0), np.where(real, want_dk, 0.0), rtol=1e-10,
+                                 atol=1e-12)
       assert not np.any(np.asarray(dk)[~np.asarray(kvalid)])  # masked keys read an empty bucket
 
 
