@@ -322,14 +322,16 @@ def build_cache(config: Any, split: str, *, workers: int | None = None) -> str:
 
 
 class CachedSource:
-  """Random access to a generated split in its cache directory (memory-mapped: RAM only for what is read).
+  """Random access to a generated split in its cache directory (memory-mapped when over `cap_mb`).
 
   Record i is (token ids int32 as `encode` returns them, label): the generator's record i, already encoded.
   """
 
-  def __init__(self, path: str):
+  def __init__(self, path: str, cap_mb: float = 512):
     self.path = path
-    self.tokens = np.load(os.path.join(path, "tokens.npy"), mmap_mode="r")
+    tokens = os.path.join(path, "tokens.npy")
+    # Read into RAM when it fits `config.data.cache_in_memory` (a slice of memory costs less than of a mapping).
+    self.tokens = np.load(tokens, mmap_mode=None if os.path.getsize(tokens) <= cap_mb * 2**20 else "r")
     self.offsets = np.load(os.path.join(path, "offsets.npy"))
     self.labels = np.load(os.path.join(path, "labels.npy"))
     if self.offsets.shape[0] != self.labels.shape[0] + 1 or self.offsets[-1] != self.tokens.shape[0]:
@@ -372,7 +374,7 @@ def make_source(config: Any, split: str) -> CachedSource | GeneratedSource:
   if split not in SPLIT_SIZES:
     raise ValueError(f"split must be one of {sorted(SPLIT_SIZES)}, got {split!r}")
   if cache_path(config, split) is not None:
-    return CachedSource(build_cache(config, split))
+    return CachedSource(build_cache(config, split), float(pipeline.cfg_get(config, "cache_in_memory", 512)))
   log.warning("listops_synthetic: no config.data.cache_dir or data_dir, so examples are generated on access "
               "(~1-7 ms each); set one to generate each split once")
   # The data itself depends on data_seed only, so every run and host sees the same examples.

@@ -528,7 +528,8 @@ def test_input_benchmark_reports_pipeline_against_smoke_step(tmp_path):
 
   args = benchmark.parse_args(["--mode", "input", "--out_dir", str(tmp_path), "--datasets", "synthetic_recall",
                                "--seconds", "0.2", "--repeats", "2", "--rounds", "2"])
-  paths = benchmark_input.main(args)
+  assert benchmark_input.main(args) == 0
+  paths = {"json": tmp_path / "benchmark_input.json", "markdown": tmp_path / "benchmark_input.md"}
   (row,) = json.load(open(paths["json"]))["rows"]
   assert row["config"] == "configs/default.py:smoke" and row["seq_len"] == 64 and row["batch"] == 8
   assert row["examples_per_s"] > 0 and row["step_ms"] > 0 and len(row["step_ms_rounds"]) == 2
@@ -603,6 +604,20 @@ def test_lra_text_split_in_memory_gives_the_same_batches(tmp_path):
       assert x[key].dtype == y[key].dtype
       np.testing.assert_array_equal(x[key], y[key])
   assert isinstance(image, pipeline.InMemorySource)
+
+
+@pytest.mark.parametrize("parens", [False, True])
+def test_lra_listops_kept_ids_give_the_same_batches(lra_dir, parens):
+  kept = _config("lra_listops", lra_dir, seq_len=30, listops_parens=parens)
+  disk = _config("lra_listops", lra_dir, seq_len=30, listops_parens=parens, cache_in_memory=0)
+  assert lra.make_source(kept, "train")[0].kept is not None and lra.make_source(disk, "train")[0].kept is None
+  a = _batches(kept, "train", batch_size=5, num_epochs=2)
+  b = _batches(disk, "train", batch_size=5, num_epochs=2)
+  assert len(a) == len(b) == 5
+  for x, y in zip(a, b, strict=True):
+    for key in x:
+      assert x[key].dtype == y[key].dtype
+      np.testing.assert_array_equal(x[key], y[key])
 
 
 def test_data_loader_checkpoint_on_the_dataset_engine_is_a_clear_error(tmp_path):
