@@ -3,6 +3,7 @@
     python -m scripts.benchmark --mode input                       # every pipeline vs its smoke train step
     python -m scripts.benchmark --mode input --datasets lra_listops,wiki40b --seconds 10 --repeats 20
     python -m scripts.benchmark --mode input --against none        # pipelines only, at the paper lengths
+    python -m scripts.benchmark --mode input --datasets lra_text --data cache_in_memory=0   # a config.data field
 
 For each dataset, `data.testing.mock_data` makes a small generated copy (TFDS mock records, LRA files in the
 official layout, a prepared Wiki-40B/C4 directory with its SentencePiece model), and the dataset's config is
@@ -28,6 +29,7 @@ images are generated per access instead of read and decoded).
 from __future__ import annotations
 
 import argparse
+import ast
 import gc
 import importlib
 import logging
@@ -75,6 +77,8 @@ def parse(extra: list[str]) -> argparse.Namespace:
   parser.add_argument("--seq_len", type=int, default=None, help="override for the text and LRA text-like tasks")
   parser.add_argument("--read_threads", type=int, default=None, help="default: data.pipeline's choice")
   parser.add_argument("--num_examples", type=int, default=64, help="records in each mock split")
+  parser.add_argument("--data", default="", help="config.data fields set on every dataset, e.g. "
+                      "'cache_in_memory=0,engine=loader' (values parsed as Python literals where they parse)")
   return parser.parse_args(extra)
 
 
@@ -84,6 +88,13 @@ def experiment_config(name: str, opts: argparse.Namespace) -> tuple[Any, str]:
   if opts.against == "none":
     arg = ",".join(a for a in arg.split(",") if a != "smoke")
   config = importlib.import_module(f"configs.{module}").get_config(arg)
+  fields = dict(fields)
+  for item in filter(None, (x.strip() for x in opts.data.split(","))):
+    key, _, value = item.partition("=")
+    try:
+      fields[key.strip()] = ast.literal_eval(value.strip())
+    except (ValueError, SyntaxError):
+      fields[key.strip()] = value.strip()
   spelled = f"configs/{module}.py:{arg}" + "".join(f" --config.data.{k}={v}" for k, v in fields.items())
   with config.unlocked():
     for key, value in fields.items():
