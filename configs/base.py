@@ -49,6 +49,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.data.name = "synthetic_recall"
   c.data.data_dir = ml_collections.FieldReference(None, field_type=str)
   c.data.seq_len = 512
+  c.data.engine = "dataset"  # grain engine of batched datasets; "loader" resumes checkpoints of older runs
+  c.data.cache_in_memory = 512  # MB: small splits are read into RAM once (0 = never)
+  c.data.cache_dir = ml_collections.FieldReference(None, field_type=str)  # generated splits; None = data_dir
 
   c.model = ml_collections.ConfigDict()
   c.model.num_layers = 2
