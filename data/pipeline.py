@@ -256,8 +256,8 @@ class ReadBatch:
     self.source, self.operations, self.seed = source, list(operations), seed
     self.batch_size, self.stack = batch_size, PadBatch(batch_size)
 
-  def one(self, index: int, key: int):
-    element = self.source[int(key)]
+  def one(self, index: int, key: int, element: Any = None):
+    element = self.source[int(key)] if element is None else element
     rng = None
     for op in self.operations:
       if isinstance(op, grain.transforms.RandomMap):
@@ -270,7 +270,11 @@ class ReadBatch:
 
   def __call__(self, batch_index: int, keys: np.ndarray) -> dict[str, np.ndarray]:
     first = int(batch_index) * self.batch_size
-    return self.stack([self.one(first + j, key) for j, key in enumerate(keys.tolist())])
+    keys = keys.tolist()
+    # Sources that generate records (synthetic_recall) make a whole batch at once, much faster than one by one.
+    read_batch = getattr(self.source, "read_batch", None)
+    elements = read_batch(keys) if read_batch is not None else [None] * len(keys)
+    return self.stack([self.one(first + j, key, e) for j, (key, e) in enumerate(zip(keys, elements))])
 
 
 def make_loader(

@@ -484,40 +484,50 @@ def test_dataset_engine_yields_the_data_loader_batches(split, shuffle, num_epoch
   assert keys.max() < 11 and len(set(keys.tolist())) == 11  # record i is mock record i % 11
 
 
-def _recall_reference(source, index: int) -> dict[str, np.ndarray]:
-  """The first, loop-based synthetic_recall generator: the faster one must draw the same data."""
-  rng = np.random.default_rng((source.seed, source.salt, int(index)))
-  length, f, k, v = source.seq_len, source.num_filler, source.num_keys, source.num_values
-  half = length // 2
-  tokens = rng.integers(0, f, size=length)
-  keys = rng.choice(k, size=source.num_pairs, replace=False)
-  values = rng.integers(0, v, size=source.num_pairs)
-  edges = np.linspace(0, half, source.num_pairs + 1).astype(int)
-  positions = np.array([rng.integers(lo, hi) for lo, hi in zip(edges[:-1], edges[1:])])
-  tokens[positions] = f + k + keys * v + values
-  n_queries = (length - half) // 2
-  which = rng.integers(0, source.num_pairs, size=n_queries)
-  q_pos = half + 2 * np.arange(n_queries)
-  tokens[q_pos] = f + keys[which]
-  tokens[q_pos + 1] = f + k + k * v + values[which]
-  weights = np.zeros(length, np.float32)
-  weights[q_pos + 1] = 1.0
-  return {"inputs": tokens.astype(np.int32), "mask": np.ones(length, bool), "weights": weights,
-          "segment_ids": np.ones(length, np.int32)}
-
-
 @pytest.mark.parametrize("fields", [dict(seq_len=64), dict(seq_len=37, num_pairs=9, num_keys=12, num_values=7),
                                     dict(seq_len=2000, num_pairs=3)])
-def test_synthetic_recall_matches_the_loop_generator(fields):
+def test_synthetic_recall_records_pose_the_task(fields):
+  """Every record: distinct stored keys, one pair per slice of the first half, filler elsewhere, and each answer
+  is the value stored with the queried key; batch generation equals one-by-one generation; records differ."""
   from data import synthetic
 
   source = synthetic.RecallSource(_config("synthetic_recall", **fields), "validation", seed=11)
-  for index in np.random.default_rng(5).integers(0, 1 << 40, size=40):
-    got, want = source[int(index)], _recall_reference(source, int(index))
-    assert set(got) == set(want)
-    for key in want:
-      assert got[key].dtype == want[key].dtype
-      np.testing.assert_array_equal(got[key], want[key])
+  f, k, v, p = source.num_filler, source.num_keys, source.num_values, source.num_pairs
+  length, half = source.seq_len, source.seq_len // 2
+  edges = np.linspace(0, half, p + 1).astype(int)
+  indices = [int(i) for i in np.random.default_rng(5).integers(0, 1 << 40, size=24)]
+  batch = source.read_batch(indices)
+  for index, record in zip(indices, batch):
+    single = source[index]
+    for key in single:
+      assert record[key].dtype == single[key].dtype
+      np.testing.assert_array_equal(record[key], single[key])
+    t = record["inputs"]
+    assert t.dtype == np.int32 and t.shape == (length,)
+    pair_pos = np.flatnonzero((t[:half] >= f + k) & (t[:half] < f + k + k * v))
+    assert len(pair_pos) == p and np.all((pair_pos >= edges[:-1]) & (pair_pos < edges[1:]))
+    stored = {(x - f - k) // v: (x - f - k) % v for x in t[pair_pos]}
+    assert len(stored) == p  # distinct keys
+    assert np.all(np.delete(t[:half], pair_pos) < f)
+    q_pos = half + 2 * np.arange((length - half) // 2)
+    assert np.all(record["weights"][q_pos + 1] == 1) and record["weights"].sum() == len(q_pos)
+    for q, a in zip(t[q_pos], t[q_pos + 1]):
+      assert stored[q - f] == a - (f + k + k * v)
+  assert len({r["inputs"].tobytes() for r in batch}) == len(batch)
+  other = synthetic.RecallSource(_config("synthetic_recall", **fields), "train", seed=11)
+  assert not np.array_equal(other[indices[0]]["inputs"], batch[0]["inputs"])  # splits draw different records
+
+
+def test_synthetic_recall_draws_are_uniform():
+  from data import synthetic
+
+  source = synthetic.RecallSource(_config("synthetic_recall", seq_len=512), "train", seed=0)
+  tokens = np.stack([r["inputs"] for r in source.read_batch(list(range(400)))])
+  filler = tokens[:, :256][tokens[:, :256] < source.num_filler]
+  counts = np.bincount(filler, minlength=source.num_filler) / filler.size
+  np.testing.assert_allclose(counts, 1 / source.num_filler, atol=0.01)
+  answers = tokens[:, 257::2] - (source.num_filler + source.num_keys * (1 + source.num_values))
+  np.testing.assert_allclose(np.bincount(answers.ravel(), minlength=10) / answers.size, 0.1, atol=0.01)
 
 
 @pytest.mark.slow  # ~15 s on the 2-core box, mostly compiling the smoke train step
