@@ -69,6 +69,13 @@ def host_seed(seed: int, shard_index: int) -> int:
   return int(np.random.SeedSequence([seed, shard_index]).generate_state(1)[0])
 
 
+def read_records(source: Any, indices: Sequence[int]) -> list[Any]:
+  """source[i] for each i: in one `source.read_batch(indices)` call when the source generates whole batches at
+  once (synthetic_recall), else one by one."""
+  read_batch = getattr(source, "read_batch", None)
+  return read_batch(list(indices)) if read_batch is not None else [source[int(i)] for i in indices]
+
+
 class ShardView:
   """Records [lo, hi) of `source` for host `shard_index`: equal sizes n // hosts when `equal`, else sizes that
   differ by at most one and together cover every record."""
@@ -88,6 +95,9 @@ class ShardView:
 
   def __getitem__(self, index: int):
     return self.source[self.lo + int(index)]
+
+  def read_batch(self, indices: Sequence[int]) -> list[Any]:
+    return read_records(self.source, [self.lo + int(i) for i in indices])
 
   def __repr__(self) -> str:  # grain checks it on restore: a state only fits the same host layout
     return f"{self.source!r}[{self.lo}:{self.hi}] (shard {self.shard[0]} of {self.shard[1]})"
@@ -111,6 +121,9 @@ class VirtualRecords:
 
   def __getitem__(self, index: int):
     return self.source[int(index) % len(self.source)]
+
+  def read_batch(self, indices: Sequence[int]) -> list[Any]:
+    return read_records(self.source, [int(i) % len(self.source) for i in indices])
 
   def __repr__(self) -> str:
     return f"{self.source!r} as {self.size} records"
@@ -256,8 +269,7 @@ class ReadBatch:
     self.source, self.operations, self.seed = source, list(operations), seed
     self.batch_size, self.stack = batch_size, PadBatch(batch_size)
 
-  def one(self, index: int, key: int, element: Any = None):
-    element = self.source[int(key)] if element is None else element
+  def one(self, index: int, element: Any):
     rng = None
     for op in self.operations:
       if isinstance(op, grain.transforms.RandomMap):
@@ -270,11 +282,8 @@ class ReadBatch:
 
   def __call__(self, batch_index: int, keys: np.ndarray) -> dict[str, np.ndarray]:
     first = int(batch_index) * self.batch_size
-    keys = keys.tolist()
-    # Sources that generate records (synthetic_recall) make a whole batch at once, much faster than one by one.
-    read_batch = getattr(self.source, "read_batch", None)
-    elements = read_batch(keys) if read_batch is not None else [None] * len(keys)
-    return self.stack([self.one(first + j, key, e) for j, (key, e) in enumerate(zip(keys, elements))])
+    elements = read_records(self.source, keys.tolist())
+    return self.stack([self.one(first + j, e) for j, e in enumerate(elements)])
 
 
 def make_loader(
