@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from combiner import common, contract
+from combiner import combine, common, contract
 from combiner.axial import Grid, column_piece, horizontal_spans, row_piece, vertical_spans
-from combiner import combine
 from combiner.combine import joint_softmax, merge, partial_softmax
 
 Array = Any
