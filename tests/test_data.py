@@ -484,6 +484,74 @@ def test_dataset_engine_yields_the_data_loader_batches(split, shuffle, num_epoch
   assert keys.max() < 11 and len(set(keys.tolist())) == 11  # record i is mock record i % 11
 
 
+def test_epoch_permutation_is_a_seeded_reshuffle_per_epoch():
+  import pickle
+
+  n = 37
+  order = pipeline.EpochPermutation(n, seed=5, shuffle=True)
+  epochs = [order.keys(np.arange(e * n, (e + 1) * n)) for e in range(4)]
+  for keys in epochs:
+    assert keys.dtype == np.int32 and sorted(keys.tolist()) == list(range(n))  # each epoch: every record once
+  assert len({tuple(keys.tolist()) for keys in epochs}) == 4 and not np.array_equal(epochs[0], np.arange(n))
+  assert len(order._cache) <= 2  # only the current and the next epoch are kept
+  # The definition: numpy's default_rng([seed, epoch]) permutation of the records.
+  np.testing.assert_array_equal(epochs[2], np.random.default_rng([5, 2]).permutation(n))
+  stream = np.concatenate(epochs)  # [4 * n]
+  # Same seed, fresh cache, positions asked in any order (and after pickling, as worker processes get it).
+  again = pickle.loads(pickle.dumps(pipeline.EpochPermutation(n, seed=5, shuffle=True)))
+  backwards = np.arange(4 * n)[::-1]
+  np.testing.assert_array_equal(again.keys(backwards), stream[backwards])
+  assert not np.array_equal(pipeline.EpochPermutation(n, seed=6, shuffle=True).keys(np.arange(n)), epochs[0])
+  # One batch of positions across epoch boundaries (here three epochs) maps each to its own epoch's key.
+  positions = np.arange(n - 3, 2 * n + 5)
+  np.testing.assert_array_equal(order.keys(positions), stream[positions])
+  assert [order.key(p) for p in positions] == stream[positions].tolist()
+  plain = pipeline.EpochPermutation(n, seed=5, shuffle=False)
+  np.testing.assert_array_equal(plain.keys(np.arange(2 * n)), np.arange(2 * n) % n)
+
+
+@pytest.mark.parametrize("engine", ["dataset", "loader"])
+def test_batches_follow_the_epoch_permutation_across_epochs(engine):
+  config = _config("numbered")
+  op = pipeline.Example(lambda i: {"inputs": np.array([i], np.int32)})
+  loader = pipeline.make_loader(_Numbered(5), [op], split="validation", batch_size=4, seed=2, shard_index=0,
+                                shard_count=1, shuffle=True, num_epochs=3, config=config, engine=engine)
+  batches = list(loader)
+  assert [int(b["valid"].sum()) for b in batches] == [4, 4, 4, 3]  # 15 records, batches across epochs
+  got = np.concatenate([b["inputs"][b["valid"], 0] for b in batches])
+  order = pipeline.EpochPermutation(5, seed=pipeline.host_seed(2, 0), shuffle=True)
+  np.testing.assert_array_equal(got, order.keys(np.arange(15)))
+
+
+def test_index_sampler_checkpoint_is_a_clear_error(tmp_path):
+  """A DataLoader state written in grain's IndexSampler order (before EpochPermutation) cannot continue."""
+  import json
+
+  import grain
+
+  config = _config("numbered")
+  op = pipeline.Example(lambda i: {"inputs": np.array([i], np.int32)})
+
+  def loader():
+    return iter(pipeline.make_loader(_Numbered(9), [op], split="train", batch_size=2, seed=0, shard_index=0,
+                                     shard_count=1, shuffle=True, num_epochs=None, config=config, engine="loader"))
+
+  it = loader()
+  next(it)
+  step_dir = tmp_path / "checkpoints" / "3"
+  (step_dir / "data").mkdir(parents=True)
+  grain.checkpoint.CheckpointHandler().save(step_dir / "data", item=it)
+  (saved,) = (step_dir / "data").glob("process_*.json")
+  state = json.loads(saved.read_text())
+  assert state["sampler"].startswith("EpochPermutationSampler(num_records=9, shuffle=True, num_epochs=None")
+  pipeline.check_iterator_checkpoint(str(step_dir), loader(), config)  # the current order: accepted
+  old = grain.samplers.IndexSampler(num_records=9, shard_options=grain.sharding.NoSharding(), shuffle=True,
+                                    num_epochs=None, seed=pipeline.host_seed(0, 0))
+  saved.write_text(json.dumps({**state, "sampler": repr(old)}))
+  with pytest.raises(ValueError, match=r"checkpoints/3 holds .*IndexSampler\(num_records=9.*fresh workdir"):
+    pipeline.check_iterator_checkpoint(str(step_dir), loader(), config)
+
+
 @pytest.mark.parametrize("fields", [dict(seq_len=64), dict(seq_len=37, num_pairs=9, num_keys=12, num_values=7),
                                     dict(seq_len=2000, num_pairs=3)])
 def test_synthetic_recall_records_pose_the_task(fields):
