@@ -255,8 +255,8 @@ class EpochPermutation:
   """The record order both engines read: stream position g -> record key.
 
   Position g is offset g % n of epoch g // n, and its key is `permutation(epoch)[offset]`, where
-  `permutation(epoch)` is `np.random.default_rng([seed, epoch])` shuffling `arange(n)` (the identity without
-  `shuffle`). Every epoch is a permutation of the host's n records, reshuffled per epoch, the same for the
+  `permutation(epoch)` is `np.random.default_rng([seed, epoch]).permutation(n)` (shuffled in place in an int32
+  `arange(n)`: the same order; the identity without `shuffle`). Every epoch is a permutation of the host's n records, reshuffled per epoch, the same for the
   same (seed, n). Why not grain's index shuffle (`MapDataset.shuffle`, `IndexSampler`): it cycle-walks a
   domain of at least 2^16 per record, ~22 us a record on a 1,024-record split (272 us at 64, ~3 us from
   65,536 up), most of a small pipeline's cost; a cached permutation costs an array lookup at any size, and a
@@ -265,7 +265,8 @@ class EpochPermutation:
   Memory: one int32 key per record (int64 from 2^31 records) for each of at most `cache_epochs` epochs (the
   current and the next, so a batch or the reading threads crossing an epoch boundary do not recompute it):
   4 MB per million records per epoch, e.g. ~1.5 GB per epoch for C4's 365M training documents on one
-  host (n is the host's share). Computing an epoch's permutation takes ~10 ns per record, once per epoch.
+  host (n is the host's share; each grain worker process holds its own). Computing an epoch's permutation takes ~20 ns per record at 96K records
+  (more once the split outgrows the CPU caches), once per epoch.
   Thread-safe (grain's reading threads share it); pickled without its cache (worker processes).
   """
 
@@ -449,10 +450,10 @@ def make_loader(
     `ReadBatch` call, turned into an `IterDataset` whose threads prefetch whole batches;
     "loader" (the only choice for self-batching legacy operations): a `grain.DataLoader` with an
     `EpochPermutationSampler`. Both yield the same batches in the same order (the same record order, and
-    RandomMap generators seeded the same way; tests check it); the dataset engine's own cost is
-    ~20-30 us per record on the (loaded) 2-core CPU where the DataLoader's is ~100 (per-record thread
-    hand-off, a Philox generator per record, per-record statistics): 1.8-3.4x the examples/s of the LRA and
-    synthetic smoke pipelines, which is what keeps small smoke models from waiting for input.
+    RandomMap generators seeded the same way; tests check it); the dataset engine's own cost is ~8 us per
+    record on the (loaded) 2-core CPU where the DataLoader's is ~60 (per-record thread hand-off, a Philox
+    generator per record, per-record statistics; trivial records, batch 8, at 1K and 96K records), which is
+    what keeps small smoke models from waiting for input.
     Iterators of both have get_state()/set_state() and are saved by grain.checkpoint (their states are not
     interchangeable: `check_iterator_checkpoint`). `config.data.engine` overrides the default, e.g. "loader"
     to resume a checkpoint written by the loader engine.
