@@ -337,6 +337,19 @@ def test_exact_backward_tables_match_per_feature_scatter_form():
       assert not np.any(np.asarray(dk)[~np.asarray(kvalid)])  # masked keys read an empty bucket
 
 
+def test_sort_by_code_is_a_stable_sort_in_both_forms():
+  # Packed int32 keys (code * L + row) when they fit, argsort otherwise (tau = 24 tables): same order.
+  from yoso import attention as ya
+  rng = np.random.default_rng(7)
+  for buckets, length in ((257, 1000), ((1 << 24) + 1, 300)):
+    assert (buckets * length < 2**31) == (buckets == 257)
+    codes = rng.integers(0, min(buckets, 40), size=length)  # few distinct codes: many ties to keep in order
+    order, sorted_codes = jax.jit(ya._sort_by_code, static_argnums=1)(jnp.asarray(codes, jnp.int32), buckets)
+    want = np.argsort(codes, kind="stable")
+    np.testing.assert_array_equal(order, want)
+    np.testing.assert_array_equal(sorted_codes, codes[want])
+
+
 def test_expected_collision_is_finite_at_parallel_vectors():
   c = jnp.array([1.0, -1.0, 1.0000001, 0.3], jnp.float32)
   p, g = jax.value_and_grad(lambda c: jnp.sum(expected_collision(c, 8)))(c)
