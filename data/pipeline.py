@@ -1,8 +1,9 @@
 """The grain plumbing every dataset shares: sampler, sharding, batching, padding of the last eval batch.
 
 Determinism and resume: every element the loader yields is a function of the record order (a seeded
-permutation of the host's records, a new one each epoch: `EpochPermutation`, the same on both engines) and of
-the record index, so `get_state()` / `set_state()` of the iterator continue with exactly the same batches. Per-record randomness (flips, MLM corruption) is seeded from (seed, record index), never from a
+permutation of the host's records, a new one each epoch: `EpochPermutation`, the same on both engines) and
+of the record index, so `get_state()` / `set_state()` of the iterator continue with exactly the same
+batches. Per-record randomness (flips, MLM corruption) is seeded from (seed, record index), never from a
 stateful generator.
 """
 
@@ -255,18 +256,20 @@ class EpochPermutation:
   """The record order both engines read: stream position g -> record key.
 
   Position g is offset g % n of epoch g // n, and its key is `permutation(epoch)[offset]`, where
-  `permutation(epoch)` is `np.random.default_rng([seed, epoch]).permutation(n)` (shuffled in place in an int32
-  `arange(n)`: the same order; the identity without `shuffle`). Every epoch is a permutation of the host's n records, reshuffled per epoch, the same for the
-  same (seed, n). Why not grain's index shuffle (`MapDataset.shuffle`, `IndexSampler`): it cycle-walks a
-  domain of at least 2^16 per record, ~22 us a record on a 1,024-record split (272 us at 64, ~3 us from
-  65,536 up), most of a small pipeline's cost; a cached permutation costs an array lookup at any size, and a
-  batch of positions is one vectorised lookup.
+  `permutation(epoch)` is `np.random.default_rng([seed, epoch]).permutation(n)` (shuffled in place in an
+  int32 `arange(n)`: the same order; the identity without `shuffle`). Every epoch is a permutation of the
+  host's n records, reshuffled per epoch, the same for the same (seed, n).
+
+  Why not grain's index shuffle (`MapDataset.shuffle`, `IndexSampler`): it cycle-walks a domain of at least
+  2^16 per record, ~22 us a record on a 1,024-record split (272 us at 64, ~3 us from 65,536 up), most of a
+  small pipeline's cost; a cached permutation costs an array lookup at any size, and a batch of positions is
+  one vectorised lookup.
 
   Memory: one int32 key per record (int64 from 2^31 records) for each of at most `cache_epochs` epochs (the
   current and the next, so a batch or the reading threads crossing an epoch boundary do not recompute it):
   4 MB per million records per epoch, e.g. ~1.5 GB per epoch for C4's 365M training documents on one
-  host (n is the host's share; each grain worker process holds its own). Computing an epoch's permutation takes ~20 ns per record at 96K records
-  (more once the split outgrows the CPU caches), once per epoch.
+  host (n is the host's share; each grain worker process holds its own). Computing an epoch's permutation
+  takes ~20 ns per record at 96K records (more once the split outgrows the CPU caches), once per epoch.
   Thread-safe (grain's reading threads share it); pickled without its cache (worker processes).
   """
 
@@ -363,7 +366,8 @@ class KeyBatches(grain.MapDataset):
   MapDataset position (checkpointable like any MapDataset).
   """
 
-  def __init__(self, order: EpochPermutation, *, num_epochs: int | None, batch_size: int, drop_remainder: bool):
+  def __init__(self, order: EpochPermutation, *, num_epochs: int | None, batch_size: int,
+               drop_remainder: bool):
     super().__init__()
     if batch_size < 1:
       raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -371,7 +375,8 @@ class KeyBatches(grain.MapDataset):
       raise ValueError(f"num_epochs must be None (endless) or >= 1, got {num_epochs}")
     self.order, self.batch_size = order, batch_size
     self.total = sys.maxsize if num_epochs is None else num_epochs * order.num_records  # stream positions
-    self.length = self.total // batch_size if drop_remainder or num_epochs is None else -(-self.total // batch_size)
+    drop = drop_remainder or num_epochs is None  # an endless stream has no last batch
+    self.length = self.total // batch_size if drop else -(-self.total // batch_size)
 
   def __len__(self) -> int:
     return self.length
@@ -393,9 +398,10 @@ class ReadBatch:
   """(batch index, record keys) -> batch: reads each `source[key]`, applies the per-record `operations` in
   order and stacks the examples (`PadBatch`).
 
-  Stream position `batch index * batch_size + j` is what grain.DataLoader's sampler (`EpochPermutationSampler`)
-  calls the record index, so RandomMap operations get the generator the DataLoader gives them: Philox keyed
-  by seed + index, one per record, shared by that record's operations in order.
+  Stream position `batch index * batch_size + j` is what grain.DataLoader's sampler
+  (`EpochPermutationSampler`) calls the record index, so RandomMap operations get the generator the
+  DataLoader gives them: Philox keyed by seed + index, one per record, shared by that record's operations
+  in order.
   """
 
   def __init__(self, source: Any, operations: Sequence[Any], *, seed: int, batch_size: int):
@@ -553,8 +559,8 @@ def check_iterator_checkpoint(step_dir: str, data_iter: Any, config: Any) -> Non
       f"checkpoint {step_dir} holds a data-iterator state ({files[0]}) in the record order of grain's "
       f"{saved['sampler']}, which config.data.name={config.data.name!r} no longer produces: records now "
       f"follow an EpochPermutation (seeded numpy permutation per epoch), so this run cannot continue "
-      f"with its old batches. Start a fresh workdir; or, to finish this run in its old order, run it with the "
-      f"project version from before EpochPermutation (see `git log -- data/pipeline.py`)."
+      f"with its old batches. Start a fresh workdir; or, to finish this run in its old order, run it with "
+      f"the project version from before EpochPermutation (see `git log -- data/pipeline.py`)."
     )
   if saved_loader == current_loader:
     return
