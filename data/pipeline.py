@@ -292,7 +292,7 @@ class EpochPermutation:
     self._cache, self._lock = collections.OrderedDict(), threading.Lock()
 
   def permutation(self, epoch: int) -> np.ndarray:
-    """The record keys of epoch `epoch` in stream order."""  # [num_records]
+    """The record keys of epoch `epoch` in stream order: [num_records] int32 (int64 from 2^31 records)."""
     epoch = int(epoch)
     with self._lock:  # computed once even when several reading threads reach a new epoch together
       perm = self._cache.get(epoch)
@@ -360,9 +360,9 @@ class KeyBatches(grain.MapDataset):
   """Element b: the record keys of stream positions [b * batch_size, (b + 1) * batch_size) in
   `EpochPermutation` order, an int array (the last one shorter when the remainder is kept).
 
-  The 'dataset' engine's record order in one node: grain's range -> shuffle -> repeat -> batch chain called
-  three datasets per record (its batch reads its parent record by record); this is one vectorised lookup per
-  batch. Batches run across epoch boundaries, like a batch after repeat. Its iterator state is grain's
+  The 'dataset' engine's record order in one node: grain's range -> shuffle -> repeat -> batch chain made a
+  chain of calls per record (its batch reads its parent record by record); this is one vectorised lookup
+  per batch. Batches run across epoch boundaries, like a batch after repeat. Its iterator state is grain's
   MapDataset position (checkpointable like any MapDataset).
   """
 
