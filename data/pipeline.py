@@ -265,19 +265,25 @@ class EpochPermutation:
   small pipeline's cost; a cached permutation costs an array lookup at any size, and a batch of positions is
   one vectorised lookup.
 
-  Memory: one int32 key per record (int64 from 2^31 records) for each of at most `cache_epochs` epochs (the
-  current and the next, so a batch or the reading threads crossing an epoch boundary do not recompute it):
-  4 MB per million records per epoch, e.g. ~1.5 GB per epoch for C4's 365M training documents on one
-  host (n is the host's share; each grain worker process holds its own). Computing an epoch's permutation
-  takes ~20 ns per record at 96K records (more once the split outgrows the CPU caches), once per epoch.
+  Memory: one int32 key per record for each of at most `cache_epochs` epochs (the current and the next, so a
+  batch or the reading threads crossing an epoch boundary do not recompute it): 4 MB per million records per
+  epoch, held by every grain worker process. Computing an epoch's permutation takes ~20 ns per record at 96K
+  records, once per epoch. Splits above `MAX_STORED` records (the host's share; C4 has 365M training
+  documents, which would be ~1.5 GB per epoch and worker) use grain's index shuffle keyed by (seed + epoch)
+  instead: no memory, ~3 us per record at that size, where it is no longer a pipeline's main cost.
   Thread-safe (grain's reading threads share it); pickled without its cache (worker processes).
   """
+
+  MAX_STORED = 1 << 24  # records: 64 MB per cached epoch
 
   def __init__(self, num_records: int, *, seed: int, shuffle: bool, cache_epochs: int = 2):
     if num_records < 1:
       raise ValueError(f"num_records must be >= 1, got {num_records}")
     self.num_records, self.seed, self.shuffle = int(num_records), int(seed), bool(shuffle)
+    if self.num_records > 2**32:
+      raise ValueError(f"num_records must be <= 2^32 per host (grain's index shuffle), got {num_records}")
     self.dtype = np.int32 if self.num_records < 2**31 else np.int64
+    self.stored = not self.shuffle or self.num_records <= self.MAX_STORED
     self.cache_epochs = cache_epochs
     self._cache: collections.OrderedDict[int, np.ndarray] = collections.OrderedDict()
     self._lock = threading.Lock()
@@ -292,7 +298,10 @@ class EpochPermutation:
     self._cache, self._lock = collections.OrderedDict(), threading.Lock()
 
   def permutation(self, epoch: int) -> np.ndarray:
-    """The record keys of epoch `epoch` in stream order: [num_records] int32 (int64 from 2^31 records)."""
+    """The record keys of epoch `epoch` in stream order: [num_records] int32 (stored orders only)."""
+    if not self.stored:
+      raise ValueError(f"{self!r} has {self.num_records} records > MAX_STORED={self.MAX_STORED}: its order is "
+                       f"not stored; use keys()")
     epoch = int(epoch)
     with self._lock:  # computed once even when several reading threads reach a new epoch together
       perm = self._cache.get(epoch)
@@ -309,12 +318,23 @@ class EpochPermutation:
 
   def key(self, position: int) -> int:
     epoch, offset = divmod(int(position), self.num_records)
+    if not self.stored:
+      return self._index_shuffle(epoch, offset)
     return int(self.permutation(epoch)[offset])
+
+  def _index_shuffle(self, epoch: int, offset: int) -> int:
+    """Large splits: a keyed bijection of [0, n) per epoch, grain's `MapDataset.shuffle` order."""
+    from grain._src.python.experimental.index_shuffle.python import index_shuffle_module
+
+    return index_shuffle_module.index_shuffle(offset, max_index=self.num_records - 1,
+                                              seed=(self.seed + epoch) % 2**32, rounds=4)
 
   def keys(self, positions: np.ndarray) -> np.ndarray:
     """Record keys of stream positions, one lookup per epoch they touch."""
     positions = np.asarray(positions, np.int64)  # [count]
     epochs, offsets = np.divmod(positions, self.num_records)  # [count], [count]
+    if not self.stored:
+      return np.array([self._index_shuffle(int(e), int(o)) for e, o in zip(epochs, offsets)], self.dtype)
     if len(positions) == 0 or epochs.min() == epochs.max():  # the common case: a batch inside one epoch
       return self.permutation(epochs[0] if len(positions) else 0)[offsets]
     out = np.empty(len(positions), self.dtype)  # [count]

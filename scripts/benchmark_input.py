@@ -12,9 +12,9 @@ run trains on (`--against none`: the paper config's length, batch `--batch_size`
   1. pipeline: the real pipeline (`data.create_dataset(config, "train", ...)`: shuffling sampler, decoding,
      tokenization, packing, MLM corruption, batching) is iterated: one warm-up batch, then as many batches as
      fit in `--seconds`. The mock records are presented as a split of the real split's size
-     (`config.data.virtual_records`, record i = mock record i % n), because the shuffling sampler's cost per
-     record depends on the split size (grain's index shuffle is ~50x slower on a 64-record split than on a
-     real one).
+     (`config.data.virtual_records`, record i = mock record i % n), so that the record order (a stored
+     permutation per epoch, grain's index shuffle above `EpochPermutation.MAX_STORED` records) and the
+     caches it touches have the real split's size.
   2. step: the smoke config's model and jitted train step are built the way train.py builds them
      (`train.Experiment` on one device, `init_state`, `train_step` on a pipeline batch, host-to-device
      transfer included); after two untimed steps (compile), the median of `--repeats` steps.

@@ -510,6 +510,29 @@ def test_epoch_permutation_is_a_seeded_reshuffle_per_epoch():
   np.testing.assert_array_equal(plain.keys(np.arange(2 * n)), np.arange(2 * n) % n)
 
 
+def test_epoch_permutation_of_large_splits_is_keyed_not_stored(monkeypatch):
+  """Above MAX_STORED records the order is grain's index shuffle per (seed + epoch): no array per epoch."""
+  import grain
+
+  monkeypatch.setattr(pipeline.EpochPermutation, "MAX_STORED", 50)
+  n = 300
+  order = pipeline.EpochPermutation(n, seed=7, shuffle=True)
+  assert not order.stored and pipeline.EpochPermutation(50, seed=7, shuffle=True).stored
+  epochs = [order.keys(np.arange(e * n, (e + 1) * n)) for e in range(3)]
+  for keys in epochs:
+    assert keys.dtype == np.int32 and sorted(keys.tolist()) == list(range(n))
+  assert len({tuple(keys.tolist()) for keys in epochs}) == 3 and not order._cache
+  want = grain.MapDataset.range(n).shuffle(seed=7)  # grain's own order, epoch e reseeded as seed + e
+  np.testing.assert_array_equal(epochs[1], [want[n + i] % n for i in range(n)])
+  positions = np.arange(n - 4, n + 4)  # across an epoch boundary
+  np.testing.assert_array_equal(order.keys(positions), np.concatenate(epochs)[positions])
+  assert [order.key(p) for p in positions] == np.concatenate(epochs)[positions].tolist()
+  with pytest.raises(ValueError, match="not stored"):
+    order.permutation(0)
+  plain = pipeline.EpochPermutation(n, seed=7, shuffle=False)  # without shuffle: records in sequence
+  np.testing.assert_array_equal(plain.keys(np.arange(n + 3)), np.arange(n + 3) % n)
+
+
 @pytest.mark.parametrize("engine", ["dataset", "loader"])
 def test_batches_follow_the_epoch_permutation_across_epochs(engine):
   config = _config("numbered")
