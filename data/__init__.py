@@ -24,8 +24,8 @@ NUL byte).
 config.data fields read here (all optional except `name`): data_dir (TFDS data directory; LRA unpacked
 inside it or `lra_dir`), seq_len, worker_count (grain worker processes, default 0), read_threads, prefetch,
 virtual_records (benchmarks: a small split presented at a real split's size, data.pipeline.VirtualRecords),
-engine ("dataset" | "loader": grain engine of batched datasets, default "dataset"; "loader" resumes checkpoints
-written before the dataset engine), cache_in_memory (MB, default 512: small splits of lra_text, lra_image,
+engine ("dataset" | "loader": grain engine of batched datasets, default "dataset"; both give the same batches in
+the same `EpochPermutation` record order, but each resumes only its own checkpoints), cache_in_memory (MB, default 512: small splits of lra_text, lra_image,
 lra_listops and the listops_synthetic cache are held in RAM; 0 = never);
 images: random_flip; text: spm_model, vocab_size (32000), tfds_version, max_segments, mlm_rate; LRA:
 lra_dir, skip_malformed, listops_parens, difficulty, resolution; listops_synthetic: min_length, max_length,
