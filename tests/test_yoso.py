@@ -313,12 +313,30 @@ def test_polynomial_arccos_and_collision_derivative_are_float32_exact():
     np.testing.assert_allclose(g64, want, rtol=1e-12)
 
 
-def test_exact_backward_tables_match_per_feature_scatter_form():
-  # Two implementations of the exact estimator: bucket-sorted chunked matmuls (used) vs one scatter of
-  # d-vectors per (hash, feature) (the sketch's path with unit directions). Lengths give chunks of 2 and 16.
+def _feature_tables_by_definition(qc, kc, kvalid, qn, kn, v, dy, directions):
+  """sum_t sum_j B^t_ij (dY_i R_t . v_j R_t) k_j and its dK twin, pair by pair (R_t = I when directions is
+  None); numpy, [g, L, ...] groups as in yoso.attention._feature_tables."""
+  qc, kc, kvalid, qn, kn, v, dy = map(np.asarray, (qc, kc, kvalid, qn, kn, v, dy))
+  g, length, m = qc.shape
+  dq, dk = np.zeros_like(qn), np.zeros_like(kn)
+  for t in range(m):
+    collide = (qc[:, :, None, t] == kc[:, None, :, t]) & kvalid[:, None, :]  # [g, L_q, L_k]
+    if directions is None:
+      weight = np.einsum("gie,gje->gij", dy, v)
+    else:
+      r = np.asarray(directions)[t]  # [g, e, s]
+      weight = np.einsum("gie,ges,gjf,gfs->gij", dy, r, v, r)
+    w = np.where(collide, weight, 0.0)
+    dq += np.einsum("gij,gjd->gid", w, kn)
+    dk += np.einsum("gij,gid->gjd", w, qn)
+  return dq, dk
+
+
+@pytest.mark.parametrize("sketch", [None, 3])
+def test_backward_feature_tables_match_their_definition(sketch):
+  # The bucket-sorted chunked matmuls against the sum over colliding pairs. Lengths give chunks of 2 and 16.
   from yoso import attention as ya
-  exact = jax.jit(ya._exact_feature_tables, static_argnums=7)
-  scatter = jax.jit(ya._weighted_cumulate, static_argnums=(3, 7))
+  tables = jax.jit(ya._feature_tables, static_argnums=7)
   with jax.enable_x64(True):
     for length, tau, m in ((10, 3, 3), (300, 4, 3)):
       rng = np.random.default_rng(length)
@@ -327,13 +345,12 @@ def test_exact_backward_tables_match_per_feature_scatter_form():
       v, dy = (jnp.asarray(rng.normal(size=(g, length, e))) for _ in range(2))
       qc, kc = (jnp.asarray(rng.integers(0, nb, size=(g, length, m)), jnp.int32) for _ in range(2))
       kvalid = jnp.asarray(rng.random((g, length)) > 0.3)
-      dq, dk = exact(qc, kc, kvalid, qn, kn, v, dy, nb)
-      want_dq = scatter(qc, kc, kvalid, None, v, dy, kn, nb)
-      want_dk = scatter(kc, qc, jnp.ones_like(kvalid), None, dy, v, qn, nb)
+      directions = None if sketch is None else jnp.asarray(rng.normal(size=(m, g, e, sketch)))
+      dq, dk = tables(qc, kc, kvalid, qn, kn, v, dy, nb, directions)
+      want_dq, want_dk = _feature_tables_by_definition(qc, kc, kvalid, qn, kn, v, dy, directions)
       np.testing.assert_allclose(dq, want_dq, rtol=1e-10, atol=1e-12)
       real = np.asarray(kvalid)[..., None]
-      np.testing.assert_allclose(np.where(real, dk, 0.0), np.where(real, want_dk, 0.0), rtol=1e-10,
-                                 atol=1e-12)
+      np.testing.assert_allclose(np.where(real, dk, 0.0), want_dk, rtol=1e-10, atol=1e-12)
       assert not np.any(np.asarray(dk)[~np.asarray(kvalid)])  # masked keys read an empty bucket
 
 

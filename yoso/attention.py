@@ -20,9 +20,8 @@ bilinear weight `dY_i . v_j` is decomposed over value features (the paper's per-
 (`backward_features=None`) does this exactly for every hash: O(L*m*d*e) time and O((L/chunk + 2^tau)*d*e)
 table memory (one group and one hash at a time) - linear in L, quadratic in the head size, exactly the
 paper's estimator (section 3.3, Table 1). The tables are built and read by batched matmuls over bucket-sorted,
-chunk-padded rows (`_exact_feature_tables`), 2.3-2.7x faster on CPU than e scatters of d-vectors per hash
-(`_weighted_cumulate`, which the sketch still uses: its fixed sort/pad cost of about 1 s at L=4096 does not
-pay off for s <= 8). `backward_features=s` is a cheaper, linear-in-d alternative: per hash, the
+chunk-padded rows (`_feature_tables`), ~2.3x faster on CPU than e scatters of d-vectors per hash (the form the
+tests keep as reference). `backward_features=s` is a cheaper, linear-in-d alternative: per hash, the
 value space is sketched with `s` random orthonormal directions scaled so that `E[R R^T] = I`, i.e. `dY . v`
 becomes `(dY R) . (v R)`: still unbiased, O(L*m*s*d), but the sketch multiplies the gradient variance of dQ/dK
 by roughly `e/s`. Measured relative error of dQ against the dense surrogate gradient through the same forward
@@ -164,59 +163,6 @@ def _lsh_cumulate(read_codes: Array, write_codes: Array, write_valid: Array, per
   return out
 
 
-def _weighted_cumulate(read_codes: Array, write_codes: Array, write_valid: Array, directions: Array | None,
-                       src_w: Array, dst_w: Array, vec: Array, num_buckets: int) -> Array:
-  """sum_t sum_s (dst_w_i . r_ts) sum_{j valid, code_t(j) = code_t(i)} (src_w_j . r_ts) vec_j (feature
-  tables).
-
-  Groups g heads-major: read_codes, write_codes [g, L, m]; write_valid [g, L]; src_w [g, L, e] (writer side),
-  dst_w [g, L, e] (reader side), vec [g, L, d] (writer side). directions: None for the e unit vectors, which
-  makes this exactly sum_j B_ij (dst_w_i . src_w_j) vec_j, or [m, g, e, s] directions per hash (the sketch).
-  Returns [g, L, d].
-
-  One table of d-vectors per (group, hash, direction): each scatter moves rows of d floats (wider rows are
-  several times slower per float on CPU). Groups run one after another (`lax.map`) so that a group's [L, d]
-  rows and accumulator stay in a core's L2 cache across its m * e table passes; all groups at once stream
-  [g, L, d] through memory on every pass (measured 1.1x faster exact, ~1.8x with a 4-direction sketch, at
-  L = 4096, 8 groups).
-  """
-  if directions is not None:
-    directions = jnp.moveaxis(directions, 1, 0)  # [g, m, e, s]
-  group = functools.partial(_group_weighted_cumulate, num_buckets=num_buckets)
-  return jax.lax.map(lambda xs: group(*xs), (read_codes, write_codes, write_valid, directions, src_w, dst_w,
-                                             vec))
-
-
-def _group_weighted_cumulate(read_codes: Array, write_codes: Array, write_valid: Array,
-                             directions: Array | None, src_w: Array, dst_w: Array, vec: Array,
-                             num_buckets: int) -> Array:
-  """`_weighted_cumulate` for one group: codes [L, m]; write_valid [L]; src_w, dst_w [L, e]; vec [L, d];
-  directions None or [m, e, s]. Returns [L, d]."""
-  length, d = vec.shape
-  write_ids = jnp.where(write_valid[:, None], write_codes, num_buckets)  # [L, m]; bucket 2^tau is never read
-  if directions is None:  # the same e unit directions for every hash: plain feature columns
-    src_cols, dst_cols = src_w.T, dst_w.T  # [e, L]
-
-  def hash_step(acc, xs):
-    wid, rid, r = xs  # [L], [L], None or [e, s]
-    if r is None:
-      a_src, a_dst = src_cols, dst_cols
-    else:
-      a_src, a_dst = (r.T @ src_w.T), (r.T @ dst_w.T)  # [s, L]
-
-    def feature_step(acc, a):
-      a_s, a_d = a  # [L] each
-      table = jax.ops.segment_sum(a_s[:, None] * vec, wid, num_segments=num_buckets + 1)  # [2^tau + 1, d]
-      return acc + a_d[:, None] * table[rid], None  # [L, d]
-
-    acc, _ = jax.lax.scan(feature_step, acc, (a_src, a_dst))
-    return acc, None
-
-  init = jnp.zeros((length, d), vec.dtype)
-  out, _ = jax.lax.scan(hash_step, init, (write_ids.T, read_codes.T, directions))
-  return out
-
-
 MAX_CHUNK = 16  # rows per matmul block in the exact backward; more pads more (measured 16 > 32 > 8 at L=4096)
 
 
@@ -263,9 +209,10 @@ def _bucket_layout(codes: Array, buckets: int, chunk: int, padded_length: int) -
   return slot, source, chunk_bucket
 
 
-def _exact_feature_tables(qcodes: Array, kcodes: Array, kvalid: Array, qn: Array, kn: Array, v: Array,
-                          dy: Array, num_buckets: int) -> tuple[Array, Array]:
-  """sum_t sum_j B^t_ij (dY_i . v_j) k_j and sum_t sum_i B^t_ij (dY_i . v_j) q_i, exactly, for all hashes t.
+def _feature_tables(qcodes: Array, kcodes: Array, kvalid: Array, qn: Array, kn: Array, v: Array, dy: Array,
+                    num_buckets: int, directions: Array | None = None) -> tuple[Array, Array]:
+  """sum_t sum_j B^t_ij (dY_i . v_j) k_j and sum_t sum_i B^t_ij (dY_i . v_j) q_i for all hashes t: exactly
+  (directions None), or with `dY . v` sketched per hash as `(dY R_t) . (v R_t)` (directions [m, g, e, s]).
 
   Groups heads-major: qcodes, kcodes [g, L, m]; kvalid [g, L]; qn, kn [g, L, d]; v, dy [g, L, e]. Returns
   (dq, dk) [g, L, d] each, unscaled; masked keys write nothing, and read nothing (their bucket has no query).
@@ -275,8 +222,10 @@ def _exact_feature_tables(qcodes: Array, kcodes: Array, kvalid: Array, qn: Array
   q_i^T read by v_j). Rather than e scatters of d-wide rows per hash (memory-bound on CPU), rows are sorted
   by code with every bucket padded to a multiple of `chunk` rows, so T is a batched [e, chunk] x [chunk, d]
   matmul per chunk summed over each bucket's chunks, and the read is a batched matmul of each query chunk
-  with its bucket's table. Same O(L*m*e*d) work (plus padding), about 2x faster than the scatter form at
-  L=4096 (measured); values equal it up to float summation order. Groups run one at a time (lax.map).
+  with its bucket's table. Same O(L*m*e*d) work (plus padding), faster on CPU than e scatters of d-vectors
+  per hash (measured at L=4096, 8 heads, m=32: exact 1.7 s against ~3.9 s; with an s=8 sketch 0.66 s against
+  ~1.0 s); values equal that scatter form up to float summation order (tests keep it as the reference).
+  Groups run one at a time (lax.map) so that a group's rows stay in cache across its hashes.
   """
   _, length, _ = qcodes.shape
   buckets = num_buckets + 1  # the extra bucket holds masked keys; query codes never reach it
@@ -300,21 +249,25 @@ def _exact_feature_tables(qcodes: Array, kcodes: Array, kvalid: Array, qn: Array
   # Every hash's layout up front: one batched sort is cheaper than m small ones inside the loop.
   qlay, klay = layout(jnp.swapaxes(qcodes, 1, 2)), layout(jnp.swapaxes(kcodes, 1, 2))  # each [g, m, ...]
 
-  def group(xs):
-    qlay, klay, q, k, vg, dyg = xs  # layouts [m, ...] each; [L, d], [L, d], [L, e], [L, e]
+  if directions is not None:
+    directions = jnp.swapaxes(directions, 0, 1)  # [g, m, e, s]
 
-    def hash_step(acc, lays):
-      (qslot, qsrc, qchunks), (kslot, ksrc, kchunks) = lays
-      pv, pdy = pad(vg, ksrc), pad(dyg, qsrc)
+  def group(xs):
+    qlay, klay, r, q, k, vg, dyg = xs  # layouts [m, ...] each; None or [m, e, s]; [L, d] x2; [L, e] x2
+
+    def hash_step(acc, per_hash):
+      (qslot, qsrc, qchunks), (kslot, ksrc, kchunks), rt = per_hash
+      vt, dyt = (vg, dyg) if rt is None else (vg @ rt, dyg @ rt)  # [L, e] or the sketch's [L, s]
+      pv, pdy = pad(vt, ksrc), pad(dyt, qsrc)
       dq = read(pdy, tables(pv, pad(k, ksrc), kchunks), qchunks, qslot)  # queries read sum v_j k_j^T
       dk = read(pv, tables(pdy, pad(q, qsrc), qchunks), kchunks, kslot)  # keys read sum dY_i q_i^T
       return (acc[0] + dq, acc[1] + dk), None
 
     init = (jnp.zeros_like(q), jnp.zeros_like(k))
-    out, _ = jax.lax.scan(hash_step, init, (qlay, klay))  # scanned over hashes
+    out, _ = jax.lax.scan(hash_step, init, (qlay, klay, r))  # scanned over hashes
     return out
 
-  return jax.lax.map(group, (qlay, klay, qn, kn, v, dy))
+  return jax.lax.map(group, (qlay, klay, directions, qn, kn, v, dy))
 
 
 def _sketch_directions(rng: Array, batch: int, heads: int, num_hashes: int, value_dim: int,
@@ -357,7 +310,6 @@ def _make_cumulation(tau: int, backward: str):
       dq, dk, dv = vjp(dy)
       return dq, dk, dv, None, None, None, None
     m = qcodes.shape[-1]
-    g, length, d = qn.shape
     e = v.shape[-1]
     qvalid = jnp.ones(kvalid.shape, bool)  # every query read the forward, so every query's cotangent counts
     kv = kvalid[..., None]
@@ -367,14 +319,9 @@ def _make_cumulation(tau: int, backward: str):
     dv = jnp.where(kv, dv / m, 0.0)
 
     scale = (tau / 2) / m
-    # dQ_i = (tau/2)/m sum B_ij (dY_i . v_j) k_j: keys write (v_j . c) k_j, queries read with (dY_i . c).
-    if directions is None:  # the exact per-feature estimator
-      dq, dk = _exact_feature_tables(qcodes, kcodes, kvalid, qn, kn, v, dy, num_buckets)
-      dq, dk = scale * dq, scale * dk
-    else:  # the sketch
-      dq = scale * _weighted_cumulate(qcodes, kcodes, kvalid, directions, v, dy, kn, num_buckets)
-      # dK_j = (tau/2)/m sum B_ij (dY_i . v_j) q_i: queries write (dY_i . c) q_i, keys read with (v_j . c).
-      dk = scale * _weighted_cumulate(kcodes, qcodes, qvalid, directions, dy, v, qn, num_buckets)
+    # dQ_i = (tau/2)/m sum B_ij (dY_i . v_j) k_j and dK_j = (tau/2)/m sum B_ij (dY_i . v_j) q_i.
+    dq, dk = _feature_tables(qcodes, kcodes, kvalid, qn, kn, v, dy, num_buckets, directions)
+    dq, dk = scale * dq, scale * dk
     dk = jnp.where(kv, dk, 0.0)
     return dq, dk, dv, None, None, None, None
 
