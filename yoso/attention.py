@@ -20,8 +20,8 @@ bilinear weight `dY_i . v_j` is decomposed over value features (the paper's per-
 (`backward_features=None`) does this exactly for every hash: O(L*m*d*e) time and O((L/chunk + 2^tau)*d*e)
 table memory (one group and one hash at a time) - linear in L, quadratic in the head size, exactly the
 paper's estimator (section 3.3, Table 1). The tables are built and read by batched matmuls over bucket-sorted,
-chunk-padded rows (`_feature_tables`), ~2.3x faster on CPU than e scatters of d-vectors per hash (the form the
-tests keep as reference). `backward_features=s` is a cheaper, linear-in-d alternative: per hash, the
+chunk-padded rows (`_feature_tables`), 2.3-2.7x faster on CPU than e scatters of d-vectors per hash.
+`backward_features=s` is a cheaper, linear-in-d alternative: per hash, the
 value space is sketched with `s` random orthonormal directions scaled so that `E[R R^T] = I`, i.e. `dY . v`
 becomes `(dY R) . (v R)`: still unbiased, O(L*m*s*d), but the sketch multiplies the gradient variance of dQ/dK
 by roughly `e/s`. Measured relative error of dQ against the dense surrogate gradient through the same forward
@@ -223,9 +223,9 @@ def _feature_tables(qcodes: Array, kcodes: Array, kvalid: Array, qn: Array, kn: 
   by code with every bucket padded to a multiple of `chunk` rows, so T is a batched [e, chunk] x [chunk, d]
   matmul per chunk summed over each bucket's chunks, and the read is a batched matmul of each query chunk
   with its bucket's table. Same O(L*m*e*d) work (plus padding), faster on CPU than e scatters of d-vectors
-  per hash (measured at L=4096, 8 heads, m=32: exact 1.7 s against ~3.9 s; with an s=8 sketch 0.66 s against
-  ~1.0 s); values equal that scatter form up to float summation order (tests keep it as the reference).
-  Groups run one at a time (lax.map) so that a group's rows stay in cache across its hashes.
+  per hash (at L=4096, 8 heads, m=32: 2.3-2.7x for the exact tables; with an s=8 sketch 0.66 s against about
+  1.0 s for dQ and dK); tests check it against the sum over colliding pairs. Groups run one at a time
+  (lax.map) so that a group's rows stay in cache across its hashes (vmapped groups measured 2x slower).
   """
   _, length, _ = qcodes.shape
   buckets = num_buckets + 1  # the extra bucket holds masked keys; query codes never reach it
