@@ -19,6 +19,7 @@ from typing import Any
 
 import grain
 import numpy as np
+from grain._src.python.experimental.index_shuffle.python import index_shuffle_module
 
 log = logging.getLogger("data")
 
@@ -324,8 +325,6 @@ class EpochPermutation:
 
   def _index_shuffle(self, epoch: int, offset: int) -> int:
     """Large splits: a keyed bijection of [0, n) per epoch, grain's `MapDataset.shuffle` order."""
-    from grain._src.python.experimental.index_shuffle.python import index_shuffle_module
-
     return index_shuffle_module.index_shuffle(offset, max_index=self.num_records - 1,
                                               seed=(self.seed + epoch) % 2**32, rounds=4)
 
