@@ -111,6 +111,6 @@ def get_config(arg: str | None = None):
     if task == "listops_synthetic":
       c.data.update(SYNTHETIC_SMOKE)
   base.apply_common(c, values)
-  if YOSO_FLAG in flags and c.model.attention.name in ("yoso", "yoso_c"):
+  if YOSO_FLAG in flags and c.model.attention.name in ("yoso", "yoso_sketch", "yoso_c"):
     c.model.attention.params.num_hashes = 16 if c.model.attention.name == "yoso_c" else 32  # YOSO-C-16, YOSO-32
   return c

@@ -5,6 +5,8 @@ Names (`config.model.attention.name`):
   train
            step reseeds from the step key (fresh hashes every step) and evaluation reseeds with a fixed seed
            (deterministic evaluation).
+  yoso_sketch
+           YOSO-m with the linear-in-d backward (`backward_features=1`): faster, noisier dQ/dK.
   yoso_e   YOSO-E, the dense expectation (no randomness).
   yoso_c   YOSO-C (paper section 4.2), `yoso.attention.yoso_c`: YOSO-m plus a per-head depthwise convolution
   of
@@ -35,6 +37,7 @@ from yoso.attention import depthwise_conv
 Array = Any
 DEFAULT_CONV_KERNEL = 33
 YOSO_FIELDS = ("conv_kernel_size",)
+SAMPLED = ("yoso", "yoso_sketch", "yoso_c")  # ops that take a hash rng
 
 
 class YosoAttention(attention.OpAttention):
@@ -47,7 +50,7 @@ class YosoAttention(attention.OpAttention):
     # "auto" entries from the registry's benchmark parameters; the module owns the key and the kernel.
     self.plan_params.pop("rng", None)
     self.plan_params.pop("conv_kernel", None)
-    self.sampled = self.op_name in ("yoso", "yoso_c")
+    self.sampled = self.op_name in SAMPLED
     self.rng = rngs.attention.fork() if self.sampled else None
     size = config.get("conv_kernel_size", None)
     if size is None and self.op_name == "yoso_c":
@@ -79,5 +82,5 @@ class YosoAttention(attention.OpAttention):
     return self.output(o, deterministic=deterministic)
 
 
-for _name in ("yoso", "yoso_e", "yoso_c"):
+for _name in (*SAMPLED, "yoso_e"):
   registry.register_module(_name, YosoAttention, fields=YOSO_FIELDS)

@@ -245,9 +245,10 @@ def test_dense_backward_matches_surrogate_exactly(normalize):
       np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("features", [None, 2])
+@pytest.mark.parametrize("features", [None, 1, 3])
 def test_sampled_backward_is_unbiased_for_surrogate_gradient(features):
-  # The forward's codes are re-used; dV is exact in expectation, dQ/dK too (features=2: an unbiased sketch).
+  # The forward's codes are re-used; dV is exact in expectation, dQ/dK too (features=1, 3: unbiased sketches
+  # through the segment-sum and the chunked implementation).
   with jax.enable_x64(True):
     q, k, v = _inputs(8, length=8, e=4)
     mask = jnp.ones((1, 8), bool).at[0, 5].set(False)
@@ -332,11 +333,12 @@ def _feature_tables_by_definition(qc, kc, kvalid, qn, kn, v, dy, directions):
   return dq, dk
 
 
-@pytest.mark.parametrize("sketch", [None, 3])
-def test_backward_feature_tables_match_their_definition(sketch):
-  # The bucket-sorted chunked matmuls against the sum over colliding pairs. Lengths give chunks of 2 and 16.
+@pytest.mark.parametrize("form,sketch", [("chunks", None), ("chunks", 3), ("segments", 1), ("segments", 2)])
+def test_backward_feature_tables_match_their_definition(form, sketch):
+  # Both implementations against the sum over colliding pairs: the bucket-sorted chunked matmuls (lengths
+  # give chunks of 2 and 16) and the narrow sketch's segment sums, which also carry dV.
   from yoso import attention as ya
-  tables = jax.jit(ya._feature_tables, static_argnums=7)
+  tables = jax.jit(ya._feature_tables if form == "chunks" else ya._sketched_tables, static_argnums=7)
   with jax.enable_x64(True):
     for length, tau, m in ((10, 3, 3), (300, 4, 3)):
       rng = np.random.default_rng(length)
@@ -346,12 +348,17 @@ def test_backward_feature_tables_match_their_definition(sketch):
       qc, kc = (jnp.asarray(rng.integers(0, nb, size=(g, length, m)), jnp.int32) for _ in range(2))
       kvalid = jnp.asarray(rng.random((g, length)) > 0.3)
       directions = None if sketch is None else jnp.asarray(rng.normal(size=(m, g, e, sketch)))
-      dq, dk = tables(qc, kc, kvalid, qn, kn, v, dy, nb, directions)
+      dq, dk, *dv = tables(qc, kc, kvalid, qn, kn, v, dy, nb, directions)
       want_dq, want_dk = _feature_tables_by_definition(qc, kc, kvalid, qn, kn, v, dy, directions)
       np.testing.assert_allclose(dq, want_dq, rtol=1e-10, atol=1e-12)
       real = np.asarray(kvalid)[..., None]
       np.testing.assert_allclose(np.where(real, dk, 0.0), want_dk, rtol=1e-10, atol=1e-12)
-      assert not np.any(np.asarray(dk)[~np.asarray(kvalid)])  # masked keys read an empty bucket
+      if form == "chunks":
+        assert not np.any(np.asarray(dk)[~np.asarray(kvalid)])  # masked keys read an empty bucket
+      else:  # dV_j = sum_t sum_i B^t_ij dY_i for every key (the caller zeroes masked keys)
+        collide = np.asarray(qc)[:, :, None] == np.asarray(kc)[:, None, :]  # [g, L_q, L_k, m]
+        want_dv = np.einsum("gijt,gie->gje", collide, np.asarray(dy))
+        np.testing.assert_allclose(dv[0], want_dv, rtol=1e-10, atol=1e-12)
 
 
 def test_sort_by_code_is_a_stable_sort_in_both_forms():

@@ -27,11 +27,17 @@ becomes `(dY R) . (v R)`: still unbiased, O(L*m*s*d), but the sketch multiplies 
 by roughly `e/s`. Measured relative error of dQ against the dense surrogate gradient through the same forward
 (L=256, d=e=64, m=32, tau=8, correlated q/k, mean of 6 keys): exact 1.6, s=16 3.3, s=8 4.6, s=4 6.5, s=1 13.0
 (dV 1.1 for all); cycling the blocks of one random basis over the hashes instead of independent directions
-measured the same. Cost ceiling of the exact form: its tables cost 4*L*m*d*e multiply-adds (build and read,
-dQ and dK) against dense's ~6*L^2*d, a ratio of 3L/(2*m*e) = 6 at L=8192, m=32, e=64 before padding (about
-1.5-2x at L=4096) and sorting, so 10x dense at L=8192 is out of its reach. The chain rule
-through the l2-normalisations of q, k and of the output is ordinary autodiff. `backward="dense"` replaces the
-sampled backward by the exact O(L^2) surrogate gradient (short sequences, tests).
+measured the same. Sketches of s <= SCATTER_FEATURES = 2 directions skip the chunked matmuls: their tables
+are plain segment sums of s*d-wide rows, so the backward is two forward-like passes over the hashes
+(`_sketched_tables`, dV riding along); at L=4096, 8 heads, m=32, s=1 this is 316 ms fwd+bwd against 447 ms
+chunked (s=2: 591 against 655). The price is the variance: a tiny MLM model on the recall task (L=128, 300
+steps, one seed) ended at loss 1.99 / answer accuracy 0.25 with s=1 against 1.70 / 0.31 exact (YOSO-E 1.56 /
+0.34), which is why the exact form stays the default. Cost ceiling of the exact form: its tables cost
+4*L*m*d*e multiply-adds (build and read, dQ and dK) against dense's ~6*L^2*d, a ratio of 3L/(2*m*e) = 6 at
+L=8192, m=32, e=64 before padding (about 1.5-2x at L=4096) and sorting, so 10x dense at L=8192 is out of its
+reach. The chain rule through the l2-normalisations of q, k and of the output is ordinary autodiff.
+`backward="dense"` replaces the sampled backward by the exact O(L^2) surrogate gradient (short sequences,
+tests).
 
 The 1/sqrt(head_dim) logit scale of the op contract is a no-op here: YOSO only sees directions of q and k.
 """
@@ -270,6 +276,41 @@ def _feature_tables(qcodes: Array, kcodes: Array, kvalid: Array, qn: Array, kn: 
   return jax.lax.map(group, (qlay, klay, directions, qn, kn, v, dy))
 
 
+SCATTER_FEATURES = 2  # sketches this narrow use segment sums: faster than chunks at s <= 2, slower at s = 4
+
+
+def _sketched_tables(qcodes: Array, kcodes: Array, kvalid: Array, qn: Array, kn: Array, v: Array, dy: Array,
+                     num_buckets: int, directions: Array) -> tuple[Array, Array, Array]:
+  """(dq, dk, dv) unscaled for a narrow sketch, the backward in forward form: per hash, the value-space
+  projections a = dY R_t, b = v R_t [g, L, s] turn both bilinear sums into ordinary LSH cumulations of
+  s*d-wide rows, dQ_i = sum_f a_if T_t[code(i)]_f with T_t[c]_f = sum_{j in c} b_jf k_j, and dK_j =
+  sum_f b_jf U_t[code(j)]_f with U_t[c]_f = sum_{i in c} a_if q_i. dV rides in U's table (its dY columns), so
+  the backward is two passes over the hashes, like two forwards of width s*d (+ e).
+
+  Shapes as in `_feature_tables`; directions [m, g, e, s]. dv [g, L, e] is sum_t sum_i B^t_ij dY_i, unscaled,
+  for every key (the caller zeroes masked keys and divides by m).
+  """
+  g, length, d = qn.shape
+  e = v.shape[-1]
+  s = directions.shape[-1]
+  a = jnp.einsum("gle,mges->mgls", dy, directions)  # [m, g, L, s]
+  b = jnp.einsum("gle,mges->mgls", v, directions)  # [m, g, L, s]
+
+  def outer(w, x):  # [g, L, s], [g, L, d] -> [g, L, s * d]
+    return (w[..., :, None] * x[..., None, :]).reshape(g, length, s * d)
+
+  def contract(w, rows):  # [g, L, s], [g, L, s * d] -> [g, L, d]
+    return jnp.einsum("gls,glsd->gld", w, rows.reshape(g, length, s, d))
+
+  dq = _lsh_cumulate(qcodes, kcodes, kvalid, (a, b), lambda ab: outer(ab[1], kn),
+                     lambda rows, ab: contract(ab[0], rows), num_buckets, d, qn.dtype)
+  qvalid = jnp.ones(kvalid.shape, bool)
+  dvk = _lsh_cumulate(kcodes, qcodes, qvalid, (a, b), lambda ab: jnp.concatenate([dy, outer(ab[0], qn)], -1),
+                      lambda rows, ab: jnp.concatenate([rows[..., :e], contract(ab[1], rows[..., e:])], -1),
+                      num_buckets, e + d, qn.dtype)
+  return dq, dvk[..., e:], dvk[..., :e]
+
+
 def _sketch_directions(rng: Array, batch: int, heads: int, num_hashes: int, value_dim: int,
                        features: int | None, dtype: Any) -> Array | None:
   """[m, batch * heads, e, s] value-space directions per hash with E[R R^T] = I (shared over the batch).
@@ -313,14 +354,16 @@ def _make_cumulation(tau: int, backward: str):
     e = v.shape[-1]
     qvalid = jnp.ones(kvalid.shape, bool)  # every query read the forward, so every query's cotangent counts
     kv = kvalid[..., None]
-    # dV: tables of dY keyed by query codes, read at key codes.
-    dv = _lsh_cumulate(kcodes, qcodes, qvalid, None, lambda _: dy, lambda rows, _: rows, num_buckets, e,
-                       v.dtype)
-    dv = jnp.where(kv, dv / m, 0.0)
-
     scale = (tau / 2) / m
     # dQ_i = (tau/2)/m sum B_ij (dY_i . v_j) k_j and dK_j = (tau/2)/m sum B_ij (dY_i . v_j) q_i.
-    dq, dk = _feature_tables(qcodes, kcodes, kvalid, qn, kn, v, dy, num_buckets, directions)
+    if directions is not None and directions.shape[-1] <= SCATTER_FEATURES:
+      dq, dk, dv = _sketched_tables(qcodes, kcodes, kvalid, qn, kn, v, dy, num_buckets, directions)
+    else:
+      # dV: tables of dY keyed by query codes, read at key codes.
+      dv = _lsh_cumulate(kcodes, qcodes, qvalid, None, lambda _: dy, lambda rows, _: rows, num_buckets, e,
+                         v.dtype)
+      dq, dk = _feature_tables(qcodes, kcodes, kvalid, qn, kn, v, dy, num_buckets, directions)
+    dv = jnp.where(kv, dv / m, 0.0)
     dq, dk = scale * dq, scale * dk
     dk = jnp.where(kv, dk, 0.0)
     return dq, dk, dv, None, None, None, None
@@ -366,8 +409,9 @@ def yoso(q: Array, k: Array, v: Array, *, rng: Array, num_hashes: int, tau: int,
   backward: "sampled" (linear cost, re-uses the forward's codes) or "dense" (exact O(L^2) surrogate gradient).
   backward_features: None (default) computes the sampled dQ/dK with every value feature, exactly the paper's
   estimator, O(L*m*d*value_dim); an int s sketches the value space with s random directions per hash,
-  O(L*m*s*d), unbiased but with about value_dim/s times the gradient variance. Returns [batch, length, heads,
-  value_dim] in v's dtype.
+  O(L*m*s*d), unbiased but with about value_dim/s times the gradient variance (s <= 2: two forward-like
+  passes, about 6x faster than the exact form at L=4096; the "yoso_sketch" registry op uses s=1). Returns
+  [batch, length, heads, value_dim] in v's dtype.
   """
   op = "yoso"
   q, k, v, mask = contract.check_qkv(q, k, v, mask, op=op)
