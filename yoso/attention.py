@@ -6,9 +6,9 @@ YOSO-E is its expectation `P V`. N-YOSO l2-normalises the output (the paper's de
 missing row normalisation of `P` irrelevant.
 
 Forward (paper section 3.2): for each hash, a table of `2^tau` buckets holds the sum of the values of the keys
-hashed there (`jax.ops.segment_sum`), and each query reads its bucket. A `lax.scan` over hashes keeps one
-table per step alive, so memory is O(b*h*2^tau*d) for tables plus O(L*m) int32 codes and O(L*d) accumulators;
-time is O(L*m*d). Masked keys go to an extra bucket that no query ever reads.
+hashed there (`jax.ops.segment_sum`), and each query reads its bucket. Groups (batch * heads) run one at a
+time with a `lax.scan` over hashes inside, so one table is alive at a time: memory is O(2^tau*d) for tables
+plus O(L*m) int32 codes and O(L*d) accumulators; time is O(L*m*d). Masked keys go to an extra bucket that no query ever reads.
 
 Backward (paper section 3.3), a `jax.custom_vjp` that re-uses the forward's codes (nothing is re-hashed):
   dV_j = 1/m sum_hashes sum_i B_ij dY_i                                   (tables keyed by query codes)
@@ -141,32 +141,35 @@ def _dense_surrogate(qn: Array, kn: Array, v: Array, kvalid: Array, tau: int) ->
   return jnp.einsum("gqk,gke->gqe", p, v)  # [groups, length, value_dim]
 
 
-def _lsh_cumulate(read_codes: Array, write_codes: Array, write_valid: Array, per_hash: Any, write_fn, read_fn,
-                  num_buckets: int, out_dim: int, dtype: Any) -> Array:
-  """sum_t read_fn(T_t[read_code_t(i)], t), T_t[c] = sum of write_fn(t)[j] over valid j, write_code_t(j) = c.
+def _lsh_cumulate(read_codes: Array, write_codes: Array, write_valid: Array, per_group: Any, per_hash: Any,
+                  write_fn, read_fn, num_buckets: int, out_dim: int, dtype: Any) -> Array:
+  """sum_t read_fn(T_t[read_code_t(i)]), T_t[c] = sum of write_fn rows j over valid j with write_code_t(j) = c.
 
   Groups g = batch * heads, heads-major: read_codes, write_codes [g, L, m] int32; write_valid [g, L] bool;
-  per_hash: pytree with leading axis m. write_fn(per_hash_t) -> [g, L, e] rows to insert;
-  read_fn(rows [g, L, e], per_hash_t) -> [g, L, out_dim]. A scan over hashes keeps one table alive at a time.
+  per_group: pytree with leading axis g; per_hash: pytree with leading axes [m, g] (or None).
+  write_fn(group, hash) -> [L, e] rows to insert; read_fn(rows [L, e], group, hash) -> [L, out_dim], where
+  group and hash are one group's (and one hash's) slices. Returns [g, L, out_dim]. Groups run one at a time
+  (lax.map) with a scan over hashes inside, so one group's rows stay in cache across its hashes and one
+  [2^tau + 1, e] table is alive at a time. Against all groups per hash step, at L=16384 (8 heads, m=32) the
+  forward measured 421 -> 332 ms and the s=1 sketch's forward+backward 2027 -> 1151 ms; at L=4096 within 6%.
   """
   g, length, _ = read_codes.shape
-  stride = num_buckets + 1  # bucket num_buckets collects invalid rows; read codes never reach it
-  base = (jnp.arange(g, dtype=jnp.int32) * stride)[:, None, None]  # [g, 1, 1]
-  write_ids = jnp.where(write_valid[..., None], write_codes, num_buckets) + base  # [g, L, m]
-  read_ids = read_codes + base  # [g, L, m]
+  # Bucket num_buckets collects invalid rows; read codes never reach it.
+  write_ids = jnp.where(write_valid[..., None], write_codes, num_buckets)  # [g, L, m]
+  per_hash = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), per_hash)  # leading [g, m]
 
-  def step(acc, xs):
-    wid, rid, extra = xs  # [g, L], [g, L], per-hash slice
-    rows = write_fn(extra)  # [g, L, e]
-    table = jax.ops.segment_sum(rows.reshape(g * length, -1), wid.reshape(-1),
-                                num_segments=g * stride)  # [g * (2^tau + 1), e]
-    read = table[rid.reshape(-1)].reshape(g, length, -1)  # [g, L, e]
-    return acc + read_fn(read, extra), None
+  def group(xs):
+    wids, rids, data, hashes = xs  # [L, m], [L, m], one group's data, per-hash pytree [m, ...]
 
-  init = jnp.zeros((g, length, out_dim), dtype)
-  xs = (jnp.moveaxis(write_ids, -1, 0), jnp.moveaxis(read_ids, -1, 0), per_hash)
-  out, _ = jax.lax.scan(step, init, xs)
-  return out
+    def step(acc, hs):
+      wid, rid, extra = hs  # [L], [L], one hash's slice
+      table = jax.ops.segment_sum(write_fn(data, extra), wid, num_segments=num_buckets + 1)  # [2^tau + 1, e]
+      return acc + read_fn(table[rid], data, extra), None
+
+    out, _ = jax.lax.scan(step, jnp.zeros((length, out_dim), dtype), (wids.T, rids.T, hashes))
+    return out
+
+  return jax.lax.map(group, (write_ids, read_codes, per_group, per_hash))
 
 
 MAX_CHUNK = 16  # rows per matmul block in the exact backward; more pads more (measured 16 > 32 > 8 at L=4096)
@@ -296,17 +299,18 @@ def _sketched_tables(qcodes: Array, kcodes: Array, kvalid: Array, qn: Array, kn:
   a = jnp.einsum("gle,mges->mgls", dy, directions)  # [m, g, L, s]
   b = jnp.einsum("gle,mges->mgls", v, directions)  # [m, g, L, s]
 
-  def outer(w, x):  # [g, L, s], [g, L, d] -> [g, L, s * d]
-    return (w[..., :, None] * x[..., None, :]).reshape(g, length, s * d)
+  def outer(w, x):  # [L, s], [L, d] -> [L, s * d]
+    return (w[:, :, None] * x[:, None, :]).reshape(length, s * d)
 
-  def contract(w, rows):  # [g, L, s], [g, L, s * d] -> [g, L, d]
-    return jnp.einsum("gls,glsd->gld", w, rows.reshape(g, length, s, d))
+  def contract(w, rows):  # [L, s], [L, s * d] -> [L, d]
+    return jnp.einsum("ls,lsd->ld", w, rows.reshape(length, s, d))
 
-  dq = _lsh_cumulate(qcodes, kcodes, kvalid, (a, b), lambda ab: outer(ab[1], kn),
-                     lambda rows, ab: contract(ab[0], rows), num_buckets, d, qn.dtype)
+  dq = _lsh_cumulate(qcodes, kcodes, kvalid, kn, (a, b), lambda kg, ab: outer(ab[1], kg),
+                     lambda rows, _, ab: contract(ab[0], rows), num_buckets, d, qn.dtype)
   qvalid = jnp.ones(kvalid.shape, bool)
-  dvk = _lsh_cumulate(kcodes, qcodes, qvalid, (a, b), lambda ab: jnp.concatenate([dy, outer(ab[0], qn)], -1),
-                      lambda rows, ab: jnp.concatenate([rows[..., :e], contract(ab[1], rows[..., e:])], -1),
+  dvk = _lsh_cumulate(kcodes, qcodes, qvalid, (qn, dy), (a, b),
+                      lambda qdy, ab: jnp.concatenate([qdy[1], outer(ab[0], qdy[0])], -1),
+                      lambda rows, _, ab: jnp.concatenate([rows[:, :e], contract(ab[1], rows[:, e:])], -1),
                       num_buckets, e + d, qn.dtype)
   return dq, dvk[..., e:], dvk[..., :e]
 
@@ -337,7 +341,7 @@ def _make_cumulation(tau: int, backward: str):
 
   def _forward(v, qcodes, kcodes, kvalid):
     m = qcodes.shape[-1]
-    out = _lsh_cumulate(qcodes, kcodes, kvalid, None, lambda _: v, lambda rows, _: rows, num_buckets,
+    out = _lsh_cumulate(qcodes, kcodes, kvalid, v, None, lambda vg, _: vg, lambda rows, *_: rows, num_buckets,
                         v.shape[-1], v.dtype)
     return out / m
 
@@ -360,8 +364,8 @@ def _make_cumulation(tau: int, backward: str):
       dq, dk, dv = _sketched_tables(qcodes, kcodes, kvalid, qn, kn, v, dy, num_buckets, directions)
     else:
       # dV: tables of dY keyed by query codes, read at key codes.
-      dv = _lsh_cumulate(kcodes, qcodes, qvalid, None, lambda _: dy, lambda rows, _: rows, num_buckets, e,
-                         v.dtype)
+      dv = _lsh_cumulate(kcodes, qcodes, qvalid, dy, None, lambda dyg, _: dyg, lambda rows, *_: rows,
+                         num_buckets, e, v.dtype)
       dq, dk = _feature_tables(qcodes, kcodes, kvalid, qn, kn, v, dy, num_buckets, directions)
     dv = jnp.where(kv, dv / m, 0.0)
     dq, dk = scale * dq, scale * dk
