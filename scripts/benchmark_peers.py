@@ -54,7 +54,7 @@ PEERS: dict[str, PeerFactory] = {}
 
 # peer name -> our registered ops it is compared with in `benchmark_peers.md` (ratio = peer time / our time,
 # so >= 1 means ours is at least as fast), e.g. {"routing_transformer": ("routing",),
-# "hf_yoso": ("yoso_e", "yoso")}.
+# "hf_yoso": ("yoso_e", "yoso", "yoso_sketch")}.
 COUNTERPARTS: dict[str, tuple[str, ...]] = {}
 
 
@@ -106,7 +106,7 @@ def _routing_transformer(length, batch, heads, head_dim, causal, dtype):
   return fwd, fwdbwd
 
 
-@register_peer("hf_yoso", counterparts=("yoso_e", "yoso"))
+@register_peer("hf_yoso", counterparts=("yoso_e", "yoso", "yoso_sketch"))
 def _hf_yoso(length, batch, heads, head_dim, causal, dtype):
   """HuggingFace `transformers`' `YosoSelfAttention` (issue 6) with tau = hash_code_len = 8, as our `yoso_e` and
   `yoso`. Without CUDA its LSH kernels do not exist, so only the expectation path (`use_expectation=True`, dense

@@ -8,7 +8,8 @@ missing row normalisation of `P` irrelevant.
 Forward (paper section 3.2): for each hash, a table of `2^tau` buckets holds the sum of the values of the keys
 hashed there (`jax.ops.segment_sum`), and each query reads its bucket. Groups (batch * heads) run one at a
 time with a `lax.scan` over hashes inside, so one table is alive at a time: memory is O(2^tau*d) for tables
-plus O(L*m) int32 codes and O(L*d) accumulators; time is O(L*m*d). Masked keys go to an extra bucket that no query ever reads.
+plus O(L*m) int32 codes and O(L*d) accumulators; time is O(L*m*d). Masked keys go to an extra bucket that
+no query ever reads.
 
 Backward (paper section 3.3), a `jax.custom_vjp` that re-uses the forward's codes (nothing is re-hashed):
   dV_j = 1/m sum_hashes sum_i B_ij dY_i                                   (tables keyed by query codes)
@@ -143,7 +144,7 @@ def _dense_surrogate(qn: Array, kn: Array, v: Array, kvalid: Array, tau: int) ->
 
 def _lsh_cumulate(read_codes: Array, write_codes: Array, write_valid: Array, per_group: Any, per_hash: Any,
                   write_fn, read_fn, num_buckets: int, out_dim: int, dtype: Any) -> Array:
-  """sum_t read_fn(T_t[read_code_t(i)]), T_t[c] = sum of write_fn rows j over valid j with write_code_t(j) = c.
+  """sum_t read_fn(T_t[read_code_t(i)]), T_t[c] = sum of the write_fn rows j, valid, with write_code_t(j) = c.
 
   Groups g = batch * heads, heads-major: read_codes, write_codes [g, L, m] int32; write_valid [g, L] bool;
   per_group: pytree with leading axis g; per_hash: pytree with leading axes [m, g] (or None).
