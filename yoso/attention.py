@@ -37,8 +37,10 @@ steps, one seed) ended at loss 1.99 / answer accuracy 0.25 with s=1 against 1.70
 4*L*m*d*e multiply-adds (build and read, dQ and dK) against dense's ~6*L^2*d, a ratio of 3L/(2*m*e) = 6 at
 L=8192, m=32, e=64 before padding (about 1.5-2x at L=4096) and sorting, so 10x dense at L=8192 is out of its
 reach. The chain rule through the l2-normalisations of q, k and of the output is ordinary autodiff.
-`backward="dense"` replaces the sampled backward by the exact O(L^2) surrogate gradient (short sequences,
-tests).
+Sequences up to COUNTS_MAX_LENGTH = 2048 rows get the exact estimator's same sums through dense collision
+counts instead (C_ij = the number of hashes in which q_i and k_j collide; `_counts_backward`): quadratic, but
+large matmuls, 3-30x faster than the tables there. `backward="dense"` replaces the sampled backward by the
+exact O(L^2) surrogate gradient (short sequences, tests).
 
 The 1/sqrt(head_dim) logit scale of the op contract is a no-op here: YOSO only sees directions of q and k.
 """
@@ -331,6 +333,37 @@ def _sketch_directions(rng: Array, batch: int, heads: int, num_hashes: int, valu
       num_hashes, batch * heads, value_dim, features)
 
 
+# Up to this length the exact backward runs on dense collision counts (`_counts_backward`): the same sums,
+# O(L^2 * (m + d)) in large matmuls instead of O(L * m * d * e) in padded per-bucket tables. Measured fwd+bwd
+# at 8 heads, d=64, m=32 (tables -> counts): L=512 813 -> 28 ms, 1024 1172 -> 86, 2048 1398 -> 281, 4096
+# 1924 -> 1062 (temp memory 186 -> 253 MB). Counts would still win at 4096, but above 2048 the backward stays
+# linear in L as the op promises; only "short" sequences take the quadratic form.
+COUNTS_MAX_LENGTH = 2048
+
+
+def _collision_counts(qcodes: Array, kcodes: Array, kvalid: Array, dtype: Any) -> Array:
+  """C_ij = number of hashes t with code_t(q_i) = code_t(k_j), 0 for masked keys: m * (the mean of B^t).
+
+  One group: qcodes, kcodes [L, m]; kvalid [L]. Returns [L_q, L_k] in dtype. O(L^2 * m) compares.
+  """
+  counts = jnp.sum(qcodes[:, None, :] == kcodes[None, :, :], axis=-1, dtype=jnp.int32)  # [L_q, L_k]
+  return jnp.where(kvalid[None, :], counts, 0).astype(dtype)
+
+
+def _counts_backward(qcodes: Array, kcodes: Array, kvalid: Array, qn: Array, kn: Array, v: Array,
+                     dy: Array) -> tuple[Array, Array, Array]:
+  """(dq, dk, dv) unscaled, exactly the per-feature tables' sums, through dense counts C (short sequences):
+  dQ = (C * dY V^T) K, dK = (C * dY V^T)^T Q, dV = C^T dY. Shapes as in `_feature_tables`. O(L^2 * (m + d))
+  time and O(L^2) memory per group (groups run one at a time): see COUNTS_MAX_LENGTH for when it is used.
+  """
+  def group(xs):
+    qc, kc, valid, q, k, vg, dyg = xs
+    counts = _collision_counts(qc, kc, valid, q.dtype)  # [L_q, L_k]
+    weight = counts * (dyg @ vg.T)  # [L_q, L_k]
+    return weight @ k, weight.T @ q, counts.T @ dyg
+  return jax.lax.map(group, (qcodes, kcodes, kvalid, qn, kn, v, dy))
+
+
 def _make_cumulation(tau: int, backward: str):
   """The custom_vjp core on groups g = batch * heads: (qn, kn [g, L, d], v [g, L, e], codes [g, L, m], kvalid
   [g, L], directions) -> the mean over hashes of B V [g, L, e], not normalised."""
@@ -361,7 +394,9 @@ def _make_cumulation(tau: int, backward: str):
     kv = kvalid[..., None]
     scale = (tau / 2) / m
     # dQ_i = (tau/2)/m sum B_ij (dY_i . v_j) k_j and dK_j = (tau/2)/m sum B_ij (dY_i . v_j) q_i.
-    if directions is not None and directions.shape[-1] <= SCATTER_FEATURES:
+    if directions is None and qcodes.shape[1] <= COUNTS_MAX_LENGTH:
+      dq, dk, dv = _counts_backward(qcodes, kcodes, kvalid, qn, kn, v, dy)
+    elif directions is not None and directions.shape[-1] <= SCATTER_FEATURES:
       dq, dk, dv = _sketched_tables(qcodes, kcodes, kvalid, qn, kn, v, dy, num_buckets, directions)
     else:
       # dV: tables of dY keyed by query codes, read at key codes.
@@ -413,9 +448,10 @@ def yoso(q: Array, k: Array, v: Array, *, rng: Array, num_hashes: int, tau: int,
   hash: "gaussian" (exact hyperplanes) or "fast" (Hadamard rotations, power-of-two head_dim).
   backward: "sampled" (linear cost, re-uses the forward's codes) or "dense" (exact O(L^2) surrogate gradient).
   backward_features: None (default) computes the sampled dQ/dK with every value feature, exactly the paper's
-  estimator, O(L*m*d*value_dim); an int s sketches the value space with s random directions per hash,
-  O(L*m*s*d), unbiased but with about value_dim/s times the gradient variance (s <= 2: two forward-like
-  passes, about 6x faster than the exact form at L=4096; the "yoso_sketch" registry op uses s=1). Returns
+  estimator, O(L*m*d*value_dim) (up to L = 2048 through dense collision counts, O(L^2*(m + d)), faster
+  there); an int s sketches the value space with s random directions per hash, O(L*m*s*d), unbiased but with
+  about value_dim/s times the gradient variance (s <= 2: two forward-like passes, about 6x faster than the
+  exact form at L=4096; the "yoso_sketch" registry op uses s=1). Returns
   [batch, length, heads, value_dim] in v's dtype.
   """
   op = "yoso"
