@@ -32,8 +32,8 @@ measured the same. Sketches of s <= SCATTER_FEATURES = 2 directions skip the chu
 are plain segment sums of s*d-wide rows, so the backward is two forward-like passes over the hashes
 (`_sketched_tables`, dV riding along); at L=4096, 8 heads, m=32, s=1 this is 316 ms fwd+bwd against 447 ms
 chunked (s=2: 591 against 655). The price is the variance: a tiny MLM model on the recall task (L=128, 300
-steps, one seed) ended at loss 1.99 / answer accuracy 0.25 with s=1 against 1.70 / 0.31 exact (YOSO-E 1.56 /
-0.34), which is why the exact form stays the default. Cost ceiling of the exact form: its tables cost
+steps, mean of 3 seeds) ended at loss 1.94 / answer accuracy 0.275 with s=1 against 1.76 / 0.310 exact (one
+seed of YOSO-E: 1.56 / 0.34), which is why the exact form stays the default. Cost ceiling of the exact form: its tables cost
 4*L*m*d*e multiply-adds (build and read, dQ and dK) against dense's ~6*L^2*d, a ratio of 3L/(2*m*e) = 6 at
 L=8192, m=32, e=64 before padding (about 1.5-2x at L=4096) and sorting, so 10x dense at L=8192 is out of its
 reach. The chain rule through the l2-normalisations of q, k and of the output is ordinary autodiff.
