@@ -33,11 +33,11 @@ are plain segment sums of s*d-wide rows, so the backward is two forward-like pas
 (`_sketched_tables`, dV riding along); at L=4096, 8 heads, m=32, s=1 this is 316 ms fwd+bwd against 447 ms
 chunked (s=2: 591 against 655). The price is the variance: a tiny MLM model on the recall task (L=128, 300
 steps, mean of 3 seeds) ended at loss 1.94 / answer accuracy 0.275 with s=1 against 1.76 / 0.310 exact (one
-seed of YOSO-E: 1.56 / 0.34), which is why the exact form stays the default. Cost ceiling of the exact form: its tables cost
-4*L*m*d*e multiply-adds (build and read, dQ and dK) against dense's ~6*L^2*d, a ratio of 3L/(2*m*e) = 6 at
-L=8192, m=32, e=64 before padding (about 1.5-2x at L=4096) and sorting, so 10x dense at L=8192 is out of its
-reach. The chain rule through the l2-normalisations of q, k and of the output is ordinary autodiff.
-Sequences up to COUNTS_MAX_LENGTH = 2048 rows get the exact estimator's same sums through dense collision
+seed of YOSO-E: 1.56 / 0.34), which is why the exact form stays the default. Cost ceiling of the exact form:
+its tables cost 4*L*m*d*e multiply-adds (build and read, dQ and dK) against dense's ~6*L^2*d, a ratio of
+3L/(2*m*e) = 6 at L=8192, m=32, e=64 before padding (about 1.5-2x at L=4096) and sorting, so 10x dense at
+L=8192 is out of its reach. The chain rule through the l2-normalisations of q, k and of the output is
+ordinary autodiff. Sequences up to COUNTS_MAX_LENGTH = 2048 rows get the exact estimator's same sums through dense collision
 counts instead (C_ij = the number of hashes in which q_i and k_j collide; `_counts_backward`): quadratic, but
 large matmuls, 3-30x faster than the tables there. `backward="dense"` replaces the sampled backward by the
 exact O(L^2) surrogate gradient (short sequences, tests).
@@ -450,7 +450,7 @@ def yoso(q: Array, k: Array, v: Array, *, rng: Array, num_hashes: int, tau: int,
   backward_features: None (default) computes the sampled dQ/dK with every value feature, exactly the paper's
   estimator, O(L*m*d*value_dim) (up to L = 2048 through dense collision counts, O(L^2*(m + d)), faster
   there); an int s sketches the value space with s random directions per hash, O(L*m*s*d), unbiased but with
-  about value_dim/s times the gradient variance (s <= 2: two forward-like passes, about 6x faster than the
+  about value_dim/s times the gradient variance (s <= 2: two forward-like passes, 5.5x faster than the
   exact form at L=4096; the "yoso_sketch" registry op uses s=1). Returns
   [batch, length, heads, value_dim] in v's dtype.
   """
