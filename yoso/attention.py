@@ -37,10 +37,10 @@ seed of YOSO-E: 1.56 / 0.34), which is why the exact form stays the default. Cos
 its tables cost 4*L*m*d*e multiply-adds (build and read, dQ and dK) against dense's ~6*L^2*d, a ratio of
 3L/(2*m*e) = 6 at L=8192, m=32, e=64 before padding (about 1.5-2x at L=4096) and sorting, so 10x dense at
 L=8192 is out of its reach. The chain rule through the l2-normalisations of q, k and of the output is
-ordinary autodiff. Sequences up to COUNTS_MAX_LENGTH = 2048 rows get the exact estimator's same sums through dense collision
-counts instead (C_ij = the number of hashes in which q_i and k_j collide; `_counts_backward`): quadratic, but
-large matmuls, 3-30x faster than the tables there. `backward="dense"` replaces the sampled backward by the
-exact O(L^2) surrogate gradient (short sequences, tests).
+ordinary autodiff. Sequences up to COUNTS_MAX_LENGTH = 2048 rows get the exact estimator's same sums
+through dense collision counts instead (C_ij = the number of hashes in which q_i and k_j collide;
+`_counts_backward`): quadratic, but large matmuls, 3-30x faster than the tables there. `backward="dense"`
+replaces the sampled backward by the exact O(L^2) surrogate gradient (short sequences, tests).
 
 The 1/sqrt(head_dim) logit scale of the op contract is a no-op here: YOSO only sees directions of q and k.
 """
