@@ -245,7 +245,7 @@ def _feature_tables(qcodes: Array, kcodes: Array, kvalid: Array, qn: Array, kn: 
   padded_length = -(-(length + buckets * (chunk - 1)) // chunk) * chunk  # worst case over bucket sizes
   num_chunks = padded_length // chunk
 
-  def pad(x, source):  # [L, f] -> [num_chunks, chunk, f], zero rows between buckets (a gather: source L fills)
+  def pad(x, source):  # [L, f] -> [num_chunks, chunk, f], zeros between buckets (a gather; source L fills)
     return jnp.take(x, source, axis=0, mode="fill", fill_value=0).reshape(num_chunks, chunk, -1)
 
   def tables(a, b, chunk_bucket):  # [n, C, e], [n, C, d] -> [buckets + 1, e, d]
