@@ -390,7 +390,6 @@ def _make_cumulation(tau: int, backward: str):
       return dq, dk, dv, None, None, None, None
     m = qcodes.shape[-1]
     e = v.shape[-1]
-    qvalid = jnp.ones(kvalid.shape, bool)  # every query read the forward, so every query's cotangent counts
     kv = kvalid[..., None]
     scale = (tau / 2) / m
     # dQ_i = (tau/2)/m sum B_ij (dY_i . v_j) k_j and dK_j = (tau/2)/m sum B_ij (dY_i . v_j) q_i.
@@ -399,7 +398,9 @@ def _make_cumulation(tau: int, backward: str):
     elif directions is not None and directions.shape[-1] <= SCATTER_FEATURES:
       dq, dk, dv = _sketched_tables(qcodes, kcodes, kvalid, qn, kn, v, dy, num_buckets, directions)
     else:
-      # dV: tables of dY keyed by query codes, read at key codes.
+      # dV: tables of dY keyed by query codes, read at key codes; every query read the forward, so every
+      # query's cotangent is inserted.
+      qvalid = jnp.ones(kvalid.shape, bool)
       dv = _lsh_cumulate(kcodes, qcodes, qvalid, dy, None, lambda dyg, _: dyg, lambda rows, *_: rows,
                          num_buckets, e, v.dtype)
       dq, dk = _feature_tables(qcodes, kcodes, kvalid, qn, kn, v, dy, num_buckets, directions)
