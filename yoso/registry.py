@@ -6,23 +6,32 @@ import jax.numpy as jnp
 from models.ops_registry import OpSpec, register
 from yoso.attention import yoso, yoso_c, yoso_e
 
+TAU = 8
+
+
+def _sampled(**extra):
+  """params(length) of a sampled op: the paper's m = 32, tau = 8 and a fixed key (the benchmark times one
+  sample; models pass a fresh key per training step), plus `extra`."""
+  return lambda length: {"rng": jax.random.key(0), "num_hashes": 32, "tau": TAU, **extra}
+
+
 register(OpSpec(
     "yoso", yoso, causal=False, bidirectional=True,
-    # A fixed key: the benchmark times one sample; models pass a fresh key per training step.
-    params=lambda length: {"rng": jax.random.key(0), "num_hashes": 32, "tau": 8},
-    description="YOSO-32: LSH Bernoulli sampling, tau=8, O(L*m*d) forward, sampled linear-cost backward"))
+    params=_sampled(),
+    description="YOSO-32: LSH Bernoulli sampling, tau=8, O(L*m*d) forward, the paper's per-feature sampled "
+                "backward, O(L*m*d^2) (dense collision counts up to L=2048)"))
 register(OpSpec(
     "yoso_sketch", yoso, causal=False, bidirectional=True,
-    params=lambda length: {"rng": jax.random.key(0), "num_hashes": 32, "tau": 8, "backward_features": 1},
+    params=_sampled(backward_features=1),
     description="YOSO-32 with the linear-in-d backward: dY.v sketched by one random direction per hash "
                 "(two forward-like passes; ~64x the dQ/dK variance of yoso's exact per-feature tables)"))
 register(OpSpec(
     "yoso_e", yoso_e, causal=False, bidirectional=True,
-    params=lambda length: {"tau": 8},
+    params=lambda length: {"tau": TAU},
     description="YOSO-E: expected collision probability attention, tau=8, O(L^2)"))
 register(OpSpec(
     "yoso_c", yoso_c, causal=False, bidirectional=True,
-    # The model learns one kernel per head; the benchmark times a fixed averaging kernel of size 33.
-    params=lambda length: {"rng": jax.random.key(0), "num_hashes": 32, "tau": 8,
-                           "conv_kernel": jnp.full((33,), 1 / 33, jnp.float32)},
+    # The model learns one kernel per head; the benchmark times a fixed averaging kernel of size 33 (built per
+    # call, so importing the registry creates no array).
+    params=lambda length: {**_sampled()(length), "conv_kernel": jnp.full((33,), 1 / 33, jnp.float32)},
     description="YOSO-C-32: YOSO-32 plus a per-head depthwise convolution of V (kernel 33)"))
