@@ -50,6 +50,15 @@ def dense_xla(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None 
   keep = mask[:, None, None, :]  # [batch, 1, 1, length_k]
   if causal:
     keep = keep & jnp.tril(jnp.ones((length, length), dtype=bool))
-  out = jax.nn.dot_product_attention(q.astype(ct), k.astype(ct), v.astype(ct), mask=keep, implementation="xla")
+  # XLA contracts zero weights with every value, so masked and non-finite values are selected to 0 first;
+  # a query that sees a non-finite value (a visible key before it, any when bidirectional) returns NaN.
+  real = mask[:, :, None, None]  # [batch, length, 1, 1]
+  finite = jnp.isfinite(v)
+  k = jnp.where(real, k, 0)
+  v_safe = jnp.where(real & finite, v, 0)
+  bad = (~jnp.all(finite, axis=-1) & mask[:, :, None]).astype(jnp.int32)  # [batch, length, heads]
+  seen_bad = (jnp.cumsum(bad, axis=1) if causal else jnp.sum(bad, axis=1, keepdims=True)) > 0
+  out = jax.nn.dot_product_attention(q.astype(ct), k.astype(ct), v_safe.astype(ct), mask=keep,
+                                     implementation="xla")
   any_key = jnp.any(keep, axis=-1)[:, 0, :, None, None]  # rows with no visible key give zeros, as in `dense`
-  return jnp.where(any_key, out, 0.0).astype(v.dtype)
+  return jnp.where(seen_bad[..., None], jnp.nan, jnp.where(any_key, out, 0.0)).astype(v.dtype)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from combiner import common, contract
 from combiner import pooling as pool_ops
-from combiner.combine import Piece, attend, joint_softmax
+from combiner.combine import Piece, attend, joint_softmax, weighted_sum
 from combiner.fixed import block_direct_piece, block_logits, other_block_valid
 
 Array = Any
@@ -47,7 +47,7 @@ def column_piece(g: Grid, causal: bool) -> Piece:
   """Own column ∩ Ω_i without i itself (i is already in the row piece)."""
   logits = jnp.einsum("bhrcd,bhscd->bhrcs", g.q, g.k) * g.scale  # [batch, heads, rows, cols, rows_s]
   valid = other_block_valid(g.rows, causal)[:, None, :] & g.column_mask()
-  return Piece(logits, valid, lambda w: jnp.einsum("bhrcs,bhscd->bhrcd", w, g.v))
+  return Piece(logits, valid, lambda w: weighted_sum("bhrcs,bhscd->bhrcd", w, g.v))
 
 
 def rowmajor_spans(g: Grid, causal: bool, pooling: str, span_key_fn: Callable | None, row_logits: Array) -> Piece:
@@ -67,7 +67,7 @@ def rowmajor_spans(g: Grid, causal: bool, pooling: str, span_key_fn: Callable | 
   v_tilde = attend(in_row, g.mask[:, :, :, None, :], g.v, "bhsce,bhsed->bhscd")  # [b, heads, rows, cols, dv]
   logits = jnp.einsum("bhrcd,bhsd->bhrcs", g.q, k_bar) * g.scale  # [batch, heads, rows, cols, rows_s]
   valid = other_block_valid(g.rows, causal)[:, None, :] & nonempty[:, :, None, None, :]
-  return Piece(logits, valid, lambda w: jnp.einsum("bhrcs,bhscd->bhrcd", w, v_tilde))
+  return Piece(logits, valid, lambda w: weighted_sum("bhrcs,bhscd->bhrcd", w, v_tilde))
 
 
 def _all_but_one(x: Array, valid: Array, axis: int, causal: bool, pooling: str) -> tuple[Array, Array]:
@@ -89,7 +89,7 @@ def vertical_spans(g: Grid, causal: bool, pooling: str) -> Piece:
   v_tilde = attend(in_col, col_valid, g.v, "bhres,bhsed->bhred")  # [batch, heads, rows, cols, value_dim]
   logits = jnp.einsum("bhrcd,bhred->bhrce", g.q, k_bar) * g.scale  # [batch, heads, rows, cols_c, cols_e]
   valid = ~jnp.eye(g.cols, dtype=bool) & nonempty[:, :, :, None, :]
-  return Piece(logits, valid, lambda w: jnp.einsum("bhrce,bhred->bhrcd", w, v_tilde))
+  return Piece(logits, valid, lambda w: weighted_sum("bhrce,bhred->bhrcd", w, v_tilde))
 
 
 def horizontal_spans(g: Grid, causal: bool, pooling: str) -> Piece:
@@ -102,7 +102,7 @@ def horizontal_spans(g: Grid, causal: bool, pooling: str) -> Piece:
   v_tilde = attend(in_row, row_valid, g.v, "bhsce,bhsed->bhscd")  # [batch, heads, rows, cols, value_dim]
   logits = jnp.einsum("bhrcd,bhscd->bhrcs", g.q, k_bar) * g.scale  # [batch, heads, rows_r, cols, rows_s]
   valid = other_block_valid(g.rows, causal)[:, None, :] & jnp.swapaxes(nonempty, 2, 3)[:, :, None]
-  return Piece(logits, valid, lambda w: jnp.einsum("bhrcs,bhscd->bhrcd", w, v_tilde))
+  return Piece(logits, valid, lambda w: weighted_sum("bhrcs,bhscd->bhrcd", w, v_tilde))
 
 
 def axial_pieces(g: Grid, direction: str, causal: bool, pooling: str,

@@ -23,7 +23,8 @@ class Piece(NamedTuple):
 
   logits: [*Q, n]     scaled logits in the softmax dtype
   valid:  broadcastable to logits; False entries get exactly zero weight
-  apply:  weights [*Q, n] -> [*Q, value_dim], the weighted sum of this piece's values
+  apply:  weights [*Q, n] -> [*Q, value_dim], the weighted sum of this piece's values; a value with zero
+          weight (masked, future) must not reach the output even when it is NaN or Inf (`weighted_sum`)
   """
 
   logits: Array
@@ -116,6 +117,22 @@ def joint_softmax(pieces: Sequence[Piece]) -> Array:
   return out_wide if out_narrow is None else out_wide + out_narrow
 
 
+def weighted_sum(contract: str, weights: Array, values: Array) -> Array:
+  """`einsum(contract, weights, values)` in which a value row with zero weight never reaches the output.
+
+  weights >= 0 (exactly 0 for masked and future entries); values: [..., value_dim], whose last axis is the
+  output's last axis. A plain contraction computes 0 * NaN = NaN, so one NaN or Inf in a masked or future
+  value would poison every output of the contraction. Here non-finite values are selected to 0 before the
+  contraction, and an output that gives positive weight to a non-finite value row is NaN (a visible
+  non-finite value still shows); the flag costs one extra contraction with a value_dim of 1.
+  """
+  finite = jnp.isfinite(values)
+  out = jnp.einsum(contract, weights, jnp.where(finite, values, 0))
+  bad = jnp.logical_not(jnp.all(finite, axis=-1, keepdims=True)).astype(weights.dtype)  # [..., 1]
+  hit = jnp.einsum(contract, jax.lax.stop_gradient(weights), bad) > 0  # [..., 1]
+  return jnp.where(hit, jnp.nan, out)
+
+
 def attend(logits: Array, valid: Array, values: Array, contract: str) -> Array:
-  """Single-piece masked softmax attention: `einsum(contract, weights, values)`."""
-  return joint_softmax([Piece(logits, valid, lambda w: jnp.einsum(contract, w, values))])
+  """Single-piece masked softmax attention: `weighted_sum(contract, weights, values)`."""
+  return joint_softmax([Piece(logits, valid, lambda w: weighted_sum(contract, w, values))])

@@ -38,6 +38,11 @@ def prepare(q: Array, k: Array, v: Array, mask: Array | None, *, op: str, causal
   """
   q, k, v, mask = contract.check_qkv(q, k, v, mask, op=op)
   contract.check_bool(causal, name="causal", op=op)
+  # Masked keys and values are zeroed by a select, so a NaN or Inf behind the mask reaches no logit, pooled
+  # summary or gradient (a product with zero weight would still be NaN).
+  real = mask[:, :, None, None]  # [batch, length, 1, 1]
+  k, v = jnp.where(real, k, 0), jnp.where(real, v, 0)
+  pool_k = None if pool_k is None else jnp.where(real, jnp.asarray(pool_k), 0)
   contract.check_choice(pooling, name="pooling", allowed=POOLINGS, op=op)
   ct = contract.softmax_dtype(q.dtype, k.dtype, v.dtype)
   pooled = []

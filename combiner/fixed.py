@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from combiner import common, contract
 from combiner import pooling as pool_ops
-from combiner.combine import Piece, attend, joint_softmax
+from combiner.combine import Piece, attend, joint_softmax, weighted_sum
 
 Array = Any
 
@@ -27,7 +27,7 @@ def block_direct_piece(qb: Array, kb: Array, vb: Array, mb: Array, scale: float,
   valid = mb[:, :, :, None, :]
   if causal:
     valid = valid & jnp.tril(jnp.ones((size, size), dtype=bool))
-  return Piece(logits, valid, lambda w: jnp.einsum("bhnqk,bhnkd->bhnqd", w, vb))
+  return Piece(logits, valid, lambda w: weighted_sum("bhnqk,bhnkd->bhnqd", w, vb))
 
 
 def other_block_valid(blocks: int, causal: bool) -> Array:
@@ -60,6 +60,6 @@ def fixed(q: Array, k: Array, v: Array, *, block_size: int, causal: bool, mask: 
   direct = block_direct_piece(qb, kb, vb, mb, x.scale, causal)
   logits = jnp.einsum("bhnqd,bhrd->bhnqr", qb, k_bar) * x.scale  # [batch, heads, blocks, size, blocks_r]
   valid = other_block_valid(blocks, causal)[:, None, :] & nonempty[:, :, None, None, :]
-  spans = Piece(logits, valid, lambda w: jnp.einsum("bhnqr,bhrd->bhnqd", w, v_tilde))
+  spans = Piece(logits, valid, lambda w: weighted_sum("bhnqr,bhrd->bhnqd", w, v_tilde))
   out = joint_softmax([direct, spans])  # [batch, heads, blocks, size, value_dim]
   return common.finish(common.from_grid(out, length, 2), x)

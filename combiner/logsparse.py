@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from combiner import common
 from combiner import pooling as pool_ops
-from combiner.combine import Piece, attend, joint_softmax
+from combiner.combine import Piece, attend, joint_softmax, weighted_sum
 
 Array = Any
 
@@ -67,14 +67,14 @@ def level_pieces(x: common.Inputs, pooling: str | None) -> list[Piece]:
 def _block_apply(v_prev: Array, blocks: int, size: int, length: int):
   def apply(w: Array) -> Array:  # w: [batch, heads, length, 1] -> [batch, heads, length, value_dim]
     wb = common.to_grid(w[..., 0], blocks, size, 2)  # [batch, heads, blocks, size]
-    return common.from_grid(jnp.einsum("bhnq,bhnd->bhnqd", wb, v_prev), length, 2)
+    return common.from_grid(weighted_sum("bhnq,bhnd->bhnqd", wb, v_prev), length, 2)
   return apply
 
 
 def self_piece(x: common.Inputs) -> Piece:
   """D_i = {i}."""
   logits = jnp.einsum("bhld,bhld->bhl", x.q, x.k)[..., None] * x.scale  # [batch, heads, length, 1]
-  return Piece(logits, x.mask[:, None, :, None], lambda w: jnp.einsum("bhl,bhld->bhld", w[..., 0], x.v))
+  return Piece(logits, x.mask[:, None, :, None], lambda w: weighted_sum("bhl,bhld->bhld", w[..., 0], x.v))
 
 
 def flipped(x: common.Inputs) -> common.Inputs:

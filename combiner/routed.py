@@ -28,7 +28,7 @@ import numpy as np
 
 from combiner import common, contract
 from combiner import pooling as pool_ops
-from combiner.combine import Piece, attend, joint_softmax
+from combiner.combine import Piece, attend, joint_softmax, weighted_sum
 
 Array = Any
 
@@ -93,14 +93,14 @@ def routed(q: Array, k: Array, v: Array, *, cluster_ids: Array, num_clusters: in
   direct_logits = jnp.einsum("bhcqd,bhckd->bhcqk", qs, ks) * scale  # [b, h, C, w, w]
   direct_valid = real_s[:, :, :, None, :]  # [b, h, C, 1, w]
   if not causal:
-    direct = Piece(direct_logits, direct_valid, lambda p: jnp.einsum("bhcqk,bhckd->bhcqd", p, vs))
+    direct = Piece(direct_logits, direct_valid, lambda p: weighted_sum("bhcqk,bhckd->bhcqd", p, vs))
     kbar, nonempty = pool_ops.pool(pks, real_s, axis=3, kind=pooling)  # [b, h, C, d], [b, h, C]
     qbar, _ = pool_ops.pool(pqs, real_s, axis=3, kind=pooling)
     inner = jnp.einsum("bhcd,bhckd->bhck", qbar, ks) * scale  # [b, h, C, w]
     vbar = attend(inner, real_s, vs, "bhck,bhckd->bhcd")  # [b, h, C, dv]
     span_logits = jnp.einsum("bhcqd,bhrd->bhcqr", qs, kbar) * scale  # [b, h, C, w, C]
     span_valid = nonempty[:, :, None, None, :] & (own[:, None, None] != own[None, None, :])  # [b, h, C, 1, C]
-    span = Piece(span_logits, span_valid, lambda p: jnp.einsum("bhcqr,bhrd->bhcqd", p, vbar))
+    span = Piece(span_logits, span_valid, lambda p: weighted_sum("bhcqr,bhrd->bhcqd", p, vbar))
     out = joint_softmax([direct, span])  # [b, h, C, w, dv], slot layout
     out = jnp.take_along_axis(out.reshape(batch, heads, slots, -1), slot_of[..., None], axis=2)  # [b, h, L, dv]
     return common.finish(out, x)
@@ -148,7 +148,7 @@ def routed(q: Array, k: Array, v: Array, *, cluster_ids: Array, num_clusters: in
   not_own = chunk_b[..., :, None] != own  # [b, h, nb, B, C]
   base_logits = jnp.einsum("bhnqd,bhnrd->bhnqr", qb, kb) * scale  # [b, h, nb, B, C]
   base_valid = base_nonempty[:, :, :, None, :] & ~advanced & not_own
-  base_piece = Piece(base_logits, base_valid, lambda p: jnp.einsum("bhnqr,bhnrd->bhnqd", p, vb))
+  base_piece = Piece(base_logits, base_valid, lambda p: weighted_sum("bhnqr,bhnrd->bhnqd", p, vb))
 
   tok_state = to_blocks(slot_of)  # [b, h, nb, B]: the state token j ends is its own slot
   ku, vu = states(kbar_f, tok_state), states(vbar_f, tok_state)  # [b, h, nb, B, d|dv]
@@ -160,7 +160,7 @@ def routed(q: Array, k: Array, v: Array, *, cluster_ids: Array, num_clusters: in
   last = (ar[None, :] <= ar[:, None]) & (ar[:, None] < next_same[..., None, :])  # [b, h, nb, B(i), B(j)]
   upd_valid = last & tok_nonempty[..., None, :] & (chunk_b[..., None, :] != chunk_b[..., :, None])
   upd_logits = jnp.einsum("bhnqd,bhnjd->bhnqj", qb, ku) * scale  # [b, h, nb, B, B]
-  upd_piece = Piece(upd_logits, upd_valid, lambda p: jnp.einsum("bhnqj,bhnjd->bhnqd", p, vu))
+  upd_piece = Piece(upd_logits, upd_valid, lambda p: weighted_sum("bhnqj,bhnjd->bhnqd", p, vu))
 
   # The direct piece lives in slot layout; its rows move to position order and its weights move back.
   def rows_to_blocks(t: Array) -> Array:  # [b, h, C, w, e] slot layout -> [b, h, nb, B, e] position layout
@@ -170,7 +170,7 @@ def routed(q: Array, k: Array, v: Array, *, cluster_ids: Array, num_clusters: in
   def direct_apply(p: Array) -> Array:  # p [b, h, nb, B, w] -> [b, h, nb, B, dv]
     p = p.reshape(batch, heads, lp, w)[:, :, :length]
     p = jnp.take_along_axis(p, order_p[..., None], axis=2).reshape(batch, heads, chunks, w, w)
-    return rows_to_blocks(jnp.einsum("bhcqk,bhckd->bhcqd", p, vs))
+    return rows_to_blocks(weighted_sum("bhcqk,bhckd->bhcqd", p, vs))
 
   direct_valid = jnp.broadcast_to(direct_valid, direct_logits.shape)
   direct = Piece(rows_to_blocks(direct_logits), rows_to_blocks(direct_valid), direct_apply)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from combiner import common, contract
 from combiner.axial import Grid, column_piece, row_piece
-from combiner.combine import Piece, joint_softmax
+from combiner.combine import Piece, joint_softmax, weighted_sum
 from combiner.fixed import block_direct_piece, other_block_valid
 from combiner.logsparse import logsparse_pieces
 
@@ -33,7 +33,7 @@ def fixed(q: Array, k: Array, v: Array, *, block_size: int, causal: bool, mask: 
   k_sum, v_sum, m_sum = kb[:, :, :, -1], vb[:, :, :, -1], mb[:, :, :, -1]  # [b, heads, blocks, dim], [b, 1, blocks]
   logits = jnp.einsum("bhnqd,bhrd->bhnqr", qb, k_sum) * x.scale  # [batch, heads, blocks, size, blocks_r]
   valid = other_block_valid(blocks, causal)[:, None, :] & m_sum[:, :, None, None, :]
-  summary = Piece(logits, valid, lambda w: jnp.einsum("bhnqr,bhrd->bhnqd", w, v_sum))
+  summary = Piece(logits, valid, lambda w: weighted_sum("bhnqr,bhrd->bhnqd", w, v_sum))
   out = joint_softmax([block_direct_piece(qb, kb, vb, mb, x.scale, causal), summary])
   return common.finish(common.from_grid(out, length, 2), x)
 

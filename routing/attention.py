@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from combiner import contract
-from combiner.combine import Piece, joint_softmax
+from combiner.combine import Piece, joint_softmax, weighted_sum
 from routing import kmeans
 
 Array = Any
@@ -86,7 +86,7 @@ def _softmax_weights(q: Array, k: Array, valid: Array, scale: float) -> Array:
 def _dlogits(weights: Array, v: Array, out: Array, g: Array, scale: float) -> tuple[Array, Array]:
   """Backward of out = weights @ v through the softmax: (d scaled-logit inputs, dv)."""
   dv = jnp.einsum("...qk,...qd->...kd", weights, g)  # [..., keys, dv]
-  dw = jnp.einsum("...qd,...kd->...qk", g, v)  # [..., queries, keys]
+  dw = jnp.einsum("...qd,...kd->...qk", g, jnp.where(jnp.isfinite(v), v, 0))  # [..., queries, keys]
   # softmax Jacobian: dlogit = w * (dw - sum_k w dw), with sum_k w dw = sum_d g * out (a [..., queries, dv]
   # reduction instead of one fused into the dw contraction, which XLA:CPU runs several times slower than the dot).
   return weights * (dw - jnp.sum(g * out, axis=-1, keepdims=True)) * scale, dv
@@ -109,12 +109,12 @@ def _cluster_attention(q: Array, k: Array, v: Array, valid: Array, scale: float)
   through the value contraction, and XLA:CPU fuses that contraction into a reduction which runs several times
   slower than the matmuls themselves; the textbook backward from the saved weights is plain einsums.
   """
-  return jnp.einsum("...qk,...kd->...qd", _softmax_weights(q, k, valid, scale), v)
+  return weighted_sum("...qk,...kd->...qd", _softmax_weights(q, k, valid, scale), v)
 
 
 def _cluster_attention_fwd(q: Array, k: Array, v: Array, valid: Array, scale: float) -> tuple[Array, tuple]:
   weights = _softmax_weights(q, k, valid, scale)
-  out = jnp.einsum("...qk,...kd->...qd", weights, v)
+  out = weighted_sum("...qk,...kd->...qd", weights, v)
   return out, (q, k, v, weights, _saved(out))
 
 
@@ -138,7 +138,7 @@ def _shared_cluster_attention(q: Array, v: Array, valid: Array, scale: float) ->
 
 def _shared_cluster_attention_fwd(q: Array, v: Array, valid: Array, scale: float) -> tuple[Array, tuple]:
   weights = _softmax_weights(q, q, valid, scale)
-  out = jnp.einsum("...qk,...kd->...qd", weights, v)
+  out = weighted_sum("...qk,...kd->...qd", weights, v)
   return out, (q, v, weights, _saved(out))
 
 

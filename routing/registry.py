@@ -47,6 +47,8 @@ def combiner_routed_op(q: Array, k: Array, v: Array, *, causal: bool, mask: Arra
   """Combiner-routed attention, clusters = nearest fixed centroid of the layer-normed query and key."""
   mu = _centroids(q, num_clusters)
   ct = jnp.promote_types(q.dtype, jnp.float32)
+  if mask is not None:  # a masked key's cluster does not depend on its (possibly non-finite) contents
+    k = jnp.where(jnp.asarray(mask, bool)[:, :, None, None], k, 0)
   token_scores = (kmeans.scores(kmeans.layer_norm(q.astype(ct)), mu)
                   + kmeans.scores(kmeans.layer_norm(k.astype(ct)), mu))  # [batch, heads, clusters, length]
   ids = kmeans.nearest_centroid(token_scores).transpose(0, 2, 1)  # [batch, length, heads]

@@ -510,9 +510,10 @@ def yoso_e(q: Array, k: Array, v: Array, *, tau: int, causal: bool = False, mask
   normalize_output = contract.check_bool(normalize_output, name="normalize_output", op=op)
   ct = contract.softmax_dtype(q.dtype, k.dtype, v.dtype)
   qn = l2_normalize(jnp.swapaxes(q, 1, 2).astype(ct))  # [batch, heads, length, head_dim]
-  kn = l2_normalize(jnp.swapaxes(k, 1, 2).astype(ct))
-  # Masked keys are zeroed in V rather than in P: one [L, L] elementwise pass less, and their P column then
-  # receives an exactly zero cotangent, so they still get no gradient.
+  # Masked keys are zeroed (by a select) in the normalised keys and in V rather than in P: one [L, L]
+  # elementwise pass less, their P column receives an exactly zero cotangent (no gradient), and a NaN or Inf
+  # behind the mask reaches neither P nor the product.
+  kn = jnp.where(mask[:, None, :, None], l2_normalize(jnp.swapaxes(k, 1, 2).astype(ct)), 0.0)
   vh = jnp.where(mask[:, None, :, None], jnp.swapaxes(v, 1, 2).astype(ct), 0.0)  # [batch, heads, length, e]
   cos = jnp.einsum("bhqd,bhkd->bhqk", qn, kn)  # [batch, heads, length_q, length_k]
   out = jnp.einsum("bhqk,bhke->bhqe", expected_collision(cos, tau), vh)  # [batch, heads, length, e]
