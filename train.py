@@ -39,6 +39,8 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+import resume
+from configs import base as config_base
 from models import metrics as metrics_lib
 from models import transformer
 
@@ -311,7 +313,9 @@ class Experiment:
       model = self._model(params, rng, rest, eval_key)  # fixed seed: evaluation is deterministic
       logits = model(batch, deterministic=True)
       _, sums = metrics_lib.loss_and_sums(task, logits, batch)
-      return sums
+      first = next(iter(batch.values()))
+      valid = batch["valid"] if "valid" in batch else jnp.ones(first.shape[:1], bool)  # [batch]
+      return {**sums, "examples": jnp.sum(valid.astype(jnp.int32))}
 
     return jax.jit(eval_step, in_shardings=(self.param_shardings, self.rest_shardings, self.rng_shardings,
                                             self.batch_sharding), out_shardings=self.replicated)
@@ -337,8 +341,11 @@ class Experiment:
       n += 1
     if n == 0:
       raise ValueError(f"split {split!r} of {self.config.data.name!r} produced no batches")
+    examples = int(totals.pop("examples"))
     out = metrics_lib.summarize(self.task, totals)
     out["num_batches"] = n
+    out["num_examples"] = examples
+    out["whole_split"] = max_batches < 0 or n < max_batches
     return out
 
   def per_host(self, global_batch: int) -> int:
@@ -382,7 +389,11 @@ def save_checkpoint(mgr: Any, state: TrainState, data_iter: Any | None) -> None:
 
 
 def restore_checkpoint(mgr: Any, exp: Experiment, data_iter: Any | None, step: int | None = None) -> TrainState:
-  """Restores `step` (default the latest) into a sharded TrainState and, when given, the data iterator."""
+  """Restores `step` (default the latest) into a sharded TrainState and, when given, the data iterator.
+
+  Raises resume.UnrestorableCheckpoint naming the step directory when its files do not restore or the restored
+  parameters / optimizer state are not finite.
+  """
   import grain
   import orbax.checkpoint as ocp
 
@@ -398,12 +409,20 @@ def restore_checkpoint(mgr: Any, exp: Experiment, data_iter: Any | None, step: i
 
     pipeline.check_iterator_checkpoint(os.path.join(str(mgr.directory), str(step)), data_iter, exp.config)
     items["data"] = grain.checkpoint.CheckpointRestore(data_iter)
-  restored = mgr.restore(step, args=ocp.args.Composite(**items))
-  tree = restored["state"]
+  step_dir = os.path.join(str(mgr.directory), str(step))
+  try:
+    restored = mgr.restore(step, args=ocp.args.Composite(**items))
+    tree = restored["state"]
+    resume.check_finite(tree["params"], "parameters")
+    resume.check_finite(tree["opt_state"], "optimizer state")
+    restored_step = int(restored["meta"]["step"])
+  except Exception as e:  # missing or damaged files, a corrupt data-iterator state, non-finite values
+    raise resume.UnrestorableCheckpoint(f"checkpoint {step_dir} does not restore: {type(e).__name__}: "
+                                        f"{resume.short(e)}") from e
   if not hasattr(exp, "rng_state"):
     exp.init_rng_state()
   rest = tree["rest"] if "rest" in tree else exp.empty_rest
-  return TrainState(tree["params"], rest, tree["opt_state"], int(restored["meta"]["step"]))
+  return TrainState(tree["params"], rest, tree["opt_state"], restored_step)
 
 
 def _init_rng_state(self: Experiment) -> None:
@@ -477,12 +496,11 @@ def save_config(config: ml_collections.ConfigDict, workdir: str) -> None:
     f.write(config.to_json_best_effort(indent=2, sort_keys=True))
 
 
-def load_config(workdir: str) -> ml_collections.ConfigDict:
-  path = os.path.join(workdir, "config.json")
-  if not os.path.exists(path):
+def load_config(workdir: str, step: int | None = None) -> ml_collections.ConfigDict:
+  """The config the run in `workdir` trained checkpoint `step` with (default: its latest config)."""
+  d = resume.saved_config_dict(workdir, step)
+  if d is None:
     raise FileNotFoundError(f"no config.json in {workdir}: is it a train.py workdir?")
-  with open(path) as f:
-    d = json.load(f)
   c = ml_collections.ConfigDict(d)
   if c.model.get("image_shape") is not None:
     c.model.image_shape = tuple(c.model.image_shape)
@@ -492,33 +510,56 @@ def load_config(workdir: str) -> ml_collections.ConfigDict:
   return c
 
 
+class NonFiniteEvaluation(RuntimeError):
+  """Raised when the final evaluation is not finite (the metrics are written, with null for the bad values)."""
+
+
+def restore_or_init(mgr: Any, exp: Experiment, data_iter: Any, *, set_aside: bool) -> TrainState:
+  """The newest checkpoint that restores (broken newer steps are reported and, with `set_aside`, moved out of
+  the way), or a fresh state when there is none."""
+  steps = list(mgr.all_steps())
+  if not steps:
+    return exp.init_state()
+  move = None
+  if set_aside and jax.process_index() == 0:
+    move = lambda step: resume.move_aside(mgr.directory, step)  # noqa: E731
+  state = resume.restore_newest(steps, lambda step: restore_checkpoint(mgr, exp, data_iter, step), mgr.directory,
+                                say=lambda line: print(line, flush=True), set_aside=move)
+  mgr.reload()
+  print(f"resumed from {mgr.directory} at step {state.step}", flush=True)
+  return state
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, devices: list | None = None,
                        stop_after: int | None = None, batch_log: list | None = None,
-                       progress: bool = True) -> dict[str, Any]:
+                       progress: bool = True, allow_config_change: bool = False) -> dict[str, Any]:
   """Trains to `config.train.num_steps` (resuming from `workdir`), evaluates, returns the final metrics.
 
   stop_after: leave after this many steps of this process, saving a checkpoint (a planned preemption).
   batch_log: if a list, receives (step, fingerprint of the host batch) per step (tests check data order).
+  allow_config_change: continue a run whose model/data config differs (the change is recorded in the workdir).
   """
   import tqdm
 
+  config_base.validate(config)
   workdir = os.path.abspath(workdir)
+  # Before anything is written: a workdir of another run, or a different experiment, is refused.
+  config_diff = resume.check_workdir(workdir, config, allow_change=allow_config_change)
   os.makedirs(workdir, exist_ok=True)
   is_main = jax.process_index() == 0
   exp = Experiment(config, devices=devices)
-  if is_main:
-    save_config(config, workdir)
   num_steps = int(config.train.num_steps)
   loader = create_dataset(config, "train", batch_size=exp.per_host(int(config.train.batch_size)),
                           seed=int(config.seed))
   data_iter = iter(loader)
   mgr = checkpoint_manager(workdir, config)
   exp.init_rng_state()
-  if mgr.latest_step() is not None:
-    state = restore_checkpoint(mgr, exp, data_iter)
-    print(f"resumed from {mgr.directory} at step {state.step}", flush=True)
-  else:
-    state = exp.init_state()
+  state = restore_or_init(mgr, exp, data_iter, set_aside=True)
+  if is_main:
+    resume.record_config(workdir, config, config_diff, state.step)
+    if config_diff and state.step:
+      print(f"config changed when resuming at step {state.step} (recorded in {resume.HISTORY}): "
+            + ", ".join(sorted(config_diff)), flush=True)
   start = state.step
   n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
   print(f"task={exp.task} data={config.data.name} attention={config.model.attention.name} params={n_params:,} "
@@ -576,16 +617,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, devic
         _say(bar, f"step {state.step}: " + " ".join(f"{k}={v:.4g}" for k, v in line.items()))
         log_scalars("train", line, state.step)
         acc, acc_n, t_last = {}, 0, now
-      if eval_every > 0 and state.step % eval_every == 0 and state.step < num_steps:
-        eval_metrics = exp.evaluate(state)
-        _say(bar, f"eval {config.eval_split} @ {state.step}: "
-                  + " ".join(f"{k}={v:.4g}" for k, v in eval_metrics.items()))
-        log_scalars(f"eval_{config.eval_split}", eval_metrics, state.step)
-        t_last = time.time()
+      # The checkpoint comes first: an evaluation that fails must not lose the step it evaluates.
       stop = stop_after is not None and steps_this_run >= stop_after
       if preempt.requested or stop or state.step % ckpt_every == 0 or state.step == num_steps:
         save_checkpoint(mgr, state, data_iter)
         last_saved = state.step
+      if eval_every > 0 and state.step % eval_every == 0 and state.step < num_steps and not (
+          preempt.requested or stop):
+        eval_metrics = exp.evaluate(state)
+        _say(bar, f"eval {config.eval_split} @ {state.step}: " + format_metrics(eval_metrics))
+        log_scalars(f"eval_{config.eval_split}", eval_metrics, state.step)
+        t_last = time.time()
       if preempt.requested or stop:
         bar.close()
         why = "SIGTERM" if preempt.requested else f"stop_after={stop_after}"
@@ -599,17 +641,18 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, devic
     save_checkpoint(mgr, state, data_iter)
   eval_metrics = exp.evaluate(state)
   eval_metrics.update(step=state.step, split=config.eval_split, start_step=start)
-  print(f"final eval {config.eval_split} @ {state.step}: "
-        + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in eval_metrics.items()),
-        flush=True)
+  print(f"final eval {config.eval_split} @ {state.step}: " + format_metrics(eval_metrics), flush=True)
   log_scalars(f"eval_{config.eval_split}", {k: v for k, v in eval_metrics.items() if isinstance(v, float)},
               state.step)
   if is_main:
-    with open(os.path.join(workdir, "metrics.json"), "w") as f:
-      json.dump(eval_metrics, f, indent=2)
+    resume.write_json(os.path.join(workdir, "metrics.json"), eval_metrics)
   if writer is not None:
     writer.close()
   mgr.close()
+  bad = sorted(k for k, v in eval_metrics.items() if isinstance(v, float) and not math.isfinite(v))
+  if bad:
+    raise NonFiniteEvaluation(f"the final evaluation at step {state.step} is not finite ({', '.join(bad)}); "
+                              f"the checkpoint of step {state.step} in {mgr.directory} is kept")
   eval_metrics["state"] = state
   eval_metrics["experiment"] = exp
   return eval_metrics
@@ -617,6 +660,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, devic
 
 # ----------------------------------------------------------------------------------------------------------------
 # Command line
+
+
+def format_metrics(metrics: dict[str, Any]) -> str:
+  """`k=v` pairs; the batch and example counts say what an evaluation figure covers."""
+  return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
 
 
 def _flags():
@@ -630,6 +678,8 @@ def _flags():
   flags.DEFINE_multi_string("gin_bindings", [], "gin bindings, e.g. 'attention.deepsets = True'")
   flags.DEFINE_bool("multihost", False, "call jax.distributed.initialize() (Cloud TPU pods, multi-GPU hosts)")
   flags.DEFINE_bool("progress", True, "show the progress bar")
+  flags.DEFINE_bool("allow_config_change", False, "resume a workdir although model/data fields of the config "
+                    "differ from its run's (the change is recorded in config_history.json)")
   return flags.FLAGS
 
 
@@ -657,8 +707,9 @@ def main(argv: list[str]) -> None:
   print(f"training {config.data.name} -> {workdir}"
         + (f" (chance accuracy: {100 * chance:.1f}%)" if chance else ""), flush=True)
   try:
-    result = train_and_evaluate(config, workdir, progress=flags.progress)
-  except TrainingDiverged as e:
+    result = train_and_evaluate(config, workdir, progress=flags.progress,
+                                allow_config_change=flags.allow_config_change)
+  except (TrainingDiverged, NonFiniteEvaluation, resume.ConfigMismatch, resume.UnrestorableCheckpoint) as e:
     print(f"ERROR: {e}", file=sys.stderr, flush=True)
     sys.exit(1)
   if "accuracy" in result and chance:

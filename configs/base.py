@@ -153,11 +153,14 @@ COMMON_KEYS: dict[str, tuple[Callable, Callable]] = {
 }
 
 
-def parse_arg(arg: str | None, extra: tuple[str, ...] = ()) -> tuple[dict[str, str], set[str]]:
-  """Splits `k=v,flag` into ({k: v}, {flags}); keys must be COMMON_KEYS, 'smoke' or in `extra`."""
+def parse_arg(arg: str | None, extra: tuple[str, ...] = (), flags: tuple[str, ...] = ()
+              ) -> tuple[dict[str, str], set[str]]:
+  """Splits `k=v,flag` into ({k: v}, {flags}); keys must be COMMON_KEYS or in `extra` and take a value, flags
+  ('smoke' or in `flags`) take none. Anything else is an error naming the item."""
   values: dict[str, str] = {}
-  flags: set[str] = set()
-  valid = sorted(set(COMMON_KEYS) | {"smoke"} | set(extra))
+  given: set[str] = set()
+  flag_names = {"smoke"} | set(flags)
+  valid = sorted(set(COMMON_KEYS) | flag_names | set(extra))
   for item in (arg or "").split(","):
     item = item.strip()
     if not item:
@@ -166,11 +169,34 @@ def parse_arg(arg: str | None, extra: tuple[str, ...] = ()) -> tuple[dict[str, s
     key = key.strip()
     if key not in valid:
       raise ValueError(f"unknown config argument {key!r} in {arg!r}; valid: {valid}")
-    if sep:
-      values[key] = value.strip()
+    if key in flag_names:
+      if sep:
+        raise ValueError(f"config argument {key!r} is a flag and takes no value: write {key!r}, not {item!r}")
+      given.add(key)
+    elif not sep or not value.strip():
+      raise ValueError(f"config argument {key!r} in {arg!r} needs a value: write {key}=VALUE")
     else:
-      flags.add(key)
-  return values, flags
+      values[key] = value.strip()
+  return values, given
+
+
+def validate(c: ml_collections.ConfigDict) -> None:
+  """Clear errors for config values that would otherwise fail late (after compiling) or silently do nothing."""
+  t = c.train
+  for name in ("num_steps", "log_every", "eval_every", "checkpoint_every", "batch_size", "eval_batch_size",
+               "keep_checkpoints", "eval_batches"):
+    if isinstance(t[name], bool) or not isinstance(t[name], int):
+      raise ValueError(f"config.train.{name} must be an int, got {t[name]!r}")
+  for name in ("log_every", "checkpoint_every", "batch_size", "eval_batch_size", "keep_checkpoints"):
+    if t[name] < 1:
+      raise ValueError(f"config.train.{name} must be >= 1, got {t[name]}")
+  if t.num_steps < 0:
+    raise ValueError(f"config.train.num_steps must be >= 0 (0 = evaluate the initial or restored state), "
+                     f"got {t.num_steps}")
+  if t.eval_every < 0:
+    raise ValueError(f"config.train.eval_every must be >= 0 (0 = only at the end), got {t.eval_every}")
+  if t.eval_batches == 0 or t.eval_batches < -1:
+    raise ValueError(f"config.train.eval_batches must be >= 1 or -1 (the whole split), got {t.eval_batches}")
 
 
 def apply_common(c: ml_collections.ConfigDict, values: dict[str, str]) -> None:

@@ -31,7 +31,7 @@ def image_config(name: str, image_shape: tuple[int, int, int], arg: str | None):
   c.train.eval_every = 10_000
   c.train.eval_batches = -1
   c.train.checkpoint_every = 2000
-  values, flags = base.parse_arg(arg, extra=IMAGE_KEYS)
+  values, flags = base.parse_arg(arg, flags=IMAGE_KEYS)
   if "main" in flags:
     c.train.num_steps = 1_200_000
   if "smoke" in flags:

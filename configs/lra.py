@@ -72,7 +72,7 @@ def yoso_paper(c, task: str) -> None:
 
 
 def get_config(arg: str | None = None):
-  values, flags = base.parse_arg(arg, extra=("task", YOSO_FLAG))
+  values, flags = base.parse_arg(arg, extra=("task",), flags=(YOSO_FLAG,))
   task = values.pop("task", "listops")
   if task not in SETTINGS:
     raise ValueError(f"lra task must be one of {list(SETTINGS)}, got {task!r}")

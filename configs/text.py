@@ -2,7 +2,7 @@
 
 from configs import base
 
-TEXT_KEYS = ()
+TEXT_KEYS = ()  # flags of the text configs (none yet)
 
 
 def text_config(name: str, arg: str | None):
@@ -30,7 +30,7 @@ def text_config(name: str, arg: str | None):
   c.train.eval_every = 5000
   c.train.eval_batches = 100
   c.train.checkpoint_every = 2000
-  values, flags = base.parse_arg(arg, extra=TEXT_KEYS)
+  values, flags = base.parse_arg(arg, flags=TEXT_KEYS)
   if "smoke" in flags:
     base.shrink_for_smoke(c, seq_len=64)
   base.apply_common(c, values)

@@ -1,0 +1,211 @@
+"""What train.py and eval.py check before they trust a workdir: its config, its checkpoints, the JSON they write.
+
+- Config: a run's first config is `<workdir>/config.json` and is never rewritten. A resume compares the new config
+  with the one in force (the last entry of `config_history.json`, else config.json) before anything is written: a
+  change of model or data fields is refused with the list of differing fields unless it is explicitly allowed;
+  any accepted change is appended to `config_history.json` with the step it applies from. `load_config(workdir,
+  step)` gives the config a checkpoint was trained with. A non-empty directory without config.json is not a
+  workdir of this project and is refused.
+- Checkpoints: a step that does not restore (missing or damaged files, a corrupt data-iterator state, non-finite
+  parameters or optimizer state) is reported with its directory, and the newest step that restores is used.
+  Training moves such a step aside into `<workdir>/unrestorable_checkpoints/` (nothing is deleted), so that the
+  step can be trained and saved again.
+- JSON: metrics files are standard JSON; non-finite numbers are written as null.
+
+File I/O goes through `etils.epath`, so a workdir may live on any filesystem epath supports (e.g. gs://).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+from etils import epath
+
+CONFIG = "config.json"
+HISTORY = "config_history.json"
+UNRESTORABLE = "unrestorable_checkpoints"
+# Top-level config sections whose change makes a resumed run a different experiment (shapes, task, data).
+GUARDED = ("model", "data")
+
+
+class ConfigMismatch(ValueError):
+  """The config given does not match the run in the workdir."""
+
+
+class UnrestorableCheckpoint(RuntimeError):
+  """No checkpoint step of a workdir restores."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# JSON
+
+
+def finite_or_none(x: Any) -> Any:
+  """x with every non-finite float (also inside dicts / lists / NumPy scalars) replaced by None."""
+  if isinstance(x, dict):
+    return {k: finite_or_none(v) for k, v in x.items()}
+  if isinstance(x, (list, tuple)):
+    return [finite_or_none(v) for v in x]
+  if isinstance(x, (np.floating, np.integer)):
+    x = x.item()
+  if isinstance(x, float) and not math.isfinite(x):
+    return None
+  return x
+
+
+def write_json(path: Any, obj: Any) -> None:
+  """Standard JSON (null, never NaN / Infinity), written whole (a temporary file renamed into place)."""
+  path = epath.Path(path)
+  text = json.dumps(finite_or_none(obj), indent=2, allow_nan=False, sort_keys=False)
+  tmp = path.parent / f".{path.name}.tmp"
+  tmp.write_text(text + "\n")
+  tmp.replace(path)
+
+
+def read_json(path: Any) -> Any:
+  return json.loads(epath.Path(path).read_text())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Config
+
+
+def config_dict(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """The JSON form of a config, as config.json holds it (tuples become lists)."""
+  return json.loads(config.to_json_best_effort(sort_keys=True))
+
+
+def flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+  if not isinstance(d, dict):
+    return {prefix: d}
+  out: dict[str, Any] = {}
+  for k, v in d.items():
+    out.update(flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+  return out
+
+
+def differences(old: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+  """{dotted field: (old, new)} for every field that differs (absent = None)."""
+  a, b = flatten(old), flatten(new)
+  return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
+
+
+def _history(workdir: epath.Path) -> list[dict[str, Any]]:
+  path = workdir / HISTORY
+  return read_json(path) if path.exists() else []
+
+
+def saved_config_dict(workdir: Any, step: int | None = None) -> dict[str, Any] | None:
+  """The config (JSON form) in force at checkpoint `step` (default: the latest change), None without config.json.
+
+  A change recorded when resuming from step s applies to the checkpoints after s.
+  """
+  workdir = epath.Path(workdir)
+  if not (workdir / CONFIG).exists():
+    return None
+  current = read_json(workdir / CONFIG)
+  for entry in _history(workdir):
+    if step is None or entry["step"] < step:
+      current = entry["config"]
+  return current
+
+
+def check_workdir(workdir: Any, config: ml_collections.ConfigDict, *, allow_change: bool = False
+                  ) -> dict[str, tuple[Any, Any]]:
+  """Decides, before anything is written, whether `config` may run in `workdir`; returns the changed fields.
+
+  Raises ConfigMismatch for a non-empty directory that is not a workdir of this project, and for a change of
+  model or data fields unless `allow_change`.
+  """
+  workdir = epath.Path(workdir)
+  saved = saved_config_dict(workdir)
+  if saved is None:
+    if workdir.exists() and any(True for _ in workdir.iterdir()):
+      names = sorted(p.name for p in workdir.iterdir())
+      shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+      raise ConfigMismatch(f"--workdir {workdir} is not empty ({shown}) and has no {CONFIG}: it holds files of "
+                           "another run, not a train.py workdir. Choose a new or empty directory.")
+    return {}
+  diff = differences(saved, config_dict(config))
+  guarded = {k: v for k, v in diff.items() if k.split(".")[0] in GUARDED}
+  if guarded and not allow_change:
+    lines = "\n".join(f"  {k}: {old!r} -> {new!r}" for k, (old, new) in guarded.items())
+    raise ConfigMismatch(f"the config differs from the one the run in {workdir} was trained with, in model/data "
+                         f"fields:\n{lines}\nUse a new --workdir for a new experiment, or pass "
+                         "--allow_config_change to continue this run with the new config (the change is recorded "
+                         f"in {HISTORY}).")
+  return diff
+
+
+def record_config(workdir: Any, config: ml_collections.ConfigDict, diff: dict[str, tuple[Any, Any]],
+                  step: int) -> None:
+  """Writes config.json for a new run, or appends an accepted change (applying after `step`) to the history."""
+  workdir = epath.Path(workdir)
+  if not (workdir / CONFIG).exists():
+    write_json(workdir / CONFIG, config_dict(config))
+    return
+  if not diff:
+    return
+  history = _history(workdir)
+  history.append({"step": int(step), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                  "changes": {k: {"old": old, "new": new} for k, (old, new) in diff.items()},
+                  "config": config_dict(config)})
+  write_json(workdir / HISTORY, history)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+def check_finite(tree: Any, what: str) -> None:
+  """Raises ValueError naming the first non-finite leaf of `tree` (restored parameters or optimizer state)."""
+  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+    if hasattr(leaf, "dtype") and jax.numpy.issubdtype(leaf.dtype, jax.numpy.inexact):
+      if not bool(jax.numpy.all(jax.numpy.isfinite(leaf))):
+        raise ValueError(f"non-finite values in the restored {what} at {jax.tree_util.keystr(path)}")
+
+
+def restore_newest(steps: Iterable[int], restore: Callable[[int], Any], directory: Any, *,
+                   say: Callable[[str], None] = print, set_aside: Callable[[int], str] | None = None) -> Any:
+  """restore(step) for the newest of `steps` that restores; each step whose restore raises
+  UnrestorableCheckpoint (naming its directory) is reported and, with `set_aside`, moved out of the way. Raises
+  UnrestorableCheckpoint when none restores. `directory` is the checkpoints directory (for the message)."""
+  failures = []
+  for step in sorted(steps, reverse=True):
+    try:
+      result = restore(step)
+    except UnrestorableCheckpoint as e:  # damage: missing files, bad chunks, corrupt JSON, non-finite values
+      failures.append(str(e))
+      note = f"; moved to {set_aside(step)} (nothing deleted)" if set_aside is not None else ""
+      say(f"WARNING: {e}{note}; trying the previous step")
+      continue
+    if failures:
+      say(f"resuming from step {step}, the newest checkpoint that restores")
+    return result
+  raise UnrestorableCheckpoint(f"no checkpoint in {directory} restores:\n  " + "\n  ".join(failures))
+
+
+def move_aside(checkpoints: Any, step: int) -> str:
+  """Moves `<checkpoints>/<step>` into `<workdir>/unrestorable_checkpoints/` and returns where it went."""
+  checkpoints = epath.Path(checkpoints)
+  target_dir = checkpoints.parent / UNRESTORABLE
+  target_dir.mkdir(parents=True, exist_ok=True)
+  target = target_dir / str(step)
+  n = 1
+  while target.exists():
+    target = target_dir / f"{step}.{n}"
+    n += 1
+  (checkpoints / str(step)).rename(target)
+  return str(target)
+
+
+def short(e: BaseException, limit: int = 300) -> str:
+  text = " ".join(str(e).split())
+  return text if len(text) <= limit else text[:limit] + "..."

@@ -1,0 +1,248 @@
+"""train.py / eval.py on workdirs that are not what they should be: another config, a foreign directory, broken or
+non-finite checkpoints, evaluations that fail or are not finite, bad config values; and eval.py agreeing with
+train.py. One tiny run is trained once and copied for each case."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+import train
+from configs import base, default
+
+
+def smoke(attention_name="combiner_fixed", **overrides):
+  c = default.get_config(f"smoke,attention={attention_name}")
+  c.train.num_steps = 4
+  c.train.checkpoint_every = 2
+  c.train.eval_batches = 1  # the final evaluation covers 1 of the 2 validation batches
+  for key, value in overrides.items():
+    node = c
+    *parents, leaf = key.split(".")
+    for p in parents:
+      node = node[p]
+    node[leaf] = value
+  return c
+
+
+def strict_json(path):
+  """json.load that refuses NaN / Infinity (not standard JSON)."""
+  def refuse(name):
+    raise ValueError(f"non-standard JSON constant {name} in {path}")
+  with open(path) as f:
+    return json.load(f, parse_constant=refuse)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+  """A finished 4-step run with checkpoints at steps 2 and 4, and its final metrics."""
+  workdir = str(tmp_path_factory.mktemp("trained") / "run")
+  result = train.train_and_evaluate(smoke(), workdir, progress=False)
+  return workdir, {k: v for k, v in result.items() if k not in ("state", "experiment")}
+
+
+def copy_of(trained, tmp_path):
+  workdir = str(tmp_path / "run")
+  shutil.copytree(trained[0], workdir)
+  return workdir
+
+
+# -- 1: config changes on resume, foreign workdirs ---------------------------------------------------------------
+
+
+def test_changed_model_config_is_refused_before_anything_is_written(trained, tmp_path):
+  workdir = copy_of(trained, tmp_path)
+  before = {name: open(os.path.join(workdir, name), "rb").read() for name in ("config.json", "metrics.json")}
+  listing = sorted(os.listdir(workdir))
+  with pytest.raises(ValueError, match=r"model\.attention\.name: 'combiner_fixed' -> 'dense'") as e:
+    train.train_and_evaluate(smoke("dense", **{"train.num_steps": 6}), workdir, progress=False)
+  assert "allow_config_change" in str(e.value)
+  assert sorted(os.listdir(workdir)) == listing
+  for name, content in before.items():
+    assert open(os.path.join(workdir, name), "rb").read() == content
+  # Allowed explicitly: the run continues, config.json stays the original, the change is kept in a history.
+  result = train.train_and_evaluate(smoke("dense", **{"train.num_steps": 6}), workdir, progress=False,
+                                    allow_config_change=True)
+  assert result["start_step"] == 4 and result["step"] == 6
+  assert open(os.path.join(workdir, "config.json"), "rb").read() == before["config.json"]
+  history = strict_json(os.path.join(workdir, "config_history.json"))
+  assert [h["step"] for h in history] == [4]
+  assert history[0]["changes"]["model.attention.name"] == {"old": "combiner_fixed", "new": "dense"}
+  # Each checkpoint is evaluated with the config it was trained with.
+  assert train.load_config(workdir, 4).model.attention.name == "combiner_fixed"
+  assert train.load_config(workdir, 6).model.attention.name == "dense"
+  assert train.load_config(workdir).model.attention.name == "dense"
+
+
+def test_workdir_of_another_run_is_refused(tmp_path):
+  foreign = tmp_path / "foreign"
+  foreign.mkdir()
+  (foreign / "notes.txt").write_text("someone else's files")
+  with pytest.raises(ValueError, match=r"not empty \(notes\.txt\) and has no config\.json"):
+    train.train_and_evaluate(smoke(), str(foreign), progress=False)
+  assert sorted(os.listdir(foreign)) == ["notes.txt"]
+
+
+# -- 2, 3: broken and non-finite checkpoints ---------------------------------------------------------------------
+
+
+def _damage(step_dir, kind):
+  if kind == "no_metadata":
+    os.remove(os.path.join(step_dir, "state", "_METADATA"))
+  elif kind in ("no_state", "no_meta"):
+    shutil.rmtree(os.path.join(step_dir, kind[3:]))
+  elif kind == "empty_chunks":
+    for root, _, files in os.walk(os.path.join(step_dir, "state")):
+      for name in files:
+        if root != os.path.join(step_dir, "state") or not name.startswith("_"):
+          open(os.path.join(root, name), "w").close()
+  elif kind == "data_json":
+    for name in os.listdir(os.path.join(step_dir, "data")):
+      if name.endswith(".json"):
+        with open(os.path.join(step_dir, "data", name), "w") as f:
+          f.write('{"broken": ')
+  else:
+    raise AssertionError(kind)
+
+
+@pytest.fixture(scope="module")
+def experiment():
+  return train.Experiment(smoke(), devices=jax.devices()[:1])
+
+
+def _restore(workdir, experiment, capsys):
+  config = smoke()
+  mgr = train.checkpoint_manager(workdir, config)
+  data_iter = iter(train.create_dataset(config, "train", batch_size=8, seed=0))
+  state = train.restore_or_init(mgr, experiment, data_iter, set_aside=True)
+  steps = list(mgr.all_steps())
+  mgr.close()
+  return state, steps, capsys.readouterr().out
+
+
+@pytest.mark.parametrize("kind", ["no_metadata", "no_state", "no_meta", "empty_chunks", "data_json"])
+def test_broken_latest_checkpoint_names_its_directory_and_falls_back(trained, experiment, tmp_path, capsys, kind):
+  workdir = copy_of(trained, tmp_path)
+  broken = os.path.join(workdir, "checkpoints", "4")
+  _damage(broken, kind)
+  files_before = sorted(os.path.relpath(os.path.join(r, f), broken) for r, _, fs in os.walk(broken) for f in fs)
+  state, steps, out = _restore(workdir, experiment, capsys)
+  assert state.step == 2 and steps == [2]
+  assert f"checkpoint {broken} does not restore" in out and "resuming from step 2" in out
+  # Nothing deleted: the broken step is moved aside whole.
+  moved = os.path.join(workdir, "unrestorable_checkpoints", "4")
+  assert sorted(os.path.relpath(os.path.join(r, f), moved) for r, _, fs in os.walk(moved) for f in fs) \
+      == files_before
+
+
+def test_no_restorable_checkpoint_lists_every_step(trained, experiment, tmp_path, capsys):
+  import eval as eval_lib
+
+  workdir = copy_of(trained, tmp_path)
+  _damage(os.path.join(workdir, "checkpoints", "4"), "no_meta")
+  # eval.py: an explicitly requested broken step names its directory.
+  with pytest.raises(RuntimeError, match=r"checkpoints/4 does not restore"):
+    eval_lib.evaluate_workdir(workdir, step=4)
+  _damage(os.path.join(workdir, "checkpoints", "2"), "no_state")
+  with pytest.raises(RuntimeError, match=r"(?s)no checkpoint .* restores.*checkpoints/4 .*checkpoints/2 "):
+    _restore(workdir, experiment, capsys)
+
+
+def test_non_finite_checkpoint_is_not_trusted(trained, experiment, tmp_path, capsys):
+  workdir = copy_of(trained, tmp_path)
+  config = smoke()
+  mgr = train.checkpoint_manager(workdir, config)
+  data_iter = iter(train.create_dataset(config, "train", batch_size=8, seed=0))
+  state = train.restore_checkpoint(mgr, experiment, data_iter)
+  bad = jax.tree.map(lambda x: x * np.nan, state.params)  # what flipped bytes in a chunk can restore as
+  train.save_checkpoint(mgr, train.TrainState(bad, state.rest, state.opt_state, 6), data_iter)
+  mgr.close()
+  restored, _, out = _restore(workdir, experiment, capsys)
+  assert restored.step == 4
+  assert "checkpoints/6 does not restore" in out and "non-finite values in the restored parameters" in out
+
+
+def test_non_finite_final_evaluation_fails_and_writes_standard_json(trained, tmp_path, monkeypatch):
+  import eval as eval_lib
+
+  workdir = copy_of(trained, tmp_path)
+  nan_metrics = {"loss": math.nan, "accuracy": 0.0, "num_batches": 1, "num_examples": 8, "whole_split": False}
+  monkeypatch.setattr(train.Experiment, "evaluate", lambda self, state, split=None, max_batches=None:
+                      dict(nan_metrics))
+  with pytest.raises(RuntimeError, match="final evaluation at step 4 is not finite"):
+    train.train_and_evaluate(smoke(), workdir, progress=False)
+  assert strict_json(os.path.join(workdir, "metrics.json"))["loss"] is None
+  m = eval_lib.evaluate_workdir(workdir)
+  assert strict_json(m["path"])["loss"] is None
+
+
+# -- 4: the checkpoint is saved before the evaluation of the same step ------------------------------------------
+
+
+def test_failing_evaluation_keeps_the_checkpoint_of_its_step(trained, tmp_path, monkeypatch):
+  workdir = copy_of(trained, tmp_path)
+
+  def failing(self, state, split=None, max_batches=None):
+    raise RuntimeError(f"evaluation failed at step {state.step}")
+
+  monkeypatch.setattr(train.Experiment, "evaluate", failing)
+  config = smoke(**{"train.num_steps": 8, "train.eval_every": 6})
+  with pytest.raises(RuntimeError, match="evaluation failed at step 6"):
+    train.train_and_evaluate(config, workdir, progress=False)
+  mgr = train.checkpoint_manager(workdir, config, read_only=True)
+  assert mgr.latest_step() == 6
+  mgr.close()
+
+
+# -- 5: config values are checked before compiling ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("train.checkpoint_every", 0, r"checkpoint_every must be >= 1"),
+    ("train.log_every", -1, r"log_every must be >= 1"),
+    ("train.eval_every", -2, r"eval_every must be >= 0"),
+    ("train.num_steps", -5, r"num_steps must be >= 0"),
+    ("train.eval_batches", 0, r"eval_batches must be >= 1 or -1"),
+])
+def test_bad_config_values_are_clear_errors_before_compiling(tmp_path, monkeypatch, field, value, message):
+  monkeypatch.setattr(train, "Experiment", None)  # reaching the model build would be a TypeError
+  with pytest.raises(ValueError, match=message):
+    train.train_and_evaluate(smoke(**{field: value}), str(tmp_path / "run"), progress=False)
+  assert not os.path.exists(tmp_path / "run")
+
+
+@pytest.mark.parametrize("arg,message", [
+    ("smoke=1", r"'smoke' is a flag and takes no value"),
+    ("smoke,attention", r"'attention' in 'smoke,attention' needs a value"),
+    ("attention=", r"'attention' in 'attention=' needs a value"),
+])
+def test_config_argument_errors(arg, message):
+  with pytest.raises(ValueError, match=message):
+    default.get_config(arg)
+  base.parse_arg("smoke,attention=dense")  # the valid form still parses
+
+
+# -- 7: eval.py and train.py agree by default, and say what they cover -------------------------------------------
+
+
+def test_eval_agrees_with_train_by_default_and_keeps_each_file(trained, tmp_path):
+  import eval as eval_lib
+
+  workdir = copy_of(trained, tmp_path)
+  final = trained[1]
+  assert (final["num_batches"], final["num_examples"]) == (1, 8)
+  m = eval_lib.evaluate_workdir(workdir)
+  assert (m["num_batches"], m["num_examples"]) == (1, 8)
+  np.testing.assert_allclose(m["loss"], final["loss"], rtol=1e-6)
+  assert m["accuracy"] == final["accuracy"]
+  whole = eval_lib.evaluate_workdir(workdir, max_batches=-1)
+  assert (whole["num_batches"], whole["num_examples"], whole["whole_split"]) == (2, 16, True)
+  assert whole["path"] != m["path"]
+  assert strict_json(m["path"])["num_batches"] == 1 and strict_json(whole["path"])["num_batches"] == 2
+  assert train.format_metrics(m).count("num_examples=8") == 1
