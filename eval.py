@@ -4,8 +4,8 @@ r"""Evaluates a train.py checkpoint on a split, prints the metrics and writes th
     python eval.py --workdir DIR --split test --step 4000 --max_batches 100
 
 The config is the resolved one train.py saved (`<workdir>/config.json`, with the changes it recorded in
-`config_history.json` up to the checkpoint's step); `--config.*`-style overrides are not needed because everything
-that shapes the model is in it. By default it evaluates as many batches as train.py's evaluations
+`config_history.json` up to the checkpoint's step); `--config.*`-style overrides are not needed because
+everything that shapes the model is in it. By default it evaluates as many batches as train.py's evaluations
 (`config.train.eval_batches`), so the two agree; both print how many batches and examples a figure covers. The
 result goes to `<workdir>/eval_<split>_<step>.json` for the whole split, `eval_<split>_<step>_<n>batches.json`
 for the first n batches. A latest checkpoint that does not restore is reported and the newest one that does is
@@ -54,7 +54,8 @@ def evaluate_workdir(workdir: str, *, split: str | None = None, step: int | None
   metrics.update(step=state.step, split=split, attention=str(config.model.attention.name),
                  data=str(config.data.name))
   if jax.process_index() == 0:
-    name = f"eval_{split}_{state.step}" + ("" if metrics["whole_split"] else f"_{metrics['num_batches']}batches")
+    part = "" if metrics["whole_split"] else f"_{metrics['num_batches']}batches"
+    name = f"eval_{split}_{state.step}{part}"
     path = os.path.join(workdir, name + ".json")
     resume.write_json(path, metrics)
     metrics["path"] = path
@@ -87,7 +88,7 @@ if __name__ == "__main__":
   flags.DEFINE_string("workdir", None, "a train.py workdir", required=True)
   flags.DEFINE_string("split", None, "split to evaluate (default: the config's eval_split)")
   flags.DEFINE_integer("step", None, "checkpoint step (default: the latest)")
-  flags.DEFINE_integer("max_batches", None, "evaluate at most this many batches (-1 = the whole split; default: "
-                       "config.train.eval_batches, as train.py's evaluations)")
+  flags.DEFINE_integer("max_batches", None, "evaluate at most this many batches (-1 = the whole split; "
+                       "default: config.train.eval_batches, as train.py's evaluations)")
   flags.DEFINE_bool("multihost", False, "call jax.distributed.initialize()")
   app.run(main)

@@ -1,15 +1,15 @@
-"""What train.py and eval.py check before they trust a workdir: its config, its checkpoints, the JSON they write.
+"""What train.py and eval.py check before they trust a workdir: its config, its checkpoints, their JSON.
 
-- Config: a run's first config is `<workdir>/config.json` and is never rewritten. A resume compares the new config
-  with the one in force (the last entry of `config_history.json`, else config.json) before anything is written: a
-  change of model or data fields is refused with the list of differing fields unless it is explicitly allowed;
-  any accepted change is appended to `config_history.json` with the step it applies from. `load_config(workdir,
-  step)` gives the config a checkpoint was trained with. A non-empty directory without config.json is not a
-  workdir of this project and is refused.
-- Checkpoints: a step that does not restore (missing or damaged files, a corrupt data-iterator state, non-finite
-  parameters or optimizer state) is reported with its directory, and the newest step that restores is used.
-  Training moves such a step aside into `<workdir>/unrestorable_checkpoints/` (nothing is deleted), so that the
-  step can be trained and saved again.
+- Config: a run's first config is `<workdir>/config.json` and is never rewritten. A resume compares the new
+  config with the one in force (the last entry of `config_history.json`, else config.json) before anything is
+  written: a change of model or data fields is refused with the list of differing fields unless it is
+  explicitly allowed; an accepted change is appended to `config_history.json` with the step it applies from.
+  `train.load_config(workdir, step)` gives the config a checkpoint was trained with. A non-empty directory
+  without config.json is not a workdir of this project and is refused.
+- Checkpoints: a step that does not restore (missing or damaged files, a corrupt data-iterator state,
+  non-finite parameters or optimizer state) is reported with its directory, and the newest step that restores
+  is used. Training moves such a step into `<workdir>/unrestorable_checkpoints/` (nothing is deleted), so that
+  the step can be trained and saved again.
 - JSON: metrics files are standard JSON; non-finite numbers are written as null.
 
 File I/O goes through `etils.epath`, so a workdir may live on any filesystem epath supports (e.g. gs://).
@@ -43,7 +43,7 @@ class UnrestorableCheckpoint(RuntimeError):
   """No checkpoint step of a workdir restores."""
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # JSON
 
 
@@ -73,7 +73,7 @@ def read_json(path: Any) -> Any:
   return json.loads(epath.Path(path).read_text())
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Config
 
 
@@ -103,7 +103,7 @@ def _history(workdir: epath.Path) -> list[dict[str, Any]]:
 
 
 def saved_config_dict(workdir: Any, step: int | None = None) -> dict[str, Any] | None:
-  """The config (JSON form) in force at checkpoint `step` (default: the latest change), None without config.json.
+  """The config (JSON form) in force at checkpoint `step` (default: the latest), None without config.json.
 
   A change recorded when resuming from step s applies to the checkpoints after s.
   """
@@ -130,23 +130,24 @@ def check_workdir(workdir: Any, config: ml_collections.ConfigDict, *, allow_chan
     if workdir.exists() and any(True for _ in workdir.iterdir()):
       names = sorted(p.name for p in workdir.iterdir())
       shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
-      raise ConfigMismatch(f"--workdir {workdir} is not empty ({shown}) and has no {CONFIG}: it holds files of "
-                           "another run, not a train.py workdir. Choose a new or empty directory.")
+      raise ConfigMismatch(f"--workdir {workdir} is not empty ({shown}) and has no {CONFIG}: it holds files "
+                           "of another run, not a train.py workdir. Choose a new or empty directory.")
     return {}
   diff = differences(saved, config_dict(config))
   guarded = {k: v for k, v in diff.items() if k.split(".")[0] in GUARDED}
   if guarded and not allow_change:
     lines = "\n".join(f"  {k}: {old!r} -> {new!r}" for k, (old, new) in guarded.items())
-    raise ConfigMismatch(f"the config differs from the one the run in {workdir} was trained with, in model/data "
-                         f"fields:\n{lines}\nUse a new --workdir for a new experiment, or pass "
-                         "--allow_config_change to continue this run with the new config (the change is recorded "
-                         f"in {HISTORY}).")
+    raise ConfigMismatch(f"the config differs from the one the run in {workdir} was trained with, in "
+                         f"model/data fields:\n{lines}\nUse a new --workdir for a new experiment, or pass "
+                         "--allow_config_change to continue this run with the new config (the change is "
+                         f"recorded in {HISTORY}).")
   return diff
 
 
 def record_config(workdir: Any, config: ml_collections.ConfigDict, diff: dict[str, tuple[Any, Any]],
                   step: int) -> None:
-  """Writes config.json for a new run, or appends an accepted change (applying after `step`) to the history."""
+  """Writes config.json for a new run, or appends an accepted change (applying after `step`) to the
+  history."""
   workdir = epath.Path(workdir)
   if not (workdir / CONFIG).exists():
     write_json(workdir / CONFIG, config_dict(config))
@@ -160,7 +161,7 @@ def record_config(workdir: Any, config: ml_collections.ConfigDict, diff: dict[st
   write_json(workdir / HISTORY, history)
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Checkpoints
 
 
@@ -175,7 +176,8 @@ def check_finite(tree: Any, what: str) -> None:
 def restore_newest(steps: Iterable[int], restore: Callable[[int], Any], directory: Any, *,
                    say: Callable[[str], None] = print, set_aside: Callable[[int], str] | None = None) -> Any:
   """restore(step) for the newest of `steps` that restores; each step whose restore raises
-  UnrestorableCheckpoint (naming its directory) is reported and, with `set_aside`, moved out of the way. Raises
+  UnrestorableCheckpoint (naming its directory) is reported and, with `set_aside`, moved out of the way.
+  Raises
   UnrestorableCheckpoint when none restores. `directory` is the checkpoints directory (for the message)."""
   failures = []
   for step in sorted(steps, reverse=True):

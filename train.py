@@ -22,7 +22,6 @@ r"""Trains an experiment config: jit over a named device mesh, orbax checkpoints
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import signal
@@ -511,7 +510,7 @@ def load_config(workdir: str, step: int | None = None) -> ml_collections.ConfigD
 
 
 class NonFiniteEvaluation(RuntimeError):
-  """Raised when the final evaluation is not finite (the metrics are written, with null for the bad values)."""
+  """Raised when the final evaluation is not finite (its metrics are written, null for the bad values)."""
 
 
 def restore_or_init(mgr: Any, exp: Experiment, data_iter: Any, *, set_aside: bool) -> TrainState:
@@ -523,8 +522,8 @@ def restore_or_init(mgr: Any, exp: Experiment, data_iter: Any, *, set_aside: boo
   move = None
   if set_aside and jax.process_index() == 0:
     move = lambda step: resume.move_aside(mgr.directory, step)  # noqa: E731
-  state = resume.restore_newest(steps, lambda step: restore_checkpoint(mgr, exp, data_iter, step), mgr.directory,
-                                say=lambda line: print(line, flush=True), set_aside=move)
+  state = resume.restore_newest(steps, lambda step: restore_checkpoint(mgr, exp, data_iter, step),
+                                mgr.directory, say=lambda line: print(line, flush=True), set_aside=move)
   mgr.reload()
   print(f"resumed from {mgr.directory} at step {state.step}", flush=True)
   return state

@@ -181,7 +181,7 @@ def parse_arg(arg: str | None, extra: tuple[str, ...] = (), flags: tuple[str, ..
 
 
 def validate(c: ml_collections.ConfigDict) -> None:
-  """Clear errors for config values that would otherwise fail late (after compiling) or silently do nothing."""
+  """Clear errors for config values that would otherwise fail after compiling or silently do nothing."""
   t = c.train
   for name in ("num_steps", "log_every", "eval_every", "checkpoint_every", "batch_size", "eval_batch_size",
                "keep_checkpoints", "eval_batches"):

@@ -37,7 +37,8 @@ def split_flag(arg: str | None) -> tuple[str, bool]:
   return ",".join(s for s in items if s and s != FLAG), FLAG in items
 
 
-def apply(c: ml_collections.ConfigDict, settings: dict[str, Any], arg: str, flag_keys: tuple[str, ...]) -> None:
+def apply(c: ml_collections.ConfigDict, settings: dict[str, Any], arg: str,
+          flag_keys: tuple[str, ...]) -> None:
   """Sets the paper's model/optimizer on `c`, then re-applies the user's `arg` so that it wins."""
   values, flags = base.parse_arg(arg, flags=flag_keys)
   att = c.model.attention

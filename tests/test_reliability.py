@@ -1,6 +1,6 @@
-"""train.py / eval.py on workdirs that are not what they should be: another config, a foreign directory, broken or
-non-finite checkpoints, evaluations that fail or are not finite, bad config values; and eval.py agreeing with
-train.py. One tiny run is trained once and copied for each case."""
+"""train.py / eval.py on workdirs that are not what they should be: another config, a foreign directory,
+broken or non-finite checkpoints, evaluations that fail or are not finite, bad config values; and eval.py
+agreeing with train.py. One tiny run is trained once and copied for each case."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def copy_of(trained, tmp_path):
   return workdir
 
 
-# -- 1: config changes on resume, foreign workdirs ---------------------------------------------------------------
+# -- 1: config changes on resume, foreign workdirs -----------------------------------------------------------
 
 
 def test_changed_model_config_is_refused_before_anything_is_written(trained, tmp_path):
@@ -89,7 +89,7 @@ def test_workdir_of_another_run_is_refused(tmp_path):
   assert sorted(os.listdir(foreign)) == ["notes.txt"]
 
 
-# -- 2, 3: broken and non-finite checkpoints ---------------------------------------------------------------------
+# -- 2, 3: broken and non-finite checkpoints -----------------------------------------------------------------
 
 
 def _damage(step_dir, kind):
@@ -111,6 +111,10 @@ def _damage(step_dir, kind):
     raise AssertionError(kind)
 
 
+def _files(top):
+  return sorted(os.path.relpath(os.path.join(r, f), top) for r, _, fs in os.walk(top) for f in fs)
+
+
 @pytest.fixture(scope="module")
 def experiment():
   return train.Experiment(smoke(), devices=jax.devices()[:1])
@@ -127,18 +131,18 @@ def _restore(workdir, experiment, capsys):
 
 
 @pytest.mark.parametrize("kind", ["no_metadata", "no_state", "no_meta", "empty_chunks", "data_json"])
-def test_broken_latest_checkpoint_names_its_directory_and_falls_back(trained, experiment, tmp_path, capsys, kind):
+def test_broken_latest_checkpoint_names_its_directory_and_falls_back(trained, experiment, tmp_path, capsys,
+                                                                     kind):
   workdir = copy_of(trained, tmp_path)
   broken = os.path.join(workdir, "checkpoints", "4")
   _damage(broken, kind)
-  files_before = sorted(os.path.relpath(os.path.join(r, f), broken) for r, _, fs in os.walk(broken) for f in fs)
+  files_before = _files(broken)
   state, steps, out = _restore(workdir, experiment, capsys)
   assert state.step == 2 and steps == [2]
   assert f"checkpoint {broken} does not restore" in out and "resuming from step 2" in out
   # Nothing deleted: the broken step is moved aside whole.
   moved = os.path.join(workdir, "unrestorable_checkpoints", "4")
-  assert sorted(os.path.relpath(os.path.join(r, f), moved) for r, _, fs in os.walk(moved) for f in fs) \
-      == files_before
+  assert _files(moved) == files_before
 
 
 def test_no_restorable_checkpoint_lists_every_step(trained, experiment, tmp_path, capsys):
@@ -182,7 +186,7 @@ def test_non_finite_final_evaluation_fails_and_writes_standard_json(trained, tmp
   assert strict_json(m["path"])["loss"] is None
 
 
-# -- 4: the checkpoint is saved before the evaluation of the same step ------------------------------------------
+# -- 4: the checkpoint is saved before the evaluation of the same step ---------------------------------------
 
 
 def test_failing_evaluation_keeps_the_checkpoint_of_its_step(trained, tmp_path, monkeypatch):
@@ -200,7 +204,7 @@ def test_failing_evaluation_keeps_the_checkpoint_of_its_step(trained, tmp_path, 
   mgr.close()
 
 
-# -- 5: config values are checked before compiling ---------------------------------------------------------------
+# -- 5: config values are checked before compiling -----------------------------------------------------------
 
 
 @pytest.mark.parametrize("field,value,message", [
@@ -228,7 +232,7 @@ def test_config_argument_errors(arg, message):
   base.parse_arg("smoke,attention=dense")  # the valid form still parses
 
 
-# -- 7: eval.py and train.py agree by default, and say what they cover -------------------------------------------
+# -- 7: eval.py and train.py agree by default, and say what they cover ---------------------------------------
 
 
 def test_eval_agrees_with_train_by_default_and_keeps_each_file(trained, tmp_path):
