@@ -491,11 +491,6 @@ def summary_writer(logdir: str) -> Any:
   return SummaryWriter(logdir)
 
 
-def save_config(config: ml_collections.ConfigDict, workdir: str) -> None:
-  with open(os.path.join(workdir, "config.json"), "w") as f:
-    f.write(config.to_json_best_effort(indent=2, sort_keys=True))
-
-
 def load_config(workdir: str, step: int | None = None) -> ml_collections.ConfigDict:
   """The config the run in `workdir` trained checkpoint `step` with (default: its latest config)."""
   d = resume.saved_config_dict(workdir, step)
@@ -547,6 +542,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, devic
   config_diff = resume.check_workdir(workdir, config, allow_change=allow_config_change)
   os.makedirs(workdir, exist_ok=True)
   is_main = jax.process_index() == 0
+  if is_main and not config_diff:
+    resume.record_config(workdir, config, {}, 0)  # a new run's config.json, first of all its files
   exp = Experiment(config, devices=devices)
   num_steps = int(config.train.num_steps)
   loader = create_dataset(config, "train", batch_size=exp.per_host(int(config.train.batch_size)),
@@ -555,9 +552,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, devic
   mgr = checkpoint_manager(workdir, config)
   exp.init_rng_state()
   state = restore_or_init(mgr, exp, data_iter, set_aside=True)
-  if is_main:
+  if is_main and config_diff:
     resume.record_config(workdir, config, config_diff, state.step)
-    if config_diff and state.step:
+    if state.step:
       print(f"config changed when resuming at step {state.step} (recorded in {resume.HISTORY}): "
             + ", ".join(sorted(config_diff)), flush=True)
   start = state.step
