@@ -13,8 +13,9 @@ r"""Trains an experiment config: jit over a named device mesh, orbax checkpoints
 - Checkpoints: orbax `CheckpointManager` in `<workdir>/checkpoints` (every `train.checkpoint_every` steps, the last
   `train.keep_checkpoints` kept, atomic, saved before the evaluation of the same step), with the grain
   data-iterator state. Rerunning with the same workdir resumes from the newest checkpoint that restores with
-  finite values, after checking the config against the run's (`resume.py`). SIGTERM (preemption) saves a checkpoint and exits 0. A NaN/Inf loss or gradient stops the run with a
-  clear message; the last good checkpoint stays (the bad step is never applied nor saved).
+  finite values, after checking the config against the run's (`resume.py`). SIGTERM (preemption) saves a
+  checkpoint and exits 0. A NaN/Inf loss or gradient stops the run with a clear message; the last good
+  checkpoint stays (the bad step is never applied nor saved). A non-finite final evaluation exits non-zero.
 - Output: a tqdm bar (step, loss, steps/s, ETA), metric lines on stdout, TensorBoard summaries in
   `<workdir>/tensorboard` (tensorboardX), the resolved config in `<workdir>/config.json`, final eval metrics in
   `<workdir>/metrics.json`.
