@@ -15,8 +15,9 @@ sequences fit in memory.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -67,26 +68,176 @@ def _check_length(length: int, parts: int, multiple: int, op: str, what: str) ->
                      "masked positions to such a length")
 
 
-def _over_chunks(fn: Callable, arrays: tuple[Array, ...], length: int, chunk: int | None) -> Any:
-  """fn over the length axis (1) of [batch, length, ...] arrays, `chunk` positions at a time (None: at once).
+def _slice(x: Array, start: Any, size: int) -> Array:
+  """x[:, start:start + size] of a [batch, length, ...] array."""
+  return jax.lax.dynamic_slice_in_dim(x, start, size, axis=1)
 
-  Outputs are pytrees of [batch, chunk_len, ...] arrays re-joined along axis 1; each chunk is recomputed in
-  the backward pass (`jax.checkpoint`), so only one chunk's intermediates are ever alive.
+
+def _put(x: Array, update: Array, start: Any, axis: int = 1) -> Array:
+  """x with `update` written at `start` along `axis` (in place inside a loop)."""
+  return jax.lax.dynamic_update_slice_in_dim(x, update.astype(x.dtype), start, axis=axis)
+
+
+def _loop(body: Callable, length: int, chunk: int, init: Any, inputs: tuple[Array, ...]) -> Any:
+  """carry = body(start, carry, *inputs) for start = 0, chunk, 2 chunk, ... < length (one call if no loop).
+
+  The body slices its chunk out of `inputs`. They ride along as loop carries behind an optimization barrier:
+  as loop invariants, XLA:CPU would hoist the float32 casts it gives bfloat16 slices out of the loop, i.e.
+  keep whole-run float32 copies. The initial carry is marked as varying over the mesh axes the inputs vary
+  over (shard_map's type of per-device values), as the carries the body returns are.
   """
-  if chunk is None or chunk >= length:
-    return fn(*arrays, 0)
-  n = length // chunk
+  if chunk >= length:
+    return body(0, init, *inputs)
+  axes = set().union(*(_varying_axes(x) for x in inputs))
 
-  def split(x):  # [batch, length, ...] -> [n, batch, chunk, ...] (free when batch = 1)
-    return jnp.moveaxis(x.reshape(x.shape[0], n, chunk, *x.shape[2:]), 1, 0)
+  def varying(x):
+    missing = tuple(sorted(axes - _varying_axes(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
 
-  def body(args):
-    # The barrier keeps XLA from hoisting the chunk's casts out of the loop (whole-run float32 copies).
-    *xs, i = jax.lax.optimization_barrier(args)
-    return fn(*xs, i * chunk)
+  def step(i, state):
+    carry, xs = state
+    xs = jax.lax.optimization_barrier(xs)
+    return body(i * chunk, carry, *xs), xs
 
-  out = jax.lax.map(jax.checkpoint(body), (*map(split, arrays), jnp.arange(n)))
-  return jax.tree.map(lambda y: jnp.moveaxis(y, 0, 1).reshape(y.shape[1], n * y.shape[2], *y.shape[3:]), out)
+  return jax.lax.fori_loop(0, length // chunk, step, (jax.tree.map(varying, init), tuple(inputs)))[0]
+
+
+def _varying_axes(x: Array) -> set[str]:
+  """The manual mesh axes along which a value inside `shard_map` differs between devices."""
+  aval = jax.typeof(x)
+  mat = getattr(aval, "mat", None)
+  return set(mat.varying if mat is not None else getattr(aval, "vma", ()))
+
+
+class _Plan(NamedTuple):
+  """The static parameters of one device's part of `fixed`."""
+
+  size: int  # block size
+  causal: bool
+  pooling: str
+  axis: str  # the sequence mesh axis
+  chunk: int  # positions per loop step (a whole number of blocks)
+  scale: float
+  dtype: Any  # softmax dtype
+  pools: tuple[str, ...]  # which of "pool_q", "pool_k" are given as extra inputs
+
+
+def _blocks(plan: _Plan, x: Array) -> Array:
+  """[batch, n * size, heads, dim] -> [batch, heads, n, size, dim] in the softmax dtype."""
+  return common.to_grid(common.head_major(x.astype(plan.dtype)), x.shape[1] // plan.size, plan.size, 2)
+
+
+def _summaries(plan: _Plan, q: Array, k: Array, v: Array, m: Array, *pooled: Array) -> tuple[Array, ...]:
+  """Span summaries of a run of whole blocks: k_bar [b, h, n, d], nonempty [b, 1, n], v_tilde [b, h, n, dv].
+  """
+  given = dict(zip(plan.pools, pooled, strict=True))
+  kb = _blocks(plan, k)
+  pkb = _blocks(plan, given["pool_k"]) if "pool_k" in given else kb
+  mb = common.to_grid(m, m.shape[1] // plan.size, plan.size, 1)[:, None]  # [batch, 1, n, size]
+  return span_summaries(_blocks(plan, given.get("pool_q", q)), pkb, kb, _blocks(plan, v), mb, plan.scale,
+                        plan.pooling)
+
+
+def _attend(plan: _Plan, q: Array, k: Array, v: Array, m: Array, k_all: Array, v_all: Array, ne_all: Array,
+            first_block: Any) -> Array:
+  """Output [batch, n * size, heads, value_dim] (softmax dtype) of a run of whole query blocks whose first
+  block has global index `first_block`: own block directly, every other block through the gathered summaries.
+  """
+  qb, kb, vb = _blocks(plan, q), _blocks(plan, k), _blocks(plan, v)
+  n = qb.shape[2]
+  mb = common.to_grid(m, n, plan.size, 1)[:, None]  # [batch, 1, n, size]
+  direct = block_direct_piece(qb, kb, vb, mb, plan.scale, plan.causal)
+  blk = first_block + jnp.arange(n)  # global index of each query block
+  spans_r = jnp.arange(k_all.shape[2])
+  other = (spans_r[None, :] < blk[:, None]) if plan.causal else (spans_r[None, :] != blk[:, None])
+  logits = jnp.einsum("bhnqd,bhrd->bhnqr", qb, k_all) * plan.scale  # [batch, heads, n, size, blocks]
+  valid = other[:, None, :] & ne_all[:, :, None, None, :]
+  spans = Piece(logits, valid, lambda w: jnp.einsum("bhnqr,bhrd->bhnqd", w, v_all))
+  out = joint_softmax([direct, spans])  # [batch, heads, n, size, value_dim]
+  return common.head_major(common.from_grid(out, n * plan.size, 2))
+
+
+def _forward(plan: _Plan, q: Array, k: Array, v: Array, m: Array, *pooled: Array) -> tuple[Array, tuple]:
+  """One device's run [batch, local_length, heads, dim] -> its output, and the gathered summaries."""
+  batch, length, heads, _ = q.shape
+  blocks = length // plan.size
+  init = (jnp.zeros((batch, heads, blocks, k.shape[-1]), plan.dtype), jnp.zeros((batch, 1, blocks), bool),
+          jnp.zeros((batch, heads, blocks, v.shape[-1]), plan.dtype))
+
+  def summarize(start, acc, *xs):
+    new = _summaries(plan, *(_slice(x, start, plan.chunk) for x in xs))
+    return tuple(_put(a, y, start // plan.size, axis=2) for a, y in zip(acc, new, strict=True))
+
+  k_bar, nonempty, v_tilde = _loop(summarize, length, plan.chunk, init, (q, k, v, m, *pooled))
+  # The only communication: every block's summary, L / block_size rows per head.
+  k_all, ne_all, v_all = (jax.lax.all_gather(y, plan.axis, axis=2, tiled=True)
+                          for y in (k_bar, nonempty, v_tilde))
+  first = jax.lax.axis_index(plan.axis) * blocks  # global index of this device's first block
+
+  def attend_chunk(start, out, *xs):
+    chunk_in = (_slice(x, start, plan.chunk) for x in xs)
+    o = _attend(plan, *chunk_in, k_all, v_all, ne_all, first + start // plan.size)
+    return _put(out, o, start)
+
+  out = _loop(attend_chunk, length, plan.chunk, jnp.zeros((*q.shape[:3], v.shape[-1]), v.dtype), (q, k, v, m))
+  return out, (k_all, v_all, ne_all)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _local(plan: _Plan, q: Array, k: Array, v: Array, m: Array, *pooled: Array) -> Array:
+  return _forward(plan, q, k, v, m, *pooled)[0]
+
+
+def _local_fwd(plan: _Plan, q: Array, k: Array, v: Array, m: Array, *pooled: Array) -> tuple[Array, tuple]:
+  out, gathered = _forward(plan, q, k, v, m, *pooled)
+  return out, (q, k, v, m, pooled, gathered)
+
+
+def _local_bwd(plan: _Plan, res: tuple, g: Array) -> tuple:
+  """Backward pass chunk by chunk: recompute each chunk's attention and take its vjp (direct gradients, and
+  the summaries' gradients summed over chunks), reduce-scatter the summaries' gradients to the devices that
+  own the blocks, then add each chunk's summary vjp in place. Only one chunk's intermediates are ever alive.
+  """
+  q, k, v, m, pooled, (k_all, v_all, ne_all) = res
+  length, size, chunk = q.shape[1], plan.size, plan.chunk
+  first = jax.lax.axis_index(plan.axis) * (length // size)
+
+  def attend_grads(start, carry, q, k, v, m, g):
+    dq, dk, dv, dk_all, dv_all = carry
+    m_c, g_c = _slice(m, start, chunk), _slice(g, start, chunk).astype(plan.dtype)
+
+    def f(q_c, k_c, v_c, ka, va):
+      return _attend(plan, q_c, k_c, v_c, m_c, ka, va, ne_all, first + start // size)
+
+    _, vjp = jax.vjp(f, *(_slice(x, start, chunk) for x in (q, k, v)), k_all, v_all)
+    gq, gk, gv, gka, gva = vjp(g_c)
+    return _put(dq, gq, start), _put(dk, gk, start), _put(dv, gv, start), dk_all + gka, dv_all + gva
+
+  init = tuple(jnp.zeros_like(x) for x in (q, k, v, k_all, v_all))
+  dq, dk, dv, dk_all, dv_all = _loop(attend_grads, length, chunk, init, (q, k, v, m, g))
+  # Transpose of the all-gather: every device's contributions to a block's summary, summed where it lives.
+  dk_bar, dv_tilde = (jax.lax.psum_scatter(y, plan.axis, scatter_dimension=2, tiled=True)
+                      for y in (dk_all, dv_all))
+
+  def summary_grads(start, grads, m, *xs):
+    m_c = _slice(m, start, chunk)
+
+    def f(*xs):
+      k_bar, _, v_tilde = _summaries(plan, *xs[:3], m_c, *xs[3:])
+      return k_bar, v_tilde
+
+    _, vjp = jax.vjp(f, *(_slice(x, start, chunk) for x in xs))
+    cot = tuple(jax.lax.dynamic_slice_in_dim(y, start // size, chunk // size, axis=2)
+                for y in (dk_bar, dv_tilde))
+    return tuple(_put(d, _slice(d, start, chunk).astype(plan.dtype) + gd, start)
+                 for d, gd in zip(grads, vjp(cot), strict=True))
+
+  grads = _loop(summary_grads, length, chunk, (dq, dk, dv, *(jnp.zeros_like(x) for x in pooled)),
+                (m, q, k, v, *pooled))
+  return (*grads[:3], None, *grads[3:])
+
+
+_local.defvjp(_local_fwd, _local_bwd)
 
 
 def fixed(q: Array, k: Array, v: Array, *, block_size: int, causal: bool, mask: Array | None = None,
@@ -118,53 +269,13 @@ def fixed(q: Array, k: Array, v: Array, *, block_size: int, causal: bool, mask: 
     if not hasattr(x, "shape") or tuple(x.shape) != tuple(q.shape):
       raise ValueError(f"{op}: argument {name!r} must be None or an array shaped like q {tuple(q.shape)}, "
                        f"got {getattr(x, 'shape', type(x).__name__)}")
-  ct = contract.softmax_dtype(q.dtype, k.dtype, v.dtype)
-  scale = contract.logit_scale(q.shape[-1])
-  chunk = None if chunk_blocks is None else chunk_blocks * size
-
-  def to_blocks(x, n):  # [batch, n * size, heads, dim] -> [batch, heads, n, size, dim] in the softmax dtype
-    return common.to_grid(common.head_major(x.astype(ct)), n, size, 2)
-
-  def local(q, k, v, m, *extra):  # one device's run: [batch, local_length, heads_local, dim]
-    local_length = q.shape[1]
-
-    def summaries(q, k, v, m, *pooled):
-      *pooled, _ = pooled  # drop the chunk's start position
-      pq, pk = dict(zip(pools, pooled)).get("pool_q", q), dict(zip(pools, pooled)).get("pool_k", k)
-      n = k.shape[1] // size
-      kb = to_blocks(k, n)
-      return span_summaries(to_blocks(pq, n), kb if pk is k else to_blocks(pk, n), kb, to_blocks(v, n),
-                            common.to_grid(m, n, size, 1)[:, None], scale, pooling)
-
-    # Span summaries of the local blocks: k_bar [b, h, n, d], nonempty [b, 1, n], v_tilde [b, h, n, dv].
-    k_bar, nonempty, v_tilde = _over_chunks(lambda *a: jax.tree.map(lambda y: jnp.moveaxis(y, 2, 1),
-                                                                    summaries(*a)),
-                                            (q, k, v, m, *extra), local_length, chunk)
-    k_bar, nonempty, v_tilde = (jnp.moveaxis(y, 1, 2) for y in (k_bar, nonempty, v_tilde))
-    # The only communication: every block's summary, L / block_size rows per head.
-    k_all, ne_all, v_all = (jax.lax.all_gather(y, axis, axis=2, tiled=True)
-                            for y in (k_bar, nonempty, v_tilde))
-    first = jax.lax.axis_index(axis) * local_length  # global position of this device's first token
-    spans_r = jnp.arange(k_all.shape[2])
-
-    def attend_chunk(q, k, v, m, start):
-      n = q.shape[1] // size
-      qb, kb, vb = to_blocks(q, n), to_blocks(k, n), to_blocks(v, n)
-      mb = common.to_grid(m, n, size, 1)[:, None]  # [batch, 1, n, size]
-      direct = block_direct_piece(qb, kb, vb, mb, scale, causal)
-      blk = (first + start) // size + jnp.arange(n)  # global block index of each query block
-      logits = jnp.einsum("bhnqd,bhrd->bhnqr", qb, k_all) * scale  # [batch, heads, n, size, blocks]
-      other = (spans_r[None, :] < blk[:, None]) if causal else (spans_r[None, :] != blk[:, None])
-      valid = other[:, None, :] & ne_all[:, :, None, None, :]
-      spans = Piece(logits, valid, lambda w: jnp.einsum("bhnqr,bhrd->bhnqd", w, v_all))
-      out = joint_softmax([direct, spans])  # [batch, heads, n, size, value_dim]
-      return common.head_major(common.from_grid(out, n * size, 2)).astype(v.dtype)
-
-    return _over_chunks(attend_chunk, (q, k, v, m), local_length, chunk)
-
+  chunk = size * (local_blocks if chunk_blocks is None else chunk_blocks)
+  plan = _Plan(size, bool(causal), pooling, axis, chunk, contract.logit_scale(q.shape[-1]),
+               contract.softmax_dtype(q.dtype, k.dtype, v.dtype), tuple(pools))
   spec, mspec = _specs(mesh, axis, batch, heads)
   in_specs = (spec,) * 3 + (mspec,) + (spec,) * len(pools)
-  return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=spec)(q, k, v, mask, *pools.values())
+  return jax.shard_map(functools.partial(_local, plan), mesh=mesh, in_specs=in_specs, out_specs=spec)(
+      q, k, v, mask, *pools.values())
 
 
 def dense(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None, mesh: Any = None,
