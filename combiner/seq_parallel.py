@@ -32,20 +32,38 @@ Array = Any
 SEQ_AXIS = "seq"
 
 
+_default_mesh: Any = None
+
+
+def set_default_mesh(mesh: Any) -> Any:
+  """Sets the mesh the ops use when called without `mesh` (None: JAX's context mesh, `jax.set_mesh`);
+  returns the previous one. train.py sets its mesh here when `config.mesh.seq` > 1 (unlike `jax.set_mesh`,
+  this does not make Flax read logical axis names as mesh axes)."""
+  global _default_mesh
+  previous, _default_mesh = _default_mesh, mesh
+  return previous
+
+
+def current_mesh() -> Any:
+  """The default mesh, else JAX's context mesh, else None."""
+  if _default_mesh is not None:
+    return _default_mesh
+  mesh = jax.sharding.get_abstract_mesh()
+  return mesh if mesh is not None and mesh.axis_names else None
+
+
 def resolve_mesh(mesh: Any, axis: str, op: str) -> Any:
-  """The explicit `mesh`, else the one set by `jax.set_mesh`; it must have the sequence axis."""
-  if mesh is None:
-    mesh = jax.sharding.get_abstract_mesh()
+  """The explicit `mesh`, else `current_mesh()`; it must have the sequence axis."""
+  mesh = current_mesh() if mesh is None else mesh
   if mesh is None or axis not in tuple(mesh.axis_names):
-    raise ValueError(f"{op}: needs a device mesh with a {axis!r} axis (argument 'mesh', or `jax.set_mesh`), "
-                     f"got {None if mesh is None else dict(mesh.shape)}")
+    raise ValueError(f"{op}: needs a device mesh with a {axis!r} axis (argument 'mesh', `set_default_mesh` "
+                     f"or `jax.set_mesh`), got {None if mesh is None else dict(mesh.shape)}")
   return mesh
 
 
 def seq_size(mesh: Any = None, axis: str = SEQ_AXIS) -> int:
-  """Devices along the sequence axis of `mesh` (or the context mesh); 1 when there is none."""
-  if mesh is None:
-    mesh = jax.sharding.get_abstract_mesh()
+  """Devices along the sequence axis of `mesh` (default `current_mesh()`); 1 when there is none."""
+  mesh = current_mesh() if mesh is None else mesh
   if mesh is None or axis not in tuple(mesh.axis_names):
     return 1
   return int(mesh.shape[axis])
