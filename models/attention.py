@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from models import layers, recompute
-from models import ops_registry
+from core.norm import layer_norm
+from models import layers, ops_registry, recompute
 
 Array = Any
 AUTO = "auto"
@@ -179,10 +179,7 @@ class SpanKey(nnx.Module):
   def __call__(self, s: Array) -> Array:  # s: [batch, rows, heads, head_dim]
     dt = s.dtype
     h = s + jnp.einsum("brhd,hde->brhe", s, self.dense[...].astype(dt)) + self.dense_bias[...].astype(dt)
-    h32 = h.astype(jnp.promote_types(dt, jnp.float32))
-    mean = h32.mean(-1, keepdims=True)
-    h32 = (h32 - mean) * jax.lax.rsqrt(jnp.square(h32 - mean).mean(-1, keepdims=True) + 1e-6)
-    h = (h32 * self.norm_scale[...] + self.norm_bias[...]).astype(dt)
+    h = (layer_norm(h) * self.norm_scale[...] + self.norm_bias[...]).astype(dt)
     return jnp.einsum("brhd,hde->brhe", h, self.proj[...].astype(dt))  # [batch, rows, heads, head_dim]
 
 
