@@ -28,8 +28,6 @@ import json
 import logging
 import multiprocessing
 import os
-import shutil
-import tempfile
 import time
 import zlib
 from typing import Any
@@ -38,6 +36,7 @@ import numpy as np
 
 from data import pipeline
 from data.info import DatasetInfo
+from runtime import paths
 
 log = logging.getLogger("data")
 
@@ -253,7 +252,7 @@ def cache_path(config: Any, split: str) -> str | None:
     return None
   spec = cache_spec(config, split)
   key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
-  return os.path.join(os.path.expanduser(root), "listops_synthetic", f"{split}-{key}")
+  return paths.join(root, "listops_synthetic", f"{split}-{key}")  # local (absolute) or gs://
 
 
 def _generate_range(args: tuple[str, int, int, dict[str, Any], bool, int, int]):
@@ -278,7 +277,7 @@ def build_cache(config: Any, split: str, *, workers: int | None = None) -> str:
   path = cache_path(config, split)
   if path is None:
     raise ValueError("listops_synthetic: set config.data.cache_dir or config.data.data_dir to cache the splits")
-  if os.path.isdir(path):
+  if paths.path(path).is_dir():
     return path
   spec = cache_spec(config, split)
   size = spec["size"]
@@ -302,20 +301,10 @@ def build_cache(config: Any, split: str, *, workers: int | None = None) -> str:
   tokens = np.concatenate([p[0] for p in parts])
   offsets = np.concatenate([[0], np.cumsum(np.concatenate([p[1] for p in parts]))]).astype(np.int64)
   labels = np.concatenate([p[2] for p in parts])
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  tmp = tempfile.mkdtemp(prefix=os.path.basename(path) + ".tmp-", dir=os.path.dirname(path))
-  try:
-    np.save(os.path.join(tmp, "tokens.npy"), tokens)
-    np.save(os.path.join(tmp, "offsets.npy"), offsets)
-    np.save(os.path.join(tmp, "labels.npy"), labels)
-    with open(os.path.join(tmp, "spec.json"), "w") as f:
-      json.dump(spec, f, indent=1, sort_keys=True)
-    os.rename(tmp, path)  # atomic; another host that finished first wins, its files are the same
-  except OSError:
-    if not os.path.isdir(path):
-      raise
-  finally:
-    shutil.rmtree(tmp, ignore_errors=True)
+  # All files appear at once; another host that finished first wins, its files are the same.
+  paths.publish_dir(path, {"tokens.npy": paths.npy_bytes(tokens), "offsets.npy": paths.npy_bytes(offsets),
+                           "labels.npy": paths.npy_bytes(labels),
+                           "spec.json": json.dumps(spec, indent=1, sort_keys=True).encode()})
   log.warning("listops_synthetic: %s split cached in %.0f s (%d tokens)", split, time.time() - start,
               tokens.shape[0])
   return path
@@ -329,11 +318,11 @@ class CachedSource:
 
   def __init__(self, path: str, cap_mb: float = 512):
     self.path = path
-    tokens = os.path.join(path, "tokens.npy")
-    # Read into RAM when it fits `config.data.cache_in_memory` (a slice of memory costs less than of a mapping).
-    self.tokens = np.load(tokens, mmap_mode=None if os.path.getsize(tokens) <= cap_mb * 2**20 else "r")
-    self.offsets = np.load(os.path.join(path, "offsets.npy"))
-    self.labels = np.load(os.path.join(path, "labels.npy"))
+    # Read into RAM when it fits `config.data.cache_in_memory` (a slice of memory costs less than of a
+    # mapping); a gs:// cache is always read into RAM.
+    self.tokens = paths.load_npy(paths.join(path, "tokens.npy"), mmap_over_mb=cap_mb)
+    self.offsets = paths.load_npy(paths.join(path, "offsets.npy"))
+    self.labels = paths.load_npy(paths.join(path, "labels.npy"))
     if self.offsets.shape[0] != self.labels.shape[0] + 1 or self.offsets[-1] != self.tokens.shape[0]:
       raise ValueError(f"listops_synthetic cache {path} is inconsistent (offsets/labels/tokens disagree); "
                        "delete the directory and it is generated again")

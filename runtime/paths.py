@@ -123,3 +123,56 @@ def summary_writer(logdir: PathLike) -> Any:
   if is_uri(logdir):
     record_writer.register_writer_factory(logdir.split("://", 1)[0], _EpathRecordFactory())
   return SummaryWriter(logdir)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Directories of arrays (data caches)
+
+
+def publish_dir(target: PathLike, files: dict[str, bytes]) -> bool:
+  """Writes `files` (name -> bytes) into a temporary sibling of `target`, then renames it to `target`.
+
+  Local: the rename is atomic, so a reader sees all files or none. Object stores: the rename copies, and only
+  after every file is complete. Returns False (and leaves `target` alone) when another process published
+  `target` first; both wrote the same files.
+  """
+  import uuid
+
+  final = path(target)
+  final.parent.mkdir(parents=True, exist_ok=True)
+  tmp = final.parent / f"{final.name}.tmp-{uuid.uuid4().hex[:12]}"
+  tmp.mkdir(parents=True, exist_ok=False)
+  try:
+    for name, data in files.items():
+      (tmp / name).write_bytes(data)
+    if final.exists():
+      return False
+    try:
+      tmp.rename(final)
+    except OSError:
+      if not final.exists():
+        raise
+      return False
+    return True
+  finally:
+    if tmp.exists():
+      tmp.rmtree()
+
+
+def npy_bytes(array: Any) -> bytes:
+  import numpy as np
+
+  buf = io.BytesIO()
+  np.save(buf, array)
+  return buf.getvalue()
+
+
+def load_npy(p: PathLike, *, mmap_over_mb: float | None = None) -> Any:
+  """np.load through the path layer; a local file larger than `mmap_over_mb` is memory-mapped."""
+  import numpy as np
+
+  src = path(p)
+  if not is_uri(p):
+    big = mmap_over_mb is not None and os.path.getsize(os.fspath(src)) > mmap_over_mb * 2**20
+    return np.load(os.fspath(src), mmap_mode="r" if big else None)
+  return np.load(io.BytesIO(src.read_bytes()))

@@ -99,3 +99,25 @@ def test_local_paths_are_absolute_and_written_whole(tmp_path, monkeypatch):
   writer.add_scalar("x", 1.0, 1)
   writer.close()
   assert len(os.listdir(tmp_path / "wd" / "tensorboard")) == 1
+
+
+def test_listops_cache_on_fake_gcs(fake_gcs, monkeypatch):
+  import ml_collections
+  import numpy as np
+
+  from data import listops
+
+  config = ml_collections.ConfigDict({"data": {"name": "listops_synthetic", "data_dir": "gs://bucket/data",
+                                               "min_length": 20, "max_length": 60, "num_validation": 5,
+                                               "data_seed": 3}})
+  path = listops.build_cache(config, "validation")
+  assert path.startswith("gs://bucket/data/listops_synthetic/validation-")
+  names = sorted(k.rsplit("/", 1)[1] for k in fake_gcs if "listops_synthetic" in k)
+  assert names == ["labels.npy", "offsets.npy", "spec.json", "tokens.npy"]  # published, no temporary left
+  source = listops.CachedSource(path)
+  generated = listops.GeneratedSource("validation", 5, 3, listops._params(config))
+  for i in range(5):
+    np.testing.assert_array_equal(source[i][0], listops.encode(generated[i][0]))
+    assert source[i][1] == generated[i][1]
+  monkeypatch.setattr(listops, "_generate_range", lambda args: pytest.fail("generated again"))
+  assert listops.build_cache(config, "validation") == path
