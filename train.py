@@ -16,7 +16,9 @@ r"""Trains an experiment config: jit over a named device mesh, orbax checkpoints
   clear message; the last good checkpoint stays (the bad step is never applied nor saved).
 - Output: a tqdm bar (step, loss, steps/s, ETA), metric lines on stdout, TensorBoard summaries in
   `<workdir>/tensorboard` (tensorboardX), the resolved config in `<workdir>/config.json`, final eval metrics in
-  `<workdir>/metrics.json`.
+  `<workdir>/metrics.json`. The workdir may be `gs://` (files: runtime/paths.py; arrays: orbax).
+- Processes: `--multihost` on Cloud TPU pods; elsewhere `--coordinator_address --num_processes --process_id`
+  (runtime/distributed.py). Each process feeds its own shard of every global batch.
 """
 
 from __future__ import annotations

@@ -79,3 +79,32 @@ def test_repo_url_is_quoted_and_errors_are_clear(capsys):
     tpu.main(["run", "--name", "n", "--zone", "z", "--accelerator", "v4-8", "--dry_run"])
   with pytest.raises(SystemExit):
     tpu.main(["create", "--name", "n", "--zone", "z", "--accelerator", "v4-8", "--spot", "--best_effort"])
+
+
+def test_run_recreates_the_slice_after_a_preemption(monkeypatch, capsys):
+  """`run` without --dry_run against a scripted gcloud: ACTIVE and training, then SUSPENDED (preempted): the
+  queued resource is deleted and recreated and training started again; it ends when metrics.json exists."""
+  states = iter(["ACTIVE", "ACTIVE", "SUSPENDED", "ACTIVE", "ACTIVE"])
+  running = iter([0, 1])  # pgrep: still training, then no longer
+  issued = []
+
+  def fake(self, cmd, *, check=True, capture=False):
+    issued.append(" ".join(cmd))
+    if "describe" in cmd:
+      return 0, next(states)
+    if "pgrep" in cmd[-1]:
+      return next(running), ""
+    return 0, ""
+
+  monkeypatch.setattr(tpu.Runner, "__call__", fake)
+  monkeypatch.setattr(tpu.time, "sleep", lambda s: None)
+  assert tpu.main(["run", "--name", "n", "--zone", "z", "--accelerator", "v4-8", "--spot", "--config",
+                   "configs/default.py", "--workdir", "gs://b/w", "--delete_after"]) == 0
+  kinds = [c.split()[4] if c.startswith("gcloud compute tpus queued-resources") else
+           ("pgrep" if "pgrep" in c else "train" if "train.py" in c else c.split()[1]) for c in issued]
+  creates = [i for i, k in enumerate(kinds) if k == "create"]
+  deletes = [i for i, k in enumerate(kinds) if k == "delete"]
+  trains = [i for i, k in enumerate(kinds) if k == "train"]
+  assert len(creates) == 2 and len(trains) == 2 and len(deletes) == 2  # recreated once, deleted at the end
+  assert creates[0] < trains[0] < deletes[0] < creates[1] < trains[1] < deletes[1] == len(kinds) - 1
+  assert "training finished" in capsys.readouterr().out
