@@ -49,16 +49,27 @@ def exists(p: PathLike) -> bool:
   return path(p).exists()
 
 
-def write_text(p: PathLike, text: str) -> None:
+def write_bytes(p: PathLike, data: bytes) -> None:
   """Writes the whole file; a local file is replaced atomically (a reader never sees half a file)."""
   target = path(p)
   target.parent.mkdir(parents=True, exist_ok=True)
   if is_uri(p):
-    target.write_text(text)  # object stores replace whole objects
+    target.write_bytes(data)  # object stores replace whole objects
     return
   tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
-  tmp.write_text(text)
+  tmp.write_bytes(data)
   tmp.replace(target)
+
+
+def write_text(p: PathLike, text: str) -> None:
+  write_bytes(p, text.encode())
+
+
+def rmtree(p: PathLike) -> None:
+  """Removes a directory tree if it is there."""
+  target = path(p)
+  if target.exists():
+    target.rmtree(missing_ok=True)
 
 
 def read_text(p: PathLike) -> str:

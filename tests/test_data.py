@@ -687,6 +687,47 @@ def test_prepare_builds_the_listops_synthetic_cache(tmp_path, monkeypatch, capsy
       assert source[i][1] == label
 
 
+def test_listops_synthetic_generation_resumes_after_an_interruption(tmp_path, monkeypatch):
+  fields = dict(min_length=20, max_length=60, num_validation=9, data_seed=1)
+  config = _config("listops_synthetic", str(tmp_path), **fields)
+  real, calls = listops._generate_range, []
+
+  def crash_on_third(args):
+    calls.append(args[-2:])
+    if len(calls) == 3:
+      raise KeyboardInterrupt
+    return real(args)
+
+  monkeypatch.setattr(listops, "_generate_range", crash_on_third)
+  with pytest.raises(KeyboardInterrupt):
+    listops.build_cache(config, "validation", workers=1)
+  path = listops.cache_path(config, "validation")
+  assert not os.path.exists(path) and len(os.listdir(path + ".parts")) == 2  # two shards kept, no cache yet
+  calls.clear()
+  monkeypatch.setattr(listops, "_generate_range", lambda args: calls.append(args[-2:]) or real(args))
+  assert listops.build_cache(config, "validation", workers=1) == path
+  assert len(calls) == 2 and not os.path.exists(path + ".parts")  # only the missing shards were generated
+  source = listops.CachedSource(path)
+  gen = listops.GeneratedSource("validation", 9, 1, listops._params(config))
+  for i in range(9):
+    np.testing.assert_array_equal(source[i][0], listops.encode(gen[i][0]))
+
+
+def test_prepare_listops_synthetic_size_flags(tmp_path, monkeypatch, capsys):
+  from data import prepare
+
+  monkeypatch.setattr(os, "cpu_count", lambda: 1)
+  argv = ["listops_synthetic", "--data_dir", str(tmp_path), "--num_train", "5", "--num_validation", "3",
+          "--num_test", "2", "--min_length", "10", "--max_length", "30"]
+  assert prepare.main(argv) == 0
+  out = capsys.readouterr().out
+  assert "--config.data.num_train=5" in out and "--config.data.max_length=30" in out and "verified" in out
+  with pytest.raises(SystemExit):
+    prepare.main(["lra_text", "--data_dir", str(tmp_path), "--num_train", "5"])
+  with pytest.raises(SystemExit):
+    prepare.main(["listops_synthetic", "--data_dir", str(tmp_path), "--num_train", "0"])
+
+
 def test_lra_text_split_in_memory_gives_the_same_batches(tmp_path):
   with testing.mock_data("lra_text", tmp_path, num_examples=11) as dd:
     memory = _config("lra_text", dd, seq_len=40)
