@@ -6,9 +6,11 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from combiner import common, contract
+from combiner import common
 from combiner import pooling as pool_ops
-from combiner.combine import Piece, attend, joint_softmax
+from core import contract
+from core.blocks import from_grid, num_blocks, to_grid
+from core.combine import Piece, attend, joint_softmax
 
 Array = Any
 
@@ -62,9 +64,9 @@ def fixed(q: Array, k: Array, v: Array, *, block_size: int, causal: bool, mask: 
                      pool_k=pool_k)
   size = contract.check_positive_int(block_size, name="block_size", op="combiner.fixed")
   length = x.q.shape[2]
-  blocks = common.num_blocks(length, size)
-  qb, kb, vb, pqb, pkb = (common.to_grid(t, blocks, size, 2) for t in (x.q, x.k, x.v, x.pool_q, x.pool_k))
-  mb = common.to_grid(x.mask, blocks, size, 1)[:, None]  # [batch, 1, blocks, size]
+  blocks = num_blocks(length, size)
+  qb, kb, vb, pqb, pkb = (to_grid(t, blocks, size, 2) for t in (x.q, x.k, x.v, x.pool_q, x.pool_k))
+  mb = to_grid(x.mask, blocks, size, 1)[:, None]  # [batch, 1, blocks, size]
 
   k_bar, nonempty, v_tilde = span_summaries(pqb, pkb, kb, vb, mb, x.scale, pooling)
   direct = block_direct_piece(qb, kb, vb, mb, x.scale, causal)
@@ -72,4 +74,4 @@ def fixed(q: Array, k: Array, v: Array, *, block_size: int, causal: bool, mask: 
   valid = other_block_valid(blocks, causal)[:, None, :] & nonempty[:, :, None, None, :]
   spans = Piece(logits, valid, lambda w: jnp.einsum("bhnqr,bhrd->bhnqd", w, v_tilde))
   out = joint_softmax([direct, spans])  # [batch, heads, blocks, size, value_dim]
-  return common.finish(common.from_grid(out, length, 2), x)
+  return common.finish(from_grid(out, length, 2), x)

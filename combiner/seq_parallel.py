@@ -8,9 +8,10 @@ gradients, is the one of the backward pass); keys and values never cross devices
 context-parallel baseline to compare against: it all-gathers K and V.
 
 Batch is split over the "data" axis and heads over "model" when the mesh has them (and they divide evenly).
-`chunk_blocks` processes the local blocks a few at a time under `jax.checkpoint` (a `lax.map`), so the live
-logits are chunk x block x (block + L / block) per head instead of the whole local run's: what makes very long
-sequences fit in memory.
+`chunk_blocks` processes the local blocks a few at a time in a loop, forward and backward (an explicit
+`custom_vjp` that recomputes each chunk and writes its gradients in place), so the live logits are
+chunk x block x (block + L / block) per head instead of the whole local run's: what makes very long sequences
+fit in memory.
 """
 
 from __future__ import annotations
@@ -23,10 +24,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from combiner import common, contract
-from combiner.combine import Piece, attend, joint_softmax
 from combiner.fixed import block_direct_piece, span_summaries
 from combiner.pooling import POOLINGS
+from core import blocks, contract
+from core.combine import Piece, attend, joint_softmax
 
 Array = Any
 SEQ_AXIS = "seq"
@@ -142,7 +143,7 @@ class _Plan(NamedTuple):
 
 def _blocks(plan: _Plan, x: Array) -> Array:
   """[batch, n * size, heads, dim] -> [batch, heads, n, size, dim] in the softmax dtype."""
-  return common.to_grid(common.head_major(x.astype(plan.dtype)), x.shape[1] // plan.size, plan.size, 2)
+  return blocks.to_grid(blocks.head_major(x.astype(plan.dtype)), x.shape[1] // plan.size, plan.size, 2)
 
 
 def _summaries(plan: _Plan, q: Array, k: Array, v: Array, m: Array, *pooled: Array) -> tuple[Array, ...]:
@@ -151,7 +152,7 @@ def _summaries(plan: _Plan, q: Array, k: Array, v: Array, m: Array, *pooled: Arr
   given = dict(zip(plan.pools, pooled, strict=True))
   kb = _blocks(plan, k)
   pkb = _blocks(plan, given["pool_k"]) if "pool_k" in given else kb
-  mb = common.to_grid(m, m.shape[1] // plan.size, plan.size, 1)[:, None]  # [batch, 1, n, size]
+  mb = blocks.to_grid(m, m.shape[1] // plan.size, plan.size, 1)[:, None]  # [batch, 1, n, size]
   return span_summaries(_blocks(plan, given.get("pool_q", q)), pkb, kb, _blocks(plan, v), mb, plan.scale,
                         plan.pooling)
 
@@ -163,7 +164,7 @@ def _attend(plan: _Plan, q: Array, k: Array, v: Array, m: Array, k_all: Array, v
   """
   qb, kb, vb = _blocks(plan, q), _blocks(plan, k), _blocks(plan, v)
   n = qb.shape[2]
-  mb = common.to_grid(m, n, plan.size, 1)[:, None]  # [batch, 1, n, size]
+  mb = blocks.to_grid(m, n, plan.size, 1)[:, None]  # [batch, 1, n, size]
   direct = block_direct_piece(qb, kb, vb, mb, plan.scale, plan.causal)
   blk = first_block + jnp.arange(n)  # global index of each query block
   spans_r = jnp.arange(k_all.shape[2])
@@ -172,15 +173,15 @@ def _attend(plan: _Plan, q: Array, k: Array, v: Array, m: Array, k_all: Array, v
   valid = other[:, None, :] & ne_all[:, :, None, None, :]
   spans = Piece(logits, valid, lambda w: jnp.einsum("bhnqr,bhrd->bhnqd", w, v_all))
   out = joint_softmax([direct, spans])  # [batch, heads, n, size, value_dim]
-  return common.head_major(common.from_grid(out, n * plan.size, 2))
+  return blocks.head_major(blocks.from_grid(out, n * plan.size, 2))
 
 
 def _forward(plan: _Plan, q: Array, k: Array, v: Array, m: Array, *pooled: Array) -> tuple[Array, tuple]:
   """One device's run [batch, local_length, heads, dim] -> its output, and the gathered summaries."""
   batch, length, heads, _ = q.shape
-  blocks = length // plan.size
-  init = (jnp.zeros((batch, heads, blocks, k.shape[-1]), plan.dtype), jnp.zeros((batch, 1, blocks), bool),
-          jnp.zeros((batch, heads, blocks, v.shape[-1]), plan.dtype))
+  n_blocks = length // plan.size
+  init = (jnp.zeros((batch, heads, n_blocks, k.shape[-1]), plan.dtype), jnp.zeros((batch, 1, n_blocks), bool),
+          jnp.zeros((batch, heads, n_blocks, v.shape[-1]), plan.dtype))
 
   def summarize(start, acc, *xs):
     new = _summaries(plan, *(_slice(x, start, plan.chunk) for x in xs))
@@ -190,7 +191,7 @@ def _forward(plan: _Plan, q: Array, k: Array, v: Array, m: Array, *pooled: Array
   # The only communication: every block's summary, L / block_size rows per head.
   k_all, ne_all, v_all = (jax.lax.all_gather(y, plan.axis, axis=2, tiled=True)
                           for y in (k_bar, nonempty, v_tilde))
-  first = jax.lax.axis_index(plan.axis) * blocks  # global index of this device's first block
+  first = jax.lax.axis_index(plan.axis) * n_blocks  # global index of this device's first block
 
   def attend_chunk(start, out, *xs):
     chunk_in = (_slice(x, start, plan.chunk) for x in xs)
@@ -320,7 +321,7 @@ def dense(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = No
       q_pos = jax.lax.axis_index(axis) * q.shape[1] + jnp.arange(q.shape[1])
       valid = valid & (jnp.arange(k_all.shape[1])[None, :] <= q_pos[:, None])
     out = attend(logits, valid, v_all.astype(ct), "bhqk,bkhd->bhqd")  # [batch, heads, local, value_dim]
-    return common.head_major(out).astype(v.dtype)
+    return blocks.head_major(out).astype(v.dtype)
 
   spec, mspec = _specs(mesh, axis, batch, heads)
   return jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 3 + (mspec,), out_specs=spec)(q, k, v, mask)
