@@ -232,3 +232,17 @@ def test_train_step_with_seq_axis_matches_single_device():
   np.testing.assert_allclose(float(out8["loss"]), float(out1["loss"]), rtol=1e-5)
   for a, b in zip(jax.tree.leaves(s8.params), jax.tree.leaves(s1.params), strict=True):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-6)
+
+
+@pytest.mark.slow
+def test_fixed_sends_at_most_a_sixteenth_of_dense_at_64k():
+  """L = 65536 over 8 devices, 8 heads, head_dim 64, causal, forward + backward (compiled, not run)."""
+  length, heads, dim = 65536, 8, 64
+  mesh = seq_mesh()
+  shape = (1, length, heads, dim)
+  fixed_bytes = hlo.bytes_per_device(compiled_hlo(
+      lambda q, k, v: seq_parallel.fixed(q, k, v, block_size=256, causal=True, mesh=mesh), shape, mesh))
+  dense_bytes = hlo.bytes_per_device(compiled_hlo(
+      lambda q, k, v: seq_parallel.dense(q, k, v, causal=True, mesh=mesh), shape, mesh))
+  assert fixed_bytes <= 4 * (length // 256) * heads * dim * 4
+  assert fixed_bytes * 16 <= dense_bytes
