@@ -7,7 +7,8 @@ pass is an all-gather of L / block_size summary rows per head (its transpose, a 
 gradients, is the one of the backward pass); keys and values never cross devices. `dense` is the usual
 context-parallel baseline to compare against: it all-gathers K and V.
 
-Batch is split over the "data" axis and heads over "model" when the mesh has them (and they divide evenly).
+Batch is split over the "data" axis and heads over "model" when the mesh has them (and they divide evenly);
+the mesh axes are `Auto` ones, as train.py makes them.
 `chunk_blocks` processes the local blocks a few at a time in a loop, forward and backward (an explicit
 `custom_vjp` that recomputes each chunk and writes its gradients in place), so the live logits are
 chunk x block x (block + L / block) per head instead of the whole local run's: what makes very long sequences
@@ -39,7 +40,8 @@ _default_mesh: Any = None
 def set_default_mesh(mesh: Any) -> Any:
   """Sets the mesh the ops use when called without `mesh` (None: JAX's context mesh, `jax.set_mesh`);
   returns the previous one. train.py sets its mesh here when `config.mesh.seq` > 1 (unlike `jax.set_mesh`,
-  this does not make Flax read logical axis names as mesh axes)."""
+  this does not make Flax read logical axis names as mesh axes). It is read when an op is traced: a jitted
+  function traced before keeps the op it traced."""
   global _default_mesh
   previous, _default_mesh = _default_mesh, mesh
   return previous
