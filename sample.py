@@ -81,7 +81,7 @@ def sample_recall(exp: Any, model: Any, *, num_samples: int, temperature: float,
   from data import synthetic
   from models.generate import Decoder, sample_token
 
-  source = synthetic.RecallSource(exp.config.data, "validation", int(exp.config.seed))
+  source = synthetic.RecallSource(exp.config, "validation", int(exp.config.seed))
   records = source.read_batch(list(range(num_samples)))
   inputs = np.stack([r["inputs"] for r in records])  # [n, L]
   answer_at = np.asarray(records[0]["weights"]) > 0  # the same positions in every record
