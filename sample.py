@@ -1,18 +1,20 @@
 r"""Samples from a train.py checkpoint of a causal model with cached decoding.
 
-    python sample.py --workdir workdirs/default-20261122-050000                       # the default recall task
-    python sample.py --workdir DIR --num_samples 16 --temperature 0.9 --top_k 64       # image tasks: a PNG grid
-    python sample.py --workdir DIR --prompt "The history of" --top_p 0.9               # language tasks: text
+    python sample.py --workdir workdirs/default-20261122-050000                   # the default recall task
+    python sample.py --workdir DIR --num_samples 16 --temperature 0.9 --top_k 64   # image tasks: a PNG grid
+    python sample.py --workdir DIR --prompt "The history of" --top_p 0.9           # language tasks: text
 
 What is written depends on the task of the workdir's config:
-- image (cifar10, imagenet64): `<workdir>/samples_<step>.png`, a grid of the sampled images (tokens are sub-pixel
-  values in raster order, channels innermost); `--prompt_len` keeps that many sub-pixels of validation images
-  (image completion).
-- lm with a tokenizer (wiki40b, c4): `<workdir>/samples_<step>.txt`, the decoded texts, each continuing `--prompt`.
-- synthetic_recall (the default task): the first half of validation records (the key-value pairs) is the prompt;
-  the queries of the second half are read from the record, each answer is sampled, and the recalled values are
+- image (cifar10, imagenet64): `<workdir>/samples_<step>.png`, a grid of the sampled images (tokens are
+  sub-pixel values in raster order, channels innermost); `--prompt_len` keeps that many sub-pixels of
+  validation images (image completion).
+- lm with a tokenizer (wiki40b, c4): `<workdir>/samples_<step>.txt`, the decoded texts, each continuing
+  `--prompt`.
+- synthetic_recall (the default task): the first half of validation records (the key-value pairs) is the
+  prompt; the queries of the second half are read from the record, each answer is sampled, and the recalled values are
   printed next to the right ones.
-Attention plans without a cached decoding step (YOSO, bidirectional-only ops) stop with an error naming the op.
+Attention plans without a cached decoding step (YOSO, bidirectional-only ops) stop with an error naming the
+op.
 """
 
 from __future__ import annotations
@@ -59,7 +61,8 @@ def write_png(path: str, image: np.ndarray) -> None:
   raw = b"".join(b"\x00" + image[y].tobytes() for y in range(h))
 
   def chunk(kind: bytes, data: bytes) -> bytes:
-    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+    crc = zlib.crc32(kind + data) & 0xFFFFFFFF
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", crc)
 
   color = {1: 0, 3: 2, 4: 6}[c]
   with open(path, "wb") as f:
@@ -117,7 +120,7 @@ def run(workdir: str, *, num_samples: int = 8, temperature: float = 1.0, top_k: 
   kw = dict(temperature=temperature, top_k=top_k, top_p=top_p)
   if info.name == "synthetic_recall":
     out = sample_recall(exp, model, num_samples=num_samples, seed=seed, **kw)
-    for i, (got, want) in enumerate(zip(out["recalled"], out["right"])):
+    for i, (got, want) in enumerate(zip(out["recalled"], out["right"], strict=True)):
       print(f"sample {i}: recalled {' '.join(map(str, got))}")
       print(f"{'':>{len(str(i)) + 7}}  right    {' '.join(map(str, want))}")
     print(f"recall accuracy {out['accuracy']:.3f} over {out['right'].size} answers", flush=True)
@@ -158,8 +161,8 @@ def main(argv: list[str]) -> None:
 
   logging.set_verbosity(logging.WARNING)
   f = flags.FLAGS
-  run(f.workdir, num_samples=f.num_samples, temperature=f.temperature, top_k=f.top_k, top_p=f.top_p, seed=f.seed,
-      step=f.step, prompt=f.prompt, prompt_len=f.prompt_len)
+  run(f.workdir, num_samples=f.num_samples, temperature=f.temperature, top_k=f.top_k, top_p=f.top_p,
+      seed=f.seed, step=f.step, prompt=f.prompt, prompt_len=f.prompt_len)
 
 
 if __name__ == "__main__":

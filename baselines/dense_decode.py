@@ -1,4 +1,4 @@
-"""Dense softmax attention decoded with a key/value cache: O(L) per token, the baseline for cached decoding."""
+"""Dense softmax attention decoded with a key/value cache: O(L) per token, the cached-decoding baseline."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ Array = Any
 
 
 def init_cache(batch: int, heads: int, max_length: int, head_dim: int, value_dim: int, dtype: Any) -> Cache:
-  return {"k": zeros(batch, heads, max_length, head_dim, dtype), "v": zeros(batch, heads, max_length, value_dim, dtype)}
+  return {"k": zeros(batch, heads, max_length, head_dim, dtype),
+          "v": zeros(batch, heads, max_length, value_dim, dtype)}
 
 
 def step(cache: Cache, q: Array, k: Array, v: Array, position: Any, *, pool_q: Array | None = None,

@@ -3,13 +3,13 @@
 Each plan gets a `Decoder`: `init_cache(...)` allocates the per-layer cache, `step(cache, q_t, k_t, v_t,
 position)` attends the query at `position` to everything before it and returns `(out_t, cache)`, and
 `prefill(cache, q, k, v)` fills the cache from a prompt. One step equals row `position` of the plan's causal
-forward pass on the same tokens: the pieces are the same (`core.combine` joint softmax, the same pooling), only
-laid out for one query. Every span summary a query can read is complete when it is read, and each step writes
+forward pass on the same tokens: the pieces are the same (the joint softmax, the same pooling), only laid
+out for one query. Every span summary a query can read is complete when it is read, and each step writes
 the summaries its token completes, so the per-token cost stays bounded without branching on the position:
 
 - fixed: the current block's keys/values plus one (pooled key, in-span value) per block; the current block's
-  summary is rewritten at every step (its span query q̄ is known only when the block completes, and the block is
-  read only by later blocks): O(block + L/block) per token and O(block + L/block) cache.
+  summary is rewritten at every step (its span query q̄ is known only when the block completes, and the
+  block is read only by later blocks): O(block + L/block) per token and O(block + L/block) cache.
 - axial: the whole grid (the column piece reads a column). rowmajor/horizontal summaries of row r - 1 are
   computed one column per step during row r, exactly when the query of that column first needs them; vertical
   summaries of column c over rows <= r are written at (r, c) for the next row: O(rows + cols) per token.
@@ -56,7 +56,7 @@ def summary(pk: Array, pq: Array, k: Array, v: Array, valid: Array, scale: float
 
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------
 # fixed (Combiner) and sparse fixed
 
 
@@ -68,12 +68,14 @@ def _fixed_init(batch: int, heads: int, max_length: int, head_dim: int, value_di
            "span_k": zeros(batch, heads, blocks, head_dim, dtype),
            "span_v": zeros(batch, heads, blocks, value_dim, dtype)}
   if not sparse:
-    cache.update(pool_q=zeros(batch, heads, s, head_dim, dtype), pool_k=zeros(batch, heads, s, head_dim, dtype))
+    cache.update(pool_q=zeros(batch, heads, s, head_dim, dtype),
+                 pool_k=zeros(batch, heads, s, head_dim, dtype))
   return cache
 
 
 def _fixed_step(cache: Cache, q: Array, k: Array, v: Array, position: Any, *, block_size: int,
-                pool_q: Array | None, pool_k: Array | None, pooling: str | None, op: str) -> tuple[Array, Cache]:
+                pool_q: Array | None, pool_k: Array | None, pooling: str | None,
+                op: str) -> tuple[Array, Cache]:
   """pooling=None: the sparse counterpart (the span of a block is its last position)."""
   x = token(q, k, v, position, pool_q, pool_k, op=op)
   s = contract.check_positive_int(block_size, name="block_size", op=op)
@@ -84,8 +86,10 @@ def _fixed_step(cache: Cache, q: Array, k: Array, v: Array, position: Any, *, bl
   if pooling is None:
     k_bar, v_tilde = x.k, x.v  # the block's last position, final once the block is complete
   else:
-    cache["pool_q"], cache["pool_k"] = write(cache["pool_q"], x.pool_q, j), write(cache["pool_k"], x.pool_k, j)
-    k_bar, v_tilde, _ = summary(cache["pool_k"], cache["pool_q"], cache["k"], cache["v"], valid, x.scale, pooling)
+    cache["pool_q"] = write(cache["pool_q"], x.pool_q, j)
+    cache["pool_k"] = write(cache["pool_k"], x.pool_k, j)
+    k_bar, v_tilde, _ = summary(cache["pool_k"], cache["pool_q"], cache["k"], cache["v"], valid, x.scale,
+                                pooling)
   cache["span_k"], cache["span_v"] = write(cache["span_k"], k_bar, n), write(cache["span_v"], v_tilde, n)
   blocks = cache["span_k"].shape[2]
   direct = keys_piece(x, cache["k"], cache["v"], valid)
@@ -93,10 +97,11 @@ def _fixed_step(cache: Cache, q: Array, k: Array, v: Array, position: Any, *, bl
   return finish(joint_softmax([direct, spans]), x), cache
 
 
-def fixed_init(batch, heads, max_length, head_dim, value_dim, dtype, *, block_size: int, pooling: str = "max"):
+def fixed_init(batch, heads, max_length, head_dim, value_dim, dtype, *, block_size: int,
+               pooling: str = "max"):
   contract.check_choice(pooling, name="pooling", allowed=pool_ops.POOLINGS, op="combiner.fixed")
-  return _fixed_init(batch, heads, max_length, head_dim, value_dim, dtype, block_size=block_size, sparse=False,
-                     op="combiner.fixed")
+  return _fixed_init(batch, heads, max_length, head_dim, value_dim, dtype, block_size=block_size,
+                     sparse=False, op="combiner.fixed")
 
 
 def fixed_step(cache, q, k, v, position, *, block_size: int, pooling: str = "max", pool_q=None, pool_k=None):
@@ -116,7 +121,7 @@ def sparse_fixed_step(cache, q, k, v, position, *, block_size: int, pool_q=None,
                      op="sparse.fixed")
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------
 # axial (rowmajor, vertical, horizontal), mixture and sparse axial on a grid of rows of length m
 
 
@@ -127,15 +132,18 @@ def _grid_init(batch: int, heads: int, max_length: int, head_dim: int, value_dim
   grid = (rows, m)
   cache = {"k": zeros(batch, heads, grid, head_dim, dtype), "v": zeros(batch, heads, grid, value_dim, dtype)}
   if any(f in families for f in ("rowmajor", "vertical", "horizontal")):
-    cache.update(pool_q=zeros(batch, heads, grid, head_dim, dtype), pool_k=zeros(batch, heads, grid, head_dim, dtype))
+    cache.update(pool_q=zeros(batch, heads, grid, head_dim, dtype),
+                 pool_k=zeros(batch, heads, grid, head_dim, dtype))
   if "rowmajor" in families:
-    cache.update(q=zeros(batch, heads, grid, head_dim, dtype), row_k=zeros(batch, heads, rows, head_dim, dtype),
+    cache.update(q=zeros(batch, heads, grid, head_dim, dtype),
+                 row_k=zeros(batch, heads, rows, head_dim, dtype),
                  row_v=zeros(batch, heads, grid, value_dim, dtype))
   if "vertical" in families:  # index r + 1 holds column summaries over rows <= r
     cache.update(col_k=zeros(batch, heads, (rows + 1, m), head_dim, dtype),
                  col_v=zeros(batch, heads, (rows + 1, m), value_dim, dtype))
   if "horizontal" in families:
-    cache.update(hrow_k=zeros(batch, heads, grid, head_dim, dtype), hrow_v=zeros(batch, heads, grid, value_dim, dtype))
+    cache.update(hrow_k=zeros(batch, heads, grid, head_dim, dtype),
+                 hrow_v=zeros(batch, heads, grid, value_dim, dtype))
   return cache
 
 
@@ -177,8 +185,8 @@ def _column_piece(g: _GridStep) -> Piece:
 
 
 def _rowmajor_spans(g: _GridStep, pooling: str, span_key_fn: Callable | None) -> tuple[Piece, Cache]:
-  """Spans = earlier rows; the summary of row r - 1 for this column is made now (all of row r - 1 is known), the
-  first time a query of this column needs it. Its span query is the column-aligned token's own query."""
+  """Spans = earlier rows; the summary of row r - 1 for this column is made now (all of row r - 1 is known),
+  the first time a query of this column needs it. Its span query is the column-aligned token's own query."""
   cache, prev = dict(g.cache), jnp.maximum(g.r - 1, 0)
   everything = jnp.ones((g.cols,), bool)
   pk, k, v = _row(g, "pool_k", prev), _row(g, "k", prev), _row(g, "v", prev)  # [batch, heads, cols, dim]
@@ -190,7 +198,8 @@ def _rowmajor_spans(g: _GridStep, pooling: str, span_key_fn: Callable | None) ->
   # At r = 0 these writes fill slots no query reads before row 1 rewrites them.
   cache["row_k"] = write(cache["row_k"], k_bar, prev)
   cache["row_v"] = write(cache["row_v"], v_tilde, prev, g.c)
-  piece = keys_piece(g.x, cache["row_k"], read(cache["row_v"], g.c, 1, 3)[:, :, :, 0], jnp.arange(g.rows) < g.r)
+  row_v = read(cache["row_v"], g.c, 1, 3)[:, :, :, 0]  # [batch, heads, rows, value_dim]
+  piece = keys_piece(g.x, cache["row_k"], row_v, jnp.arange(g.rows) < g.r)
   return piece, cache
 
 
@@ -204,7 +213,8 @@ def _vertical_spans(g: _GridStep, pooling: str) -> tuple[Piece, Cache]:
   cache["col_k"] = write(cache["col_k"], k_bar, g.r + 1, g.c)
   cache["col_v"] = write(cache["col_v"], v_tilde, g.r + 1, g.c)
   valid = (jnp.arange(g.cols) != g.c) & (g.r > 0)
-  piece = keys_piece(g.x, read(cache["col_k"], g.r, 1, 2)[:, :, 0], read(cache["col_v"], g.r, 1, 2)[:, :, 0], valid)
+  col_k, col_v = (read(cache[n], g.r, 1, 2)[:, :, 0] for n in ("col_k", "col_v"))  # [batch, heads, cols, dim]
+  piece = keys_piece(g.x, col_k, col_v, valid)
   return piece, cache
 
 
@@ -217,8 +227,8 @@ def _horizontal_spans(g: _GridStep, pooling: str) -> tuple[Piece, Cache]:
   cache["hrow_k"] = write(cache["hrow_k"], k_bar, prev, g.c)
   cache["hrow_v"] = write(cache["hrow_v"], v_tilde, prev, g.c)
   valid = (jnp.arange(g.rows) < g.r) & nonempty[0]  # a row of one column has no span once c is removed
-  piece = keys_piece(g.x, read(cache["hrow_k"], g.c, 1, 3)[:, :, :, 0], read(cache["hrow_v"], g.c, 1, 3)[:, :, :, 0],
-                     valid)
+  row_k, row_v = (read(cache[n], g.c, 1, 3)[:, :, :, 0] for n in ("hrow_k", "hrow_v"))  # [b, h, rows, d]
+  piece = keys_piece(g.x, row_k, row_v, valid)
   return piece, cache
 
 
@@ -233,12 +243,13 @@ def axial_init(batch, heads, max_length, head_dim, value_dim, dtype, *, row_leng
                     families=(direction,), op=op)
 
 
-def axial_step(cache, q, k, v, position, *, row_length: int, direction: str, pooling: str = "max", pool_q=None,
-               pool_k=None, span_key_fn=None):
+def axial_step(cache, q, k, v, position, *, row_length: int, direction: str, pooling: str = "max",
+               pool_q=None, pool_k=None, span_key_fn=None):
   op = "combiner.axial"
   m = contract.check_positive_int(row_length, name="row_length", op=op)
   if span_key_fn is not None and direction != "rowmajor":
-    raise ValueError(f"{op}: argument 'span_key_fn' is only supported for direction='rowmajor', got {direction!r}")
+    raise ValueError(f"{op}: argument 'span_key_fn' is only supported for direction='rowmajor', "
+                     f"got {direction!r}")
   g = _grid_write(cache, token(q, k, v, position, pool_q, pool_k, op=op), m)
   if direction == "rowmajor":
     spans, cache = _rowmajor_spans(g, pooling, span_key_fn)
@@ -249,8 +260,8 @@ def axial_step(cache, q, k, v, position, *, row_length: int, direction: str, poo
   return finish(joint_softmax(pieces), g.x), cache
 
 
-def mixture_init(batch, heads, max_length, head_dim, value_dim, dtype, *, row_length: int, pooling: str = "max",
-                 normalize: str = "mean"):
+def mixture_init(batch, heads, max_length, head_dim, value_dim, dtype, *, row_length: int,
+                 pooling: str = "max", normalize: str = "mean"):
   del normalize
   return _grid_init(batch, heads, max_length, head_dim, value_dim, dtype, row_length=row_length,
                     families=("vertical", "horizontal"), op="combiner.mixture")
@@ -289,7 +300,7 @@ def sparse_axial_step(cache, q, k, v, position, *, row_length: int, pool_q=None,
   return finish(joint_softmax([_row_piece(g), _column_piece(g)]), g.x), g.cache
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------------
 # logsparse (Combiner) and sparse logsparse
 
 
@@ -356,7 +367,8 @@ def sparse_logsparse_init(batch, heads, max_length, head_dim, value_dim, dtype):
 
 def sparse_logsparse_step(cache, q, k, v, position, *, pool_q=None, pool_k=None):
   del pool_q, pool_k
-  return _logsparse_step(cache, q, k, v, position, pool_q=None, pool_k=None, pooling=None, op="sparse.logsparse")
+  return _logsparse_step(cache, q, k, v, position, pool_q=None, pool_k=None, pooling=None,
+                         op="sparse.logsparse")
 
 
 FIXED = make_decoder(fixed_init, fixed_step)

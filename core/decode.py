@@ -2,8 +2,8 @@
 
 A `Decoder` is the incremental form of a causal op: `init_cache(...)` allocates the per-layer cache,
 `step(cache, q_t, k_t, v_t, position)` attends the query at `position` to everything up to it and returns
-`(out_t, cache)`, and `prefill(cache, q, k, v)` fills the cache from a prompt. A step equals row `position` of the
-op's causal forward pass on the same tokens.
+`(out_t, cache)`, and `prefill(cache, q, k, v)` fills the cache from a prompt. A step equals row `position` of
+the op's causal forward pass on the same tokens.
 
 Layouts (head-major, one token): q_t, k_t, pool_q, pool_k: [batch, heads, head_dim]; v_t: [batch, heads,
 value_dim]; `position`: an int32 scalar shared by the batch; out_t: [batch, heads, value_dim] in v's dtype.
@@ -30,8 +30,9 @@ class Decoder(NamedTuple):
 
   init_cache(batch, heads, max_length, head_dim, value_dim, dtype, **plan_params) -> cache
   step(cache, q_t, k_t, v_t, position, *, pool_q=None, pool_k=None, **plan_params) -> (out_t, cache)
-  prefill(cache, q, k, v, *, pool_q=None, pool_k=None, **plan_params) -> cache, for positions [0, prompt_length)
-    with q, k, pool_q, pool_k: [batch, prompt_length, heads, head_dim] (the op contract's layout).
+  prefill(cache, q, k, v, *, pool_q=None, pool_k=None, **plan_params) -> cache, for positions
+    [0, prompt_length), with q, k, pool_q, pool_k: [batch, prompt_length, heads, head_dim] (the op
+    contract's layout).
   """
 
   init_cache: Callable[..., Cache]
@@ -44,7 +45,8 @@ def scan_prefill(step: Callable[..., tuple[Array, Cache]]) -> Callable[..., Cach
 
   def prefill(cache: Cache, q: Array, k: Array, v: Array, *, pool_q: Array | None = None,
               pool_k: Array | None = None, **params: Any) -> Cache:
-    xs = {"q": q, "k": k, "v": v, "pool_q": q if pool_q is None else pool_q, "pool_k": k if pool_k is None else pool_k}
+    xs = {"q": q, "k": k, "v": v, "pool_q": q if pool_q is None else pool_q,
+          "pool_k": k if pool_k is None else pool_k}
     xs = {name: jnp.swapaxes(x, 0, 1) for name, x in xs.items()}  # [prompt_length, batch, heads, dim]
 
     def body(c, inputs):

@@ -18,8 +18,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from models import layers, recompute
-from models import ops_registry
+from models import layers, ops_registry, recompute
 
 Array = Any
 AUTO = "auto"
@@ -67,7 +66,7 @@ def check_op_kwargs(spec: ops_registry.OpSpec, names: list[str]) -> None:
 
 @flax.struct.dataclass
 class LayerCache:
-  """One attention layer's decoding cache: the op's arrays, and the length its plan parameters were chosen for."""
+  """One attention layer's decoding cache: the op's arrays and the length its plan was chosen for."""
 
   state: Any  # the op decoder's cache (a dict of arrays)
   max_length: int = flax.struct.field(pytree_node=False)
@@ -179,15 +178,15 @@ class OpAttention(AttentionBase):
     return decoder, resolve_plan_params(spec, self.plan_params, max_length)
 
   def init_cache(self, batch: int, max_length: int) -> LayerCache:
-    """An empty cache for sequences of up to `max_length` tokens ("auto" plan parameters are chosen for it)."""
+    """An empty cache for up to `max_length` tokens ("auto" plan parameters are chosen for that length)."""
     decoder, params = self._decoding(max_length)
     state = decoder.init_cache(batch, self.num_heads, max_length, self.head_dim, self.head_dim, self.dtype,
                                **{k: v for k, v in params.items() if k != "span_key_fn"})
     return LayerCache(state, max_length)
 
   def decode_step(self, x: Array, cache: LayerCache, position: Array) -> tuple[Array, LayerCache]:
-    """x: [batch, 1, features], the token at `position` -> ([batch, 1, features], cache); equals row `position`
-    of the causal forward pass over `cache.max_length` tokens."""
+    """x: [batch, 1, features], the token at `position` -> ([batch, 1, features], cache); equals row
+    `position` of the causal forward pass over `cache.max_length` tokens."""
     decoder, params = self._decoding(cache.max_length)
     q, k, v = self.project(x)  # [batch, 1, heads, head_dim]
     extra = {n: (a if callable(a) else a[:, 0]) for n, a in self.op_kwargs(q, k).items()}
@@ -195,8 +194,8 @@ class OpAttention(AttentionBase):
     return self.out(o[:, None]), LayerCache(state, cache.max_length)  # [batch, 1, features]
 
   def prefill(self, x: Array, cache: LayerCache) -> tuple[Array, LayerCache]:
-    """x: [batch, prompt_length, features] at positions [0, prompt_length): the forward pass's output and the cache
-    filled with those positions."""
+    """x: [batch, prompt_length, features] at positions [0, prompt_length): the forward pass's output and the
+    cache filled with those positions."""
     decoder, params = self._decoding(cache.max_length)
     q, k, v = self.project(x)  # [batch, prompt_length, heads, head_dim]
     extra = self.op_kwargs(q, k)

@@ -27,7 +27,8 @@ class Decoder:
         batch, max_length), static_argnums=(1, 2))
     self._decode = jax.jit(lambda state, cache, tokens, position: nnx.merge(self.graphdef, state).decode(
         cache, tokens, position))
-    self._prefill = jax.jit(lambda state, cache, prompt: nnx.merge(self.graphdef, state).prefill(cache, prompt))
+    self._prefill = jax.jit(lambda state, cache, prompt: nnx.merge(self.graphdef, state).prefill(cache,
+                                                                                                  prompt))
     self._generate = jax.jit(functools.partial(_generate, self.graphdef),
                              static_argnames=("length", "max_length", "temperature", "top_k", "top_p"))
 
@@ -48,7 +49,7 @@ class Decoder:
 
 
 def filter_logits(logits: Array, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> Array:
-  """logits [batch, vocab] -> logits scaled by 1/temperature with the tokens outside top-k / top-p set to -inf.
+  """logits [batch, vocab] -> logits / temperature with the tokens outside top-k / top-p set to -inf.
 
   top_k = 0 and top_p = 1 keep everything; top-p keeps the smallest most-likely set whose probability reaches
   top_p (always at least the most likely token).
@@ -96,8 +97,9 @@ def _generate(graphdef: Any, state: Any, key: Array, prompt: Array, *, length: i
   return tokens
 
 
-def generate(model: nnx.Module | Decoder, key: Array, *, num_samples: int, length: int, prompt: Array | None = None,
-             temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, max_length: int | None = None) -> Array:
+def generate(model: nnx.Module | Decoder, key: Array, *, num_samples: int, length: int,
+             prompt: Array | None = None, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+             max_length: int | None = None) -> Array:
   """Samples [num_samples, length] tokens; the first P are `prompt` [num_samples, P] (P < length) when given.
 
   max_length (default `length`) is the length "auto" plan parameters are chosen for: the model's training
@@ -107,7 +109,8 @@ def generate(model: nnx.Module | Decoder, key: Array, *, num_samples: int, lengt
     prompt = jnp.zeros((num_samples, 0), jnp.int32)
   prompt = jnp.asarray(prompt, jnp.int32)
   if prompt.shape[0] != num_samples or prompt.shape[1] >= length:
-    raise ValueError(f"prompt must be [num_samples={num_samples}, P < length={length}], got {tuple(prompt.shape)}")
+    raise ValueError(f"prompt must be [num_samples={num_samples}, P < length={length}], "
+                     f"got {tuple(prompt.shape)}")
   if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
     raise ValueError(f"need temperature >= 0, 0 < top_p <= 1 and top_k >= 0; got temperature={temperature}, "
                      f"top_p={top_p}, top_k={top_k}")

@@ -122,8 +122,9 @@ class PositionEmbedding(nnx.Module):
       return jax.lax.dynamic_index_in_dim(self.table[...], position, keepdims=False).astype(self.dtype)
     _, w, c = self.shape
     row, col, channel = position // (w * c), (position // c) % w, position % c
-    pick = lambda t, i: jax.lax.dynamic_index_in_dim(t[...], i, keepdims=False)
-    return (pick(self.rows, row) + pick(self.cols, col) + pick(self.channels, channel)).astype(self.dtype)
+    rows, cols, channels = (jax.lax.dynamic_index_in_dim(t[...], i, keepdims=False)
+                            for t, i in ((self.rows, row), (self.cols, col), (self.channels, channel)))
+    return (rows + cols + channels).astype(self.dtype)
 
 
 class Encoder(nnx.Module):
@@ -153,8 +154,8 @@ class Encoder(nnx.Module):
 
 
   def decode(self, ids: Array, caches: list[Any], position: Array | None = None) -> tuple[Array, list[Any]]:
-    """ids [batch, 1] at `position` (or a prompt [batch, P] at [0, P) when position is None) -> normed features
-    [batch, length, features] and the updated per-layer caches."""
+    """ids [batch, 1] at `position` (or a prompt [batch, P] at [0, P) when position is None) -> normed
+    features [batch, length, features] and the updated per-layer caches."""
     if position is None:
       x = self.embed(ids) + self.pos(ids.shape[1])[None]  # [batch, P, features]
     else:
@@ -248,9 +249,9 @@ class Transformer(nnx.Module):
     return self.head(jax.nn.relu(self.hidden(pooled))).astype(jnp.float32)  # [batch, num_classes]
 
 
-  # Cached autoregressive decoding (lm / image). Position t reads the token at t - 1 (BOS at t = 0) and its logits
-  # predict the token at t, exactly as row t of `__call__`'s logits; plan parameters set to "auto" are chosen for
-  # `max_length`, so decoding equals the forward pass over `max_length` tokens.
+  # Cached autoregressive decoding (lm / image). Position t reads the token at t - 1 (BOS at t = 0) and its
+  # logits predict the token at t, exactly as row t of `__call__`'s logits; plan parameters set to "auto" are
+  # chosen for `max_length`, so decoding equals the forward pass over `max_length` tokens.
   def init_cache(self, batch: int, max_length: int) -> list[Any]:
     """Empty per-layer caches for `batch` sequences of up to `max_length` tokens."""
     if self.task not in CAUSAL_TASKS:
@@ -258,17 +259,17 @@ class Transformer(nnx.Module):
     return [block.attention.init_cache(batch, max_length) for block in self.encoder.blocks]
 
   def decode(self, cache: list[Any], tokens: Array, position: Array) -> tuple[Array, list[Any]]:
-    """tokens [batch]: the tokens at position - 1 (ignored at position 0) -> float32 logits [batch, vocab] for the
-    token at `position`, and the cache with `position` added."""
+    """tokens [batch]: the tokens at position - 1 (ignored at position 0) -> float32 logits [batch, vocab] for
+    the token at `position`, and the cache with `position` added."""
     position = jnp.asarray(position, jnp.int32)
     ids = jnp.where(position == 0, self.bos_id, tokens).astype(jnp.int32)[:, None]  # [batch, 1]
     x, cache = self.encoder.decode(ids, cache, position)
     return self.head(x[:, 0]).astype(jnp.float32), cache  # [batch, vocab]
 
   def prefill(self, cache: list[Any], prompt: Array) -> tuple[Array, list[Any]]:
-    """prompt [batch, P] (P >= 0): the tokens at positions [0, P). Runs positions [0, P] (BOS, then the prompt)
-    and returns their float32 logits [batch, P + 1, vocab] (the last one predicts the token at P) and the cache;
-    continue with `decode(cache, next_token, P + 1)`."""
+    """prompt [batch, P] (P >= 0): the tokens at positions [0, P). Runs positions [0, P] (BOS, then the
+    prompt) and returns their float32 logits [batch, P + 1, vocab] (the last one predicts the token at P) and
+    the cache; continue with `decode(cache, next_token, P + 1)`."""
     bos = jnp.full((prompt.shape[0], 1), self.bos_id, jnp.int32)
     ids = jnp.concatenate([bos, prompt.astype(jnp.int32)], axis=1)  # [batch, P + 1]
     x, cache = self.encoder.decode(ids, cache)

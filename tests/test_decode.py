@@ -36,7 +36,7 @@ def _qkv(seed: int, batch: int, length: int, heads: int, dim: int, pooled: bool 
 
 
 def _decode_all(spec, params, q, k, v, prompt: int = 0, pool_q=None, pool_k=None, **extra):
-  """Prefill the first `prompt` positions, then step through the rest (one compiled scan); the stepped outputs."""
+  """Prefills `prompt` positions, then steps through the rest (one compiled scan); the stepped outputs."""
   batch, length, heads, dim = q.shape
   dec = spec.decode
   pooled = {} if pool_q is None else {"pool_q": pool_q, "pool_k": pool_k}
@@ -49,7 +49,9 @@ def _decode_all(spec, params, q, k, v, prompt: int = 0, pool_q=None, pool_k=None
       cache = dec.prefill(cache, q[:, :prompt], k[:, :prompt], v[:, :prompt], **head, **params, **extra)
 
     def body(cache, t):
-      at = lambda x: jax.lax.dynamic_index_in_dim(x, t, axis=1, keepdims=False)
+      def at(x):
+        return jax.lax.dynamic_index_in_dim(x, t, axis=1, keepdims=False)
+
       out, cache = dec.step(cache, at(q), at(k), at(v), t, **{n: at(x) for n, x in pooled.items()}, **params,
                             **extra)
       return cache, out
@@ -108,10 +110,11 @@ def _model(attention: str, params: dict, *, task: str = "lm", seq_len: int = 20,
   return transformer.build_model(cfg, task=task, vocab_size=11, seq_len=seq_len, seed=0)
 
 
-MODEL_CASES = [("dense", {}), ("combiner_fixed", {"block_size": 4}), ("combiner_axial_rowmajor", {"row_length": 4}),
-               ("combiner_axial_vertical", {"row_length": 4}), ("combiner_axial_horizontal", {"row_length": 4}),
-               ("combiner_logsparse", {}), ("combiner_mixture", {"row_length": 4}),
-               ("sparse_fixed", {"block_size": 4}), ("sparse_axial", {"row_length": 4}), ("sparse_logsparse", {})]
+MODEL_CASES = [("dense", {}), ("combiner_fixed", {"block_size": 4}),
+               ("combiner_axial_rowmajor", {"row_length": 4}), ("combiner_axial_vertical", {"row_length": 4}),
+               ("combiner_axial_horizontal", {"row_length": 4}), ("combiner_logsparse", {}),
+               ("combiner_mixture", {"row_length": 4}), ("sparse_fixed", {"block_size": 4}),
+               ("sparse_axial", {"row_length": 4}), ("sparse_logsparse", {})]
 
 
 @pytest.mark.parametrize("name,params", MODEL_CASES, ids=[n for n, _ in MODEL_CASES])
