@@ -11,8 +11,8 @@ What is written depends on the task of the workdir's config:
 - lm with a tokenizer (wiki40b, c4): `<workdir>/samples_<step>.txt`, the decoded texts, each continuing
   `--prompt`.
 - synthetic_recall (the default task): the first half of validation records (the key-value pairs) is the
-  prompt; the queries of the second half are read from the record, each answer is sampled, and the recalled values are
-  printed next to the right ones.
+  prompt; the queries of the second half are read from the record, each answer is sampled, and the recalled
+  values are printed next to the right ones.
 Attention plans without a cached decoding step (YOSO, bidirectional-only ops) stop with an error naming the
 op.
 """
