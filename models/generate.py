@@ -25,7 +25,7 @@ class Decoder:
     self.graphdef, self.state = nnx.split(model)
     self._init = jax.jit(lambda state, batch, max_length: nnx.merge(self.graphdef, state).init_cache(
         batch, max_length), static_argnums=(1, 2))
-    # The cache is donated: a step updates it in place instead of copying it (a dense cache is O(L) per layer).
+    # The cache is donated: a step updates it in place instead of copying it (dense: O(L) per layer).
     self._decode = jax.jit(lambda state, cache, tokens, position: nnx.merge(self.graphdef, state).decode(
         cache, tokens, position), donate_argnums=(1,))
     self._prefill = jax.jit(lambda state, cache, prompt: nnx.merge(self.graphdef, state).prefill(cache,
@@ -41,7 +41,7 @@ class Decoder:
     return self._init(self.state, batch, max_length)
 
   def decode(self, cache: Any, tokens: Array, position: Any) -> tuple[Array, Any]:
-    """tokens [batch] at position - 1 -> (logits [batch, vocab] for `position`, cache); `cache` is consumed."""
+    """tokens [batch] at position - 1 -> (logits [batch, vocab] for `position`, cache); consumes `cache`."""
     return self._decode(self.state, cache, tokens, jnp.asarray(position, jnp.int32))
 
   def prefill(self, cache: Any, prompt: Array) -> tuple[Array, Any]:

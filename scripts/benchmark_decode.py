@@ -25,8 +25,8 @@ from flax import nnx
 
 def model_config(attention: str, *, layers: int, features: int, heads: int) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict({
-      "num_layers": layers, "features": features, "num_heads": heads, "mlp_dim": 4 * features, "dropout_rate": 0.0,
-      "dtype": "float32", "position_embedding": "learned",
+      "num_layers": layers, "features": features, "num_heads": heads, "mlp_dim": 4 * features,
+      "dropout_rate": 0.0, "dtype": "float32", "position_embedding": "learned",
       "attention": {"name": attention, "params": {}, "dropout_rate": 0.0}})
 
 
