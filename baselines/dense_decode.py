@@ -6,7 +6,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from combiner.combine import joint_softmax
+from core.combine import joint_softmax
 from core.decode import Cache, Decoder, finish, keys_piece, token, write, zeros
 
 Array = Any

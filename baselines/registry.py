@@ -2,7 +2,7 @@
 
 from baselines.dense import dense, dense_xla
 from baselines.dense_decode import DENSE
-from models.ops_registry import OpSpec, register
+from core.registry import OpSpec, register
 
 register(OpSpec("dense", dense, description="exact softmax attention, O(L^2)",
                 decode=DENSE))

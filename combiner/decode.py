@@ -30,11 +30,11 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from combiner import common, contract
 from combiner import pooling as pool_ops
-from combiner.combine import Piece, attend, joint_softmax, merge, partial_softmax
-from combiner.combine import normalize as normalize_partial
 from combiner.logsparse import num_levels
+from core import blocks, contract
+from core.combine import Piece, attend, joint_softmax, merge, partial_softmax
+from core.combine import normalize as normalize_partial
 from core.decode import Cache, Token, finish, keys_piece, make_decoder, read, token, write, zeros
 
 Array = Any
@@ -63,10 +63,9 @@ def summary(pk: Array, pq: Array, k: Array, v: Array, valid: Array, scale: float
 def _fixed_init(batch: int, heads: int, max_length: int, head_dim: int, value_dim: int, dtype: Any, *,
                 block_size: int, sparse: bool, op: str) -> Cache:
   s = contract.check_positive_int(block_size, name="block_size", op=op)
-  blocks = common.num_blocks(max_length, s)
+  n = blocks.num_blocks(max_length, s)
   cache = {"k": zeros(batch, heads, s, head_dim, dtype), "v": zeros(batch, heads, s, value_dim, dtype),
-           "span_k": zeros(batch, heads, blocks, head_dim, dtype),
-           "span_v": zeros(batch, heads, blocks, value_dim, dtype)}
+           "span_k": zeros(batch, heads, n, head_dim, dtype), "span_v": zeros(batch, heads, n, value_dim, dtype)}
   if not sparse:
     cache.update(pool_q=zeros(batch, heads, s, head_dim, dtype),
                  pool_k=zeros(batch, heads, s, head_dim, dtype))
@@ -128,7 +127,7 @@ def sparse_fixed_step(cache, q, k, v, position, *, block_size: int, pool_q=None,
 def _grid_init(batch: int, heads: int, max_length: int, head_dim: int, value_dim: int, dtype: Any, *,
                row_length: int, families: tuple[str, ...], op: str) -> Cache:
   m = contract.check_positive_int(row_length, name="row_length", op=op)
-  rows = common.num_blocks(max_length, m)
+  rows = blocks.num_blocks(max_length, m)
   grid = (rows, m)
   cache = {"k": zeros(batch, heads, grid, head_dim, dtype), "v": zeros(batch, heads, grid, value_dim, dtype)}
   if any(f in families for f in ("rowmajor", "vertical", "horizontal")):

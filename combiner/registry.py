@@ -7,7 +7,7 @@ import functools
 from combiner import axial, fixed, logsparse, mixture, sparse
 from combiner import decode as dec
 from core.decode import bind
-from models.ops_registry import OpSpec, register, sqrt_pow2
+from core.registry import OpSpec, register, sqrt_pow2
 
 
 def _block(length: int) -> dict:

@@ -18,8 +18,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from combiner import contract
-from combiner.combine import Piece
+from core import contract
+from core.combine import Piece
 
 Array = Any
 Cache = dict[str, Array]
