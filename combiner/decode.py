@@ -65,7 +65,8 @@ def _fixed_init(batch: int, heads: int, max_length: int, head_dim: int, value_di
   s = contract.check_positive_int(block_size, name="block_size", op=op)
   n = blocks.num_blocks(max_length, s)
   cache = {"k": zeros(batch, heads, s, head_dim, dtype), "v": zeros(batch, heads, s, value_dim, dtype),
-           "span_k": zeros(batch, heads, n, head_dim, dtype), "span_v": zeros(batch, heads, n, value_dim, dtype)}
+           "span_k": zeros(batch, heads, n, head_dim, dtype),
+           "span_v": zeros(batch, heads, n, value_dim, dtype)}
   if not sparse:
     cache.update(pool_q=zeros(batch, heads, s, head_dim, dtype),
                  pool_k=zeros(batch, heads, s, head_dim, dtype))
