@@ -117,7 +117,13 @@ MODEL_CASES = [("dense", {}), ("combiner_fixed", {"block_size": 4}),
                ("sparse_axial", {"row_length": 4}), ("sparse_logsparse", {})]
 
 
-@pytest.mark.parametrize("name,params", MODEL_CASES, ids=[n for n, _ in MODEL_CASES])
+# The op-level tests cover every plan; at model level the plans not below run with `-m slow`.
+FAST_MODEL_CASES = ("dense", "combiner_fixed", "combiner_axial_rowmajor", "combiner_logsparse")
+
+
+@pytest.mark.parametrize("name,params", [c if c[0] in FAST_MODEL_CASES else
+                                         pytest.param(*c, marks=pytest.mark.slow) for c in MODEL_CASES],
+                         ids=[n for n, _ in MODEL_CASES])
 def test_model_decode_equals_forward(name, params):
   """Prefill 5 tokens, then decode the rest: every position's logits equal the forward pass's."""
   from models.generate import Decoder
