@@ -1,19 +1,20 @@
 """Cached decoding for the exactly causal routing plans: nearest-centroid routing and block-local attention.
 
 - routing, membership "nearest" (shared QK): per head, one ring buffer per cluster of the last `window`
-  layer-normed keys (= queries) and values, plus how many tokens each cluster has received. A step layer-norms
-  the query, assigns it to its nearest centroid, writes it into that cluster's ring and attends over the ring's
-  filled slots, which are exactly the `window` most recent cluster-mates including itself (the causal rows of
-  `routing.attention.routing_attention(membership="nearest")`): O((clusters + window) * d) per token, a cache of
-  O(clusters * window * d). The centroids are an explicit input of every call, as in the op.
+  layer-normed keys (= queries) and values, plus how many tokens each cluster has received. A step
+  layer-norms the query, assigns it to its nearest centroid, writes it into that cluster's ring and attends
+  over the ring's filled slots, which are exactly the `window` most recent cluster-mates including itself
+  (the causal rows of `routing.attention.routing_attention(membership="nearest")`): O((clusters + window) * d)
+  per token, a cache of O(clusters * window * d). The centroids are an explicit input of every call, as in
+  the op.
 - local (`routing.local.local_attention`): a ring of the last 2 * block keys/values with their positions; the
   token at t attends to positions [(t // block - 1) * block, t]: O(block * d) per token.
 
-Balanced membership (the paper's top-`window` tokens per centroid) has no decoder: whether an earlier token is in
-a cluster depends on later tokens, so no cache of the past can reproduce it. The registered `routing` op uses
-balanced membership (like-for-like with the lucidrains peer), so its `OpSpec` carries no decoder; these decoders
-serve the model module (`models.routing_attention.RoutingAttention`), which resolves membership to "nearest" in
-causal models with shared QK.
+Balanced membership (the paper's top-`window` tokens per centroid) has no decoder: whether an earlier token
+is in a cluster depends on later tokens, so no cache of the past can reproduce it. The registered `routing`
+op uses balanced membership (like-for-like with the lucidrains peer), so its `OpSpec` carries no decoder;
+these decoders serve the model module (`models.routing_attention.RoutingAttention`), which resolves
+membership to "nearest" in causal models with shared QK.
 
 Layouts (head-major, one token): q_t, k_t: [batch, heads, head_dim]; v_t: [batch, heads, value_dim];
 `position`: an int32 scalar shared by the batch; out_t: [batch, heads, value_dim] in v's dtype.
@@ -41,14 +42,14 @@ Array = Any
 def _check_centroids(centroids: Any, heads: int, head_dim: int, op: str) -> int:
   if not hasattr(centroids, "shape") or len(centroids.shape) != 3 or centroids.shape[0] != heads \
       or centroids.shape[2] != head_dim:
-    raise ValueError(f"{op}: argument 'centroids' must have shape [heads={heads}, clusters, head_dim={head_dim}], "
-                     f"got {getattr(centroids, 'shape', type(centroids).__name__)}")
+    raise ValueError(f"{op}: argument 'centroids' must have shape [heads={heads}, clusters, "
+                     f"head_dim={head_dim}], got {getattr(centroids, 'shape', type(centroids).__name__)}")
   return int(centroids.shape[1])
 
 
 def routing_init(batch: int, heads: int, max_length: int, head_dim: int, value_dim: int, dtype: Any, *,
                  centroids: Array, window: int, scale_logits: bool = True, mask_self: bool = False) -> Cache:
-  """Rings of min(window, max_length) slots per cluster (the op clips the window to the length the same way)."""
+  """Rings of min(window, max_length) slots per cluster (the op clips the window to the length alike)."""
   op = "routing.decode"
   del scale_logits, mask_self
   clusters = _check_centroids(centroids, heads, head_dim, op)
@@ -74,7 +75,8 @@ def routing_step(cache: Cache, q: Array, k: Array, v: Array, position: Any, *, c
     raise ValueError(f"{op}: argument 'centroids' has {clusters} clusters, the cache {cache['k'].shape[2]}")
   w = cache["k"].shape[3]
   qn = layer_norm(x.q)  # [batch, heads, head_dim]
-  cluster = kmeans.nearest_centroid(kmeans.scores(qn[:, :, None], centroids, heads_first=True))[..., 0]  # [b, h]
+  scores = kmeans.scores(qn[:, :, None], centroids, heads_first=True)  # [batch, heads, clusters, 1]
+  cluster = kmeans.nearest_centroid(scores)[..., 0]  # [batch, heads]
   b, h = jnp.arange(batch)[:, None], jnp.arange(heads)[None, :]
   count = cache["count"][b, h, cluster]  # [batch, heads]: earlier tokens of the token's cluster
   slot = count % w  # the ring slot of the oldest one once the ring is full

@@ -62,3 +62,41 @@ def test_local_step_equals_forward(block_size, prompt):
   full = local_attention(q, k, v, block_size=block_size, causal=True)
   stepped = _decode_all(decode.LOCAL, {"block_size": block_size}, q, k, v, prompt=prompt)
   np.testing.assert_allclose(stepped, full[:, prompt:], rtol=1e-5, atol=1e-5)
+
+
+def _model(params: dict, *, seq_len: int = 20, attention: str = "routing", **fields):
+  import ml_collections
+
+  from models import transformer
+
+  cfg = ml_collections.ConfigDict({
+      "num_layers": 2, "features": 16, "num_heads": 2, "mlp_dim": 32, "dropout_rate": 0.0, "dtype": "float32",
+      "attention": {"name": attention, "params": params, "dropout_rate": 0.0, **fields}})
+  return transformer.build_model(cfg, task="lm", vocab_size=11, seq_len=seq_len, seed=0)
+
+
+def test_model_decode_equals_forward():
+  """One routing head next to one local head in the last layer, local heads only in the first; a prompt of 5
+  tokens, then step by step: every position's logits equal the forward pass's."""
+  from models.generate import Decoder
+
+  length = 20
+  model = _model({"num_clusters": 3, "window": 3, "block_size": 4}, routing_heads=1, routing_layers=[-1],
+                 mask_self=True)
+  tokens = jax.random.randint(jax.random.key(2), (2, length), 0, 11)
+  full = model({"inputs": tokens}, deterministic=True)  # [batch, length, vocab]
+  dec = Decoder(model)
+  cache = dec.init_cache(2, length)
+  logits, cache = dec.prefill(cache, tokens[:, :5])
+  stepped = [logits]
+  for t in range(6, length):
+    out, cache = dec.decode(cache, tokens[:, t - 1], t)
+    stepped.append(out[:, None])
+  np.testing.assert_allclose(jnp.concatenate(stepped, axis=1), full, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_refuses_non_causal_memberships():
+  with pytest.raises(ValueError, match="membership='nearest'"):
+    _model({"num_clusters": 3}, membership="balanced").init_cache(1, 20)
+  with pytest.raises(ValueError, match="chunk boundaries"):
+    _model({"num_clusters": 3}, attention="combiner_routed").init_cache(1, 20)
