@@ -8,6 +8,10 @@ setting routes only the last layers); they own no centroids.
 `RoutedCombinerAttention` ("combiner_routed"): every head is Combiner-learnable (Combiner paper section 4.4),
 the cluster of each token being its nearest centroid.
 
+Cached decoding (`init_cache` / `decode_step` / `prefill`, see `models.transformer`): `RoutingAttention` with
+membership "nearest" (`routing.decode`); balanced membership and `RoutedCombinerAttention` raise a ValueError,
+since a later token changes earlier tokens' clusters (balanced) or chunk boundaries (combiner_routed).
+
 Both keep per-head centroids `[heads, clusters, head_dim]` in a `Centroids` variable (not an `nnx.Param`, so the
 optimizer never sees it), update them by an EMA of the assigned layer-normed vectors when called with
 `deterministic=False`, and sow the commitment loss as `aux_loss` (the train step multiplies it by
