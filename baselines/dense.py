@@ -148,7 +148,9 @@ def _cudnn(q: Array, k: Array, v: Array, mask: Array | None, causal: bool) -> Ar
   return out[..., :head_dim]  # [batch, length, heads, head_dim]
 
 
-def _tpu_blocks(length: int) -> Any:
+def tpu_block_sizes(length: int) -> Any:
+  """The TPU kernel's tiles for a length that is a multiple of TPU_BLOCK: the largest power of two up to
+  TPU_MAX_BLOCK that divides it, forward and backward."""
   from jax.experimental.pallas.ops.tpu import flash_attention as tpu_flash
 
   block = TPU_BLOCK
@@ -177,7 +179,8 @@ def _pallas_tpu(q: Array, k: Array, v: Array, mask: Array | None, causal: bool) 
   pad = [(0, 0), (0, padded - length), (0, 0), (0, 0)]
   qh, kh, vh = (jnp.swapaxes(jnp.pad(t, pad), 1, 2) for t in (q, k, v))  # [batch, heads, padded, head_dim]
   out = tpu_flash.flash_attention(qh, kh, vh, segment_ids=segments, causal=causal,
-                                  sm_scale=contract.logit_scale(q.shape[-1]), block_sizes=_tpu_blocks(padded))
+                                  sm_scale=contract.logit_scale(q.shape[-1]),
+                                  block_sizes=tpu_block_sizes(padded))
   return jnp.swapaxes(out, 1, 2)[:, :length]  # [batch, length, heads, head_dim]
 
 

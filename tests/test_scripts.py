@@ -10,6 +10,8 @@ import os
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -372,3 +374,33 @@ def test_committed_pattern_pictures_are_present_and_small():
   for name in expected + ["overview.png"]:
     size = os.path.getsize(os.path.join(pictures, name))
     assert 1000 < size < 100_000, name
+
+
+def test_flash_row_is_dropped_with_a_note_where_the_device_has_no_fused_kernel(monkeypatch):
+  def fake_run_worker(command, *, timeout_s):
+    name, length = command[command.index("--_name") + 1], int(command[command.index("--lengths") + 1])
+    assert "--implementation" in command and command[command.index("--implementation") + 1] == "xla"
+    if name == bm.FLASH:
+      return {"op": name, "length": length, "status": f"{bm.SKIP_NO_FLASH} on cpu"}, ""
+    return {"op": name, "length": length, "status": "ok", "fwd_s": 1.0, "fwdbwd_s": 2.0}, ""
+
+  monkeypatch.setattr(bm, "run_worker", fake_run_worker)
+  args = bm.parse_args(["--lengths", "64,128", "--implementation", "xla"])
+  notes = []
+  rows = bm.measure_all(args, [(bm.FLASH, bm.FLASH), ("op", "dense")], notes)
+  assert [(r["op"], r["length"]) for r in rows] == [("dense", 64), ("dense", 128)]
+  assert notes == [f"flash (the backend's fused attention kernel): {bm.SKIP_NO_FLASH} on cpu"]
+  assert [h for k, h in bm.op_columns("flash") if k == "mem_ratio"] == ["mem/flash"]
+
+
+def test_flash_reference_per_backend_and_implementation_keyword():
+  assert bm.flash_attention_fn("cpu", causal=True, dtype="bfloat16", length=256, head_dim=64)[0] is None
+  fn, reason = bm.flash_attention_fn("gpu", causal=True, dtype="float32", length=256, head_dim=64)
+  assert fn is None and "bfloat16" in reason
+  assert bm.flash_attention_fn("gpu", causal=True, dtype="bfloat16", length=256, head_dim=64)[0] is not None
+  fn, _ = bm.flash_attention_fn("tpu", causal=True, dtype="bfloat16", length=256, head_dim=64)
+  shape = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
+  exported = jax.export.export(jax.jit(fn), platforms=["tpu"])(shape, shape, shape)
+  assert "tpu_custom_call" in exported.mlir_module()
+  from baselines.dense import dense, dense_xla
+  assert bm._takes_keyword(dense, "implementation") and not bm._takes_keyword(dense_xla, "implementation")

@@ -42,6 +42,12 @@ through dense collision counts instead (C_ij = the number of hashes in which q_i
 `_counts_backward`): quadratic, but large matmuls, 3-30x faster than the tables there. `backward="dense"`
 replaces the sampled backward by the exact O(L^2) surrogate gradient (short sequences, tests).
 
+Formulations (`formulation=`): the tables above are segment sums and bucket-sorted chunked matmuls, which
+suit a CPU, where scatters are serial and small matmuls cheap. On GPUs and TPUs ("auto" there) every table is
+a one-hot matmul instead: per hash, onehot(write codes)^T [2^tau, L] times the rows, and the read
+onehot(read codes) [L, 2^tau] times the table (`_onehot_cumulate`, `_onehot_feature_tables`), with the
+one-hot factor exact in bfloat16 and float32 operands split in two bfloat16 parts. Same codes, same sums.
+
 The 1/sqrt(head_dim) logit scale of the op contract is a no-op here: YOSO only sees directions of q and k.
 """
 
