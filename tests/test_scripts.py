@@ -404,3 +404,14 @@ def test_flash_reference_per_backend_and_implementation_keyword():
   assert "tpu_custom_call" in exported.mlir_module()
   from baselines.dense import dense, dense_xla
   assert bm._takes_keyword(dense, "implementation") and not bm._takes_keyword(dense_xla, "implementation")
+
+
+def test_train_presets_fix_the_ablation_shapes():
+  from scripts import benchmark_train as bt
+
+  args = bm.parse_args(["--mode", "train", "--preset", "imagenet64", "--lengths", "64"])
+  opts = bt.parse(args.extra)
+  bt.apply_preset(args, opts)
+  assert (args.lengths, args.batch, args.heads, args.dtype) == ([12288], 8, 8, "bfloat16")
+  assert (opts.layers, opts.features, opts.mlp_dim) == (6, 512, 2048)
+  assert bt.PRESETS["cifar10"]["length"] == 3072 and bt.PRESETS["cifar10"]["batch"] == 32
