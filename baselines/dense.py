@@ -24,11 +24,6 @@ TPU_MAX_BLOCK = 512
 _MASK_COORDS = 8  # cuDNN head dims come in multiples of 8: the key-mask coordinate is padded to 8
 
 
-def _platform() -> str:
-  """The backend the op is traced for: "cpu", "gpu" or "tpu" (monkeypatched in tests to trace other paths)."""
-  return jax.default_backend()
-
-
 def _gpu_max_head_dim() -> int:
   """cuDNN's flash attention takes head dims up to 256 on Hopper and later, 128 before."""
   try:
@@ -78,10 +73,10 @@ def dense(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = No
   masked = mask is not None
   q, k, v, mask = contract.check_qkv(q, k, v, mask, op=op)
   causal = contract.check_bool(causal, name="causal", op=op)
-  contract.check_choice(implementation, name="implementation", allowed=IMPLEMENTATIONS, op=op)
+  contract.check_implementation(implementation, allowed=IMPLEMENTATIONS, op=op)
   kernel = None
   if implementation != "xla":
-    platform = _platform()
+    platform = contract.backend()
     max_head_dim = _gpu_max_head_dim() if platform == "gpu" else 128
     kernel, reason = fused_kernel(platform, (q.dtype, k.dtype, v.dtype), q.shape[-1], v.shape[-1],
                                   masked=masked, max_head_dim=max_head_dim)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from baselines.dense import dense
+from core import contract
 
 
 def _reference(q, k, v, causal, mask):
@@ -114,7 +115,7 @@ def test_dense_auto_picks_the_backend_kernel(monkeypatch, platform, dtype, value
 
   for name in ("_xla", "_cudnn", "_pallas_tpu"):
     monkeypatch.setattr(dense_module, name, spy(name))
-  monkeypatch.setattr(dense_module, "_platform", lambda: platform)
+  monkeypatch.setattr(contract, "backend", lambda: platform)
   q, k, v = _inputs(0, (1, 4, 2, 8), dtype, value_dim)
   out = dense_module.dense(q, k, v, causal=True)
   assert called == ["_" + expected] and out.shape == v.shape and out.dtype == v.dtype
@@ -137,7 +138,7 @@ def test_cudnn_mask_coordinate_is_exact(monkeypatch, causal):
   real = jax.nn.dot_product_attention
   monkeypatch.setattr(jax.nn, "dot_product_attention",
                       lambda *a, **kw: real(*a, **{**kw, "implementation": "xla"}))
-  monkeypatch.setattr(dense_module, "_platform", lambda: "gpu")
+  monkeypatch.setattr(contract, "backend", lambda: "gpu")
   q, k, v = _inputs(1, (2, 6, 2, 8), jnp.bfloat16)
   mask = jnp.array([[True, False, True, True, False, True], [False, False, True, False, False, False]])
   k, v = (t.at[:, 1].set(jnp.nan) for t in (k, v))  # masked in both rows
@@ -158,7 +159,7 @@ def test_pallas_tpu_path_in_interpret_mode(monkeypatch):
 
   from baselines import dense as dense_module
 
-  monkeypatch.setattr(dense_module, "_platform", lambda: "tpu")
+  monkeypatch.setattr(contract, "backend", lambda: "tpu")
   q, k, v = _inputs(2, (1, 100, 1, 16))
   mask = jnp.ones((1, 100), bool).at[0, :3].set(False).at[0, 50].set(False)
   cot = jax.random.normal(jax.random.key(3), v.shape)
@@ -193,7 +194,7 @@ def test_dense_flash_lowers_for_the_accelerator(monkeypatch, platform, marker):
 
   from baselines import dense as dense_module
 
-  monkeypatch.setattr(dense_module, "_platform", lambda: "tpu" if platform == "tpu" else "gpu")
+  monkeypatch.setattr(contract, "backend", lambda: "tpu" if platform == "tpu" else "gpu")
   monkeypatch.setattr(fused_attention_stablehlo, "check_cudnn_version", lambda: 90800)
   shape = jax.ShapeDtypeStruct((1, 1024, 2, 64), jnp.bfloat16)
   mask = jax.ShapeDtypeStruct((1, 1024), jnp.bool_)

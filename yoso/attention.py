@@ -184,11 +184,6 @@ def _lsh_cumulate(read_codes: Array, write_codes: Array, write_valid: Array, per
 FORMULATIONS = ("auto", "sorted", "onehot")
 
 
-def _platform() -> str:
-  """The backend the op is traced for: "cpu", "gpu" or "tpu" (monkeypatched in tests)."""
-  return jax.default_backend()
-
-
 def resolve_formulation(formulation: str, platform: str) -> str:
   """"auto" -> "onehot" on GPU and TPU (matmuls on tensor cores / the MXU), "sorted" elsewhere (CPU)."""
   if formulation != "auto":
@@ -573,7 +568,7 @@ def yoso(q: Array, k: Array, v: Array, *, rng: Array, num_hashes: int, tau: int,
   contract.check_choice(hash, name="hash", allowed=HASHES, op=op)
   contract.check_choice(backward, name="backward", allowed=BACKWARDS, op=op)
   formulation = resolve_formulation(
-      contract.check_choice(formulation, name="formulation", allowed=FORMULATIONS, op=op), _platform())
+      contract.check_choice(formulation, name="formulation", allowed=FORMULATIONS, op=op), contract.backend())
   if backward_features is not None:
     backward_features = contract.check_positive_int(backward_features, name="backward_features", op=op)
   heads, head_dim = q.shape[2:]
