@@ -73,7 +73,7 @@ def apply_preset(args: argparse.Namespace, opts: argparse.Namespace) -> None:
 
 def experiment_config(name: str, length: int, *, layers: int, features: int, heads: int, mlp_dim: int,
                       batch: int, dtype: str, causal: bool, remat: str = "none",
-                      recompute: bool = False) -> Any:
+                      recompute: bool = False, implementation: str | None = None) -> Any:
   """A config whose model is the benchmark's, on the synthetic task's shapes (no data is read)."""
   from configs import default
 
@@ -88,6 +88,11 @@ def experiment_config(name: str, length: int, *, layers: int, features: int, hea
 
     if "recompute" in registry.configurable_fields(name):
       c.model.attention.recompute = True
+  if implementation is not None:
+    if "implementation" not in c.model.attention:
+      raise ValueError(f"--implementation {implementation}: the config has no "
+                       "model.attention.implementation")
+    c.model.attention.implementation = implementation
   c.train.batch_size = batch
   c.mesh.data, c.mesh.model = 1, 1
   c.optimizer.warmup_steps = 1
@@ -108,7 +113,8 @@ def worker(args: argparse.Namespace, name: str, length: int, opts: argparse.Name
     causal, mode = bench.op_direction(spec.causal, spec.bidirectional, bool(args.causal))
   config = experiment_config(name, length, layers=opts.layers, features=opts.features, heads=args.heads,
                              mlp_dim=opts.mlp_dim, batch=args.batch, dtype=args.dtype, causal=causal,
-                             remat=opts.remat, recompute=opts.recompute == "true")
+                             remat=opts.remat, recompute=opts.recompute == "true",
+                             implementation=args.implementation)
   info = train.dataset_info(config)
   if not causal:  # bidirectional-only attention: the same shapes as an MLM encoder
     import dataclasses
@@ -154,6 +160,8 @@ def main(args: argparse.Namespace) -> dict[str, str]:
                    str(length), "--batch", str(args.batch), "--heads", str(args.heads), "--dtype", args.dtype,
                    "--causal", str(args.causal).lower(), "--repeats", str(args.repeats), "--time_budget_s",
                    str(args.time_budget_s), "--seed", str(args.seed), *args.extra]
+        if args.implementation is not None:
+          command += ["--implementation", args.implementation]
         parsed, failure = bench.run_worker(command, timeout_s=args.worker_timeout_s)
         row.update(parsed or {"status": failure})
         if row.get("status") == "ok":

@@ -208,3 +208,28 @@ def test_dense_flash_lowers_for_the_accelerator(monkeypatch, platform, marker):
   assert marker in _export(forward, platform, shape, shape, shape, mask)
   module = _export(fwdbwd, platform, shape, shape, shape, mask)
   assert marker in module and ("fmhaSoftmaxBackward" in module if platform == "cuda" else True)
+
+
+def test_models_pick_up_the_fused_kernel_with_no_config_change(monkeypatch):
+  # The default dense config, bf16 compute: a TPU train-step gradient of the whole LM lowers to the kernel.
+  from flax import nnx
+
+  from configs import base
+  from models import transformer
+
+  monkeypatch.setattr(contract, "backend", lambda: "tpu")
+  c = base.base_config().model
+  c.num_layers, c.features, c.num_heads, c.mlp_dim = 1, 128, 2, 64
+  c.attention = base.attention_config("dense")
+  c.dtype = "bfloat16"
+  model = transformer.build_model(c, task="lm", vocab_size=13, seq_len=256)
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+  def loss(params, ids, mask):
+    logits = nnx.merge(graphdef, params, rest)({"inputs": ids, "mask": mask}, deterministic=True)
+    return jnp.sum(logits.astype(jnp.float32))
+
+  tokens = jax.ShapeDtypeStruct((2, 256), jnp.int32)
+  mask = jax.ShapeDtypeStruct((2, 256), jnp.bool_)
+  module = jax.export.export(jax.jit(jax.grad(loss)), platforms=["tpu"])(params, tokens, mask).mlir_module()
+  assert "tpu_custom_call" in module
