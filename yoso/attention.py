@@ -229,6 +229,9 @@ def _onehot_cumulate(read_codes: Array, write_codes: Array, write_valid: Array, 
   return out
 
 
+ONEHOT_STEP_BYTES = 1 << 30  # float32 [groups, L, e*d] rows per step of the one-hot feature tables
+
+
 def _onehot_feature_tables(qcodes: Array, kcodes: Array, kvalid: Array, qn: Array, kn: Array, v: Array,
                            dy: Array, num_buckets: int, directions: Array | None = None
                            ) -> tuple[Array, Array]:
@@ -238,7 +241,8 @@ def _onehot_feature_tables(qcodes: Array, kcodes: Array, kvalid: Array, qn: Arra
   directions [m, g, e, s], v and dY are first projected on the hash's s directions (the sketch).
 
   Shapes and result as in `_feature_tables`. O(L*m*2^tau*e*d) multiply-adds (2^tau times the sorted
-  tables' work, but in large matmuls) and O(L*e*d) memory per step; groups one at a time, hashes scanned.
+  tables' work, but in large matmuls); hashes are scanned and groups vmapped in batches whose [L, e*d]
+  rows stay within ONEHOT_STEP_BYTES (all groups at once at L=4096, e=d=64; 4 at a time at 16K).
   """
   _, length, d = qn.shape
   kcodes = jnp.where(kvalid[..., None], kcodes, num_buckets)  # masked keys write and read nothing
@@ -266,7 +270,9 @@ def _onehot_feature_tables(qcodes: Array, kcodes: Array, kvalid: Array, qn: Arra
     out, _ = jax.lax.scan(hash_step, (jnp.zeros_like(q), jnp.zeros_like(k)), (qc.T, kc.T, r))
     return out
 
-  return jax.lax.map(group, (qcodes, kcodes, directions, qn, kn, v, dy))
+  width = v.shape[-1] if directions is None else directions.shape[-1]
+  batch = max(1, min(qn.shape[0], ONEHOT_STEP_BYTES // (length * width * d * 4)))
+  return jax.lax.map(group, (qcodes, kcodes, directions, qn, kn, v, dy), batch_size=batch)
 
 
 MAX_CHUNK = 16  # rows per matmul block in the exact backward; more pads more (measured 16 > 32 > 8 at L=4096)
