@@ -598,7 +598,7 @@ def _measure(forward: Callable[..., Any], args: argparse.Namespace, result: dict
     result["xla_fwdbwd_mb"] = (memories[1]["temp"] + memories[1]["output"]) / MB
     result["xla_mb"] = max(result["xla_fwd_mb"], result["xla_fwdbwd_mb"])
     need = max(m["argument"] + m["temp"] + m["output"] for m in memories)
-    reason = memory_skip_reason(need, args.memory_budget_gb * GB)
+    reason = memory_skip_reason(need, memory_budget_bytes(args))
     if reason:
       result["status"] = reason
       return
@@ -672,8 +672,9 @@ def worker_command(args: argparse.Namespace, kind: str, name: str, length: int) 
   command = [sys.executable, "-m", "scripts.benchmark", "--_worker", "--_kind", kind, "--_name", name,
              "--lengths", str(length), "--batch", str(args.batch), "--heads", str(args.heads),
              "--head_dim", str(args.head_dim), "--dtype", args.dtype, "--causal", str(args.causal).lower(),
-             "--repeats", str(args.repeats), "--memory_budget_gb", str(args.memory_budget_gb),
-             "--time_budget_s", str(args.time_budget_s), "--seed", str(args.seed)]
+             "--repeats", str(args.repeats), "--time_budget_s", str(args.time_budget_s), "--seed", str(args.seed)]
+  if args.memory_budget_gb is not None:
+    command += ["--memory_budget_gb", str(args.memory_budget_gb)]
   if getattr(args, "implementation", None) is not None:
     command += ["--implementation", args.implementation]
   return command
@@ -820,7 +821,8 @@ def run_delegated_mode(args: argparse.Namespace) -> Any:
 
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="python -m scripts.benchmark", description=__doc__.split("\n\n")[0],
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+                                   formatter_class=argparse.RawDescriptionHelpFormatter, add_help=False)
+  parser.add_argument("-h", "--help", action="store_true", help="show this help (with --mode M: also M's flags)")
   parser.add_argument("--mode", choices=("ops", *_MODE_MODULES), default="ops")
   parser.add_argument("--ops", default=None, help="comma list of registered ops (default: all)")
   parser.add_argument("--lengths", type=parse_lengths, default=list(DEFAULT_LENGTHS),
@@ -830,10 +832,12 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument("--head_dim", type=int, default=64)
   parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16", "float64"))
   parser.add_argument("--causal", type=parse_bool, default=True, help="true|false (default true)")
-  parser.add_argument("--repeats", type=int, default=3, help="timed calls after one warm-up (median)")
+  parser.add_argument("--repeats", type=int, default=None,
+                      help="timed calls after one warm-up (median; default 3, --mode input: 10 train steps)")
   parser.add_argument("--out_dir", default="bench_out")
-  parser.add_argument("--memory_budget_gb", type=float, default=20.0,
-                      help="GiB; skip an (op, L) whose XLA footprint exceeds it (default 20 of 24)")
+  parser.add_argument("--memory_budget_gb", type=float, default=None,
+                      help="GiB; skip an (op, L) whose XLA footprint exceeds it (default: 85%% of this machine's "
+                           "memory, or of the accelerator's)")
   parser.add_argument("--time_budget_s", type=float, default=300.0,
                       help="skip an op at L when its predicted fwd+bwd time exceeds this")
   parser.add_argument("--worker_timeout_s", type=float, default=3600.0,
@@ -853,6 +857,25 @@ def build_parser() -> argparse.ArgumentParser:
   return parser
 
 
+def print_mode_help(parser: argparse.ArgumentParser, mode: str) -> None:
+  """`--mode M --help`: the shared flags, then the flags of mode M's own module."""
+  module_name, _, what = _MODE_MODULES[mode]
+  parser.print_help()
+  print(f"\n--mode {mode} ({what}) also takes:\n")
+  importlib.import_module(module_name).build_parser().print_help()
+
+
+def memory_budget_bytes(args: argparse.Namespace) -> float:
+  """--memory_budget_gb, or 85% of the device's memory (an accelerator's limit, else this machine's RAM)."""
+  import jax
+
+  if args.memory_budget_gb is not None:
+    return args.memory_budget_gb * GB
+  stats = jax.devices()[0].memory_stats() or {}
+  total = stats.get("bytes_limit") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  return 0.85 * float(total)
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   parser = build_parser()
   argv = list(sys.argv[1:] if argv is None else argv)
@@ -860,8 +883,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   if extra and args.mode == "ops":
     parser.error(f"unrecognized arguments: {' '.join(extra)}")
   for flag in ("batch", "heads", "head_dim", "repeats"):
-    if getattr(args, flag) < 1:
+    if getattr(args, flag) is not None and getattr(args, flag) < 1:
       parser.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+  if args.memory_budget_gb is not None and args.memory_budget_gb <= 0:
+    parser.error(f"--memory_budget_gb must be > 0, got {args.memory_budget_gb}")
+  if args.mode != "input" and args.repeats is None:
+    args.repeats = 3
+  if args.help:
+    if args.mode == "ops":
+      parser.print_help()
+    else:
+      print_mode_help(parser, args.mode)
+    parser.exit()
   args.extra = extra
   args._argv = argv
   return args

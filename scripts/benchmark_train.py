@@ -44,8 +44,9 @@ PRESETS = {
 }
 
 
-def parse(extra: list[str]) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(prog="python -m scripts.benchmark --mode train")
+def build_parser() -> argparse.ArgumentParser:
+  """The flags of `--mode train` (beside the shared ones of scripts.benchmark)."""
+  parser = argparse.ArgumentParser(prog="python -m scripts.benchmark --mode train", add_help=False)
   parser.add_argument("--layers", type=int, default=6)
   parser.add_argument("--features", type=int, default=512)
   parser.add_argument("--mlp_dim", type=int, default=2048)
@@ -58,7 +59,11 @@ def parse(extra: list[str]) -> argparse.Namespace:
   parser.add_argument("--recompute", default="false", choices=("true", "false"),
                       help="model.attention.recompute for every row that supports it: the op is recomputed "
                            "in the backward pass, so dense fits in memory at long L on any backend")
-  return parser.parse_args(extra)
+  return parser
+
+
+def parse(extra: list[str]) -> argparse.Namespace:
+  return build_parser().parse_args(extra)
 
 
 def apply_preset(args: argparse.Namespace, opts: argparse.Namespace) -> None:
@@ -141,7 +146,7 @@ def worker(args: argparse.Namespace, name: str, length: int, opts: argparse.Name
           "device_peak_mb": bench._device_peak_mb(), "device": str(jax.devices()[0].device_kind)}
 
 
-def main(args: argparse.Namespace) -> dict[str, str]:
+def main(args: argparse.Namespace) -> int:
   from scripts import benchmark as bench
 
   opts = parse(args.extra)
@@ -183,7 +188,7 @@ def main(args: argparse.Namespace) -> dict[str, str]:
                              notes=["x dense = tokens/s / dense tokens/s at the same L (same run)"])
   with open(paths["markdown"]) as f:
     print(f.read())
-  return paths
+  return 0
 
 
 def _available() -> list[str]:

@@ -415,3 +415,40 @@ def test_train_presets_fix_the_ablation_shapes():
   assert (args.lengths, args.batch, args.heads, args.dtype) == ([12288], 8, 8, "bfloat16")
   assert (opts.layers, opts.features, opts.mlp_dim) == (6, 512, 2048)
   assert bt.PRESETS["cifar10"]["length"] == 3072 and bt.PRESETS["cifar10"]["batch"] == 32
+
+
+def test_input_mode_takes_the_shared_repeats_flag_and_its_own_default():
+  from scripts import benchmark_input
+
+  args = bm.parse_args(["--mode", "input", "--repeats", "4", "--seconds", "1"])
+  assert benchmark_input.parse(args.extra, args.repeats).repeats == 4
+  args = bm.parse_args(["--mode", "input"])
+  assert benchmark_input.parse(args.extra, args.repeats).repeats == benchmark_input.INPUT_REPEATS
+  assert bm.parse_args([]).repeats == 3 and bm.parse_args(["--mode", "train"]).repeats == 3
+
+
+@pytest.mark.parametrize("mode,flag", [("input", "--datasets"), ("train", "--preset")])
+def test_mode_help_shows_the_modes_own_flags(mode, flag, capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    bm.parse_args(["--mode", mode, "--help"])
+  assert exit_info.value.code == 0
+  out = capsys.readouterr().out
+  assert "--lengths" in out and flag in out
+
+
+def test_memory_budget_defaults_to_this_machines_memory():
+  ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  assert bm.memory_budget_bytes(bm.parse_args([])) == pytest.approx(0.85 * ram)
+  assert bm.memory_budget_bytes(bm.parse_args(["--memory_budget_gb", "2"])) == 2 * bm.GB
+  with pytest.raises(SystemExit):
+    bm.parse_args(["--memory_budget_gb", "0"])
+
+
+@pytest.mark.slow
+def test_train_mode_exits_zero_on_success(tmp_path):
+  proc = subprocess.run([sys.executable, "-m", "scripts.benchmark", "--mode", "train", "--ops", "dense",
+                         "--lengths", "16", "--batch", "2", "--heads", "2", "--head_dim", "8", "--layers", "1",
+                         "--features", "16", "--mlp_dim", "16", "--repeats", "1", "--out_dir", str(tmp_path)],
+                        capture_output=True, text=True, cwd=REPO_ROOT, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert (tmp_path / "benchmark_train.md").exists()
