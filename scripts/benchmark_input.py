@@ -33,8 +33,8 @@ import ast
 import gc
 import importlib
 import logging
-import tempfile
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
