@@ -26,9 +26,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from combiner import common, contract
+from combiner import common
 from combiner import pooling as pool_ops
-from combiner.combine import Piece, attend, joint_softmax
+from core import contract
+from core.combine import Piece, attend, joint_softmax
 
 Array = Any
 

@@ -31,7 +31,7 @@ import jax
 import ml_collections
 from flax import nnx
 
-from models import attention, layers, ops_registry, registry
+from models import attention, layers, ops_registry
 from yoso.attention import depthwise_conv
 
 Array = Any
@@ -80,7 +80,3 @@ class YosoAttention(attention.OpAttention):
     if self.conv is not None and self.op_name != "yoso_c":
       o = o + depthwise_conv(v, self.conv[...], mask).astype(o.dtype)
     return self.output(o, deterministic=deterministic)
-
-
-for _name in (*SAMPLED, "yoso_e"):
-  registry.register_module(_name, YosoAttention, fields=YOSO_FIELDS)

@@ -35,8 +35,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from combiner import contract
-from combiner.combine import Piece, joint_softmax
+from core import contract
+from core.combine import Piece, joint_softmax
 from routing import kmeans
 
 Array = Any
@@ -78,7 +78,7 @@ def _scatter_mean(y: Array, idx: Array, length: int) -> Array:
 
 
 def _softmax_weights(q: Array, k: Array, valid: Array, scale: float) -> Array:
-  """Normalised attention weights [..., queries, keys] from the shared softmax (`combiner.combine`)."""
+  """Normalised attention weights [..., queries, keys] from the shared softmax (`core.combine`)."""
   logits = jnp.einsum("...qd,...kd->...qk", q, k) * scale  # [..., queries, keys]
   return joint_softmax([Piece(logits, valid, lambda w: w)])
 
