@@ -18,9 +18,9 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from combiner import contract
-from combiner.combine import attend
-from combiner.common import num_blocks, to_grid
+from core import contract
+from core.combine import attend
+from core.blocks import num_blocks, to_grid
 
 Array = Any
 

@@ -18,9 +18,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from combiner import contract
-from combiner.combine import Piece, merge, normalize, partial_softmax
-from combiner.common import num_blocks, pad_to
+from core import contract
+from core.combine import Piece, merge, normalize, partial_softmax
+from core.blocks import num_blocks, pad_to
 
 Array = Any
 

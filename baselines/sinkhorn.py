@@ -25,9 +25,9 @@ import jax
 import jax.numpy as jnp
 
 from baselines.synthesizer import check_param
-from combiner import contract
-from combiner.combine import Piece, joint_softmax
-from combiner.common import num_blocks, to_grid
+from core import contract
+from core.combine import Piece, joint_softmax
+from core.blocks import num_blocks, to_grid
 
 Array = Any
 
