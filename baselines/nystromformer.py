@@ -19,8 +19,8 @@ from typing import Any
 import jax.numpy as jnp
 
 from core import contract
-from core.combine import attend
 from core.blocks import num_blocks, to_grid
+from core.combine import attend
 
 Array = Any
 

@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from core import contract
-from core.combine import Piece, merge, normalize, partial_softmax
 from core.blocks import num_blocks, pad_to
+from core.combine import Piece, merge, normalize, partial_softmax
 
 Array = Any
 

@@ -26,8 +26,8 @@ import jax.numpy as jnp
 
 from baselines.synthesizer import check_param
 from core import contract
-from core.combine import Piece, joint_softmax
 from core.blocks import num_blocks, to_grid
+from core.combine import Piece, joint_softmax
 
 Array = Any
 
