@@ -105,8 +105,8 @@ def reformer(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None =
   """LSH attention with shared QK, `n_hashes` rounds of `n_buckets` buckets, chunks of `chunk_size`.
 
   q: [batch, length, heads, head_dim] (also the keys, normalised); k: checked, not read; v: [..., value_dim];
-  rng: a jax key for the rotations (a fresh one per training step). n_buckets: even; None = 2 * the number of
-  chunks (the paper's choice of about two buckets per chunk), at least 2.
+  rng: a jax key for the rotations (a fresh one per training step). n_buckets: even, or 1 (no hashing);
+  None = 2 * the number of chunks (the paper's choice of about two buckets per chunk), at least 2.
   """
   op = "reformer"
   q, k, v, mask = contract.check_qkv(q, k, v, mask, op=op)
@@ -119,8 +119,8 @@ def reformer(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None =
   if n_buckets is None:
     n_buckets = max(2, 2 * n_chunks)
   n_buckets = contract.check_positive_int(n_buckets, name="n_buckets", op=op)
-  if n_buckets % 2:
-    raise ValueError(f"{op}: argument 'n_buckets' must be even, got {n_buckets}")
+  if n_buckets % 2 and n_buckets != 1:
+    raise ValueError(f"{op}: argument 'n_buckets' must be 1 or even, got {n_buckets}")
   ct = contract.softmax_dtype(q.dtype, k.dtype, v.dtype)
   padded = n_chunks * chunk_size
 
@@ -131,8 +131,11 @@ def reformer(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None =
   vmask = valid[:, None, :, None]
   qh, vh = jnp.where(vmask, qh, 0.0), jnp.where(vmask, vh, 0.0)
 
-  rot = rotations(rng, heads=heads, n_hashes=n_hashes, head_dim=head_dim, n_buckets=n_buckets)
-  buckets = lsh_buckets(jax.lax.stop_gradient(qh), rot)  # [batch, heads, n_hashes, padded]
+  rot = rotations(rng, heads=heads, n_hashes=n_hashes, head_dim=head_dim, n_buckets=max(n_buckets, 2))
+  if n_buckets == 1:  # no hashing: the chunks are runs of consecutive positions
+    buckets = jnp.zeros((batch, heads, n_hashes, padded), jnp.int32)
+  else:
+    buckets = lsh_buckets(jax.lax.stop_gradient(qh), rot)  # [batch, heads, n_hashes, padded]
   buckets = jnp.where(valid[:, None, None, :], buckets, n_buckets)  # masked keys: a last bucket of their own
   pos = jnp.arange(padded, dtype=jnp.int32)
   order = jnp.argsort(buckets * padded + pos, axis=-1).astype(jnp.int32)  # [batch, heads, n_hashes, padded]

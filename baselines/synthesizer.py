@@ -46,7 +46,7 @@ def _attend_synthesized(logits: Array, v: Array, mask: Array, causal: bool) -> A
   valid = mask[:, None, None, :]  # [batch, 1, 1, L]
   if causal:
     valid = valid & jnp.tril(jnp.ones((length, length), dtype=bool))
-  vh = jnp.swapaxes(v.astype(logits.dtype), 1, 2)  # [batch, heads, L, dv]
+  vh = jnp.swapaxes(jnp.where(mask[:, :, None, None], v.astype(logits.dtype), 0.0), 1, 2)  # [b, heads, L, dv]
   out = attend(logits, valid, vh, "bhqk,bhkd->bhqd")  # [batch, heads, L, dv]
   return jnp.swapaxes(out, 1, 2).astype(v.dtype)
 
