@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 
 from baselines.dense import dense, dense_xla
+from baselines.dense_decode import DENSE
 from baselines.linformer import linformer
 from baselines.nystromformer import nystromformer
 from baselines.reformer import reformer
@@ -11,7 +12,8 @@ from baselines.sinkhorn import sinkhorn
 from baselines.synthesizer import synthesizer_dense, synthesizer_random
 from core.registry import OpSpec, register, sqrt_pow2
 
-register(OpSpec("dense", dense, description="exact softmax attention, O(L^2)"))
+register(OpSpec("dense", dense, description="exact softmax attention, O(L^2)",
+                decode=DENSE))
 register(OpSpec("dense_xla", dense_xla, description="jax.nn.dot_product_attention (XLA), O(L^2), for comparison"))
 
 # Learned or sampled baselines: the registered op takes its parameters explicitly; params(length) makes fixed
