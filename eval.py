@@ -21,11 +21,12 @@ from typing import Any
 
 import jax
 
+from runtime import distributed, paths
 
-def evaluate_workdir(workdir: str, *, split: str | None = None, step: int | None = None,
-                     max_batches: int | None = None, devices: list | None = None) -> dict[str, Any]:
-  """Restores `step` (default: the newest that restores) from `workdir` and evaluates `split` (default
-  config.eval_split) over `max_batches` batches (default config.train.eval_batches, as train.py; -1 = all)."""
+
+def restore_workdir(workdir: str, *, step: int | None = None, devices: list | None = None) -> tuple[Any, Any, Any]:
+  """(experiment, train state, open read-only checkpoint manager) for `step` (default: the newest that
+  restores) of `workdir`, with the config that step was trained with."""
   import resume
   import train
 
@@ -33,7 +34,7 @@ def evaluate_workdir(workdir: str, *, split: str | None = None, step: int | None
   mgr = train.checkpoint_manager(workdir, config, read_only=True)
   available = list(mgr.all_steps())
   if not available:
-    raise FileNotFoundError(f"no checkpoint in {os.path.join(os.path.abspath(workdir), 'checkpoints')}")
+    raise FileNotFoundError(f"no checkpoint in {paths.join(workdir, 'checkpoints')}")
   if step is not None and step not in available:
     raise ValueError(f"no checkpoint for step {step} in {workdir}; available steps: {sorted(available)}")
   experiments: dict[str, Any] = {}
@@ -48,6 +49,16 @@ def evaluate_workdir(workdir: str, *, split: str | None = None, step: int | None
 
   steps = available if step is None else [step]
   exp, state = resume.restore_newest(steps, restore, mgr.directory, say=lambda line: print(line, flush=True))
+  return exp, state, mgr
+
+
+def evaluate_workdir(workdir: str, *, split: str | None = None, step: int | None = None,
+                     max_batches: int | None = None, devices: list | None = None) -> dict[str, Any]:
+  """Restores `step` (default: the newest that restores) from `workdir` and evaluates `split` (default
+  config.eval_split) over `max_batches` batches (default config.train.eval_batches, as train.py; -1 = all)."""
+  import resume
+
+  exp, state, mgr = restore_workdir(workdir, step=step, devices=devices)
   config = exp.config
   split = split or config.eval_split
   metrics = exp.evaluate(state, split, max_batches)
@@ -55,8 +66,7 @@ def evaluate_workdir(workdir: str, *, split: str | None = None, step: int | None
                  data=str(config.data.name))
   if jax.process_index() == 0:
     part = "" if metrics["whole_split"] else f"_{metrics['num_batches']}batches"
-    name = f"eval_{split}_{state.step}{part}"
-    path = os.path.join(workdir, name + ".json")
+    path = paths.join(workdir, f"eval_{split}_{state.step}{part}.json")
     resume.write_json(path, metrics)
     metrics["path"] = path
   mgr.close()
@@ -69,8 +79,7 @@ def main(argv: list[str]) -> None:
 
   logging.set_verbosity(logging.WARNING)
   f = flags.FLAGS
-  if f.multihost:
-    jax.distributed.initialize()
+  distributed.initialize_from_flags(f)
   import train
 
   m = evaluate_workdir(f.workdir, split=f.split, step=f.step, max_batches=f.max_batches)
@@ -90,5 +99,5 @@ if __name__ == "__main__":
   flags.DEFINE_integer("step", None, "checkpoint step (default: the latest)")
   flags.DEFINE_integer("max_batches", None, "evaluate at most this many batches (-1 = the whole split; "
                        "default: config.train.eval_batches, as train.py's evaluations)")
-  flags.DEFINE_bool("multihost", False, "call jax.distributed.initialize()")
+  distributed.define_flags()  # --multihost, --coordinator_address, --num_processes, --process_id
   app.run(main)

@@ -12,7 +12,7 @@
   the step can be trained and saved again.
 - JSON: metrics files are standard JSON; non-finite numbers are written as null.
 
-File I/O goes through `etils.epath`, so a workdir may live on any filesystem epath supports (e.g. gs://).
+File I/O goes through `runtime.paths` / `etils.epath`, so a workdir may be local or `gs://`.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ import jax
 import ml_collections
 import numpy as np
 from etils import epath
+
+from runtime import paths
 
 CONFIG = "config.json"
 HISTORY = "config_history.json"
@@ -61,16 +63,12 @@ def finite_or_none(x: Any) -> Any:
 
 
 def write_json(path: Any, obj: Any) -> None:
-  """Standard JSON (null, never NaN / Infinity), written whole (a temporary file renamed into place)."""
-  path = epath.Path(path)
-  text = json.dumps(finite_or_none(obj), indent=2, allow_nan=False, sort_keys=False)
-  tmp = path.parent / f".{path.name}.tmp"
-  tmp.write_text(text + "\n")
-  tmp.replace(path)
+  """Standard JSON (null, never NaN / Infinity), written whole (`runtime.paths.write_text`)."""
+  paths.write_text(path, json.dumps(finite_or_none(obj), indent=2, allow_nan=False) + "\n")
 
 
 def read_json(path: Any) -> Any:
-  return json.loads(epath.Path(path).read_text())
+  return paths.read_json(path)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -107,7 +105,7 @@ def saved_config_dict(workdir: Any, step: int | None = None) -> dict[str, Any] |
 
   A change recorded when resuming from step s applies to the checkpoints after s.
   """
-  workdir = epath.Path(workdir)
+  workdir = paths.path(workdir)
   if not (workdir / CONFIG).exists():
     return None
   current = read_json(workdir / CONFIG)
@@ -124,7 +122,7 @@ def check_workdir(workdir: Any, config: ml_collections.ConfigDict, *, allow_chan
   Raises ConfigMismatch for a non-empty directory that is not a workdir of this project, and for a change of
   model or data fields unless `allow_change`.
   """
-  workdir = epath.Path(workdir)
+  workdir = paths.path(workdir)
   saved = saved_config_dict(workdir)
   if saved is None:
     if workdir.exists() and any(True for _ in workdir.iterdir()):
@@ -148,7 +146,7 @@ def record_config(workdir: Any, config: ml_collections.ConfigDict, diff: dict[st
                   step: int) -> None:
   """Writes config.json for a new run, or appends an accepted change (applying after `step`) to the
   history."""
-  workdir = epath.Path(workdir)
+  workdir = paths.path(workdir)
   if not (workdir / CONFIG).exists():
     write_json(workdir / CONFIG, config_dict(config))
     return
@@ -196,7 +194,7 @@ def restore_newest(steps: Iterable[int], restore: Callable[[int], Any], director
 
 def move_aside(checkpoints: Any, step: int) -> str:
   """Moves `<checkpoints>/<step>` into `<workdir>/unrestorable_checkpoints/` and returns where it went."""
-  checkpoints = epath.Path(checkpoints)
+  checkpoints = paths.path(checkpoints)
   target_dir = checkpoints.parent / UNRESTORABLE
   target_dir.mkdir(parents=True, exist_ok=True)
   target = target_dir / str(step)

@@ -30,11 +30,14 @@ def attention_config(name: str = "combiner_fixed") -> ml_collections.ConfigDict:
   att.dropout_rate = ml_collections.FieldReference(None, field_type=float)
   # Combiner: relu(Dense(q)) / relu(Dense(k)) pooled into the span abstractions (paper Table 3).
   att.deepsets = ml_collections.FieldReference(None, field_type=bool)
-  # Combiner axial rowmajor: the released code's learned row-summary span key.
+  # Combiner axial rowmajor: a learned row-summary span key (per head, from the pooled key), an approximation of
+  # the released code's per-column key (docs/design.md section 4).
   att.learned_span_key = ml_collections.FieldReference(None, field_type=bool)
   # Ops from the op registry: recompute the op in the backward pass instead of keeping its intermediates
   # (dense: the [heads, L, L] probabilities); exact same gradients, one extra op forward (models.recompute).
   att.recompute = ml_collections.FieldReference(None, field_type=bool)
+  # Linformer: the projected length k of E, F (None = 256).
+  att.proj_dim = ml_collections.FieldReference(None, field_type=int)
   return att
 
 
@@ -94,7 +97,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.train.inject_nan_at_step = -1  # testing hook: make the loss NaN at this step (checks the divergence stop)
 
   c.mesh = ml_collections.ConfigDict()
-  c.mesh.data = -1  # -1 = all devices not used by the other axis
+  c.mesh.data = -1  # -1 = all devices not used by the other axes
+  c.mesh.seq = 1  # sequence parallelism: each sequence split over this many devices (combiner_fixed, dense)
   c.mesh.model = 1
   c.sharding_rules = SHARDING_RULES
   return c
