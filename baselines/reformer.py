@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from core import contract
 from core.blocks import num_blocks, pad_to
-from core.combine import Piece, merge, normalize, partial_softmax
+from core.combine import Piece, merge, normalize, partial_softmax, weighted_sum
 
 Array = Any
 
@@ -91,7 +91,7 @@ _unpermute.defvjp(_unpermute_fwd, _unpermute_bwd)
 
 
 def _contract_with(values: Array):
-  return lambda w: jnp.einsum("bhrnck,bhrnkd->bhrncd", w, values)  # [b, h, r, n, c, value_dim]
+  return lambda w: weighted_sum("bhrnck,bhrnkd->bhrncd", w, values)  # [b, h, r, n, c, value_dim]
 
 
 def _unit(x: Array) -> Array:

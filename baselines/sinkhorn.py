@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from baselines.synthesizer import check_param
 from core import contract
 from core.blocks import num_blocks, to_grid
-from core.combine import Piece, joint_softmax
+from core.combine import Piece, joint_softmax, weighted_sum
 
 Array = Any
 
@@ -108,8 +108,8 @@ def sinkhorn(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None =
   log_p = sinkhorn_balance(log_r / temperature, iterations=sinkhorn_iters, causal=causal)
   p = jnp.exp(log_p)  # [batch, heads, n, n], exactly 0 off the allowed set
 
-  sk = jnp.einsum("bhij,bhjcd->bhicd", p, kb)  # sorted keys [batch, heads, n, block, head_dim]
-  sv = jnp.einsum("bhij,bhjcd->bhicd", p, vb)  # sorted values [batch, heads, n, block, value_dim]
+  sk = weighted_sum("bhij,bhjcd->bhicd", p, kb)  # sorted keys [batch, heads, n, block, head_dim]
+  sv = weighted_sum("bhij,bhjcd->bhicd", p, vb)  # sorted values [batch, heads, n, block, value_dim]
   idx = jnp.arange(n)
   allowed = (idx[None, :] < idx[:, None]) if causal else jnp.ones((n, n), bool)  # [n (i), n (j)]
   sorted_valid = jnp.any(allowed[None, :, :, None] & valid[:, None, :, :], axis=2)  # [batch, n, block]
@@ -122,8 +122,8 @@ def sinkhorn(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None =
   sorted_logits = jnp.einsum("bhncd,bhnkd->bhnck", qb, sk) * scale
   sorted_valid = sorted_valid[:, None, :, None, :]  # [batch, 1, n, 1, block]
   out = joint_softmax([
-      Piece(own_logits, own_valid, lambda w: jnp.einsum("bhnck,bhnkd->bhncd", w, vb)),
-      Piece(sorted_logits, sorted_valid, lambda w: jnp.einsum("bhnck,bhnkd->bhncd", w, sv)),
+      Piece(own_logits, own_valid, lambda w: weighted_sum("bhnck,bhnkd->bhncd", w, vb)),
+      Piece(sorted_logits, sorted_valid, lambda w: weighted_sum("bhnck,bhnkd->bhncd", w, sv)),
   ])  # [batch, heads, n, block, value_dim]
   out = out.reshape(batch, heads, n * block_size, -1)[:, :, :length]
   return jnp.swapaxes(out, 1, 2).astype(v.dtype)

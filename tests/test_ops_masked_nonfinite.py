@@ -15,7 +15,7 @@ import pytest
 
 from models import ops_registry
 
-LENGTH, BATCH, HEADS, DIM = 16, 2, 2, 4
+LENGTH, BATCH, HEADS, DIM = 16, 2, 2, 64  # head_dim 64: the registry params of some ops assume it
 # Ops whose causal partition is chosen from every token's key: a future key picks its own cluster, which moves
 # the balanced chunk boundaries of earlier tokens (Combiner-routed's eq. 12 partition). Their future *values*
 # and masked keys are still checked.
