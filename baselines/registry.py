@@ -5,3 +5,34 @@ from models.ops_registry import OpSpec, register
 
 register(OpSpec("dense", dense, description="exact softmax attention, O(L^2)"))
 register(OpSpec("dense_xla", dense_xla, description="jax.nn.dot_product_attention (XLA), O(L^2), for comparison"))
+
+from baselines.bigbird import bigbird  # noqa: E402
+from baselines.linear import linear  # noqa: E402
+from baselines.local import local  # noqa: E402
+from baselines.longformer import longformer  # noqa: E402
+from baselines.none import none  # noqa: E402
+from baselines.performer import performer  # noqa: E402
+from models.ops_registry import sqrt_pow2  # noqa: E402
+
+
+def _performer_params(length):
+  """m = 256 features (the paper's setting) drawn from a fixed key; models own and redraw their features."""
+  import jax
+
+  return {"rng": jax.random.key(0), "num_features": 256, "chunk_size": 64}
+
+
+register(OpSpec("performer", performer, params=_performer_params,
+                description="Performer FAVOR+, 256 positive orthogonal random features, O(L*m*d)"))
+register(OpSpec("linear", linear, params=lambda length: {"chunk_size": 64},
+                description="linear transformer, elu+1 features, O(L*d^2)"))
+register(OpSpec("local", local, params=lambda length: {"block_size": sqrt_pow2(length)},
+                description="block-local attention (own block), O(L*b*d)"))
+register(OpSpec("longformer", longformer,
+                params=lambda length: {"window": sqrt_pow2(length), "global_positions": (0,)},
+                description="Longformer sliding window (w each side) + global tokens, O(L*w*d)"))
+register(OpSpec("bigbird", bigbird,
+                params=lambda length: {"block_size": min(64, sqrt_pow2(length)), "global_blocks": (0, -1),
+                                       "num_random_blocks": 3},
+                description="BigBird ITC: 3 window + 2 global + 3 random blocks, O(L*8b*d)"))
+register(OpSpec("none", none, description="no attention (zeros): the feed-forward-only reference"))

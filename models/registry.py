@@ -45,6 +45,8 @@ from typing import Any
 import ml_collections
 
 from models import attention, ops_registry
+from models.bigbird_attention import BigBirdAttention
+from models.performer_attention import PERFORMER_FIELDS, PerformerAttention
 
 # Config name -> module class. Generic ops are not listed (they fall back to OpAttention).
 MODULES: dict[str, type] = {}
@@ -76,6 +78,8 @@ register_module("combiner_axial_rowmajor", attention.CombinerAttention,
                 fields=("deepsets", "learned_span_key", "recompute"))
 for _name in ("sparse_fixed", "sparse_logsparse", "sparse_axial"):
   register_module(_name, attention.OpAttention)
+register_module("performer", PerformerAttention, fields=PERFORMER_FIELDS)
+register_module("bigbird", BigBirdAttention, fields=("recompute",))
 
 
 def _load() -> None:
