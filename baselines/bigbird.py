@@ -18,9 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from baselines.longformer import dense_rows, global_indices
-from combiner import contract
-from combiner.combine import attend
-from combiner.common import head_major, num_blocks, to_grid
+from core import contract
+from core.blocks import head_major, num_blocks, to_grid
+from core.combine import attend
 
 Array = Any
 
@@ -62,7 +62,8 @@ def bigbird(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = 
   size = contract.check_positive_int(block_size, name="block_size", op=op)
   if isinstance(num_random_blocks, bool) or not isinstance(num_random_blocks, (int, np.integer)) \
      or num_random_blocks < 0:
-    raise ValueError(f"{op}: argument 'num_random_blocks' must be a non-negative int, got {num_random_blocks!r}")
+    raise ValueError(f"{op}: argument 'num_random_blocks' must be a non-negative int, "
+                     f"got {num_random_blocks!r}")
   if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
     raise ValueError(f"{op}: argument 'seed' must be an int, got {seed!r}")
   batch, length, heads, head_dim = q.shape

@@ -3,9 +3,9 @@
     out_i = phi(q_i)^T sum_j phi(k_j) v_j^T / phi(q_i)^T sum_j phi(k_j),   phi(x) = elu(x) + 1
 
 with j over the visible keys (all real keys, or j <= i when causal). `feature_attention` is the shared engine
-for any positive feature map (Performer's FAVOR+ uses it too): bidirectional by one [m, d_v] key-value summary,
-causal by prefix sums over chunks of `chunk_size` positions (exact attention-like product inside a chunk,
-the running summary of all earlier chunks between them), so no [L, L] array ever exists.
+for any positive feature map (Performer's FAVOR+ uses it too): bidirectional by one [m, d_v] key-value
+summary, causal by prefix sums over chunks of `chunk_size` positions (exact attention-like product inside a
+chunk, the running summary of all earlier chunks between them), so no [L, L] array ever exists.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from combiner import contract
-from combiner.common import head_major, num_blocks, pad_to
+from core import contract
+from core.blocks import head_major, num_blocks, pad_to
 
 Array = Any
 DEFAULT_CHUNK = 64
@@ -57,8 +57,8 @@ def feature_attention(phi_q: Array, phi_k: Array, v: Array, *, causal: bool, chu
 
 
 def exclusive_cumsum(x: Array) -> Array:
-  """Sum over the chunks strictly before each chunk (axis 2), by shifting rather than subtracting, so a chunk's
-  own (possibly non-finite) summary never enters its prefix."""
+  """Sum over the chunks strictly before each chunk (axis 2), by shifting rather than subtracting, so a
+  chunk's own (possibly non-finite) summary never enters its prefix."""
   x = jnp.cumsum(x, axis=2)
   pad = [(0, 0)] * x.ndim
   pad[2] = (1, 0)
@@ -68,8 +68,8 @@ def exclusive_cumsum(x: Array) -> Array:
 def prepare(q: Array, k: Array, v: Array, mask: Array | None, *, op: str, causal: Any,
             chunk_size: Any) -> tuple[Array, Array, Array, Array, bool, int]:
   """Contract checks; head-major q, k, v in the softmax dtype with masked keys' k and v replaced by zeros (a
-  select, so NaN or Inf there reaches neither outputs nor gradients). Returns (q, k, v, key_valid, causal, chunk);
-  key_valid: [batch, 1, length, 1]."""
+  select, so NaN or Inf there reaches neither outputs nor gradients).
+  Returns (q, k, v, key_valid, causal, chunk); key_valid: [batch, 1, length, 1]."""
   q, k, v, mask = contract.check_qkv(q, k, v, mask, op=op)
   causal = contract.check_bool(causal, name="causal", op=op)
   chunk = contract.check_positive_int(chunk_size, name="chunk_size", op=op)
@@ -91,7 +91,7 @@ def linear(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = N
   """Linear-transformer attention with phi = elu + 1 (no logit scale: the paper applies phi to q and k as is).
 
   q, k: [batch, length, heads, head_dim]; v: [batch, length, heads, value_dim]; mask: [batch, length] bool.
-  chunk_size: positions per chunk of the causal prefix sum (cost O(L (chunk + d) d)); ignored when bidirectional.
+  chunk_size: positions per chunk of the causal prefix sum (cost O(L (chunk + d) d)); unused bidirectionally.
   Returns [batch, length, heads, value_dim] in v's dtype.
   """
   out_dtype = v.dtype

@@ -10,14 +10,15 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from combiner import contract
-from combiner.combine import attend
-from combiner.common import head_major, num_blocks, to_grid
+from core import contract
+from core.blocks import head_major, num_blocks, to_grid
+from core.combine import attend
 
 Array = Any
 
 
-def local(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None, block_size: int = 128) -> Array:
+def local(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None,
+          block_size: int = 128) -> Array:
   """Softmax attention inside each block of `block_size` positions.
 
   q, k: [batch, length, heads, head_dim]; v: [batch, length, heads, value_dim]; mask: [batch, length] bool.

@@ -4,8 +4,9 @@ Query i attends to keys j with |i - j| <= window (causal: i - window <= j <= i) 
 a global token attends to every key (causal: every key up to itself). Global positions default to the first
 token (the classification token); `global_positions` names others (negative values count from the end).
 
-The band is computed on blocks of `window` positions: a query block meets only its own and its two neighbouring
-key blocks (causal: own and previous), so the cost is O(L * window * d) and no [L, L] array exists. Global keys
+The band is computed on blocks of `window` positions: a query block meets only its own and its two
+neighbouring key blocks (causal: own and previous), so the cost is O(L * window * d) and no [L, L] array
+exists. Global keys
 form a second piece of the same softmax (excluded from the band so none is counted twice); the few global rows
 are computed densely and written over the band's rows. (The paper's separate projections for global attention
 are a model choice, not part of this op.)
@@ -18,9 +19,9 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from combiner import contract
-from combiner.combine import Piece, attend, joint_softmax
-from combiner.common import head_major, num_blocks, to_grid
+from core import contract
+from core.blocks import head_major, num_blocks, to_grid
+from core.combine import Piece, attend, joint_softmax
 
 Array = Any
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from combiner import contract
+from core import contract
 
 Array = Any
 

@@ -1,17 +1,18 @@
 """Performer attention (Choromanski et al., 2021): FAVOR+, positive orthogonal random features.
 
-softmax attention's kernel exp(q.k / sqrt(d)) is estimated without bias by phi(q').phi(k') with x' = x / d^(1/4)
-and the positive random features
+softmax attention's kernel exp(q.k / sqrt(d)) is estimated without bias by phi(q').phi(k') with
+x' = x / d^(1/4) and the positive random features
 
-    phi(x) = exp(W x - |x|^2 / 2) / sqrt(m),   W: [m, d], rows Gaussian, orthogonal within each block of d rows
+    phi(x) = exp(W x - |x|^2 / 2) / sqrt(m),   W: [m, d], Gaussian rows, orthogonal in each block of d rows
 
-so attention becomes linear attention with that feature map (`baselines.linear.feature_attention`: one key-value
-summary bidirectionally, chunked prefix sums causally; never an [L, L] array). Exponents are stabilised by
-constants that cancel in the normalised output: each query's max over its features (a per-row factor), and for
-keys the max over all real keys of W k' - |k'|^2 / 2 (one factor per batch and head), without gradient.
+so attention becomes linear attention with that feature map (`baselines.linear.feature_attention`: one
+key-value summary bidirectionally, chunked prefix sums causally; never an [L, L] array). Exponents are
+stabilised by constants that cancel in the normalised output: each query's max over its features (a per-row
+factor), and for keys the max over all real keys of W k' - |k'|^2 / 2 (one factor per batch and head), without
+gradient.
 
-The random features are an explicit input (`features`), or drawn from `rng` with `num_features` rows; the model
-module owns them as state and redraws them on a schedule (models/performer_attention.py).
+The random features are an explicit input (`features`), or drawn from `rng` with `num_features` rows; the
+model module owns them as state and redraws them on a schedule (models/performer_attention.py).
 """
 
 from __future__ import annotations
@@ -22,17 +23,17 @@ import jax
 import jax.numpy as jnp
 
 from baselines.linear import DEFAULT_CHUNK, feature_attention, prepare
-from combiner import contract
-from combiner.common import head_major
+from core import contract
+from core.blocks import head_major
 
 Array = Any
 DEFAULT_FEATURES = 256
 
 
 def orthogonal_features(rng: Array, num_features: int, head_dim: int, dtype: Any = jnp.float32) -> Array:
-  """W: [num_features, head_dim]; each block of head_dim rows is orthogonal (a Haar-random rotation, from the QR of
-  a Gaussian matrix) and every row gets the norm of an independent Gaussian vector, so each row alone is N(0, I)
-  (the paper's orthogonal random features: unbiased, with lower variance than i.i.d. rows)."""
+  """W: [num_features, head_dim]; each block of head_dim rows is orthogonal (a Haar-random rotation, from the
+  QR of a Gaussian matrix) and every row gets the norm of an independent Gaussian vector, so each row alone is
+  N(0, I) (the paper's orthogonal random features: unbiased, with lower variance than i.i.d. rows)."""
   op = "orthogonal_features"
   num_features = contract.check_positive_int(num_features, name="num_features", op=op)
   head_dim = contract.check_positive_int(head_dim, name="head_dim", op=op)

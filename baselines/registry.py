@@ -1,10 +1,11 @@
 """Registers the baselines' pure ops."""
 
 from baselines.dense import dense, dense_xla
-from models.ops_registry import OpSpec, register
+from core.registry import OpSpec, register
 
 register(OpSpec("dense", dense, description="exact softmax attention, O(L^2)"))
-register(OpSpec("dense_xla", dense_xla, description="jax.nn.dot_product_attention (XLA), O(L^2), for comparison"))
+register(OpSpec("dense_xla", dense_xla,
+                description="jax.nn.dot_product_attention (XLA), O(L^2), for comparison"))
 
 from baselines.bigbird import bigbird  # noqa: E402
 from baselines.linear import linear  # noqa: E402
@@ -12,7 +13,7 @@ from baselines.local import local  # noqa: E402
 from baselines.longformer import longformer  # noqa: E402
 from baselines.none import none  # noqa: E402
 from baselines.performer import performer  # noqa: E402
-from models.ops_registry import sqrt_pow2  # noqa: E402
+from core.registry import sqrt_pow2  # noqa: E402
 
 
 def _performer_params(length):

@@ -230,7 +230,7 @@ class PadBatch:
 
 
 class Example(grain.transforms.Map):
-  """Wraps a per-record function `fn(record, index_rng) -> dict`, adding valid=True."""
+  """Wraps a per-record function `fn(record) -> dict`, adding valid=True."""
 
   def __init__(self, fn: Callable[[Any], dict[str, np.ndarray]]):
     self.fn = fn

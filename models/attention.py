@@ -1,4 +1,4 @@
-"""Attention modules: multi-head projections around a pure op from `models.ops_registry` (DESIGN.md section 3).
+"""Attention modules: multi-head projections around a pure op from `models.ops_registry` (docs/design.md section 3).
 
 `AttentionBase` owns what every attention module shares (q/k/v/output projections with logical axis names,
 heads, compute dtype, output dropout, the plan parameters from the config); `OpAttention` wraps any registered
@@ -164,8 +164,10 @@ class DeepSetsPool(nnx.Module):
 
 
 class SpanKey(nnx.Module):
-  """The released code's learned row-summary key (axial rowmajor): pooled key -> dense, residual, layer norm,
-  key projection, per head. Maps [batch, rows, heads, head_dim] to the same shape."""
+  """A learned row-summary key for axial rowmajor: pooled key -> dense, residual, layer norm, key projection, per
+  head. An approximation of the released code's summary key, which is per column, computed from the
+  row-attention output and mixes heads (docs/design.md section 4). Maps [batch, rows, heads, head_dim] to the
+  same shape."""
 
   def __init__(self, num_heads: int, head_dim: int, *, dtype: Any, rngs: nnx.Rngs):
     self.dense = layers.param(rngs, per_head_init, (num_heads, head_dim, head_dim), ("heads", "kv", None))

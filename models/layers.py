@@ -23,11 +23,6 @@ zeros_init = nnx.initializers.zeros_init()
 ones_init = nnx.initializers.ones_init()
 
 
-def partitioned(init: Any, axes: Axes) -> Any:
-  """An initializer whose parameter carries the logical axis names `axes` (one per dimension)."""
-  return nnx.with_partitioning(init, axes, eager_sharding=False)
-
-
 def param(rngs: nnx.Rngs, init: Any, shape: Sequence[int], axes: Axes, dtype: Any = jnp.float32) -> nnx.Param:
   if len(axes) != len(shape):
     raise ValueError(f"logical axes {axes} do not match parameter shape {tuple(shape)}")

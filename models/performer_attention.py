@@ -1,4 +1,4 @@
-"""Performer attention module: projections + `baselines.performer.performer` with its random features as state.
+"""Performer attention module: projections + `baselines.performer.performer`, its random features as state.
 
 Name `performer` (`config.model.attention.name`). The features W [num_features, head_dim] are module state
 (`RandomFeatures`, not a parameter: no gradient, saved in checkpoints). Training calls redraw them from the

@@ -45,7 +45,7 @@ import ml_collections
 from flax import nnx
 
 import combiner
-from models import attention, ops_registry, registry
+from models import attention, ops_registry
 from routing import kmeans
 from routing.attention import RoutingAux, routing_attention
 from routing.local import local_attention
@@ -233,7 +233,3 @@ class RoutedCombinerAttention(attention.AttentionBase, _CentroidMixin):
 
     self._update(RoutingAux(stats, commit), clusters, deterministic=deterministic)
     return self.output(o, deterministic=deterministic)
-
-
-registry.register_module("routing", RoutingAttention, fields=ROUTING_FIELDS)
-registry.register_module("combiner_routed", RoutedCombinerAttention, fields=ROUTED_FIELDS)

@@ -7,7 +7,7 @@ over the clusters it was gathered into (zero when it is in none). With `clusters
 
 The two reference implementations disagree in two places, which are options here:
 - `scale_logits`: multiply logits by 1/sqrt(head_dim) (lucidrains' routing-transformer, and the op contract of
-  DESIGN.md section 3) or use the raw dot products of the layer-normed vectors (the paper's TF code);
+  docs/design.md section 3) or use the raw dot products of the layer-normed vectors (the paper's TF code);
 - `mask_self`: with shared QK a token's key is its own query, so its self logit is the largest one; lucidrains
   masks it unless it is the only key visible (the first token of a causal cluster). Off by default (paper).
 
@@ -35,8 +35,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from combiner import contract
-from combiner.combine import Piece, joint_softmax
+from core import contract
+from core.combine import Piece, joint_softmax
 from routing import kmeans
 
 Array = Any
@@ -53,32 +53,8 @@ class RoutingAux(NamedTuple):
   commit_loss: Array
 
 
-def _gather(x: Array, idx: Array) -> Array:
-  """x [batch, heads, length, dim], idx [batch, heads, clusters, window] -> [batch, heads, clusters, window, dim]."""
-  b, h, c, w = idx.shape
-  flat = jnp.take_along_axis(x, idx.reshape(b, h, c * w, 1), axis=2)
-  return flat.reshape(b, h, c, w, x.shape[-1])
-
-
-def _scatter_mean(y: Array, idx: Array, length: int) -> Array:
-  """Averages the cluster outputs y [batch, heads, clusters, window, dv] back onto positions.
-
-  Returns [batch, heads, length, dv]; a position gathered into no cluster gets exactly zero.
-  """
-  b, h, c, w, dv = y.shape
-  flat_idx = idx.reshape(b * h, c * w)
-  flat_y = y.reshape(b * h, c * w, dv)
-
-  def one(i, vals):
-    total = jnp.zeros((length, dv), vals.dtype).at[i].add(vals)
-    count = jnp.zeros((length,), vals.dtype).at[i].add(1.0)
-    return total / jnp.maximum(count, 1.0)[:, None]
-
-  return jax.vmap(one)(flat_idx, flat_y).reshape(b, h, length, dv)
-
-
 def _softmax_weights(q: Array, k: Array, valid: Array, scale: float) -> Array:
-  """Normalised attention weights [..., queries, keys] from the shared softmax (`combiner.combine`)."""
+  """Normalised attention weights [..., queries, keys] from the shared softmax (`core.combine`)."""
   logits = jnp.einsum("...qd,...kd->...qk", q, k) * scale  # [..., queries, keys]
   return joint_softmax([Piece(logits, valid, lambda w: w)])
 

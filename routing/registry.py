@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from combiner.routed import routed
-from models.ops_registry import OpSpec, register, sqrt_pow2
+from core.registry import OpSpec, register, sqrt_pow2
 from routing import kmeans
 from routing.attention import routing_attention
 

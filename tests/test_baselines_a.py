@@ -1,6 +1,6 @@
-"""Performer, linear transformer, local, Longformer, BigBird and "none": each against a float64 reference written
-from its paper's definition (O(L^2)), their limiting cases, causality (zero Jacobian to the future) and masked
-keys holding NaN."""
+"""Performer, linear transformer, local, Longformer, BigBird and "none": each against a float64 reference
+written from its paper's definition (O(L^2)), their limiting cases, causality (zero Jacobian to the future)
+and masked keys holding NaN."""
 
 import functools
 
@@ -62,20 +62,25 @@ def _causal(n):
   return np.tril(np.ones((n, n), bool))
 
 
-# -- linear transformer -----------------------------------------------------------------------------------------
+# -- linear transformer --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("length,chunk", [(1, 4), (11, 4), (11, 64), (12, 3)])
+def _elu_plus_one(x):
+  x = np.asarray(x)
+  return np.where(x > 0, x + 1.0, np.exp(np.minimum(x, 0.0)))
+
+
 def test_linear_equals_its_quadratic_formula(causal, length, chunk):
   with jax.enable_x64(True):
     q, k, v, mask = _inputs(length, length=length)
-    phi = lambda x: np.where(np.asarray(x) > 0, np.asarray(x) + 1.0, np.exp(np.asarray(x)))  # elu + 1
     out = linear(q, k, v, causal=causal, mask=mask, chunk_size=chunk)
     assert out.dtype == jnp.float64 and out.shape == v.shape
-    np.testing.assert_allclose(out, _kernel_attention(phi(q), phi(k), v, causal, mask), rtol=1e-10, atol=1e-12)
+    ref = _kernel_attention(_elu_plus_one(q), _elu_plus_one(k), v, causal, mask)
+    np.testing.assert_allclose(out, ref, rtol=1e-10, atol=1e-12)
 
 
-# -- performer ------------------------------------------------------------------------------------------------
+# -- performer -----------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("chunk", [3, 64])
@@ -119,7 +124,7 @@ def test_performer_agrees_with_the_reference_implementation_formulas(causal):
     w = orthogonal_features(jax.random.key(3), 16, 4, jnp.float64)
     out = performer(q, k, v, causal=causal, features=w)
     np.testing.assert_allclose(out, _google_style(q, k, v, w, causal, eps=0.0), rtol=1e-9, atol=1e-12)
-    # Its default numerical stabiliser (a small constant added to every feature) moves the output only a little.
+    # Its numerical stabiliser (a small constant added to every feature) moves the output only a little.
     np.testing.assert_allclose(out, _google_style(q, k, v, w, causal, eps=1e-6), atol=1e-3)
 
 
@@ -142,8 +147,10 @@ def test_performer_kernel_estimate_is_unbiased_and_improves_with_features():
 
     @functools.partial(jax.jit, static_argnums=1)
     def estimates(keys, m):
-      draw = lambda key: (lambda w: softmax_kernel_features(a, w) @ softmax_kernel_features(b, w).T)(
-          orthogonal_features(key, m, 8, jnp.float64))
+      def draw(key):
+        w = orthogonal_features(key, m, 8, jnp.float64)
+        return softmax_kernel_features(a, w) @ softmax_kernel_features(b, w).T
+
       return jax.vmap(draw)(keys)  # [draws, 5, 5]
 
     keys = jax.random.split(jax.random.key(11), 1000)
@@ -161,7 +168,8 @@ def test_performer_output_error_falls_with_features():
   exact = dense(q, k, v, causal=False, mask=mask)
   err = []
   for m in (8, 64, 512):
-    outs = [performer(q, k, v, causal=False, mask=mask, rng=jax.random.key(s), num_features=m) for s in range(4)]
+    outs = [performer(q, k, v, causal=False, mask=mask, rng=jax.random.key(s), num_features=m)
+            for s in range(4)]
     err.append(np.mean([float(jnp.mean((o - exact) ** 2)) for o in outs]))
   assert err[0] > err[1] > err[2]
 
@@ -174,7 +182,7 @@ def test_performer_rejects_bad_features():
     performer(q, k, v, causal=True, features=jnp.ones((8, 5)))
 
 
-# -- local ----------------------------------------------------------------------------------------------------
+# -- local ---------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("length,block", [(11, 4), (12, 3), (5, 8)])
@@ -191,7 +199,7 @@ def test_local_matches_definition(causal, length, block):
       np.testing.assert_allclose(out, dense(q, k, v, causal=causal, mask=mask), rtol=1e-10, atol=1e-12)
 
 
-# -- longformer -----------------------------------------------------------------------------------------------
+# -- longformer ----------------------------------------------------------------------------------------------
 
 def _longformer_allowed(length, window, glob, causal):
   pos = np.arange(length)
@@ -205,7 +213,8 @@ def _longformer_allowed(length, window, glob, causal):
 
 
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("length,window,glob", [(11, 2, (0,)), (13, 3, (0, 5, -1)), (9, 1, ()), (10, 4, (3, 7))])
+@pytest.mark.parametrize("length,window,glob",
+                         [(11, 2, (0,)), (13, 3, (0, 5, -1)), (9, 1, ()), (10, 4, (3, 7))])
 def test_longformer_matches_definition(causal, length, window, glob):
   with jax.enable_x64(True):
     q, k, v, mask = _inputs(length * window, length=length)
@@ -233,7 +242,7 @@ def test_longformer_rejects_bad_arguments():
     longformer(q, k, v, causal=True, global_positions=("a",))
 
 
-# -- bigbird --------------------------------------------------------------------------------------------------
+# -- bigbird -------------------------------------------------------------------------------------------------
 
 def _bigbird_allowed(length, block, allowed_blocks):
   """Token-level pattern from the block pattern: i sees j iff block(i) sees block(j)."""
@@ -271,8 +280,8 @@ def test_bigbird_block_pattern_follows_itc():
 def test_bigbird_matches_definition(causal, length, block, glob, r):
   with jax.enable_x64(True):
     q, k, v, mask = _inputs(length + r, length=length)
-    out = bigbird(q, k, v, causal=causal, mask=mask, block_size=block, global_blocks=glob, num_random_blocks=r,
-                  seed=4)
+    out = bigbird(q, k, v, causal=causal, mask=mask, block_size=block, global_blocks=glob,
+                  num_random_blocks=r, seed=4)
     allowed_blocks, _ = block_pattern(-(-length // block), causal=causal, global_blocks=glob,
                                       num_random_blocks=r, seed=4)
     allowed = _bigbird_allowed(length, block, allowed_blocks)
@@ -285,7 +294,8 @@ def test_bigbird_matches_definition(causal, length, block, glob, r):
 def test_bigbird_with_every_block_global_is_dense(causal):
   with jax.enable_x64(True):
     q, k, v, mask = _inputs(9, length=11)
-    out = bigbird(q, k, v, causal=causal, mask=mask, block_size=3, global_blocks=(0, 1, 2, 3), num_random_blocks=1)
+    out = bigbird(q, k, v, causal=causal, mask=mask, block_size=3, global_blocks=(0, 1, 2, 3),
+                  num_random_blocks=1)
     np.testing.assert_allclose(out, dense(q, k, v, causal=causal, mask=mask), rtol=1e-10, atol=1e-12)
 
 
@@ -299,7 +309,7 @@ def test_bigbird_rejects_bad_arguments():
     bigbird(q, k, v, causal=True, block_size=4, global_blocks=(3,))
 
 
-# -- none -----------------------------------------------------------------------------------------------------
+# -- none ----------------------------------------------------------------------------------------------------
 
 def test_none_is_zero():
   q, k, v, mask = _inputs(0, dtype=jnp.float32)
@@ -307,7 +317,7 @@ def test_none_is_zero():
   assert out.shape == v.shape and out.dtype == v.dtype and not np.any(np.asarray(out))
 
 
-# -- properties shared by every op ----------------------------------------------------------------------------
+# -- properties shared by every op ---------------------------------------------------------------------------
 
 OPS = {
     "performer": dict(features=orthogonal_features(jax.random.key(0), 6, 4), chunk_size=3),
@@ -352,4 +362,5 @@ def test_registered_ops_run_at_their_automatic_parameters(name):
   q, k, v, mask = _inputs(4, batch=1, length=37, head_dim=8, dtype=jnp.bfloat16)
   for causal in (True, False):
     out = spec.fn(q, k, v, causal=causal, mask=mask, **spec.params(37))
-    assert out.shape == v.shape and out.dtype == jnp.bfloat16 and np.all(np.isfinite(np.asarray(out, np.float32)))
+    assert out.shape == v.shape and out.dtype == jnp.bfloat16
+    assert np.all(np.isfinite(np.asarray(out, np.float32)))
