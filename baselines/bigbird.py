@@ -6,8 +6,9 @@ Positions are cut into blocks of `block_size`. A query block attends to
   * `num_random_blocks` other blocks drawn once per `seed` (a fixed pattern per layer: the model passes the
     layer index; causal: only blocks before its own).
 A global block's queries attend to every key (causal: every key up to themselves). The pattern is static
-(numpy), so the key blocks of each query block are one gather: O(L * (3 + globals + random) * block_size * d),
-never an [L, L] array; the global rows are computed densely and written over.
+(numpy): window blocks come from pads and slices, global blocks are shared by all query blocks and random
+blocks are one gather, three pieces of one softmax: O(L * (3 + globals + random) * block_size * d), never an
+[L, L] array. The global rows are computed densely and written over.
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from baselines.common import masked_head_major, neighbour_blocks
 from baselines.longformer import dense_rows, global_indices
 from core import contract
 from core.blocks import head_major, num_blocks, to_grid
-from core.combine import attend
+from core.combine import Piece, joint_softmax
 
 Array = Any
 
@@ -73,31 +75,64 @@ def bigbird(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = 
                                      num_random_blocks=int(num_random_blocks), seed=int(seed), op=op)
   ct = contract.softmax_dtype(q.dtype, k.dtype, v.dtype)
   scale = contract.logit_scale(head_dim)
-  qh, kh, vh = (head_major(x.astype(ct)) for x in (q, k, v))  # [batch, heads, length, dim]
+  qh = head_major(q.astype(ct))  # [batch, heads, length, head_dim]
+  kh, vh = (masked_head_major(x, mask, ct) for x in (k, v))  # [batch, heads, length, dim]
 
-  # Sparse rows: each non-global query block's key blocks as a fixed-width list (unused slots invalid).
-  sparse = allowed & ~is_global[:, None]
-  slots = max(int(sparse.sum(axis=1).max()), 1)
-  index = np.zeros((n, slots), np.int64)
-  used = np.zeros((n, slots), bool)
-  for a in range(n):
-    blocks = np.flatnonzero(sparse[a])
-    index[a, :blocks.size], used[a, :blocks.size] = blocks, True
-  pos = np.arange(n * size).reshape(n, size)
-  kpos = pos[index].reshape(n, slots * size)  # [n, keys]
-  near = np.repeat(used, size, axis=1)[:, None, :]  # [n, 1, keys]
-  if causal:
-    near = near & (kpos[:, None, :] <= pos[:, :, None])  # [n, size, keys]
-
-  def gather(x: Array) -> Array:  # [batch, heads, length, dim] -> [batch, heads, n, keys, dim]
-    x = to_grid(x, n, size, axis=2)[:, :, index]  # [batch, heads, n, slots, size, dim]
-    return x.reshape(batch, heads, n, slots * size, x.shape[-1])
-
-  kvalid = to_grid(mask, n, size, axis=1)[:, index].reshape(batch, n, slots * size)  # [batch, n, keys]
-  valid = kvalid[:, None, :, None, :] & near  # [batch, 1, n, size | 1, keys]
+  # Non-global query blocks: three pieces of one softmax over disjoint key sets. Window blocks by pads and
+  # slices, global blocks shared by every query block, random blocks by one gather of `num_random_blocks`.
+  offsets = (-1, 0) if causal else (-1, 0, 1)
+  blocks = np.arange(n)
+  pos = np.arange(n * size).reshape(n, size)  # [n, size]
+  glob = np.flatnonzero(is_global)
+  window = np.zeros((n, n), bool)
+  for o in offsets:
+    inside = (blocks + o >= 0) & (blocks + o < n)
+    window[blocks[inside], blocks[inside] + o] = True
+  rand = allowed & ~window & ~is_global[None, :] & ~is_global[:, None]  # [n, n]
+  slots = int(rand.sum(axis=1).max())
+  grid_mask = to_grid(mask, n, size, axis=1)  # [batch, n, size]; padding is False
   qb = to_grid(qh, n, size, axis=2)  # [batch, heads, n, size, head_dim]
-  logits = jnp.einsum("bhnqd,bhnkd->bhnqk", qb, gather(kh)) * scale  # [batch, heads, n, size, keys]
-  out = attend(logits, valid, gather(vh), "bhnqk,bhnkd->bhnqd")  # [batch, heads, n, size, value_dim]
+  kb, vb = (to_grid(x, n, size, axis=2) for x in (kh, vh))  # [batch, heads, n, size, dim]
+
+  def piece(keys: Array, values: Array, key_valid: Array, kpos: np.ndarray, static: np.ndarray) -> Piece:
+    """keys [batch, heads, n, K, d] (or [batch, heads, K, d], shared); key_valid [batch, n | 1, K];
+    kpos, static: [n, K] key positions and pattern validity."""
+    shared = keys.ndim == 4
+    spec = "bhnqd,bhkd->bhnqk" if shared else "bhnqd,bhnkd->bhnqk"
+    logits = jnp.einsum(spec, qb, keys) * scale  # [batch, heads, n, size, K]
+    near = static[:, None, :]  # [n, 1, K]
+    if causal:
+      near = near & (kpos[:, None, :] <= pos[:, :, None])  # [n, size, K]
+    valid = key_valid[:, None, :, None, :] & near  # [batch, 1, n, size | 1, K]
+    out_spec = "bhnqk,bhkd->bhnqd" if shared else "bhnqk,bhnkd->bhnqd"
+    return Piece(logits, valid, lambda w: jnp.einsum(out_spec, w, values))
+
+  wblock = np.stack([blocks + o for o in offsets], axis=1)  # [n, window blocks]
+  wstatic = (wblock >= 0) & (wblock < n) & ~is_global[np.clip(wblock, 0, n - 1)]
+  wpos = (wblock[:, :, None] * size + np.arange(size)).reshape(n, -1)  # [n, window keys]
+  pieces = [piece(neighbour_blocks(kb, offsets, axis=2), neighbour_blocks(vb, offsets, axis=2),
+                  neighbour_blocks(grid_mask, offsets, axis=1, fill=False), wpos,
+                  np.repeat(wstatic, size, axis=1))]
+  if glob.size:
+    gstatic = np.broadcast_to(glob[None, :] <= blocks[:, None] if causal else True, (n, glob.size))
+    pieces.append(piece(kb[:, :, glob].reshape(batch, heads, glob.size * size, head_dim),
+                        vb[:, :, glob].reshape(batch, heads, glob.size * size, -1),
+                        grid_mask[:, glob].reshape(batch, 1, glob.size * size),
+                        np.broadcast_to(pos[glob].reshape(1, -1), (n, glob.size * size)),
+                        np.repeat(gstatic, size, axis=1)))
+  if slots:
+    index = np.zeros((n, slots), np.int64)
+    used = np.zeros((n, slots), bool)
+    for a in range(n):
+      chosen = np.flatnonzero(rand[a])
+      index[a, :chosen.size], used[a, :chosen.size] = chosen, True
+
+    def gather(x: Array) -> Array:  # [batch, heads, n, size, dim] -> [batch, heads, n, slots * size, dim]
+      return x[:, :, index].reshape(batch, heads, n, slots * size, x.shape[-1])
+
+    pieces.append(piece(gather(kb), gather(vb), grid_mask[:, index].reshape(batch, n, slots * size),
+                        pos[index].reshape(n, -1), np.repeat(used, size, axis=1)))
+  out = joint_softmax(pieces)  # [batch, heads, n, size, value_dim]
   out = out.reshape(batch, heads, n * size, -1)[:, :, :length]
   rows = pos[is_global].reshape(-1)
   rows = rows[rows < length]

@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from baselines.common import masked_head_major
 from core import contract
 from core.blocks import head_major, num_blocks, pad_to
 
@@ -76,8 +77,8 @@ def prepare(q: Array, k: Array, v: Array, mask: Array | None, *, op: str, causal
   ct = contract.softmax_dtype(q.dtype, k.dtype, v.dtype)
   valid = mask[:, None, :, None]  # [batch, 1, length, 1]
   qh = head_major(q.astype(ct))  # [batch, heads, length, head_dim]
-  kh = jnp.where(valid, head_major(k.astype(ct)), 0.0)
-  vh = jnp.where(valid, head_major(v.astype(ct)), 0.0)  # [batch, heads, length, value_dim]
+  kh = masked_head_major(k, mask, ct)  # [batch, heads, length, head_dim]
+  vh = masked_head_major(v, mask, ct)  # [batch, heads, length, value_dim]
   return qh, kh, vh, valid, causal, chunk
 
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from baselines.common import masked_head_major
 from core import contract
 from core.blocks import head_major, num_blocks, to_grid
 from core.combine import attend
@@ -32,7 +33,8 @@ def local(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = No
   size = min(size, length)
   n = num_blocks(length, size)
   ct = contract.softmax_dtype(q.dtype, k.dtype, v.dtype)
-  qb, kb, vb = (to_grid(head_major(x.astype(ct)), n, size, axis=2) for x in (q, k, v))  # [b, h, n, size, dim]
+  qb = to_grid(head_major(q.astype(ct)), n, size, axis=2)  # [batch, heads, n, size, head_dim]
+  kb, vb = (to_grid(masked_head_major(x, mask, ct), n, size, axis=2) for x in (k, v))  # [b, h, n, size, dim]
   valid = to_grid(mask, n, size, axis=1)[:, None, :, None, :]  # [batch, 1, n, 1, size]; padding is False
   if causal:
     valid = valid & jnp.tril(jnp.ones((size, size), bool))

@@ -19,6 +19,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from baselines.common import masked_head_major, neighbour_blocks
 from core import contract
 from core.blocks import head_major, num_blocks, to_grid
 from core.combine import Piece, attend, joint_softmax
@@ -74,7 +75,8 @@ def longformer(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None
   glob = global_indices(global_positions, length, op=op)
   ct = contract.softmax_dtype(q.dtype, k.dtype, v.dtype)
   scale = contract.logit_scale(head_dim)
-  qh, kh, vh = (head_major(x.astype(ct)) for x in (q, k, v))  # [batch, heads, length, dim]
+  qh = head_major(q.astype(ct))  # [batch, heads, length, head_dim]
+  kh, vh = (masked_head_major(x, mask, ct) for x in (k, v))  # [batch, heads, length, dim]
 
   size = min(window, length)
   n = num_blocks(length, size)
@@ -83,18 +85,10 @@ def longformer(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None
   band_keys = mask & ~jnp.asarray(is_global[:length])  # [batch, length]: globals come in their own piece
   offsets = (-1, 0) if causal else (-1, 0, 1)
 
-  def neighbours(x: Array, axis: int, fill: Any = 0) -> Array:
-    """[..., n, size, ...] at `axis` (the block axis) -> [..., n, len(offsets) * size, ...]: blocks n + o."""
-    pad = [(0, 0)] * x.ndim
-    pad[axis] = (1, 1)
-    x = jnp.pad(x, pad, constant_values=fill)
-    parts = [jnp.take(x, np.arange(1 + o, 1 + o + n), axis=axis) for o in offsets]
-    return jnp.concatenate(parts, axis=axis + 1)
-
   qb = to_grid(qh, n, size, axis=2)  # [batch, heads, n, size, head_dim]
-  kb = neighbours(to_grid(kh, n, size, axis=2), axis=2)  # [batch, heads, n, keys, head_dim]
-  vb = neighbours(to_grid(vh, n, size, axis=2), axis=2)  # [batch, heads, n, keys, value_dim]
-  kvalid = neighbours(to_grid(band_keys, n, size, axis=1), axis=1, fill=False)  # [batch, n, keys]
+  kb = neighbour_blocks(to_grid(kh, n, size, axis=2), offsets, axis=2)  # [batch, heads, n, keys, head_dim]
+  vb = neighbour_blocks(to_grid(vh, n, size, axis=2), offsets, axis=2)  # [batch, heads, n, keys, value_dim]
+  kvalid = neighbour_blocks(to_grid(band_keys, n, size, axis=1), offsets, axis=1, fill=False)  # [b, n, keys]
   pos = np.arange(n * size).reshape(n, size)
   kpos = np.concatenate([pos + o * size for o in offsets], axis=1)  # [n, keys]
   dist = kpos[:, None, :] - pos[:, :, None]  # [n, size, keys]: key - query
