@@ -45,14 +45,14 @@ def global_indices(positions: Any, length: int, *, op: str, name: str = "global_
   return np.unique(np.asarray([p % length for p in items], np.int64))
 
 
-def dense_rows(q: Array, k: Array, v: Array, rows: np.ndarray, key_valid: Array, causal: bool,
+def dense_rows(q_rows: Array, k: Array, v: Array, rows: np.ndarray, key_valid: Array, causal: bool,
                scale: float) -> Array:
-  """Full softmax attention for the query positions `rows` only (global queries).
+  """Full softmax attention for the queries at positions `rows` only (global queries).
 
-  q, k: [batch, heads, length, d]; v: [batch, heads, length, value_dim]; key_valid: [batch, length] bool.
-  Returns [batch, heads, len(rows), value_dim]."""
+  q_rows: [batch, heads, len(rows), d]; k: [batch, heads, length, d]; v: [batch, heads, length, value_dim];
+  key_valid: [batch, length] bool. Returns [batch, heads, len(rows), value_dim]."""
   length = k.shape[2]
-  logits = jnp.einsum("bhgd,bhkd->bhgk", q[:, :, rows], k) * scale  # [batch, heads, G, length]
+  logits = jnp.einsum("bhgd,bhkd->bhgk", q_rows, k) * scale  # [batch, heads, G, length]
   valid = key_valid[:, None, None, :]  # [batch, 1, 1, length]
   if causal:
     valid = valid & (np.arange(length)[None, :] <= rows[:, None])
@@ -106,5 +106,5 @@ def longformer(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None
   out = joint_softmax(pieces)  # [batch, heads, n, size, value_dim]
   out = out.reshape(batch, heads, n * size, -1)[:, :, :length]
   if glob.size:
-    out = out.at[:, :, glob].set(dense_rows(qh, kh, vh, glob, mask, causal, scale))
+    out = out.at[:, :, glob].set(dense_rows(qh[:, :, glob], kh, vh, glob, mask, causal, scale))
   return head_major(out).astype(v.dtype)

@@ -138,3 +138,82 @@ def _hf_yoso(length, batch, heads, head_dim, causal, dtype):
     torch.autograd.grad((out * cot).sum(), (x,))
 
   return fwd, fwdbwd
+
+
+def _torch_qkv(length, batch, heads, head_dim, dtype):
+  """Random q, k, v [batch, heads, length, head_dim] (requiring grad) and a cotangent, in torch."""
+  import torch
+
+  torch_dtype = getattr(torch, dtype)
+  gen = torch.Generator().manual_seed(0)
+  q, k, v = (torch.randn(batch, heads, length, head_dim, generator=gen, dtype=torch_dtype, requires_grad=True)
+             for _ in range(3))
+  cot = torch.randn(batch, heads, length, head_dim, generator=gen, dtype=torch_dtype)
+  return q, k, v, cot
+
+
+def _torch_pair(attn, q, k, v, cot):
+  """(fwd, fwdbwd) for `attn(q, k, v) -> out`."""
+  import torch
+
+  def fwd():
+    with torch.no_grad():
+      attn(q, k, v)
+
+  def fwdbwd():
+    torch.autograd.grad((attn(q, k, v) * cot).sum(), (q, k, v))
+
+  return fwd, fwdbwd
+
+
+@register_peer("performer_pytorch", counterparts=("performer",))
+def _performer_pytorch(length, batch, heads, head_dim, causal, dtype):
+  """lucidrains' `performer-pytorch` FastAttention (FAVOR+), 256 features as our `performer`; causal through
+  its CPU prefix-sum path (chunks of 128)."""
+  import torch
+  from performer_pytorch import FastAttention
+
+  attn = FastAttention(dim_heads=head_dim, nb_features=256, causal=causal).to(getattr(torch, dtype))
+  return _torch_pair(attn, *_torch_qkv(length, batch, heads, head_dim, dtype))
+
+
+@register_peer("linear_attention_transformer", counterparts=("linear",))
+def _linear_attention_transformer(length, batch, heads, head_dim, causal, dtype):
+  """lucidrains' `linear-attention-transformer` attention functions: `linear_attn` (bidirectional) and
+  `causal_linear_attn` (prefix sums over buckets of 64, as our chunks). Its feature map is the softmax of
+  "efficient attention" (Shen et al.) rather than elu + 1; the cost has the same O(L d^2) shape."""
+  if causal and length % 64:
+    raise ValueError("linear_attention_transformer: causal needs a length divisible by 64")
+  from linear_attention_transformer.linear_attention_transformer import causal_linear_attn, linear_attn
+
+  attn = (lambda q, k, v: causal_linear_attn(q, k, v, bucket_size=64)) if causal else linear_attn
+  return _torch_pair(attn, *_torch_qkv(length, batch, heads, head_dim, dtype))
+
+
+def _local_attention(length, batch, heads, head_dim, causal, dtype, *, sliding):
+  import torch
+  from local_attention import LocalAttention
+
+  from core.registry import sqrt_pow2
+
+  size = sqrt_pow2(length)
+  if sliding:  # +-window exactly, like our longformer without global tokens
+    attn = LocalAttention(window_size=size, causal=causal, look_backward=1, look_forward=0 if causal else 1,
+                          exact_windowsize=True, autopad=True)
+  else:  # own block only, like our local
+    attn = LocalAttention(window_size=size, causal=causal, look_backward=0, look_forward=0, autopad=True)
+  return _torch_pair(attn.to(getattr(torch, dtype)), *_torch_qkv(length, batch, heads, head_dim, dtype))
+
+
+@register_peer("local_attention", counterparts=("local",))
+def _local_attention_block(length, batch, heads, head_dim, causal, dtype):
+  """lucidrains' `local-attention` LocalAttention with the window sqrt(L) rounded up to a power of two and no
+  look backward/forward: each query attends within its own block, as our `local` at its automatic block size."""
+  return _local_attention(length, batch, heads, head_dim, causal, dtype, sliding=False)
+
+
+@register_peer("local_attention_window", counterparts=("longformer",))
+def _local_attention_window(length, batch, heads, head_dim, causal, dtype):
+  """`local-attention` LocalAttention as an exact sliding window of sqrt(L) rounded up to a power of two on
+  each side (causal: behind), one block back and forward: our `longformer`'s band without global tokens."""
+  return _local_attention(length, batch, heads, head_dim, causal, dtype, sliding=True)
