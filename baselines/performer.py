@@ -65,7 +65,7 @@ def performer(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None 
 
   q, k: [batch, length, heads, head_dim]; v: [batch, length, heads, value_dim]; mask: [batch, length] bool.
   features: [m, head_dim] random features shared by all heads (see `orthogonal_features`); when None they are
-    drawn from `rng` with `num_features` rows (exactly one of `features` / `rng`).
+    drawn from `rng` with `num_features` rows (given features win: `rng` and `num_features` are then unused).
   chunk_size: positions per chunk of the causal prefix sum.
   Returns [batch, length, heads, value_dim] in v's dtype.
   """
@@ -73,8 +73,8 @@ def performer(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None 
   out_dtype = v.dtype
   qh, kh, vh, valid, causal, chunk = prepare(q, k, v, mask, op=op, causal=causal, chunk_size=chunk_size)
   head_dim = qh.shape[-1]
-  if (features is None) == (rng is None):
-    raise ValueError(f"{op}: pass exactly one of 'features' (an [m, head_dim] array) and 'rng'")
+  if features is None and rng is None:
+    raise ValueError(f"{op}: pass 'features' (an [m, head_dim] array) or 'rng' to draw them")
   if features is None:
     features = orthogonal_features(rng, num_features, head_dim)
   elif not hasattr(features, "shape") or features.ndim != 2 or features.shape[1] != head_dim:

@@ -43,7 +43,7 @@ class PerformerAttention(attention.OpAttention):
                causal: bool, dtype: Any, rngs: nnx.Rngs):
     super().__init__(config, features=features, num_heads=num_heads, head_dim=head_dim, causal=causal,
                      dtype=dtype, rngs=rngs)
-    self.plan_params.pop("rng", None)
+    self.plan_params.pop("rng", None)  # the op takes the features below instead
     spec = ops_registry.get(self.op_name)
     self.num_features = int(attention.resolve_plan_params(spec, self.plan_params, 1)["num_features"])
     every = config.get("redraw_every", None)
