@@ -377,8 +377,8 @@ def _module(name, layer=None, **fields):
   cfg = base.attention_config(name)
   for key, value in fields.items():
     cfg[key] = value
-  return registry.build(cfg, layer=layer, features=8, num_heads=2, head_dim=4, causal=True, dtype=jnp.float32,
-                        rngs=nnx.Rngs(0))
+  return registry.build(cfg, layer=layer, features=8, num_heads=2, head_dim=4, causal=True,
+                        dtype=jnp.float32, rngs=nnx.Rngs(0))
 
 
 def test_performer_module_redraws_its_features_on_schedule():
