@@ -366,7 +366,7 @@ def test_registered_ops_run_at_their_automatic_parameters(name):
     assert np.all(np.isfinite(np.asarray(out, np.float32)))
 
 
-# -- model modules --------------------------------------------------------------------------------------------
+# -- model modules -------------------------------------------------------------------------------------------
 
 def _module(name, layer=None, **fields):
   from flax import nnx
