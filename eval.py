@@ -9,17 +9,17 @@ needed because everything that shapes the model is in it. The result goes to `<w
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from typing import Any
 
 import jax
 
+from runtime import distributed, paths
 
-def evaluate_workdir(workdir: str, *, split: str | None = None, step: int | None = None,
-                     max_batches: int | None = None, devices: list | None = None) -> dict[str, Any]:
-  """Restores `step` (default: the latest) from `workdir` and evaluates `split` (default config.eval_split)."""
+
+def restore_workdir(workdir: str, *, step: int | None = None, devices: list | None = None) -> tuple[Any, Any, Any]:
+  """(experiment, train state, open read-only checkpoint manager) for `step` (default: the latest) of `workdir`."""
   import train
 
   config = train.load_config(workdir)
@@ -27,18 +27,24 @@ def evaluate_workdir(workdir: str, *, split: str | None = None, step: int | None
   mgr = train.checkpoint_manager(workdir, config, read_only=True)
   available = list(mgr.all_steps())
   if not available:
-    raise FileNotFoundError(f"no checkpoint in {os.path.join(os.path.abspath(workdir), 'checkpoints')}")
+    raise FileNotFoundError(f"no checkpoint in {paths.join(workdir, 'checkpoints')}")
   if step is not None and step not in available:
     raise ValueError(f"no checkpoint for step {step} in {workdir}; available steps: {sorted(available)}")
-  state = train.restore_checkpoint(mgr, exp, None, step)
+  return exp, train.restore_checkpoint(mgr, exp, None, step), mgr
+
+
+def evaluate_workdir(workdir: str, *, split: str | None = None, step: int | None = None,
+                     max_batches: int | None = None, devices: list | None = None) -> dict[str, Any]:
+  """Restores `step` (default: the latest) from `workdir` and evaluates `split` (default config.eval_split)."""
+  exp, state, mgr = restore_workdir(workdir, step=step, devices=devices)
+  config = exp.config
   split = split or config.eval_split
   metrics = exp.evaluate(state, split, max_batches)
   metrics.update(step=state.step, split=split, attention=str(config.model.attention.name),
                  data=str(config.data.name))
   if jax.process_index() == 0:
-    path = os.path.join(workdir, f"eval_{split}_{state.step}.json")
-    with open(path, "w") as f:
-      json.dump(metrics, f, indent=2)
+    path = paths.join(workdir, f"eval_{split}_{state.step}.json")
+    paths.write_json(path, metrics)
     metrics["path"] = path
   mgr.close()
   return metrics
@@ -50,8 +56,7 @@ def main(argv: list[str]) -> None:
 
   logging.set_verbosity(logging.WARNING)
   f = flags.FLAGS
-  if f.multihost:
-    jax.distributed.initialize()
+  distributed.initialize_from_flags(f)
   m = evaluate_workdir(f.workdir, split=f.split, step=f.step, max_batches=f.max_batches)
   print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in m.items()), flush=True)
 
@@ -64,5 +69,5 @@ if __name__ == "__main__":
   flags.DEFINE_string("split", None, "split to evaluate (default: the config's eval_split)")
   flags.DEFINE_integer("step", None, "checkpoint step (default: the latest)")
   flags.DEFINE_integer("max_batches", -1, "evaluate at most this many batches (-1 = the whole split)")
-  flags.DEFINE_bool("multihost", False, "call jax.distributed.initialize()")
+  distributed.define_flags()  # --multihost, --coordinator_address, --num_processes, --process_id
   app.run(main)

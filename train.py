@@ -4,7 +4,8 @@ r"""Trains an experiment config: jit over a named device mesh, orbax checkpoints
     python train.py --config configs/cifar10.py:attention=combiner_axial_vertical --workdir workdirs/c10 \
         --config.optimizer.lr=3e-4 --gin_bindings "attention.deepsets = True"
 
-- Mesh: `jax.make_mesh((data, model), ("data", "model"))` (sizes from `config.mesh`, -1 = the rest); parameters
+- Mesh: `jax.make_mesh((data, seq, model), ("data", "seq", "model"))` (sizes from `config.mesh`, -1 = the
+  rest; seq > 1 splits each sequence over devices in the attention ops that support it); parameters
   are created already sharded by the logical-axis rule table `config.sharding_rules`; the train step is
   `jax.jit` with in/out shardings and donated state; batches are sharded over "data".
 - State: parameters (`nnx.Param`, the only differentiated variables), the other module state (e.g. routing
@@ -16,13 +17,14 @@ r"""Trains an experiment config: jit over a named device mesh, orbax checkpoints
   clear message; the last good checkpoint stays (the bad step is never applied nor saved).
 - Output: a tqdm bar (step, loss, steps/s, ETA), metric lines on stdout, TensorBoard summaries in
   `<workdir>/tensorboard` (tensorboardX), the resolved config in `<workdir>/config.json`, final eval metrics in
-  `<workdir>/metrics.json`.
+  `<workdir>/metrics.json`. The workdir may be `gs://` (files: runtime/paths.py; arrays: orbax).
+- Processes: `--multihost` on Cloud TPU pods; elsewhere `--coordinator_address --num_processes --process_id`
+  (runtime/distributed.py). Each process feeds its own shard of every global batch.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import signal
@@ -39,8 +41,10 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from combiner import seq_parallel
 from models import metrics as metrics_lib
 from models import transformer
+from runtime import distributed, paths
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "default.py")
 REST = nnx.Not(nnx.Any(nnx.Param, nnx.RngState))  # non-gradient module state carried through the step
@@ -71,19 +75,20 @@ def create_dataset(config: ml_collections.ConfigDict, split: str, *, batch_size:
 
 
 def make_mesh(config: ml_collections.ConfigDict, devices: list | None = None) -> jax.sharding.Mesh:
+  """Mesh (data, seq, model) from `config.mesh`; at most one size may be -1 (the devices the others leave)."""
   devices = list(devices if devices is not None else jax.devices())
   n = len(devices)
-  d, m = int(config.mesh.data), int(config.mesh.model)
-  if d == -1 and m == -1:
-    raise ValueError("config.mesh: at most one of data/model may be -1")
-  if d == -1:
-    d = n // m
-  if m == -1:
-    m = n // d
-  if d < 1 or m < 1 or d * m != n:
-    raise ValueError(f"config.mesh data={config.mesh.data} x model={config.mesh.model} does not fit the {n} devices")
-  auto = (jax.sharding.AxisType.Auto,) * 2
-  return jax.make_mesh((d, m), ("data", "model"), axis_types=auto, devices=devices)
+  names = ("data", "seq", "model")
+  sizes = [int(config.mesh.get(name, 1)) for name in names]
+  if sizes.count(-1) > 1:
+    raise ValueError("config.mesh: at most one of data/seq/model may be -1")
+  if -1 in sizes:
+    sizes[sizes.index(-1)] = n // max(1, -math.prod(sizes))
+  if min(sizes) < 1 or math.prod(sizes) != n:
+    given = {name: config.mesh.get(name, 1) for name in names}
+    raise ValueError(f"config.mesh {given} does not fit the {n} devices")
+  auto = (jax.sharding.AxisType.Auto,) * 3
+  return jax.make_mesh(tuple(sizes), names, axis_types=auto, devices=devices)
 
 
 def logical_to_mesh(spec: Any, shape: tuple[int, ...], rules: dict[str, Any], mesh: jax.sharding.Mesh) -> P:
@@ -172,6 +177,8 @@ class Experiment:
     self.info = dataset_info(config) if info is None else info
     self.task = self.info.task
     self.mesh = make_mesh(config, devices)
+    # Attention ops split the sequence over the "seq" axis (combiner.seq_parallel) when it is > 1.
+    seq_parallel.set_default_mesh(self.mesh if self.mesh.shape["seq"] > 1 else None)
     self.rules = {name: axis for name, axis in config.sharding_rules}
     model_cfg = config.model
     if self.info.image_shape is not None and model_cfg.get("image_shape") is None:
@@ -359,7 +366,7 @@ def checkpoint_manager(workdir: str, config: ml_collections.ConfigDict, *, read_
 
   options = ocp.CheckpointManagerOptions(max_to_keep=int(config.train.keep_checkpoints), create=not read_only,
                                          read_only=read_only, enable_async_checkpointing=False)
-  return ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, "checkpoints")), options=options,
+  return ocp.CheckpointManager(paths.path(workdir) / "checkpoints", options=options,
                                item_names=("state", "data", "meta"))
 
 
@@ -396,7 +403,7 @@ def restore_checkpoint(mgr: Any, exp: Experiment, data_iter: Any | None, step: i
   if data_iter is not None:
     from data import pipeline  # a state of the other input engine: a clear error instead of grain's
 
-    pipeline.check_iterator_checkpoint(os.path.join(str(mgr.directory), str(step)), data_iter, exp.config)
+    pipeline.check_iterator_checkpoint(paths.join(mgr.directory, str(step)), data_iter, exp.config)
     items["data"] = grain.checkpoint.CheckpointRestore(data_iter)
   restored = mgr.restore(step, args=ocp.args.Composite(**items))
   tree = restored["state"]
@@ -459,30 +466,19 @@ def _fingerprint(batch: dict[str, np.ndarray]) -> str:
 
 
 def summary_writer(logdir: str) -> Any:
-  """A tensorboardX writer. tensorboardX imports torch (seconds) only to accept torch tensors, which this
-  project never logs, so the import is skipped when torch is not loaded already."""
-  blocked = "torch" not in sys.modules
-  if blocked:
-    sys.modules["torch"] = None  # makes `import torch` raise ImportError inside tensorboardX
-  try:
-    from tensorboardX import SummaryWriter
-  finally:
-    if blocked:
-      del sys.modules["torch"]
-  return SummaryWriter(logdir)
+  """A tensorboardX writer for a local or `gs://` logdir (runtime/paths.py)."""
+  return paths.summary_writer(logdir)
 
 
 def save_config(config: ml_collections.ConfigDict, workdir: str) -> None:
-  with open(os.path.join(workdir, "config.json"), "w") as f:
-    f.write(config.to_json_best_effort(indent=2, sort_keys=True))
+  paths.write_text(paths.join(workdir, "config.json"), config.to_json_best_effort(indent=2, sort_keys=True))
 
 
 def load_config(workdir: str) -> ml_collections.ConfigDict:
-  path = os.path.join(workdir, "config.json")
-  if not os.path.exists(path):
+  path = paths.join(workdir, "config.json")
+  if not paths.exists(path):
     raise FileNotFoundError(f"no config.json in {workdir}: is it a train.py workdir?")
-  with open(path) as f:
-    d = json.load(f)
+  d = paths.read_json(path)
   c = ml_collections.ConfigDict(d)
   if c.model.get("image_shape") is not None:
     c.model.image_shape = tuple(c.model.image_shape)
@@ -502,8 +498,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, devic
   """
   import tqdm
 
-  workdir = os.path.abspath(workdir)
-  os.makedirs(workdir, exist_ok=True)
+  workdir = os.fspath(paths.makedirs(workdir))  # local (made absolute) or gs://
   is_main = jax.process_index() == 0
   exp = Experiment(config, devices=devices)
   if is_main:
@@ -524,7 +519,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, devic
   print(f"task={exp.task} data={config.data.name} attention={config.model.attention.name} params={n_params:,} "
         f"mesh={dict(exp.mesh.shape)} steps={start}->{num_steps} workdir={workdir}", flush=True)
 
-  writer = summary_writer(os.path.join(workdir, "tensorboard")) if is_main else None
+  writer = summary_writer(paths.join(workdir, "tensorboard")) if is_main else None
 
   def log_scalars(prefix: str, values: dict[str, Any], step: int) -> None:
     if writer is not None:
@@ -605,8 +600,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, devic
   log_scalars(f"eval_{config.eval_split}", {k: v for k, v in eval_metrics.items() if isinstance(v, float)},
               state.step)
   if is_main:
-    with open(os.path.join(workdir, "metrics.json"), "w") as f:
-      json.dump(eval_metrics, f, indent=2)
+    paths.write_json(paths.join(workdir, "metrics.json"), eval_metrics)
   if writer is not None:
     writer.close()
   mgr.close()
@@ -628,7 +622,7 @@ def _flags():
   flags.DEFINE_string("workdir", None, "checkpoints, summaries and config; default workdirs/<config>-<time>")
   flags.DEFINE_multi_string("gin_file", [], "gin files binding attention constructor fields (ablations)")
   flags.DEFINE_multi_string("gin_bindings", [], "gin bindings, e.g. 'attention.deepsets = True'")
-  flags.DEFINE_bool("multihost", False, "call jax.distributed.initialize() (Cloud TPU pods, multi-GPU hosts)")
+  distributed.define_flags()  # --multihost, --coordinator_address, --num_processes, --process_id
   flags.DEFINE_bool("progress", True, "show the progress bar")
   return flags.FLAGS
 
@@ -643,8 +637,7 @@ def main(argv: list[str]) -> None:
 
   logging.set_verbosity(logging.WARNING)  # orbax and grain log every save at INFO
   flags = absl_flags.FLAGS
-  if flags.multihost:
-    jax.distributed.initialize()
+  distributed.initialize_from_flags(flags)
   config = flags.config
   with config.unlocked():
     gin_bridge.apply(config, flags.gin_file, flags.gin_bindings)

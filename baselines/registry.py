@@ -1,19 +1,18 @@
 """Registers the baselines' pure ops."""
 
+from baselines.bigbird import bigbird
 from baselines.dense import dense, dense_xla
-from core.registry import OpSpec, register
+from baselines.dense_decode import DENSE
+from baselines.linear import linear
+from baselines.local import local
+from baselines.longformer import longformer
+from baselines.none import none
+from baselines.performer import performer
+from core.registry import OpSpec, register, sqrt_pow2
 
-register(OpSpec("dense", dense, description="exact softmax attention, O(L^2)"))
-register(OpSpec("dense_xla", dense_xla,
-                description="jax.nn.dot_product_attention (XLA), O(L^2), for comparison"))
-
-from baselines.bigbird import bigbird  # noqa: E402
-from baselines.linear import linear  # noqa: E402
-from baselines.local import local  # noqa: E402
-from baselines.longformer import longformer  # noqa: E402
-from baselines.none import none  # noqa: E402
-from baselines.performer import performer  # noqa: E402
-from core.registry import sqrt_pow2  # noqa: E402
+register(OpSpec("dense", dense, description="exact softmax attention, O(L^2)",
+                decode=DENSE))
+register(OpSpec("dense_xla", dense_xla, description="jax.nn.dot_product_attention (XLA), O(L^2), for comparison"))
 
 
 def _performer_params(length):

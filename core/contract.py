@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -66,6 +67,16 @@ def check_choice(value: Any, *, name: str, allowed: Iterable[str], op: str) -> s
   if value not in allowed:
     raise ValueError(f"{op}: argument {name!r} must be one of {allowed}, got {value!r}")
   return value
+
+
+def check_implementation(value: Any, *, allowed: Iterable[str], op: str) -> str:
+  """An op's `implementation` argument: one of `allowed`, where "auto" means "choose by `backend()`"."""
+  return check_choice(value, name="implementation", allowed=allowed, op=op)
+
+
+def backend() -> str:
+  """The platform ops are traced for, "cpu", "gpu" or "tpu": what "auto" implementations choose by."""
+  return jax.default_backend()
 
 
 def check_bool(value: Any, *, name: str, op: str) -> bool:

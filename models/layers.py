@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from core.norm import layer_norm
+
 Array = Any
 Axes = tuple[str | None, ...]
 
@@ -75,10 +77,7 @@ class LayerNorm(nnx.Module):
     self.bias = param(rngs, zeros_init, (features,), (axis_name,)) if use_bias else None
 
   def __call__(self, x: Array) -> Array:
-    x32 = x.astype(jnp.promote_types(x.dtype, jnp.float32))
-    mean = x32.mean(-1, keepdims=True)
-    var = jnp.square(x32 - mean).mean(-1, keepdims=True)
-    y = (x32 - mean) * jax.lax.rsqrt(var + self.epsilon)
+    y = layer_norm(x, self.epsilon)  # float32 (or wider) statistics and result
     if self.scale is not None:
       y = y * self.scale[...]
     if self.bias is not None:

@@ -36,7 +36,9 @@ import jax
 import jax.numpy as jnp
 
 from core import contract
+from core.blocks import neighbours, to_grid
 from core.combine import Piece, joint_softmax
+from core.norm import layer_norm
 from routing import kmeans
 
 Array = Any
@@ -151,8 +153,7 @@ def _nearest_window(qn: Array, v: Array, assign: Array, mask: Array, *, window: 
       mode="promise_in_bounds").reshape(batch, heads, length)
 
   def sorted_blocks(t: Array, fill: Any = 0) -> Array:  # [b, h, L, ...] in sorted order -> [b, h, nb, w, ...]
-    t = jnp.pad(t, [(0, 0), (0, 0), (0, lp - length)] + [(0, 0)] * (t.ndim - 3), constant_values=fill)
-    return t.reshape(batch, heads, nb, w, *t.shape[3:])
+    return to_grid(t, nb, w, axis=2, fill=fill)
 
   def gather(t: Array) -> Array:  # [b, L, h, e] -> sorted [b, h, L, e]
     return jnp.take_along_axis(t.transpose(0, 2, 1, 3), order[..., None], axis=2)
@@ -165,16 +166,9 @@ def _nearest_window(qn: Array, v: Array, assign: Array, mask: Array, *, window: 
 
   offsets = (-1, 0) if causal else (-1, 0, 1)
 
-  def neighbours(t: Array, fill: Any) -> Array:  # [b, h, nb, w, ...] -> [b, h, nb, len(offsets) * w, ...]
-    parts = []
-    for o in offsets:
-      pad = [(0, 0)] * t.ndim
-      pad[2] = (max(-o, 0), max(o, 0))
-      parts.append(jax.lax.slice_in_dim(jnp.pad(t, pad, constant_values=fill), max(o, 0), max(o, 0) + nb, axis=2))
-    return jnp.concatenate(parts, axis=3)
-
-  ks, vk = neighbours(qs, 0), neighbours(vs, 0)  # keys are the queries
-  kcl, kreal, kidx = neighbours(cl, -2), neighbours(real, False), neighbours(idx, -lp)
+  ks, vk = neighbours(qs, offsets, 2), neighbours(vs, offsets, 2)  # [b, h, nb, keys, d]: keys are the queries
+  kcl, kreal = neighbours(cl, offsets, 2, -2), neighbours(real, offsets, 2, False)
+  kidx = neighbours(idx, offsets, 2, -lp)
   delta = idx[..., :, None] - kidx[..., None, :]  # [b, h, nb, w, keys]: sorted distance query - key
   near = (delta >= 0) & (delta < w) if causal else (jnp.abs(delta) < w)
   valid = near & (cl[..., :, None] == kcl[..., None, :]) & kreal[..., None, :]
@@ -224,13 +218,12 @@ def routing_attention(q: Array, k: Array, v: Array, *, centroids: Array, window:
       or centroids.shape[2] != head_dim:
     raise ValueError(f"{op}: argument 'centroids' must have shape [heads={heads}, clusters, head_dim={head_dim}], "
                      f"got {getattr(centroids, 'shape', type(centroids).__name__)}")
-  clusters = centroids.shape[1]
   window = min(window, length)
   ct = contract.softmax_dtype(q.dtype, k.dtype, v.dtype)
 
   # Head-major from here on: the layer norm, the centroid scores and the row gathers all read [b, h, L, d].
-  qh = kmeans.layer_norm(q.astype(ct).transpose(0, 2, 1, 3))  # [batch, heads, length, head_dim]
-  kh = qh if share_qk else kmeans.layer_norm(k.astype(ct).transpose(0, 2, 1, 3))
+  qh = layer_norm(q.astype(ct).transpose(0, 2, 1, 3))  # [batch, heads, length, head_dim]
+  kh = qh if share_qk else layer_norm(k.astype(ct).transpose(0, 2, 1, 3))
   qn, kn = qh.transpose(0, 2, 1, 3), kh.transpose(0, 2, 1, 3)  # [batch, length, heads, head_dim]
   q_scores = kmeans.scores(qh, centroids, heads_first=True)  # [batch, heads, clusters, length]
   k_scores = q_scores if share_qk else kmeans.scores(kh, centroids, heads_first=True)
@@ -238,9 +231,7 @@ def routing_attention(q: Array, k: Array, v: Array, *, centroids: Array, window:
     q_assign = kmeans.nearest_centroid(q_scores)  # [batch, heads, length]
     out = _nearest_window(qn, v.astype(ct), q_assign, mask, window=window, causal=causal,
                           scale=contract.logit_scale(head_dim) if scale_logits else 1.0, mask_self=mask_self)
-    stats = kmeans.centroid_stats(qn, q_assign, mask, clusters)
-    stats = kmeans.merge_stats(stats, stats)  # keys are the queries
-    return out.astype(v.dtype), RoutingAux(stats, kmeans.commitment_loss(qn, q_assign, centroids, mask))
+    return out.astype(v.dtype), cluster_aux(qn, qn, q_assign, q_assign, centroids, mask)  # keys are the queries
   q_idx = kmeans.balanced_membership(q_scores, window, mask)  # [batch, heads, clusters, window]
   k_idx = q_idx if share_qk else kmeans.balanced_membership(k_scores, window, mask)
   # Flat row ids into [batch * heads * length, e] head-major tables: plain row gathers (and row scatter-adds in
@@ -282,8 +273,33 @@ def routing_attention(q: Array, k: Array, v: Array, *, centroids: Array, window:
 
   q_assign = kmeans.nearest_centroid(q_scores)  # [batch, heads, length]
   k_assign = q_assign if share_qk else kmeans.nearest_centroid(k_scores)
+  return out.astype(v.dtype), cluster_aux(qn, kn, q_assign, k_assign, centroids, mask)
+
+
+def cluster_aux(qn: Array, kn: Array, q_assign: Array, k_assign: Array, centroids: Array, mask: Array) -> RoutingAux:
+  """The EMA statistics and commitment loss of queries and keys assigned to their nearest centroids.
+
+  qn, kn: [batch, length, heads, head_dim] layer-normed; q_assign, k_assign: [batch, heads, length] centroid ids;
+  centroids: [heads, clusters, head_dim]; mask: [batch, length]. The loss averages the query and key terms.
+  """
+  clusters = centroids.shape[1]
   stats = kmeans.merge_stats(kmeans.centroid_stats(qn, q_assign, mask, clusters),
                              kmeans.centroid_stats(kn, k_assign, mask, clusters))
   commit = 0.5 * (kmeans.commitment_loss(qn, q_assign, centroids, mask)
                   + kmeans.commitment_loss(kn, k_assign, centroids, mask))
-  return out.astype(v.dtype), RoutingAux(stats, commit)
+  return RoutingAux(stats, commit)
+
+
+def routed_clusters(q: Array, k: Array, centroids: Array, mask: Array) -> tuple[Array, RoutingAux]:
+  """Combiner-routed's partition: one cluster per token and head, shared by its query and key.
+
+  A token goes to the centroid closest to its layer-normed query and key together (the Combiner plan handles
+  causality itself, so no shared QK is needed). q, k: [batch, length, heads, head_dim]; centroids: [heads,
+  clusters, head_dim]; mask: [batch, length]. Returns (ids [batch, length, heads], the k-means statistics).
+  """
+  ct = contract.softmax_dtype(q.dtype, k.dtype)
+  qn, kn = layer_norm(q.astype(ct)), layer_norm(k.astype(ct))  # [batch, length, heads, head_dim]
+  q_scores, k_scores = kmeans.scores(qn, centroids), kmeans.scores(kn, centroids)  # [batch, heads, clusters, L]
+  ids = kmeans.nearest_centroid(q_scores + k_scores).transpose(0, 2, 1)  # [batch, length, heads]
+  aux = cluster_aux(qn, kn, kmeans.nearest_centroid(q_scores), kmeans.nearest_centroid(k_scores), centroids, mask)
+  return ids, aux
