@@ -1,0 +1,357 @@
+"""A block-sparse flash-attention kernel (Pallas) that every Combiner plan is expressed with.
+
+Every plan is "each query group attends to a few key sets": its own block or row (direct keys), its own column
+(the same kernel on a column-major layout of the grid), and span summaries (pooled keys with in-span expected
+values). `attend` takes queries laid out in groups, q [bh, groups, group_len, head_dim], and a static list of
+`Source`s: key/value sets that are either the group's own ([bh, groups, n, dim]) or shared by every group
+([bh, 1, n, dim]), each with a key-validity mask and a structural rule that compares a query id (its row inside
+the group, or its group's index) with the key's index in the source ("all", "le", "lt", "ne"). The kernel runs
+one online softmax over all sources of a query tile and returns the normalised output and its log-sum-exp, both
+float32: several `attend` calls on different layouts (row-major and column-major) then merge exactly with
+`merge` in XLA, O(L·d) work.
+
+Kernel layout: grid (bh, groups, query tiles). A query tile [block_q, head_dim] stays in registers/VMEM; each
+source is one block of the whole set ([n, dim], n small: a block, a row, a column or the summaries), read in
+key tiles of block_k with `pl.ds` inside a `fori_loop` (key tiles beyond a causal bound are skipped). Matmuls
+run in the input dtype (bfloat16 on accelerators) with float32 accumulation; the softmax statistics are
+float32. Nothing of size [L, n] is written to device memory.
+
+Backward (custom_vjp, recomputation from the saved log-sum-exp as in FlashAttention-2): one dq kernel with the
+forward's grid and loops, and one dk/dv kernel per source with grid (bh, key groups, key tiles) that loops over
+the query tiles that can see the key tile (its own group's, or every group's for a shared source). No atomics.
+The log-sum-exp output is differentiable (merge uses it): its cotangent enters as delta - dlse.
+
+Block shapes follow both lowerings: Triton (GPU) needs power-of-two loads, Mosaic (TPU) needs the last two block
+dims divisible by (8, 128) or equal to the array's; tiles are powers of two >= 16 and the group and source lengths
+are padded to whole tiles (padded keys invalid, padded queries dropped). On CPU the kernels run in interpret mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+Array = Any
+RULES = ("all", "le", "lt", "ne")
+QIDS = ("row", "group")
+BLOCK_Q = 128
+BLOCK_K = 128
+MIN_BLOCK = 16
+
+_INTERPRET: list[bool | None] = [None]
+
+
+@contextlib.contextmanager
+def interpret_mode(value: bool | None):
+  """Forces interpret mode on (CPU execution) or off (lowering for an accelerator from a CPU host, e.g.
+  `jax.export` with platforms=["tpu"]); None: interpret exactly when the default backend is the CPU."""
+  old = _INTERPRET[0]
+  _INTERPRET[0] = value
+  try:
+    yield
+  finally:
+    _INTERPRET[0] = old
+
+
+def _interpret() -> bool:
+  return jax.default_backend() == "cpu" if _INTERPRET[0] is None else _INTERPRET[0]
+
+
+class Source(NamedTuple):
+  """A key/value set. k: [bh, gk, n, head_dim]; v: [bh, gk, n, value_dim]; valid: [batch, gk, n] bool.
+
+  gk = groups: group g reads its own keys; gk = 1: every group reads the same keys (span summaries).
+  rule: key j is visible to a query when rule(qid, j) holds and valid[j]: "all", "le" (j <= qid), "lt"
+  (j < qid), "ne" (j != qid); qid is the query's row inside its group ("row") or its group's index ("group").
+  """
+
+  k: Array
+  v: Array
+  valid: Array
+  rule: str = "all"
+  qid: str = "row"
+
+
+class _Spec(NamedTuple):  # the static part of a source, after padding
+  rule: str
+  qid: str
+  shared: bool
+  n: int  # padded length
+  block: int
+
+
+def _tile(n: int, cap: int) -> int:
+  t = MIN_BLOCK
+  while t < n and t < cap:
+    t *= 2
+  return t
+
+
+def _pad(x: Array, axis: int, size: int, value: Any = 0) -> Array:
+  extra = size - x.shape[axis]
+  if extra == 0:
+    return x
+  pad = [(0, 0)] * x.ndim
+  pad[axis] = (0, extra)
+  return jnp.pad(x, pad, constant_values=value)
+
+
+def _visible(rule: str, qid: Array, kid: Array) -> Array | None:
+  if rule == "le":
+    return kid <= qid
+  if rule == "lt":
+    return kid < qid
+  if rule == "ne":
+    return kid != qid
+  return None
+
+
+def _key_tiles(spec: _Spec, qid_max: Array, num: int) -> Array | int:
+  """Number of key tiles a query tile must visit: causal rules stop after the last visible key."""
+  if spec.rule == "le":
+    return jnp.minimum(num, (qid_max + spec.block) // spec.block)
+  if spec.rule == "lt":
+    return jnp.minimum(num, (qid_max + spec.block - 1) // spec.block)
+  return num
+
+
+def _scores(q, k, kvalid, spec: _Spec, qid, start, scale):
+  """Masked logits [bq, bk] (float32) of a query tile against the key tile at `start`."""
+  s = pl.dot(q, k, trans_b=True) * scale
+  kid = start + lax.broadcasted_iota(jnp.int32, (1, spec.block), 1)
+  ok = kvalid > 0
+  vis = _visible(spec.rule, qid, kid)
+  if vis is not None:
+    ok = ok & vis
+  return s, ok
+
+
+def _fwd_kernel(q_ref, *refs, specs: Sequence[_Spec], scale: float, block_q: int):
+  n = len(specs)
+  src = [refs[3 * i:3 * i + 3] for i in range(n)]
+  o_ref, lse_ref = refs[3 * n:]
+  g, t = pl.program_id(1), pl.program_id(2)
+  q = q_ref[...]  # [bq, d]
+  rows = t * block_q + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
+  m = jnp.full((block_q, 1), -jnp.inf, jnp.float32)
+  l = jnp.zeros((block_q, 1), jnp.float32)
+  acc = jnp.zeros(o_ref.shape, jnp.float32)
+  for spec, (k_ref, v_ref, valid_ref) in zip(specs, src, strict=True):
+    qid = rows if spec.qid == "row" else g
+    qid_max = t * block_q + block_q - 1 if spec.qid == "row" else g
+
+    def body(j, carry, spec=spec, k_ref=k_ref, v_ref=v_ref, valid_ref=valid_ref, qid=qid):
+      m, l, acc = carry
+      start = pl.multiple_of(j * spec.block, spec.block)
+      k = k_ref[pl.ds(start, spec.block), :]
+      v = v_ref[pl.ds(start, spec.block), :]
+      s, ok = _scores(q, k, valid_ref[:, pl.ds(start, spec.block)], spec, qid, start, scale)
+      s = jnp.where(ok, s, -jnp.inf)
+      m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+      m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+      p = jnp.exp(s - m_safe)  # exactly 0 where masked
+      alpha = jnp.exp(m - m_safe)
+      l = alpha * l + jnp.sum(p, axis=1, keepdims=True)
+      acc = alpha * acc + pl.dot(p.astype(v.dtype), v)
+      return m_new, l, acc
+
+    m, l, acc = lax.fori_loop(0, _key_tiles(spec, qid_max, spec.n // spec.block), body, (m, l, acc))
+  nonempty = l > 0
+  o_ref[...] = (acc / jnp.where(nonempty, l, 1.0)).astype(o_ref.dtype)
+  lse_ref[...] = jnp.where(nonempty, m + jnp.log(jnp.where(nonempty, l, 1.0)), -jnp.inf)
+
+
+def _dq_kernel(q_ref, do_ref, lse_ref, delta_ref, *refs, specs: Sequence[_Spec], scale: float, block_q: int):
+  n = len(specs)
+  src = [refs[3 * i:3 * i + 3] for i in range(n)]
+  (dq_ref,) = refs[3 * n:]
+  g, t = pl.program_id(1), pl.program_id(2)
+  q, do = q_ref[...], do_ref[...]
+  lse, delta = lse_ref[...], delta_ref[...]  # [bq, 1]
+  lse = jnp.where(lse == -jnp.inf, 0.0, lse)
+  rows = t * block_q + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
+  dq = jnp.zeros(dq_ref.shape, jnp.float32)
+  for spec, (k_ref, v_ref, valid_ref) in zip(specs, src, strict=True):
+    qid = rows if spec.qid == "row" else g
+    qid_max = t * block_q + block_q - 1 if spec.qid == "row" else g
+
+    def body(j, dq, spec=spec, k_ref=k_ref, v_ref=v_ref, valid_ref=valid_ref, qid=qid):
+      start = pl.multiple_of(j * spec.block, spec.block)
+      k = k_ref[pl.ds(start, spec.block), :]
+      v = v_ref[pl.ds(start, spec.block), :]
+      s, ok = _scores(q, k, valid_ref[:, pl.ds(start, spec.block)], spec, qid, start, scale)
+      p = jnp.where(ok, jnp.exp(jnp.where(ok, s, 0.0) - lse), 0.0)
+      dp = pl.dot(do, v, trans_b=True)
+      ds = p * (dp - delta)
+      return dq + pl.dot(ds.astype(k.dtype), k) * scale
+
+    dq = lax.fori_loop(0, _key_tiles(spec, qid_max, spec.n // spec.block), body, dq)
+  dq_ref[...] = dq.astype(dq_ref.dtype)
+
+
+def _dkv_kernel(q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, valid_ref, dk_ref, dv_ref, *, spec: _Spec,
+                scale: float, block_q: int, group_len: int):
+  """dk, dv of one key tile; q_ref etc. hold the queries that can see it: its group's, or all (shared)."""
+  g, tk = pl.program_id(1), pl.program_id(2)
+  k, v = k_ref[...], v_ref[...]
+  kvalid = valid_ref[...]
+  start = tk * spec.block
+  num_q = q_ref.shape[0] // block_q
+  # First query tile that can see this key tile (causal rules); later tiles all may.
+  if spec.rule in ("le", "lt") and spec.qid == "row":
+    lo = start // block_q
+  elif spec.rule in ("le", "lt") and spec.shared:  # shared summaries: groups >= first key index (+1 for "lt")
+    lo = ((start + (1 if spec.rule == "lt" else 0)) * group_len) // block_q
+  else:
+    lo = 0
+  lo = jnp.minimum(lo, num_q)
+
+  def body(i, carry):
+    dk, dv = carry
+    qs = pl.multiple_of(i * block_q, block_q)
+    q = q_ref[pl.ds(qs, block_q), :]
+    do = do_ref[pl.ds(qs, block_q), :]
+    lse = lse_ref[pl.ds(qs, block_q), :]
+    lse = jnp.where(lse == -jnp.inf, 0.0, lse)
+    delta = delta_ref[pl.ds(qs, block_q), :]
+    if spec.qid == "row":
+      qid = qs % group_len + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
+    else:
+      qid = qs // group_len if spec.shared else g
+    s, ok = _scores(q, k, kvalid, spec, qid, start, scale)
+    p = jnp.where(ok, jnp.exp(jnp.where(ok, s, 0.0) - lse), 0.0)  # [bq, bk]
+    dv = dv + pl.dot(p.astype(do.dtype), do, trans_a=True)
+    dp = pl.dot(do, v, trans_b=True)
+    ds = p * (dp - delta)
+    dk = dk + pl.dot(ds.astype(q.dtype), q, trans_a=True) * scale
+    return dk, dv
+
+  dk, dv = lax.fori_loop(lo, num_q, body, (jnp.zeros(dk_ref.shape, jnp.float32),
+                                           jnp.zeros(dv_ref.shape, jnp.float32)))
+  dk_ref[...] = dk.astype(dk_ref.dtype)
+  dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _source_specs(specs, heads):
+  in_specs = []
+  for spec, (k, v, _) in specs:
+    gmap = (lambda bh, g, t: (bh, 0, 0, 0)) if spec.shared else (lambda bh, g, t: (bh, g, 0, 0))
+    vmap = ((lambda bh, g, t: (bh // heads, 0, 0, 0)) if spec.shared
+            else (lambda bh, g, t: (bh // heads, g, 0, 0)))
+    in_specs += [pl.BlockSpec((None, None, spec.n, k.shape[-1]), gmap),
+                 pl.BlockSpec((None, None, spec.n, v.shape[-1]), gmap),
+                 pl.BlockSpec((None, None, 1, spec.n), vmap)]
+  return in_specs
+
+
+def _flat(specs, arrays):
+  out = []
+  for k, v, valid in arrays:
+    out += [k, v, valid]
+  return out
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _flash(specs: tuple, heads: int, scale: float, block_q: int, interpret: bool, q: Array, arrays: tuple):
+  return _flash_fwd(specs, heads, scale, block_q, interpret, q, arrays)[0]
+
+
+def _flash_fwd(specs, heads, scale, block_q, interpret, q, arrays):
+  bh, groups, glen, d = q.shape
+  dv = arrays[0][1].shape[-1]
+  grid = (bh, groups, glen // block_q)
+  row_spec = lambda w: pl.BlockSpec((None, None, block_q, w), lambda b, g, t: (b, g, t, 0))
+  o, lse = pl.pallas_call(
+      functools.partial(_fwd_kernel, specs=specs, scale=scale, block_q=block_q),
+      grid=grid,
+      in_specs=[row_spec(d)] + _source_specs(list(zip(specs, arrays)), heads),
+      out_specs=[row_spec(dv), row_spec(1)],
+      out_shape=[jax.ShapeDtypeStruct((bh, groups, glen, dv), jnp.float32),
+                 jax.ShapeDtypeStruct((bh, groups, glen, 1), jnp.float32)],
+      interpret=interpret, name="combiner_flash_fwd",
+  )(q, *_flat(specs, arrays))
+  return (o, lse), (q, arrays, o, lse)
+
+
+def _flash_bwd(specs, heads, scale, block_q, interpret, res, cts):
+  q, arrays, o, lse = res
+  do, dlse = cts
+  bh, groups, glen, d = q.shape
+  delta = jnp.sum(do * o, axis=-1, keepdims=True) - dlse  # [bh, groups, glen, 1]
+  do = do.astype(q.dtype)
+  row_spec = lambda w: pl.BlockSpec((None, None, block_q, w), lambda b, g, t: (b, g, t, 0))
+  dq = pl.pallas_call(
+      functools.partial(_dq_kernel, specs=specs, scale=scale, block_q=block_q),
+      grid=(bh, groups, glen // block_q),
+      in_specs=[row_spec(d), row_spec(do.shape[-1]), row_spec(1), row_spec(1)]
+      + _source_specs(list(zip(specs, arrays)), heads),
+      out_specs=row_spec(d),
+      out_shape=jax.ShapeDtypeStruct(q.shape, jnp.float32),
+      interpret=interpret, name="combiner_flash_dq",
+  )(q, do, lse, delta, *_flat(specs, arrays))
+  d_arrays = []
+  for spec, (k, v, valid) in zip(specs, arrays, strict=True):
+    if spec.shared:  # every query sees the summaries: one flat [groups * glen] query set per (bh)
+      qs = [x.reshape(bh, 1, groups * glen, x.shape[-1]) for x in (q, do, lse, delta)]
+    else:
+      qs = [q, do, lse, delta]
+    n_all = qs[0].shape[2]
+    full = lambda w: pl.BlockSpec((None, None, n_all, w), lambda b, g, t: (b, g, 0, 0))
+    tile = lambda w: pl.BlockSpec((None, None, spec.block, w), lambda b, g, t: (b, g, t, 0))
+    vmap = pl.BlockSpec((None, None, 1, spec.block), lambda b, g, t: (b // heads, g, 0, t))
+    dk, dv = pl.pallas_call(
+        functools.partial(_dkv_kernel, spec=spec, scale=scale, block_q=block_q, group_len=glen),
+        grid=(bh, k.shape[1], spec.n // spec.block),
+        in_specs=[full(d), full(do.shape[-1]), full(1), full(1), tile(d), tile(v.shape[-1]), vmap],
+        out_specs=[tile(d), tile(v.shape[-1])],
+        out_shape=[jax.ShapeDtypeStruct(k.shape, jnp.float32), jax.ShapeDtypeStruct(v.shape, jnp.float32)],
+        interpret=interpret, name="combiner_flash_dkv",
+    )(*qs, k, v, valid)
+    d_arrays.append((dk.astype(k.dtype), dv.astype(v.dtype), jnp.zeros_like(valid)))
+  return dq.astype(q.dtype), tuple(d_arrays)
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def attend(q: Array, sources: Sequence[Source], *, heads: int, scale: float) -> tuple[Array, Array]:
+  """Joint softmax of grouped queries over `sources`. q: [bh, groups, group_len, head_dim] (bh = batch * heads,
+  batch-major). Returns (out [bh, groups, group_len, value_dim], lse [bh, groups, group_len]), float32; rows with
+  no visible key give out 0 and lse -inf."""
+  bh, groups, glen, _ = q.shape
+  block_q = _tile(glen, BLOCK_Q)
+  glen_p = -(-glen // block_q) * block_q
+  qp = _pad(q, 2, glen_p)
+  specs, arrays = [], []
+  for s in sources:
+    if s.rule not in RULES or s.qid not in QIDS:
+      raise ValueError(f"flash.attend: bad source rule {s.rule!r} / qid {s.qid!r}")
+    n = s.k.shape[2]
+    block = _tile(n, BLOCK_K)
+    n_p = -(-n // block) * block
+    shared = s.k.shape[1] == 1 and groups > 1
+    valid = _pad(s.valid.astype(jnp.float32), 2, n_p)[:, :, None, :]  # [batch, gk, 1, n]
+    specs.append(_Spec(s.rule, s.qid, shared, n_p, block))
+    arrays.append((_pad(s.k.astype(q.dtype), 2, n_p), _pad(s.v.astype(q.dtype), 2, n_p), valid))
+  o, lse = _flash(tuple(specs), heads, float(scale), block_q, _interpret(), qp, tuple(arrays))
+  return o[:, :, :glen], lse[:, :, :glen, 0]
+
+
+def merge(parts: Sequence[tuple[Array, Array]]) -> tuple[Array, Array]:
+  """One softmax over the union of several (out, lse) partials of the same queries (any common layout)."""
+  lse = parts[0][1]
+  for _, x in parts[1:]:
+    lse = jnp.logaddexp(lse, x)
+  safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
+  out = None
+  for o, x in parts:
+    w = jnp.where(jnp.isfinite(x), jnp.exp(jnp.where(jnp.isfinite(x), x, 0.0) - safe), 0.0)[..., None]
+    out = o * w if out is None else out + o * w
+  return out, lse
