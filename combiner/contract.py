@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -82,3 +83,22 @@ def softmax_dtype(*dtypes: Any) -> jnp.dtype:
 def logit_scale(head_dim: int) -> float:
   """1/sqrt(head_dim), applied once by every op (same convention as jax.nn.dot_product_attention)."""
   return 1.0 / float(np.sqrt(head_dim))
+
+
+IMPLEMENTATIONS = ("auto", "xla", "pallas")
+ACCELERATOR_BACKENDS = ("gpu", "cuda", "rocm", "tpu")
+
+
+def check_implementation(value: Any, allowed: Iterable[str] = IMPLEMENTATIONS, *, op: str) -> str:
+  """An op's `implementation` argument: one of `allowed` ("auto" picks per backend, see resolve_implementation)."""
+  return check_choice(value, name="implementation", allowed=allowed, op=op)
+
+
+def resolve_implementation(value: Any, allowed: Iterable[str] = IMPLEMENTATIONS, *, op: str,
+                           accelerated: str = "pallas", default: str = "xla") -> str:
+  """The implementation to run: `value` itself, or for "auto" `accelerated` when JAX's default backend is a GPU or
+  TPU and `default` otherwise (on CPU fused kernels only run interpreted)."""
+  value = check_implementation(value, allowed, op=op)
+  if value != "auto":
+    return value
+  return accelerated if jax.default_backend() in ACCELERATOR_BACKENDS else default

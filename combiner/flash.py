@@ -28,7 +28,6 @@ are padded to whole tiles (padded keys invalid, padded queries dropped). On CPU 
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -37,6 +36,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as pltriton
 
 Array = Any
 RULES = ("all", "le", "lt", "ne")
@@ -45,23 +46,32 @@ BLOCK_Q = 128
 BLOCK_K = 128
 MIN_BLOCK = 16
 
-_INTERPRET: list[bool | None] = [None]
+GPU_PARAMS = pltriton.CompilerParams(num_warps=4, num_stages=2)
+TPU_PARAMS = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel"))
 
 
-@contextlib.contextmanager
-def interpret_mode(value: bool | None):
-  """Forces interpret mode on (CPU execution) or off (lowering for an accelerator from a CPU host, e.g.
-  `jax.export` with platforms=["tpu"]); None: interpret exactly when the default backend is the CPU."""
-  old = _INTERPRET[0]
-  _INTERPRET[0] = value
-  try:
-    yield
-  finally:
-    _INTERPRET[0] = old
+def _pallas_call(kernel, **kw):
+  """pl.pallas_call lowered per platform: Triton on GPU, Mosaic on TPU, interpret mode on CPU.
+
+  `lax.platform_dependent` lowers only the branch of the platform compiled for, so the same program exports to
+  TPU and CUDA from a CPU host and runs (interpreted) on the CPU.
+  """
+  def branch(**extra):
+    return lambda *args: pl.pallas_call(kernel, **kw, **extra)(*args)
+
+  def call(*args):
+    return lax.platform_dependent(*args, cpu=branch(interpret=True), cuda=branch(compiler_params=GPU_PARAMS),
+                                  rocm=branch(compiler_params=GPU_PARAMS), tpu=branch(compiler_params=TPU_PARAMS))
+  return call
 
 
-def _interpret() -> bool:
-  return jax.default_backend() == "cpu" if _INTERPRET[0] is None else _INTERPRET[0]
+def _div(a: Any, b: int) -> Any:
+  """a // b for non-negative ints; jnp's floor division lowers through `sign`, which Mosaic cannot place."""
+  return a // b if isinstance(a, int) else lax.div(a, jnp.int32(b))
+
+
+def _rem(a: Any, b: int) -> Any:
+  return a % b if isinstance(a, int) else lax.rem(a, jnp.int32(b))
 
 
 class Source(NamedTuple):
@@ -116,9 +126,9 @@ def _visible(rule: str, qid: Array, kid: Array) -> Array | None:
 def _key_tiles(spec: _Spec, qid_max: Array, num: int) -> Array | int:
   """Number of key tiles a query tile must visit: causal rules stop after the last visible key."""
   if spec.rule == "le":
-    return jnp.minimum(num, (qid_max + spec.block) // spec.block)
+    return jnp.minimum(num, _div(qid_max + spec.block, spec.block))
   if spec.rule == "lt":
-    return jnp.minimum(num, (qid_max + spec.block - 1) // spec.block)
+    return jnp.minimum(num, _div(qid_max + spec.block - 1, spec.block))
   return num
 
 
@@ -206,9 +216,9 @@ def _dkv_kernel(q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, valid_ref, dk_r
   num_q = q_ref.shape[0] // block_q
   # First query tile that can see this key tile (causal rules); later tiles all may.
   if spec.rule in ("le", "lt") and spec.qid == "row":
-    lo = start // block_q
+    lo = _div(start, block_q)
   elif spec.rule in ("le", "lt") and spec.shared:  # shared summaries: groups >= first key index (+1 for "lt")
-    lo = ((start + (1 if spec.rule == "lt" else 0)) * group_len) // block_q
+    lo = _div((start + (1 if spec.rule == "lt" else 0)) * group_len, block_q)
   else:
     lo = 0
   lo = jnp.minimum(lo, num_q)
@@ -222,9 +232,9 @@ def _dkv_kernel(q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, valid_ref, dk_r
     lse = jnp.where(lse == -jnp.inf, 0.0, lse)
     delta = delta_ref[pl.ds(qs, block_q), :]
     if spec.qid == "row":
-      qid = qs % group_len + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
+      qid = _rem(qs, group_len) + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
     else:
-      qid = qs // group_len if spec.shared else g
+      qid = _div(qs, group_len) if spec.shared else g
     s, ok = _scores(q, k, kvalid, spec, qid, start, scale)
     p = jnp.where(ok, jnp.exp(jnp.where(ok, s, 0.0) - lse), 0.0)  # [bq, bk]
     dv = dv + pl.dot(p.astype(do.dtype), do, trans_a=True)
@@ -243,8 +253,8 @@ def _source_specs(specs, heads):
   in_specs = []
   for spec, (k, v, _) in specs:
     gmap = (lambda bh, g, t: (bh, 0, 0, 0)) if spec.shared else (lambda bh, g, t: (bh, g, 0, 0))
-    vmap = ((lambda bh, g, t: (bh // heads, 0, 0, 0)) if spec.shared
-            else (lambda bh, g, t: (bh // heads, g, 0, 0)))
+    vmap = ((lambda bh, g, t: (_div(bh, heads), 0, 0, 0)) if spec.shared
+            else (lambda bh, g, t: (_div(bh, heads), g, 0, 0)))
     in_specs += [pl.BlockSpec((None, None, spec.n, k.shape[-1]), gmap),
                  pl.BlockSpec((None, None, spec.n, v.shape[-1]), gmap),
                  pl.BlockSpec((None, None, 1, spec.n), vmap)]
@@ -258,43 +268,43 @@ def _flat(specs, arrays):
   return out
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
-def _flash(specs: tuple, heads: int, scale: float, block_q: int, interpret: bool, q: Array, arrays: tuple):
-  return _flash_fwd(specs, heads, scale, block_q, interpret, q, arrays)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _flash(specs: tuple, heads: int, scale: float, block_q: int, q: Array, arrays: tuple):
+  return _flash_fwd(specs, heads, scale, block_q, q, arrays)[0]
 
 
-def _flash_fwd(specs, heads, scale, block_q, interpret, q, arrays):
+def _flash_fwd(specs, heads, scale, block_q, q, arrays):
   bh, groups, glen, d = q.shape
   dv = arrays[0][1].shape[-1]
   grid = (bh, groups, glen // block_q)
   row_spec = lambda w: pl.BlockSpec((None, None, block_q, w), lambda b, g, t: (b, g, t, 0))
-  o, lse = pl.pallas_call(
+  o, lse = _pallas_call(
       functools.partial(_fwd_kernel, specs=specs, scale=scale, block_q=block_q),
       grid=grid,
       in_specs=[row_spec(d)] + _source_specs(list(zip(specs, arrays)), heads),
       out_specs=[row_spec(dv), row_spec(1)],
       out_shape=[jax.ShapeDtypeStruct((bh, groups, glen, dv), jnp.float32),
                  jax.ShapeDtypeStruct((bh, groups, glen, 1), jnp.float32)],
-      interpret=interpret, name="combiner_flash_fwd",
+      name="combiner_flash_fwd",
   )(q, *_flat(specs, arrays))
   return (o, lse), (q, arrays, o, lse)
 
 
-def _flash_bwd(specs, heads, scale, block_q, interpret, res, cts):
+def _flash_bwd(specs, heads, scale, block_q, res, cts):
   q, arrays, o, lse = res
   do, dlse = cts
   bh, groups, glen, d = q.shape
   delta = jnp.sum(do * o, axis=-1, keepdims=True) - dlse  # [bh, groups, glen, 1]
   do = do.astype(q.dtype)
   row_spec = lambda w: pl.BlockSpec((None, None, block_q, w), lambda b, g, t: (b, g, t, 0))
-  dq = pl.pallas_call(
+  dq = _pallas_call(
       functools.partial(_dq_kernel, specs=specs, scale=scale, block_q=block_q),
       grid=(bh, groups, glen // block_q),
       in_specs=[row_spec(d), row_spec(do.shape[-1]), row_spec(1), row_spec(1)]
       + _source_specs(list(zip(specs, arrays)), heads),
       out_specs=row_spec(d),
       out_shape=jax.ShapeDtypeStruct(q.shape, jnp.float32),
-      interpret=interpret, name="combiner_flash_dq",
+      name="combiner_flash_dq",
   )(q, do, lse, delta, *_flat(specs, arrays))
   d_arrays = []
   for spec, (k, v, valid) in zip(specs, arrays, strict=True):
@@ -305,14 +315,14 @@ def _flash_bwd(specs, heads, scale, block_q, interpret, res, cts):
     n_all = qs[0].shape[2]
     full = lambda w: pl.BlockSpec((None, None, n_all, w), lambda b, g, t: (b, g, 0, 0))
     tile = lambda w: pl.BlockSpec((None, None, spec.block, w), lambda b, g, t: (b, g, t, 0))
-    vmap = pl.BlockSpec((None, None, 1, spec.block), lambda b, g, t: (b // heads, g, 0, t))
-    dk, dv = pl.pallas_call(
+    vmap = pl.BlockSpec((None, None, 1, spec.block), lambda b, g, t: (_div(b, heads), g, 0, t))
+    dk, dv = _pallas_call(
         functools.partial(_dkv_kernel, spec=spec, scale=scale, block_q=block_q, group_len=glen),
         grid=(bh, k.shape[1], spec.n // spec.block),
         in_specs=[full(d), full(do.shape[-1]), full(1), full(1), tile(d), tile(v.shape[-1]), vmap],
         out_specs=[tile(d), tile(v.shape[-1])],
         out_shape=[jax.ShapeDtypeStruct(k.shape, jnp.float32), jax.ShapeDtypeStruct(v.shape, jnp.float32)],
-        interpret=interpret, name="combiner_flash_dkv",
+        name="combiner_flash_dkv",
     )(*qs, k, v, valid)
     d_arrays.append((dk.astype(k.dtype), dv.astype(v.dtype), jnp.zeros_like(valid)))
   return dq.astype(q.dtype), tuple(d_arrays)
@@ -340,18 +350,22 @@ def attend(q: Array, sources: Sequence[Source], *, heads: int, scale: float) -> 
     valid = _pad(s.valid.astype(jnp.float32), 2, n_p)[:, :, None, :]  # [batch, gk, 1, n]
     specs.append(_Spec(s.rule, s.qid, shared, n_p, block))
     arrays.append((_pad(s.k.astype(q.dtype), 2, n_p), _pad(s.v.astype(q.dtype), 2, n_p), valid))
-  o, lse = _flash(tuple(specs), heads, float(scale), block_q, _interpret(), qp, tuple(arrays))
+  o, lse = _flash(tuple(specs), heads, float(scale), block_q, qp, tuple(arrays))
   return o[:, :, :glen], lse[:, :, :glen, 0]
 
 
 def merge(parts: Sequence[tuple[Array, Array]]) -> tuple[Array, Array]:
-  """One softmax over the union of several (out, lse) partials of the same queries (any common layout)."""
-  lse = parts[0][1]
+  """One softmax over the union of several (out, lse) partials of the same queries (any common layout).
+
+  Partials with lse = -inf (no visible key) get weight 0; selects keep their gradients finite.
+  """
+  top = parts[0][1]
   for _, x in parts[1:]:
-    lse = jnp.logaddexp(lse, x)
-  safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
-  out = None
-  for o, x in parts:
-    w = jnp.where(jnp.isfinite(x), jnp.exp(jnp.where(jnp.isfinite(x), x, 0.0) - safe), 0.0)[..., None]
-    out = o * w if out is None else out + o * w
+    top = jnp.maximum(top, x)
+  top = lax.stop_gradient(jnp.where(jnp.isfinite(top), top, 0.0))
+  weights = [jnp.where(jnp.isfinite(x), jnp.exp(jnp.where(jnp.isfinite(x), x, 0.0) - top), 0.0) for _, x in parts]
+  total = sum(weights[1:], weights[0])
+  inv = 1.0 / jnp.where(total > 0, total, 1.0)
+  out = sum((o * (w * inv)[..., None] for (o, _), w in zip(parts, weights, strict=True)))
+  lse = jnp.where(total > 0, top + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
   return out, lse

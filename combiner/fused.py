@@ -28,7 +28,8 @@ from combiner.combine import attend as xla_attend
 Array = Any
 
 
-def _kernel_dtype(*arrays: Array) -> Any:
+def kernel_dtype(*arrays: Array) -> Any:
+  """Matmul input dtype of the kernels: the inputs' 16-bit float type, else float32."""
   dt = jnp.result_type(*(a.dtype for a in arrays))
   return dt if jnp.dtype(dt).itemsize < 4 else jnp.float32
 
@@ -72,3 +73,119 @@ def fixed(x: common.Inputs, size: int, causal: bool, pooling: str | None, dtype:
   ]
   out, _ = flash.attend(_bh(qb).astype(dtype), sources, heads=heads, scale=x.scale)  # [bh, blocks, size, dv]
   return common.finish(common.from_grid(_unbh(out, batch), length, 2), x)
+
+
+class _Layout:
+  """One sequence on an n x m grid in the kernel's two layouts: row-major [bh, rows, cols, dim] (groups = rows)
+  and column-major [bh, cols, rows, dim] (groups = columns)."""
+
+  def __init__(self, x: common.Inputs, cols: int, dtype: Any):
+    self.batch, self.heads, self.length, _ = x.q.shape
+    self.rows, self.cols = common.num_blocks(self.length, cols), cols
+    self.dtype, self.scale = dtype, x.scale
+    # [batch, heads, rows, cols, dim] in the softmax dtype (pooling and summaries run there).
+    self.q, self.k, self.v, self.pool_q, self.pool_k = (
+        common.to_grid(t, self.rows, self.cols, 2) for t in (x.q, x.k, x.v, x.pool_q, x.pool_k))
+    self.mask = common.to_grid(x.mask, self.rows, self.cols, 1)  # [batch, rows, cols]
+
+  def row(self, t: Array) -> Array:  # [batch, heads, rows, cols, d] -> [bh, rows, cols, d] (kernel dtype)
+    return _bh(t).astype(self.dtype)
+
+  def col(self, t: Array) -> Array:  # [batch, heads, rows, cols, d] -> [bh, cols, rows, d]
+    return jnp.swapaxes(_bh(t), 1, 2).astype(self.dtype)
+
+  def row_keys(self, rule: str) -> flash.Source:
+    return flash.Source(self.row(self.k), self.row(self.v), self.mask, rule)
+
+  def col_keys(self, rule: str) -> flash.Source:
+    return flash.Source(self.col(self.k), self.col(self.v), jnp.swapaxes(self.mask, 1, 2), rule)
+
+  def attend_rows(self, q: Array, sources: list) -> tuple[Array, Array]:
+    """Row-major flash call; q [batch, heads, rows, cols, d]. Returns ([bh, rows, cols, dv], [bh, rows, cols])."""
+    return flash.attend(self.row(q), sources, heads=self.heads, scale=self.scale)
+
+  def attend_cols(self, q: Array, sources: list) -> tuple[Array, Array]:
+    """Column-major flash call, returned in the row-major layout."""
+    o, lse = flash.attend(self.col(q), sources, heads=self.heads, scale=self.scale)
+    return jnp.swapaxes(o, 1, 2), jnp.swapaxes(lse, 1, 2)
+
+  def unbh(self, t: Array) -> Array:  # [bh, rows, cols, d] -> [batch, heads, rows, cols, d]
+    return _unbh(t, self.batch)
+
+  def finish(self, out: Array, x: common.Inputs) -> Array:
+    return common.finish(common.from_grid(self.unbh(out), self.length, 2), x)
+
+
+def _all_but_one(x: Array, valid: Array, axis: int, causal: bool, pooling: str) -> tuple[Array, Array]:
+  """Pools, for every position t along `axis`, the members before t (causal) or all members except t."""
+  if causal:
+    stats = pool_ops.exclusive_scan_stats(x, valid, axis, pooling)
+  else:
+    stats = pool_ops.all_but_one_stats(x, valid, axis, pooling)
+  return pool_ops.finalize(stats, pooling)
+
+
+def _rowmajor_spans(g: _Layout, causal: bool, pooling: str, span_key_fn: Any) -> flash.Source:
+  """Column-major source: for query (r, c) the pooled key of row s and the in-row expectation v_tilde[s, c]."""
+  mask = g.mask[:, None]  # [batch, 1, rows, cols]
+  k_bar, nonempty = pool_ops.pool(g.pool_k, mask, axis=3, kind=pooling)  # [b, heads, rows, d], [b, 1, rows]
+  if span_key_fn is not None:
+    k_bar = common.head_major(span_key_fn(common.head_major(k_bar)))  # the hook sees [batch, rows, heads, dim]
+  q_bar, _ = pool_ops.pool(g.pool_q, mask, axis=3, kind=pooling)
+  # v_tilde[s, c]: row s attended by the column-c token's query, or by the pooled row query where that token is
+  # masked or padding: one row-major flash call.
+  q_sub = jnp.where(mask[..., None], g.q, q_bar[:, :, :, None])  # [batch, heads, rows, cols, d]
+  v_tilde, _ = g.attend_rows(q_sub, [g.row_keys("all")])  # [bh, rows, cols, dv]
+  k_bar = jnp.broadcast_to(k_bar[:, :, :, None], g.q.shape[:4] + k_bar.shape[-1:])  # [b, heads, rows, cols, d]
+  valid = jnp.broadcast_to(nonempty[:, 0, None, :], (g.batch, g.cols, g.rows))
+  return flash.Source(g.col(k_bar), jnp.swapaxes(v_tilde, 1, 2).astype(g.dtype), valid, _other_rule(causal))
+
+
+def _vertical_spans(g: _Layout, causal: bool, pooling: str) -> flash.Source:
+  """Row-major source: for query (r, c) and column e != c, the pooled rows of column e before r (or != r)."""
+  mask = g.mask[:, None]
+  k_bar, nonempty = _all_but_one(g.pool_k, mask, 2, causal, pooling)  # [b, heads, rows, cols, d], [b, 1, r, c]
+  q_bar, _ = _all_but_one(g.pool_q, mask, 2, causal, pooling)
+  v_tilde, _ = g.attend_cols(q_bar, [g.col_keys(_other_rule(causal))])  # [bh, rows, cols, dv]
+  return flash.Source(g.row(k_bar), v_tilde.astype(g.dtype), nonempty[:, 0], "ne")
+
+
+def _horizontal_spans(g: _Layout, causal: bool, pooling: str) -> flash.Source:
+  """Column-major source: for query (r, c) and row s before r (or != r), row s without column c."""
+  mask = g.mask[:, None]
+  k_bar, nonempty = _all_but_one(g.pool_k, mask, 3, False, pooling)  # [b, heads, rows, cols, d], [b, 1, r, c]
+  q_bar, _ = _all_but_one(g.pool_q, mask, 3, False, pooling)
+  v_tilde, _ = g.attend_rows(q_bar, [g.row_keys("ne")])  # [bh, rows, cols, dv]
+  return flash.Source(g.col(k_bar), jnp.swapaxes(v_tilde, 1, 2).astype(g.dtype),
+                      jnp.swapaxes(nonempty[:, 0], 1, 2), _other_rule(causal))
+
+
+def axial(x: common.Inputs, row_length: int, direction: str | None, causal: bool, pooling: str, dtype: Any,
+          span_key_fn: Any = None) -> Array:
+  """Combiner-Axial in `direction`, or Sparse-Axial (direction None: own row and column only)."""
+  g = _Layout(x, row_length, dtype)
+  rows = [g.row_keys(_direct_rule(causal))]
+  cols = [g.col_keys(_other_rule(causal))] if direction != "rowmajor" else []
+  if direction == "rowmajor":
+    cols.append(_rowmajor_spans(g, causal, pooling, span_key_fn))
+  elif direction == "vertical":
+    rows.append(_vertical_spans(g, causal, pooling))
+  elif direction == "horizontal":
+    cols.append(_horizontal_spans(g, causal, pooling))
+  out, _ = flash.merge([g.attend_rows(g.q, rows), g.attend_cols(g.q, cols)])
+  return g.finish(out, x)
+
+
+def mixture(x: common.Inputs, row_length: int, causal: bool, pooling: str, normalize: str, dtype: Any) -> Array:
+  """Combiner-Mixture: the vertical and horizontal plans averaged ("mean") or under one softmax ("joint")."""
+  g = _Layout(x, row_length, dtype)
+  row_d, col_d = g.row_keys(_direct_rule(causal)), g.col_keys(_other_rule(causal))
+  vertical, horizontal = _vertical_spans(g, causal, pooling), _horizontal_spans(g, causal, pooling)
+  if normalize == "joint":
+    out, _ = flash.merge([g.attend_rows(g.q, [row_d, vertical]), g.attend_cols(g.q, [col_d, horizontal])])
+  else:
+    direct = [g.attend_rows(g.q, [row_d]), g.attend_cols(g.q, [col_d])]
+    out_v, _ = flash.merge(direct + [g.attend_rows(g.q, [vertical])])
+    out_h, _ = flash.merge(direct + [g.attend_cols(g.q, [horizontal])])
+    out = 0.5 * (out_v + out_h)
+  return g.finish(out, x)
