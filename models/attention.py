@@ -24,7 +24,7 @@ Array = Any
 AUTO = "auto"
 
 # Fields of `config.model.attention` every module understands; plan parameters live in `params`.
-COMMON_FIELDS = ("name", "params", "dropout_rate")
+COMMON_FIELDS = ("name", "params", "dropout_rate", "implementation")
 
 
 def resolve_plan_params(spec: ops_registry.OpSpec, params: dict[str, Any], length: int) -> dict[str, Any]:
@@ -51,7 +51,7 @@ def op_parameters(spec: ops_registry.OpSpec) -> list[str] | None:
   if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values()):
     return None
   return [n for n, p in sig.parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY
-          and n not in ("causal", "mask", "pool_q", "pool_k", "span_key_fn")]
+          and n not in ("causal", "mask", "pool_q", "pool_k", "span_key_fn", "implementation")]
 
 
 def check_op_kwargs(spec: ops_registry.OpSpec, names: list[str]) -> None:
@@ -117,6 +117,12 @@ class OpAttention(AttentionBase):
     self.plan_params = {k: v for k, v in params.items() if not (v == AUTO and accepted is not None
                                                                and k not in accepted)}
     check_op_kwargs(spec, list(self.plan_params))
+    # Kernel choice, passed to ops that take it; asking a specific one of an op without the choice is an error.
+    implementation = str(config.get("implementation", None) or AUTO)
+    self.implementation = implementation if ops_registry.takes_implementation(spec) else None
+    if self.implementation is None and implementation != AUTO:
+      raise ValueError(f"attention op {self.op_name!r} does not take 'implementation' (got {implementation!r}); "
+                       "leave it 'auto'")
     # Recompute the op in the backward pass instead of keeping its intermediates (models.recompute).
     self.recompute = bool(config.get("recompute", None) or False)
 
@@ -128,6 +134,8 @@ class OpAttention(AttentionBase):
     q, k, v = self.project(x)  # [batch, length, heads, head_dim]
     spec = ops_registry.get(self.op_name)
     params = resolve_plan_params(spec, self.plan_params, x.shape[1])
+    if self.implementation is not None:
+      params["implementation"] = self.implementation
     extra = self.op_kwargs(q, k)
     if self.recompute:
       arrays = {name: a for name, a in extra.items() if not callable(a)}

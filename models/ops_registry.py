@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -63,6 +64,11 @@ def get(name: str) -> OpSpec:
   if name not in OPS:
     raise ValueError(f"unknown attention op {name!r}; registered: {sorted(OPS)}")
   return OPS[name]
+
+
+def takes_implementation(spec: OpSpec) -> bool:
+  """Whether the op has an `implementation` argument ("auto" | "xla" | an accelerated kernel), from its signature."""
+  return "implementation" in inspect.signature(spec.fn).parameters
 
 
 def names() -> list[str]:
