@@ -40,7 +40,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
 Array = Any
-RULES = ("all", "le", "lt", "ne")
+RULES = ("all", "le", "lt", "ne", "range")
 QIDS = ("row", "group")
 BLOCK_Q = 128
 BLOCK_K = 128
@@ -79,7 +79,9 @@ class Source(NamedTuple):
 
   gk = groups: group g reads its own keys; gk = 1: every group reads the same keys (span summaries).
   rule: key j is visible to a query when rule(qid, j) holds and valid[j]: "all", "le" (j <= qid), "lt"
-  (j < qid), "ne" (j != qid); qid is the query's row inside its group ("row") or its group's index ("group").
+  (j < qid), "ne" (j != qid), "range" (rows[0][j] <= qid < rows[1][j]); qid is the query's row inside its group
+  ("row") or its group's index ("group").
+  rows: for "range", the (first, end) query ids of each key, int arrays broadcastable to [gk, n].
   """
 
   k: Array
@@ -87,6 +89,7 @@ class Source(NamedTuple):
   valid: Array
   rule: str = "all"
   qid: str = "row"
+  rows: Any = None
 
 
 class _Spec(NamedTuple):  # the static part of a source, after padding
@@ -95,6 +98,15 @@ class _Spec(NamedTuple):  # the static part of a source, after padding
   shared: bool
   n: int  # padded length
   block: int
+
+
+def group_length(length: int) -> int:
+  """Queries per group for plans free to choose it (logsparse): one query tile, at most BLOCK_Q."""
+  return _tile(length, BLOCK_Q)
+
+
+def _valid_rows(spec: _Spec) -> int:
+  return 4 if spec.rule == "range" else 1
 
 
 def _tile(n: int, cap: int) -> int:
@@ -132,11 +144,19 @@ def _key_tiles(spec: _Spec, qid_max: Array, num: int) -> Array | int:
   return num
 
 
-def _scores(q, k, kvalid, spec: _Spec, qid, start, scale):
-  """Masked logits [bq, bk] (float32) of a query tile against the key tile at `start`."""
+def _scores(q, k, valid_ref, vstart, spec: _Spec, qid, start, scale):
+  """Logits [bq, bk] (float32) of a query tile against the key tile at `start`, and which are visible.
+
+  valid_ref columns [vstart, vstart + bk): row 0 the key validity; for the "range" rule rows 1, 2 the first and
+  end query id of each key (rows are loaded from the ref: Triton cannot slice loaded values).
+  """
   s = pl.dot(q, k, trans_b=True) * scale
+  row = lambda i: valid_ref[pl.ds(i, 1), pl.ds(vstart, spec.block)]  # noqa: E731  [1, bk]
+  ok = row(0) > 0
+  if spec.rule == "range":
+    qf = jnp.asarray(qid).astype(jnp.float32)
+    return s, ok & (row(1) <= qf) & (qf < row(2))
   kid = start + lax.broadcasted_iota(jnp.int32, (1, spec.block), 1)
-  ok = kvalid > 0
   vis = _visible(spec.rule, qid, kid)
   if vis is not None:
     ok = ok & vis
@@ -162,7 +182,7 @@ def _fwd_kernel(q_ref, *refs, specs: Sequence[_Spec], scale: float, block_q: int
       start = pl.multiple_of(j * spec.block, spec.block)
       k = k_ref[pl.ds(start, spec.block), :]
       v = v_ref[pl.ds(start, spec.block), :]
-      s, ok = _scores(q, k, valid_ref[:, pl.ds(start, spec.block)], spec, qid, start, scale)
+      s, ok = _scores(q, k, valid_ref, start, spec, qid, start, scale)
       s = jnp.where(ok, s, -jnp.inf)
       m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
       m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -196,7 +216,7 @@ def _dq_kernel(q_ref, do_ref, lse_ref, delta_ref, *refs, specs: Sequence[_Spec],
       start = pl.multiple_of(j * spec.block, spec.block)
       k = k_ref[pl.ds(start, spec.block), :]
       v = v_ref[pl.ds(start, spec.block), :]
-      s, ok = _scores(q, k, valid_ref[:, pl.ds(start, spec.block)], spec, qid, start, scale)
+      s, ok = _scores(q, k, valid_ref, start, spec, qid, start, scale)
       p = jnp.where(ok, jnp.exp(jnp.where(ok, s, 0.0) - lse), 0.0)
       dp = pl.dot(do, v, trans_b=True)
       ds = p * (dp - delta)
@@ -211,7 +231,6 @@ def _dkv_kernel(q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, valid_ref, dk_r
   """dk, dv of one key tile; q_ref etc. hold the queries that can see it: its group's, or all (shared)."""
   g, tk = pl.program_id(1), pl.program_id(2)
   k, v = k_ref[...], v_ref[...]
-  kvalid = valid_ref[...]
   start = tk * spec.block
   num_q = q_ref.shape[0] // block_q
   # First query tile that can see this key tile (causal rules); later tiles all may.
@@ -235,7 +254,7 @@ def _dkv_kernel(q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, valid_ref, dk_r
       qid = _rem(qs, group_len) + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
     else:
       qid = _div(qs, group_len) if spec.shared else g
-    s, ok = _scores(q, k, kvalid, spec, qid, start, scale)
+    s, ok = _scores(q, k, valid_ref, 0, spec, qid, start, scale)
     p = jnp.where(ok, jnp.exp(jnp.where(ok, s, 0.0) - lse), 0.0)  # [bq, bk]
     dv = dv + pl.dot(p.astype(do.dtype), do, trans_a=True)
     dp = pl.dot(do, v, trans_b=True)
@@ -257,7 +276,7 @@ def _source_specs(specs, heads):
             else (lambda bh, g, t: (_div(bh, heads), g, 0, 0)))
     in_specs += [pl.BlockSpec((None, None, spec.n, k.shape[-1]), gmap),
                  pl.BlockSpec((None, None, spec.n, v.shape[-1]), gmap),
-                 pl.BlockSpec((None, None, 1, spec.n), vmap)]
+                 pl.BlockSpec((None, None, _valid_rows(spec), spec.n), vmap)]
   return in_specs
 
 
@@ -315,7 +334,7 @@ def _flash_bwd(specs, heads, scale, block_q, res, cts):
     n_all = qs[0].shape[2]
     full = lambda w: pl.BlockSpec((None, None, n_all, w), lambda b, g, t: (b, g, 0, 0))
     tile = lambda w: pl.BlockSpec((None, None, spec.block, w), lambda b, g, t: (b, g, t, 0))
-    vmap = pl.BlockSpec((None, None, 1, spec.block), lambda b, g, t: (_div(b, heads), g, 0, t))
+    vmap = pl.BlockSpec((None, None, _valid_rows(spec), spec.block), lambda b, g, t: (_div(b, heads), g, 0, t))
     dk, dv = _pallas_call(
         functools.partial(_dkv_kernel, spec=spec, scale=scale, block_q=block_q, group_len=glen),
         grid=(bh, k.shape[1], spec.n // spec.block),
@@ -347,7 +366,11 @@ def attend(q: Array, sources: Sequence[Source], *, heads: int, scale: float) -> 
     block = _tile(n, BLOCK_K)
     n_p = -(-n // block) * block
     shared = s.k.shape[1] == 1 and groups > 1
-    valid = _pad(s.valid.astype(jnp.float32), 2, n_p)[:, :, None, :]  # [batch, gk, 1, n]
+    valid = s.valid.astype(jnp.float32)[:, :, None, :]  # [batch, gk, 1, n]
+    if s.rule == "range":  # rows 1, 2: the query-id range of each key (exact in float32); row 3 pads to 4
+      lo, hi = (jnp.broadcast_to(jnp.asarray(r, jnp.float32), valid.shape[:2] + (n,))[:, :, None] for r in s.rows)
+      valid = jnp.concatenate([valid, lo, hi, jnp.zeros_like(lo)], axis=2)  # [batch, gk, 4, n]
+    valid = _pad(valid, 3, n_p)
     specs.append(_Spec(s.rule, s.qid, shared, n_p, block))
     arrays.append((_pad(s.k.astype(q.dtype), 2, n_p), _pad(s.v.astype(q.dtype), 2, n_p), valid))
   o, lse = _flash(tuple(specs), heads, float(scale), block_q, qp, tuple(arrays))

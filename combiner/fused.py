@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 
 from combiner import common, flash
 from combiner import pooling as pool_ops
@@ -189,3 +190,61 @@ def mixture(x: common.Inputs, row_length: int, causal: bool, pooling: str, norma
     out_h, _ = flash.merge(direct + [g.attend_cols(g.q, [horizontal])])
     out = 0.5 * (out_v + out_h)
   return g.finish(out, x)
+
+
+def _logsparse_call(x: common.Inputs, pooling: str | None, dtype: Any, with_self: bool) -> tuple[Array, Array]:
+  """Prefix spans of every query (and D_i = {i} when `with_self`) as one flash call over groups of G queries.
+
+  The keys of a group: its own G positions ("range" [j, j+1): the query itself), then per level l the span
+  keys of the level's blocks inside the group (G / 2^l of them, key u seen by rows [u·2^l, (u+1)·2^l)) or, once
+  a block holds the whole group, its one key (seen by all rows). Returns (out [batch, heads, L, dv], lse
+  [batch, heads, L]) in the frame of `x`.
+  """
+  from combiner.logsparse import level_summaries  # combiner.logsparse dispatches to this module
+
+  batch, heads, length, _ = x.q.shape
+  glen = flash.group_length(length)
+  groups = common.num_blocks(length, glen)
+  keys, values, valid, first, end = [], [], [], [], []
+  if with_self:
+    keys.append(common.to_grid(x.k, groups, glen, 2))  # [batch, heads, groups, glen, d]
+    values.append(common.to_grid(x.v, groups, glen, 2))
+    valid.append(common.to_grid(x.mask, groups, glen, 1))  # [batch, groups, glen]
+    first.append(np.arange(glen))
+    end.append(np.arange(glen) + 1)
+  for level, (k_prev, v_prev, ok_prev) in enumerate(level_summaries(x, pooling)):
+    size = 1 << level
+    if size <= glen:
+      per = glen // size
+      keys.append(common.to_grid(k_prev, groups, per, 2))  # [batch, heads, groups, per, d]
+      values.append(common.to_grid(v_prev, groups, per, 2))
+      valid.append(common.to_grid(ok_prev[:, 0], groups, per, 1))  # [batch, groups, per]
+      first.append(np.arange(per) * size)
+      end.append(np.arange(per) * size + size)
+    else:
+      block = (np.arange(groups) * glen) >> level  # the level block holding each group
+      keys.append(k_prev[:, :, block, None])  # [batch, heads, groups, 1, d]
+      values.append(v_prev[:, :, block, None])
+      valid.append(ok_prev[:, 0, block, None])  # [batch, groups, 1]
+      first.append(np.zeros(1, np.int64))
+      end.append(np.full(1, glen))
+  cat = lambda ts: jnp.concatenate(ts, axis=-2)  # noqa: E731
+  source = flash.Source(_bh(cat(keys)).astype(dtype), _bh(cat(values)).astype(dtype),
+                        jnp.concatenate(valid, axis=-1), "range", "row",
+                        (np.concatenate(first), np.concatenate(end)))
+  out, lse = flash.attend(_bh(common.to_grid(x.q, groups, glen, 2)).astype(dtype), [source], heads=heads,
+                          scale=x.scale)  # [bh, groups, glen, dv], [bh, groups, glen]
+  out = common.from_grid(_unbh(out, batch), length, 2)  # [batch, heads, L, dv]
+  return out, common.from_grid(_unbh(lse, batch), length, 2)
+
+
+def logsparse_plan(x: common.Inputs, causal: bool, pooling: str | None, dtype: Any) -> Array:
+  """Combiner-Logsparse (pooling "max"/"mean") or LogSparse (pooling None: each span's last position)."""
+  from combiner.logsparse import flipped  # combiner.logsparse dispatches to this module
+
+  parts = [_logsparse_call(x, pooling, dtype, True)]
+  if not causal:  # the suffix spans are the prefix spans of the reversed sequence
+    out, lse = _logsparse_call(flipped(x), pooling, dtype, False)
+    parts.append((jnp.flip(out, axis=2), jnp.flip(lse, axis=2)))
+  out, _ = flash.merge(parts)
+  return common.finish(out, x)

@@ -41,9 +41,14 @@ def fixed(q: Array, k: Array, v: Array, *, block_size: int, causal: bool, mask: 
   return common.finish(common.from_grid(out, length, 2), x)
 
 
-def logsparse(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None) -> Array:
-  """LogSparse: {i} plus the last position of each dyadic span of [0, i) (mirrored for (i, L) if bidirectional)."""
-  x = common.prepare(q, k, v, mask, op="sparse.logsparse", causal=causal)
+def logsparse(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None,
+              implementation: str = "auto") -> Array:
+  """LogSparse: {i} plus the last position of each dyadic span of [0, i) (mirrored for (i, L) if
+  bidirectional)."""
+  op = "sparse.logsparse"
+  x = common.prepare(q, k, v, mask, op=op, causal=causal)
+  if contract.resolve_implementation(implementation, op=op) == "pallas":
+    return fused.logsparse_plan(x, causal, None, fused.kernel_dtype(q, k, v))
   return common.finish(joint_softmax(logsparse_pieces(x, causal, None)), x)
 
 

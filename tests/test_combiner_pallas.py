@@ -32,11 +32,13 @@ def op(plan: str, size: int):
       "axial_horizontal": functools.partial(combiner.axial, row_length=size, direction="horizontal"),
       "mixture_mean": functools.partial(combiner.mixture, row_length=size),
       "mixture_joint": functools.partial(combiner.mixture, row_length=size, normalize="joint"),
+      "logsparse": combiner.logsparse,
   }
   if plan in combiner_plans:
     return combiner_plans[plan]
   sparse_plans = {"sparse_fixed": functools.partial(sparse.fixed, block_size=size),
-                  "sparse_axial": functools.partial(sparse.axial, row_length=size)}
+                  "sparse_axial": functools.partial(sparse.axial, row_length=size),
+                  "sparse_logsparse": sparse.logsparse}
   fn = sparse_plans[plan]
   return lambda q, k, v, *, pooling=None, pool_q=None, pool_k=None, **kw: fn(q, k, v, **kw)
 
@@ -79,6 +81,7 @@ FAST_CASES = (
     ("sparse_fixed", 13, 4, False, None, False),
     ("axial_vertical", 11, 4, True, "mean", True),
     ("mixture_mean", 11, 3, False, "max", False),
+    ("logsparse", 13, None, False, "max", True),
 )
 SLOW_CASES = (
     ("fixed", 21, 5, False, "mean", True),
@@ -93,6 +96,10 @@ SLOW_CASES = (
     ("mixture_mean", 14, 4, True, "mean", True),
     ("mixture_joint", 11, 4, True, "max", False),
     ("mixture_joint", 14, 3, False, "mean", True),
+    ("logsparse", 21, None, True, "mean", False),
+    ("logsparse", 40, None, True, "max", False),  # two query groups of 32: levels above the group size
+    ("sparse_logsparse", 13, None, True, None, False),
+    ("sparse_logsparse", 21, None, False, None, False),
 )
 
 
@@ -154,6 +161,8 @@ LOWERING_OPS = {
     "axial_horizontal": lambda q, k, v: combiner.axial(q, k, v, row_length=32, direction="horizontal",
                                                        causal=False, implementation="pallas"),
     "mixture": lambda q, k, v: combiner.mixture(q, k, v, row_length=32, causal=True, implementation="pallas"),
+    "logsparse": lambda q, k, v: combiner.logsparse(q, k, v, causal=False, implementation="pallas"),
+    "sparse_logsparse": lambda q, k, v: sparse.logsparse(q, k, v, causal=True, implementation="pallas"),
 }
 # The Triton custom call carries no cross-version compatibility guarantee, so export must be told to allow it.
 TRITON_OK = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
