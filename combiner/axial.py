@@ -122,7 +122,7 @@ def axial(q: Array, k: Array, v: Array, *, row_length: int, direction: str, caus
   direction: "rowmajor" (D_i = own row; one span per other row), "vertical" (D_i = own row ∪ own column; one span
   per other column), "horizontal" (D_i = own row ∪ own column; one span per other row). Cost O(L·(n + m)·d).
   span_key_fn (rowmajor only): maps the pooled span keys [batch, rows, heads, head_dim] to the keys used.
-  implementation: "xla" (einsums), "pallas" (the fused kernel of `combiner.flash`) or "auto" (pallas on GPU/TPU).
+  implementation: "xla" (einsums), "pallas" (the fused kernel of `combiner.flash`), "auto" (pallas on GPU/TPU).
   """
   op = "combiner.axial"
   x = common.prepare(q, k, v, mask, op=op, causal=causal, pooling=pooling, pool_q=pool_q, pool_k=pool_k)

@@ -90,14 +90,15 @@ ACCELERATOR_BACKENDS = ("gpu", "cuda", "rocm", "tpu")
 
 
 def check_implementation(value: Any, allowed: Iterable[str] = IMPLEMENTATIONS, *, op: str) -> str:
-  """An op's `implementation` argument: one of `allowed` ("auto" picks per backend, see resolve_implementation)."""
+  """An op's `implementation` argument: one of `allowed` ("auto": chosen per backend by
+  `resolve_implementation`)."""
   return check_choice(value, name="implementation", allowed=allowed, op=op)
 
 
 def resolve_implementation(value: Any, allowed: Iterable[str] = IMPLEMENTATIONS, *, op: str,
                            accelerated: str = "pallas", default: str = "xla") -> str:
-  """The implementation to run: `value` itself, or for "auto" `accelerated` when JAX's default backend is a GPU or
-  TPU and `default` otherwise (on CPU fused kernels only run interpreted)."""
+  """The implementation to run: `value` itself, or for "auto" `accelerated` when JAX's default backend is a GPU
+  or TPU and `default` otherwise (on CPU fused kernels only run interpreted)."""
   value = check_implementation(value, allowed, op=op)
   if value != "auto":
     return value

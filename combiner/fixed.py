@@ -43,7 +43,7 @@ def fixed(q: Array, k: Array, v: Array, *, block_size: int, causal: bool, mask: 
 
   D_i = own block ∩ Ω_i; spans = every other block ∩ Ω_i (causal: the blocks before b(i)). Cost
   O(L·(s + L/s)·d), i.e. O(L·sqrt(L)·d) at s ~ sqrt(L).
-  implementation: "xla" (einsums), "pallas" (the fused kernel of `combiner.flash`) or "auto" (pallas on GPU/TPU).
+  implementation: "xla" (einsums), "pallas" (the fused kernel of `combiner.flash`), "auto" (pallas on GPU/TPU).
   """
   op = "combiner.fixed"
   x = common.prepare(q, k, v, mask, op=op, causal=causal, pooling=pooling, pool_q=pool_q, pool_k=pool_k)

@@ -1,29 +1,31 @@
-"""A block-sparse flash-attention kernel (Pallas) that every Combiner plan is expressed with.
+"""A block-sparse flash-attention kernel (Pallas) that every Combiner plan and sparse counterpart runs on.
 
-Every plan is "each query group attends to a few key sets": its own block or row (direct keys), its own column
-(the same kernel on a column-major layout of the grid), and span summaries (pooled keys with in-span expected
-values). `attend` takes queries laid out in groups, q [bh, groups, group_len, head_dim], and a static list of
-`Source`s: key/value sets that are either the group's own ([bh, groups, n, dim]) or shared by every group
-([bh, 1, n, dim]), each with a key-validity mask and a structural rule that compares a query id (its row inside
-the group, or its group's index) with the key's index in the source ("all", "le", "lt", "ne"). The kernel runs
-one online softmax over all sources of a query tile and returns the normalised output and its log-sum-exp, both
-float32: several `attend` calls on different layouts (row-major and column-major) then merge exactly with
-`merge` in XLA, O(L·d) work.
+Every plan is "each query group attends to a few key sets": its own block or row (direct keys), its own
+column (the same kernel on a column-major layout of the grid), span summaries (pooled keys with their in-span
+expected values) and, for logsparse, one span key per dyadic level. `attend` takes queries laid out in
+groups, q [bh, groups, group_len, head_dim], and a static list of `Source`s: key/value sets that are either
+the group's own ([bh, groups, n, dim]) or shared by every group ([bh, 1, n, dim]), each with a key-validity
+mask and a structural rule comparing a query id (its row in the group, or its group's index) with the key's
+index ("all", "le", "lt", "ne") or with a per-key row range ("range"). The kernel runs one online softmax
+over all sources of a query tile and returns the normalised output and its log-sum-exp, both float32; calls
+on different layouts (row- and column-major) then combine exactly with `merge`, O(L·d) work in XLA.
 
-Kernel layout: grid (bh, groups, query tiles). A query tile [block_q, head_dim] stays in registers/VMEM; each
-source is one block of the whole set ([n, dim], n small: a block, a row, a column or the summaries), read in
-key tiles of block_k with `pl.ds` inside a `fori_loop` (key tiles beyond a causal bound are skipped). Matmuls
-run in the input dtype (bfloat16 on accelerators) with float32 accumulation; the softmax statistics are
-float32. Nothing of size [L, n] is written to device memory.
+Forward: grid (bh, groups, query tiles). A query tile [block_q, head_dim] stays on chip; each source is one
+block holding the whole set ([n, dim]; n is small: a block, a row, a column, the summaries), read in key
+tiles of block_k with `pl.ds` inside a `fori_loop` that stops after the last key a causal rule lets the tile
+see. Matmuls take the input dtype (bfloat16 on accelerators) and accumulate in float32; softmax statistics
+are float32. Nothing of size [L, n] is written to device memory.
 
-Backward (custom_vjp, recomputation from the saved log-sum-exp as in FlashAttention-2): one dq kernel with the
-forward's grid and loops, and one dk/dv kernel per source with grid (bh, key groups, key tiles) that loops over
-the query tiles that can see the key tile (its own group's, or every group's for a shared source). No atomics.
-The log-sum-exp output is differentiable (merge uses it): its cotangent enters as delta - dlse.
+Backward (custom_vjp; recomputation from the saved log-sum-exp as in FlashAttention-2): one dq kernel with
+the forward's grid and loops, and one dk/dv kernel per source with grid (bh, key groups, key tiles) looping
+over the query tiles that can see its key tile (its group's, or every group's for a shared source): no
+atomics. The log-sum-exp output is differentiable (`merge` uses it); its cotangent enters as delta - dlse.
 
-Block shapes follow both lowerings: Triton (GPU) needs power-of-two loads, Mosaic (TPU) needs the last two block
-dims divisible by (8, 128) or equal to the array's; tiles are powers of two >= 16 and the group and source lengths
-are padded to whole tiles (padded keys invalid, padded queries dropped). On CPU the kernels run in interpret mode.
+Block shapes satisfy both lowerings: Triton (GPU) needs power-of-two loads, Mosaic (TPU) needs the last two
+block dims divisible by (8, 128) or equal to the array's. Tiles are powers of two >= 16, group and source
+lengths are padded to whole tiles (padded keys invalid, padded queries dropped), per-key data sits in [rows,
+n] blocks with n on lanes. `lax.platform_dependent` picks Triton on GPU, Mosaic on TPU and interpret mode on
+CPU.
 """
 
 from __future__ import annotations
@@ -60,8 +62,9 @@ def _pallas_call(kernel, **kw):
     return lambda *args: pl.pallas_call(kernel, **kw, **extra)(*args)
 
   def call(*args):
-    return lax.platform_dependent(*args, cpu=branch(interpret=True), cuda=branch(compiler_params=GPU_PARAMS),
-                                  rocm=branch(compiler_params=GPU_PARAMS), tpu=branch(compiler_params=TPU_PARAMS))
+    gpu = branch(compiler_params=GPU_PARAMS)
+    return lax.platform_dependent(*args, cpu=branch(interpret=True), cuda=gpu, rocm=gpu,
+                                  tpu=branch(compiler_params=TPU_PARAMS))
   return call
 
 
@@ -79,8 +82,8 @@ class Source(NamedTuple):
 
   gk = groups: group g reads its own keys; gk = 1: every group reads the same keys (span summaries).
   rule: key j is visible to a query when rule(qid, j) holds and valid[j]: "all", "le" (j <= qid), "lt"
-  (j < qid), "ne" (j != qid), "range" (rows[0][j] <= qid < rows[1][j]); qid is the query's row inside its group
-  ("row") or its group's index ("group").
+  (j < qid), "ne" (j != qid), "range" (rows[0][j] <= qid < rows[1][j]); qid is the query's row inside its
+  group ("row") or its group's index ("group").
   rows: for "range", the (first, end) query ids of each key, int arrays broadcastable to [gk, n].
   """
 
@@ -147,8 +150,8 @@ def _key_tiles(spec: _Spec, qid_max: Array, num: int) -> Array | int:
 def _scores(q, k, valid_ref, vstart, spec: _Spec, qid, start, scale):
   """Logits [bq, bk] (float32) of a query tile against the key tile at `start`, and which are visible.
 
-  valid_ref columns [vstart, vstart + bk): row 0 the key validity; for the "range" rule rows 1, 2 the first and
-  end query id of each key (rows are loaded from the ref: Triton cannot slice loaded values).
+  valid_ref columns [vstart, vstart + bk): row 0 the key validity; for the "range" rule rows 1, 2 the first
+  and end query id of each key (rows are loaded from the ref: Triton cannot slice loaded values).
   """
   s = pl.dot(q, k, trans_b=True) * scale
   row = lambda i: valid_ref[pl.ds(i, 1), pl.ds(vstart, spec.block)]  # noqa: E731  [1, bk]
@@ -171,14 +174,14 @@ def _fwd_kernel(q_ref, *refs, specs: Sequence[_Spec], scale: float, block_q: int
   q = q_ref[...]  # [bq, d]
   rows = t * block_q + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
   m = jnp.full((block_q, 1), -jnp.inf, jnp.float32)
-  l = jnp.zeros((block_q, 1), jnp.float32)
+  den = jnp.zeros((block_q, 1), jnp.float32)
   acc = jnp.zeros(o_ref.shape, jnp.float32)
   for spec, (k_ref, v_ref, valid_ref) in zip(specs, src, strict=True):
     qid = rows if spec.qid == "row" else g
     qid_max = t * block_q + block_q - 1 if spec.qid == "row" else g
 
     def body(j, carry, spec=spec, k_ref=k_ref, v_ref=v_ref, valid_ref=valid_ref, qid=qid):
-      m, l, acc = carry
+      m, den, acc = carry
       start = pl.multiple_of(j * spec.block, spec.block)
       k = k_ref[pl.ds(start, spec.block), :]
       v = v_ref[pl.ds(start, spec.block), :]
@@ -188,14 +191,15 @@ def _fwd_kernel(q_ref, *refs, specs: Sequence[_Spec], scale: float, block_q: int
       m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
       p = jnp.exp(s - m_safe)  # exactly 0 where masked
       alpha = jnp.exp(m - m_safe)
-      l = alpha * l + jnp.sum(p, axis=1, keepdims=True)
+      den = alpha * den + jnp.sum(p, axis=1, keepdims=True)
       acc = alpha * acc + pl.dot(p.astype(v.dtype), v)
-      return m_new, l, acc
+      return m_new, den, acc
 
-    m, l, acc = lax.fori_loop(0, _key_tiles(spec, qid_max, spec.n // spec.block), body, (m, l, acc))
-  nonempty = l > 0
-  o_ref[...] = (acc / jnp.where(nonempty, l, 1.0)).astype(o_ref.dtype)
-  lse_ref[...] = jnp.where(nonempty, m + jnp.log(jnp.where(nonempty, l, 1.0)), -jnp.inf)
+    m, den, acc = lax.fori_loop(0, _key_tiles(spec, qid_max, spec.n // spec.block), body, (m, den, acc))
+  nonempty = den > 0
+  safe = jnp.where(nonempty, den, 1.0)
+  o_ref[...] = (acc / safe).astype(o_ref.dtype)
+  lse_ref[...] = jnp.where(nonempty, m + jnp.log(safe), -jnp.inf)
 
 
 def _dq_kernel(q_ref, do_ref, lse_ref, delta_ref, *refs, specs: Sequence[_Spec], scale: float, block_q: int):
@@ -268,9 +272,19 @@ def _dkv_kernel(q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, valid_ref, dk_r
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _source_specs(specs, heads):
+def _row_spec(rows: int, width: int) -> pl.BlockSpec:
+  """Tile t of `rows` rows of group g: [bh, groups, n, width] -> [rows, width]."""
+  return pl.BlockSpec((None, None, rows, width), lambda b, g, t: (b, g, t, 0))
+
+
+def _full_spec(rows: int, width: int) -> pl.BlockSpec:
+  """All `rows` rows of group g (the grid's key-tile axis does not move it)."""
+  return pl.BlockSpec((None, None, rows, width), lambda b, g, t: (b, g, 0, 0))
+
+
+def _source_specs(specs, arrays, heads):
   in_specs = []
-  for spec, (k, v, _) in specs:
+  for spec, (k, v, _) in zip(specs, arrays, strict=True):
     gmap = (lambda bh, g, t: (bh, 0, 0, 0)) if spec.shared else (lambda bh, g, t: (bh, g, 0, 0))
     vmap = ((lambda bh, g, t: (_div(bh, heads), 0, 0, 0)) if spec.shared
             else (lambda bh, g, t: (_div(bh, heads), g, 0, 0)))
@@ -296,12 +310,11 @@ def _flash_fwd(specs, heads, scale, block_q, q, arrays):
   bh, groups, glen, d = q.shape
   dv = arrays[0][1].shape[-1]
   grid = (bh, groups, glen // block_q)
-  row_spec = lambda w: pl.BlockSpec((None, None, block_q, w), lambda b, g, t: (b, g, t, 0))
   o, lse = _pallas_call(
       functools.partial(_fwd_kernel, specs=specs, scale=scale, block_q=block_q),
       grid=grid,
-      in_specs=[row_spec(d)] + _source_specs(list(zip(specs, arrays)), heads),
-      out_specs=[row_spec(dv), row_spec(1)],
+      in_specs=[_row_spec(block_q, d)] + _source_specs(specs, arrays, heads),
+      out_specs=[_row_spec(block_q, dv), _row_spec(block_q, 1)],
       out_shape=[jax.ShapeDtypeStruct((bh, groups, glen, dv), jnp.float32),
                  jax.ShapeDtypeStruct((bh, groups, glen, 1), jnp.float32)],
       name="combiner_flash_fwd",
@@ -315,12 +328,12 @@ def _flash_bwd(specs, heads, scale, block_q, res, cts):
   bh, groups, glen, d = q.shape
   delta = jnp.sum(do * o, axis=-1, keepdims=True) - dlse  # [bh, groups, glen, 1]
   do = do.astype(q.dtype)
-  row_spec = lambda w: pl.BlockSpec((None, None, block_q, w), lambda b, g, t: (b, g, t, 0))
+  row_spec = functools.partial(_row_spec, block_q)
   dq = _pallas_call(
       functools.partial(_dq_kernel, specs=specs, scale=scale, block_q=block_q),
       grid=(bh, groups, glen // block_q),
       in_specs=[row_spec(d), row_spec(do.shape[-1]), row_spec(1), row_spec(1)]
-      + _source_specs(list(zip(specs, arrays)), heads),
+      + _source_specs(specs, arrays, heads),
       out_specs=row_spec(d),
       out_shape=jax.ShapeDtypeStruct(q.shape, jnp.float32),
       name="combiner_flash_dq",
@@ -332,9 +345,10 @@ def _flash_bwd(specs, heads, scale, block_q, res, cts):
     else:
       qs = [q, do, lse, delta]
     n_all = qs[0].shape[2]
-    full = lambda w: pl.BlockSpec((None, None, n_all, w), lambda b, g, t: (b, g, 0, 0))
-    tile = lambda w: pl.BlockSpec((None, None, spec.block, w), lambda b, g, t: (b, g, t, 0))
-    vmap = pl.BlockSpec((None, None, _valid_rows(spec), spec.block), lambda b, g, t: (_div(b, heads), g, 0, t))
+    full = functools.partial(_full_spec, n_all)
+    tile = functools.partial(_row_spec, spec.block)
+    vmap = pl.BlockSpec((None, None, _valid_rows(spec), spec.block),
+                        lambda b, g, t: (_div(b, heads), g, 0, t))
     dk, dv = _pallas_call(
         functools.partial(_dkv_kernel, spec=spec, scale=scale, block_q=block_q, group_len=glen),
         grid=(bh, k.shape[1], spec.n // spec.block),
@@ -351,9 +365,11 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
 def attend(q: Array, sources: Sequence[Source], *, heads: int, scale: float) -> tuple[Array, Array]:
-  """Joint softmax of grouped queries over `sources`. q: [bh, groups, group_len, head_dim] (bh = batch * heads,
-  batch-major). Returns (out [bh, groups, group_len, value_dim], lse [bh, groups, group_len]), float32; rows with
-  no visible key give out 0 and lse -inf."""
+  """Joint softmax of grouped queries over `sources`.
+
+  q: [bh, groups, group_len, head_dim], bh = batch * heads (batch-major). Returns (out [bh, groups, group_len,
+  value_dim], lse [bh, groups, group_len]), float32; rows with no visible key give out 0 and lse -inf.
+  """
   bh, groups, glen, _ = q.shape
   block_q = _tile(glen, BLOCK_Q)
   glen_p = -(-glen // block_q) * block_q
@@ -368,7 +384,8 @@ def attend(q: Array, sources: Sequence[Source], *, heads: int, scale: float) -> 
     shared = s.k.shape[1] == 1 and groups > 1
     valid = s.valid.astype(jnp.float32)[:, :, None, :]  # [batch, gk, 1, n]
     if s.rule == "range":  # rows 1, 2: the query-id range of each key (exact in float32); row 3 pads to 4
-      lo, hi = (jnp.broadcast_to(jnp.asarray(r, jnp.float32), valid.shape[:2] + (n,))[:, :, None] for r in s.rows)
+      shape = valid.shape[:2] + (1, n)
+      lo, hi = (jnp.broadcast_to(jnp.asarray(r, jnp.float32).reshape(-1, n)[:, None], shape) for r in s.rows)
       valid = jnp.concatenate([valid, lo, hi, jnp.zeros_like(lo)], axis=2)  # [batch, gk, 4, n]
     valid = _pad(valid, 3, n_p)
     specs.append(_Spec(s.rule, s.qid, shared, n_p, block))
@@ -386,7 +403,8 @@ def merge(parts: Sequence[tuple[Array, Array]]) -> tuple[Array, Array]:
   for _, x in parts[1:]:
     top = jnp.maximum(top, x)
   top = lax.stop_gradient(jnp.where(jnp.isfinite(top), top, 0.0))
-  weights = [jnp.where(jnp.isfinite(x), jnp.exp(jnp.where(jnp.isfinite(x), x, 0.0) - top), 0.0) for _, x in parts]
+  weights = [jnp.where(jnp.isfinite(x), jnp.exp(jnp.where(jnp.isfinite(x), x, 0.0) - top), 0.0)
+             for _, x in parts]
   total = sum(weights[1:], weights[0])
   inv = 1.0 / jnp.where(total > 0, total, 1.0)
   out = sum((o * (w * inv)[..., None] for (o, _), w in zip(parts, weights, strict=True)))

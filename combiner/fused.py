@@ -1,18 +1,21 @@
 """The Combiner plans and their sparse counterparts on the Pallas kernel of `combiner.flash`.
 
-Each plan becomes a few `flash.attend` calls on two layouts of the same tensors, merged by log-sum-exp:
-  fixed:      groups = blocks; sources = own block (causal "le") + the pooled span summaries (shared, "lt"/"ne"
-              by block index).
-  axial:      row-major layout (groups = rows) and column-major layout (groups = columns, q transposed):
-              own row ("le"), own column minus the query ("lt"/"ne" by row index), and the span family:
-              rowmajor summaries are read column-major (its in-span value depends on the query's column),
-              vertical ones row-major, horizontal ones column-major.
-  mixture:    the axial pieces, merged once per plan ("mean") or all at once ("joint").
-The span summaries' in-span expectations are themselves flash calls (a pooled query against its span's keys),
-so no [L, sqrt(L)] logits exist; pooling (max/mean, prefix scans) stays in XLA at O(L·d).
+Each plan is a few `flash.attend` calls on two layouts of the same tensors, merged by log-sum-exp:
 
-Semantics are those of the XLA plans: the same pooling, masks, padding and empty-span rules; matmul inputs keep
-the caller's 16-bit dtype (float32 otherwise), softmax statistics are float32.
+  fixed:     groups = blocks; sources = own block ("le") + the span summaries (shared, "lt"/"ne" by block).
+  axial:     row-major layout (groups = rows) and column-major layout (groups = columns, q transposed): own
+             row ("le"), own column without the query ("lt"/"ne" by row), and the span family: rowmajor
+             summaries are read column-major (their in-span value depends on the query's column), vertical
+             ones row-major, horizontal ones column-major.
+  mixture:   the axial pieces, merged per plan ("mean") or all at once ("joint").
+  logsparse: groups of up to 128 queries; one "range" source: the group's own positions (D_i = {i}) and each
+             level's span keys, key u of level l seen by the rows [u·2^l, (u+1)·2^l) of the group. The
+             bidirectional plan adds the same call on the reversed sequence.
+
+In-span expectations of the axial summaries are flash calls too (a pooled query against its span's keys), so
+no [L, sqrt(L)] logits exist; pooling (max/mean, prefix scans) and the O(L)-sized summaries of fixed and
+logsparse stay in XLA. Semantics are the XLA plans': the same pooling, masks, padding and empty-span rules;
+matmul inputs keep the caller's 16-bit float dtype (float32 otherwise), softmax statistics are float32.
 """
 
 from __future__ import annotations
@@ -62,23 +65,23 @@ def fixed(x: common.Inputs, size: int, causal: bool, pooling: str | None, dtype:
     k_sum, v_sum, ok_sum = kb[:, :, :, -1], vb[:, :, :, -1], mb[:, :, -1]
   else:
     pqb, pkb = (common.to_grid(t, blocks, size, 2) for t in (x.pool_q, x.pool_k))
-    k_sum, ok_sum = pool_ops.pool(pkb, mb[:, None], axis=3, kind=pooling)  # [b, heads, blocks, d], [b, 1, blocks]
+    k_sum, ok_sum = pool_ops.pool(pkb, mb[:, None], axis=3, kind=pooling)  # [b, h, blocks, d], [b, 1, blocks]
     q_bar, _ = pool_ops.pool(pqb, mb[:, None], axis=3, kind=pooling)
     span_logits = jnp.einsum("bhrd,bhrkd->bhrk", q_bar, kb) * x.scale  # [batch, heads, blocks, size]
     v_sum = xla_attend(span_logits, mb[:, None], vb, "bhrk,bhrkd->bhrd")  # [batch, heads, blocks, value_dim]
     ok_sum = ok_sum[:, 0]
   sources = [
       flash.Source(_bh(kb).astype(dtype), _bh(vb).astype(dtype), mb, _direct_rule(causal), "row"),
-      flash.Source(_bh(k_sum[:, :, None]).astype(dtype), _bh(v_sum[:, :, None]).astype(dtype), ok_sum[:, None],
-                   _other_rule(causal), "group"),
+      flash.Source(_bh(k_sum[:, :, None]).astype(dtype), _bh(v_sum[:, :, None]).astype(dtype),
+                   ok_sum[:, None], _other_rule(causal), "group"),
   ]
   out, _ = flash.attend(_bh(qb).astype(dtype), sources, heads=heads, scale=x.scale)  # [bh, blocks, size, dv]
   return common.finish(common.from_grid(_unbh(out, batch), length, 2), x)
 
 
 class _Layout:
-  """One sequence on an n x m grid in the kernel's two layouts: row-major [bh, rows, cols, dim] (groups = rows)
-  and column-major [bh, cols, rows, dim] (groups = columns)."""
+  """One sequence on an n x m grid in the kernel's two layouts: row-major [bh, rows, cols, dim] (groups =
+  rows) and column-major [bh, cols, rows, dim] (groups = columns)."""
 
   def __init__(self, x: common.Inputs, cols: int, dtype: Any):
     self.batch, self.heads, self.length, _ = x.q.shape
@@ -102,7 +105,7 @@ class _Layout:
     return flash.Source(self.col(self.k), self.col(self.v), jnp.swapaxes(self.mask, 1, 2), rule)
 
   def attend_rows(self, q: Array, sources: list) -> tuple[Array, Array]:
-    """Row-major flash call; q [batch, heads, rows, cols, d]. Returns ([bh, rows, cols, dv], [bh, rows, cols])."""
+    """Row-major flash call; q [batch, heads, rows, cols, d] -> ([bh, rows, cols, dv], [bh, rows, cols])."""
     return flash.attend(self.row(q), sources, heads=self.heads, scale=self.scale)
 
   def attend_cols(self, q: Array, sources: list) -> tuple[Array, Array]:
@@ -127,17 +130,17 @@ def _all_but_one(x: Array, valid: Array, axis: int, causal: bool, pooling: str) 
 
 
 def _rowmajor_spans(g: _Layout, causal: bool, pooling: str, span_key_fn: Any) -> flash.Source:
-  """Column-major source: for query (r, c) the pooled key of row s and the in-row expectation v_tilde[s, c]."""
+  """Column-major: for query (r, c) the pooled key of row s and the in-row expectation v_tilde[s, c]."""
   mask = g.mask[:, None]  # [batch, 1, rows, cols]
   k_bar, nonempty = pool_ops.pool(g.pool_k, mask, axis=3, kind=pooling)  # [b, heads, rows, d], [b, 1, rows]
   if span_key_fn is not None:
-    k_bar = common.head_major(span_key_fn(common.head_major(k_bar)))  # the hook sees [batch, rows, heads, dim]
+    k_bar = common.head_major(span_key_fn(common.head_major(k_bar)))  # hook sees [batch, rows, heads, dim]
   q_bar, _ = pool_ops.pool(g.pool_q, mask, axis=3, kind=pooling)
-  # v_tilde[s, c]: row s attended by the column-c token's query, or by the pooled row query where that token is
-  # masked or padding: one row-major flash call.
+  # v_tilde[s, c]: row s attended by the column-c token's query, or by the pooled row query where that token
+  # is masked or padding: one row-major flash call.
   q_sub = jnp.where(mask[..., None], g.q, q_bar[:, :, :, None])  # [batch, heads, rows, cols, d]
   v_tilde, _ = g.attend_rows(q_sub, [g.row_keys("all")])  # [bh, rows, cols, dv]
-  k_bar = jnp.broadcast_to(k_bar[:, :, :, None], g.q.shape[:4] + k_bar.shape[-1:])  # [b, heads, rows, cols, d]
+  k_bar = jnp.broadcast_to(k_bar[:, :, :, None], g.q.shape[:4] + k_bar.shape[-1:])  # [b, h, rows, cols, d]
   valid = jnp.broadcast_to(nonempty[:, 0, None, :], (g.batch, g.cols, g.rows))
   return flash.Source(g.col(k_bar), jnp.swapaxes(v_tilde, 1, 2).astype(g.dtype), valid, _other_rule(causal))
 
@@ -145,7 +148,7 @@ def _rowmajor_spans(g: _Layout, causal: bool, pooling: str, span_key_fn: Any) ->
 def _vertical_spans(g: _Layout, causal: bool, pooling: str) -> flash.Source:
   """Row-major source: for query (r, c) and column e != c, the pooled rows of column e before r (or != r)."""
   mask = g.mask[:, None]
-  k_bar, nonempty = _all_but_one(g.pool_k, mask, 2, causal, pooling)  # [b, heads, rows, cols, d], [b, 1, r, c]
+  k_bar, nonempty = _all_but_one(g.pool_k, mask, 2, causal, pooling)  # [b, h, rows, cols, d], [b, 1, r, c]
   q_bar, _ = _all_but_one(g.pool_q, mask, 2, causal, pooling)
   v_tilde, _ = g.attend_cols(q_bar, [g.col_keys(_other_rule(causal))])  # [bh, rows, cols, dv]
   return flash.Source(g.row(k_bar), v_tilde.astype(g.dtype), nonempty[:, 0], "ne")
@@ -154,7 +157,7 @@ def _vertical_spans(g: _Layout, causal: bool, pooling: str) -> flash.Source:
 def _horizontal_spans(g: _Layout, causal: bool, pooling: str) -> flash.Source:
   """Column-major source: for query (r, c) and row s before r (or != r), row s without column c."""
   mask = g.mask[:, None]
-  k_bar, nonempty = _all_but_one(g.pool_k, mask, 3, False, pooling)  # [b, heads, rows, cols, d], [b, 1, r, c]
+  k_bar, nonempty = _all_but_one(g.pool_k, mask, 3, False, pooling)  # [b, h, rows, cols, d], [b, 1, r, c]
   q_bar, _ = _all_but_one(g.pool_q, mask, 3, False, pooling)
   v_tilde, _ = g.attend_rows(q_bar, [g.row_keys("ne")])  # [bh, rows, cols, dv]
   return flash.Source(g.col(k_bar), jnp.swapaxes(v_tilde, 1, 2).astype(g.dtype),
@@ -177,7 +180,8 @@ def axial(x: common.Inputs, row_length: int, direction: str | None, causal: bool
   return g.finish(out, x)
 
 
-def mixture(x: common.Inputs, row_length: int, causal: bool, pooling: str, normalize: str, dtype: Any) -> Array:
+def mixture(x: common.Inputs, row_length: int, causal: bool, pooling: str, normalize: str,
+            dtype: Any) -> Array:
   """Combiner-Mixture: the vertical and horizontal plans averaged ("mean") or under one softmax ("joint")."""
   g = _Layout(x, row_length, dtype)
   row_d, col_d = g.row_keys(_direct_rule(causal)), g.col_keys(_other_rule(causal))
@@ -192,13 +196,14 @@ def mixture(x: common.Inputs, row_length: int, causal: bool, pooling: str, norma
   return g.finish(out, x)
 
 
-def _logsparse_call(x: common.Inputs, pooling: str | None, dtype: Any, with_self: bool) -> tuple[Array, Array]:
+def _logsparse_call(x: common.Inputs, pooling: str | None, dtype: Any,
+                    with_self: bool) -> tuple[Array, Array]:
   """Prefix spans of every query (and D_i = {i} when `with_self`) as one flash call over groups of G queries.
 
   The keys of a group: its own G positions ("range" [j, j+1): the query itself), then per level l the span
-  keys of the level's blocks inside the group (G / 2^l of them, key u seen by rows [u·2^l, (u+1)·2^l)) or, once
-  a block holds the whole group, its one key (seen by all rows). Returns (out [batch, heads, L, dv], lse
-  [batch, heads, L]) in the frame of `x`.
+  keys of the level's blocks inside the group (G / 2^l of them, key u seen by rows [u·2^l, (u+1)·2^l)) or,
+  once a block holds the whole group, its one key (seen by all rows). Returns (out [batch, heads, L, dv],
+  lse [batch, heads, L]) in the frame of `x`.
   """
   from combiner.logsparse import level_summaries  # combiner.logsparse dispatches to this module
 

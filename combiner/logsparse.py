@@ -72,8 +72,8 @@ def level_pieces(x: common.Inputs, pooling: str | None) -> list[Piece]:
     # slower, above all in the backward pass.
     logits = jnp.einsum("bhnqd,bhnd->bhnq", qb, k_prev) * x.scale  # [batch, heads, blocks, size]
     valid = jnp.broadcast_to(ok_prev[..., None], (*ok_prev.shape, size))  # [batch, 1, blocks, size]
-    pieces.append(Piece(common.from_grid(logits, length, 2)[..., None], common.from_grid(valid, length, 2)[..., None],
-                        _block_apply(v_prev, blocks, size, length)))
+    pieces.append(Piece(common.from_grid(logits, length, 2)[..., None],
+                        common.from_grid(valid, length, 2)[..., None], _block_apply(v_prev, blocks, size, length)))
   return pieces
 
 
@@ -109,7 +109,8 @@ def logsparse_pieces(x: common.Inputs, causal: bool, pooling: str | None) -> lis
 
 
 def logsparse(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None, pooling: str = "max",
-              pool_q: Array | None = None, pool_k: Array | None = None, implementation: str = "auto") -> Array:
+              pool_q: Array | None = None, pool_k: Array | None = None,
+              implementation: str = "auto") -> Array:
   """Combiner-Logsparse. q, k: [batch, length, heads, head_dim]; v: [batch, length, heads, value_dim].
 
   D_i = {i}; spans = the dyadic partition of [0, i) (and of (i, L) when bidirectional). O(L·log L·d).

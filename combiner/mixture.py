@@ -20,7 +20,7 @@ def mixture(q: Array, k: Array, v: Array, *, row_length: int, causal: bool, mask
   normalize="mean": the mean of the axial-vertical and axial-horizontal outputs (the paper's mixture of two plans).
   normalize="joint": D_i once and both span families under one softmax, as in the authors' released JAX code (the
   two families cover the same keys twice, so this is a different, still row-stochastic, attention).
-  implementation: "xla" (einsums), "pallas" (the fused kernel of `combiner.flash`) or "auto" (pallas on GPU/TPU).
+  implementation: "xla" (einsums), "pallas" (the fused kernel of `combiner.flash`), "auto" (pallas on GPU/TPU).
   """
   op = "combiner.mixture"
   x = common.prepare(q, k, v, mask, op=op, causal=causal, pooling=pooling, pool_q=pool_q, pool_k=pool_k)

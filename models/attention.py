@@ -117,12 +117,12 @@ class OpAttention(AttentionBase):
     self.plan_params = {k: v for k, v in params.items() if not (v == AUTO and accepted is not None
                                                                and k not in accepted)}
     check_op_kwargs(spec, list(self.plan_params))
-    # Kernel choice, passed to ops that take it; asking a specific one of an op without the choice is an error.
+    # Kernel choice, passed to ops that take it; naming one for an op without the choice is an error.
     implementation = str(config.get("implementation", None) or AUTO)
     self.implementation = implementation if ops_registry.takes_implementation(spec) else None
     if self.implementation is None and implementation != AUTO:
-      raise ValueError(f"attention op {self.op_name!r} does not take 'implementation' (got {implementation!r}); "
-                       "leave it 'auto'")
+      raise ValueError(f"attention op {self.op_name!r} does not take 'implementation' "
+                       f"(got {implementation!r}); leave it 'auto'")
     # Recompute the op in the backward pass instead of keeping its intermediates (models.recompute).
     self.recompute = bool(config.get("recompute", None) or False)
 

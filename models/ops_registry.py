@@ -67,7 +67,7 @@ def get(name: str) -> OpSpec:
 
 
 def takes_implementation(spec: OpSpec) -> bool:
-  """Whether the op has an `implementation` argument ("auto" | "xla" | an accelerated kernel), from its signature."""
+  """Whether the op takes `implementation` ("auto" | "xla" | an accelerated kernel), read from its signature."""
   return "implementation" in inspect.signature(spec.fn).parameters
 
 

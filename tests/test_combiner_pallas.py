@@ -1,10 +1,11 @@
-"""The Pallas implementation of the Combiner plans equals their XLA implementation, and lowers for TPU and CUDA.
+"""The Pallas implementation of the Combiner plans equals their XLA one and lowers for TPU and CUDA.
 
-On CPU the kernels run in interpret mode; forward outputs and the gradients of sum(out * cotangent) with respect
-to q, k, v (and pool_q / pool_k) are compared with implementation="xla" in float32, with masks, lengths that are
-not multiples of the block/row size, both directions and both poolings. Interpret-mode programs compile slowly,
-so the fast tests take one configuration per plan family and the slow sweep the rest. The lowering tests export
-the bfloat16 forward and forward+backward programs for platforms=["tpu"] (Mosaic) and ["cuda"] (Triton).
+On CPU the kernels run in interpret mode; forward outputs and the gradients of sum(out * cotangent) with
+respect to q, k, v (and pool_q / pool_k) are compared with implementation="xla" in float32, with masks,
+lengths that are not multiples of the block/row size, both directions and both poolings. Interpret-mode
+programs compile slowly, so the fast tests take one configuration per plan family and the slow sweep the
+rest. The lowering tests export the bfloat16 forward and forward+backward programs for platforms=["tpu"]
+(Mosaic) and ["cuda"] (Triton).
 """
 
 from __future__ import annotations
@@ -153,14 +154,16 @@ def test_merge_of_empty_partials_has_finite_gradients():
 LOWERING_LENGTH, LOWERING_HEADS, LOWERING_DIM = 1024, 2, 64
 LOWERING_OPS = {
     "fixed": lambda q, k, v: combiner.fixed(q, k, v, block_size=32, causal=True, implementation="pallas"),
-    "sparse_fixed": lambda q, k, v: sparse.fixed(q, k, v, block_size=32, causal=False, implementation="pallas"),
-    "axial_rowmajor": lambda q, k, v: combiner.axial(q, k, v, row_length=32, direction="rowmajor", causal=True,
-                                                     implementation="pallas"),
-    "axial_vertical": lambda q, k, v: combiner.axial(q, k, v, row_length=32, direction="vertical", causal=True,
-                                                     implementation="pallas"),
+    "sparse_fixed": lambda q, k, v: sparse.fixed(q, k, v, block_size=32, causal=False,
+                                                 implementation="pallas"),
+    "axial_rowmajor": lambda q, k, v: combiner.axial(q, k, v, row_length=32, direction="rowmajor",
+                                                     causal=True, implementation="pallas"),
+    "axial_vertical": lambda q, k, v: combiner.axial(q, k, v, row_length=32, direction="vertical",
+                                                     causal=True, implementation="pallas"),
     "axial_horizontal": lambda q, k, v: combiner.axial(q, k, v, row_length=32, direction="horizontal",
                                                        causal=False, implementation="pallas"),
-    "mixture": lambda q, k, v: combiner.mixture(q, k, v, row_length=32, causal=True, implementation="pallas"),
+    "mixture": lambda q, k, v: combiner.mixture(q, k, v, row_length=32, causal=True,
+                                                implementation="pallas"),
     "logsparse": lambda q, k, v: combiner.logsparse(q, k, v, causal=False, implementation="pallas"),
     "sparse_logsparse": lambda q, k, v: sparse.logsparse(q, k, v, causal=True, implementation="pallas"),
 }
@@ -179,5 +182,6 @@ def test_lowers_for_accelerators(name, platform):
   spec = jax.ShapeDtypeStruct((1, LOWERING_LENGTH, LOWERING_HEADS, LOWERING_DIM), jnp.bfloat16)
   marker = "tpu_custom_call" if platform == "tpu" else "xla.gpu.triton"
   for f in (fn, fwd_bwd):
-    exported = jax.export.export(jax.jit(f), platforms=[platform], disabled_checks=TRITON_OK)(spec, spec, spec)
+    export = jax.export.export(jax.jit(f), platforms=[platform], disabled_checks=TRITON_OK)
+    exported = export(spec, spec, spec)
     assert marker in exported.mlir_module(), f"{name}: no Pallas kernel in the {platform} program"
