@@ -9,12 +9,13 @@ needed because everything that shapes the model is in it. The result goes to `<w
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from typing import Any
 
 import jax
+
+from runtime import distributed, paths
 
 
 def evaluate_workdir(workdir: str, *, split: str | None = None, step: int | None = None,
@@ -27,7 +28,7 @@ def evaluate_workdir(workdir: str, *, split: str | None = None, step: int | None
   mgr = train.checkpoint_manager(workdir, config, read_only=True)
   available = list(mgr.all_steps())
   if not available:
-    raise FileNotFoundError(f"no checkpoint in {os.path.join(os.path.abspath(workdir), 'checkpoints')}")
+    raise FileNotFoundError(f"no checkpoint in {paths.join(workdir, 'checkpoints')}")
   if step is not None and step not in available:
     raise ValueError(f"no checkpoint for step {step} in {workdir}; available steps: {sorted(available)}")
   state = train.restore_checkpoint(mgr, exp, None, step)
@@ -36,9 +37,8 @@ def evaluate_workdir(workdir: str, *, split: str | None = None, step: int | None
   metrics.update(step=state.step, split=split, attention=str(config.model.attention.name),
                  data=str(config.data.name))
   if jax.process_index() == 0:
-    path = os.path.join(workdir, f"eval_{split}_{state.step}.json")
-    with open(path, "w") as f:
-      json.dump(metrics, f, indent=2)
+    path = paths.join(workdir, f"eval_{split}_{state.step}.json")
+    paths.write_json(path, metrics)
     metrics["path"] = path
   mgr.close()
   return metrics
@@ -50,8 +50,7 @@ def main(argv: list[str]) -> None:
 
   logging.set_verbosity(logging.WARNING)
   f = flags.FLAGS
-  if f.multihost:
-    jax.distributed.initialize()
+  distributed.initialize_from_flags(f)
   m = evaluate_workdir(f.workdir, split=f.split, step=f.step, max_batches=f.max_batches)
   print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in m.items()), flush=True)
 
@@ -64,5 +63,5 @@ if __name__ == "__main__":
   flags.DEFINE_string("split", None, "split to evaluate (default: the config's eval_split)")
   flags.DEFINE_integer("step", None, "checkpoint step (default: the latest)")
   flags.DEFINE_integer("max_batches", -1, "evaluate at most this many batches (-1 = the whole split)")
-  flags.DEFINE_bool("multihost", False, "call jax.distributed.initialize()")
+  distributed.define_flags()  # --multihost, --coordinator_address, --num_processes, --process_id
   app.run(main)

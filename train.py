@@ -16,13 +16,14 @@ r"""Trains an experiment config: jit over a named device mesh, orbax checkpoints
   clear message; the last good checkpoint stays (the bad step is never applied nor saved).
 - Output: a tqdm bar (step, loss, steps/s, ETA), metric lines on stdout, TensorBoard summaries in
   `<workdir>/tensorboard` (tensorboardX), the resolved config in `<workdir>/config.json`, final eval metrics in
-  `<workdir>/metrics.json`.
+  `<workdir>/metrics.json`. The workdir may be `gs://` (files: runtime/paths.py; arrays: orbax).
+- Processes: `--multihost` on Cloud TPU pods; elsewhere `--coordinator_address --num_processes --process_id`
+  (runtime/distributed.py). Each process feeds its own shard of every global batch.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import signal
@@ -41,6 +42,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from models import metrics as metrics_lib
 from models import transformer
+from runtime import distributed, paths
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "default.py")
 REST = nnx.Not(nnx.Any(nnx.Param, nnx.RngState))  # non-gradient module state carried through the step
@@ -359,7 +361,7 @@ def checkpoint_manager(workdir: str, config: ml_collections.ConfigDict, *, read_
 
   options = ocp.CheckpointManagerOptions(max_to_keep=int(config.train.keep_checkpoints), create=not read_only,
                                          read_only=read_only, enable_async_checkpointing=False)
-  return ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, "checkpoints")), options=options,
+  return ocp.CheckpointManager(paths.path(workdir) / "checkpoints", options=options,
                                item_names=("state", "data", "meta"))
 
 
@@ -396,7 +398,7 @@ def restore_checkpoint(mgr: Any, exp: Experiment, data_iter: Any | None, step: i
   if data_iter is not None:
     from data import pipeline  # a state of the other input engine: a clear error instead of grain's
 
-    pipeline.check_iterator_checkpoint(os.path.join(str(mgr.directory), str(step)), data_iter, exp.config)
+    pipeline.check_iterator_checkpoint(paths.join(mgr.directory, str(step)), data_iter, exp.config)
     items["data"] = grain.checkpoint.CheckpointRestore(data_iter)
   restored = mgr.restore(step, args=ocp.args.Composite(**items))
   tree = restored["state"]
@@ -459,30 +461,19 @@ def _fingerprint(batch: dict[str, np.ndarray]) -> str:
 
 
 def summary_writer(logdir: str) -> Any:
-  """A tensorboardX writer. tensorboardX imports torch (seconds) only to accept torch tensors, which this
-  project never logs, so the import is skipped when torch is not loaded already."""
-  blocked = "torch" not in sys.modules
-  if blocked:
-    sys.modules["torch"] = None  # makes `import torch` raise ImportError inside tensorboardX
-  try:
-    from tensorboardX import SummaryWriter
-  finally:
-    if blocked:
-      del sys.modules["torch"]
-  return SummaryWriter(logdir)
+  """A tensorboardX writer for a local or `gs://` logdir (runtime/paths.py)."""
+  return paths.summary_writer(logdir)
 
 
 def save_config(config: ml_collections.ConfigDict, workdir: str) -> None:
-  with open(os.path.join(workdir, "config.json"), "w") as f:
-    f.write(config.to_json_best_effort(indent=2, sort_keys=True))
+  paths.write_text(paths.join(workdir, "config.json"), config.to_json_best_effort(indent=2, sort_keys=True))
 
 
 def load_config(workdir: str) -> ml_collections.ConfigDict:
-  path = os.path.join(workdir, "config.json")
-  if not os.path.exists(path):
+  path = paths.join(workdir, "config.json")
+  if not paths.exists(path):
     raise FileNotFoundError(f"no config.json in {workdir}: is it a train.py workdir?")
-  with open(path) as f:
-    d = json.load(f)
+  d = paths.read_json(path)
   c = ml_collections.ConfigDict(d)
   if c.model.get("image_shape") is not None:
     c.model.image_shape = tuple(c.model.image_shape)
@@ -502,8 +493,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, devic
   """
   import tqdm
 
-  workdir = os.path.abspath(workdir)
-  os.makedirs(workdir, exist_ok=True)
+  workdir = os.fspath(paths.makedirs(workdir))  # local (made absolute) or gs://
   is_main = jax.process_index() == 0
   exp = Experiment(config, devices=devices)
   if is_main:
@@ -524,7 +514,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, devic
   print(f"task={exp.task} data={config.data.name} attention={config.model.attention.name} params={n_params:,} "
         f"mesh={dict(exp.mesh.shape)} steps={start}->{num_steps} workdir={workdir}", flush=True)
 
-  writer = summary_writer(os.path.join(workdir, "tensorboard")) if is_main else None
+  writer = summary_writer(paths.join(workdir, "tensorboard")) if is_main else None
 
   def log_scalars(prefix: str, values: dict[str, Any], step: int) -> None:
     if writer is not None:
@@ -605,8 +595,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, devic
   log_scalars(f"eval_{config.eval_split}", {k: v for k, v in eval_metrics.items() if isinstance(v, float)},
               state.step)
   if is_main:
-    with open(os.path.join(workdir, "metrics.json"), "w") as f:
-      json.dump(eval_metrics, f, indent=2)
+    paths.write_json(paths.join(workdir, "metrics.json"), eval_metrics)
   if writer is not None:
     writer.close()
   mgr.close()
@@ -628,7 +617,7 @@ def _flags():
   flags.DEFINE_string("workdir", None, "checkpoints, summaries and config; default workdirs/<config>-<time>")
   flags.DEFINE_multi_string("gin_file", [], "gin files binding attention constructor fields (ablations)")
   flags.DEFINE_multi_string("gin_bindings", [], "gin bindings, e.g. 'attention.deepsets = True'")
-  flags.DEFINE_bool("multihost", False, "call jax.distributed.initialize() (Cloud TPU pods, multi-GPU hosts)")
+  distributed.define_flags()  # --multihost, --coordinator_address, --num_processes, --process_id
   flags.DEFINE_bool("progress", True, "show the progress bar")
   return flags.FLAGS
 
@@ -643,8 +632,7 @@ def main(argv: list[str]) -> None:
 
   logging.set_verbosity(logging.WARNING)  # orbax and grain log every save at INFO
   flags = absl_flags.FLAGS
-  if flags.multihost:
-    jax.distributed.initialize()
+  distributed.initialize_from_flags(flags)
   config = flags.config
   with config.unlocked():
     gin_bridge.apply(config, flags.gin_file, flags.gin_bindings)

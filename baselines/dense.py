@@ -7,8 +7,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from combiner import contract
-from combiner.combine import attend
+from core import contract
+from core.combine import attend
 
 Array = Any
 

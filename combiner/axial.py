@@ -12,10 +12,12 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from combiner import common, contract, fused
+from combiner import common, fused
 from combiner import pooling as pool_ops
-from combiner.combine import Piece, attend, joint_softmax
 from combiner.fixed import block_direct_piece, block_logits, other_block_valid
+from core import contract
+from core.blocks import from_grid, head_major, num_blocks, to_grid
+from core.combine import Piece, attend, joint_softmax
 
 Array = Any
 DIRECTIONS = ("rowmajor", "vertical", "horizontal")
@@ -27,10 +29,10 @@ class Grid:
   def __init__(self, x: common.Inputs, row_length: int):
     self.length = x.q.shape[2]
     self.cols = row_length
-    self.rows = common.num_blocks(self.length, row_length)
+    self.rows = num_blocks(self.length, row_length)
     self.q, self.k, self.v, self.pool_q, self.pool_k = (
-        common.to_grid(t, self.rows, self.cols, 2) for t in (x.q, x.k, x.v, x.pool_q, x.pool_k))
-    self.mask = common.to_grid(x.mask, self.rows, self.cols, 1)[:, None]
+        to_grid(t, self.rows, self.cols, 2) for t in (x.q, x.k, x.v, x.pool_q, x.pool_k))
+    self.mask = to_grid(x.mask, self.rows, self.cols, 1)[:, None]
     self.scale = x.scale
 
   def column_mask(self) -> Array:
@@ -58,7 +60,7 @@ def rowmajor_spans(g: Grid, causal: bool, pooling: str, span_key_fn: Callable | 
   """
   k_bar, nonempty = pool_ops.pool(g.pool_k, g.mask, axis=3, kind=pooling)  # [b, heads, rows, dim], [b, 1, rows]
   if span_key_fn is not None:
-    k_bar = common.head_major(span_key_fn(common.head_major(k_bar)))  # the hook sees [batch, rows, heads, dim]
+    k_bar = head_major(span_key_fn(head_major(k_bar)))  # the hook sees [batch, rows, heads, dim]
   q_bar, _ = pool_ops.pool(g.pool_q, g.mask, axis=3, kind=pooling)
   # v_tilde[s, c]: the whole row s attended by the query aligned with column c: the direct piece's row logits,
   # except where that token is masked or padding and the pooled row query stands in.
@@ -134,4 +136,4 @@ def axial(q: Array, k: Array, v: Array, *, row_length: int, direction: str, caus
     return fused.axial(x, m, direction, causal, pooling, fused.kernel_dtype(q, k, v), span_key_fn)
   g = Grid(x, m)
   out = joint_softmax(axial_pieces(g, direction, causal, pooling, span_key_fn))  # [b, heads, rows, cols, dv]
-  return common.finish(common.from_grid(out, g.length, 2), x)
+  return common.finish(from_grid(out, g.length, 2), x)

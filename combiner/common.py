@@ -12,8 +12,9 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 import numpy as np
 
-from combiner import contract
 from combiner.pooling import POOLINGS
+from core import contract
+from core.blocks import head_major
 
 Array = Any
 
@@ -53,11 +54,6 @@ def prepare(q: Array, k: Array, v: Array, mask: Array | None, *, op: str, causal
                 contract.logit_scale(q.shape[-1]), v.dtype)
 
 
-def head_major(x: Array) -> Array:
-  """[batch, length, heads, dim] <-> [batch, heads, length, dim] (its own inverse)."""
-  return jnp.swapaxes(x, 1, 2)
-
-
 def materialized_head_major(x: Array) -> Array:
   """head_major(x) [batch, heads, length, dim] as a permuting gather instead of a transpose.
 
@@ -76,29 +72,3 @@ def materialized_head_major(x: Array) -> Array:
 def finish(out: Array, x: Inputs) -> Array:
   """[batch, heads, length, value_dim] -> the contract's [batch, length, heads, value_dim] in v's dtype."""
   return head_major(out).astype(x.out_dtype)
-
-
-def pad_to(x: Array, length: int, axis: int) -> Array:
-  """Pads `axis` up to `length`; padded positions are later masked out as keys and sliced off as queries."""
-  extra = length - x.shape[axis]
-  if extra == 0:
-    return x
-  pad = [(0, 0)] * x.ndim
-  pad[axis] = (0, extra)
-  return jnp.pad(x, pad)
-
-
-def to_grid(x: Array, rows: int, cols: int, axis: int) -> Array:
-  """Splits position `axis` into (rows, cols), padding the tail (length <= rows * cols)."""
-  x = pad_to(x, rows * cols, axis)
-  return x.reshape(*x.shape[:axis], rows, cols, *x.shape[axis + 1:])
-
-
-def from_grid(x: Array, length: int, axis: int) -> Array:
-  """Merges (rows, cols) at `axis`, `axis + 1` back into one position axis of `length`."""
-  x = x.reshape(*x.shape[:axis], x.shape[axis] * x.shape[axis + 1], *x.shape[axis + 2:])
-  return x[(slice(None),) * axis + (slice(0, length),)]
-
-
-def num_blocks(length: int, size: int) -> int:
-  return -(-length // size)

@@ -6,9 +6,11 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from combiner import common, contract, fused
+from combiner import common, fused
 from combiner import pooling as pool_ops
-from combiner.combine import Piece, attend, joint_softmax
+from core import contract
+from core.blocks import from_grid, num_blocks, to_grid
+from core.combine import Piece, attend, joint_softmax
 
 Array = Any
 
@@ -51,9 +53,9 @@ def fixed(q: Array, k: Array, v: Array, *, block_size: int, causal: bool, mask: 
   if contract.resolve_implementation(implementation, op=op) == "pallas":
     return fused.fixed(x, size, causal, pooling, fused.kernel_dtype(q, k, v))
   length = x.q.shape[2]
-  blocks = common.num_blocks(length, size)
-  qb, kb, vb, pqb, pkb = (common.to_grid(t, blocks, size, 2) for t in (x.q, x.k, x.v, x.pool_q, x.pool_k))
-  mb = common.to_grid(x.mask, blocks, size, 1)[:, None]  # [batch, 1, blocks, size]
+  blocks = num_blocks(length, size)
+  qb, kb, vb, pqb, pkb = (to_grid(t, blocks, size, 2) for t in (x.q, x.k, x.v, x.pool_q, x.pool_k))
+  mb = to_grid(x.mask, blocks, size, 1)[:, None]  # [batch, 1, blocks, size]
 
   # Span abstractions, one per block, and their in-span expectations (independent of the query).
   k_bar, nonempty = pool_ops.pool(pkb, mb, axis=3, kind=pooling)  # [batch, heads, blocks, dim], [batch, 1, blocks]
@@ -66,4 +68,4 @@ def fixed(q: Array, k: Array, v: Array, *, block_size: int, causal: bool, mask: 
   valid = other_block_valid(blocks, causal)[:, None, :] & nonempty[:, :, None, None, :]
   spans = Piece(logits, valid, lambda w: jnp.einsum("bhnqr,bhrd->bhnqd", w, v_tilde))
   out = joint_softmax([direct, spans])  # [batch, heads, blocks, size, value_dim]
-  return common.finish(common.from_grid(out, length, 2), x)
+  return common.finish(from_grid(out, length, 2), x)

@@ -41,6 +41,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
+from core.blocks import pad_to
+
 Array = Any
 RULES = ("all", "le", "lt", "ne", "range")
 QIDS = ("row", "group")
@@ -117,15 +119,6 @@ def _tile(n: int, cap: int) -> int:
   while t < n and t < cap:
     t *= 2
   return t
-
-
-def _pad(x: Array, axis: int, size: int, value: Any = 0) -> Array:
-  extra = size - x.shape[axis]
-  if extra == 0:
-    return x
-  pad = [(0, 0)] * x.ndim
-  pad[axis] = (0, extra)
-  return jnp.pad(x, pad, constant_values=value)
 
 
 def _visible(rule: str, qid: Array, kid: Array) -> Array | None:
@@ -373,7 +366,7 @@ def attend(q: Array, sources: Sequence[Source], *, heads: int, scale: float) -> 
   bh, groups, glen, _ = q.shape
   block_q = _tile(glen, BLOCK_Q)
   glen_p = -(-glen // block_q) * block_q
-  qp = _pad(q, 2, glen_p)
+  qp = pad_to(q, glen_p, 2)
   specs, arrays = [], []
   for s in sources:
     if s.rule not in RULES or s.qid not in QIDS:
@@ -387,9 +380,9 @@ def attend(q: Array, sources: Sequence[Source], *, heads: int, scale: float) -> 
       shape = valid.shape[:2] + (1, n)
       lo, hi = (jnp.broadcast_to(jnp.asarray(r, jnp.float32).reshape(-1, n)[:, None], shape) for r in s.rows)
       valid = jnp.concatenate([valid, lo, hi, jnp.zeros_like(lo)], axis=2)  # [batch, gk, 4, n]
-    valid = _pad(valid, 3, n_p)
+    valid = pad_to(valid, n_p, 3)
     specs.append(_Spec(s.rule, s.qid, shared, n_p, block))
-    arrays.append((_pad(s.k.astype(q.dtype), 2, n_p), _pad(s.v.astype(q.dtype), 2, n_p), valid))
+    arrays.append((pad_to(s.k.astype(q.dtype), n_p, 2), pad_to(s.v.astype(q.dtype), n_p, 2), valid))
   o, lse = _flash(tuple(specs), heads, float(scale), block_q, qp, tuple(arrays))
   return o[:, :, :glen], lse[:, :, :glen, 0]
 

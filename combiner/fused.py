@@ -27,7 +27,8 @@ import numpy as np
 
 from combiner import common, flash
 from combiner import pooling as pool_ops
-from combiner.combine import attend as xla_attend
+from core.blocks import from_grid, head_major, num_blocks, to_grid
+from core.combine import attend as xla_attend
 
 Array = Any
 
@@ -58,13 +59,13 @@ def _other_rule(causal: bool) -> str:
 def fixed(x: common.Inputs, size: int, causal: bool, pooling: str | None, dtype: Any) -> Array:
   """Combiner-Fixed (pooling = "max"/"mean") or Sparse-Fixed (pooling None: each block's last position)."""
   batch, heads, length, _ = x.q.shape
-  blocks = common.num_blocks(length, size)
-  qb, kb, vb = (common.to_grid(t, blocks, size, 2) for t in (x.q, x.k, x.v))  # [b, heads, blocks, size, d]
-  mb = common.to_grid(x.mask, blocks, size, 1)  # [batch, blocks, size]
+  blocks = num_blocks(length, size)
+  qb, kb, vb = (to_grid(t, blocks, size, 2) for t in (x.q, x.k, x.v))  # [b, heads, blocks, size, d]
+  mb = to_grid(x.mask, blocks, size, 1)  # [batch, blocks, size]
   if pooling is None:
     k_sum, v_sum, ok_sum = kb[:, :, :, -1], vb[:, :, :, -1], mb[:, :, -1]
   else:
-    pqb, pkb = (common.to_grid(t, blocks, size, 2) for t in (x.pool_q, x.pool_k))
+    pqb, pkb = (to_grid(t, blocks, size, 2) for t in (x.pool_q, x.pool_k))
     k_sum, ok_sum = pool_ops.pool(pkb, mb[:, None], axis=3, kind=pooling)  # [b, h, blocks, d], [b, 1, blocks]
     q_bar, _ = pool_ops.pool(pqb, mb[:, None], axis=3, kind=pooling)
     span_logits = jnp.einsum("bhrd,bhrkd->bhrk", q_bar, kb) * x.scale  # [batch, heads, blocks, size]
@@ -76,7 +77,7 @@ def fixed(x: common.Inputs, size: int, causal: bool, pooling: str | None, dtype:
                    ok_sum[:, None], _other_rule(causal), "group"),
   ]
   out, _ = flash.attend(_bh(qb).astype(dtype), sources, heads=heads, scale=x.scale)  # [bh, blocks, size, dv]
-  return common.finish(common.from_grid(_unbh(out, batch), length, 2), x)
+  return common.finish(from_grid(_unbh(out, batch), length, 2), x)
 
 
 class _Layout:
@@ -85,12 +86,12 @@ class _Layout:
 
   def __init__(self, x: common.Inputs, cols: int, dtype: Any):
     self.batch, self.heads, self.length, _ = x.q.shape
-    self.rows, self.cols = common.num_blocks(self.length, cols), cols
+    self.rows, self.cols = num_blocks(self.length, cols), cols
     self.dtype, self.scale = dtype, x.scale
     # [batch, heads, rows, cols, dim] in the softmax dtype (pooling and summaries run there).
     self.q, self.k, self.v, self.pool_q, self.pool_k = (
-        common.to_grid(t, self.rows, self.cols, 2) for t in (x.q, x.k, x.v, x.pool_q, x.pool_k))
-    self.mask = common.to_grid(x.mask, self.rows, self.cols, 1)  # [batch, rows, cols]
+        to_grid(t, self.rows, self.cols, 2) for t in (x.q, x.k, x.v, x.pool_q, x.pool_k))
+    self.mask = to_grid(x.mask, self.rows, self.cols, 1)  # [batch, rows, cols]
 
   def row(self, t: Array) -> Array:  # [batch, heads, rows, cols, d] -> [bh, rows, cols, d] (kernel dtype)
     return _bh(t).astype(self.dtype)
@@ -117,7 +118,7 @@ class _Layout:
     return _unbh(t, self.batch)
 
   def finish(self, out: Array, x: common.Inputs) -> Array:
-    return common.finish(common.from_grid(self.unbh(out), self.length, 2), x)
+    return common.finish(from_grid(self.unbh(out), self.length, 2), x)
 
 
 def _all_but_one(x: Array, valid: Array, axis: int, causal: bool, pooling: str) -> tuple[Array, Array]:
@@ -134,7 +135,7 @@ def _rowmajor_spans(g: _Layout, causal: bool, pooling: str, span_key_fn: Any) ->
   mask = g.mask[:, None]  # [batch, 1, rows, cols]
   k_bar, nonempty = pool_ops.pool(g.pool_k, mask, axis=3, kind=pooling)  # [b, heads, rows, d], [b, 1, rows]
   if span_key_fn is not None:
-    k_bar = common.head_major(span_key_fn(common.head_major(k_bar)))  # hook sees [batch, rows, heads, dim]
+    k_bar = head_major(span_key_fn(head_major(k_bar)))  # hook sees [batch, rows, heads, dim]
   q_bar, _ = pool_ops.pool(g.pool_q, mask, axis=3, kind=pooling)
   # v_tilde[s, c]: row s attended by the column-c token's query, or by the pooled row query where that token
   # is masked or padding: one row-major flash call.
@@ -209,21 +210,21 @@ def _logsparse_call(x: common.Inputs, pooling: str | None, dtype: Any,
 
   batch, heads, length, _ = x.q.shape
   glen = flash.group_length(length)
-  groups = common.num_blocks(length, glen)
+  groups = num_blocks(length, glen)
   keys, values, valid, first, end = [], [], [], [], []
   if with_self:
-    keys.append(common.to_grid(x.k, groups, glen, 2))  # [batch, heads, groups, glen, d]
-    values.append(common.to_grid(x.v, groups, glen, 2))
-    valid.append(common.to_grid(x.mask, groups, glen, 1))  # [batch, groups, glen]
+    keys.append(to_grid(x.k, groups, glen, 2))  # [batch, heads, groups, glen, d]
+    values.append(to_grid(x.v, groups, glen, 2))
+    valid.append(to_grid(x.mask, groups, glen, 1))  # [batch, groups, glen]
     first.append(np.arange(glen))
     end.append(np.arange(glen) + 1)
   for level, (k_prev, v_prev, ok_prev) in enumerate(level_summaries(x, pooling)):
     size = 1 << level
     if size <= glen:
       per = glen // size
-      keys.append(common.to_grid(k_prev, groups, per, 2))  # [batch, heads, groups, per, d]
-      values.append(common.to_grid(v_prev, groups, per, 2))
-      valid.append(common.to_grid(ok_prev[:, 0], groups, per, 1))  # [batch, groups, per]
+      keys.append(to_grid(k_prev, groups, per, 2))  # [batch, heads, groups, per, d]
+      values.append(to_grid(v_prev, groups, per, 2))
+      valid.append(to_grid(ok_prev[:, 0], groups, per, 1))  # [batch, groups, per]
       first.append(np.arange(per) * size)
       end.append(np.arange(per) * size + size)
     else:
@@ -237,10 +238,10 @@ def _logsparse_call(x: common.Inputs, pooling: str | None, dtype: Any,
   source = flash.Source(_bh(cat(keys)).astype(dtype), _bh(cat(values)).astype(dtype),
                         jnp.concatenate(valid, axis=-1), "range", "row",
                         (np.concatenate(first), np.concatenate(end)))
-  out, lse = flash.attend(_bh(common.to_grid(x.q, groups, glen, 2)).astype(dtype), [source], heads=heads,
+  out, lse = flash.attend(_bh(to_grid(x.q, groups, glen, 2)).astype(dtype), [source], heads=heads,
                           scale=x.scale)  # [bh, groups, glen, dv], [bh, groups, glen]
-  out = common.from_grid(_unbh(out, batch), length, 2)  # [batch, heads, L, dv]
-  return out, common.from_grid(_unbh(lse, batch), length, 2)
+  out = from_grid(_unbh(out, batch), length, 2)  # [batch, heads, L, dv]
+  return out, from_grid(_unbh(lse, batch), length, 2)
 
 
 def logsparse_plan(x: common.Inputs, causal: bool, pooling: str | None, dtype: Any) -> Array:

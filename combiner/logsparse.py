@@ -13,9 +13,11 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from combiner import common, contract, fused
+from combiner import common, fused
 from combiner import pooling as pool_ops
-from combiner.combine import Piece, attend, joint_softmax
+from core import contract
+from core.blocks import from_grid, num_blocks, to_grid
+from core.combine import Piece, attend, joint_softmax
 
 Array = Any
 
@@ -40,9 +42,9 @@ def level_summaries(x: common.Inputs, pooling: str | None) -> list[tuple[Array, 
   stats_q = pool_ops.Stats(pool_ops.masked(x.pool_q, x.mask[:, None], pooling or "max"), x.mask[:, None])
   for level in range(num_levels(length)):
     size = 1 << level
-    blocks = common.num_blocks(length, size)
-    kb, vb = (common.to_grid(t, blocks, size, 2) for t in (x.k, x.v))  # [batch, heads, blocks, size, d]
-    mb = common.to_grid(x.mask, blocks, size, 1)[:, None]  # [batch, 1, blocks, size]
+    blocks = num_blocks(length, size)
+    kb, vb = (to_grid(t, blocks, size, 2) for t in (x.k, x.v))  # [batch, heads, blocks, size, d]
+    mb = to_grid(x.mask, blocks, size, 1)[:, None]  # [batch, 1, blocks, size]
     if pooling is None:
       k_bar, v_tilde, nonempty = kb[:, :, :, -1], vb[:, :, :, -1], mb[:, :, :, -1]
     else:
@@ -67,20 +69,20 @@ def level_pieces(x: common.Inputs, pooling: str | None) -> list[Piece]:
   for level, (k_prev, v_prev, ok_prev) in enumerate(level_summaries(x, pooling)):
     size = 1 << level
     blocks = k_prev.shape[2]
-    qb = common.to_grid(x.q, blocks, size, 2)  # [batch, heads, blocks, size, head_dim]
+    qb = to_grid(x.q, blocks, size, 2)  # [batch, heads, blocks, size, head_dim]
     # Contractions and outer products stay einsums: XLA:CPU runs broadcast-multiply-reduce forms of them 10-80x
     # slower, above all in the backward pass.
     logits = jnp.einsum("bhnqd,bhnd->bhnq", qb, k_prev) * x.scale  # [batch, heads, blocks, size]
     valid = jnp.broadcast_to(ok_prev[..., None], (*ok_prev.shape, size))  # [batch, 1, blocks, size]
-    pieces.append(Piece(common.from_grid(logits, length, 2)[..., None],
-                        common.from_grid(valid, length, 2)[..., None], _block_apply(v_prev, blocks, size, length)))
+    pieces.append(Piece(from_grid(logits, length, 2)[..., None], from_grid(valid, length, 2)[..., None],
+                        _block_apply(v_prev, blocks, size, length)))
   return pieces
 
 
 def _block_apply(v_prev: Array, blocks: int, size: int, length: int):
   def apply(w: Array) -> Array:  # w: [batch, heads, length, 1] -> [batch, heads, length, value_dim]
-    wb = common.to_grid(w[..., 0], blocks, size, 2)  # [batch, heads, blocks, size]
-    return common.from_grid(jnp.einsum("bhnq,bhnd->bhnqd", wb, v_prev), length, 2)
+    wb = to_grid(w[..., 0], blocks, size, 2)  # [batch, heads, blocks, size]
+    return from_grid(jnp.einsum("bhnq,bhnd->bhnqd", wb, v_prev), length, 2)
   return apply
 
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from combiner import combine, common, contract, fused
+from combiner import common, fused
 from combiner.axial import Grid, column_piece, horizontal_spans, row_piece, vertical_spans
-from combiner.combine import joint_softmax, merge, partial_softmax
+from core import combine, contract
+from core.blocks import from_grid
+from core.combine import joint_softmax, merge, partial_softmax
 
 Array = Any
 NORMALIZE = ("mean", "joint")
@@ -37,4 +39,4 @@ def mixture(q: Array, k: Array, v: Array, *, row_length: int, causal: bool, mask
     out = 0.5 * sum(combine.normalize(merge([shared, partial_softmax([spans])])) for spans in (vertical, horizontal))
   else:
     out = joint_softmax(direct + [vertical, horizontal])  # [batch, heads, rows, cols, value_dim]
-  return common.finish(common.from_grid(out, g.length, 2), x)
+  return common.finish(from_grid(out, g.length, 2), x)

@@ -1,6 +1,6 @@
 """From-definition Combiner reference: the dense effective attention matrix built with explicit loops.
 
-This module is the independent statement of DESIGN.md section 4 that the fast ops in `combiner/` are
+This module is the independent statement of docs/design.md section 4 that the fast ops in `combiner/` are
 tested against, and the source of the attention-pattern pictures. Everything is NumPy float64 and written
 for clarity, never for speed: one query at a time, sets as Python lists, softmax written out.
 
@@ -75,7 +75,7 @@ def omega(length: int, i: int, *, causal: bool, mask: Array | None = None) -> li
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Plans: D_i and the spans, straight from the table in DESIGN.md section 4
+# Plans: D_i and the spans, straight from the table in docs/design.md section 4
 
 
 def _logsparse_causal_spans(i: int) -> list[list[int]]:
@@ -297,7 +297,7 @@ def attention_matrix(plan: str, q: Array, k: Array, *, causal: bool, mask: Array
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Sparse baselines: the plans with the spans dropped (DESIGN.md section 4, last note)
+# Sparse baselines: the plans with the spans dropped (docs/design.md section 4, last note)
 
 
 def sparse_support(plan: str, length: int, i: int, *, causal: bool, mask: Array | None = None, **params: Any

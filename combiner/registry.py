@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 
 from combiner import axial, fixed, logsparse, mixture, sparse
-from models.ops_registry import OpSpec, register, sqrt_pow2
+from core.registry import OpSpec, register, sqrt_pow2
 
 
 def _block(length: int) -> dict:

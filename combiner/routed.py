@@ -3,7 +3,7 @@
 A routing module (e.g. `routing.kmeans`) assigns each token a cluster id per head. The partition is made
 balanced: per (batch, head) the tokens are sorted by (cluster id, position) and the sorted order is cut into
 consecutive chunks of `w = ceil(L / num_clusters)` tokens (the last may be shorter). Token `i` attends directly to
-its own chunk and, through one pooled abstraction each, to every other chunk (DESIGN.md section 4, plan `routed`):
+its own chunk and, through one pooled abstraction each, to every other chunk (docs/design.md section 4, plan `routed`):
 
 - bidirectional: `D_i` = own chunk, spans = the other chunks (masked keys removed, empty spans dropped);
 - causal (paper eq. 12): every set is intersected with the prefix `[0, i]`, so a span is the part of another chunk
@@ -26,9 +26,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from combiner import common, contract
+from combiner import common
 from combiner import pooling as pool_ops
-from combiner.combine import Piece, attend, joint_softmax
+from core import contract
+from core.combine import Piece, attend, joint_softmax
 
 Array = Any
 
@@ -177,9 +178,3 @@ def routed(q: Array, k: Array, v: Array, *, cluster_ids: Array, num_clusters: in
   out = joint_softmax([direct, base_piece, upd_piece])  # [b, h, nb, B, dv]
   out = out.reshape(batch, heads, lp, -1)[:, :, :length]
   return common.finish(out, x)
-
-
-def num_chunks(length: int, num_clusters: int) -> int:
-  """How many chunks `routed` cuts a length into (ceil(L / ceil(L / num_clusters)) <= num_clusters)."""
-  w = -(-length // num_clusters)
-  return int(np.ceil(length / w))

@@ -11,11 +11,13 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from combiner import common, contract, fused
+from combiner import common, fused
 from combiner.axial import Grid, column_piece, row_piece
-from combiner.combine import Piece, joint_softmax
 from combiner.fixed import block_direct_piece, other_block_valid
 from combiner.logsparse import logsparse_pieces
+from core import contract
+from core.blocks import from_grid, num_blocks, to_grid
+from core.combine import Piece, joint_softmax
 
 Array = Any
 
@@ -29,16 +31,16 @@ def fixed(q: Array, k: Array, v: Array, *, block_size: int, causal: bool, mask: 
   if contract.resolve_implementation(implementation, op=op) == "pallas":
     return fused.fixed(x, size, causal, None, fused.kernel_dtype(q, k, v))
   length = x.q.shape[2]
-  blocks = common.num_blocks(length, size)
-  qb, kb, vb = (common.to_grid(t, blocks, size, 2) for t in (x.q, x.k, x.v))  # [batch, heads, blocks, size, dim]
-  mb = common.to_grid(x.mask, blocks, size, 1)[:, None]  # [batch, 1, blocks, size]
+  blocks = num_blocks(length, size)
+  qb, kb, vb = (to_grid(t, blocks, size, 2) for t in (x.q, x.k, x.v))  # [batch, heads, blocks, size, dim]
+  mb = to_grid(x.mask, blocks, size, 1)[:, None]  # [batch, 1, blocks, size]
   # The own block's summary position is already in the direct piece; a ragged last block has none (padding).
   k_sum, v_sum, m_sum = kb[:, :, :, -1], vb[:, :, :, -1], mb[:, :, :, -1]  # [b, heads, blocks, dim], [b, 1, blocks]
   logits = jnp.einsum("bhnqd,bhrd->bhnqr", qb, k_sum) * x.scale  # [batch, heads, blocks, size, blocks_r]
   valid = other_block_valid(blocks, causal)[:, None, :] & m_sum[:, :, None, None, :]
   summary = Piece(logits, valid, lambda w: jnp.einsum("bhnqr,bhrd->bhnqd", w, v_sum))
   out = joint_softmax([block_direct_piece(qb, kb, vb, mb, x.scale, causal), summary])
-  return common.finish(common.from_grid(out, length, 2), x)
+  return common.finish(from_grid(out, length, 2), x)
 
 
 def logsparse(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None,
@@ -62,4 +64,4 @@ def axial(q: Array, k: Array, v: Array, *, row_length: int, causal: bool, mask: 
     return fused.axial(x, m, None, causal, "max", fused.kernel_dtype(q, k, v))
   g = Grid(x, m)
   out = joint_softmax([row_piece(g, causal), column_piece(g, causal)])  # [batch, heads, rows, cols, value_dim]
-  return common.finish(common.from_grid(out, g.length, 2), x)
+  return common.finish(from_grid(out, g.length, 2), x)

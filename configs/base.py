@@ -30,7 +30,8 @@ def attention_config(name: str = "combiner_fixed") -> ml_collections.ConfigDict:
   att.dropout_rate = ml_collections.FieldReference(None, field_type=float)
   # Combiner: relu(Dense(q)) / relu(Dense(k)) pooled into the span abstractions (paper Table 3).
   att.deepsets = ml_collections.FieldReference(None, field_type=bool)
-  # Combiner axial rowmajor: the released code's learned row-summary span key.
+  # Combiner axial rowmajor: a learned row-summary span key (per head, from the pooled key), an approximation of
+  # the released code's per-column key (docs/design.md section 4).
   att.learned_span_key = ml_collections.FieldReference(None, field_type=bool)
   # Ops from the op registry: recompute the op in the backward pass instead of keeping its intermediates
   # (dense: the [heads, L, L] probabilities); exact same gradients, one extra op forward (models.recompute).

@@ -9,7 +9,7 @@ Paper:     Table 1 (ablation, 6 layers, width 512, 8 heads, lr 1e-3, batch 32, 4
            1.2M cosine steps (`main,layers=128,...`), not reproduced by default.
 Expected:  ~3.05 bits/dim for the default (combiner_axial_vertical, 6 layers) after 400k steps.
 Cost:      about 4 days on a TPU v2-8 at the paper's batch (400k steps at ~1 step/s); the smoke variant
-           (`:smoke`, 4x4 images) runs in seconds on a CPU.
+           (`:smoke`: a tiny model on the full 32x32 images) runs in minutes on a CPU.
 The mlp width (2048) and the cosine/warmup schedule of the ablation are not stated in the paper: our choices.
 """
 

@@ -2,7 +2,7 @@
 
 Each image becomes one sequence of sub-pixels in raster order with the channels innermost (R, G, B of pixel
 (0, 0), then pixel (0, 1), ...), values 0..255 as tokens (vocabulary 256). The metric is bits/dim over all
-sub-pixels (`data.metrics.bits_per_dim`). ImageNet-64 is tfds `downsampled_imagenet/64x64`, the set the
+sub-pixels (`models.metrics.summarize`). ImageNet-64 is tfds `downsampled_imagenet/64x64`, the set the
 papers use (not `imagenet_resized`). Random horizontal flip is available (`config.data.random_flip`) but off
 by default: the paper trains without augmentation.
 """

@@ -24,20 +24,21 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
+import io
 import json
 import logging
 import multiprocessing
 import os
-import shutil
-import tempfile
 import time
 import zlib
 from typing import Any
 
 import numpy as np
+import tqdm
 
 from data import pipeline
 from data.info import DatasetInfo
+from runtime import paths
 
 log = logging.getLogger("data")
 
@@ -253,7 +254,7 @@ def cache_path(config: Any, split: str) -> str | None:
     return None
   spec = cache_spec(config, split)
   key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
-  return os.path.join(os.path.expanduser(root), "listops_synthetic", f"{split}-{key}")
+  return paths.join(root, "listops_synthetic", f"{split}-{key}")  # local (absolute) or gs://
 
 
 def _generate_range(args: tuple[str, int, int, dict[str, Any], bool, int, int]):
@@ -268,17 +269,19 @@ def _generate_range(args: tuple[str, int, int, dict[str, Any], bool, int, int]):
   return np.concatenate(ids).astype(np.uint8), lengths, labels
 
 
-def build_cache(config: Any, split: str, *, workers: int | None = None) -> str:
+def build_cache(config: Any, split: str, *, workers: int | None = None, progress: bool = False) -> str:
   """Generates `split` once into its cache directory (no-op when it is there) and returns the directory.
 
+  The split is generated in shards; each finished shard is kept in `<cache dir>.parts/`, so an interrupted run
+  resumes with the shards still missing. The cache directory itself appears atomically once every shard is there.
   workers: generator processes (spawned, so safe after JAX has started threads; the caller's main module must
   be importable, as for `python -m data.prepare`). Default 1: training on first use generates in-process;
-  `data.prepare` passes the CPU count.
+  `data.prepare` passes the CPU count. progress: a progress bar over the shards.
   """
   path = cache_path(config, split)
   if path is None:
     raise ValueError("listops_synthetic: set config.data.cache_dir or config.data.data_dir to cache the splits")
-  if os.path.isdir(path):
+  if paths.path(path).is_dir():
     return path
   spec = cache_spec(config, split)
   size = spec["size"]
@@ -287,38 +290,56 @@ def build_cache(config: Any, split: str, *, workers: int | None = None) -> str:
   if workers == 1 and size * per > 60:
     log.warning("listops_synthetic: `python -m data.prepare listops_synthetic --data_dir DIR` generates the "
                 "splits with every CPU")
-  log.warning("listops_synthetic: generating the %s split once (%d examples, ~%.0f s on %d process%s) into %s",
-              split, size, size * per / workers, workers, "" if workers == 1 else "es", path)
-  start = time.time()
+  parts_dir = path + ".parts"
+  paths.makedirs(parts_dir)
   params = _params(config)
-  bounds = np.linspace(0, size, max(1, min(workers * 4, size)) + 1).astype(int)
-  jobs = [(split, size, spec["data_seed"], params, spec["parens"], int(lo), int(hi))
-          for lo, hi in zip(bounds[:-1], bounds[1:]) if hi > lo]
-  if workers > 1:
-    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-      parts = list(pool.map(_generate_range, jobs))
-  else:
-    parts = [_generate_range(job) for job in jobs]
+  bounds = np.linspace(0, size, max(1, min(max(workers * 4, size // 1000), size)) + 1).astype(int)
+  shards = [(int(lo), int(hi)) for lo, hi in zip(bounds[:-1], bounds[1:]) if hi > lo]
+  todo = [(split, size, spec["data_seed"], params, spec["parens"], lo, hi) for lo, hi in shards
+          if not paths.exists(_part_path(parts_dir, lo, hi))]
+  log.warning("listops_synthetic: generating the %s split once (%d examples, %d of %d shards to go, ~%.0f s on "
+              "%d process%s) into %s", split, size, len(todo), len(shards),
+              size * per * len(todo) / len(shards) / workers, workers, "" if workers == 1 else "es", path)
+  start = time.time()
+  bar = tqdm.tqdm(total=len(shards), initial=len(shards) - len(todo), desc=f"listops_synthetic {split}",
+                  unit="shard", disable=not progress)
+  with bar:
+    if workers > 1 and todo:
+      context = multiprocessing.get_context("spawn")
+      with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+        for job, part in zip(todo, pool.map(_generate_range, todo)):
+          _save_part(parts_dir, job[-2], job[-1], part)
+          bar.update()
+    else:
+      for job in todo:
+        _save_part(parts_dir, job[-2], job[-1], _generate_range(job))
+        bar.update()
+  parts = []
+  for lo, hi in shards:
+    with paths.load_npy(_part_path(parts_dir, lo, hi)) as z:
+      parts.append((z["tokens"], z["lengths"], z["labels"]))
   tokens = np.concatenate([p[0] for p in parts])
   offsets = np.concatenate([[0], np.cumsum(np.concatenate([p[1] for p in parts]))]).astype(np.int64)
   labels = np.concatenate([p[2] for p in parts])
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  tmp = tempfile.mkdtemp(prefix=os.path.basename(path) + ".tmp-", dir=os.path.dirname(path))
-  try:
-    np.save(os.path.join(tmp, "tokens.npy"), tokens)
-    np.save(os.path.join(tmp, "offsets.npy"), offsets)
-    np.save(os.path.join(tmp, "labels.npy"), labels)
-    with open(os.path.join(tmp, "spec.json"), "w") as f:
-      json.dump(spec, f, indent=1, sort_keys=True)
-    os.rename(tmp, path)  # atomic; another host that finished first wins, its files are the same
-  except OSError:
-    if not os.path.isdir(path):
-      raise
-  finally:
-    shutil.rmtree(tmp, ignore_errors=True)
+  # All files appear at once; another host that finished first wins, its files are the same.
+  paths.publish_dir(path, {"tokens.npy": paths.npy_bytes(tokens), "offsets.npy": paths.npy_bytes(offsets),
+                           "labels.npy": paths.npy_bytes(labels),
+                           "spec.json": json.dumps(spec, indent=1, sort_keys=True).encode()})
+  paths.rmtree(parts_dir)
   log.warning("listops_synthetic: %s split cached in %.0f s (%d tokens)", split, time.time() - start,
               tokens.shape[0])
   return path
+
+
+def _part_path(parts_dir: str, lo: int, hi: int) -> str:
+  return paths.join(parts_dir, f"{lo:09d}-{hi:09d}.npz")
+
+
+def _save_part(parts_dir: str, lo: int, hi: int, part: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
+  """Writes one finished shard whole (locally: a temporary name, then a rename)."""
+  buf = io.BytesIO()
+  np.savez(buf, tokens=part[0], lengths=part[1], labels=part[2])
+  paths.write_bytes(_part_path(parts_dir, lo, hi), buf.getvalue())
 
 
 class CachedSource:
@@ -329,11 +350,11 @@ class CachedSource:
 
   def __init__(self, path: str, cap_mb: float = 512):
     self.path = path
-    tokens = os.path.join(path, "tokens.npy")
-    # Read into RAM when it fits `config.data.cache_in_memory` (a slice of memory costs less than of a mapping).
-    self.tokens = np.load(tokens, mmap_mode=None if os.path.getsize(tokens) <= cap_mb * 2**20 else "r")
-    self.offsets = np.load(os.path.join(path, "offsets.npy"))
-    self.labels = np.load(os.path.join(path, "labels.npy"))
+    # Read into RAM when it fits `config.data.cache_in_memory` (a slice of memory costs less than of a
+    # mapping); a gs:// cache is always read into RAM.
+    self.tokens = paths.load_npy(paths.join(path, "tokens.npy"), mmap_over_mb=cap_mb)
+    self.offsets = paths.load_npy(paths.join(path, "offsets.npy"))
+    self.labels = paths.load_npy(paths.join(path, "labels.npy"))
     if self.offsets.shape[0] != self.labels.shape[0] + 1 or self.offsets[-1] != self.tokens.shape[0]:
       raise ValueError(f"listops_synthetic cache {path} is inconsistent (offsets/labels/tokens disagree); "
                        "delete the directory and it is generated again")

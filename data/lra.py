@@ -59,7 +59,6 @@ SPLIT_SIZES = {
   "lra_image": {"train": 50_000, "test": 10_000},
   "lra_pathfinder": {"train": 160_000, "validation": 20_000, "test": 20_000},
 }
-LRA_URL = "https://storage.googleapis.com/long-range-arena/lra_release.gz"
 
 
 def lra_root(config: Any) -> str:

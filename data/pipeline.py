@@ -230,7 +230,7 @@ class PadBatch:
 
 
 class Example(grain.transforms.Map):
-  """Wraps a per-record function `fn(record, index_rng) -> dict`, adding valid=True."""
+  """Wraps a per-record function `fn(record) -> dict`, adding valid=True."""
 
   def __init__(self, fn: Callable[[Any], dict[str, np.ndarray]]):
     self.fn = fn
@@ -560,17 +560,18 @@ def check_iterator_checkpoint(step_dir: str, data_iter: Any, config: Any) -> Non
   `step_dir` is the checkpoint step directory holding `data/process_*.json` (grain's orbax handler); nothing
   is checked when it has none.
   """
-  import glob
   import json
 
-  files = sorted(glob.glob(os.path.join(step_dir, "data", "process_*.json")))
+  from etils import epath  # the checkpoint may live on gs://
+
+  data_dir = epath.Path(step_dir) / "data"
+  files = sorted(data_dir.glob("process_*.json")) if data_dir.exists() else []
   if not files:
     return
-  with open(files[0]) as f:
-    try:
-      saved = json.load(f)
-    except ValueError:
-      return  # not a grain state we know; grain itself reports it
+  try:
+    saved = json.loads(files[0].read_text())
+  except ValueError:
+    return  # not a grain state we know; grain itself reports it
   saved_loader = isinstance(saved, dict) and "last_seen_indices" in saved and "sampler" in saved
   current_loader = not isinstance(data_iter, grain.DatasetIterator)
   if saved_loader and str(saved["sampler"]).startswith("IndexSampler("):

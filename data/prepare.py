@@ -199,8 +199,13 @@ def unpack_lra(data_dir: str) -> str | None:
 
 
 def prepare(name: str, data_dir: str, *, skip_build: bool = False, vocab_size: int = 32000,
-            spm_docs: int = 1_000_000, beam_flags: list[str] | None = None, seed: int = 0) -> int:
-  """Runs the steps for `name`; returns the exit status (0 ok, 1 verification failed, 2 manual step missing)."""
+            spm_docs: int = 1_000_000, beam_flags: list[str] | None = None, seed: int = 0,
+            listops_fields: dict[str, Any] | None = None) -> int:
+  """Runs the steps for `name`; returns the exit status (0 ok, 1 verification failed, 2 manual step missing).
+
+  listops_fields: `config.data` fields of listops_synthetic (split sizes `num_<split>`, lengths); training reads
+  the cache only with the same fields, so they are printed as the matching `--config.data.*` flags.
+  """
   from data import images, text
 
   data_dir = os.path.expanduser(data_dir)
@@ -210,10 +215,14 @@ def prepare(name: str, data_dir: str, *, skip_build: bool = False, vocab_size: i
   if name == "listops_synthetic":
     from data import listops
 
-    config = _config(name, data_dir)
+    fields = dict(listops_fields or {})
+    config = _config(name, data_dir, **fields)
     for split in listops.SPLIT_SIZES:
-      print(f"  {split}: {listops.build_cache(config, split, workers=os.cpu_count() or 1)}", flush=True)
-    ok = verify(name, data_dir)
+      path = listops.build_cache(config, split, workers=os.cpu_count() or 1, progress=True)
+      print(f"  {split}: {path}", flush=True)
+    if fields:
+      print("  train with the same fields: " + " ".join(f"--config.data.{k}={v}" for k, v in fields.items()))
+    ok = verify(name, data_dir, **fields)
     print(f"{name}: {'verified' if ok else 'VERIFICATION FAILED'} in {time.time() - start:.0f} s")
     return 0 if ok else 1
   if name == "lra":
@@ -253,11 +262,23 @@ def main(argv: list[str] | None = None) -> int:
                       help="training documents sampled for SentencePiece")
   parser.add_argument("--beam_flags", default=None, help="Beam pipeline flags, space-separated (wiki40b, c4)")
   parser.add_argument("--seed", type=int, default=0)
+  listops = parser.add_argument_group("listops_synthetic sizes (defaults: the published process)")
+  for split in ("train", "validation", "test"):
+    listops.add_argument(f"--num_{split}", type=int, default=None, help=f"examples in the {split} split")
+  listops.add_argument("--min_length", type=int, default=None, help="shortest expression, in tokens")
+  listops.add_argument("--max_length", type=int, default=None, help="longest expression, in tokens")
   args = parser.parse_args(argv)
+  listops_fields = {k: getattr(args, k) for k in ("num_train", "num_validation", "num_test", "min_length",
+                                                  "max_length") if getattr(args, k) is not None}
+  for key, value in listops_fields.items():
+    if value < 1:
+      parser.error(f"--{key} must be >= 1, got {value}")
+  if listops_fields and args.dataset != "listops_synthetic":
+    parser.error(f"--{next(iter(listops_fields))} applies to listops_synthetic only")
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
   return prepare(args.dataset, args.data_dir, skip_build=args.skip_build, vocab_size=args.vocab_size,
                  spm_docs=args.spm_docs, beam_flags=args.beam_flags.split() if args.beam_flags else None,
-                 seed=args.seed)
+                 seed=args.seed, listops_fields=listops_fields)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ there for models that want segment embeddings or a segment-aware right shift.
 
 from __future__ import annotations
 
-import glob
 import os
 import re
 from typing import Any
@@ -35,6 +34,7 @@ import numpy as np
 
 from data import pipeline, tokenizer
 from data.info import DatasetInfo
+from runtime import paths
 
 SPECS: dict[str, dict[str, Any]] = {
   "wiki40b": dict(tfds_name="wiki40b/en", version="1.3.0", task="lm", max_segments=None,
@@ -87,7 +87,7 @@ def text_source(config: Any, split: str):
   if base not in spec["splits"]:
     raise ValueError(f"split must be one of {sorted(spec['splits'])}, got {split!r}")
   path = prepared_dir(config)
-  if not glob.glob(os.path.join(path, "dataset_info.json")):
+  if not paths.exists(paths.join(path, "dataset_info.json")):  # local or gs://
     raise pipeline.missing(path, config.data.name, pipeline.cfg_get(config, "data_dir"),
                            what=f"prepared tfds directory of {spec['tfds_name']}")
   return tfds.builder_from_directory(path).as_data_source(spec["splits"][base] + sep + rest)
@@ -223,7 +223,7 @@ def create_dataset(config: Any, split: str, *, batch_size: int, seed: int, shard
   shard_index, shard_count = pipeline.resolve_shards(shard_index, shard_count)
   source = text_source(config, split)
   model = spm_path(config)
-  if not os.path.exists(model):
+  if not paths.exists(model):
     raise pipeline.missing(model, config.data.name, pipeline.cfg_get(config, "data_dir"),
                            what="SentencePiece model")
   ops = [

@@ -50,6 +50,10 @@ def train(texts: Iterable[str], model_path: str, *, vocab_size: int = 32000, max
 def load(model_path: str):
   import sentencepiece as spm
 
+  from runtime import paths
+
+  if paths.is_uri(model_path):  # gs://: SentencePiece reads only local files, so hand it the bytes
+    return spm.SentencePieceProcessor(model_proto=paths.path(model_path).read_bytes())
   return spm.SentencePieceProcessor(model_file=model_path)
 
 

@@ -1,4 +1,4 @@
-"""Attention modules: multi-head projections around a pure op from `models.ops_registry` (DESIGN.md section 3).
+"""Attention modules: multi-head projections around a pure op from `models.ops_registry` (docs/design.md section 3).
 
 `AttentionBase` owns what every attention module shares (q/k/v/output projections with logical axis names,
 heads, compute dtype, output dropout, the plan parameters from the config); `OpAttention` wraps any registered
@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from models import layers, recompute
-from models import ops_registry
+from core.norm import layer_norm
+from models import layers, ops_registry, recompute
 
 Array = Any
 AUTO = "auto"
@@ -172,8 +172,10 @@ class DeepSetsPool(nnx.Module):
 
 
 class SpanKey(nnx.Module):
-  """The released code's learned row-summary key (axial rowmajor): pooled key -> dense, residual, layer norm,
-  key projection, per head. Maps [batch, rows, heads, head_dim] to the same shape."""
+  """A learned row-summary key for axial rowmajor: pooled key -> dense, residual, layer norm, key projection, per
+  head. An approximation of the released code's summary key, which is per column, computed from the
+  row-attention output and mixes heads (docs/design.md section 4). Maps [batch, rows, heads, head_dim] to the
+  same shape."""
 
   def __init__(self, num_heads: int, head_dim: int, *, dtype: Any, rngs: nnx.Rngs):
     self.dense = layers.param(rngs, per_head_init, (num_heads, head_dim, head_dim), ("heads", "kv", None))
@@ -185,10 +187,7 @@ class SpanKey(nnx.Module):
   def __call__(self, s: Array) -> Array:  # s: [batch, rows, heads, head_dim]
     dt = s.dtype
     h = s + jnp.einsum("brhd,hde->brhe", s, self.dense[...].astype(dt)) + self.dense_bias[...].astype(dt)
-    h32 = h.astype(jnp.promote_types(dt, jnp.float32))
-    mean = h32.mean(-1, keepdims=True)
-    h32 = (h32 - mean) * jax.lax.rsqrt(jnp.square(h32 - mean).mean(-1, keepdims=True) + 1e-6)
-    h = (h32 * self.norm_scale[...] + self.norm_bias[...]).astype(dt)
+    h = (layer_norm(h) * self.norm_scale[...] + self.norm_bias[...]).astype(dt)
     return jnp.einsum("brhd,hde->brhe", h, self.proj[...].astype(dt))  # [batch, rows, heads, head_dim]
 
 

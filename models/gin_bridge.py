@@ -1,7 +1,10 @@
 """gin bindings for the attention modules' constructor fields (ablations), folded into the ml_collections config.
 
     python train.py --config configs/cifar10.py --gin_bindings "attention.deepsets = True" \
-        --gin_bindings "attention.block_size = 64"
+        --gin_bindings "attention.row_length = 64" --workdir workdirs/c10_deepsets
+
+Flags: `--gin_file FILE` (repeatable) and `--gin_bindings "attention.FIELD = VALUE"` (repeatable). The only gin
+scope is `attention`.
 
 The configurable `attention` accepts every field some registered attention module reads (see
 `models.registry.configurable_fields`) and every plan parameter of the chosen op. The config stays the source of

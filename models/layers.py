@@ -15,17 +15,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from core.norm import layer_norm
+
 Array = Any
 Axes = tuple[str | None, ...]
 
 default_kernel_init = nnx.initializers.lecun_normal()
 zeros_init = nnx.initializers.zeros_init()
 ones_init = nnx.initializers.ones_init()
-
-
-def partitioned(init: Any, axes: Axes) -> Any:
-  """An initializer whose parameter carries the logical axis names `axes` (one per dimension)."""
-  return nnx.with_partitioning(init, axes, eager_sharding=False)
 
 
 def param(rngs: nnx.Rngs, init: Any, shape: Sequence[int], axes: Axes, dtype: Any = jnp.float32) -> nnx.Param:
@@ -80,10 +77,7 @@ class LayerNorm(nnx.Module):
     self.bias = param(rngs, zeros_init, (features,), (axis_name,)) if use_bias else None
 
   def __call__(self, x: Array) -> Array:
-    x32 = x.astype(jnp.promote_types(x.dtype, jnp.float32))
-    mean = x32.mean(-1, keepdims=True)
-    var = jnp.square(x32 - mean).mean(-1, keepdims=True)
-    y = (x32 - mean) * jax.lax.rsqrt(var + self.epsilon)
+    y = layer_norm(x, self.epsilon)  # float32 (or wider) statistics and result
     if self.scale is not None:
       y = y * self.scale[...]
     if self.bias is not None:

@@ -57,7 +57,3 @@ def summarize(task: str, sums: dict[str, float]) -> dict[str, float]:
   if "correct_sum" in sums:  # classification accuracy; token accuracy at the weighted positions for lm/mlm
     out["accuracy"] = float(sums["correct_sum"]) / n
   return out
-
-
-def main_metric(task: str) -> str:
-  return {"image": "bits_per_dim", "lm": "perplexity", "mlm": "perplexity"}.get(task, "accuracy")

@@ -2,12 +2,12 @@
 
 Adding an attention mechanism
 =============================
-1. A pure op (DESIGN.md section 3) registered in `models.ops_registry` from `<your package>/registry.py` is usable
-   at once by name through `OpAttention` (projections + op); no module is needed. `get_module(name)` falls back
-   to `OpAttention` for every registered op name that has no module entry.
+1. A pure op (docs/design.md) registered with `core.registry.register` in `<your package>/registry.py` (a new
+   package is added to `models.ops_registry`'s imports) is usable at once by name through `OpAttention`
+   (projections + op); no module is needed. `get_module(name)` falls back to `OpAttention` for every registered
+   op name that has no module entry.
 2. A mechanism with parameters, state or randomness of its own writes a module in `models/<name>_attention.py`
-   and registers it with ONE line in `_MODULE_PROVIDERS` below plus, in that file,
-       `register_module("routing", RoutingAttention)`.
+   and registers it in the table below: `register_module("routing", routing_attention.RoutingAttention, ...)`.
 
 The module contract
 -------------------
@@ -38,23 +38,18 @@ gin: `configurable_fields(name)` lists the constructor fields gin may bind for a
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from typing import Any
 
 import ml_collections
 
-from models import attention, ops_registry
+from models import attention, ops_registry, routing_attention, yoso_attention
 
 # Config name -> module class. Generic ops are not listed (they fall back to OpAttention).
 MODULES: dict[str, type] = {}
 # Extra config fields (beyond attention.COMMON_FIELDS) each module class understands; gin binds only these.
 MODULE_FIELDS: dict[type, tuple[str, ...]] = {}
 
-# Modules written in other files register themselves when imported; a missing file is skipped so the registry
-# works while the project grows (a real import error inside the file is raised).
-_MODULE_PROVIDERS = ("models.routing_attention", "models.yoso_attention")
-_loaded = False
 
 
 def register_module(name: str, cls: type, fields: tuple[str, ...] = ()) -> type:
@@ -76,29 +71,18 @@ register_module("combiner_axial_rowmajor", attention.CombinerAttention,
                 fields=("deepsets", "learned_span_key", "recompute"))
 for _name in ("sparse_fixed", "sparse_logsparse", "sparse_axial"):
   register_module(_name, attention.OpAttention)
-
-
-def _load() -> None:
-  global _loaded
-  if _loaded:
-    return
-  _loaded = True
-  for module in _MODULE_PROVIDERS:
-    try:
-      importlib.import_module(module)
-    except ModuleNotFoundError as e:
-      if e.name != module:
-        raise
+register_module("routing", routing_attention.RoutingAttention, fields=routing_attention.ROUTING_FIELDS)
+register_module("combiner_routed", routing_attention.RoutedCombinerAttention, fields=routing_attention.ROUTED_FIELDS)
+for _name in (*yoso_attention.SAMPLED, "yoso_e"):
+  register_module(_name, yoso_attention.YosoAttention, fields=yoso_attention.YOSO_FIELDS)
 
 
 def names() -> list[str]:
   """Every attention name a config may use: registered modules plus every registered pure op."""
-  _load()
   return sorted(set(MODULES) | set(ops_registry.names()))
 
 
 def get_module(name: str) -> type:
-  _load()
   if name in MODULES:
     return MODULES[name]
   if name in ops_registry.names():

@@ -45,9 +45,9 @@ import ml_collections
 from flax import nnx
 
 import combiner
-from models import attention, ops_registry, registry
+from models import attention, ops_registry
 from routing import kmeans
-from routing.attention import RoutingAux, routing_attention
+from routing.attention import routed_clusters, routing_attention
 from routing.local import local_attention
 
 Array = Any
@@ -213,27 +213,9 @@ class RoutedCombinerAttention(attention.AttentionBase, _CentroidMixin):
     q, k, v = self.project(x)  # [batch, length, heads, head_dim]
     if mask is None:
       mask = jnp.ones(x.shape[:2], bool)
-    ct = jnp.promote_types(q.dtype, jnp.float32)
     clusters = _clusters_for(self.num_clusters, self.centroids.shape[1], x.shape[1], "combiner_routed")
-    mu = self.centroids[:, :clusters]
-    # The plan needs one partition per head shared by queries and keys: a token goes to the centroid closest to
-    # its query and key together (the Combiner plan handles causality itself, so no shared QK is needed).
-    qn = kmeans.layer_norm(q.astype(ct))  # [batch, length, heads, head_dim]
-    kn = kmeans.layer_norm(k.astype(ct))
-    q_scores = kmeans.scores(qn, mu)  # [batch, heads, clusters, length]
-    k_scores = kmeans.scores(kn, mu)
-    ids = kmeans.nearest_centroid(q_scores + k_scores).transpose(0, 2, 1)  # [batch, length, heads]
+    ids, aux = routed_clusters(q, k, self.centroids[:, :clusters], mask)  # ids: [batch, length, heads]
     o = combiner.routed(q, k, v, cluster_ids=ids, num_clusters=clusters, causal=self.causal, mask=mask,
                         pooling=self.pooling)  # [batch, length, heads, head_dim]
-    q_assign = kmeans.nearest_centroid(q_scores)
-    k_assign = kmeans.nearest_centroid(k_scores)
-    stats = kmeans.merge_stats(kmeans.centroid_stats(qn, q_assign, mask, clusters),
-                               kmeans.centroid_stats(kn, k_assign, mask, clusters))
-    commit = 0.5 * (kmeans.commitment_loss(qn, q_assign, mu, mask) + kmeans.commitment_loss(kn, k_assign, mu, mask))
-
-    self._update(RoutingAux(stats, commit), clusters, deterministic=deterministic)
+    self._update(aux, clusters, deterministic=deterministic)
     return self.output(o, deterministic=deterministic)
-
-
-registry.register_module("routing", RoutingAttention, fields=ROUTING_FIELDS)
-registry.register_module("combiner_routed", RoutedCombinerAttention, fields=ROUTED_FIELDS)

@@ -19,10 +19,10 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
+from data.info import TASKS
 from models import layers, registry
 
 Array = Any
-TASKS = ("lm", "image", "mlm", "classify", "retrieval")
 CAUSAL_TASKS = ("lm", "image")
 # model.remat: "none" keeps every activation for the backward; "full" keeps only each block's input and recomputes
 # the block; "minimal" also keeps the outputs of matmuls without batch dimensions (projections, MLP), so only the

@@ -8,8 +8,8 @@ clusters; `kmeans` holds the centroid state helpers (init, EMA update from batch
 """
 
 from routing.attention import RoutingAux, routing_attention
-from routing.kmeans import CentroidStats, ema_update, init_centroids, layer_norm
+from routing.kmeans import CentroidStats, ema_update, init_centroids
 from routing.local import local_attention
 
-__all__ = ["CentroidStats", "RoutingAux", "ema_update", "init_centroids", "layer_norm", "local_attention",
+__all__ = ["CentroidStats", "RoutingAux", "ema_update", "init_centroids", "local_attention",
            "routing_attention"]

@@ -7,7 +7,7 @@ over the clusters it was gathered into (zero when it is in none). With `clusters
 
 The two reference implementations disagree in two places, which are options here:
 - `scale_logits`: multiply logits by 1/sqrt(head_dim) (lucidrains' routing-transformer, and the op contract of
-  DESIGN.md section 3) or use the raw dot products of the layer-normed vectors (the paper's TF code);
+  docs/design.md section 3) or use the raw dot products of the layer-normed vectors (the paper's TF code);
 - `mask_self`: with shared QK a token's key is its own query, so its self logit is the largest one; lucidrains
   masks it unless it is the only key visible (the first token of a causal cluster). Off by default (paper).
 
@@ -35,8 +35,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from combiner import contract
-from combiner.combine import Piece, joint_softmax
+from core import contract
+from core.combine import Piece, joint_softmax
+from core.norm import layer_norm
 from routing import kmeans
 
 Array = Any
@@ -53,32 +54,8 @@ class RoutingAux(NamedTuple):
   commit_loss: Array
 
 
-def _gather(x: Array, idx: Array) -> Array:
-  """x [batch, heads, length, dim], idx [batch, heads, clusters, window] -> [batch, heads, clusters, window, dim]."""
-  b, h, c, w = idx.shape
-  flat = jnp.take_along_axis(x, idx.reshape(b, h, c * w, 1), axis=2)
-  return flat.reshape(b, h, c, w, x.shape[-1])
-
-
-def _scatter_mean(y: Array, idx: Array, length: int) -> Array:
-  """Averages the cluster outputs y [batch, heads, clusters, window, dv] back onto positions.
-
-  Returns [batch, heads, length, dv]; a position gathered into no cluster gets exactly zero.
-  """
-  b, h, c, w, dv = y.shape
-  flat_idx = idx.reshape(b * h, c * w)
-  flat_y = y.reshape(b * h, c * w, dv)
-
-  def one(i, vals):
-    total = jnp.zeros((length, dv), vals.dtype).at[i].add(vals)
-    count = jnp.zeros((length,), vals.dtype).at[i].add(1.0)
-    return total / jnp.maximum(count, 1.0)[:, None]
-
-  return jax.vmap(one)(flat_idx, flat_y).reshape(b, h, length, dv)
-
-
 def _softmax_weights(q: Array, k: Array, valid: Array, scale: float) -> Array:
-  """Normalised attention weights [..., queries, keys] from the shared softmax (`combiner.combine`)."""
+  """Normalised attention weights [..., queries, keys] from the shared softmax (`core.combine`)."""
   logits = jnp.einsum("...qd,...kd->...qk", q, k) * scale  # [..., queries, keys]
   return joint_softmax([Piece(logits, valid, lambda w: w)])
 
@@ -248,13 +225,12 @@ def routing_attention(q: Array, k: Array, v: Array, *, centroids: Array, window:
       or centroids.shape[2] != head_dim:
     raise ValueError(f"{op}: argument 'centroids' must have shape [heads={heads}, clusters, head_dim={head_dim}], "
                      f"got {getattr(centroids, 'shape', type(centroids).__name__)}")
-  clusters = centroids.shape[1]
   window = min(window, length)
   ct = contract.softmax_dtype(q.dtype, k.dtype, v.dtype)
 
   # Head-major from here on: the layer norm, the centroid scores and the row gathers all read [b, h, L, d].
-  qh = kmeans.layer_norm(q.astype(ct).transpose(0, 2, 1, 3))  # [batch, heads, length, head_dim]
-  kh = qh if share_qk else kmeans.layer_norm(k.astype(ct).transpose(0, 2, 1, 3))
+  qh = layer_norm(q.astype(ct).transpose(0, 2, 1, 3))  # [batch, heads, length, head_dim]
+  kh = qh if share_qk else layer_norm(k.astype(ct).transpose(0, 2, 1, 3))
   qn, kn = qh.transpose(0, 2, 1, 3), kh.transpose(0, 2, 1, 3)  # [batch, length, heads, head_dim]
   q_scores = kmeans.scores(qh, centroids, heads_first=True)  # [batch, heads, clusters, length]
   k_scores = q_scores if share_qk else kmeans.scores(kh, centroids, heads_first=True)
@@ -262,9 +238,7 @@ def routing_attention(q: Array, k: Array, v: Array, *, centroids: Array, window:
     q_assign = kmeans.nearest_centroid(q_scores)  # [batch, heads, length]
     out = _nearest_window(qn, v.astype(ct), q_assign, mask, window=window, causal=causal,
                           scale=contract.logit_scale(head_dim) if scale_logits else 1.0, mask_self=mask_self)
-    stats = kmeans.centroid_stats(qn, q_assign, mask, clusters)
-    stats = kmeans.merge_stats(stats, stats)  # keys are the queries
-    return out.astype(v.dtype), RoutingAux(stats, kmeans.commitment_loss(qn, q_assign, centroids, mask))
+    return out.astype(v.dtype), cluster_aux(qn, qn, q_assign, q_assign, centroids, mask)  # keys are the queries
   q_idx = kmeans.balanced_membership(q_scores, window, mask)  # [batch, heads, clusters, window]
   k_idx = q_idx if share_qk else kmeans.balanced_membership(k_scores, window, mask)
   # Flat row ids into [batch * heads * length, e] head-major tables: plain row gathers (and row scatter-adds in
@@ -306,8 +280,33 @@ def routing_attention(q: Array, k: Array, v: Array, *, centroids: Array, window:
 
   q_assign = kmeans.nearest_centroid(q_scores)  # [batch, heads, length]
   k_assign = q_assign if share_qk else kmeans.nearest_centroid(k_scores)
+  return out.astype(v.dtype), cluster_aux(qn, kn, q_assign, k_assign, centroids, mask)
+
+
+def cluster_aux(qn: Array, kn: Array, q_assign: Array, k_assign: Array, centroids: Array, mask: Array) -> RoutingAux:
+  """The EMA statistics and commitment loss of queries and keys assigned to their nearest centroids.
+
+  qn, kn: [batch, length, heads, head_dim] layer-normed; q_assign, k_assign: [batch, heads, length] centroid ids;
+  centroids: [heads, clusters, head_dim]; mask: [batch, length]. The loss averages the query and key terms.
+  """
+  clusters = centroids.shape[1]
   stats = kmeans.merge_stats(kmeans.centroid_stats(qn, q_assign, mask, clusters),
                              kmeans.centroid_stats(kn, k_assign, mask, clusters))
   commit = 0.5 * (kmeans.commitment_loss(qn, q_assign, centroids, mask)
                   + kmeans.commitment_loss(kn, k_assign, centroids, mask))
-  return out.astype(v.dtype), RoutingAux(stats, commit)
+  return RoutingAux(stats, commit)
+
+
+def routed_clusters(q: Array, k: Array, centroids: Array, mask: Array) -> tuple[Array, RoutingAux]:
+  """Combiner-routed's partition: one cluster per token and head, shared by its query and key.
+
+  A token goes to the centroid closest to its layer-normed query and key together (the Combiner plan handles
+  causality itself, so no shared QK is needed). q, k: [batch, length, heads, head_dim]; centroids: [heads,
+  clusters, head_dim]; mask: [batch, length]. Returns (ids [batch, length, heads], the k-means statistics).
+  """
+  ct = contract.softmax_dtype(q.dtype, k.dtype)
+  qn, kn = layer_norm(q.astype(ct)), layer_norm(k.astype(ct))  # [batch, length, heads, head_dim]
+  q_scores, k_scores = kmeans.scores(qn, centroids), kmeans.scores(kn, centroids)  # [batch, heads, clusters, L]
+  ids = kmeans.nearest_centroid(q_scores + k_scores).transpose(0, 2, 1)  # [batch, length, heads]
+  aux = cluster_aux(qn, kn, kmeans.nearest_centroid(q_scores), kmeans.nearest_centroid(k_scores), centroids, mask)
+  return ids, aux

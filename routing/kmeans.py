@@ -19,9 +19,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from core.norm import layer_norm
+
 Array = Any
 
-LAYER_NORM_EPS = 1e-6
 
 
 class CentroidStats(NamedTuple):
@@ -33,14 +34,6 @@ class CentroidStats(NamedTuple):
 
   sums: Array
   counts: Array
-
-
-def layer_norm(x: Array, eps: float = LAYER_NORM_EPS) -> Array:
-  """Layer norm over the last axis with no scale and no bias: the projection to the sqrt(d)-sphere."""
-  mean = jnp.mean(x, axis=-1, keepdims=True)
-  centered = x - mean
-  var = jnp.mean(jnp.square(centered), axis=-1, keepdims=True)
-  return centered * jax.lax.rsqrt(var + eps)
 
 
 def init_centroids(key: Array, heads: int, clusters: int, head_dim: int, dtype: Any = jnp.float32) -> Array:

@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 
 from combiner.routed import routed
-from models.ops_registry import OpSpec, register, sqrt_pow2
+from core.registry import OpSpec, register, sqrt_pow2
 from routing import kmeans
-from routing.attention import routing_attention
+from routing.attention import routed_clusters, routing_attention
 
 Array = Any
 CENTROID_SEED = 0
@@ -45,11 +45,8 @@ def routing_op(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None
 def combiner_routed_op(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None,
                        num_clusters: int, pooling: str = "max") -> Array:
   """Combiner-routed attention, clusters = nearest fixed centroid of the layer-normed query and key."""
-  mu = _centroids(q, num_clusters)
-  ct = jnp.promote_types(q.dtype, jnp.float32)
-  token_scores = (kmeans.scores(kmeans.layer_norm(q.astype(ct)), mu)
-                  + kmeans.scores(kmeans.layer_norm(k.astype(ct)), mu))  # [batch, heads, clusters, length]
-  ids = kmeans.nearest_centroid(token_scores).transpose(0, 2, 1)  # [batch, length, heads]
+  full = jnp.ones(q.shape[:2], bool) if mask is None else mask
+  ids, _ = routed_clusters(q, k, _centroids(q, num_clusters), full)  # [batch, length, heads]
   return routed(q, k, v, cluster_ids=ids, num_clusters=num_clusters, causal=causal, mask=mask, pooling=pooling)
 
 

@@ -1,4 +1,4 @@
-"""Speed and memory of every registered attention op, side by side in one run (DESIGN.md section 7).
+"""Speed and memory of every registered attention op, side by side in one run (docs/design.md section 7).
 
     python -m scripts.benchmark                           # all ops, L = 1024 .. 65536, causal
     python -m scripts.benchmark --ops dense,combiner_fixed --lengths 256,512,1024 --repeats 3

@@ -1,4 +1,4 @@
-"""Peer implementations timed next to ours by `python -m scripts.benchmark --peers` (DESIGN.md section 7).
+"""Peer implementations timed next to ours by `python -m scripts.benchmark --peers` (docs/design.md section 7).
 
 A peer is a third-party attention (PyTorch packages from `requirements-bench.txt`: lucidrains'
 `routing-transformer`, HuggingFace `transformers`' YOSO) run on the same shapes as our ops. Each entry of

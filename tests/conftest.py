@@ -1,4 +1,4 @@
-"""Test-session setup: 8 simulated CPU devices (DESIGN.md section 6) before JAX initialises its backend."""
+"""Test-session setup: 8 simulated CPU devices (docs/design.md section 6) before JAX initialises its backend."""
 
 import os
 import sys

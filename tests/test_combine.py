@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from combiner.combine import Piece, joint_softmax, merge, normalize, partial_softmax
+from core.combine import Piece, joint_softmax, merge, normalize, partial_softmax
 
 
 def test_merge_equals_joint_softmax_with_empty_and_far_apart_partials():

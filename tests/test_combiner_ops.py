@@ -1,4 +1,4 @@
-"""The fast Combiner ops against the from-definition reference, and the contract checks of DESIGN.md §7.
+"""The fast Combiner ops against the from-definition reference, and the contract checks of docs/design.md §7.
 
 Every op is linear in v, so feeding one-hot values (v[b, j, h, :] = e_j, value_dim = L) returns the effective
 attention matrix itself: out[b, i, h, :] = A[i, :]. That matrix is compared with `combiner.reference` in

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import data
-from data import listops, lra, metrics, pipeline, testing, text, tokenizer
+from data import listops, lra, pipeline, testing, text, tokenizer
+from models import metrics
 
 
 def _config(name: str, data_dir: str | None = None, **fields) -> ml_collections.ConfigDict:
@@ -56,13 +57,13 @@ def test_images_raster_order_masks_and_bits_per_dim(tmp_path, name, shape):
   np.testing.assert_array_equal(last["valid"], [True, True, False, False])
   assert not last["mask"][2:].any() and not last["weights"][2:].any() and last["mask"][:2].all()
   # Bits/dim bookkeeping: uniform predictions cost exactly 8 bits per sub-pixel, counted over real rows only.
-  sum_nll, count = 0.0, 0.0
+  totals = {"nll_sum": 0.0, "weight_sum": 0.0}
   for batch in batches:
     logits = np.zeros(batch["inputs"].shape + (info.vocab_size,), np.float32)
-    s, n = metrics.token_nll(logits, batch["inputs"], batch["weights"])
-    sum_nll, count = sum_nll + s, count + n
-  assert count == 6 * info.seq_len
-  assert metrics.bits_per_dim(sum_nll, count) == pytest.approx(8.0, rel=1e-12)
+    _, sums = metrics.loss_and_sums("image", logits, batch)
+    totals = {k: totals[k] + float(sums[k]) for k in totals}
+  assert totals["weight_sum"] == 6 * info.seq_len
+  assert metrics.summarize("image", totals)["bits_per_dim"] == pytest.approx(8.0, rel=1e-6)
 
 
 def test_image_flip_is_off_by_default_and_mirrors_when_on():
@@ -91,14 +92,15 @@ def test_metrics_perplexity_of_uniform_predictions():
   rng = np.random.default_rng(0)
   targets = rng.integers(0, 50, (3, 7))
   weights = (rng.random((3, 7)) < 0.6).astype(np.float32)
-  s, n = metrics.token_nll(np.zeros((3, 7, 50)), targets, weights)
-  assert n == weights.sum()
-  assert metrics.perplexity(s, n) == pytest.approx(50.0, rel=1e-12)
-  logits = rng.normal(size=(3, 7, 50))
-  s, n = metrics.token_nll(logits, targets, weights)
-  logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+  batch = {"inputs": targets, "weights": weights}
+  _, sums = metrics.loss_and_sums("lm", np.zeros((3, 7, 50), np.float32), batch)
+  assert float(sums["weight_sum"]) == weights.sum()
+  assert metrics.summarize("lm", sums)["perplexity"] == pytest.approx(50.0, rel=1e-6)
+  logits = rng.normal(size=(3, 7, 50)).astype(np.float32)
+  _, sums = metrics.loss_and_sums("lm", logits, batch)
+  logp = logits - np.log(np.exp(logits.astype(np.float64)).sum(-1, keepdims=True))
   want = -(np.take_along_axis(logp, targets[..., None], -1)[..., 0] * weights).sum()
-  assert s == pytest.approx(want, rel=1e-12)
+  assert float(sums["nll_sum"]) == pytest.approx(want, rel=1e-5)
 
 
 # ------------------------------------------------------------------------------------------------ LRA
@@ -685,6 +687,47 @@ def test_prepare_builds_the_listops_synthetic_cache(tmp_path, monkeypatch, capsy
       tokens, label = gen[i]
       np.testing.assert_array_equal(source[i][0], listops.encode(tokens))
       assert source[i][1] == label
+
+
+def test_listops_synthetic_generation_resumes_after_an_interruption(tmp_path, monkeypatch):
+  fields = dict(min_length=20, max_length=60, num_validation=9, data_seed=1)
+  config = _config("listops_synthetic", str(tmp_path), **fields)
+  real, calls = listops._generate_range, []
+
+  def crash_on_third(args):
+    calls.append(args[-2:])
+    if len(calls) == 3:
+      raise KeyboardInterrupt
+    return real(args)
+
+  monkeypatch.setattr(listops, "_generate_range", crash_on_third)
+  with pytest.raises(KeyboardInterrupt):
+    listops.build_cache(config, "validation", workers=1)
+  path = listops.cache_path(config, "validation")
+  assert not os.path.exists(path) and len(os.listdir(path + ".parts")) == 2  # two shards kept, no cache yet
+  calls.clear()
+  monkeypatch.setattr(listops, "_generate_range", lambda args: calls.append(args[-2:]) or real(args))
+  assert listops.build_cache(config, "validation", workers=1) == path
+  assert len(calls) == 2 and not os.path.exists(path + ".parts")  # only the missing shards were generated
+  source = listops.CachedSource(path)
+  gen = listops.GeneratedSource("validation", 9, 1, listops._params(config))
+  for i in range(9):
+    np.testing.assert_array_equal(source[i][0], listops.encode(gen[i][0]))
+
+
+def test_prepare_listops_synthetic_size_flags(tmp_path, monkeypatch, capsys):
+  from data import prepare
+
+  monkeypatch.setattr(os, "cpu_count", lambda: 1)
+  argv = ["listops_synthetic", "--data_dir", str(tmp_path), "--num_train", "5", "--num_validation", "3",
+          "--num_test", "2", "--min_length", "10", "--max_length", "30"]
+  assert prepare.main(argv) == 0
+  out = capsys.readouterr().out
+  assert "--config.data.num_train=5" in out and "--config.data.max_length=30" in out and "verified" in out
+  with pytest.raises(SystemExit):
+    prepare.main(["lra_text", "--data_dir", str(tmp_path), "--num_train", "5"])
+  with pytest.raises(SystemExit):
+    prepare.main(["listops_synthetic", "--data_dir", str(tmp_path), "--num_train", "0"])
 
 
 def test_lra_text_split_in_memory_gives_the_same_batches(tmp_path):

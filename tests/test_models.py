@@ -41,18 +41,11 @@ def batch_for(task: str, rng: np.random.Generator) -> dict:
   return {k: jnp.asarray(v) for k, v in b.items()}
 
 
-# Known defects found by these tests, kept visible: strict xfail turns into a failure once fixed.
-# (routing's decoder default is the exactly causal membership='nearest'; the leak of the paper's opt-in
-# membership='balanced' is pinned by tests/test_routing_model.py.)
-KNOWN: dict[tuple[str, str], str] = {}
-
-
 def _cases(tasks_for):
   out = []
   for name in registry.names():
     for task in tasks_for(name):
-      marks = [pytest.mark.xfail(strict=True, reason=KNOWN[(name, task)])] if (name, task) in KNOWN else []
-      out.append(pytest.param(name, task, marks=marks, id=f"{name}-{task}"))
+      out.append(pytest.param(name, task, id=f"{name}-{task}"))
   return out
 
 

@@ -54,7 +54,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from combiner import contract
+from core import contract
 from yoso import hashing
 
 Array = Any

@@ -3,7 +3,7 @@
 import jax
 import jax.numpy as jnp
 
-from models.ops_registry import OpSpec, register
+from core.registry import OpSpec, register
 from yoso.attention import yoso, yoso_c, yoso_e
 
 TAU = 8

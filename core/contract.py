@@ -1,4 +1,4 @@
-"""The attention-op contract shared by every op in the repository (DESIGN.md section 3).
+"""The attention-op contract shared by every op in the repository (docs/design.md section 3).
 
 Every op takes q, k: [batch, length, heads, head_dim], v: [batch, length, heads, value_dim] and an optional key
 mask [batch, length] (True = real token), and returns [batch, length, heads, value_dim] in v's dtype. This
