@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 import combiner
-from combiner import contract, flash, sparse
+from combiner import flash, sparse
+from core import contract
 
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
 BATCH, HEADS, HEAD_DIM, VALUE_DIM = 2, 2, 8, 5
