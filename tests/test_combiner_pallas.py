@@ -186,3 +186,33 @@ def test_lowers_for_accelerators(name, platform):
     export = jax.export.export(jax.jit(f), platforms=[platform], disabled_checks=TRITON_OK)
     exported = export(spec, spec, spec)
     assert marker in exported.mlir_module(), f"{name}: no Pallas kernel in the {platform} program"
+
+
+def test_registry_and_model_config_carry_the_implementation():
+  """Ops that take `implementation` are found from their signature; the model passes
+  `config.model.attention.implementation` to them and rejects a specific choice for an op without one."""
+  from configs import base
+  from models import ops_registry, transformer
+
+  for name in ("combiner_fixed", "combiner_logsparse", "combiner_axial_rowmajor", "combiner_axial_vertical",
+               "combiner_axial_horizontal", "combiner_mixture", "combiner_mixture_joint", "sparse_fixed",
+               "sparse_logsparse", "sparse_axial"):
+    assert ops_registry.takes_implementation(ops_registry.get(name)), name
+  assert not ops_registry.takes_implementation(ops_registry.OpSpec("plain", lambda q, k, v, *, causal: q))
+
+  def tiny(name, implementation):
+    c = base.base_config().model
+    c.num_layers, c.features, c.num_heads, c.mlp_dim = 1, 16, 2, 32
+    c.attention = base.attention_config(name)
+    c.attention.implementation = implementation
+    return transformer.build_model(c, task="lm", vocab_size=11, seq_len=8)
+
+  assert base.attention_config().implementation == "auto"
+  model = tiny("combiner_fixed", "xla")
+  batch = {"inputs": jnp.ones((1, 8), jnp.int32), "mask": jnp.ones((1, 8), bool)}
+  assert np.isfinite(np.asarray(model(batch, deterministic=True))).all()
+  without = [n for n in ops_registry.names() if n.startswith("yoso")
+             and not ops_registry.takes_implementation(ops_registry.get(n))]
+  if without:
+    with pytest.raises(ValueError, match="does not take 'implementation'"):
+      tiny(without[0], "pallas")
