@@ -49,6 +49,7 @@ QIDS = ("row", "group")
 BLOCK_Q = 128
 BLOCK_K = 128
 MIN_BLOCK = 16
+SPLIT_TILES = 8  # query tiles per program in the dk/dv kernel of a shared (summary) source
 
 GPU_PARAMS = pltriton.CompilerParams(num_warps=4, num_stages=2)
 TPU_PARAMS = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel"))
@@ -225,16 +226,18 @@ def _dq_kernel(q_ref, do_ref, lse_ref, delta_ref, *refs, specs: Sequence[_Spec],
 
 def _dkv_kernel(q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, valid_ref, dk_ref, dv_ref, *, spec: _Spec,
                 scale: float, block_q: int, group_len: int):
-  """dk, dv of one key tile; q_ref etc. hold the queries that can see it: its group's, or all (shared)."""
+  """dk, dv of one key tile from the queries in q_ref etc.: its own group's, or for a shared source the
+  split (a run of whole query tiles of the flattened sequence) of grid axis 1, summed over splits outside."""
   g, tk = pl.program_id(1), pl.program_id(2)
   k, v = k_ref[...], v_ref[...]
   start = tk * spec.block
   num_q = q_ref.shape[0] // block_q
+  base = g * q_ref.shape[0] if spec.shared else 0  # row of the split's first query in the flattened sequence
   # First query tile that can see this key tile (causal rules); later tiles all may.
-  if spec.rule in ("le", "lt") and spec.qid == "row":
+  if spec.rule in ("le", "lt") and spec.qid == "row" and not spec.shared:
     lo = _div(start, block_q)
   elif spec.rule in ("le", "lt") and spec.shared:  # shared summaries: groups >= first key index (+1 for "lt")
-    lo = _div((start + (1 if spec.rule == "lt" else 0)) * group_len, block_q)
+    lo = jnp.maximum(_div((start + (1 if spec.rule == "lt" else 0)) * group_len - base, block_q), 0)
   else:
     lo = 0
   lo = jnp.minimum(lo, num_q)
@@ -242,15 +245,16 @@ def _dkv_kernel(q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, valid_ref, dk_r
   def body(i, carry):
     dk, dv = carry
     qs = pl.multiple_of(i * block_q, block_q)
+    row0 = base + qs  # query row in its group's (own) or the flattened (shared) sequence
     q = q_ref[pl.ds(qs, block_q), :]
     do = do_ref[pl.ds(qs, block_q), :]
     lse = lse_ref[pl.ds(qs, block_q), :]
     lse = jnp.where(lse == -jnp.inf, 0.0, lse)
     delta = delta_ref[pl.ds(qs, block_q), :]
     if spec.qid == "row":
-      qid = _rem(qs, group_len) + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
+      qid = _rem(row0, group_len) + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
     else:
-      qid = _div(qs, group_len) if spec.shared else g
+      qid = _div(row0, group_len) if spec.shared else g
     s, ok = _scores(q, k, valid_ref, 0, spec, qid, start, scale)
     p = jnp.where(ok, jnp.exp(jnp.where(ok, s, 0.0) - lse), 0.0)  # [bq, bk]
     dv = dv + pl.dot(p.astype(do.dtype), do, trans_a=True)
@@ -273,6 +277,26 @@ def _row_spec(rows: int, width: int) -> pl.BlockSpec:
 def _full_spec(rows: int, width: int) -> pl.BlockSpec:
   """All `rows` rows of group g (the grid's key-tile axis does not move it)."""
   return pl.BlockSpec((None, None, rows, width), lambda b, g, t: (b, g, 0, 0))
+
+
+def _split_queries(x: Array, splits: int, rows: int, fill: float) -> Array:
+  """[bh, groups, glen, w] -> [bh, splits, rows, w]: the flattened rows, cut into splits, padded by `fill`."""
+  bh, w = x.shape[0], x.shape[-1]
+  x = x.reshape(bh, -1, w)
+  x = jnp.pad(x, ((0, 0), (0, splits * rows - x.shape[1]), (0, 0)), constant_values=fill)
+  return x.reshape(bh, splits, rows, w)
+
+
+def _key_tile_spec(rows: int, shared: bool, width: int) -> pl.BlockSpec:
+  """Key tile t of group g (shared: of the one group, whatever grid axis 1 is)."""
+  return pl.BlockSpec((None, None, rows, width), (lambda b, g, t: (b, 0, t, 0)) if shared
+                      else (lambda b, g, t: (b, g, t, 0)))
+
+
+def _valid_tile_spec(rows: int, cols: int, shared: bool, heads: int) -> pl.BlockSpec:
+  """Key-validity columns of key tile t; validity is per batch element, shared by its heads."""
+  return pl.BlockSpec((None, None, rows, cols), (lambda b, g, t: (_div(b, heads), 0, 0, t)) if shared
+                      else (lambda b, g, t: (_div(b, heads), g, 0, t)))
 
 
 def _source_specs(specs, arrays, heads):
@@ -333,23 +357,30 @@ def _flash_bwd(specs, heads, scale, block_q, res, cts):
   )(q, do, lse, delta, *_flat(specs, arrays))
   d_arrays = []
   for spec, (k, v, valid) in zip(specs, arrays, strict=True):
-    if spec.shared:  # every query sees the summaries: one flat [groups * glen] query set per (bh)
-      qs = [x.reshape(bh, 1, groups * glen, x.shape[-1]) for x in (q, do, lse, delta)]
+    if spec.shared:
+      # Every query sees the summaries: the flattened [groups * glen] queries of each (bh) are cut into splits
+      # of SPLIT_TILES query tiles, one program each; padded rows get lse = +inf, hence weight 0.
+      tiles = groups * glen // block_q
+      splits, rows = -(-tiles // SPLIT_TILES), min(tiles, SPLIT_TILES) * block_q
+      fills = ((q, 0.0), (do, 0.0), (lse, jnp.inf), (delta, 0.0))
+      qs = [_split_queries(x, splits, rows, fill) for x, fill in fills]
     else:
-      qs = [q, do, lse, delta]
-    n_all = qs[0].shape[2]
-    full = functools.partial(_full_spec, n_all)
+      qs, splits, rows = [q, do, lse, delta], groups, glen
+    full = functools.partial(_full_spec, rows)
     tile = functools.partial(_row_spec, spec.block)
-    vmap = pl.BlockSpec((None, None, _valid_rows(spec), spec.block),
-                        lambda b, g, t: (_div(b, heads), g, 0, t))
+    kv_tile = functools.partial(_key_tile_spec, spec.block, spec.shared)
+    vmap = _valid_tile_spec(_valid_rows(spec), spec.block, spec.shared, heads)
+    out_shape = [jax.ShapeDtypeStruct((bh, splits, spec.n, x.shape[-1]), jnp.float32) for x in (k, v)]
     dk, dv = _pallas_call(
         functools.partial(_dkv_kernel, spec=spec, scale=scale, block_q=block_q, group_len=glen),
-        grid=(bh, k.shape[1], spec.n // spec.block),
-        in_specs=[full(d), full(do.shape[-1]), full(1), full(1), tile(d), tile(v.shape[-1]), vmap],
+        grid=(bh, splits, spec.n // spec.block),
+        in_specs=[full(d), full(do.shape[-1]), full(1), full(1), kv_tile(d), kv_tile(v.shape[-1]), vmap],
         out_specs=[tile(d), tile(v.shape[-1])],
-        out_shape=[jax.ShapeDtypeStruct(k.shape, jnp.float32), jax.ShapeDtypeStruct(v.shape, jnp.float32)],
+        out_shape=out_shape,
         name="combiner_flash_dkv",
     )(*qs, k, v, valid)
+    if spec.shared:  # partial sums of the splits
+      dk, dv = jnp.sum(dk, axis=1, keepdims=True), jnp.sum(dv, axis=1, keepdims=True)
     d_arrays.append((dk.astype(k.dtype), dv.astype(v.dtype), jnp.zeros_like(valid)))
   return dq.astype(q.dtype), tuple(d_arrays)
 

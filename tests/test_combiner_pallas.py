@@ -217,3 +217,31 @@ def test_registry_and_model_config_carry_the_implementation():
   if without:
     with pytest.raises(ValueError, match="does not take 'implementation'"):
       tiny(without[0], "pallas", task="classify")
+
+
+def test_shared_source_gradients_split_over_query_tiles(monkeypatch):
+  """A source shared by every query group (span summaries): dk/dv are partial sums over splits of the query
+  tiles, checked against plain masked softmax attention, with splits that end in padding."""
+  monkeypatch.setattr(flash, "SPLIT_TILES", 2)
+  bh, groups, glen, n, scale = 2, 9, 16, 20, 0.3  # 9 query tiles: 5 splits, the last half padding
+  keys = jax.random.split(jax.random.PRNGKey(3), 5)
+  q = jax.random.normal(keys[0], (bh, groups, glen, HEAD_DIM))
+  k = jax.random.normal(keys[1], (bh, 1, n, HEAD_DIM))
+  v = jax.random.normal(keys[2], (bh, 1, n, VALUE_DIM))
+  valid = jax.random.bernoulli(keys[3], 0.8, (1, 1, n))
+  cotangent = jax.random.normal(keys[4], (bh, groups, glen, VALUE_DIM))
+
+  def kernel(q, k, v):
+    out, _ = flash.attend(q, [flash.Source(k, v, valid, "lt", "group")], heads=bh, scale=scale)
+    return jnp.sum(out * cotangent)
+
+  def plain(q, k, v):
+    visible = (jnp.arange(n) < jnp.arange(groups)[:, None, None]) & valid[0]  # key index < group index
+    logits = jnp.where(visible, jnp.einsum("bgtd,bnd->bgtn", q, k[:, 0]) * scale, -jnp.inf)
+    weights = jnp.where(visible, jax.nn.softmax(logits, axis=-1), 0.0)  # rows with nothing visible: 0
+    return jnp.sum(jnp.einsum("bgtn,bnd->bgtd", weights, v[:, 0]) * cotangent)
+
+  got = jax.jit(jax.grad(kernel, argnums=(0, 1, 2)), compiler_options=FAST_COMPILE)(q, k, v)
+  want = jax.grad(plain, argnums=(0, 1, 2))(q, k, v)
+  for a, b in zip(got, want, strict=True):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=2e-5)
