@@ -282,9 +282,7 @@ def _full_spec(rows: int, width: int) -> pl.BlockSpec:
 def _split_queries(x: Array, splits: int, rows: int, fill: float) -> Array:
   """[bh, groups, glen, w] -> [bh, splits, rows, w]: the flattened rows, cut into splits, padded by `fill`."""
   bh, w = x.shape[0], x.shape[-1]
-  x = x.reshape(bh, -1, w)
-  x = jnp.pad(x, ((0, 0), (0, splits * rows - x.shape[1]), (0, 0)), constant_values=fill)
-  return x.reshape(bh, splits, rows, w)
+  return pad_to(x.reshape(bh, -1, w), splits * rows, 1, fill).reshape(bh, splits, rows, w)
 
 
 def _key_tile_spec(rows: int, shared: bool, width: int) -> pl.BlockSpec:
