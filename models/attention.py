@@ -208,7 +208,8 @@ class OpAttention(AttentionBase):
     decoder, params = self._decoding(cache.max_length)
     q, k, v = self.project(x)  # [batch, prompt_length, heads, head_dim]
     extra = self.op_kwargs(q, k)
-    o = ops_registry.get(self.op_name).fn(q, k, v, causal=True, **params, **extra)
+    chosen = {} if self.implementation is None else {"implementation": self.implementation}
+    o = ops_registry.get(self.op_name).fn(q, k, v, causal=True, **params, **chosen, **extra)
     state = decoder.prefill(cache.state, q, k, v, **params, **extra)
     return self.out(o), LayerCache(state, cache.max_length)  # [batch, prompt_length, features]
 
