@@ -98,7 +98,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.train.inject_nan_at_step = -1  # testing hook: make the loss NaN at this step (checks the divergence stop)
 
   c.mesh = ml_collections.ConfigDict()
-  c.mesh.data = -1  # -1 = all devices not used by the other axis
+  c.mesh.data = -1  # -1 = all devices not used by the other axes
+  c.mesh.seq = 1  # sequence parallelism: each sequence split over this many devices (combiner_fixed, dense)
   c.mesh.model = 1
   c.sharding_rules = SHARDING_RULES
   return c

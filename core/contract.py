@@ -69,6 +69,16 @@ def check_choice(value: Any, *, name: str, allowed: Iterable[str], op: str) -> s
   return value
 
 
+def check_implementation(value: Any, *, allowed: Iterable[str], op: str) -> str:
+  """An op's `implementation` argument: one of `allowed`, where "auto" means "choose by `backend()`"."""
+  return check_choice(value, name="implementation", allowed=allowed, op=op)
+
+
+def backend() -> str:
+  """The platform ops are traced for, "cpu", "gpu" or "tpu": what "auto" implementations choose by."""
+  return jax.default_backend()
+
+
 def check_bool(value: Any, *, name: str, op: str) -> bool:
   if not isinstance(value, (bool, np.bool_)):
     raise ValueError(f"{op}: argument {name!r} must be a bool, got {value!r}")

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
+from combiner import seq_parallel
 from core.norm import layer_norm
 from models import layers, ops_registry, recompute
 
@@ -63,6 +64,15 @@ def check_op_kwargs(spec: ops_registry.OpSpec, names: list[str]) -> None:
   for name in names:
     if name not in accepted:
       raise ValueError(f"attention op {spec.name!r} does not take parameter {name!r}; its parameters: {accepted}")
+
+
+def op_function(spec: ops_registry.OpSpec) -> Any:
+  """The op itself, or its sequence-parallel counterpart (`combiner.seq_parallel.OPS`) when the current mesh
+  (`seq_parallel.set_default_mesh`, which train.py sets when `config.mesh.seq` > 1, or `jax.set_mesh`) splits
+  the sequence over its "seq" axis. Ops without one run as they are, the partitioner gathering the sequence."""
+  if spec.name in seq_parallel.OPS and seq_parallel.seq_size() > 1:
+    return seq_parallel.OPS[spec.name]
+  return spec.fn
 
 
 @flax.struct.dataclass
@@ -160,6 +170,7 @@ class OpAttention(AttentionBase):
   def __call__(self, x: Array, mask: Array | None, *, deterministic: bool) -> Array:
     q, k, v = self.project(x)  # [batch, length, heads, head_dim]
     spec = ops_registry.get(self.op_name)
+    fn = op_function(spec)
     params = resolve_plan_params(spec, self.plan_params, x.shape[1])
     if self.implementation is not None:
       params["implementation"] = self.implementation
@@ -172,11 +183,11 @@ class OpAttention(AttentionBase):
       names = list(arrays)
 
       def op(q, k, v, mask, *rest):
-        return spec.fn(q, k, v, causal=self.causal, mask=mask, **params, **dict(zip(names, rest)))
+        return fn(q, k, v, causal=self.causal, mask=mask, **params, **dict(zip(names, rest)))
 
       o = recompute.recompute_in_backward(op, q, k, v, mask, *arrays.values())
     else:
-      o = spec.fn(q, k, v, causal=self.causal, mask=mask, **params, **extra)
+      o = fn(q, k, v, causal=self.causal, mask=mask, **params, **extra)
     return self.output(o, deterministic=deterministic)  # [batch, length, features]
 
   def _decoding(self, max_length: int) -> tuple[Any, dict[str, Any]]:

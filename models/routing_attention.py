@@ -8,6 +8,10 @@ setting routes only the last layers); they own no centroids.
 `RoutedCombinerAttention` ("combiner_routed"): every head is Combiner-learnable (Combiner paper section 4.4),
 the cluster of each token being its nearest centroid.
 
+Cached decoding (`init_cache` / `decode_step` / `prefill`, see `models.transformer`): `RoutingAttention` with
+membership "nearest" (`routing.decode`); balanced membership and `RoutedCombinerAttention` raise a ValueError,
+since a later token changes earlier tokens' clusters (balanced) or chunk boundaries (combiner_routed).
+
 Both keep per-head centroids `[heads, clusters, head_dim]` in a `Centroids` variable (not an `nnx.Param`, so the
 optimizer never sees it), update them by an EMA of the assigned layer-normed vectors when called with
 `deterministic=False`, and sow the commitment loss as `aux_loss` (the train step multiplies it by
@@ -46,7 +50,7 @@ from flax import nnx
 
 import combiner
 from models import attention, ops_registry
-from routing import kmeans
+from routing import decode, kmeans
 from routing.attention import routed_clusters, routing_attention
 from routing.local import local_attention
 
@@ -171,16 +175,19 @@ class RoutingAttention(attention.AttentionBase, _CentroidMixin):
     else:
       self.ema_decay, self.centroids = None, None
 
-  def __call__(self, x: Array, mask: Array | None, *, deterministic: bool) -> Array:
-    q, k, v = self.project(x)  # [batch, length, heads, head_dim]
-    length = x.shape[1]
-    r = self.routing_heads
-    if r:
+  def _plan(self, length: int) -> tuple[int, int, int]:
+    """(clusters, window, local block) for sequences of `length` tokens ("auto" entries resolved)."""
+    if self.routing_heads:
       clusters = _clusters_for(self.num_clusters, self.centroids.shape[1], length, "routing")
     else:  # no centroids in this layer, but "auto" local blocks still follow the routing window
       clusters = self.num_clusters or ops_registry.sqrt_pow2(length)
     window = min(_int_or_auto(self.window_param, -(-length // clusters), "window"), length)
-    block = _int_or_auto(self.block_param, window, "block_size")
+    return clusters, window, _int_or_auto(self.block_param, window, "block_size")
+
+  def __call__(self, x: Array, mask: Array | None, *, deterministic: bool) -> Array:
+    q, k, v = self.project(x)  # [batch, length, heads, head_dim]
+    r = self.routing_heads
+    clusters, window, block = self._plan(x.shape[1])
     parts = []
     if r < self.num_heads:
       parts.append(local_attention(q[:, :, r:], k[:, :, r:], v[:, :, r:], block_size=block, causal=self.causal,
@@ -194,6 +201,71 @@ class RoutingAttention(attention.AttentionBase, _CentroidMixin):
       parts.insert(0, o)  # [batch, length, routing_heads, head_dim]
     o = jnp.concatenate(parts, axis=2) if len(parts) > 1 else parts[0]  # [batch, length, heads, head_dim]
     return self.output(o, deterministic=deterministic)
+
+  # Cached decoding (`routing.decode`): routing heads keep per-cluster rings, local heads the last two
+  # blocks. "auto" plan parameters are chosen for the cache's `max_length`, as the forward pass over it.
+  def _decoding(self, max_length: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(routing decoder parameters, local decoder parameters) for sequences of up to `max_length` tokens."""
+    if not self.causal:
+      raise ValueError("attention 'routing': cached decoding needs a causal model")
+    membership = self.membership or ("nearest" if self.share_qk else "balanced")
+    if self.routing_heads and membership != "nearest":
+      raise ValueError(f"attention 'routing': cached decoding needs membership='nearest' with "
+                       f"share_qk=True, got membership={membership!r} (balanced membership is not causal: "
+                       "whether an earlier token is in a cluster depends on later tokens)")
+    clusters, window, block = self._plan(max_length)
+    routing = {}
+    if self.routing_heads:
+      routing = dict(centroids=self.centroids[:, :clusters], window=window, scale_logits=self.scale_logits,
+                     mask_self=self.mask_self)
+    return routing, {"block_size": block}
+
+  def init_cache(self, batch: int, max_length: int) -> attention.LayerCache:
+    """An empty cache for up to `max_length` tokens: {"routing": rings, "local": the last two blocks}."""
+    routing, local = self._decoding(max_length)
+    r, state = self.routing_heads, {}
+    if r:
+      state["routing"] = decode.ROUTING.init_cache(batch, r, max_length, self.head_dim, self.head_dim,
+                                                   self.dtype, **routing)
+    if r < self.num_heads:
+      state["local"] = decode.LOCAL.init_cache(batch, self.num_heads - r, max_length, self.head_dim,
+                                               self.head_dim, self.dtype, **local)
+    return attention.LayerCache(state, max_length)
+
+  def decode_step(self, x: Array, cache: attention.LayerCache, position: Array
+                  ) -> tuple[Array, attention.LayerCache]:
+    """x: [batch, 1, features], the token at `position` -> ([batch, 1, features], cache); equals row
+    `position` of the causal forward pass over `cache.max_length` tokens (no centroid update)."""
+    routing, local = self._decoding(cache.max_length)
+    q, k, v = (t[:, 0] for t in self.project(x))  # [batch, heads, head_dim]
+    r, state, parts = self.routing_heads, dict(cache.state), []
+    if r:
+      o, state["routing"] = decode.ROUTING.step(state["routing"], q[:, :r], k[:, :r], v[:, :r], position,
+                                                **routing)
+      parts.append(o)  # [batch, routing_heads, head_dim]
+    if r < self.num_heads:
+      o, state["local"] = decode.LOCAL.step(state["local"], q[:, r:], k[:, r:], v[:, r:], position, **local)
+      parts.append(o)  # [batch, local_heads, head_dim]
+    o = jnp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]  # [batch, heads, head_dim]
+    return self.out(o[:, None]), attention.LayerCache(state, cache.max_length)
+
+  def prefill(self, x: Array, cache: attention.LayerCache) -> tuple[Array, attention.LayerCache]:
+    """x: [batch, prompt_length, features] at positions [0, prompt_length): the forward pass's output and the
+    cache filled with those positions (no centroid update)."""
+    routing, local = self._decoding(cache.max_length)
+    q, k, v = self.project(x)  # [batch, prompt_length, heads, head_dim]
+    r, state, parts = self.routing_heads, dict(cache.state), []
+    if r:
+      o, _ = routing_attention(q[:, :, :r], k[:, :, :r], v[:, :, :r], causal=True, share_qk=True,
+                               membership="nearest", **routing)
+      parts.append(o)  # [batch, prompt_length, routing_heads, head_dim]
+      state["routing"] = decode.ROUTING.prefill(state["routing"], q[:, :, :r], k[:, :, :r], v[:, :, :r],
+                                                **routing)
+    if r < self.num_heads:
+      parts.append(local_attention(q[:, :, r:], k[:, :, r:], v[:, :, r:], causal=True, **local))
+      state["local"] = decode.LOCAL.prefill(state["local"], q[:, :, r:], k[:, :, r:], v[:, :, r:], **local)
+    o = jnp.concatenate(parts, axis=2) if len(parts) > 1 else parts[0]  # [batch, prompt, heads, head_dim]
+    return self.out(o), attention.LayerCache(state, cache.max_length)
 
 
 class RoutedCombinerAttention(attention.AttentionBase, _CentroidMixin):
@@ -219,3 +291,9 @@ class RoutedCombinerAttention(attention.AttentionBase, _CentroidMixin):
                         pooling=self.pooling)  # [batch, length, heads, head_dim]
     self._update(aux, clusters, deterministic=deterministic)
     return self.output(o, deterministic=deterministic)
+
+  def init_cache(self, batch: int, max_length: int) -> attention.LayerCache:
+    raise ValueError("attention 'combiner_routed' has no cached decoding step: its balanced partition "
+                     "ranks all tokens by (cluster, position) and cuts chunks of ceil(L / num_clusters), "
+                     "so a later token shifts the chunk boundaries of earlier ones; no cache of the past "
+                     "reproduces that")
