@@ -172,7 +172,7 @@ class OpAttention(AttentionBase):
     spec = ops_registry.get(self.op_name)
     fn = op_function(spec)
     params = resolve_plan_params(spec, self.plan_params, x.shape[1])
-    if self.implementation is not None:
+    if self.implementation is not None and fn is spec.fn:  # sequence-parallel counterparts have no choice
       params["implementation"] = self.implementation
     extra = self.op_kwargs(q, k)
     if self.recompute:
