@@ -43,7 +43,7 @@ from typing import Any
 
 import ml_collections
 
-from models import attention, ops_registry, routing_attention, yoso_attention
+from models import attention, learned_baselines_attention, ops_registry, routing_attention, yoso_attention
 
 # Config name -> module class. Generic ops are not listed (they fall back to OpAttention).
 MODULES: dict[str, type] = {}
@@ -75,6 +75,8 @@ register_module("routing", routing_attention.RoutingAttention, fields=routing_at
 register_module("combiner_routed", routing_attention.RoutedCombinerAttention, fields=routing_attention.ROUTED_FIELDS)
 for _name in (*yoso_attention.SAMPLED, "yoso_e"):
   register_module(_name, yoso_attention.YosoAttention, fields=yoso_attention.YOSO_FIELDS)
+for _name, _cls in learned_baselines_attention.MODULES.items():
+  register_module(_name, _cls, fields=learned_baselines_attention.FIELDS[_name])
 
 
 def names() -> list[str]:
