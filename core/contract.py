@@ -69,14 +69,29 @@ def check_choice(value: Any, *, name: str, allowed: Iterable[str], op: str) -> s
   return value
 
 
-def check_implementation(value: Any, *, allowed: Iterable[str], op: str) -> str:
-  """An op's `implementation` argument: one of `allowed`, where "auto" means "choose by `backend()`"."""
-  return check_choice(value, name="implementation", allowed=allowed, op=op)
-
-
 def backend() -> str:
   """The platform ops are traced for, "cpu", "gpu" or "tpu": what "auto" implementations choose by."""
   return jax.default_backend()
+
+
+IMPLEMENTATIONS = ("auto", "xla", "pallas")
+ACCELERATOR_BACKENDS = ("gpu", "cuda", "rocm", "tpu")
+
+
+def check_implementation(value: Any, allowed: Iterable[str] = IMPLEMENTATIONS, *, op: str) -> str:
+  """An op's `implementation` argument: one of `allowed`, where "auto" means "choose by `backend()`"
+  (`resolve_implementation` does it for ops whose accelerated kernel runs on every accelerator)."""
+  return check_choice(value, name="implementation", allowed=allowed, op=op)
+
+
+def resolve_implementation(value: Any, allowed: Iterable[str] = IMPLEMENTATIONS, *, op: str,
+                           accelerated: str = "pallas", default: str = "xla") -> str:
+  """The implementation to run: `value` itself, or for "auto" `accelerated` when `backend()` is a GPU or TPU
+  and `default` otherwise (on CPU fused kernels only run interpreted)."""
+  value = check_implementation(value, allowed, op=op)
+  if value != "auto":
+    return value
+  return accelerated if backend() in ACCELERATOR_BACKENDS else default
 
 
 def check_bool(value: Any, *, name: str, op: str) -> bool:

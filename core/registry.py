@@ -9,6 +9,7 @@ Ops that need state or randomness (routing, YOSO) register with `params` produci
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -43,6 +44,11 @@ def get(name: str) -> OpSpec:
   if name not in OPS:
     raise ValueError(f"unknown attention op {name!r}; registered: {sorted(OPS)}")
   return OPS[name]
+
+
+def takes_implementation(spec: OpSpec) -> bool:
+  """Whether the op takes `implementation` ("auto" | "xla" | an accelerated kernel), from its signature."""
+  return "implementation" in inspect.signature(spec.fn).parameters
 
 
 def names() -> list[str]:

@@ -26,7 +26,7 @@ Array = Any
 AUTO = "auto"
 
 # Fields of `config.model.attention` every module understands; plan parameters live in `params`.
-COMMON_FIELDS = ("name", "params", "dropout_rate")
+COMMON_FIELDS = ("name", "params", "dropout_rate", "implementation")
 
 
 def resolve_plan_params(spec: ops_registry.OpSpec, params: dict[str, Any], length: int) -> dict[str, Any]:
@@ -53,7 +53,7 @@ def op_parameters(spec: ops_registry.OpSpec) -> list[str] | None:
   if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values()):
     return None
   return [n for n, p in sig.parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY
-          and n not in ("causal", "mask", "pool_q", "pool_k", "span_key_fn")]
+          and n not in ("causal", "mask", "pool_q", "pool_k", "span_key_fn", "implementation")]
 
 
 def check_op_kwargs(spec: ops_registry.OpSpec, names: list[str]) -> None:
@@ -154,6 +154,12 @@ class OpAttention(AttentionBase):
     self.plan_params = {k: v for k, v in params.items() if not (v == AUTO and accepted is not None
                                                                and k not in accepted)}
     check_op_kwargs(spec, list(self.plan_params))
+    # Kernel choice, passed to ops that take it; naming one for an op without the choice is an error.
+    implementation = str(config.get("implementation", None) or AUTO)
+    self.implementation = implementation if ops_registry.takes_implementation(spec) else None
+    if self.implementation is None and implementation != AUTO:
+      raise ValueError(f"attention op {self.op_name!r} does not take 'implementation' "
+                       f"(got {implementation!r}); leave it 'auto'")
     # Recompute the op in the backward pass instead of keeping its intermediates (models.recompute).
     self.recompute = bool(config.get("recompute", None) or False)
 
@@ -166,6 +172,8 @@ class OpAttention(AttentionBase):
     spec = ops_registry.get(self.op_name)
     fn = op_function(spec)
     params = resolve_plan_params(spec, self.plan_params, x.shape[1])
+    if self.implementation is not None and fn is spec.fn:  # sequence-parallel counterparts have no choice
+      params["implementation"] = self.implementation
     extra = self.op_kwargs(q, k)
     if self.recompute:
       arrays = {name: a for name, a in extra.items() if not callable(a)}
@@ -211,7 +219,8 @@ class OpAttention(AttentionBase):
     decoder, params = self._decoding(cache.max_length)
     q, k, v = self.project(x)  # [batch, prompt_length, heads, head_dim]
     extra = self.op_kwargs(q, k)
-    o = ops_registry.get(self.op_name).fn(q, k, v, causal=True, **params, **extra)
+    chosen = {} if self.implementation is None else {"implementation": self.implementation}
+    o = ops_registry.get(self.op_name).fn(q, k, v, causal=True, **params, **chosen, **extra)
     state = decoder.prefill(cache.state, q, k, v, **params, **extra)
     return self.out(o), LayerCache(state, cache.max_length)  # [batch, prompt_length, features]
 

@@ -57,7 +57,8 @@ def apply(config: ml_collections.ConfigDict, gin_files: Sequence[str] = (),
 
     sig = inspect.signature(spec.fn).parameters
     plan = sorted(set(plan) | {n for n, p in sig.items() if p.kind is inspect.Parameter.KEYWORD_ONLY
-                               and n not in ("causal", "mask", "pool_q", "pool_k", "span_key_fn")})
+                               and n not in ("causal", "mask", "pool_q", "pool_k", "span_key_fn",
+                                             "implementation")})
   for key, value in bound.items():
     if key in fields:
       if not _unset(att.get(key, None)):

@@ -46,6 +46,7 @@ import ml_collections
 from models import (
   attention,
   bigbird_attention,
+  learned_baselines_attention,
   ops_registry,
   performer_attention,
   routing_attention,
@@ -85,6 +86,8 @@ for _name in (*yoso_attention.SAMPLED, "yoso_e"):
 register_module("performer", performer_attention.PerformerAttention,
                 fields=performer_attention.PERFORMER_FIELDS)
 register_module("bigbird", bigbird_attention.BigBirdAttention, fields=("recompute",))
+for _name, _cls in learned_baselines_attention.MODULES.items():
+  register_module(_name, _cls, fields=learned_baselines_attention.FIELDS[_name])
 
 
 def names() -> list[str]:

@@ -162,6 +162,28 @@ def _torch_pair(attn, q, k, v, cot):
 
   def fwdbwd():
     torch.autograd.grad((attn(q, k, v) * cot).sum(), (q, k, v))
+@register_peer("reformer_pytorch", counterparts=("reformer",))
+def _reformer_pytorch(length, batch, heads, head_dim, causal, dtype):
+  """lucidrains' `reformer-pytorch` LSHAttention set up like our `reformer` row: bucket_size = chunk = 64
+  (as many buckets as chunks), 2 hash rounds, shared QK (it normalises the keys itself); heads folded into the
+  batch, as its LSHSelfAttention does. Its length must be a multiple of 128."""
+  import torch
+  from reformer_pytorch.reformer_pytorch import LSHAttention
+
+  torch_dtype = getattr(torch, dtype)
+  attn = LSHAttention(bucket_size=64, n_hashes=2, causal=causal).eval()
+  gen = torch.Generator().manual_seed(0)
+  qk, v = (torch.randn(batch * heads, length, head_dim, generator=gen, dtype=torch_dtype, requires_grad=True)
+           for _ in range(2))
+  cot = torch.randn(batch * heads, length, head_dim, generator=gen, dtype=torch_dtype)
+
+  def fwd():
+    with torch.no_grad():
+      attn(qk, v)
+
+  def fwdbwd():
+    out = attn(qk, v)[0]
+    torch.autograd.grad((out * cot).sum(), (qk, v))
 
   return fwd, fwdbwd
 
@@ -217,3 +239,29 @@ def _local_attention_window(length, batch, heads, head_dim, causal, dtype):
   """`local-attention` LocalAttention as an exact sliding window of sqrt(L) rounded up to a power of two on
   each side (causal: behind), one block back and forward: our `longformer`'s band without global tokens."""
   return _local_attention(length, batch, heads, head_dim, causal, dtype, sliding=True)
+@register_peer("nystrom_attention", counterparts=("nystromformer",))
+def _nystrom_attention(length, batch, heads, head_dim, causal, dtype):
+  """lucidrains' `nystrom-attention` NystromAttention set up like our `nystromformer` row: 64 landmarks, 6
+  pseudo-inverse iterations, no residual convolution. Its q/k/v and output projections are replaced by
+  identities (the input carries q, k, v side by side), so only the attention is timed. Bidirectional only."""
+  if causal:
+    raise ValueError("nystrom_attention: Nystromformer is bidirectional only (causal=True unsupported)")
+  import torch
+  from nystrom_attention import NystromAttention
+
+  torch_dtype = getattr(torch, dtype)
+  attn = NystromAttention(dim=heads * head_dim, dim_head=head_dim, heads=heads, num_landmarks=64,
+                          pinv_iterations=6, residual=False).to(torch_dtype).eval()
+  attn.to_qkv = attn.to_out = torch.nn.Identity()
+  gen = torch.Generator().manual_seed(0)
+  x = torch.randn(batch, length, 3 * heads * head_dim, generator=gen, dtype=torch_dtype, requires_grad=True)
+  cot = torch.randn(batch, length, heads * head_dim, generator=gen, dtype=torch_dtype)
+
+  def fwd():
+    with torch.no_grad():
+      attn(x)
+
+  def fwdbwd():
+    torch.autograd.grad((attn(x) * cot).sum(), (x,))
+
+  return fwd, fwdbwd
