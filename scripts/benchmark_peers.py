@@ -230,7 +230,8 @@ def _local_attention(length, batch, heads, head_dim, causal, dtype, *, sliding):
 @register_peer("local_attention", counterparts=("local",))
 def _local_attention_block(length, batch, heads, head_dim, causal, dtype):
   """lucidrains' `local-attention` LocalAttention with the window sqrt(L) rounded up to a power of two and no
-  look backward/forward: each query attends within its own block, as our `local` at its automatic block size."""
+  look backward/forward: each query attends within its own block, as our `local` at its automatic block
+  size."""
   return _local_attention(length, batch, heads, head_dim, causal, dtype, sliding=False)
 
 
