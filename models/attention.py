@@ -30,14 +30,28 @@ AUTO = "auto"
 COMMON_FIELDS = ("name", "params", "dropout_rate", "implementation")
 
 
+# Keyword-only op arguments that are not plan parameters (the contract's own and the model's inputs).
+NON_PLAN_KEYWORDS = ("causal", "mask", "pool_q", "pool_k", "span_key_fn", "implementation")
+
+
+def is_auto(value: Any) -> bool:
+  return isinstance(value, str) and value == AUTO
+
+
+def plan_value(value: Any) -> Any:
+  """A plan parameter as configs hold it: "16" from a command-line override of "auto" becomes 16."""
+  if isinstance(value, str) and value.lstrip("-").isdigit():
+    return int(value)
+  return value
+
+
 def resolve_plan_params(spec: ops_registry.OpSpec, params: dict[str, Any], length: int) -> dict[str, Any]:
   """Config plan parameters with "auto" replaced by the op's own choice for this length (spec.params(L))."""
   auto = spec.params(length)
   out = {}
   for key, value in params.items():
-    if isinstance(value, str) and value.lstrip("-").isdigit():  # "16" from a command-line override of "auto"
-      value = int(value)
-    if isinstance(value, str) and value == AUTO:
+    value = plan_value(value)
+    if is_auto(value):
       if key not in auto:
         raise ValueError(f"attention op {spec.name!r}: parameter {key!r}='auto' has no automatic value; "
                          f"automatic parameters: {sorted(auto)}")
@@ -54,7 +68,7 @@ def op_parameters(spec: ops_registry.OpSpec) -> list[str] | None:
   if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values()):
     return None
   return [n for n, p in sig.parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY
-          and n not in ("causal", "mask", "pool_q", "pool_k", "span_key_fn", "implementation")]
+          and n not in NON_PLAN_KEYWORDS]
 
 
 def check_op_kwargs(spec: ops_registry.OpSpec, names: list[str]) -> None:

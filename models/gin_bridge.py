@@ -34,7 +34,7 @@ def attention_bindings(**kwargs: Any) -> dict[str, Any]:
 
 
 def _unset(value: Any) -> bool:
-  return value is None or (isinstance(value, str) and value == attention.AUTO)
+  return value is None or attention.is_auto(value)
 
 
 def apply(config: ml_collections.ConfigDict, gin_files: Sequence[str] = (),
@@ -54,12 +54,7 @@ def apply(config: ml_collections.ConfigDict, gin_files: Sequence[str] = (),
   spec = ops_registry.OPS.get(name) if name in ops_registry.names() else None
   plan = sorted(set(att.get("params", {}) or {}) | (set(spec.params(1)) if spec else set()))
   if spec is not None:
-    import inspect
-
-    sig = inspect.signature(spec.fn).parameters
-    plan = sorted(set(plan) | {n for n, p in sig.items() if p.kind is inspect.Parameter.KEYWORD_ONLY
-                               and n not in ("causal", "mask", "pool_q", "pool_k", "span_key_fn",
-                                             "implementation")})
+    plan = sorted(set(plan) | set(attention.op_parameters(spec) or ()))
   for key, value in bound.items():
     if key in fields:
       if not _unset(att.get(key, None)):

@@ -58,7 +58,6 @@ from routing.attention import routed_clusters, routing_attention
 from routing.local import local_attention
 
 Array = Any
-AUTO = "auto"
 # "auto" clusters depend on the length, unknown at construction: allocate this many centroids and use the
 # first sqrt_pow2(L) of them (an unused centroid gets no assignment, so its EMA leaves it exactly unchanged).
 DEFAULT_MAX_CLUSTERS = 128
@@ -80,10 +79,9 @@ def _params(config: ml_collections.ConfigDict, accepted: tuple[str, ...], name: 
   raw = dict(params.to_dict() if isinstance(params, ml_collections.ConfigDict) else (params or {}))
   out = {}
   for key, value in raw.items():
-    if isinstance(value, str) and value.lstrip("-").isdigit():
-      value = int(value)
+    value = attention.plan_value(value)
     if key not in accepted:
-      if isinstance(value, str) and value == AUTO:
+      if attention.is_auto(value):
         continue
       raise ValueError(f"attention {name!r} does not take parameter {key!r}; "
                        f"its parameters: {list(accepted)}")
@@ -94,8 +92,8 @@ def _params(config: ml_collections.ConfigDict, accepted: tuple[str, ...], name: 
 def _cluster_state(config: ml_collections.ConfigDict, params: dict[str, Any],
                    name: str) -> tuple[int | None, int]:
   """(num_clusters or None for "auto", number of centroid rows to allocate)."""
-  value = params.get("num_clusters", AUTO)
-  if isinstance(value, str) and value == AUTO:
+  value = params.get("num_clusters", attention.AUTO)
+  if attention.is_auto(value):
     seq_len = config.get("seq_len", None)  # filled in by models.registry.build from the model's length
     rows = config.get("max_clusters", None) or (ops_registry.sqrt_pow2(int(seq_len)) if seq_len
                                                  else DEFAULT_MAX_CLUSTERS)
@@ -118,7 +116,7 @@ def _clusters_for(num_clusters: int | None, rows: int, length: int, name: str) -
 
 
 def _int_or_auto(value: Any, auto: int, name: str) -> int:
-  if isinstance(value, str) and value == AUTO:
+  if attention.is_auto(value):
     return auto
   if isinstance(value, bool) or not isinstance(value, int) or value < 1:
     raise ValueError(f"routing attention: params.{name} must be a positive int or 'auto', got {value!r}")
@@ -155,8 +153,8 @@ class RoutingAttention(attention.AttentionBase, _CentroidMixin):
     super().__init__(config, features=features, num_heads=num_heads, head_dim=head_dim, causal=causal,
                      dtype=dtype, rngs=rngs)
     params = _params(config, ("num_clusters", "window", "block_size"), "routing")
-    self.window_param = params.get("window", AUTO)
-    self.block_param = params.get("block_size", AUTO)
+    self.window_param = params.get("window", attention.AUTO)
+    self.block_param = params.get("block_size", attention.AUTO)
     routing_heads = config.get("routing_heads", None)
     routing_heads = num_heads // 2 if routing_heads is None else int(routing_heads)
     if not 0 <= routing_heads <= num_heads:
