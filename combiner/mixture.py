@@ -19,10 +19,12 @@ def mixture(q: Array, k: Array, v: Array, *, row_length: int, causal: bool, mask
             pool_k: Array | None = None, implementation: str = "auto") -> Array:
   """Combiner-Mixture. q, k: [batch, length, heads, head_dim]; v: [batch, length, heads, value_dim].
 
-  normalize="mean": the mean of the axial-vertical and axial-horizontal outputs (the paper's mixture of two plans).
-  normalize="joint": D_i once and both span families under one softmax, as in the authors' released JAX code (the
-  two families cover the same keys twice, so this is a different, still row-stochastic, attention).
-  implementation: "xla" (einsums), "pallas" (the fused kernel of `combiner.flash`), "auto" (pallas on GPU/TPU).
+  normalize="mean": the mean of the axial-vertical and axial-horizontal outputs (the paper's mixture of two
+    plans).
+  normalize="joint": D_i once and both span families under one softmax, as in the authors' released JAX code
+    (the two families cover the same keys twice, so this is a different, still row-stochastic, attention).
+  implementation: "xla" (einsums), "pallas" (the fused kernel of `combiner.flash`), "auto" (pallas on
+    GPU/TPU).
   """
   op = "combiner.mixture"
   x = common.prepare(q, k, v, mask, op=op, causal=causal, pooling=pooling, pool_q=pool_q, pool_k=pool_k)
@@ -36,7 +38,8 @@ def mixture(q: Array, k: Array, v: Array, *, row_length: int, causal: bool, mask
   if normalize == "mean":
     # Both plans share D_i: its exponentials and value sums are computed once and merged into each softmax.
     shared = partial_softmax(direct)
-    out = 0.5 * sum(combine.normalize(merge([shared, partial_softmax([spans])])) for spans in (vertical, horizontal))
+    out = 0.5 * sum(combine.normalize(merge([shared, partial_softmax([spans])]))
+                    for spans in (vertical, horizontal))
   else:
     out = joint_softmax(direct + [vertical, horizontal])  # [batch, heads, rows, cols, value_dim]
   return common.finish(from_grid(out, g.length, 2), x)

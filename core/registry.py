@@ -1,9 +1,10 @@
 """The registry of pure attention ops: name -> function, supported directions and plan parameters.
 
-Each entry names a pure function `fn(q, k, v, *, causal, mask=None, **params) -> out` and how to choose its plan
-parameters for a sequence length when a config or the benchmark says "auto". Each op package registers its ops in
-its own `registry` module; `models.ops_registry` imports all of them, and models/ and scripts/ read it there.
-Ops that need state or randomness (routing, YOSO) register with `params` producing that input explicitly.
+Each entry names a pure function `fn(q, k, v, *, causal, mask=None, **params) -> out` and how to choose its
+plan parameters for a sequence length when a config or the benchmark says "auto". Each op package registers
+its ops in its own `registry` module; `models.ops_registry` imports all of them, and models/ and scripts/ read
+it there. Ops that need state or randomness (routing, YOSO) register with `params` producing that input
+explicitly.
 """
 
 from __future__ import annotations
