@@ -20,7 +20,8 @@ from core.registry import OpSpec, register, sqrt_pow2
 
 register(OpSpec("dense", dense, description="exact softmax attention, O(L^2)",
                 decode=DENSE))
-register(OpSpec("dense_xla", dense_xla, description="jax.nn.dot_product_attention (XLA), O(L^2), for comparison"))
+register(OpSpec("dense_xla", dense_xla,
+                description="jax.nn.dot_product_attention (XLA), O(L^2), for comparison"))
 
 
 def _performer_params(length):
