@@ -1,4 +1,4 @@
-"""Peer implementations timed next to ours by `python -m scripts.benchmark --peers` (docs/design.md section 7).
+"""Peer implementations timed next to ours by `python -m scripts.benchmark --peers` (docs/design.md §7).
 
 A peer is a third-party attention (PyTorch packages from `requirements-bench.txt`: lucidrains'
 `routing-transformer`, HuggingFace `transformers`' YOSO) run on the same shapes as our ops. Each entry of
@@ -75,9 +75,9 @@ def register_peer(name: str, *, counterparts: tuple[str, ...] = ()) -> Callable[
 
 @register_peer("routing_transformer", counterparts=("routing",))
 def _routing_transformer(length, batch, heads, head_dim, causal, dtype):
-  """lucidrains' `routing-transformer` KmeansAttention, set up like our `routing` op (issue 5): clusters = window =
-  sqrt(L) rounded up to a power of two, shared QK. Its one-time k-means initialisation (10 Lloyd iterations) runs
-  here, untimed; the timed calls are in eval mode, so like ours they do not update the centroids."""
+  """lucidrains' `routing-transformer` KmeansAttention, set up like our `routing` op: clusters = window =
+  sqrt(L) rounded up to a power of two, shared QK. Its one-time k-means initialisation (10 Lloyd iterations)
+  runs here, untimed; the timed calls are in eval mode, so like ours they do not update the centroids."""
   import torch
   from routing_transformer.routing_transformer import KmeansAttention
 
@@ -108,11 +108,11 @@ def _routing_transformer(length, batch, heads, head_dim, causal, dtype):
 
 @register_peer("hf_yoso", counterparts=("yoso_e", "yoso", "yoso_sketch"))
 def _hf_yoso(length, batch, heads, head_dim, causal, dtype):
-  """HuggingFace `transformers`' `YosoSelfAttention` (issue 6) with tau = hash_code_len = 8, as our `yoso_e` and
-  `yoso`. Without CUDA its LSH kernels do not exist, so only the expectation path (`use_expectation=True`, dense
-  O(L^2), YOSO-E) runs here. The q/k/v linear projections are replaced by identities so that, like our ops, only
-  the attention is timed (the module then attends over q = k = v = its input, which costs the same as distinct
-  inputs). Padding mask: all real tokens; no convolution (conv_window=None)."""
+  """HuggingFace `transformers`' `YosoSelfAttention` with tau = hash_code_len = 8, as our `yoso_e` and `yoso`.
+  Without CUDA its LSH kernels do not exist, so only the expectation path (`use_expectation=True`, dense
+  O(L^2), YOSO-E) runs here. The q/k/v linear projections are replaced by identities so that, like our ops,
+  only the attention is timed (the module then attends over q = k = v = its input, which costs the same as
+  distinct inputs). Padding mask: all real tokens; no convolution (conv_window=None)."""
   if causal:
     raise ValueError("hf_yoso: YOSO attention is bidirectional only (causal=True unsupported)")
   import torch
