@@ -1,4 +1,4 @@
-"""Routing Transformer and Combiner-routed attention modules (issue 5): k-means centroids as non-gradient
+"""Routing Transformer and Combiner-routed attention modules: k-means centroids as non-gradient
 state.
 
 `RoutingAttention` ("routing"): the paper's layer, `routing_heads` heads of routing attention (shared QK by

@@ -1,4 +1,4 @@
-"""Routing attention (issue 5): k-means statistics, EMA, balanced membership, attention vs NumPy,
+"""Routing attention: k-means statistics, EMA, balanced membership, attention vs NumPy,
 causality."""
 
 import functools

@@ -1,4 +1,4 @@
-"""Routing model modules (issue 5): centroid state, EMA in training only, sharded update, checkpoints,
+"""Routing model modules: centroid state, EMA in training only, sharded update, checkpoints,
 causality."""
 
 import jax
