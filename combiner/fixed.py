@@ -6,7 +6,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from combiner import common
+from combiner import common, fused
 from combiner import pooling as pool_ops
 from core import contract
 from core.blocks import from_grid, num_blocks, to_grid
@@ -54,15 +54,19 @@ def span_summaries(pqb: Array, pkb: Array, kb: Array, vb: Array, mb: Array, scal
 
 
 def fixed(q: Array, k: Array, v: Array, *, block_size: int, causal: bool, mask: Array | None = None,
-          pooling: str = "max", pool_q: Array | None = None, pool_k: Array | None = None) -> Array:
+          pooling: str = "max", pool_q: Array | None = None, pool_k: Array | None = None,
+          implementation: str = "auto") -> Array:
   """Combiner-Fixed. q, k: [batch, length, heads, head_dim]; v: [batch, length, heads, value_dim].
 
   D_i = own block ∩ Ω_i; spans = every other block ∩ Ω_i (causal: the blocks before b(i)). Cost
   O(L·(s + L/s)·d), i.e. O(L·sqrt(L)·d) at s ~ sqrt(L).
+  implementation: "xla" (einsums), "pallas" (the fused kernel of `combiner.flash`), "auto" (pallas on GPU/TPU).
   """
-  x = common.prepare(q, k, v, mask, op="combiner.fixed", causal=causal, pooling=pooling, pool_q=pool_q,
-                     pool_k=pool_k)
-  size = contract.check_positive_int(block_size, name="block_size", op="combiner.fixed")
+  op = "combiner.fixed"
+  x = common.prepare(q, k, v, mask, op=op, causal=causal, pooling=pooling, pool_q=pool_q, pool_k=pool_k)
+  size = contract.check_positive_int(block_size, name="block_size", op=op)
+  if contract.resolve_implementation(implementation, op=op) == "pallas":
+    return fused.fixed(x, size, causal, pooling, fused.kernel_dtype(q, k, v))
   length = x.q.shape[2]
   blocks = num_blocks(length, size)
   qb, kb, vb, pqb, pkb = (to_grid(t, blocks, size, 2) for t in (x.q, x.k, x.v, x.pool_q, x.pool_k))

@@ -36,6 +36,9 @@ def attention_config(name: str = "combiner_fixed") -> ml_collections.ConfigDict:
   # Ops from the op registry: recompute the op in the backward pass instead of keeping its intermediates
   # (dense: the [heads, L, L] probabilities); exact same gradients, one extra op forward (models.recompute).
   att.recompute = ml_collections.FieldReference(None, field_type=bool)
+  # Ops that take `implementation` (Combiner plans): "auto" (fused Pallas kernels on GPU/TPU, XLA on CPU),
+  # "xla" or the op's accelerated one ("pallas"); passed only to ops whose signature accepts it.
+  att.implementation = "auto"
   # Linformer: the projected length k of E, F (None = 256).
   att.proj_dim = ml_collections.FieldReference(None, field_type=int)
   return att

@@ -1,9 +1,10 @@
-"""Routing Transformer and Combiner-routed attention modules (issue 5): k-means centroids as non-gradient state.
+"""Routing Transformer and Combiner-routed attention modules: k-means centroids as non-gradient
+state.
 
 `RoutingAttention` ("routing"): the paper's layer, `routing_heads` heads of routing attention (shared QK by
 default in causal models) next to `num_heads - routing_heads` local heads (own + previous block), all in one
-layer with one output projection. Layers not listed in `routing_layers` use local heads only (the paper's PG-19
-setting routes only the last layers); they own no centroids.
+layer with one output projection. Layers not listed in `routing_layers` use local heads only (the paper's
+PG-19 setting routes only the last layers); they own no centroids.
 
 `RoutedCombinerAttention` ("combiner_routed"): every head is Combiner-learnable (Combiner paper section 4.4),
 the cluster of each token being its nearest centroid.
@@ -12,29 +13,31 @@ Cached decoding (`init_cache` / `decode_step` / `prefill`, see `models.transform
 membership "nearest" (`routing.decode`); balanced membership and `RoutedCombinerAttention` raise a ValueError,
 since a later token changes earlier tokens' clusters (balanced) or chunk boundaries (combiner_routed).
 
-Both keep per-head centroids `[heads, clusters, head_dim]` in a `Centroids` variable (not an `nnx.Param`, so the
-optimizer never sees it), update them by an EMA of the assigned layer-normed vectors when called with
+Both keep per-head centroids `[heads, clusters, head_dim]` in a `Centroids` variable (not an `nnx.Param`, so
+the optimizer never sees it), update them by an EMA of the assigned layer-normed vectors when called with
 `deterministic=False`, and sow the commitment loss as `aux_loss` (the train step multiplies it by
 `config.aux_loss_weight`, 1e-4 in the routing configs). The update uses batch sums, so under a jit over a
 data-sharded batch every device applies the same global update.
 
 Config fields (`config.model.attention`), besides `name`, `params`, `dropout_rate`:
-  params.num_clusters  int, or "auto" = sqrt(length) rounded up to a power of two at call time, using the first
-                       rows of the allocated centroids: sqrt_pow2(seq_len) of them when `seq_len` is known (the
-                       registry fills it in from the model), else `max_clusters` (default 128: L <= 16384)
+  params.num_clusters  int, or "auto" = sqrt(length) rounded up to a power of two at call time, using the
+                       first rows of the allocated centroids: sqrt_pow2(seq_len) of them when `seq_len` is
+                       known (the registry fills it in from the model), else `max_clusters` (default 128:
+                       L <= 16384)
   params.window        int or "auto" (= ceil(length / num_clusters) at call time); routing only
   params.block_size    local heads' block, int or "auto" (= the window); routing only
   params.pooling       "max" | "mean"; combiner_routed only
   routing_heads        routing heads per routing layer (default num_heads // 2; routing only)
-  routing_layers       None (every layer) or a list of layer indices, negative counting from the end (routing only;
-                       needs the block to pass `layer=` and `num_layers=`)
-  share_qk             None (= causal), True or False; routing only (combiner_routed routes a token by its query
-                       and key together and needs no sharing)
+  routing_layers       None (every layer) or a list of layer indices, negative counting from the end (routing
+                       only; needs the block to pass `layer=` and `num_layers=`)
+  share_qk             None (= causal), True or False; routing only (combiner_routed routes a token by its
+                       query and key together and needs no sharing)
   scale_logits, mask_self  see `routing.attention` (defaults True, False)
-  membership           None (default: "nearest" in decoders with shared QK, exactly causal; "balanced" otherwise),
-                       "nearest" (nearest centroid, the window most recent cluster-mates) or "balanced" (the paper:
-                       top-window tokens per centroid; in a decoder it leaks the future through the discrete
-                       membership, an explicit opt-in); see the `routing.attention` module docstring
+  membership           None (default: "nearest" in decoders with shared QK, exactly causal; "balanced"
+                       otherwise), "nearest" (nearest centroid, the window most recent cluster-mates) or
+                       "balanced" (the paper: top-window tokens per centroid; in a decoder it leaks the future
+                       through the discrete membership, an explicit opt-in); see the `routing.attention`
+                       module docstring
   ema_decay            0.999
   centroid_seed        seed of the centroids' initial values (default 0; layers offset it by their index)
 """
@@ -55,9 +58,8 @@ from routing.attention import routed_clusters, routing_attention
 from routing.local import local_attention
 
 Array = Any
-AUTO = "auto"
-# "auto" clusters depend on the length, unknown at construction: allocate this many centroids and use the first
-# sqrt_pow2(L) of them (an unused centroid gets no assignment, so its EMA leaves it exactly unchanged).
+# "auto" clusters depend on the length, unknown at construction: allocate this many centroids and use the
+# first sqrt_pow2(L) of them (an unused centroid gets no assignment, so its EMA leaves it exactly unchanged).
 DEFAULT_MAX_CLUSTERS = 128
 
 ROUTING_FIELDS = ("routing_heads", "routing_layers", "share_qk", "scale_logits", "mask_self", "membership",
@@ -71,26 +73,27 @@ class Centroids(nnx.Variable):
 
 
 def _params(config: ml_collections.ConfigDict, accepted: tuple[str, ...], name: str) -> dict[str, Any]:
-  """The module's plan parameters. "auto" entries for other plans are dropped (configs pre-fill "auto" for their
-  default attention); digit strings from command-line overrides of "auto" become ints."""
+  """The module's plan parameters. "auto" entries for other plans are dropped (configs pre-fill "auto" for
+  their default attention); digit strings from command-line overrides of "auto" become ints."""
   params = config.get("params", None)
   raw = dict(params.to_dict() if isinstance(params, ml_collections.ConfigDict) else (params or {}))
   out = {}
   for key, value in raw.items():
-    if isinstance(value, str) and value.lstrip("-").isdigit():
-      value = int(value)
+    value = attention.plan_value(value)
     if key not in accepted:
-      if isinstance(value, str) and value == AUTO:
+      if attention.is_auto(value):
         continue
-      raise ValueError(f"attention {name!r} does not take parameter {key!r}; its parameters: {list(accepted)}")
+      raise ValueError(f"attention {name!r} does not take parameter {key!r}; "
+                       f"its parameters: {list(accepted)}")
     out[key] = value
   return out
 
 
-def _cluster_state(config: ml_collections.ConfigDict, params: dict[str, Any], name: str) -> tuple[int | None, int]:
+def _cluster_state(config: ml_collections.ConfigDict, params: dict[str, Any],
+                   name: str) -> tuple[int | None, int]:
   """(num_clusters or None for "auto", number of centroid rows to allocate)."""
-  value = params.get("num_clusters", AUTO)
-  if isinstance(value, str) and value == AUTO:
+  value = params.get("num_clusters", attention.AUTO)
+  if attention.is_auto(value):
     seq_len = config.get("seq_len", None)  # filled in by models.registry.build from the model's length
     rows = config.get("max_clusters", None) or (ops_registry.sqrt_pow2(int(seq_len)) if seq_len
                                                  else DEFAULT_MAX_CLUSTERS)
@@ -98,7 +101,8 @@ def _cluster_state(config: ml_collections.ConfigDict, params: dict[str, Any], na
       raise ValueError(f"attention {name!r}: max_clusters must be a positive int, got {rows!r}")
     return None, rows
   if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-    raise ValueError(f"attention {name!r}: params.num_clusters must be a positive int or 'auto', got {value!r}")
+    raise ValueError(f"attention {name!r}: params.num_clusters must be a positive int or 'auto', "
+                     f"got {value!r}")
   return value, value
 
 
@@ -112,7 +116,7 @@ def _clusters_for(num_clusters: int | None, rows: int, length: int, name: str) -
 
 
 def _int_or_auto(value: Any, auto: int, name: str) -> int:
-  if isinstance(value, str) and value == AUTO:
+  if attention.is_auto(value):
     return auto
   if isinstance(value, bool) or not isinstance(value, int) or value < 1:
     raise ValueError(f"routing attention: params.{name} must be a positive int or 'auto', got {value!r}")
@@ -136,7 +140,8 @@ class _CentroidMixin:
     self.sow(nnx.Intermediate, "aux_loss", aux.commit_loss.astype(jnp.float32))
     if not deterministic:
       mu = self.centroids[...]
-      self.centroids[...] = mu.at[:, :clusters].set(kmeans.ema_update(mu[:, :clusters], aux.stats, self.ema_decay))
+      self.centroids[...] = mu.at[:, :clusters].set(
+          kmeans.ema_update(mu[:, :clusters], aux.stats, self.ema_decay))
 
 
 class RoutingAttention(attention.AttentionBase, _CentroidMixin):
@@ -148,8 +153,8 @@ class RoutingAttention(attention.AttentionBase, _CentroidMixin):
     super().__init__(config, features=features, num_heads=num_heads, head_dim=head_dim, causal=causal,
                      dtype=dtype, rngs=rngs)
     params = _params(config, ("num_clusters", "window", "block_size"), "routing")
-    self.window_param = params.get("window", AUTO)
-    self.block_param = params.get("block_size", AUTO)
+    self.window_param = params.get("window", attention.AUTO)
+    self.block_param = params.get("block_size", attention.AUTO)
     routing_heads = config.get("routing_heads", None)
     routing_heads = num_heads // 2 if routing_heads is None else int(routing_heads)
     if not 0 <= routing_heads <= num_heads:
@@ -168,7 +173,8 @@ class RoutingAttention(attention.AttentionBase, _CentroidMixin):
     self.scale_logits = bool(config.get("scale_logits", True))
     self.mask_self = bool(config.get("mask_self", False))
     membership = config.get("membership", None)
-    self.membership = None if membership is None else str(membership)  # None: the op decides from causal/share_qk
+    # None: the op decides from causal/share_qk
+    self.membership = None if membership is None else str(membership)
     self.num_clusters, rows = _cluster_state(config, params, "routing")
     if routing_heads:
       self._init_centroids(config, routing_heads, rows, head_dim, layer)
@@ -190,11 +196,12 @@ class RoutingAttention(attention.AttentionBase, _CentroidMixin):
     clusters, window, block = self._plan(x.shape[1])
     parts = []
     if r < self.num_heads:
-      parts.append(local_attention(q[:, :, r:], k[:, :, r:], v[:, :, r:], block_size=block, causal=self.causal,
-                                   mask=mask))  # [batch, length, local_heads, head_dim]
+      parts.append(local_attention(q[:, :, r:], k[:, :, r:], v[:, :, r:], block_size=block,
+                                   causal=self.causal, mask=mask))  # [batch, length, local_heads, head_dim]
     if r:
-      o, aux = routing_attention(q[:, :, :r], k[:, :, :r], v[:, :, :r], centroids=self.centroids[:, :clusters],
-                                 window=window, causal=self.causal, mask=mask, share_qk=self.share_qk,
+      o, aux = routing_attention(q[:, :, :r], k[:, :, :r], v[:, :, :r],
+                                 centroids=self.centroids[:, :clusters], window=window, causal=self.causal,
+                                 mask=mask, share_qk=self.share_qk,
                                  scale_logits=self.scale_logits, mask_self=self.mask_self,
                                  membership=self.membership)
       self._update(aux, clusters, deterministic=deterministic)
@@ -269,7 +276,8 @@ class RoutingAttention(attention.AttentionBase, _CentroidMixin):
 
 
 class RoutedCombinerAttention(attention.AttentionBase, _CentroidMixin):
-  """Combiner-learnable: clusters = nearest k-means centroid of each layer-normed query (and key), per head."""
+  """Combiner-learnable: clusters = nearest k-means centroid of each layer-normed query (and key), per
+  head."""
 
   def __init__(self, config: ml_collections.ConfigDict, *, features: int, num_heads: int, head_dim: int,
                causal: bool, dtype: Any, rngs: nnx.Rngs, layer: int | None = None,

@@ -672,7 +672,8 @@ def worker_command(args: argparse.Namespace, kind: str, name: str, length: int) 
   command = [sys.executable, "-m", "scripts.benchmark", "--_worker", "--_kind", kind, "--_name", name,
              "--lengths", str(length), "--batch", str(args.batch), "--heads", str(args.heads),
              "--head_dim", str(args.head_dim), "--dtype", args.dtype, "--causal", str(args.causal).lower(),
-             "--repeats", str(args.repeats), "--time_budget_s", str(args.time_budget_s), "--seed", str(args.seed)]
+             "--repeats", str(args.repeats), "--time_budget_s", str(args.time_budget_s),
+             "--seed", str(args.seed)]
   if args.memory_budget_gb is not None:
     command += ["--memory_budget_gb", str(args.memory_budget_gb)]
   if getattr(args, "implementation", None) is not None:
@@ -822,7 +823,8 @@ def run_delegated_mode(args: argparse.Namespace) -> Any:
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="python -m scripts.benchmark", description=__doc__.split("\n\n")[0],
                                    formatter_class=argparse.RawDescriptionHelpFormatter, add_help=False)
-  parser.add_argument("-h", "--help", action="store_true", help="show this help (with --mode M: also M's flags)")
+  parser.add_argument("-h", "--help", action="store_true",
+                      help="show this help (with --mode M: also M's flags)")
   parser.add_argument("--mode", choices=("ops", *_MODE_MODULES), default="ops")
   parser.add_argument("--ops", default=None, help="comma list of registered ops (default: all)")
   parser.add_argument("--lengths", type=parse_lengths, default=list(DEFAULT_LENGTHS),
@@ -836,8 +838,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="timed calls after one warm-up (median; default 3, --mode input: 10 train steps)")
   parser.add_argument("--out_dir", default="bench_out")
   parser.add_argument("--memory_budget_gb", type=float, default=None,
-                      help="GiB; skip an (op, L) whose XLA footprint exceeds it (default: 85%% of this machine's "
-                           "memory, or of the accelerator's)")
+                      help="GiB; skip an (op, L) whose XLA footprint exceeds it (default: 85%% of this "
+                           "machine's memory, or of the accelerator's)")
   parser.add_argument("--time_budget_s", type=float, default=300.0,
                       help="skip an op at L when its predicted fwd+bwd time exceeds this")
   parser.add_argument("--worker_timeout_s", type=float, default=3600.0,

@@ -3,7 +3,8 @@
     python -m scripts.benchmark --mode input                       # every pipeline vs its smoke train step
     python -m scripts.benchmark --mode input --datasets lra_listops,wiki40b --seconds 10 --repeats 20
     python -m scripts.benchmark --mode input --against none        # pipelines only, at the paper lengths
-    python -m scripts.benchmark --mode input --datasets lra_text --data cache_in_memory=0   # a config.data field
+    python -m scripts.benchmark --mode input --datasets lra_text --data cache_in_memory=0
+                                                                   # a config.data field
 
 For each dataset, `data.testing.mock_data` makes a small generated copy (TFDS mock records, LRA files in the
 official layout, a prepared Wiki-40B/C4 directory with its SentencePiece model), and the dataset's config is
@@ -58,9 +59,10 @@ SMOKE: dict[str, tuple[str, str, dict[str, Any]]] = {
 }
 TARGET = 10.0  # pipeline examples/s over the smoke step's: input is then never the bottleneck
 INPUT_REPEATS = 10  # default timed train steps per round
-COLUMNS = (("dataset", "dataset"), ("config", "config"), ("task", "task"), ("seq_len", "L"), ("batch", "batch"),
-           ("examples_per_s", "pipeline ex/s"), ("step_ms", "step ms"), ("step_examples_per_s", "step ex/s"),
-           ("ratio", "pipeline / step"), ("target", f"pipeline >= {TARGET:g}x step"), ("tokens_per_s", "tokens/s"),
+COLUMNS = (("dataset", "dataset"), ("config", "config"), ("task", "task"), ("seq_len", "L"),
+           ("batch", "batch"), ("examples_per_s", "pipeline ex/s"), ("step_ms", "step ms"),
+           ("step_examples_per_s", "step ex/s"), ("ratio", "pipeline / step"),
+           ("target", f"pipeline >= {TARGET:g}x step"), ("tokens_per_s", "tokens/s"),
            ("ms_per_batch", "ms/batch"), ("first_batch_s", "first batch (s)"))
 
 
@@ -69,13 +71,15 @@ def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="python -m scripts.benchmark --mode input", add_help=False)
   parser.add_argument("--datasets", default=",".join(DATASETS))
   parser.add_argument("--against", choices=("smoke", "none"), default="smoke",
-                      help="smoke: shapes of the smoke config and its train step; none: paper lengths, no step")
+                      help="smoke: shapes of the smoke config and its train step; none: paper lengths, "
+                           "no step")
   parser.add_argument("--batch_size", type=int, default=None,
                       help="override (default: the smoke config's batch; 8 with --against none)")
   parser.add_argument("--seconds", type=float, default=5.0, help="time budget per pipeline")
   parser.add_argument("--rounds", type=int, default=3,
                       help="alternating pipeline/step rounds (medians); the pipeline gets --seconds in all")
-  parser.add_argument("--seq_len", type=int, default=None, help="override for the text and LRA text-like tasks")
+  parser.add_argument("--seq_len", type=int, default=None,
+                      help="override for the text and LRA text-like tasks")
   parser.add_argument("--read_threads", type=int, default=None, help="default: data.pipeline's choice")
   parser.add_argument("--num_examples", type=int, default=64, help="records in each mock split")
   parser.add_argument("--data", default="", help="config.data fields set on every dataset, e.g. "
@@ -107,7 +111,8 @@ def experiment_config(name: str, opts: argparse.Namespace) -> tuple[Any, str]:
   with config.unlocked():
     for key, value in fields.items():
       config.data[key] = value
-    if opts.seq_len and name in ("wiki40b", "c4", "lra_listops", "lra_text", "lra_retrieval", "listops_synthetic"):
+    if opts.seq_len and name in ("wiki40b", "c4", "lra_listops", "lra_text", "lra_retrieval",
+                                 "listops_synthetic"):
       config.data.seq_len = opts.seq_len
     if opts.batch_size is not None:
       config.train.batch_size = opts.batch_size
@@ -125,7 +130,8 @@ def measure_pipeline(config: Any, seconds: float, seed: int) -> tuple[dict[str, 
   batch_size = int(config.train.batch_size)
   info = data.dataset_info(config)
   start = time.perf_counter()
-  it = iter(data.create_dataset(config, "train", batch_size=batch_size, seed=seed, shard_index=0, shard_count=1))
+  it = iter(data.create_dataset(config, "train", batch_size=batch_size, seed=seed, shard_index=0,
+                                shard_count=1))
   first_batch = next(it)
   first = time.perf_counter() - start
   batches = 0
@@ -232,8 +238,8 @@ def main(args: argparse.Namespace) -> int:
   notes = [
     "mock data (data.testing.mock_data) presented as a split of the real split's size; one example = one row "
     "of the batch (packed text: one packed sequence)",
-    f"pipeline >= {TARGET:g}x step: pipeline examples/s >= {TARGET:g} x the examples/s the smoke train step consumes "
-    "(batch / median step time; train.Experiment on one device, compile excluded)",
+    f"pipeline >= {TARGET:g}x step: pipeline examples/s >= {TARGET:g} x the examples/s the smoke train step "
+    "consumes (batch / median step time; train.Experiment on one device, compile excluded)",
   ]
   paths = benchmark.write_report(
     rows, columns, getattr(args, "out_dir", "bench_out"), "benchmark_input", header=header,

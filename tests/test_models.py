@@ -1,5 +1,6 @@
-"""Every registered attention inside the Transformer (LM, MLM, classification), forward and backward, plus the
-model-level properties: causality through the whole decoder, padding invariance, logical axes on parameters."""
+"""Every registered attention inside the Transformer (LM, MLM, classification), forward and backward, plus
+the model-level properties: causality through the whole decoder, padding invariance, logical axes on
+parameters."""
 
 import jax
 import jax.numpy as jnp
@@ -42,7 +43,7 @@ def batch_for(task: str, rng: np.random.Generator) -> dict:
 
 
 # Attentions whose weights do not depend on the queries (the random synthesizer's learned logits).
-QUERY_FREE = {"synthesizer_random"}
+QUERY_FREE = {"synthesizer_random", "none"}
 
 
 def _cases(tasks_for):
@@ -75,7 +76,8 @@ def test_every_attention_every_task(name, task):
 def check_model(name, task):
   from models import metrics
 
-  model = transformer.build_model(tiny_cfg(name), task=task, vocab_size=VOCAB, seq_len=LENGTH, num_classes=CLASSES)
+  model = transformer.build_model(tiny_cfg(name), task=task, vocab_size=VOCAB, seq_len=LENGTH,
+                                  num_classes=CLASSES)
   batch = batch_for(task, np.random.default_rng(0))
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
@@ -193,7 +195,7 @@ def test_remat_gives_the_same_loss_and_gradients():
   (l0, g0), *others = results
   for l1, g1 in others:
     np.testing.assert_allclose(l1, l0, rtol=1e-12)
-    for a, b in zip(g0, g1):
+    for a, b in zip(g0, g1, strict=True):
       np.testing.assert_allclose(b, a, rtol=1e-9, atol=1e-12)
 
 
@@ -215,7 +217,7 @@ def test_attention_recompute_gives_the_same_loss_and_gradients(name, deepsets):
   (l0, g0), (l1, g1) = results
   np.testing.assert_allclose(l1, l0, rtol=1e-12)
   assert len(g0) == len(g1)
-  for a, b in zip(g0, g1):
+  for a, b in zip(g0, g1, strict=True):
     np.testing.assert_allclose(b, a, rtol=1e-9, atol=1e-12)
 
 

@@ -447,8 +447,9 @@ def test_memory_budget_defaults_to_this_machines_memory():
 @pytest.mark.slow
 def test_train_mode_exits_zero_on_success(tmp_path):
   proc = subprocess.run([sys.executable, "-m", "scripts.benchmark", "--mode", "train", "--ops", "dense",
-                         "--lengths", "16", "--batch", "2", "--heads", "2", "--head_dim", "8", "--layers", "1",
-                         "--features", "16", "--mlp_dim", "16", "--repeats", "1", "--out_dir", str(tmp_path)],
+                         "--lengths", "16", "--batch", "2", "--heads", "2", "--head_dim", "8",
+                         "--layers", "1", "--features", "16", "--mlp_dim", "16", "--repeats", "1",
+                         "--out_dir", str(tmp_path)],
                         capture_output=True, text=True, cwd=REPO_ROOT, timeout=600)
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert (tmp_path / "benchmark_train.md").exists()
