@@ -22,7 +22,7 @@ from baselines.common import masked_head_major, neighbour_blocks
 from baselines.longformer import dense_rows, global_indices
 from core import contract
 from core.blocks import head_major, num_blocks, to_grid
-from core.combine import Piece, joint_softmax
+from core.combine import Piece, joint_softmax, weighted_sum
 
 Array = Any
 
@@ -112,7 +112,7 @@ def bigbird(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = 
         return out.reshape(batch, heads, n, size, -1)
 
       return Piece(logits, valid, apply_shared)
-    return Piece(logits, valid, lambda w: jnp.einsum("bhnqk,bhnkd->bhnqd", w, values))
+    return Piece(logits, valid, lambda w: weighted_sum("bhnqk,bhnkd->bhnqd", w, values))
 
   wblock = np.stack([blocks + o for o in offsets], axis=1)  # [n, window blocks]
   wstatic = (wblock >= 0) & (wblock < n) & ~is_global[np.clip(wblock, 0, n - 1)]

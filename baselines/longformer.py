@@ -22,7 +22,7 @@ import numpy as np
 from baselines.common import masked_head_major, neighbour_blocks
 from core import contract
 from core.blocks import head_major, num_blocks, to_grid
-from core.combine import Piece, attend, joint_softmax
+from core.combine import Piece, attend, joint_softmax, weighted_sum
 
 Array = Any
 
@@ -95,14 +95,14 @@ def longformer(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None
   near = (dist <= 0 if causal else dist <= window) & (dist >= -window)
   valid = kvalid[:, None, :, None, :] & near  # [batch, 1, n, size, keys]
   logits = jnp.einsum("bhnqd,bhnkd->bhnqk", qb, kb) * scale  # [batch, heads, n, size, keys]
-  pieces = [Piece(logits, valid, lambda w: jnp.einsum("bhnqk,bhnkd->bhnqd", w, vb))]
+  pieces = [Piece(logits, valid, lambda w: weighted_sum("bhnqk,bhnkd->bhnqd", w, vb))]
   if glob.size:
     kg, vg = kh[:, :, glob], vh[:, :, glob]  # [batch, heads, G, dim]
     glogits = jnp.einsum("bhnqd,bhgd->bhnqg", qb, kg) * scale  # [batch, heads, n, size, G]
     gvalid = mask[:, glob][:, None, None, None, :]  # [batch, 1, 1, 1, G]
     if causal:
       gvalid = gvalid & (glob[None, None, :] <= pos[:, :, None])  # [.., n, size, G]
-    pieces.append(Piece(glogits, gvalid, lambda w: jnp.einsum("bhnqg,bhgd->bhnqd", w, vg)))
+    pieces.append(Piece(glogits, gvalid, lambda w: weighted_sum("bhnqg,bhgd->bhnqd", w, vg)))
   out = joint_softmax(pieces)  # [batch, heads, n, size, value_dim]
   out = out.reshape(batch, heads, n * size, -1)[:, :, :length]
   if glob.size:
