@@ -108,7 +108,7 @@ def bigbird(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = 
     valid = key_valid[:, None, :, None, :] & near  # [batch, 1, n, size | 1, K]
     if keys.ndim == 4:
       def apply_shared(w: Array) -> Array:
-        out = jnp.einsum("bhlk,bhkd->bhld", w.reshape(batch, heads, n * size, -1), values)
+        out = weighted_sum("bhlk,bhkd->bhld", w.reshape(batch, heads, n * size, -1), values)
         return out.reshape(batch, heads, n, size, -1)
 
       return Piece(logits, valid, apply_shared)

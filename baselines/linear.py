@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from baselines.common import masked_head_major
 from core import contract
 from core.blocks import head_major, num_blocks, pad_to
+from core.combine import weighted_sum
 
 Array = Any
 DEFAULT_CHUNK = 64
@@ -50,7 +51,8 @@ def feature_attention(phi_q: Array, phi_k: Array, v: Array, *, causal: bool, chu
     kv, z = exclusive_cumsum(kv), exclusive_cumsum(z)
     within = jnp.einsum("bhncm,bhnkm->bhnck", fq, fk)  # [batch, heads, n, c, c]
     within = jnp.where(jnp.tril(jnp.ones((c, c), bool)), within, 0.0)
-    numer = jnp.einsum("bhnck,bhnkd->bhncd", within, vc) + jnp.einsum("bhncm,bhnmd->bhncd", fq, kv)
+    # A later position's value (zero weight here) must not reach earlier outputs, even when it is NaN or Inf.
+    numer = weighted_sum("bhnck,bhnkd->bhncd", within, vc) + jnp.einsum("bhncm,bhnmd->bhncd", fq, kv)
     denom = jnp.sum(within, axis=-1) + jnp.einsum("bhncm,bhnm->bhnc", fq, z)  # [batch, heads, n, c]
     numer = numer.reshape(*numer.shape[:2], n * c, -1)[:, :, :length]
     denom = denom.reshape(*denom.shape[:2], n * c)[:, :, :length]

@@ -88,7 +88,8 @@ def performer(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None 
   ks = kh * scale
   kp = jnp.einsum("bhld,md->bhlm", ks, w) - 0.5 * jnp.sum(ks * ks, axis=-1, keepdims=True)
   # One factor per (batch, head) cancels too; only real keys set it.
-  kmax = jnp.max(jnp.where(valid, kp, -jnp.inf), axis=(2, 3), keepdims=True)  # [batch, heads, 1, 1]
+  # Non-finite projections (a NaN or Inf key, which no visible output may depend on) stay out of the max.
+  kmax = jnp.max(jnp.where(valid & jnp.isfinite(kp), kp, -jnp.inf), axis=(2, 3), keepdims=True)  # [b,h,1,1]
   kmax = jax.lax.stop_gradient(jnp.where(jnp.isfinite(kmax), kmax, 0.0))
   phi_k = jnp.where(valid, jnp.exp(kp - kmax), 0.0)  # [batch, heads, length, m]
   out = feature_attention(phi_q, phi_k, vh, causal=causal, chunk_size=chunk)

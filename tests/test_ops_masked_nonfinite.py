@@ -20,9 +20,6 @@ LENGTH, BATCH, HEADS, DIM = 16, 2, 2, 64  # head_dim 64: the registry params of 
 # the balanced chunk boundaries of earlier tokens (Combiner-routed's eq. 12 partition). Their future *values*
 # and masked keys are still checked.
 PARTITION_FROM_FUTURE_KEYS = {"combiner_routed"}
-# Causal ops whose future values still reach earlier outputs (0 * NaN in a causal contraction not yet through
-# weighted_sum): known, not fixed yet; strict, so an entry must go once its op is fixed.
-KNOWN_FUTURE_LEAKS = {"bigbird", "linear", "performer"}
 
 
 def _inputs(seed: int):
@@ -52,9 +49,7 @@ def _plant(x, where, value):
 
 
 @pytest.mark.parametrize("name", ops_registry.names())
-def test_nonfinite_behind_masks_never_reaches_visible_outputs(name, request):
-  if name in KNOWN_FUTURE_LEAKS:
-    request.applymarker(pytest.mark.xfail(strict=True, reason="future NaN/Inf values reach earlier outputs"))
+def test_nonfinite_behind_masks_never_reaches_visible_outputs(name):
   spec = ops_registry.get(name)
   q, k, v, mask = _inputs(0)
   params = spec.params(LENGTH)
