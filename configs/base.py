@@ -97,7 +97,6 @@ def base_config() -> ml_collections.ConfigDict:
   c.train.eval_batches = -1  # batches per evaluation; -1 = the whole split
   c.train.checkpoint_every = 1000
   c.train.keep_checkpoints = 3
-  c.train.inject_nan_at_step = -1  # testing hook: make the loss NaN at this step (checks the divergence stop)
 
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = -1  # -1 = all devices not used by the other axes
