@@ -36,6 +36,12 @@ def attention_config(name: str = "combiner_fixed") -> ml_collections.ConfigDict:
   # Ops from the op registry: recompute the op in the backward pass instead of keeping its intermediates
   # (dense: the [heads, L, L] probabilities); exact same gradients, one extra op forward (models.recompute).
   att.recompute = ml_collections.FieldReference(None, field_type=bool)
+  # Routing: heads that route per routing layer (None = half of them; the rest attend locally), the routing
+  # layers (layer indices, negative from the top; None = every layer), and the cluster membership (None = the
+  # module's default: "nearest" in decoders, exactly causal; "balanced" = the paper's top-k, see routing/).
+  att.routing_heads = ml_collections.FieldReference(None, field_type=int)
+  att.routing_layers = ml_collections.FieldReference(None, field_type=tuple)
+  att.membership = ml_collections.FieldReference(None, field_type=str)
   return att
 
 
@@ -55,6 +61,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.data.engine = ml_collections.FieldReference(None, field_type=str)
   c.data.cache_in_memory = 512  # MB: small splits are read into RAM once (0 = never)
   c.data.cache_dir = ml_collections.FieldReference(None, field_type=str)  # generated splits; None = data_dir
+  # When the data is not there, train on the generated stand-in of `data.testing.mock_data` (set by `smoke`;
+  # real runs stop with the "prepare it with ..." message instead).
+  c.data.stand_in = False
 
   c.model = ml_collections.ConfigDict()
   c.model.num_layers = 2
@@ -211,5 +220,6 @@ def shrink_for_smoke(c: ml_collections.ConfigDict, *, seq_len: int | None = None
   c.train.eval_batches = 2
   c.train.checkpoint_every = 2
   c.optimizer.warmup_steps = 1
+  c.data.stand_in = True
   if seq_len is not None:
     c.data.seq_len = seq_len
