@@ -205,6 +205,14 @@ def fill_auto_params(c: ml_collections.ConfigDict) -> None:
       c.model.attention.params[key] = "auto"
 
 
+def route_every_head(c: ml_collections.ConfigDict) -> None:
+  """`attention=routing` in the Combiner paper's comparisons: every head of every layer routes (the rows share one
+  architecture, without the Routing Transformer's local heads: Section 5), unless the config chose a layout."""
+  att = c.model.attention
+  if str(att.name) == "routing" and att.routing_heads is None:
+    att.routing_heads = int(c.model.num_heads)
+
+
 def shrink_for_smoke(c: ml_collections.ConfigDict, *, seq_len: int | None = None) -> None:
   """A model/data/step budget that trains and evaluates on a CPU in seconds (the `smoke` variant)."""
   c.model.num_layers = 1

@@ -8,7 +8,7 @@ import ml_collections
 
 from configs import base
 
-IMAGE_KEYS = ("main",)
+IMAGE_KEYS = ("main", "image_size")  # `image_size=N`: images resized to N x N (smaller CPU-scale runs)
 SMOKE_IMAGE = (8, 8, 3)  # `smoke`: images resized to 8x8 (192 tokens), a CPU trains on them in seconds
 
 
@@ -53,5 +53,10 @@ def image_config(name: str, image_shape: tuple[int, int, int], arg: str | None, 
     base.shrink_for_smoke(c, seq_len=SMOKE_IMAGE[0] * SMOKE_IMAGE[1] * SMOKE_IMAGE[2])
     c.data.image_shape = SMOKE_IMAGE
     c.model.image_shape = SMOKE_IMAGE
+  if "image_size" in values:
+    size = int(values.pop("image_size"))
+    c.data.image_shape = c.model.image_shape = (size, size, image_shape[2])
+    c.data.seq_len = size * size * image_shape[2]
   base.apply_common(c, values)
+  base.route_every_head(c)  # the 12-layer routing row of Table 1 (routing_paper sets its own layout)
   return c

@@ -34,8 +34,5 @@ def text_config(name: str, arg: str | None):
   if "smoke" in flags:
     base.shrink_for_smoke(c, seq_len=64)
   base.apply_common(c, values)
-  if str(c.model.attention.name) == "routing" and c.model.attention.routing_heads is None:
-    # Routing-2k of Tables 2 and 6: the paper compares attention modules in the exact same architecture, without
-    # the Routing Transformer's mix of local and routing heads (Section 5), so every head of every layer routes.
-    c.model.attention.routing_heads = c.model.num_heads
+  base.route_every_head(c)  # Routing-2k of Tables 2 and 6
   return c
