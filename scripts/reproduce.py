@@ -85,7 +85,7 @@ class Row:
 
   @property
   def id(self) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", self.label.lower()).strip("-")
+    return re.sub(r"[^a-z0-9]+", "-", self.label.lower().replace("*", "star-")).strip("-")
 
 
 def _rows(table: str, metric: str, config: str, items: Sequence[tuple], arg_prefix: str = "") -> list[Row]:
@@ -362,7 +362,7 @@ def run_rows(selected: list[Row], scale: str, root: str, *, seeds: int = 1, laun
     wd = workdir(row, scale, root, seed)
     head = f"[{i}/{len(todo)}] {row.table} / {row.label} ({scale}{f', seed {seed}' if seed else ''})"
     key = tuple(a for a in train_argv(row, scale, "", seed) if a)
-    if finished(wd):
+    if not dry_run and finished(wd):  # (a dry run touches no storage)
       print(f"{head}: finished already ({paths.join(wd, 'metrics.json')})", flush=True)
       trained.setdefault(key, wd)
       continue
