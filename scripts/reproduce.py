@@ -353,9 +353,13 @@ def run_rows(selected: list[Row], scale: str, root: str, *, seeds: int = 1, laun
   in_process: train in this process (`launcher="local"` only), the fast way for many small runs.
   """
   todo = [(r, s) for r in selected if implemented(r) for s in range(seeds)]
+  missing: dict[str, int] = {}
   for r in selected:
     if not implemented(r):
-      print(f"[skip] {r.table} / {r.label}: attention {r.attention!r} not implemented", flush=True)
+      missing[r.attention] = missing.get(r.attention, 0) + 1
+  if missing:
+    print(f"[skip] {sum(missing.values())} rows whose attention is not implemented: "
+          + ", ".join(f"{name} ({n})" for name, n in sorted(missing.items())), flush=True)
   failed = []
   trained: dict[tuple[str, ...], str] = {}  # command without the workdir -> the workdir that ran it
   for i, (row, seed) in enumerate(todo, 1):
