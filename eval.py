@@ -18,9 +18,8 @@ import jax
 from runtime import distributed, paths
 
 
-def evaluate_workdir(workdir: str, *, split: str | None = None, step: int | None = None,
-                     max_batches: int | None = None, devices: list | None = None) -> dict[str, Any]:
-  """Restores `step` (default: the latest) from `workdir` and evaluates `split` (default config.eval_split)."""
+def restore_workdir(workdir: str, *, step: int | None = None, devices: list | None = None) -> tuple[Any, Any, Any]:
+  """(experiment, train state, open read-only checkpoint manager) for `step` (default: the latest) of `workdir`."""
   import train
 
   config = train.load_config(workdir)
@@ -31,7 +30,14 @@ def evaluate_workdir(workdir: str, *, split: str | None = None, step: int | None
     raise FileNotFoundError(f"no checkpoint in {paths.join(workdir, 'checkpoints')}")
   if step is not None and step not in available:
     raise ValueError(f"no checkpoint for step {step} in {workdir}; available steps: {sorted(available)}")
-  state = train.restore_checkpoint(mgr, exp, None, step)
+  return exp, train.restore_checkpoint(mgr, exp, None, step), mgr
+
+
+def evaluate_workdir(workdir: str, *, split: str | None = None, step: int | None = None,
+                     max_batches: int | None = None, devices: list | None = None) -> dict[str, Any]:
+  """Restores `step` (default: the latest) from `workdir` and evaluates `split` (default config.eval_split)."""
+  exp, state, mgr = restore_workdir(workdir, step=step, devices=devices)
+  config = exp.config
   split = split or config.eval_split
   metrics = exp.evaluate(state, split, max_batches)
   metrics.update(step=state.step, split=split, attention=str(config.model.attention.name),

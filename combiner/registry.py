@@ -5,6 +5,8 @@ from __future__ import annotations
 import functools
 
 from combiner import axial, fixed, logsparse, mixture, sparse
+from combiner import decode as dec
+from core.decode import bind
 from core.registry import OpSpec, register, sqrt_pow2
 
 
@@ -16,15 +18,22 @@ def _row(length: int) -> dict:
   return {"row_length": sqrt_pow2(length)}
 
 
-register(OpSpec("combiner_fixed", fixed, params=_block, description="Combiner-Fixed, O(L sqrt L)"))
-register(OpSpec("combiner_logsparse", logsparse, description="Combiner-Logsparse, O(L log L)"))
+register(OpSpec("combiner_fixed", fixed, params=_block, description="Combiner-Fixed, O(L sqrt L)",
+                decode=dec.FIXED))
+register(OpSpec("combiner_logsparse", logsparse, description="Combiner-Logsparse, O(L log L)",
+                decode=dec.LOGSPARSE))
 for _direction in ("rowmajor", "vertical", "horizontal"):
   register(OpSpec(f"combiner_axial_{_direction}", functools.partial(axial, direction=_direction), params=_row,
-                  description=f"Combiner-Axial ({_direction}), O(L sqrt L)"))
+                  description=f"Combiner-Axial ({_direction}), O(L sqrt L)",
+                  decode=bind(dec.AXIAL, direction=_direction)))
 register(OpSpec("combiner_mixture", mixture, params=_row, description="Combiner-Mixture (mean of vertical and "
-                "horizontal), O(L sqrt L)"))
+                "horizontal), O(L sqrt L)", decode=dec.MIXTURE))
 register(OpSpec("combiner_mixture_joint", functools.partial(mixture, normalize="joint"), params=_row,
-                description="Combiner-Mixture, one joint softmax (released code), O(L sqrt L)"))
-register(OpSpec("sparse_fixed", sparse.fixed, params=_block, description="Sparse Transformer fixed pattern"))
-register(OpSpec("sparse_logsparse", sparse.logsparse, description="LogSparse pattern"))
-register(OpSpec("sparse_axial", sparse.axial, params=_row, description="Axial attention (row + column)"))
+                description="Combiner-Mixture, one joint softmax (released code), O(L sqrt L)",
+                decode=bind(dec.MIXTURE, normalize="joint")))
+register(OpSpec("sparse_fixed", sparse.fixed, params=_block, description="Sparse Transformer fixed pattern",
+                decode=dec.SPARSE_FIXED))
+register(OpSpec("sparse_logsparse", sparse.logsparse, description="LogSparse pattern",
+                decode=dec.SPARSE_LOGSPARSE))
+register(OpSpec("sparse_axial", sparse.axial, params=_row, description="Axial attention (row + column)",
+                decode=dec.SPARSE_AXIAL))

@@ -20,7 +20,7 @@ for num_clusters ~ sqrt(L); never O(L^2).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +29,7 @@ import numpy as np
 from combiner import common
 from combiner import pooling as pool_ops
 from core import contract
+from core.blocks import to_grid
 from core.combine import Piece, attend, joint_softmax
 
 Array = Any
@@ -49,6 +50,49 @@ def _check_cluster_ids(cluster_ids: Any, shape: tuple[int, int, int], num_cluste
   return jnp.asarray(cluster_ids).astype(jnp.int32)
 
 
+class _Slots(NamedTuple):
+  """The balanced partition in slot layout: per (batch, head), tokens sorted by (chunk, position), [chunks, w]."""
+
+  w: int  # chunk size
+  chunks: int
+  chunk: Array  # [b, h, L] chunk of each position
+  order_p: Array  # [b, h, slots] slot -> position (padded slots point at position 0 and are not real)
+  slot_of: Array  # [b, h, L] position -> slot
+  pos_s: Array  # [b, h, C, w] position of each slot (length for padded slots)
+  real_s: Array  # [b, h, C, w] slot holds a real (unmasked) token
+
+
+def _partition(ids: Array, mask: Array, num_clusters: int) -> _Slots:
+  """Ranks tokens in (cluster, position) order and cuts that order into chunks of w = ceil(L / num_clusters).
+
+  ids: [b, h, L] cluster ids; mask: [b, L]."""
+  batch, heads, length = ids.shape
+  w = -(-length // num_clusters)
+  chunks = -(-length // w)  # may be < num_clusters when w does not divide evenly
+  slots = chunks * w
+  rank = jnp.argsort(jnp.argsort(ids, axis=-1, stable=True), axis=-1).astype(jnp.int32)  # [b, h, L]
+  chunk = rank // w  # [b, h, L]
+  order = jnp.argsort(chunk, axis=-1, stable=True).astype(jnp.int32)  # [b, h, L]: slot -> position
+  slot_of = jnp.argsort(order, axis=-1).astype(jnp.int32)  # [b, h, L]: position -> slot
+  order_p = jnp.pad(order, ((0, 0), (0, 0), (0, slots - length)))  # [b, h, slots]
+  in_range = jnp.arange(slots) < length  # [slots]
+  pos_s = jnp.where(in_range, order_p, length).reshape(batch, heads, chunks, w)
+  real_s = (jnp.take_along_axis(mask[:, None, :], order_p, axis=-1) & in_range).reshape(batch, heads, chunks, w)
+  return _Slots(w, chunks, chunk, order_p, slot_of, pos_s, real_s)
+
+
+def _to_slots(t: Array, p: _Slots) -> Array:
+  """[b, h, L, d] -> [b, h, C, w, d] in slot layout."""
+  g = jnp.take_along_axis(t, p.order_p[..., None], axis=2)
+  return g.reshape(*t.shape[:2], p.chunks, p.w, t.shape[-1])
+
+
+def _from_slots(t: Array, p: _Slots) -> Array:
+  """[b, h, C, w, e] slot layout -> [b, h, L, e] position order."""
+  flat = t.reshape(*t.shape[:2], p.chunks * p.w, t.shape[-1])
+  return jnp.take_along_axis(flat, p.slot_of[..., None], axis=2)
+
+
 def routed(q: Array, k: Array, v: Array, *, cluster_ids: Array, num_clusters: int, causal: bool = False,
            mask: Array | None = None, pooling: str = "max", pool_q: Array | None = None,
            pool_k: Array | None = None) -> Array:
@@ -64,56 +108,47 @@ def routed(q: Array, k: Array, v: Array, *, cluster_ids: Array, num_clusters: in
   n = contract.check_positive_int(num_clusters, name="num_clusters", op=op)
   batch, heads, length, _ = x.q.shape  # head-major
   ids = _check_cluster_ids(cluster_ids, (batch, length, heads), n, op).transpose(0, 2, 1)  # [b, h, L]
-  ids = jax.lax.stop_gradient(ids)
-  w = -(-length // n)  # chunk size
-  chunks = -(-length // w)  # may be < num_clusters when w does not divide evenly
-  slots = chunks * w
+  part = _partition(jax.lax.stop_gradient(ids), x.mask, n)
+  out = (_causal if causal else _bidirectional)(x, part, pooling)  # [b, h, L, dv]
+  return common.finish(out, x)
 
-  # Balanced partition: rank in (cluster, position) order -> chunk; then slot order = (chunk, position).
-  pos = jnp.arange(length, dtype=jnp.int32)
-  rank = jnp.argsort(jnp.argsort(ids, axis=-1, stable=True), axis=-1).astype(jnp.int32)  # [b, h, L]
-  chunk = rank // w  # [b, h, L]
-  order = jnp.argsort(chunk, axis=-1, stable=True).astype(jnp.int32)  # [b, h, L]: slot -> position
-  slot_of = jnp.argsort(order, axis=-1).astype(jnp.int32)  # [b, h, L]: position -> slot
-  pad = ((0, 0), (0, 0), (0, slots - length))
-  order_p = jnp.pad(order, pad)  # [b, h, slots]; padded slots point at position 0 and are masked below
-  in_range = jnp.arange(slots) < length  # [slots]
-  pos_s = jnp.where(in_range, order_p, length).reshape(batch, heads, chunks, w)  # [b, h, C, w]
-  real_s = (jnp.take_along_axis(x.mask[:, None, :], order_p, axis=-1) & in_range)
-  real_s = real_s.reshape(batch, heads, chunks, w)  # [b, h, C, w]
 
-  def to_slots(t: Array) -> Array:  # [b, h, L, d] -> [b, h, C, w, d]
-    g = jnp.take_along_axis(t, order_p[..., None], axis=2)
-    return g.reshape(batch, heads, chunks, w, t.shape[-1])
+def _bidirectional(x: common.Inputs, p: _Slots, pooling: str) -> Array:
+  """D_i = own chunk, spans = the other chunks; everything in slot layout. Returns [b, h, L, dv]."""
+  qs, ks, vs = _to_slots(x.q, p), _to_slots(x.k, p), _to_slots(x.v, p)  # [b, h, C, w, d|dv]
+  pqs, pks = _to_slots(x.pool_q, p), _to_slots(x.pool_k, p)
+  own = jnp.arange(p.chunks)
+  direct_logits = jnp.einsum("bhcqd,bhckd->bhcqk", qs, ks) * x.scale  # [b, h, C, w, w]
+  direct = Piece(direct_logits, p.real_s[:, :, :, None, :], lambda w: jnp.einsum("bhcqk,bhckd->bhcqd", w, vs))
+  kbar, nonempty = pool_ops.pool(pks, p.real_s, axis=3, kind=pooling)  # [b, h, C, d], [b, h, C]
+  qbar, _ = pool_ops.pool(pqs, p.real_s, axis=3, kind=pooling)
+  inner = jnp.einsum("bhcd,bhckd->bhck", qbar, ks) * x.scale  # [b, h, C, w]
+  vbar = attend(inner, p.real_s, vs, "bhck,bhckd->bhcd")  # [b, h, C, dv]
+  span_logits = jnp.einsum("bhcqd,bhrd->bhcqr", qs, kbar) * x.scale  # [b, h, C, w, C]
+  span_valid = nonempty[:, :, None, None, :] & (own[:, None, None] != own[None, None, :])  # [b, h, C, 1, C]
+  span = Piece(span_logits, span_valid, lambda w: jnp.einsum("bhcqr,bhrd->bhcqd", w, vbar))
+  return _from_slots(joint_softmax([direct, span]), p)  # [b, h, L, dv]
 
-  qs, ks, vs = to_slots(x.q), to_slots(x.k), to_slots(x.v)  # [b, h, C, w, d|dv]
-  pqs, pks = to_slots(x.pool_q), to_slots(x.pool_k)
+
+def _causal(x: common.Inputs, p: _Slots, pooling: str) -> Array:
+  """Paper eq. 12: every set intersected with the prefix [0, i]; spans are prefix poolings. Returns [b, h, L, dv].
+
+  Chunk r's prefix states: state t pools the chunk's slots 0..t (sorted by position), with the span value a
+  softmax over those slots under the pooled query of the same prefix.
+  """
+  batch, heads, length, _ = x.q.shape
+  w, chunks, slots = p.w, p.chunks, p.chunks * p.w
+  qs, ks, vs = _to_slots(x.q, p), _to_slots(x.k, p), _to_slots(x.v, p)  # [b, h, C, w, d|dv]
+  pqs, pks = _to_slots(x.pool_q, p), _to_slots(x.pool_k, p)
   scale = x.scale
   own = jnp.arange(chunks)
-
   direct_logits = jnp.einsum("bhcqd,bhckd->bhcqk", qs, ks) * scale  # [b, h, C, w, w]
-  direct_valid = real_s[:, :, :, None, :]  # [b, h, C, 1, w]
-  if not causal:
-    direct = Piece(direct_logits, direct_valid, lambda p: jnp.einsum("bhcqk,bhckd->bhcqd", p, vs))
-    kbar, nonempty = pool_ops.pool(pks, real_s, axis=3, kind=pooling)  # [b, h, C, d], [b, h, C]
-    qbar, _ = pool_ops.pool(pqs, real_s, axis=3, kind=pooling)
-    inner = jnp.einsum("bhcd,bhckd->bhck", qbar, ks) * scale  # [b, h, C, w]
-    vbar = attend(inner, real_s, vs, "bhck,bhckd->bhcd")  # [b, h, C, dv]
-    span_logits = jnp.einsum("bhcqd,bhrd->bhcqr", qs, kbar) * scale  # [b, h, C, w, C]
-    span_valid = nonempty[:, :, None, None, :] & (own[:, None, None] != own[None, None, :])  # [b, h, C, 1, C]
-    span = Piece(span_logits, span_valid, lambda p: jnp.einsum("bhcqr,bhrd->bhcqd", p, vbar))
-    out = joint_softmax([direct, span])  # [b, h, C, w, dv], slot layout
-    out = jnp.take_along_axis(out.reshape(batch, heads, slots, -1), slot_of[..., None], axis=2)  # [b, h, L, dv]
-    return common.finish(out, x)
-
-  # Causal (eq. 12). Chunk r's prefix states: state t pools the chunk's slots 0..t (sorted by position), with
-  # the span value a softmax over those slots under the pooled query of the same prefix.
-  direct_valid = direct_valid & (pos_s[..., None, :] <= pos_s[..., :, None])
-  kbar, nonempty = pool_ops.finalize(pool_ops.inclusive_scan_stats(pks, real_s, 3, pooling), pooling)
-  qbar, _ = pool_ops.finalize(pool_ops.inclusive_scan_stats(pqs, real_s, 3, pooling), pooling)
+  direct_valid = p.real_s[:, :, :, None, :] & (p.pos_s[..., None, :] <= p.pos_s[..., :, None])
+  kbar, nonempty = pool_ops.finalize(pool_ops.inclusive_scan_stats(pks, p.real_s, 3, pooling), pooling)
+  qbar, _ = pool_ops.finalize(pool_ops.inclusive_scan_stats(pqs, p.real_s, 3, pooling), pooling)
   # kbar: [b, h, C, w, d], nonempty: [b, h, C, w] (prefix state t of chunk r has a real member)
   inner = jnp.einsum("bhctd,bhcud->bhctu", qbar, ks) * scale  # [b, h, C, w(state), w(key)]
-  inner_valid = real_s[:, :, :, None, :] & (jnp.arange(w)[None, :] <= jnp.arange(w)[:, None])
+  inner_valid = p.real_s[:, :, :, None, :] & (jnp.arange(w)[None, :] <= jnp.arange(w)[:, None])
   vbar = attend(inner, inner_valid, vs, "bhctu,bhcud->bhctd")  # [b, h, C, w, dv]
   kbar_f = kbar.reshape(batch, heads, slots, -1)  # flat state index = r * w + t
   vbar_f = vbar.reshape(batch, heads, slots, -1)
@@ -128,12 +163,12 @@ def routed(q: Array, k: Array, v: Array, *, cluster_ids: Array, num_clusters: in
   lp = nb * w
 
   def to_blocks(t: Array, fill: Any = 0) -> Array:  # [b, h, L, ...] -> [b, h, nb, w, ...]
-    t = jnp.pad(t, [(0, 0), (0, 0), (0, lp - length)] + [(0, 0)] * (t.ndim - 3), constant_values=fill)
-    return t.reshape(batch, heads, nb, w, *t.shape[3:])
+    return to_grid(t, nb, w, axis=2, fill=fill)
 
   qb = to_blocks(x.q)  # [b, h, nb, B, d], queries in position order
-  chunk_b = to_blocks(chunk, chunks)  # [b, h, nb, B]; padding gets chunk id `chunks` (none)
-  token_b = to_blocks(jnp.broadcast_to(pos < length, chunk.shape), False)  # [b, h, nb, B] real positions
+  chunk_b = to_blocks(p.chunk, chunks)  # [b, h, nb, B]; padding gets chunk id `chunks` (none)
+  pos = jnp.arange(length, dtype=jnp.int32)
+  token_b = to_blocks(jnp.broadcast_to(pos < length, p.chunk.shape), False)  # [b, h, nb, B] real positions
   onehot = jax.nn.one_hot(chunk_b, chunks, dtype=jnp.int32)  # [b, h, nb, B, C]
   before = jnp.cumsum(onehot.sum(axis=3), axis=2) - onehot.sum(axis=3)  # [b, h, nb, C] members before block
   base = own * w + jnp.maximum(before - 1, 0)  # [b, h, nb, C] flat state index
@@ -149,9 +184,9 @@ def routed(q: Array, k: Array, v: Array, *, cluster_ids: Array, num_clusters: in
   not_own = chunk_b[..., :, None] != own  # [b, h, nb, B, C]
   base_logits = jnp.einsum("bhnqd,bhnrd->bhnqr", qb, kb) * scale  # [b, h, nb, B, C]
   base_valid = base_nonempty[:, :, :, None, :] & ~advanced & not_own
-  base_piece = Piece(base_logits, base_valid, lambda p: jnp.einsum("bhnqr,bhnrd->bhnqd", p, vb))
+  base_piece = Piece(base_logits, base_valid, lambda a: jnp.einsum("bhnqr,bhnrd->bhnqd", a, vb))
 
-  tok_state = to_blocks(slot_of)  # [b, h, nb, B]: the state token j ends is its own slot
+  tok_state = to_blocks(p.slot_of)  # [b, h, nb, B]: the state token j ends is its own slot
   ku, vu = states(kbar_f, tok_state), states(vbar_f, tok_state)  # [b, h, nb, B, d|dv]
   tok_nonempty = token_b & jnp.take_along_axis(
       nonempty_f, tok_state.reshape(batch, heads, -1), axis=2).reshape(tok_state.shape)
@@ -161,20 +196,18 @@ def routed(q: Array, k: Array, v: Array, *, cluster_ids: Array, num_clusters: in
   last = (ar[None, :] <= ar[:, None]) & (ar[:, None] < next_same[..., None, :])  # [b, h, nb, B(i), B(j)]
   upd_valid = last & tok_nonempty[..., None, :] & (chunk_b[..., None, :] != chunk_b[..., :, None])
   upd_logits = jnp.einsum("bhnqd,bhnjd->bhnqj", qb, ku) * scale  # [b, h, nb, B, B]
-  upd_piece = Piece(upd_logits, upd_valid, lambda p: jnp.einsum("bhnqj,bhnjd->bhnqd", p, vu))
+  upd_piece = Piece(upd_logits, upd_valid, lambda a: jnp.einsum("bhnqj,bhnjd->bhnqd", a, vu))
 
   # The direct piece lives in slot layout; its rows move to position order and its weights move back.
   def rows_to_blocks(t: Array) -> Array:  # [b, h, C, w, e] slot layout -> [b, h, nb, B, e] position layout
-    t = jnp.take_along_axis(t.reshape(batch, heads, slots, -1), slot_of[..., None], axis=2)
-    return to_blocks(t)
+    return to_blocks(_from_slots(t, p))
 
-  def direct_apply(p: Array) -> Array:  # p [b, h, nb, B, w] -> [b, h, nb, B, dv]
-    p = p.reshape(batch, heads, lp, w)[:, :, :length]
-    p = jnp.take_along_axis(p, order_p[..., None], axis=2).reshape(batch, heads, chunks, w, w)
-    return rows_to_blocks(jnp.einsum("bhcqk,bhckd->bhcqd", p, vs))
+  def direct_apply(a: Array) -> Array:  # a [b, h, nb, B, w] -> [b, h, nb, B, dv]
+    a = a.reshape(batch, heads, lp, w)[:, :, :length]
+    a = jnp.take_along_axis(a, p.order_p[..., None], axis=2).reshape(batch, heads, chunks, w, w)
+    return rows_to_blocks(jnp.einsum("bhcqk,bhckd->bhcqd", a, vs))
 
   direct_valid = jnp.broadcast_to(direct_valid, direct_logits.shape)
   direct = Piece(rows_to_blocks(direct_logits), rows_to_blocks(direct_valid), direct_apply)
   out = joint_softmax([direct, base_piece, upd_piece])  # [b, h, nb, B, dv]
-  out = out.reshape(batch, heads, lp, -1)[:, :, :length]
-  return common.finish(out, x)
+  return out.reshape(batch, heads, lp, -1)[:, :, :length]

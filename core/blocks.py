@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 Array = Any
@@ -18,19 +19,20 @@ def head_major(x: Array) -> Array:
   return jnp.swapaxes(x, 1, 2)
 
 
-def pad_to(x: Array, length: int, axis: int) -> Array:
-  """Pads `axis` up to `length`; padded positions are later masked out as keys and sliced off as queries."""
+def pad_to(x: Array, length: int, axis: int, fill: Any = 0) -> Array:
+  """Pads `axis` up to `length` with `fill`; padded positions are later masked out as keys and sliced off as
+  queries (a fill such as -1 or False marks them in index and mask arrays)."""
   extra = length - x.shape[axis]
   if extra == 0:
     return x
   pad = [(0, 0)] * x.ndim
   pad[axis] = (0, extra)
-  return jnp.pad(x, pad)
+  return jnp.pad(x, pad, constant_values=fill)
 
 
-def to_grid(x: Array, rows: int, cols: int, axis: int) -> Array:
-  """Splits position `axis` into (rows, cols), padding the tail (length <= rows * cols)."""
-  x = pad_to(x, rows * cols, axis)
+def to_grid(x: Array, rows: int, cols: int, axis: int, fill: Any = 0) -> Array:
+  """Splits position `axis` into (rows, cols), padding the tail with `fill` (length <= rows * cols)."""
+  x = pad_to(x, rows * cols, axis, fill)
   return x.reshape(*x.shape[:axis], rows, cols, *x.shape[axis + 1:])
 
 
@@ -42,3 +44,17 @@ def from_grid(x: Array, length: int, axis: int) -> Array:
 
 def num_blocks(length: int, size: int) -> int:
   return -(-length // size)
+
+
+def neighbours(x: Array, offsets: tuple[int, ...], axis: int, fill: Any = 0) -> Array:
+  """Block n + o of every block n, for each offset o, side by side: [..., blocks, size, ...] ->
+  [..., blocks, len(offsets) * size, ...] (`axis` is the blocks axis). Blocks before the first or after the last
+  are `fill`."""
+  blocks = x.shape[axis]
+  parts = []
+  for o in offsets:
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (max(-o, 0), max(o, 0))
+    shifted = jnp.pad(x, pad, constant_values=fill) if o else x
+    parts.append(jax.lax.slice_in_dim(shifted, max(o, 0), max(o, 0) + blocks, axis=axis))
+  return jnp.concatenate(parts, axis=axis + 1)

@@ -26,6 +26,7 @@ class OpSpec:
   bidirectional: bool = True  # supports causal=False
   params: Callable[[int], dict[str, Any]] = lambda length: {}
   description: str = ""
+  decode: Any = None  # core.decode.Decoder: the op's cached incremental form (causal ops that have one)
 
 
 OPS: dict[str, OpSpec] = {}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+import flax
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -64,6 +65,22 @@ def check_op_kwargs(spec: ops_registry.OpSpec, names: list[str]) -> None:
       raise ValueError(f"attention op {spec.name!r} does not take parameter {name!r}; its parameters: {accepted}")
 
 
+@flax.struct.dataclass
+class LayerCache:
+  """One attention layer's decoding cache: the op's arrays and the length its plan was chosen for."""
+
+  state: Any  # the op decoder's cache (a dict of arrays)
+  max_length: int = flax.struct.field(pytree_node=False)
+
+
+def check_decodable(spec: ops_registry.OpSpec) -> Any:
+  """The op's decoder, or a ValueError naming the op (and the ops that have one)."""
+  if spec.decode is None:
+    have = [n for n in ops_registry.names() if ops_registry.get(n).decode is not None]
+    raise ValueError(f"attention op {spec.name!r} has no cached decoding step; ops with one: {have}")
+  return spec.decode
+
+
 class AttentionBase(nnx.Module):
   """Multi-head projections shared by all attention modules.
 
@@ -92,6 +109,16 @@ class AttentionBase(nnx.Module):
   def output(self, o: Array, *, deterministic: bool) -> Array:
     o = self.dropout(o, deterministic=deterministic)  # [batch, length, heads, head_dim]
     return self.out(o)  # [batch, length, features]
+
+  # Cached decoding (see `models.transformer.Transformer.init_cache`); modules that support it override these.
+  def init_cache(self, batch: int, max_length: int) -> LayerCache:
+    raise ValueError(f"attention {self.name!r} has no cached decoding step")
+
+  def decode_step(self, x: Array, cache: LayerCache, position: Array) -> tuple[Array, LayerCache]:
+    raise ValueError(f"attention {self.name!r} has no cached decoding step")
+
+  def prefill(self, x: Array, cache: LayerCache) -> tuple[Array, LayerCache]:
+    raise ValueError(f"attention {self.name!r} has no cached decoding step")
 
 
 class OpAttention(AttentionBase):
@@ -143,6 +170,39 @@ class OpAttention(AttentionBase):
     else:
       o = spec.fn(q, k, v, causal=self.causal, mask=mask, **params, **extra)
     return self.output(o, deterministic=deterministic)  # [batch, length, features]
+
+  def _decoding(self, max_length: int) -> tuple[Any, dict[str, Any]]:
+    spec = ops_registry.get(self.op_name)
+    decoder = check_decodable(spec)
+    if not self.causal:
+      raise ValueError(f"attention {self.op_name!r}: cached decoding needs a causal model")
+    return decoder, resolve_plan_params(spec, self.plan_params, max_length)
+
+  def init_cache(self, batch: int, max_length: int) -> LayerCache:
+    """An empty cache for up to `max_length` tokens ("auto" plan parameters are chosen for that length)."""
+    decoder, params = self._decoding(max_length)
+    state = decoder.init_cache(batch, self.num_heads, max_length, self.head_dim, self.head_dim, self.dtype,
+                               **{k: v for k, v in params.items() if k != "span_key_fn"})
+    return LayerCache(state, max_length)
+
+  def decode_step(self, x: Array, cache: LayerCache, position: Array) -> tuple[Array, LayerCache]:
+    """x: [batch, 1, features], the token at `position` -> ([batch, 1, features], cache); equals row
+    `position` of the causal forward pass over `cache.max_length` tokens."""
+    decoder, params = self._decoding(cache.max_length)
+    q, k, v = self.project(x)  # [batch, 1, heads, head_dim]
+    extra = {n: (a if callable(a) else a[:, 0]) for n, a in self.op_kwargs(q, k).items()}
+    o, state = decoder.step(cache.state, q[:, 0], k[:, 0], v[:, 0], position, **params, **extra)
+    return self.out(o[:, None]), LayerCache(state, cache.max_length)  # [batch, 1, features]
+
+  def prefill(self, x: Array, cache: LayerCache) -> tuple[Array, LayerCache]:
+    """x: [batch, prompt_length, features] at positions [0, prompt_length): the forward pass's output and the
+    cache filled with those positions."""
+    decoder, params = self._decoding(cache.max_length)
+    q, k, v = self.project(x)  # [batch, prompt_length, heads, head_dim]
+    extra = self.op_kwargs(q, k)
+    o = ops_registry.get(self.op_name).fn(q, k, v, causal=True, **params, **extra)
+    state = decoder.prefill(cache.state, q, k, v, **params, **extra)
+    return self.out(o), LayerCache(state, cache.max_length)  # [batch, prompt_length, features]
 
 
 def per_head_init(key: Array, shape: tuple[int, ...], dtype: Any) -> Array:

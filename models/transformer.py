@@ -73,6 +73,16 @@ class Block(nnx.Module):
     h = self.mlp(self.norm2(x), deterministic=deterministic)
     return x + self.dropout(h, deterministic=deterministic)  # [batch, length, features]
 
+  def decode(self, x: Array, cache: Any, position: Array | None = None) -> tuple[Array, Any]:
+    """One token x [batch, 1, features] at `position` (or, position=None, a prompt [batch, P, features] at
+    positions [0, P)) through the block with the attention layer's cache; dropout off."""
+    if position is None:
+      h, cache = self.attention.prefill(self.norm1(x), cache)
+    else:
+      h, cache = self.attention.decode_step(self.norm1(x), cache, position)
+    x = x + h
+    return x + self.mlp(self.norm2(x), deterministic=True), cache  # [batch, length, features]
+
 
 class PositionEmbedding(nnx.Module):
   """Learned [max_len, features] table, or factorised over an image's (height, width, channels) grid:
@@ -106,6 +116,16 @@ class PositionEmbedding(nnx.Module):
     pos = (self.rows[...][:, None, None] + self.cols[...][None, :, None] + self.channels[...][None, None, :])
     return pos.reshape(h * w * c, -1)[:length].astype(self.dtype)  # [length, features]
 
+  def at(self, position: Array) -> Array:
+    """The embedding of one (traced) position: [features]."""
+    if self.kind == "learned":
+      return jax.lax.dynamic_index_in_dim(self.table[...], position, keepdims=False).astype(self.dtype)
+    _, w, c = self.shape
+    row, col, channel = position // (w * c), (position // c) % w, position % c
+    rows, cols, channels = (jax.lax.dynamic_index_in_dim(t[...], i, keepdims=False)
+                            for t, i in ((self.rows, row), (self.cols, col), (self.channels, channel)))
+    return (rows + cols + channels).astype(self.dtype)
+
 
 class Encoder(nnx.Module):
   """Token + position embeddings, the blocks, and the final layer norm."""
@@ -131,6 +151,20 @@ class Encoder(nnx.Module):
       else:
         x = block(x, mask, deterministic=deterministic)
     return self.norm(x)  # [batch, length, features]
+
+
+  def decode(self, ids: Array, caches: list[Any], position: Array | None = None) -> tuple[Array, list[Any]]:
+    """ids [batch, 1] at `position` (or a prompt [batch, P] at [0, P) when position is None) -> normed
+    features [batch, length, features] and the updated per-layer caches."""
+    if position is None:
+      x = self.embed(ids) + self.pos(ids.shape[1])[None]  # [batch, P, features]
+    else:
+      x = self.embed(ids) + self.pos.at(position)[None, None]  # [batch, 1, features]
+    new = []
+    for block, cache in zip(self.blocks, caches, strict=True):
+      x, cache = block.decode(x, cache, position)
+      new.append(cache)
+    return self.norm(x), new
 
 
 def _block_call(block: Block, x: Array, mask: Array | None, deterministic: bool) -> Array:
@@ -213,6 +247,33 @@ class Transformer(nnx.Module):
       v = self._pooled(batch["inputs2"], batch["mask2"], deterministic=deterministic)
       pooled = jnp.concatenate([u, v, u * v, u - v], axis=-1)  # [batch, 4 * features]
     return self.head(jax.nn.relu(self.hidden(pooled))).astype(jnp.float32)  # [batch, num_classes]
+
+
+  # Cached autoregressive decoding (lm / image). Position t reads the token at t - 1 (BOS at t = 0) and its
+  # logits predict the token at t, exactly as row t of `__call__`'s logits; plan parameters set to "auto" are
+  # chosen for `max_length`, so decoding equals the forward pass over `max_length` tokens.
+  def init_cache(self, batch: int, max_length: int) -> list[Any]:
+    """Empty per-layer caches for `batch` sequences of up to `max_length` tokens."""
+    if self.task not in CAUSAL_TASKS:
+      raise ValueError(f"cached decoding needs a causal task {CAUSAL_TASKS}, got {self.task!r}")
+    return [block.attention.init_cache(batch, max_length) for block in self.encoder.blocks]
+
+  def decode(self, cache: list[Any], tokens: Array, position: Array) -> tuple[Array, list[Any]]:
+    """tokens [batch]: the tokens at position - 1 (ignored at position 0) -> float32 logits [batch, vocab] for
+    the token at `position`, and the cache with `position` added."""
+    position = jnp.asarray(position, jnp.int32)
+    ids = jnp.where(position == 0, self.bos_id, tokens).astype(jnp.int32)[:, None]  # [batch, 1]
+    x, cache = self.encoder.decode(ids, cache, position)
+    return self.head(x[:, 0]).astype(jnp.float32), cache  # [batch, vocab]
+
+  def prefill(self, cache: list[Any], prompt: Array) -> tuple[Array, list[Any]]:
+    """prompt [batch, P] (P >= 0): the tokens at positions [0, P). Runs positions [0, P] (BOS, then the
+    prompt) and returns their float32 logits [batch, P + 1, vocab] (the last one predicts the token at P) and
+    the cache; continue with `decode(cache, next_token, P + 1)`."""
+    bos = jnp.full((prompt.shape[0], 1), self.bos_id, jnp.int32)
+    ids = jnp.concatenate([bos, prompt.astype(jnp.int32)], axis=1)  # [batch, P + 1]
+    x, cache = self.encoder.decode(ids, cache)
+    return self.head(x).astype(jnp.float32), cache
 
 
 def build_model(cfg: ml_collections.ConfigDict, *, task: str, vocab_size: int, seq_len: int,

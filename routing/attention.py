@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from core import contract
+from core.blocks import neighbours, to_grid
 from core.combine import Piece, joint_softmax
 from core.norm import layer_norm
 from routing import kmeans
@@ -152,8 +153,7 @@ def _nearest_window(qn: Array, v: Array, assign: Array, mask: Array, *, window: 
       mode="promise_in_bounds").reshape(batch, heads, length)
 
   def sorted_blocks(t: Array, fill: Any = 0) -> Array:  # [b, h, L, ...] in sorted order -> [b, h, nb, w, ...]
-    t = jnp.pad(t, [(0, 0), (0, 0), (0, lp - length)] + [(0, 0)] * (t.ndim - 3), constant_values=fill)
-    return t.reshape(batch, heads, nb, w, *t.shape[3:])
+    return to_grid(t, nb, w, axis=2, fill=fill)
 
   def gather(t: Array) -> Array:  # [b, L, h, e] -> sorted [b, h, L, e]
     return jnp.take_along_axis(t.transpose(0, 2, 1, 3), order[..., None], axis=2)
@@ -166,16 +166,9 @@ def _nearest_window(qn: Array, v: Array, assign: Array, mask: Array, *, window: 
 
   offsets = (-1, 0) if causal else (-1, 0, 1)
 
-  def neighbours(t: Array, fill: Any) -> Array:  # [b, h, nb, w, ...] -> [b, h, nb, len(offsets) * w, ...]
-    parts = []
-    for o in offsets:
-      pad = [(0, 0)] * t.ndim
-      pad[2] = (max(-o, 0), max(o, 0))
-      parts.append(jax.lax.slice_in_dim(jnp.pad(t, pad, constant_values=fill), max(o, 0), max(o, 0) + nb, axis=2))
-    return jnp.concatenate(parts, axis=3)
-
-  ks, vk = neighbours(qs, 0), neighbours(vs, 0)  # keys are the queries
-  kcl, kreal, kidx = neighbours(cl, -2), neighbours(real, False), neighbours(idx, -lp)
+  ks, vk = neighbours(qs, offsets, 2), neighbours(vs, offsets, 2)  # [b, h, nb, keys, d]: keys are the queries
+  kcl, kreal = neighbours(cl, offsets, 2, -2), neighbours(real, offsets, 2, False)
+  kidx = neighbours(idx, offsets, 2, -lp)
   delta = idx[..., :, None] - kidx[..., None, :]  # [b, h, nb, w, keys]: sorted distance query - key
   near = (delta >= 0) & (delta < w) if causal else (jnp.abs(delta) < w)
   valid = near & (cl[..., :, None] == kcl[..., None, :]) & kreal[..., None, :]
