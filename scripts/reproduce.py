@@ -343,16 +343,51 @@ def _train_in_process(row: Row, scale: str, wd: str, seed: int, progress: bool) 
   train.train_and_evaluate(config, wd, progress=progress)
 
 
-def run_rows(selected: list[Row], scale: str, root: str, *, seeds: int = 1, launcher: str = "local",
-             tpu_args: str = "", dry_run: bool = False, progress: bool = True,
-             in_process: bool = False) -> list[str]:
-  """Runs the implemented rows one after another; returns the labels of the failed ones.
+@dataclasses.dataclass
+class _Job:
+  row: Row
+  scale: str
+  seed: int
+  wd: str
+  argv: list[str]
+  head: str
 
-  Rows whose command is the same as an earlier row's at this scale (e.g. the 6- and 12-layer rows of one
-  attention, once `smoke` drops the layer count) train once: the later ones get a copy of its metrics.
-  in_process: train in this process (`launcher="local"` only), the fast way for many small runs.
+
+def _run_one(job: _Job, launcher: str, in_process: bool, progress: bool) -> tuple[bool, float]:
+  """Runs one job; (finished, seconds). Exceptions of in-process runs are reported, not raised."""
+  paths.makedirs(job.wd)
+  paths.write_json(paths.join(job.wd, RUN_INFO), _run_info(job.row, job.scale, job.seed, job.argv))
+  start = time.time()
+  if in_process and launcher == "local":
+    try:
+      _train_in_process(job.row, job.scale, job.wd, job.seed, progress)
+      rc = 0
+    except Exception as e:  # report and go on with the next row
+      print(f"{job.head}: {type(e).__name__}: {e}", flush=True)
+      rc = 1
+  else:
+    rc = subprocess.call(job.argv, cwd=ROOT)
+  took = time.time() - start
+  ok = rc == 0 and (launcher != "local" or finished(job.wd))
+  print(f"{job.head}: " + (f"done in {took:.0f}s" if ok else f"FAILED (exit status {rc}) after {took:.0f}s"),
+        flush=True)
+  return ok, took
+
+
+def _worker(job: _Job, progress: bool) -> bool:  # a process of the --jobs pool
+  return _run_one(job, "local", True, progress)[0]
+
+
+def run_rows(selected: list[Row], scale: str, root: str, *, seeds: int = 1, launcher: str = "local",
+             tpu_args: str = "", dry_run: bool = False, progress: bool = True, in_process: bool = False,
+             jobs: int = 1) -> list[str]:
+  """Runs the implemented rows; returns the labels of the failed ones.
+
+  Rows whose command is the same as another row's at this scale (e.g. the 6- and 12-layer rows of one
+  attention, once `smoke` drops the layer count) train once; the others get a copy of its metrics.
+  in_process: train in this process (`launcher="local"` only), the fast way for many small runs; jobs > 1:
+  that many worker processes train rows side by side (in-process runs each; no progress bars).
   """
-  todo = [(r, s) for r in selected if implemented(r) for s in range(seeds)]
   missing: dict[str, int] = {}
   for r in selected:
     if not implemented(r):
@@ -360,51 +395,52 @@ def run_rows(selected: list[Row], scale: str, root: str, *, seeds: int = 1, laun
   if missing:
     print(f"[skip] {sum(missing.values())} rows whose attention is not implemented: "
           + ", ".join(f"{name} ({n})" for name, n in sorted(missing.items())), flush=True)
-  failed = []
-  trained: dict[tuple[str, ...], str] = {}  # command without the workdir -> the workdir that ran it
+  todo = [(r, s) for r in selected if implemented(r) for s in range(seeds)]
+  source: dict[tuple[str, ...], str] = {}  # command without the workdir -> the workdir that runs it
+  pending: list[_Job] = []
+  copies: list[tuple[_Job, str]] = []
   for i, (row, seed) in enumerate(todo, 1):
     wd = workdir(row, scale, root, seed)
     head = f"[{i}/{len(todo)}] {row.table} / {row.label} ({scale}{f', seed {seed}' if seed else ''})"
     key = tuple(a for a in train_argv(row, scale, "", seed) if a)
     if not dry_run and finished(wd):  # (a dry run touches no storage)
       print(f"{head}: finished already ({paths.join(wd, 'metrics.json')})", flush=True)
-      trained.setdefault(key, wd)
+      source.setdefault(key, wd)
       continue
     if launcher == "tpu":
       argv = tpu_argv(row, scale, wd, seed, tpu_args)
     else:
       argv = [sys.executable, *train_argv(row, scale, wd, seed)] + ([] if progress else ["--noprogress"])
-    same = trained.get(key)
-    if same is not None and launcher == "local":
-      print(f"{head}: the same command as {same}: its metrics are this row's", flush=True)
-      if not dry_run:
-        paths.makedirs(wd)
-        info = paths.read_json(paths.join(same, RUN_INFO)) if paths.exists(paths.join(same, RUN_INFO)) else {}
-        paths.write_json(paths.join(wd, RUN_INFO), {**info, "row": row.label, "same_as": same})
-        paths.write_json(paths.join(wd, "metrics.json"), paths.read_json(paths.join(same, "metrics.json")))
+    job = _Job(row, scale, seed, wd, argv, head)
+    if key in source and launcher == "local":
+      copies.append((job, source[key]))
       continue
+    source[key] = wd
     print(f"{head}: {shlex.join(argv)}", flush=True)
-    if dry_run:
+    pending.append(job)
+  if dry_run:
+    for job, same in copies:
+      print(f"{job.head}: the same command as {same}", flush=True)
+    return []
+  failed = []
+  if jobs > 1 and launcher == "local" and len(pending) > 1:
+    import concurrent.futures
+    import multiprocessing
+
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+      results = list(pool.map(_worker, pending, [False] * len(pending)))
+  else:
+    results = [_run_one(job, launcher, in_process, progress)[0] for job in pending]
+  failed += [f"{job.row.table} / {job.row.label}" for job, ok in zip(pending, results, strict=True) if not ok]
+  for job, same in copies:
+    if not finished(same):
+      failed.append(f"{job.row.table} / {job.row.label}")
       continue
-    paths.makedirs(wd)
-    paths.write_json(paths.join(wd, RUN_INFO), _run_info(row, scale, seed, argv))
-    start = time.time()
-    if in_process and launcher == "local":
-      try:
-        _train_in_process(row, scale, wd, seed, progress)
-        rc = 0
-      except Exception as e:  # report and go on with the next row
-        print(f"{head}: {type(e).__name__}: {e}", flush=True)
-        rc = 1
-    else:
-      rc = subprocess.call(argv, cwd=ROOT)
-    took = time.time() - start
-    if rc != 0 or (launcher == "local" and not finished(wd)):
-      print(f"{head}: FAILED (exit status {rc}) after {took:.0f}s", flush=True)
-      failed.append(f"{row.table} / {row.label}")
-      continue
-    trained[key] = wd
-    print(f"{head}: done in {took:.0f}s", flush=True)
+    print(f"{job.head}: the same command as {same}: its metrics are this row's", flush=True)
+    paths.makedirs(job.wd)
+    info = paths.read_json(paths.join(same, RUN_INFO)) if paths.exists(paths.join(same, RUN_INFO)) else {}
+    paths.write_json(paths.join(job.wd, RUN_INFO), {**info, "row": job.row.label, "same_as": same})
+    paths.write_json(paths.join(job.wd, "metrics.json"), paths.read_json(paths.join(same, "metrics.json")))
   return failed
 
 
@@ -524,6 +560,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   p.add_argument("--workdir_root", default=os.path.join("workdirs", "reproduce"))
   p.add_argument("--dry_run", action="store_true", help="print the commands --run would run")
   p.add_argument("--noprogress", action="store_true", help="no progress bar in train.py")
+  p.add_argument("--jobs", type=int, default=1, help="local in-process runs: train this many rows side by side")
   p.add_argument("--in_process", choices=("auto", "yes", "no"), default="auto",
                  help="local runs: train in this process (auto: yes at smoke scale, where starting an interpreter "
                       "and JAX per row would cost more than the run)")
@@ -548,7 +585,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   if args.run:
     failed = run_rows(chosen, args.scale, args.workdir_root, seeds=args.seeds, launcher=args.launcher,
                       tpu_args=args.tpu_args, dry_run=args.dry_run, progress=not args.noprogress,
-                      in_process=args.in_process == "yes" or (args.in_process == "auto" and args.scale == "smoke"))
+                      in_process=args.in_process == "yes" or (args.in_process == "auto" and args.scale == "smoke"),
+                      jobs=args.jobs)
     if failed:
       print(f"{len(failed)} row(s) failed: " + "; ".join(failed), flush=True)
       status = 1
