@@ -10,7 +10,8 @@ r"""The papers' result tables as data: list, run and collect their rows from the
 Tables: Combiner (Wang et al. 2021) Tables 1-6, Routing Transformer (Roy et al. 2021) Tables 1 and 4, YOSO
 (Zeng et al. 2021) Table 3, and `pystdlib` (byte-level LM on the Python standard library, configs/pystdlib.py).
 A row is (table, label, paper value, metric, config string, overrides, attention); rows whose attention is not
-in `models.registry.names()` are listed as "not implemented" and skipped, so a table grows as modules land.
+in `models.registry.names()` (or that has no form for the row's direction, e.g. a bidirectional-only op in a
+decoder) are listed as "not implemented" and skipped, so a table grows as modules land.
 
 Scales: `paper` runs the config as it is; `cpu` a small model at reduced length that trains in minutes on a
 CPU (per data family: `CPU_ARGS`); `smoke` the config's `smoke` variant (a few steps; generated stand-in data
@@ -28,6 +29,7 @@ import argparse
 import csv
 import dataclasses
 import datetime
+import functools
 import importlib
 import io
 import math
@@ -238,10 +240,29 @@ def tables() -> dict[str, list[Row]]:
   return out
 
 
-def implemented(row: Row) -> bool:
-  from models import registry
+CAUSAL_TASKS = ("lm", "image")  # decoders; the other tasks run bidirectional attention
 
-  return row.attention in registry.names()
+
+@functools.cache
+def unavailable(row: Row) -> str | None:
+  """Why the row cannot run yet (its attention is not registered, or has no form for the row's direction), or
+  None when it can."""
+  from models import ops_registry, registry
+
+  if row.attention not in registry.names():
+    return f"not implemented: attention {row.attention!r}"
+  if row.attention in ops_registry.names():
+    import data
+
+    spec = ops_registry.get(row.attention)
+    causal = data.dataset_info(build_config(row, "paper")).task in CAUSAL_TASKS
+    if not (spec.causal if causal else spec.bidirectional):
+      return f"not implemented: attention {row.attention!r} has no {'causal' if causal else 'bidirectional'} form"
+  return None
+
+
+def implemented(row: Row) -> bool:
+  return unavailable(row) is None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -391,10 +412,11 @@ def run_rows(selected: list[Row], scale: str, root: str, *, seeds: int = 1, laun
   missing: dict[str, int] = {}
   for r in selected:
     if not implemented(r):
-      missing[r.attention] = missing.get(r.attention, 0) + 1
+      why = unavailable(r).removeprefix("not implemented: attention ")
+      missing[why] = missing.get(why, 0) + 1
   if missing:
-    print(f"[skip] {sum(missing.values())} rows whose attention is not implemented: "
-          + ", ".join(f"{name} ({n})" for name, n in sorted(missing.items())), flush=True)
+    print(f"[skip] {sum(missing.values())} rows not implemented yet: "
+          + ", ".join(f"{why} ({n})" for why, n in sorted(missing.items())), flush=True)
   todo = [(r, s) for r in selected if implemented(r) for s in range(seeds)]
   source: dict[tuple[str, ...], str] = {}  # command without the workdir -> the workdir that runs it
   pending: list[_Job] = []
@@ -468,7 +490,7 @@ def collect(selected: list[Row], scale: str, root: str, *, seeds: int = 1) -> li
   for row in selected:
     rec: dict[str, Any] = {"table": row.table, "row": row.label, "metric": row.metric, "paper": row.paper,
                            "ours": None, "std": None, "delta": None, "seeds": 0, "steps": None, "scale": scale,
-                           "date": None, "data": None, "status": "not implemented"}
+                           "date": None, "data": None, "status": unavailable(row) or "not run"}
     if implemented(row):
       values, steps, dates = [], [], []
       for seed in range(max(seeds, 1)):
@@ -560,7 +582,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   p.add_argument("--workdir_root", default=os.path.join("workdirs", "reproduce"))
   p.add_argument("--dry_run", action="store_true", help="print the commands --run would run")
   p.add_argument("--noprogress", action="store_true", help="no progress bar in train.py")
-  p.add_argument("--jobs", type=int, default=1, help="local in-process runs: train this many rows side by side")
+  p.add_argument("--jobs", type=int, default=0,
+                 help="local in-process runs: train this many rows side by side (0: 2 at smoke scale when the "
+                      "machine has 2 or more CPUs, else 1)")
   p.add_argument("--in_process", choices=("auto", "yes", "no"), default="auto",
                  help="local runs: train in this process (auto: yes at smoke scale, where starting an interpreter "
                       "and JAX per row would cost more than the run)")
@@ -576,7 +600,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for r in chosen:
       value = "" if r.paper is None else f" paper {r.paper}"
       if not implemented(r):
-        print(f"{r.table} / {r.label}:{value} [not implemented: attention {r.attention!r}]")
+        print(f"{r.table} / {r.label}:{value} [{unavailable(r)}]")
         continue
       argv_ = train_argv(r, args.scale, workdir(r, args.scale, args.workdir_root))
       print(f"{r.table} / {r.label}:{value} {r.metric}{f' ({r.note})' if r.note else ''}\n  python "
@@ -586,7 +610,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     failed = run_rows(chosen, args.scale, args.workdir_root, seeds=args.seeds, launcher=args.launcher,
                       tpu_args=args.tpu_args, dry_run=args.dry_run, progress=not args.noprogress,
                       in_process=args.in_process == "yes" or (args.in_process == "auto" and args.scale == "smoke"),
-                      jobs=args.jobs)
+                      jobs=args.jobs or (min(2, os.cpu_count() or 1) if args.scale == "smoke" else 1))
     if failed:
       print(f"{len(failed)} row(s) failed: " + "; ".join(failed), flush=True)
       status = 1
