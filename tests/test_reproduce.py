@@ -132,3 +132,16 @@ def test_config_dict_overrides():
   c = reproduce.build_config(r, "paper")
   assert c.model.attention.params.num_hashes == 16
   assert isinstance(c, ml_collections.ConfigDict)
+
+
+def test_identical_commands_train_once(tmp_path, capsys):
+  rows = [r for r in reproduce.tables()["combiner-1"] if r.label.startswith("cifar10 Combiner-Mixture")]
+  assert len(rows) == 2 and reproduce.train_argv(rows[0], "smoke", "") == reproduce.train_argv(rows[1], "smoke", "")
+  wd = reproduce.workdir(rows[0], "smoke", str(tmp_path))
+  os.makedirs(wd)
+  with open(os.path.join(wd, "metrics.json"), "w") as f:
+    json.dump({"bits_per_dim": 7.5, "step": 4}, f)
+  assert reproduce.run_rows(rows, "smoke", str(tmp_path)) == []
+  assert "the same command as" in capsys.readouterr().out
+  records = reproduce.collect(rows, "smoke", str(tmp_path))
+  assert [r["ours"] for r in records] == [7.5, 7.5]
