@@ -1,4 +1,4 @@
-"""Shared settings of the image density-estimation configs (cifar10.py, imagenet64.py): paper Appendix E.1/E.2."""
+"""Shared settings of the image density-estimation configs (cifar10.py, imagenet64.py): Appendix E.1/E.2."""
 
 from __future__ import annotations
 

@@ -2,9 +2,10 @@
 
 Command:   python train.py --config configs/pystdlib.py:attention=combiner_axial_vertical \
              --workdir workdirs/pystdlib_axial
-Task:      a real corpus available offline everywhere (~30 MB of `.py` files, split by file), at length 2048:
-           the CPU-scale check of the Combiner paper's orderings (each Combiner plan <= its sparse counterpart,
-           mixture <= axial, dense close to Combiner); `python -m scripts.reproduce --table pystdlib` runs the rows.
+Task:      a real corpus available offline everywhere (~30 MB of `.py` files, split by file), at length
+           2048: the CPU-scale check of the Combiner paper's orderings (each Combiner plan <= its sparse
+           counterpart, mixture <= axial, dense close to Combiner); `python -m scripts.reproduce --table
+           pystdlib` runs the rows.
 Model:     2 layers, width 128, 4 heads, MLP 512, batch 4 x 2048 bytes, Adam 2e-3 cosine, 500 steps: sized so
            that the slowest row (dense: ~2 CPU-seconds a step) trains in about 15 minutes on 2 CPU cores.
 Cost:      minutes per row on a CPU; `:smoke` (length 256, a few steps) runs in seconds.

@@ -1,9 +1,10 @@
 """`pystdlib`: byte-level language modeling on the Python standard library's own `.py` sources.
 
-A real corpus every machine has offline (about 30 MB in 1,800 files for CPython 3.11): the `.py` files under
-`sysconfig.get_paths()["stdlib"]` (or `config.data.stdlib_dir`), without site-packages/dist-packages. Each file
-goes wholly to one split, chosen by a hash of its path relative to the root (SHA-256, so the same file lands in
-the same split on every machine and Python build): about 90% train, 5% validation, 5% test (`SPLIT_PERCENT`).
+A real corpus every machine has offline (about 30 MB in 1,800 files for CPython 3.11): the `.py` files
+under `sysconfig.get_paths()["stdlib"]` (or `config.data.stdlib_dir`), without site-packages/dist-packages.
+Each file goes wholly to one split, chosen by a hash of its path relative to the root (SHA-256, so the same
+file lands in the same split on every machine and Python build): about 90% train, 5% validation, 5% test
+(`SPLIT_PERCENT`).
 A split is its files' bytes concatenated in sorted path order, each file followed by one NUL byte (which no
 source file contains) so a model sees where files end; records are consecutive non-overlapping windows of
 `seq_len` bytes (the last partial window dropped). Tokens are the bytes (vocabulary 256, `bos_id` 256); the
@@ -81,7 +82,8 @@ def split_bytes(root: str, split: str) -> np.ndarray:
   key = (root, split)
   if key not in _STREAMS:
     if not os.path.isdir(root):
-      raise FileNotFoundError(f"Python sources for 'pystdlib' not found at {root}; set config.data.stdlib_dir")
+      raise FileNotFoundError(f"Python sources for 'pystdlib' not found at {root}; "
+                              "set config.data.stdlib_dir")
     parts = []
     for rel in split_files(root)[split]:
       with open(os.path.join(root, rel), "rb") as f:
@@ -133,6 +135,6 @@ def create_dataset(config: Any, split: str, *, batch_size: int, seed: int, shard
   seq_len = dataset_info(config).seq_len
   source = WindowSource(stdlib_dir(config), split, seq_len)
   return pipeline.make_loader(
-    source, [pipeline.Example(_example)], split=split, batch_size=batch_size, seed=seed, shard_index=shard_index,
-    shard_count=shard_count, shuffle=shuffle, num_epochs=num_epochs, config=config,
+    source, [pipeline.Example(_example)], split=split, batch_size=batch_size, seed=seed,
+    shard_index=shard_index, shard_count=shard_count, shuffle=shuffle, num_epochs=num_epochs, config=config,
   )

@@ -2,13 +2,14 @@ r"""The papers' result tables as data: list, run and collect their rows from the
 
     python -m scripts.reproduce --table combiner-1 --list                  # the rows and their commands
     python -m scripts.reproduce --table combiner-1 --run --scale smoke     # run them one after another
-    python -m scripts.reproduce --table all --scale smoke --run --collect  # every table, then the result table
+    python -m scripts.reproduce --table all --scale smoke --run --collect  # every table, then the results
     python -m scripts.reproduce --table pystdlib --run --scale cpu --seeds 3
-    python -m scripts.reproduce --table combiner-2 --run --scale paper --launcher tpu --workdir_root gs://B/r \
-        --tpu_args "--zone us-central2-b --accelerator v4-32 --spot"       # each row through scripts/tpu.py
+    python -m scripts.reproduce --table combiner-2 --run --scale paper --launcher tpu \
+        --workdir_root gs://B/r --tpu_args "--zone us-central2-b --accelerator v4-32 --spot"  # scripts/tpu.py
 
 Tables: Combiner (Wang et al. 2021) Tables 1-6, Routing Transformer (Roy et al. 2021) Tables 1 and 4, YOSO
-(Zeng et al. 2021) Table 3, and `pystdlib` (byte-level LM on the Python standard library, configs/pystdlib.py).
+(Zeng et al. 2021) Table 3, and `pystdlib` (byte-level LM on the Python standard library,
+configs/pystdlib.py).
 A row is (table, label, paper value, metric, config string, overrides, attention); rows whose attention is not
 in `models.registry.names()` (or that has no form for the row's direction, e.g. a bidirectional-only op in a
 decoder) are listed as "not implemented" and skipped, so a table grows as modules land.
@@ -102,16 +103,21 @@ def _rows(table: str, metric: str, config: str, items: Sequence[tuple], arg_pref
   return out
 
 
+SAME_ARCHITECTURE = "every head of every layer routes (the same architecture as the other rows)"
+
+
 def _combiner_tables() -> dict[str, list[Row]]:
   t: dict[str, list[Row]] = {}
   # Table 1: 6-layer ablation (and 12 layers) on CIFAR-10 and ImageNet-64, bits/dim.
   six = [("Reformer", None, None, "reformer"), ("Performer", 3.335, 3.719, "performer"),
-         ("Logsparse", 4.253, 4.351, "sparse_logsparse"), ("Combiner-Logsparse", 3.366, 3.795, "combiner_logsparse"),
+         ("Logsparse", 4.253, 4.351, "sparse_logsparse"),
+         ("Combiner-Logsparse", 3.366, 3.795, "combiner_logsparse"),
          ("Fixed", 3.408, 3.696, "sparse_fixed"), ("Combiner-Fixed", 3.321, 3.654, "combiner_fixed"),
          ("Axial", 3.666, 4.032, "sparse_axial"), ("Combiner-Axial", 3.050, 3.585, "combiner_axial_vertical"),
          ("Combiner-Mixture", 3.040, 3.585, "combiner_mixture")]
   twelve = [("Reformer", None, 3.710, "reformer"), ("Performer", 3.310, 3.636, "performer"),
-            ("Routing Transformer", 2.950, None, "routing"), ("Combiner-Mixture", 2.885, 3.504, "combiner_mixture")]
+            ("Routing Transformer", 2.950, None, "routing"),
+            ("Combiner-Mixture", 2.885, 3.504, "combiner_mixture")]
   rows = []
   for dataset, col in (("cifar10", 1), ("imagenet64", 2)):
     for layers, models in ((6, six), (12, twelve)):
@@ -131,7 +137,7 @@ def _combiner_tables() -> dict[str, list[Row]]:
   # Table 2: Wiki-40B LM perplexity (12 layers, width 768).
   t["combiner-2"] = _rows("combiner-2", "perplexity", "configs/wiki40b.py", [
     ("Transformer-2k", 17.26, "dense", ""), ("Performer-2k", 19.66, "performer", ""),
-    ("Routing-2k", 20.85, "routing", "", (), "every head of every layer routes (same architecture as the others)"),
+    ("Routing-2k", 20.85, "routing", "", (), SAME_ARCHITECTURE),
     ("Fixed-2k", 18.04, "sparse_fixed", ""), ("Combiner-Fixed-2k", 17.70, "combiner_fixed", ""),
     ("Axial-2k", 20.82, "sparse_axial", ""), ("Combiner-Axial-2k", 17.56, "combiner_axial_vertical", ""),
     ("Combiner-Fixed-8k", 16.60, "combiner_fixed", "seq_len=8192"),
@@ -169,7 +175,7 @@ def _combiner_tables() -> dict[str, list[Row]]:
     ("Performer-2k", 10.940, "performer", ""), ("Fixed-2k", 5.279, "sparse_fixed", ""),
     ("Combiner-Fixed-2k", 5.170, "combiner_fixed", ""), ("Axial-2k", 5.370, "sparse_axial", ""),
     ("Combiner-Axial-2k", 4.809, "combiner_axial_vertical", ""),
-    ("Routing-2k", 6.703, "routing", "", (), "every head of every layer routes (same architecture as the others)"),
+    ("Routing-2k", 6.703, "routing", "", (), SAME_ARCHITECTURE),
     ("Combiner-Routing-2k", 6.539, "combiner_routed", ""), ("BigBird-8k", 4.542, "bigbird", "seq_len=8192"),
     ("Combiner-Axial-8k", 4.190, "combiner_axial_vertical", "seq_len=8192"),
     ("Combiner-Fixed-8k", 4.139, "combiner_fixed", "seq_len=8192")])
@@ -186,13 +192,17 @@ def _lra_rows(table: str, models: Sequence[tuple], flag: str) -> list[Row]:
 
 
 def _routing_tables() -> dict[str, list[Row]]:
-  # Routing Transformer Table 1 (CIFAR-10, 12 layers, 8 heads, k = 6, 200k steps); values quoted in section 6.1.
+  # Routing Transformer Table 1 (CIFAR-10, 12 layers, 8 heads, k = 6, 200k steps); values as quoted in
+  # section 6.1.
   flag = "routing_paper"
   t1 = [("Transformer (full attention)", 2.983, "dense", ""),
         ("Local Transformer", 3.009, "routing", "routing_heads=0,window=512"),
-        ("Routing 2 layers 4 heads window 512", 2.986, "routing", "routing_heads=4,routing_layers=2,window=512"),
-        ("Routing 4 layers 4 heads window 512", 2.975, "routing", "routing_heads=4,routing_layers=4,window=512"),
-        ("Routing 4 layers 4 heads window 1024", None, "routing", "routing_heads=4,routing_layers=4,window=1024",
+        ("Routing 2 layers 4 heads window 512", 2.986, "routing",
+         "routing_heads=4,routing_layers=2,window=512"),
+        ("Routing 4 layers 4 heads window 512", 2.975, "routing",
+         "routing_heads=4,routing_layers=4,window=512"),
+        ("Routing 4 layers 4 heads window 1024", None, "routing",
+         "routing_heads=4,routing_layers=4,window=1024",
          (), "the paper's best CIFAR-10 model; its value is in the table only"),
         ("Routing only window 512", 3.400, "routing", "routing_heads=8,routing_layers=all,window=512"),
         ("Routing only window 1024", 3.291, "routing", "routing_heads=8,routing_layers=all,window=1024")]
@@ -223,8 +233,8 @@ def _yoso_tables() -> dict[str, list[Row]]:
 
 
 PYSTDLIB_ROWS = ("dense", "sparse_fixed", "combiner_fixed", "sparse_axial", "combiner_axial_vertical",
-                 "combiner_axial_horizontal", "combiner_axial_rowmajor", "combiner_mixture", "sparse_logsparse",
-                 "combiner_logsparse", "routing", "yoso")
+                 "combiner_axial_horizontal", "combiner_axial_rowmajor", "combiner_mixture",
+                 "sparse_logsparse", "combiner_logsparse", "routing", "yoso")
 
 
 def _pystdlib_table() -> dict[str, list[Row]]:
@@ -257,7 +267,8 @@ def unavailable(row: Row) -> str | None:
     spec = ops_registry.get(row.attention)
     causal = data.dataset_info(build_config(row, "paper")).task in CAUSAL_TASKS
     if not (spec.causal if causal else spec.bidirectional):
-      return f"not implemented: attention {row.attention!r} has no {'causal' if causal else 'bidirectional'} form"
+      direction = "causal" if causal else "bidirectional"
+      return f"not implemented: attention {row.attention!r} has no {direction} form"
   return None
 
 
@@ -265,7 +276,7 @@ def implemented(row: Row) -> bool:
   return unavailable(row) is None
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Commands
 
 
@@ -323,14 +334,16 @@ def build_config(row: Row, scale: str) -> Any:
     for p in parents:
       node = node[p]
     current = node.get(leaf, None)
-    node[leaf] = type(current)(value) if isinstance(current, (int, float)) and not isinstance(current, bool) else (
-      int(value) if value.lstrip("-").isdigit() else value)
+    if isinstance(current, (int, float)) and not isinstance(current, bool):
+      node[leaf] = type(current)(value)
+    else:
+      node[leaf] = int(value) if value.lstrip("-").isdigit() else value
   registry.check_fields(c.model.attention)
   registry.get_module(str(c.model.attention.name))
   return c
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Running
 
 
@@ -342,7 +355,8 @@ def _run_info(row: Row, scale: str, seed: int, argv: list[str]) -> dict[str, Any
   import platform
 
   info = {"table": row.table, "row": row.label, "scale": scale, "seed": seed, "command": shlex.join(argv),
-          "python": platform.python_version(), "started": datetime.datetime.now().isoformat(timespec="seconds")}
+          "python": platform.python_version(),
+          "started": datetime.datetime.now().isoformat(timespec="seconds")}
   try:
     import data
 
@@ -449,7 +463,8 @@ def run_rows(selected: list[Row], scale: str, root: str, *, seeds: int = 1, laun
     import concurrent.futures
     import multiprocessing
 
-    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+    spawn = multiprocessing.get_context("spawn")  # JAX in forked children is unsafe
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=spawn) as pool:
       results = list(pool.map(_worker, pending, [False] * len(pending)))
   else:
     results = [_run_one(job, launcher, in_process, progress)[0] for job in pending]
@@ -466,7 +481,7 @@ def run_rows(selected: list[Row], scale: str, root: str, *, seeds: int = 1, laun
   return failed
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Collecting
 
 
@@ -480,17 +495,17 @@ def metric_value(metric: str, metrics: dict[str, Any]) -> float | None:
   return 100.0 * float(value) if metric == "accuracy" else float(value)
 
 
-COLUMNS = ("table", "row", "metric", "paper", "ours", "std", "delta", "seeds", "steps", "scale", "date", "data",
-           "status")
+COLUMNS = ("table", "row", "metric", "paper", "ours", "std", "delta", "seeds", "steps", "scale", "date",
+           "data", "status")
 
 
 def collect(selected: list[Row], scale: str, root: str, *, seeds: int = 1) -> list[dict[str, Any]]:
   """One record per row: paper value, ours (mean over the seeds found), delta, steps, scale, date."""
   out = []
   for row in selected:
-    rec: dict[str, Any] = {"table": row.table, "row": row.label, "metric": row.metric, "paper": row.paper,
-                           "ours": None, "std": None, "delta": None, "seeds": 0, "steps": None, "scale": scale,
-                           "date": None, "data": None, "status": unavailable(row) or "not run"}
+    rec: dict[str, Any] = dict.fromkeys(COLUMNS)
+    rec.update(table=row.table, row=row.label, metric=row.metric, paper=row.paper, seeds=0, scale=scale,
+               status=unavailable(row) or "not run")
     if implemented(row):
       values, steps, dates = [], [], []
       for seed in range(max(seeds, 1)):
@@ -531,7 +546,8 @@ def to_markdown(records: list[dict[str, Any]]) -> str:
   for table in dict.fromkeys(r["table"] for r in records):
     rows = [r for r in records if r["table"] == table]
     lines += [f"## {table} ({rows[0]['metric']}, scale {rows[0]['scale']})", "",
-              "| row | paper | ours | delta | seeds | steps | date | status |", "|---|---|---|---|---|---|---|---|"]
+              "| row | paper | ours | delta | seeds | steps | date | status |",
+              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
       ours = _fmt(r["ours"]) + (f" ± {r['std']:.3f}" if r["std"] is not None else "")
       status = r["status"] + (f" ({r['data']})" if r["data"] else "")
@@ -550,7 +566,7 @@ def to_csv(records: list[dict[str, Any]]) -> str:
   return buf.getvalue()
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Command line
 
 
@@ -576,18 +592,18 @@ def main(argv: Sequence[str] | None = None) -> int:
   p.add_argument("--run", action="store_true", help="run the implemented rows one after another")
   p.add_argument("--collect", action="store_true", help="write the markdown and CSV result tables")
   p.add_argument("--scale", choices=SCALES, default="smoke")
-  p.add_argument("--seeds", type=int, default=1, help="runs per row with seeds 0..N-1 (mean and std collected)")
+  p.add_argument("--seeds", type=int, default=1, help="runs per row, seeds 0..N-1 (mean and std collected)")
   p.add_argument("--launcher", choices=("local", "tpu"), default="local")
-  p.add_argument("--tpu_args", default="", help="scripts.tpu arguments for --launcher tpu (--zone, --accelerator...)")
+  p.add_argument("--tpu_args", default="", help="scripts.tpu arguments for --launcher tpu (--zone, ...)")
   p.add_argument("--workdir_root", default=os.path.join("workdirs", "reproduce"))
   p.add_argument("--dry_run", action="store_true", help="print the commands --run would run")
   p.add_argument("--noprogress", action="store_true", help="no progress bar in train.py")
   p.add_argument("--jobs", type=int, default=0,
-                 help="local in-process runs: train this many rows side by side (0: 2 at smoke scale when the "
-                      "machine has 2 or more CPUs, else 1)")
+                 help="local in-process runs: train this many rows side by side (0: 2 at smoke scale "
+                      "when the machine has 2 or more CPUs, else 1)")
   p.add_argument("--in_process", choices=("auto", "yes", "no"), default="auto",
-                 help="local runs: train in this process (auto: yes at smoke scale, where starting an interpreter "
-                      "and JAX per row would cost more than the run)")
+                 help="local runs: train in this process (auto: yes at smoke scale, where starting an "
+                      "interpreter and JAX per row would cost more than the run)")
   args = p.parse_args(argv)
   if args.seeds < 1:
     raise SystemExit("--seeds must be >= 1")
@@ -606,11 +622,12 @@ def main(argv: Sequence[str] | None = None) -> int:
       print(f"{r.table} / {r.label}:{value} {r.metric}{f' ({r.note})' if r.note else ''}\n  python "
             f"{shlex.join(argv_)}")
   status = 0
+  smoke = args.scale == "smoke"
   if args.run:
     failed = run_rows(chosen, args.scale, args.workdir_root, seeds=args.seeds, launcher=args.launcher,
                       tpu_args=args.tpu_args, dry_run=args.dry_run, progress=not args.noprogress,
-                      in_process=args.in_process == "yes" or (args.in_process == "auto" and args.scale == "smoke"),
-                      jobs=args.jobs or (min(2, os.cpu_count() or 1) if args.scale == "smoke" else 1))
+                      in_process=args.in_process == "yes" or (args.in_process == "auto" and smoke),
+                      jobs=args.jobs or (min(2, os.cpu_count() or 1) if smoke else 1))
     if failed:
       print(f"{len(failed)} row(s) failed: " + "; ".join(failed), flush=True)
       status = 1

@@ -1,5 +1,5 @@
-"""scripts/reproduce.py: every table row's config builds, the row fixes hold, results are collected; the slow test
-runs the smoke form of every implemented row through the runner."""
+"""scripts/reproduce.py: every table row's config builds, the row fixes hold, results are collected; the slow
+test runs the smoke form of every implemented row through the runner."""
 
 from __future__ import annotations
 
@@ -51,8 +51,8 @@ def test_row_fixes():
   assert c.model.attention.params.num_hashes == 32 and c.train.num_steps == 5000
   assert lra.get_config("task=pathfinder").data.difficulty == "curv_contour_length_9"  # pathfinder-32 "inter"
   main = cifar10.get_config("main")
-  assert (main.model.num_layers, main.model.features, main.model.num_heads, main.model.mlp_dim) == (128, 256, 2,
-                                                                                                    512)
+  m = main.model
+  assert (m.num_layers, m.features, m.num_heads, m.mlp_dim) == (128, 256, 2, 512)
   assert main.model.dropout_rate == 0.25 and main.train.num_steps == 1_200_000
   text = wiki40b.get_config("attention=routing")
   assert text.model.attention.routing_heads == text.model.num_heads  # no local heads in the comparison
@@ -136,7 +136,8 @@ def test_config_dict_overrides():
 
 def test_identical_commands_train_once(tmp_path, capsys):
   rows = [r for r in reproduce.tables()["combiner-1"] if r.label.startswith("cifar10 Combiner-Mixture")]
-  assert len(rows) == 2 and reproduce.train_argv(rows[0], "smoke", "") == reproduce.train_argv(rows[1], "smoke", "")
+  assert len(rows) == 2
+  assert reproduce.train_argv(rows[0], "smoke", "") == reproduce.train_argv(rows[1], "smoke", "")
   wd = reproduce.workdir(rows[0], "smoke", str(tmp_path))
   os.makedirs(wd)
   with open(os.path.join(wd, "metrics.json"), "w") as f:
