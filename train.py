@@ -4,7 +4,8 @@ r"""Trains an experiment config: jit over a named device mesh, orbax checkpoints
     python train.py --config configs/cifar10.py:attention=combiner_axial_vertical --workdir workdirs/c10 \
         --config.optimizer.lr=3e-4 --gin_bindings "attention.deepsets = True"
 
-- Mesh: `jax.make_mesh((data, model), ("data", "model"))` (sizes from `config.mesh`, -1 = the rest); parameters
+- Mesh: `jax.make_mesh((data, seq, model), ("data", "seq", "model"))` (sizes from `config.mesh`, -1 = the
+  rest; seq > 1 splits each sequence over devices in the attention ops that support it); parameters
   are created already sharded by the logical-axis rule table `config.sharding_rules`; the train step is
   `jax.jit` with in/out shardings and donated state; batches are sharded over "data".
 - State: parameters (`nnx.Param`, the only differentiated variables), the other module state (e.g. routing
@@ -40,6 +41,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from combiner import seq_parallel
 from models import metrics as metrics_lib
 from models import transformer
 from runtime import distributed, paths
@@ -73,19 +75,20 @@ def create_dataset(config: ml_collections.ConfigDict, split: str, *, batch_size:
 
 
 def make_mesh(config: ml_collections.ConfigDict, devices: list | None = None) -> jax.sharding.Mesh:
+  """Mesh (data, seq, model) from `config.mesh`; at most one size may be -1 (the devices the others leave)."""
   devices = list(devices if devices is not None else jax.devices())
   n = len(devices)
-  d, m = int(config.mesh.data), int(config.mesh.model)
-  if d == -1 and m == -1:
-    raise ValueError("config.mesh: at most one of data/model may be -1")
-  if d == -1:
-    d = n // m
-  if m == -1:
-    m = n // d
-  if d < 1 or m < 1 or d * m != n:
-    raise ValueError(f"config.mesh data={config.mesh.data} x model={config.mesh.model} does not fit the {n} devices")
-  auto = (jax.sharding.AxisType.Auto,) * 2
-  return jax.make_mesh((d, m), ("data", "model"), axis_types=auto, devices=devices)
+  names = ("data", "seq", "model")
+  sizes = [int(config.mesh.get(name, 1)) for name in names]
+  if sizes.count(-1) > 1:
+    raise ValueError("config.mesh: at most one of data/seq/model may be -1")
+  if -1 in sizes:
+    sizes[sizes.index(-1)] = n // max(1, -math.prod(sizes))
+  if min(sizes) < 1 or math.prod(sizes) != n:
+    given = {name: config.mesh.get(name, 1) for name in names}
+    raise ValueError(f"config.mesh {given} does not fit the {n} devices")
+  auto = (jax.sharding.AxisType.Auto,) * 3
+  return jax.make_mesh(tuple(sizes), names, axis_types=auto, devices=devices)
 
 
 def logical_to_mesh(spec: Any, shape: tuple[int, ...], rules: dict[str, Any], mesh: jax.sharding.Mesh) -> P:
@@ -174,6 +177,8 @@ class Experiment:
     self.info = dataset_info(config) if info is None else info
     self.task = self.info.task
     self.mesh = make_mesh(config, devices)
+    # Attention ops split the sequence over the "seq" axis (combiner.seq_parallel) when it is > 1.
+    seq_parallel.set_default_mesh(self.mesh if self.mesh.shape["seq"] > 1 else None)
     self.rules = {name: axis for name, axis in config.sharding_rules}
     model_cfg = config.model
     if self.info.image_shape is not None and model_cfg.get("image_shape") is None:

@@ -1,9 +1,99 @@
 """Registers the baselines' pure ops."""
 
+import jax
+import jax.numpy as jnp
+
+from baselines.bigbird import bigbird
 from baselines.dense import dense, dense_xla
 from baselines.dense_decode import DENSE
-from core.registry import OpSpec, register
+from baselines.linear import linear
+from baselines.linformer import linformer
+from baselines.local import local
+from baselines.longformer import longformer
+from baselines.none import none
+from baselines.nystromformer import nystromformer
+from baselines.performer import performer
+from baselines.reformer import reformer
+from baselines.sinkhorn import sinkhorn
+from baselines.synthesizer import synthesizer_dense, synthesizer_random
+from core.registry import OpSpec, register, sqrt_pow2
 
 register(OpSpec("dense", dense, description="exact softmax attention, O(L^2)",
                 decode=DENSE))
-register(OpSpec("dense_xla", dense_xla, description="jax.nn.dot_product_attention (XLA), O(L^2), for comparison"))
+register(OpSpec("dense_xla", dense_xla,
+                description="jax.nn.dot_product_attention (XLA), O(L^2), for comparison"))
+
+
+def _performer_params(length):
+  """m = 256 features (the paper's setting) drawn from a fixed key; models own and redraw their features."""
+  return {"rng": jax.random.key(0), "num_features": 256, "chunk_size": 64}
+
+
+register(OpSpec("performer", performer, params=_performer_params,
+                description="Performer FAVOR+, 256 positive orthogonal random features, O(L*m*d)"))
+register(OpSpec("linear", linear, params=lambda length: {"chunk_size": 64},
+                description="linear transformer, elu+1 features, O(L*d^2)"))
+register(OpSpec("local", local, params=lambda length: {"block_size": sqrt_pow2(length)},
+                description="block-local attention (own block), O(L*b*d)"))
+register(OpSpec("longformer", longformer,
+                params=lambda length: {"window": sqrt_pow2(length), "global_positions": (0,)},
+                description="Longformer sliding window (w each side) + global tokens, O(L*w*d)"))
+register(OpSpec("bigbird", bigbird,
+                params=lambda length: {"block_size": min(64, sqrt_pow2(length)), "global_blocks": (0, -1),
+                                       "num_random_blocks": 3},
+                description="BigBird ITC: 3 window + 2 global + 3 random blocks, O(L*8b*d)"))
+register(OpSpec("none", none, description="no attention (zeros): the feed-forward-only reference"))
+# Learned or sampled baselines: the registered op takes its parameters explicitly; params(length) makes fixed
+# stand-ins for the benchmark (models own the real ones, see models/<name>_attention.py).
+REFORMER_CHUNK = 64
+LINFORMER_PROJ_DIM = 256  # the YOSO paper's Linformer setting (also the LRA one)
+
+
+def _normal(seed: int, shape: tuple[int, ...], fan_in: int) -> jax.Array:
+  return jax.random.normal(jax.random.key(seed), shape, jnp.float32) / jnp.sqrt(float(fan_in))
+
+
+def _reformer_params(length: int) -> dict:
+  # reformer-pytorch's setting (bucket_size 64): chunks of 64, as many buckets as chunks, 2 rounds.
+  chunks = -(-length // REFORMER_CHUNK)
+  return {"rng": jax.random.key(0), "n_hashes": 2, "chunk_size": REFORMER_CHUNK,
+          "n_buckets": max(2, chunks + chunks % 2)}
+
+
+def _sinkhorn_params(length: int, *, head_dim: int = 64) -> dict:
+  block = sqrt_pow2(length)
+  blocks = -(-length // block)
+  return {"block_size": block, "sort_w1": _normal(3, (1, head_dim, head_dim), head_dim),
+          "sort_b1": jnp.zeros((1, head_dim)), "sort_w2": _normal(4, (1, head_dim, blocks), head_dim),
+          "sort_b2": jnp.zeros((1, blocks))}
+
+
+register(OpSpec(
+    "reformer", reformer, params=_reformer_params,
+    description="Reformer LSH attention, shared QK, 2 hashes, chunks of 64 (own + previous chunk), "
+                "O(L*n_hashes*chunk*d)"))
+register(OpSpec(
+    "linformer", linformer, causal=False,
+    params=lambda length: {"proj_k": _normal(1, (LINFORMER_PROJ_DIM, length), LINFORMER_PROJ_DIM),
+                           "proj_v": _normal(2, (LINFORMER_PROJ_DIM, length), LINFORMER_PROJ_DIM)},
+    description="Linformer, K and V projected along the length to k=256, O(L*k*d), bidirectional only"))
+register(OpSpec(
+    "sinkhorn", sinkhorn, params=_sinkhorn_params,
+    description="sparse Sinkhorn attention, blocks of ~sqrt(L), own block + Sinkhorn-sorted block, "
+                "O(L*block*d + (L/block)^2*block*d)"))
+register(OpSpec(
+    "synthesizer", synthesizer_dense,
+    params=lambda length, *, head_dim=64: {"w1": _normal(5, (1, head_dim, head_dim), head_dim),
+                                           "b1": jnp.zeros((1, head_dim)),
+                                           "w2": _normal(6, (1, head_dim, length), head_dim),
+                                           "b2": jnp.zeros((1, length))},
+    description="dense synthesizer, per-token MLP logits over positions, O(L^2)"))
+register(OpSpec(
+    "synthesizer_random", synthesizer_random,
+    params=lambda length: {"logits": _normal(7, (1, length, length), length)},
+    description="random synthesizer, one [L, L] logits matrix per head, O(L^2)"))
+register(OpSpec(
+    "nystromformer", nystromformer, causal=False,
+    params=lambda length: {"num_landmarks": 64, "pinv_iterations": 6},
+    description="Nystromformer, 64 segment-mean landmarks, 6-step iterative pseudo-inverse, O(L*m*d), "
+                "bidirectional only"))

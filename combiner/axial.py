@@ -12,7 +12,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from combiner import common
+from combiner import common, fused
 from combiner import pooling as pool_ops
 from combiner.fixed import block_direct_piece, block_logits, other_block_valid
 from core import contract
@@ -118,12 +118,13 @@ def axial_pieces(g: Grid, direction: str, causal: bool, pooling: str,
 
 def axial(q: Array, k: Array, v: Array, *, row_length: int, direction: str, causal: bool, mask: Array | None = None,
           pooling: str = "max", pool_q: Array | None = None, pool_k: Array | None = None,
-          span_key_fn: Callable[[Array], Array] | None = None) -> Array:
+          span_key_fn: Callable[[Array], Array] | None = None, implementation: str = "auto") -> Array:
   """Combiner-Axial. q, k: [batch, length, heads, head_dim]; v: [batch, length, heads, value_dim].
 
   direction: "rowmajor" (D_i = own row; one span per other row), "vertical" (D_i = own row ∪ own column; one span
   per other column), "horizontal" (D_i = own row ∪ own column; one span per other row). Cost O(L·(n + m)·d).
   span_key_fn (rowmajor only): maps the pooled span keys [batch, rows, heads, head_dim] to the keys used.
+  implementation: "xla" (einsums), "pallas" (the fused kernel of `combiner.flash`), "auto" (pallas on GPU/TPU).
   """
   op = "combiner.axial"
   x = common.prepare(q, k, v, mask, op=op, causal=causal, pooling=pooling, pool_q=pool_q, pool_k=pool_k)
@@ -131,6 +132,8 @@ def axial(q: Array, k: Array, v: Array, *, row_length: int, direction: str, caus
   m = contract.check_positive_int(row_length, name="row_length", op=op)
   if span_key_fn is not None and direction != "rowmajor":
     raise ValueError(f"{op}: argument 'span_key_fn' is only supported for direction='rowmajor', got {direction!r}")
+  if contract.resolve_implementation(implementation, op=op) == "pallas":
+    return fused.axial(x, m, direction, causal, pooling, fused.kernel_dtype(q, k, v), span_key_fn)
   g = Grid(x, m)
   out = joint_softmax(axial_pieces(g, direction, causal, pooling, span_key_fn))  # [b, heads, rows, cols, dv]
   return common.finish(from_grid(out, g.length, 2), x)

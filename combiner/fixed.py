@@ -6,7 +6,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from combiner import common
+from combiner import common, fused
 from combiner import pooling as pool_ops
 from core import contract
 from core.blocks import from_grid, num_blocks, to_grid
@@ -38,27 +38,41 @@ def other_block_valid(blocks: int, causal: bool) -> Array:
   return (n[None, :] < n[:, None]) if causal else (n[None, :] != n[:, None])
 
 
+def span_summaries(pqb: Array, pkb: Array, kb: Array, vb: Array, mb: Array, scale: float,
+                   pooling: str) -> tuple[Array, Array, Array]:
+  """Span abstractions, one per block, and their in-span expectations (independent of the query).
+
+  pqb, pkb, kb: [batch, heads, blocks, size, dim]; vb: [..., value_dim]; mb: [batch, 1, blocks, size].
+  Returns k_bar [batch, heads, blocks, dim], nonempty [batch, 1, blocks] and
+  v_tilde [batch, heads, blocks, value_dim].
+  """
+  k_bar, nonempty = pool_ops.pool(pkb, mb, axis=3, kind=pooling)
+  q_bar, _ = pool_ops.pool(pqb, mb, axis=3, kind=pooling)
+  span_logits = jnp.einsum("bhrd,bhrkd->bhrk", q_bar, kb) * scale  # [batch, heads, blocks, size]
+  v_tilde = attend(span_logits, mb, vb, "bhrk,bhrkd->bhrd")
+  return k_bar, nonempty, v_tilde
+
+
 def fixed(q: Array, k: Array, v: Array, *, block_size: int, causal: bool, mask: Array | None = None,
-          pooling: str = "max", pool_q: Array | None = None, pool_k: Array | None = None) -> Array:
+          pooling: str = "max", pool_q: Array | None = None, pool_k: Array | None = None,
+          implementation: str = "auto") -> Array:
   """Combiner-Fixed. q, k: [batch, length, heads, head_dim]; v: [batch, length, heads, value_dim].
 
   D_i = own block ∩ Ω_i; spans = every other block ∩ Ω_i (causal: the blocks before b(i)). Cost
   O(L·(s + L/s)·d), i.e. O(L·sqrt(L)·d) at s ~ sqrt(L).
+  implementation: "xla" (einsums), "pallas" (the fused kernel of `combiner.flash`), "auto" (pallas on GPU/TPU).
   """
-  x = common.prepare(q, k, v, mask, op="combiner.fixed", causal=causal, pooling=pooling, pool_q=pool_q,
-                     pool_k=pool_k)
-  size = contract.check_positive_int(block_size, name="block_size", op="combiner.fixed")
+  op = "combiner.fixed"
+  x = common.prepare(q, k, v, mask, op=op, causal=causal, pooling=pooling, pool_q=pool_q, pool_k=pool_k)
+  size = contract.check_positive_int(block_size, name="block_size", op=op)
+  if contract.resolve_implementation(implementation, op=op) == "pallas":
+    return fused.fixed(x, size, causal, pooling, fused.kernel_dtype(q, k, v))
   length = x.q.shape[2]
   blocks = num_blocks(length, size)
   qb, kb, vb, pqb, pkb = (to_grid(t, blocks, size, 2) for t in (x.q, x.k, x.v, x.pool_q, x.pool_k))
   mb = to_grid(x.mask, blocks, size, 1)[:, None]  # [batch, 1, blocks, size]
 
-  # Span abstractions, one per block, and their in-span expectations (independent of the query).
-  k_bar, nonempty = pool_ops.pool(pkb, mb, axis=3, kind=pooling)  # [batch, heads, blocks, dim], [batch, 1, blocks]
-  q_bar, _ = pool_ops.pool(pqb, mb, axis=3, kind=pooling)
-  span_logits = jnp.einsum("bhrd,bhrkd->bhrk", q_bar, kb) * x.scale  # [batch, heads, blocks, size]
-  v_tilde = attend(span_logits, mb, vb, "bhrk,bhrkd->bhrd")  # [batch, heads, blocks, value_dim]
-
+  k_bar, nonempty, v_tilde = span_summaries(pqb, pkb, kb, vb, mb, x.scale, pooling)
   direct = block_direct_piece(qb, kb, vb, mb, x.scale, causal)
   logits = jnp.einsum("bhnqd,bhrd->bhnqr", qb, k_bar) * x.scale  # [batch, heads, blocks, size, blocks_r]
   valid = other_block_valid(blocks, causal)[:, None, :] & nonempty[:, :, None, None, :]

@@ -13,8 +13,9 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from combiner import common
+from combiner import common, fused
 from combiner import pooling as pool_ops
+from core import contract
 from core.blocks import from_grid, num_blocks, to_grid
 from core.combine import Piece, attend, joint_softmax
 
@@ -26,14 +27,15 @@ def num_levels(length: int) -> int:
   return (length - 1).bit_length()
 
 
-def level_pieces(x: common.Inputs, pooling: str | None) -> list[Piece]:
-  """One piece per level for the prefix spans of every query, in the frame of `x` (head-major).
+def level_summaries(x: common.Inputs, pooling: str | None) -> list[tuple[Array, Array, Array]]:
+  """Per level l, the span each block of size 2^l reads: (k_prev [batch, heads, blocks, head_dim], v_prev
+  [batch, heads, blocks, value_dim], ok_prev [batch, 1, blocks]); block t reads block t - 1 when t is odd.
 
   pooling=None gives the sparse counterpart: the span is represented by its last position (the suffix sums of
   i's binary expansion) instead of pooled abstractions.
   """
   length = x.q.shape[2]
-  pieces = []
+  out = []
   # Level-0 statistics are the tokens themselves; level l+1 pools pairs of level-l blocks, so all pooling costs
   # O(L·d) in total (and its max-gradient touches full-length tensors only once).
   stats_k = pool_ops.Stats(pool_ops.masked(x.pool_k, x.mask[:, None], pooling or "max"), x.mask[:, None])
@@ -41,7 +43,7 @@ def level_pieces(x: common.Inputs, pooling: str | None) -> list[Piece]:
   for level in range(num_levels(length)):
     size = 1 << level
     blocks = num_blocks(length, size)
-    qb, kb, vb = (to_grid(t, blocks, size, 2) for t in (x.q, x.k, x.v))  # [batch, heads, blocks, size, d]
+    kb, vb = (to_grid(t, blocks, size, 2) for t in (x.k, x.v))  # [batch, heads, blocks, size, d]
     mb = to_grid(x.mask, blocks, size, 1)[:, None]  # [batch, 1, blocks, size]
     if pooling is None:
       k_bar, v_tilde, nonempty = kb[:, :, :, -1], vb[:, :, :, -1], mb[:, :, :, -1]
@@ -56,6 +58,18 @@ def level_pieces(x: common.Inputs, pooling: str | None) -> list[Piece]:
     k_prev = pool_ops.shift(k_bar, 2, False, 0.0)
     v_prev = pool_ops.shift(v_tilde, 2, False, 0.0)
     ok_prev = pool_ops.shift(nonempty, 2, False, False) & (jnp.arange(blocks) % 2 == 1)  # [batch, 1, blocks]
+    out.append((k_prev, v_prev, ok_prev))
+  return out
+
+
+def level_pieces(x: common.Inputs, pooling: str | None) -> list[Piece]:
+  """One piece per level for the prefix spans of every query, in the frame of `x` (head-major)."""
+  length = x.q.shape[2]
+  pieces = []
+  for level, (k_prev, v_prev, ok_prev) in enumerate(level_summaries(x, pooling)):
+    size = 1 << level
+    blocks = k_prev.shape[2]
+    qb = to_grid(x.q, blocks, size, 2)  # [batch, heads, blocks, size, head_dim]
     # Contractions and outer products stay einsums: XLA:CPU runs broadcast-multiply-reduce forms of them 10-80x
     # slower, above all in the backward pass.
     logits = jnp.einsum("bhnqd,bhnd->bhnq", qb, k_prev) * x.scale  # [batch, heads, blocks, size]
@@ -97,11 +111,16 @@ def logsparse_pieces(x: common.Inputs, causal: bool, pooling: str | None) -> lis
 
 
 def logsparse(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None, pooling: str = "max",
-              pool_q: Array | None = None, pool_k: Array | None = None) -> Array:
+              pool_q: Array | None = None, pool_k: Array | None = None,
+              implementation: str = "auto") -> Array:
   """Combiner-Logsparse. q, k: [batch, length, heads, head_dim]; v: [batch, length, heads, value_dim].
 
   D_i = {i}; spans = the dyadic partition of [0, i) (and of (i, L) when bidirectional). O(L·log L·d).
+  implementation: "xla" (einsums), "pallas" (the kernel of `combiner.flash`) or "auto" (pallas on GPU/TPU).
   """
-  x = common.prepare(q, k, v, mask, op="combiner.logsparse", causal=causal, pooling=pooling, pool_q=pool_q,
-                     pool_k=pool_k, materialize=True)
+  op = "combiner.logsparse"
+  x = common.prepare(q, k, v, mask, op=op, causal=causal, pooling=pooling, pool_q=pool_q, pool_k=pool_k,
+                     materialize=True)
+  if contract.resolve_implementation(implementation, op=op) == "pallas":
+    return fused.logsparse_plan(x, causal, pooling, fused.kernel_dtype(q, k, v))
   return common.finish(joint_softmax(logsparse_pieces(x, causal, pooling)), x)

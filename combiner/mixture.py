@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from combiner import common
+from combiner import common, fused
 from combiner.axial import Grid, column_piece, horizontal_spans, row_piece, vertical_spans
 from core import combine, contract
 from core.blocks import from_grid
@@ -16,24 +16,30 @@ NORMALIZE = ("mean", "joint")
 
 def mixture(q: Array, k: Array, v: Array, *, row_length: int, causal: bool, mask: Array | None = None,
             pooling: str = "max", normalize: str = "mean", pool_q: Array | None = None,
-            pool_k: Array | None = None) -> Array:
+            pool_k: Array | None = None, implementation: str = "auto") -> Array:
   """Combiner-Mixture. q, k: [batch, length, heads, head_dim]; v: [batch, length, heads, value_dim].
 
-  normalize="mean": the mean of the axial-vertical and axial-horizontal outputs (the paper's mixture of two plans).
-  normalize="joint": D_i once and both span families under one softmax, as in the authors' released JAX code (the
-  two families cover the same keys twice, so this is a different, still row-stochastic, attention).
+  normalize="mean": the mean of the axial-vertical and axial-horizontal outputs (the paper's mixture of two
+    plans).
+  normalize="joint": D_i once and both span families under one softmax, as in the authors' released JAX code
+    (the two families cover the same keys twice, so this is a different, still row-stochastic, attention).
+  implementation: "xla" (einsums), "pallas" (the fused kernel of `combiner.flash`), "auto" (pallas on
+    GPU/TPU).
   """
   op = "combiner.mixture"
   x = common.prepare(q, k, v, mask, op=op, causal=causal, pooling=pooling, pool_q=pool_q, pool_k=pool_k)
   m = contract.check_positive_int(row_length, name="row_length", op=op)
   contract.check_choice(normalize, name="normalize", allowed=NORMALIZE, op=op)
+  if contract.resolve_implementation(implementation, op=op) == "pallas":
+    return fused.mixture(x, m, causal, pooling, normalize, fused.kernel_dtype(q, k, v))
   g = Grid(x, m)
   direct = [row_piece(g, causal), column_piece(g, causal)]
   vertical, horizontal = vertical_spans(g, causal, pooling), horizontal_spans(g, causal, pooling)
   if normalize == "mean":
     # Both plans share D_i: its exponentials and value sums are computed once and merged into each softmax.
     shared = partial_softmax(direct)
-    out = 0.5 * sum(combine.normalize(merge([shared, partial_softmax([spans])])) for spans in (vertical, horizontal))
+    out = 0.5 * sum(combine.normalize(merge([shared, partial_softmax([spans])]))
+                    for spans in (vertical, horizontal))
   else:
     out = joint_softmax(direct + [vertical, horizontal])  # [batch, heads, rows, cols, value_dim]
   return common.finish(from_grid(out, g.length, 2), x)

@@ -55,7 +55,8 @@ def exclusive_scan_stats(x: Array, valid: Array, axis: int, kind: str, *, revers
 
 
 def shift(x: Array, axis: int, reverse: bool, fill: Any) -> Array:
-  """Shift by one along `axis` (forward: x[t] <- x[t-1]; reverse: x[t] <- x[t+1]), filling the vacated slot."""
+  """Shift by one along `axis` (forward: x[t] <- x[t-1]; reverse: x[t] <- x[t+1]), filling the vacated
+  slot."""
   n = x.shape[axis]
   pad = [(0, 0)] * x.ndim
   if reverse:

@@ -79,16 +79,16 @@ def omega(length: int, i: int, *, causal: bool, mask: Array | None = None) -> li
 
 
 def _logsparse_causal_spans(i: int) -> list[list[int]]:
-  """Dyadic partition of [0, i): for every bit l set in i, [p, p + 2^l) with p = (i >> (l+1)) << (l+1).
+  """Dyadic partition of [0, i): for every bit b set in i, [p, p + 2^b) with p = (i >> (b+1)) << (b+1).
 
   Listed from the highest bit down, i.e. from the far past towards i. The number of levels is whatever i's
   binary expansion needs; with i <= L - 1 that is at most (L-1).bit_length(), so the top span is never lost.
   """
   spans = []
-  for l in reversed(range(i.bit_length())):
-    if (i >> l) & 1:
-      p = (i >> (l + 1)) << (l + 1)
-      spans.append(list(range(p, p + (1 << l))))
+  for b in reversed(range(i.bit_length())):
+    if (i >> b) & 1:
+      p = (i >> (b + 1)) << (b + 1)
+      spans.append(list(range(p, p + (1 << b))))
   return spans
 
 

@@ -26,8 +26,9 @@ for _direction in ("rowmajor", "vertical", "horizontal"):
   register(OpSpec(f"combiner_axial_{_direction}", functools.partial(axial, direction=_direction), params=_row,
                   description=f"Combiner-Axial ({_direction}), O(L sqrt L)",
                   decode=bind(dec.AXIAL, direction=_direction)))
-register(OpSpec("combiner_mixture", mixture, params=_row, description="Combiner-Mixture (mean of vertical and "
-                "horizontal), O(L sqrt L)", decode=dec.MIXTURE))
+register(OpSpec("combiner_mixture", mixture, params=_row,
+                description="Combiner-Mixture (mean of vertical and horizontal), O(L sqrt L)",
+                decode=dec.MIXTURE))
 register(OpSpec("combiner_mixture_joint", functools.partial(mixture, normalize="joint"), params=_row,
                 description="Combiner-Mixture, one joint softmax (released code), O(L sqrt L)",
                 decode=bind(dec.MIXTURE, normalize="joint")))

@@ -11,7 +11,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from combiner import common
+from combiner import common, fused
 from combiner.axial import Grid, column_piece, row_piece
 from combiner.fixed import block_direct_piece, other_block_valid
 from combiner.logsparse import logsparse_pieces
@@ -22,11 +22,14 @@ from core.combine import Piece, joint_softmax
 Array = Any
 
 
-def fixed(q: Array, k: Array, v: Array, *, block_size: int, causal: bool, mask: Array | None = None) -> Array:
+def fixed(q: Array, k: Array, v: Array, *, block_size: int, causal: bool, mask: Array | None = None,
+          implementation: str = "auto") -> Array:
   """Sparse Transformer "fixed": own block ∩ Ω_i plus the summary positions {j in Ω_i : j mod s = s-1}."""
   op = "sparse.fixed"
   x = common.prepare(q, k, v, mask, op=op, causal=causal)
   size = contract.check_positive_int(block_size, name="block_size", op=op)
+  if contract.resolve_implementation(implementation, op=op) == "pallas":
+    return fused.fixed(x, size, causal, None, fused.kernel_dtype(q, k, v))
   length = x.q.shape[2]
   blocks = num_blocks(length, size)
   qb, kb, vb = (to_grid(t, blocks, size, 2) for t in (x.q, x.k, x.v))  # [batch, heads, blocks, size, dim]
@@ -40,16 +43,25 @@ def fixed(q: Array, k: Array, v: Array, *, block_size: int, causal: bool, mask: 
   return common.finish(from_grid(out, length, 2), x)
 
 
-def logsparse(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None) -> Array:
-  """LogSparse: {i} plus the last position of each dyadic span of [0, i) (mirrored for (i, L) if bidirectional)."""
-  x = common.prepare(q, k, v, mask, op="sparse.logsparse", causal=causal)
+def logsparse(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None,
+              implementation: str = "auto") -> Array:
+  """LogSparse: {i} plus the last position of each dyadic span of [0, i) (mirrored for (i, L) if
+  bidirectional)."""
+  op = "sparse.logsparse"
+  x = common.prepare(q, k, v, mask, op=op, causal=causal)
+  if contract.resolve_implementation(implementation, op=op) == "pallas":
+    return fused.logsparse_plan(x, causal, None, fused.kernel_dtype(q, k, v))
   return common.finish(joint_softmax(logsparse_pieces(x, causal, None)), x)
 
 
-def axial(q: Array, k: Array, v: Array, *, row_length: int, causal: bool, mask: Array | None = None) -> Array:
+def axial(q: Array, k: Array, v: Array, *, row_length: int, causal: bool, mask: Array | None = None,
+          implementation: str = "auto") -> Array:
   """Axial attention: (own row ∪ own column) ∩ Ω_i."""
   op = "sparse.axial"
   x = common.prepare(q, k, v, mask, op=op, causal=causal)
-  g = Grid(x, contract.check_positive_int(row_length, name="row_length", op=op))
+  m = contract.check_positive_int(row_length, name="row_length", op=op)
+  if contract.resolve_implementation(implementation, op=op) == "pallas":
+    return fused.axial(x, m, None, causal, "max", fused.kernel_dtype(q, k, v))
+  g = Grid(x, m)
   out = joint_softmax([row_piece(g, causal), column_piece(g, causal)])  # [batch, heads, rows, cols, value_dim]
   return common.finish(from_grid(out, g.length, 2), x)

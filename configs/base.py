@@ -42,6 +42,11 @@ def attention_config(name: str = "combiner_fixed") -> ml_collections.ConfigDict:
   att.routing_heads = ml_collections.FieldReference(None, field_type=int)
   att.routing_layers = ml_collections.FieldReference(None, field_type=tuple)
   att.membership = ml_collections.FieldReference(None, field_type=str)
+  # Ops that take `implementation` (Combiner plans): "auto" (fused Pallas kernels on GPU/TPU, XLA on CPU),
+  # "xla" or the op's accelerated one ("pallas"); passed only to ops whose signature accepts it.
+  att.implementation = "auto"
+  # Linformer: the projected length k of E, F (None = 256).
+  att.proj_dim = ml_collections.FieldReference(None, field_type=int)
   return att
 
 
@@ -104,7 +109,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.train.inject_nan_at_step = -1  # testing hook: make the loss NaN at this step (checks the divergence stop)
 
   c.mesh = ml_collections.ConfigDict()
-  c.mesh.data = -1  # -1 = all devices not used by the other axis
+  c.mesh.data = -1  # -1 = all devices not used by the other axes
+  c.mesh.seq = 1  # sequence parallelism: each sequence split over this many devices (combiner_fixed, dense)
   c.mesh.model = 1
   c.sharding_rules = SHARDING_RULES
   return c

@@ -5,6 +5,6 @@ combine   the one joint softmax (log-sum-exp combine of logit pieces)
 blocks    padding, head-major layout and block/grid reshapes
 registry  the op registry (name -> pure function and its plan parameters)
 
-core depends on jax alone; the op packages (combiner, routing, yoso, baselines) depend on core, the models on the
-op packages.
+core depends on jax alone; the op packages (combiner, routing, yoso, baselines) depend on core, the models on
+the op packages.
 """

@@ -1,7 +1,7 @@
 """Padding, head-major layout and block/grid reshapes shared by the block-structured ops.
 
-Block-structured ops pad the position axis to whole blocks (the padded keys are masked, the padded queries sliced
-off) and view it as a [rows, cols] grid; plans compute head-major, [batch, heads, length, dim].
+Block-structured ops pad the position axis to whole blocks (the padded keys are masked, the padded queries
+sliced off) and view it as a [rows, cols] grid; plans compute head-major, [batch, heads, length, dim].
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ def num_blocks(length: int, size: int) -> int:
 
 def neighbours(x: Array, offsets: tuple[int, ...], axis: int, fill: Any = 0) -> Array:
   """Block n + o of every block n, for each offset o, side by side: [..., blocks, size, ...] ->
-  [..., blocks, len(offsets) * size, ...] (`axis` is the blocks axis). Blocks before the first or after the last
-  are `fill`."""
+  [..., blocks, len(offsets) * size, ...] (`axis` is the blocks axis). Blocks before the first or after
+  the last are `fill`."""
   blocks = x.shape[axis]
   parts = []
   for o in offsets:

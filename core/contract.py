@@ -1,7 +1,7 @@
 """The attention-op contract shared by every op in the repository (docs/design.md section 3).
 
-Every op takes q, k: [batch, length, heads, head_dim], v: [batch, length, heads, value_dim] and an optional key
-mask [batch, length] (True = real token), and returns [batch, length, heads, value_dim] in v's dtype. This
+Every op takes q, k: [batch, length, heads, head_dim], v: [batch, length, heads, value_dim] and an optional
+key mask [batch, length] (True = real token), and returns [batch, length, heads, value_dim] in v's dtype. This
 module holds the checks and dtype rules so that every op rejects bad input with the same words.
 """
 
@@ -10,13 +10,15 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 Array = Any  # jax.Array; kept loose so numpy inputs are accepted and converted.
 
 
-def check_qkv(q: Array, k: Array, v: Array, mask: Array | None, *, op: str) -> tuple[Array, Array, Array, Array]:
+def check_qkv(q: Array, k: Array, v: Array, mask: Array | None, *,
+              op: str) -> tuple[Array, Array, Array, Array]:
   """Validates the op contract and returns (q, k, v, mask) as jax arrays; mask defaults to all-True."""
   arrays = {}
   for name, x in (("q", q), ("k", k), ("v", v)):
@@ -32,8 +34,8 @@ def check_qkv(q: Array, k: Array, v: Array, mask: Array | None, *, op: str) -> t
     arrays[name] = x
   q, k, v = arrays["q"], arrays["k"], arrays["v"]
   if q.shape != k.shape:
-    raise ValueError(f"{op}: arguments 'q' and 'k' must have the same shape [batch, length, heads, head_dim], "
-                     f"got q {tuple(q.shape)} and k {tuple(k.shape)}")
+    raise ValueError(f"{op}: arguments 'q' and 'k' must have the same shape "
+                     f"[batch, length, heads, head_dim], got q {tuple(q.shape)} and k {tuple(k.shape)}")
   if v.shape[:3] != q.shape[:3]:
     raise ValueError(f"{op}: argument 'v' must share [batch, length, heads] with q, got v {tuple(v.shape)} "
                      f"and q {tuple(q.shape)}")
@@ -66,6 +68,31 @@ def check_choice(value: Any, *, name: str, allowed: Iterable[str], op: str) -> s
   if value not in allowed:
     raise ValueError(f"{op}: argument {name!r} must be one of {allowed}, got {value!r}")
   return value
+
+
+def backend() -> str:
+  """The platform ops are traced for, "cpu", "gpu" or "tpu": what "auto" implementations choose by."""
+  return jax.default_backend()
+
+
+IMPLEMENTATIONS = ("auto", "xla", "pallas")
+ACCELERATOR_BACKENDS = ("gpu", "cuda", "rocm", "tpu")
+
+
+def check_implementation(value: Any, allowed: Iterable[str] = IMPLEMENTATIONS, *, op: str) -> str:
+  """An op's `implementation` argument: one of `allowed`, where "auto" means "choose by `backend()`"
+  (`resolve_implementation` does it for ops whose accelerated kernel runs on every accelerator)."""
+  return check_choice(value, name="implementation", allowed=allowed, op=op)
+
+
+def resolve_implementation(value: Any, allowed: Iterable[str] = IMPLEMENTATIONS, *, op: str,
+                           accelerated: str = "pallas", default: str = "xla") -> str:
+  """The implementation to run: `value` itself, or for "auto" `accelerated` when `backend()` is a GPU or TPU
+  and `default` otherwise (on CPU fused kernels only run interpreted)."""
+  value = check_implementation(value, allowed, op=op)
+  if value != "auto":
+    return value
+  return accelerated if backend() in ACCELERATOR_BACKENDS else default
 
 
 def check_bool(value: Any, *, name: str, op: str) -> bool:

@@ -1,14 +1,16 @@
 """The registry of pure attention ops: name -> function, supported directions and plan parameters.
 
-Each entry names a pure function `fn(q, k, v, *, causal, mask=None, **params) -> out` and how to choose its plan
-parameters for a sequence length when a config or the benchmark says "auto". Each op package registers its ops in
-its own `registry` module; `models.ops_registry` imports all of them, and models/ and scripts/ read it there.
-Ops that need state or randomness (routing, YOSO) register with `params` producing that input explicitly.
+Each entry names a pure function `fn(q, k, v, *, causal, mask=None, **params) -> out` and how to choose its
+plan parameters for a sequence length when a config or the benchmark says "auto". Each op package registers
+its ops in its own `registry` module; `models.ops_registry` imports all of them, and models/ and scripts/ read
+it there. Ops that need state or randomness (routing, YOSO) register with `params` producing that input
+explicitly.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -43,6 +45,11 @@ def get(name: str) -> OpSpec:
   if name not in OPS:
     raise ValueError(f"unknown attention op {name!r}; registered: {sorted(OPS)}")
   return OPS[name]
+
+
+def takes_implementation(spec: OpSpec) -> bool:
+  """Whether the op takes `implementation` ("auto" | "xla" | an accelerated kernel), from its signature."""
+  return "implementation" in inspect.signature(spec.fn).parameters
 
 
 def names() -> list[str]:

@@ -10,14 +10,15 @@ that way and the LRA input pipeline strips the parentheses, so by default (`conf
 sequences are the same tokens without parentheses and fit seq_len 2000. The label is the tree's value, 0..9.
 
 `listops_synthetic` serves such examples through the same interface as the LRA files: example i of a split is
-generated from its own seed (data_seed, split, i), so it is random access and identical on every host and after
-a resume. Generation is slow (rejection sampling: ~7 ms per example at 500..2000, ~1.3 ms at 16..64), so like
-the LRA ListOps files each split is generated once: on first use (or by `python -m data.prepare
-listops_synthetic --data_dir DIR`) it is written under `{cache_dir or data_dir}/listops_synthetic/<split>-<key>/`
-(token ids, offsets, labels as .npy; written to a temporary directory and renamed, so concurrent hosts and
-interrupted runs never see a partial cache), `<key>` hashing every field that changes the examples (data_seed,
-split size, lengths, depth, arguments, op_p, parentheses). Later runs memory-map it; the examples are the
-generator's, bit for bit. With neither `cache_dir` nor `data_dir` set, examples are generated on access.
+generated from its own seed (data_seed, split, i), so it is random access and identical on every host and
+after a resume. Generation is slow (rejection sampling: ~7 ms per example at 500..2000, ~1.3 ms at 16..64), so
+like the LRA ListOps files each split is generated once: on first use (or by `python -m data.prepare
+listops_synthetic --data_dir DIR`) it is written under
+`{cache_dir or data_dir}/listops_synthetic/<split>-<key>/` (token ids, offsets, labels as .npy; written to a
+temporary directory and renamed, so concurrent hosts and interrupted runs never see a partial cache), `<key>`
+hashing every field that changes the examples (data_seed, split size, lengths, depth, arguments, op_p,
+parentheses). Later runs memory-map it; the examples are the generator's, bit for bit. With neither
+`cache_dir` nor `data_dir` set, examples are generated on access.
 """
 
 from __future__ import annotations
@@ -174,8 +175,8 @@ def sample(rng: np.random.Generator, *, min_length: int, max_length: int, max_de
       continue
     if min_length <= tree_length(tree) <= max_length:
       return tree_tokens(tree), tree_value(tree)
-  raise RuntimeError(f"ListOps generator found no tree of length {min_length}..{max_length} in {max_tries} tries "
-                     f"(max_depth={max_depth}, max_args={max_args})")
+  raise RuntimeError(f"ListOps generator found no tree of length {min_length}..{max_length} in {max_tries} "
+                     f"tries (max_depth={max_depth}, max_args={max_args})")
 
 
 def encode(tokens: list[str], where: str = "", parens: bool = False) -> np.ndarray:
@@ -208,7 +209,7 @@ def info(name: str, seq_len: int, split_sizes: dict[str, int]) -> DatasetInfo:
                      split_sizes=split_sizes)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # listops_synthetic
 
 
@@ -231,7 +232,8 @@ class GeneratedSource:
     return sample(rng, **self.params)
 
   def __repr__(self) -> str:  # grain validates the source on restore by repr
-    return f"GeneratedListOps(split={self.split}, size={self.size}, seed={self.data_seed}, params={self.params})"
+    return (f"GeneratedListOps(split={self.split}, size={self.size}, seed={self.data_seed}, "
+            f"params={self.params})")
 
 
 CACHE_VERSION = 1  # bump when the generator or the stored layout changes: old caches are then ignored
@@ -273,14 +275,16 @@ def build_cache(config: Any, split: str, *, workers: int | None = None, progress
   """Generates `split` once into its cache directory (no-op when it is there) and returns the directory.
 
   The split is generated in shards; each finished shard is kept in `<cache dir>.parts/`, so an interrupted run
-  resumes with the shards still missing. The cache directory itself appears atomically once every shard is there.
+  resumes with the shards still missing. The cache directory itself appears atomically once every shard is
+  there.
   workers: generator processes (spawned, so safe after JAX has started threads; the caller's main module must
   be importable, as for `python -m data.prepare`). Default 1: training on first use generates in-process;
   `data.prepare` passes the CPU count. progress: a progress bar over the shards.
   """
   path = cache_path(config, split)
   if path is None:
-    raise ValueError("listops_synthetic: set config.data.cache_dir or config.data.data_dir to cache the splits")
+    raise ValueError("listops_synthetic: set config.data.cache_dir or config.data.data_dir to cache the "
+                     "splits")
   if paths.path(path).is_dir():
     return path
   spec = cache_spec(config, split)
@@ -294,11 +298,11 @@ def build_cache(config: Any, split: str, *, workers: int | None = None, progress
   paths.makedirs(parts_dir)
   params = _params(config)
   bounds = np.linspace(0, size, max(1, min(max(workers * 4, size // 1000), size)) + 1).astype(int)
-  shards = [(int(lo), int(hi)) for lo, hi in zip(bounds[:-1], bounds[1:]) if hi > lo]
+  shards = [(int(lo), int(hi)) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True) if hi > lo]
   todo = [(split, size, spec["data_seed"], params, spec["parens"], lo, hi) for lo, hi in shards
           if not paths.exists(_part_path(parts_dir, lo, hi))]
-  log.warning("listops_synthetic: generating the %s split once (%d examples, %d of %d shards to go, ~%.0f s on "
-              "%d process%s) into %s", split, size, len(todo), len(shards),
+  log.warning("listops_synthetic: generating the %s split once (%d examples, %d of %d shards to go, ~%.0f s "
+              "on %d process%s) into %s", split, size, len(todo), len(shards),
               size * per * len(todo) / len(shards) / workers, workers, "" if workers == 1 else "es", path)
   start = time.time()
   bar = tqdm.tqdm(total=len(shards), initial=len(shards) - len(todo), desc=f"listops_synthetic {split}",
@@ -307,7 +311,7 @@ def build_cache(config: Any, split: str, *, workers: int | None = None, progress
     if workers > 1 and todo:
       context = multiprocessing.get_context("spawn")
       with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
-        for job, part in zip(todo, pool.map(_generate_range, todo)):
+        for job, part in zip(todo, pool.map(_generate_range, todo), strict=True):
           _save_part(parts_dir, job[-2], job[-1], part)
           bar.update()
     else:

@@ -1,21 +1,23 @@
 """Long Range Arena: ListOps, Text, Retrieval, Image, Pathfinder, read from the official release.
 
 Sources:
-  lra_listops    {lra}/listops-1000/basic_{train,val,test}.tsv (header `Source<TAB>Target`); parentheses are dropped
-                 like the LRA input pipeline (`config.data.listops_parens=True` keeps them); seq_len 2000.
+  lra_listops    {lra}/listops-1000/basic_{train,val,test}.tsv (header `Source<TAB>Target`); parentheses are
+                 dropped like the LRA input pipeline (`config.data.listops_parens=True` keeps them); seq_len
+                 2000.
   lra_text       tfds `imdb_reviews/plain_text`, byte level (UTF-8 bytes 0..255). Default seq_len 4000, the
                  length of the LRA paper's Text task; LRA's own released config uses 1000 for some models:
                  set `config.data.seq_len=1000` for that variant. Evaluation uses the test split (LRA has no
                  separate validation split for Text).
-  lra_retrieval  {lra}/tsv_data/new_aan_pairs.{train,eval,test}.tsv (label, id1, id2, text1, text2), byte level,
-                 seq_len 4000 per document, two towers (inputs1/inputs2).
-  lra_image      tfds `cifar10` as 8-bit grayscale (ITU-R 601 luma, as tf.image.rgb_to_grayscale), 1024 tokens.
+  lra_retrieval  {lra}/tsv_data/new_aan_pairs.{train,eval,test}.tsv (label, id1, id2, text1, text2), byte
+                 level, seq_len 4000 per document, two towers (inputs1/inputs2).
+  lra_image      tfds `cifar10` as 8-bit grayscale (ITU-R 601 luma, as tf.image.rgb_to_grayscale), 1024
+                 tokens.
   lra_pathfinder {lra}/pathfinder32/<difficulty>/metadata/*.npy (text files despite the suffix: one line per
                  image, `imgs/<d> sample_<n>.png <x> <label> ...`), PNGs under the same directory;
                  difficulty `curv_contour_length_14` (hard) by default. Splits by metadata file, in numeric
                  order: the first 80% train, next 10% validation, last 10% test.
-where {lra} is found under `config.data.lra_dir` or else `config.data.data_dir` (the TFDS data directory, which
-also holds imdb_reviews and cifar10): the archive unpacked there as `lra_release/...` or
+where {lra} is found under `config.data.lra_dir` or else `config.data.data_dir` (the TFDS data directory,
+which also holds imdb_reviews and cifar10): the archive unpacked there as `lra_release/...` or
 `lra_release/lra_release/...` (it nests one level), or the directory given being the release itself.
 
 lra_text and lra_image read their tfds split into memory once, and lra_listops keeps the token ids its
@@ -91,7 +93,8 @@ class Malformed:
   def __call__(self, path: str, lineno: int, reason: str) -> None:
     message = f"{path}:{lineno}: {reason}"
     if not self.skip:
-      raise ValueError(message + " (set config.data.skip_malformed=True to skip such rows with a logged count)")
+      raise ValueError(message + " (set config.data.skip_malformed=True to skip such rows with a logged "
+                       "count)")
     self.skipped += 1
     if self.skipped <= 20:  # each of the first rows by location, then a running count
       log.warning("skipping malformed row %s", message)
@@ -107,8 +110,8 @@ class TsvSource:
   instead of re-reading and re-parsing the line (for files whose kept form is small: ListOps token ids).
   """
 
-  def __init__(self, path: str, parse: Callable[[list[str]], Any], *, malformed: Malformed, header: str | None,
-               keep: Callable[[Any], Any] | None = None):
+  def __init__(self, path: str, parse: Callable[[list[str]], Any], *, malformed: Malformed,
+               header: str | None, keep: Callable[[Any], Any] | None = None):
     self.path = path
     self.parse = parse
     self.kept: list[Any] | None = [] if keep is not None else None
@@ -148,7 +151,8 @@ class TsvSource:
       return self.kept[index]
     if self._fd is None:
       self._fd = os.open(self.path, os.O_RDONLY)
-    raw = os.pread(self._fd, int(self.lengths[index]), int(self.offsets[index]))  # thread-safe positional read
+    # thread-safe positional read
+    raw = os.pread(self._fd, int(self.lengths[index]), int(self.offsets[index]))
     return self.parse(raw.decode("utf-8", errors="replace").split("\t"))
 
   def __getstate__(self):
@@ -208,7 +212,8 @@ class _ListOpsFn:
 
 
 class _KeepListOpsIds:
-  """The token ids of a parsed ListOps row as uint8 (the vocabulary has 18 tokens; pad_to widens them to int32)."""
+  """The token ids of a parsed ListOps row as uint8 (the vocabulary has 18 tokens; pad_to widens them to
+  int32)."""
 
   def __init__(self, parens: bool):
     self.parens = parens
@@ -264,7 +269,8 @@ class PathfinderSource:
     if not files:
       raise FileNotFoundError(f"no metadata/*.npy index files under {root}")
     n = len(files)
-    bounds = {"train": (0, int(0.8 * n)), "validation": (int(0.8 * n), int(0.9 * n)), "test": (int(0.9 * n), n)}
+    bounds = {"train": (0, int(0.8 * n)), "validation": (int(0.8 * n), int(0.9 * n)),
+              "test": (int(0.9 * n), n)}
     lo, hi = bounds[split]
     self.root, self.split, self.resolution = root, split, resolution
     self.items: list[tuple[str, int]] = []

@@ -107,7 +107,8 @@ class ShardView:
 
 
 class VirtualRecords:
-  """`source` presented as `size` records, record i being record i % len(source) (`config.data.virtual_records`).
+  """`source` presented as `size` records, record i being record i % len(source)
+  (`config.data.virtual_records`).
 
   For benchmarks on small generated data: a mock split is timed at the size of the real split it stands for,
   so that what scales with the split (the epoch permutation's memory and its once-per-epoch cost, epochs
@@ -136,9 +137,9 @@ class VirtualRecords:
 class InMemorySource:
   """A random-access source of dict records read once into column arrays (`config.data.cache_in_memory`).
 
-  Reading a record through tfds costs ~65 us on the 2-core CPU (ArrayRecord lookup, protobuf decode), more than
-  a small model's step leaves per example; a small split read once (one sequential pass) is then served at
-  the cost of a slice. Columns: equal-shaped arrays and scalars are stacked, `str`/`bytes` are concatenated
+  Reading a record through tfds costs ~65 us on the 2-core CPU (ArrayRecord lookup, protobuf decode), more
+  than a small model's step leaves per example; a small split read once (one sequential pass) is then served
+  at the cost of a slice. Columns: equal-shaped arrays and scalars are stacked, `str`/`bytes` are concatenated
   with offsets; each record is given back with the types the source gave (str stays str, 0-d arrays stay
   NumPy values), so the per-record functions see the same values and the batches are the same.
   """
@@ -301,8 +302,8 @@ class EpochPermutation:
   def permutation(self, epoch: int) -> np.ndarray:
     """The record keys of epoch `epoch` in stream order: [num_records] int32 (stored orders only)."""
     if not self.stored:
-      raise ValueError(f"{self!r} has {self.num_records} records > MAX_STORED={self.MAX_STORED}: its order is "
-                       f"not stored; use keys()")
+      raise ValueError(f"{self!r} has {self.num_records} records > MAX_STORED={self.MAX_STORED}: its order "
+                       f"is not stored; use keys()")
     epoch = int(epoch)
     with self._lock:  # computed once even when several reading threads reach a new epoch together
       perm = self._cache.get(epoch)
@@ -333,7 +334,8 @@ class EpochPermutation:
     positions = np.asarray(positions, np.int64)  # [count]
     epochs, offsets = np.divmod(positions, self.num_records)  # [count], [count]
     if not self.stored:
-      return np.array([self._index_shuffle(int(e), int(o)) for e, o in zip(epochs, offsets)], self.dtype)
+      return np.array([self._index_shuffle(int(e), int(o)) for e, o in zip(epochs, offsets, strict=True)],
+                      self.dtype)
     if len(positions) == 0 or epochs.min() == epochs.max():  # the common case: a batch inside one epoch
       return self.permutation(epochs[0] if len(positions) else 0)[offsets]
     out = np.empty(len(positions), self.dtype)  # [count]
@@ -538,7 +540,8 @@ def make_loader(
   sampler = EpochPermutationSampler(len(source), shuffle=shuffle, num_epochs=num_epochs, seed=seed)
   ops = list(operations)
   if batch_size is not None:
-    ops.append(grain.transforms.Batch(batch_size=batch_size, drop_remainder=drop, batch_fn=PadBatch(batch_size)))
+    ops.append(grain.transforms.Batch(batch_size=batch_size, drop_remainder=drop,
+                                      batch_fn=PadBatch(batch_size)))
   return grain.DataLoader(
     data_source=source,
     sampler=sampler,

@@ -4,7 +4,8 @@
     python -m data.prepare imagenet64 --data_dir DIR     # manual download first (printed)
     python -m data.prepare wiki40b --data_dir DIR        # TFDS Beam build + 32K SentencePiece model
     python -m data.prepare c4 --data_dir DIR             # Beam build (very large) + 32K SentencePiece model
-    python -m data.prepare lra --data_dir DIR            # unpack/check lra_release, build imdb_reviews + cifar10
+    python -m data.prepare lra --data_dir DIR            # unpack/check lra_release, build imdb_reviews +
+                                                         # cifar10
     python -m data.prepare lra_listops --data_dir DIR    # or one LRA task
     python -m data.prepare wiki40b --data_dir DIR --skip_build   # tokenizer + verification only
     python -m data.prepare listops_synthetic --data_dir DIR      # generate the ListOps splits once (all CPUs)
@@ -40,18 +41,20 @@ PLAN: dict[str, tuple[str, str, str | None]] = {
     "~1-2 hours",
     "Download the 64x64 'Downsampled ImageNet' archives train_64x64.tar and valid_64x64.tar (image-net.org, "
     "https://image-net.org/download-images.php, needs an ImageNet account; tfds fetches them from "
-    "http://image-net.org/small/ when that still answers). Put both files in {data_dir}/downloads/manual/ and "
-    "re-run this command.",
+    "http://image-net.org/small/ when that still answers). Put both files in {data_dir}/downloads/manual/ "
+    "and re-run this command.",
   ),
   "wiki40b": ("~10 GB download (wiki40b/en), ~10 GB prepared", "~1-3 hours with the Beam DirectRunner, plus "
               "~30-60 min SentencePiece training", None),
-  "c4": ("~7 TB of Common Crawl input, ~800 GB prepared", "days on one machine; use a Beam runner on a cluster "
-         "(e.g. --beam_runner DataflowRunner via --beam_flags), plus ~1 h SentencePiece training", None),
+  "c4": ("~7 TB of Common Crawl input, ~800 GB prepared", "days on one machine; use a Beam runner on a "
+         "cluster (e.g. --beam_runner DataflowRunner via --beam_flags), plus ~1 h SentencePiece training",
+         None),
   "lra": (
     "~7.7 GB archive (lra_release.gz), ~30 GB unpacked, plus imdb_reviews (~80 MB) and cifar10 (~170 MB)",
     "~20-40 min to unpack and check",
     "Download https://storage.googleapis.com/long-range-arena/lra_release.gz into {data_dir}/ (this command "
-    "unpacks it to {data_dir}/lra_release/), or unpack it there yourself: tar xzf lra_release.gz -C {data_dir}",
+    "unpacks it to {data_dir}/lra_release/), or unpack it there yourself: tar xzf lra_release.gz -C "
+    "{data_dir}",
   ),
   "listops_synthetic": ("nothing to download; ~100 MB of generated token ids (default sizes and lengths)",
                         "~11 CPU-minutes (96K+2K+2K examples at ~7 ms each), spread over every CPU", None),
@@ -88,7 +91,8 @@ def split_counts(name: str, data_dir: str, **fields: Any) -> dict[str, int | str
   for split in expected:
     try:
       if name in images.SPECS:
-        source = images.tfds_source(images.SPECS[name][0], split, data_dir, name)  # sizes use tfds split names
+        # sizes use tfds split names
+        source = images.tfds_source(images.SPECS[name][0], split, data_dir, name)
       elif name in text.SPECS:
         source = text.text_source(config, split)
       elif name in ("lra_text", "lra_image"):
@@ -160,7 +164,8 @@ def build_tfds(tfds_name: str, data_dir: str, beam_flags: list[str] | None = Non
     try:
       import apache_beam as beam
     except ImportError as e:
-      raise SystemExit(f"{tfds_name} is built with Apache Beam: pip install -r requirements-prepare.txt") from e
+      raise SystemExit(f"{tfds_name} is built with Apache Beam: pip install -r "
+                       "requirements-prepare.txt") from e
     config["beam_options"] = beam.options.pipeline_options.PipelineOptions(flags=beam_flags)
   builder.download_and_prepare(download_config=tfds.download.DownloadConfig(manual_dir=manual_dir, **config))
 
@@ -203,8 +208,8 @@ def prepare(name: str, data_dir: str, *, skip_build: bool = False, vocab_size: i
             listops_fields: dict[str, Any] | None = None) -> int:
   """Runs the steps for `name`; returns the exit status (0 ok, 1 verification failed, 2 manual step missing).
 
-  listops_fields: `config.data` fields of listops_synthetic (split sizes `num_<split>`, lengths); training reads
-  the cache only with the same fields, so they are printed as the matching `--config.data.*` flags.
+  listops_fields: `config.data` fields of listops_synthetic (split sizes `num_<split>`, lengths); training
+  reads the cache only with the same fields, so they are printed as the matching `--config.data.*` flags.
   """
   from data import images, text
 

@@ -2,11 +2,11 @@
 default task of `python train.py`).
 
 A causal LM task at length L (default 512) with the loss only on the answers:
-  first half   filler tokens with `num_pairs` "pair" tokens P(k, v) (distinct keys k, values v), one at a random
-               offset inside each 1/num_pairs slice of the first half, so the pairs are far apart;
+  first half   filler tokens with `num_pairs` "pair" tokens P(k, v) (distinct keys k, values v), one at a
+               random offset inside each 1/num_pairs slice of the first half, so the pairs are far apart;
   second half  (query, answer) couples Q(k) A(v): k one of the stored keys, v its stored value.
-The model predicts every A(v) from the context ending in Q(k): it must find, up to L-1 positions back, the pair
-token whose key matches and read its value (content-based long-range attention). Chance accuracy is
+The model predicts every A(v) from the context ending in Q(k): it must find, up to L-1 positions back, the
+pair token whose key matches and read its value (content-based long-range attention). Chance accuracy is
 1/num_values; `weights` is 1 exactly at the answer positions, so the reported loss/accuracy are the answers'.
 
 Every example is a pure function of (seed, split, record index), so the grain iterator state alone resumes it:
@@ -51,7 +51,8 @@ def dataset_info(config: Any) -> DatasetInfo:
   eval_n = _field(config, "eval_examples")
   return DatasetInfo(name=NAME, task="lm", vocab_size=vocab, seq_len=_field(config, "seq_len"),
                      input_vocab_size=vocab + 1, bos_id=vocab, metric="accuracy",
-                     split_sizes={"train": _field(config, "train_examples"), "validation": eval_n, "test": eval_n})
+                     split_sizes={"train": _field(config, "train_examples"), "validation": eval_n,
+                                  "test": eval_n})
 
 
 class RecallSource:

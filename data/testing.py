@@ -22,7 +22,8 @@ import numpy as np
 from data import listops
 
 TFDS_BACKED = {"cifar10", "imagenet64", "lra_text", "lra_image"}
-SYLLABLES = ("ka", "to", "ri", "me", "su", "na", "lo", "pe", "zi", "vu", "ban", "dor", "el", "qui", "stra", "om")
+SYLLABLES = ("ka", "to", "ri", "me", "su", "na", "lo", "pe", "zi", "vu", "ban", "dor", "el", "qui", "stra",
+             "om")
 
 
 def words(rng: np.random.Generator, n: int) -> str:
@@ -47,7 +48,7 @@ def documents(rng: np.random.Generator, n: int, *, min_words: int = 3, max_words
   return docs
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # LRA files in the official layout
 
 
@@ -101,9 +102,9 @@ def write_lra(data_dir: str, seed: int = 0, num_examples: int = 12) -> str:
 
   rng = np.random.default_rng(seed)
   root = os.path.join(data_dir, "lra_release", "lra_release")
-  for split, name in lra.LISTOPS_FILES.items():
+  for _split, name in lra.LISTOPS_FILES.items():
     write_listops(os.path.join(root, "listops-1000", name), rng, num_examples)
-  for split, name in lra.RETRIEVAL_FILES.items():
+  for _split, name in lra.RETRIEVAL_FILES.items():
     write_retrieval(os.path.join(root, "tsv_data", name), rng, num_examples)
   for difficulty in lra.PATHFINDER_DIFFICULTIES:
     write_pathfinder(os.path.join(root, "pathfinder32", difficulty), rng, n_files=10,
@@ -111,7 +112,7 @@ def write_lra(data_dir: str, seed: int = 0, num_examples: int = 12) -> str:
   return root
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Wiki-40B / C4: a small prepared TFDS directory + SentencePiece model
 
 
@@ -147,7 +148,8 @@ def write_prepared_text(name: str, data_dir: str, split_docs: dict[str, list[str
   return builder.data_dir
 
 
-def write_text(name: str, data_dir: str, *, seed: int = 0, num_examples: int = 24, spm_vocab: int = 200) -> None:
+def write_text(name: str, data_dir: str, *, seed: int = 0, num_examples: int = 24,
+               spm_vocab: int = 200) -> None:
   from data import text, tokenizer
 
   rng = np.random.default_rng(seed)
@@ -160,7 +162,7 @@ def write_text(name: str, data_dir: str, *, seed: int = 0, num_examples: int = 2
                   character_coverage=1.0)
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 
 
 @contextlib.contextmanager

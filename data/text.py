@@ -3,16 +3,16 @@
 Storage: the TFDS-prepared ArrayRecord directory `{data_dir}/wiki40b/en/1.3.0` / `{data_dir}/c4/en/3.1.0`
 (written by `python -m data.prepare`, which needs TensorFlow + Beam; reading needs neither), opened with
 `tfds.builder_from_directory(...).as_data_source(split)` because these Beam builders are not registered in a
-TensorFlow-free install. Tokenizer: `config.data.spm_model`, default `{data_dir}/spm/<name>.model` (32K pieces,
-trained by data.prepare from the training split; special ids in data.tokenizer).
+TensorFlow-free install. Tokenizer: `config.data.spm_model`, default `{data_dir}/spm/<name>.model` (32K
+pieces, trained by data.prepare from the training split; special ids in data.tokenizer).
 
 Each document becomes `[bos] + pieces + [eos]`. Packing (per host, per batch, in the sampler's order):
-  lm (wiki40b): documents are laid end to end across the B rows of a batch of length L; a document that reaches
-    the end of a row continues in the next row. segment_ids number the document pieces of each row 1, 2, ...;
-    weights are 1 on every real position except the first position of each segment, which would otherwise be
-    predicted from another document (or from nothing, at a row start): the loss never crosses a boundary. The
-    remainder of the document that overflows a batch's last row is dropped and counted, so every batch is a
-    function of a contiguous run of records and the iterator state resumes exactly.
+  lm (wiki40b): documents are laid end to end across the B rows of a batch of length L; a document that
+    reaches the end of a row continues in the next row. segment_ids number the document pieces of each row 1,
+    2, ...; weights are 1 on every real position except the first position of each segment, which would
+    otherwise be predicted from another document (or from nothing, at a row start): the loss never crosses a
+    boundary. The remainder of the document that overflows a batch's last row is dropped and counted, so every
+    batch is a function of a contiguous run of records and the iterator state resumes exactly.
   mlm (c4): at most `max_segments` (2, Appendix E.5) documents per row; a document longer than the room left
     in its row is truncated (counted); the rest of the row is padding. 15% of the real non-special tokens are
     predicted (weights 1, targets = originals); of those 80% become [MASK], 10% a random ordinary piece, 10%
@@ -67,8 +67,8 @@ def prepared_dir(config: Any) -> str:
 
 
 def spm_path(config: Any) -> str:
-  return os.path.expanduser(pipeline.cfg_get(config, "spm_model",
-                                             os.path.join(data_dir(config), "spm", f"{config.data.name}.model")))
+  return os.path.expanduser(pipeline.cfg_get(
+      config, "spm_model", os.path.join(data_dir(config), "spm", f"{config.data.name}.model")))
 
 
 def clean_text(text: str | bytes) -> str:

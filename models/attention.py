@@ -1,4 +1,5 @@
-"""Attention modules: multi-head projections around a pure op from `models.ops_registry` (docs/design.md section 3).
+"""Attention modules: multi-head projections around a pure op from `models.ops_registry` (docs/design.md
+section 3).
 
 `AttentionBase` owns what every attention module shares (q/k/v/output projections with logical axis names,
 heads, compute dtype, output dropout, the plan parameters from the config); `OpAttention` wraps any registered
@@ -18,6 +19,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
+from combiner import seq_parallel
 from core.norm import layer_norm
 from models import layers, ops_registry, recompute
 
@@ -25,7 +27,22 @@ Array = Any
 AUTO = "auto"
 
 # Fields of `config.model.attention` every module understands; plan parameters live in `params`.
-COMMON_FIELDS = ("name", "params", "dropout_rate")
+COMMON_FIELDS = ("name", "params", "dropout_rate", "implementation")
+
+
+# Keyword-only op arguments that are not plan parameters (the contract's own and the model's inputs).
+NON_PLAN_KEYWORDS = ("causal", "mask", "pool_q", "pool_k", "span_key_fn", "implementation")
+
+
+def is_auto(value: Any) -> bool:
+  return isinstance(value, str) and value == AUTO
+
+
+def plan_value(value: Any) -> Any:
+  """A plan parameter as configs hold it: "16" from a command-line override of "auto" becomes 16."""
+  if isinstance(value, str) and value.lstrip("-").isdigit():
+    return int(value)
+  return value
 
 
 def resolve_plan_params(spec: ops_registry.OpSpec, params: dict[str, Any], length: int) -> dict[str, Any]:
@@ -33,9 +50,8 @@ def resolve_plan_params(spec: ops_registry.OpSpec, params: dict[str, Any], lengt
   auto = spec.params(length)
   out = {}
   for key, value in params.items():
-    if isinstance(value, str) and value.lstrip("-").isdigit():  # "16" from a command-line override of "auto"
-      value = int(value)
-    if isinstance(value, str) and value == AUTO:
+    value = plan_value(value)
+    if is_auto(value):
       if key not in auto:
         raise ValueError(f"attention op {spec.name!r}: parameter {key!r}='auto' has no automatic value; "
                          f"automatic parameters: {sorted(auto)}")
@@ -52,7 +68,7 @@ def op_parameters(spec: ops_registry.OpSpec) -> list[str] | None:
   if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values()):
     return None
   return [n for n, p in sig.parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY
-          and n not in ("causal", "mask", "pool_q", "pool_k", "span_key_fn")]
+          and n not in NON_PLAN_KEYWORDS]
 
 
 def check_op_kwargs(spec: ops_registry.OpSpec, names: list[str]) -> None:
@@ -62,7 +78,18 @@ def check_op_kwargs(spec: ops_registry.OpSpec, names: list[str]) -> None:
     return
   for name in names:
     if name not in accepted:
-      raise ValueError(f"attention op {spec.name!r} does not take parameter {name!r}; its parameters: {accepted}")
+      raise ValueError(f"attention op {spec.name!r} does not take parameter {name!r}; "
+                       f"its parameters: {accepted}")
+
+
+def op_function(spec: ops_registry.OpSpec) -> Any:
+  """The op itself, or its sequence-parallel counterpart (`combiner.seq_parallel.OPS`) when the current mesh
+  (`seq_parallel.set_default_mesh`, which train.py sets when `config.mesh.seq` > 1, or `jax.set_mesh`) splits
+  the sequence over its "seq" axis. Ops without one run as they are, the partitioner gathering the
+  sequence."""
+  if spec.name in seq_parallel.OPS and seq_parallel.seq_size() > 1:
+    return seq_parallel.OPS[spec.name]
+  return spec.fn
 
 
 @flax.struct.dataclass
@@ -131,19 +158,26 @@ class OpAttention(AttentionBase):
     self.op_name = str(config.get("op", None) or config.name)
     spec = ops_registry.get(self.op_name)
     if causal and not spec.causal:
-      raise ValueError(f"attention {self.op_name!r} does not support causal=True (decoder LM / image models); "
-                       "choose a causal op")
+      raise ValueError(f"attention {self.op_name!r} does not support causal=True "
+                       "(decoder LM / image models); choose a causal op")
     if not causal and not spec.bidirectional:
       raise ValueError(f"attention {self.op_name!r} does not support causal=False (encoders); "
                        "choose a bidirectional op")
     params = config.get("params", None)
     params = dict(params.to_dict() if isinstance(params, ml_collections.ConfigDict) else (params or {}))
     # "auto" entries the op does not take are dropped: configs pre-fill "auto" for their default attention so
-    # that `--config.model.attention.params.block_size=64` works, and a later switch of op must not trip on it.
+    # that `--config.model.attention.params.block_size=64` works, and a later switch of op must not trip on
+    # it.
     accepted = op_parameters(spec)
     self.plan_params = {k: v for k, v in params.items() if not (v == AUTO and accepted is not None
                                                                and k not in accepted)}
     check_op_kwargs(spec, list(self.plan_params))
+    # Kernel choice, passed to ops that take it; naming one for an op without the choice is an error.
+    implementation = str(config.get("implementation", None) or AUTO)
+    self.implementation = implementation if ops_registry.takes_implementation(spec) else None
+    if self.implementation is None and implementation != AUTO:
+      raise ValueError(f"attention op {self.op_name!r} does not take 'implementation' "
+                       f"(got {implementation!r}); leave it 'auto'")
     # Recompute the op in the backward pass instead of keeping its intermediates (models.recompute).
     self.recompute = bool(config.get("recompute", None) or False)
 
@@ -154,7 +188,10 @@ class OpAttention(AttentionBase):
   def __call__(self, x: Array, mask: Array | None, *, deterministic: bool) -> Array:
     q, k, v = self.project(x)  # [batch, length, heads, head_dim]
     spec = ops_registry.get(self.op_name)
+    fn = op_function(spec)
     params = resolve_plan_params(spec, self.plan_params, x.shape[1])
+    if self.implementation is not None and fn is spec.fn:  # sequence-parallel counterparts have no choice
+      params["implementation"] = self.implementation
     extra = self.op_kwargs(q, k)
     if self.recompute:
       arrays = {name: a for name, a in extra.items() if not callable(a)}
@@ -164,11 +201,11 @@ class OpAttention(AttentionBase):
       names = list(arrays)
 
       def op(q, k, v, mask, *rest):
-        return spec.fn(q, k, v, causal=self.causal, mask=mask, **params, **dict(zip(names, rest)))
+        return fn(q, k, v, causal=self.causal, mask=mask, **params, **dict(zip(names, rest, strict=True)))
 
       o = recompute.recompute_in_backward(op, q, k, v, mask, *arrays.values())
     else:
-      o = spec.fn(q, k, v, causal=self.causal, mask=mask, **params, **extra)
+      o = fn(q, k, v, causal=self.causal, mask=mask, **params, **extra)
     return self.output(o, deterministic=deterministic)  # [batch, length, features]
 
   def _decoding(self, max_length: int) -> tuple[Any, dict[str, Any]]:
@@ -200,14 +237,16 @@ class OpAttention(AttentionBase):
     decoder, params = self._decoding(cache.max_length)
     q, k, v = self.project(x)  # [batch, prompt_length, heads, head_dim]
     extra = self.op_kwargs(q, k)
-    o = ops_registry.get(self.op_name).fn(q, k, v, causal=True, **params, **extra)
+    chosen = {} if self.implementation is None else {"implementation": self.implementation}
+    o = ops_registry.get(self.op_name).fn(q, k, v, causal=True, **params, **chosen, **extra)
     state = decoder.prefill(cache.state, q, k, v, **params, **extra)
     return self.out(o), LayerCache(state, cache.max_length)  # [batch, prompt_length, features]
 
 
 def per_head_init(key: Array, shape: tuple[int, ...], dtype: Any) -> Array:
   """lecun-normal init of one [in, out] matrix per head: shape [heads, in, out]."""
-  return jax.vmap(lambda kk: layers.default_kernel_init(kk, shape[1:], dtype))(jax.random.split(key, shape[0]))
+  return jax.vmap(lambda kk: layers.default_kernel_init(kk, shape[1:], dtype))(
+      jax.random.split(key, shape[0]))
 
 
 class DeepSetsPool(nnx.Module):
@@ -224,8 +263,8 @@ class DeepSetsPool(nnx.Module):
 
 
 class SpanKey(nnx.Module):
-  """A learned row-summary key for axial rowmajor: pooled key -> dense, residual, layer norm, key projection, per
-  head. An approximation of the released code's summary key, which is per column, computed from the
+  """A learned row-summary key for axial rowmajor: pooled key -> dense, residual, layer norm, key projection,
+  per head. An approximation of the released code's summary key, which is per column, computed from the
   row-attention output and mixes heads (docs/design.md section 4). Maps [batch, rows, heads, head_dim] to the
   same shape."""
 
@@ -246,8 +285,8 @@ class SpanKey(nnx.Module):
 class CombinerAttention(OpAttention):
   """A Combiner op plus the model-level options.
 
-  config.deepsets: pool relu(Dense_q(q)) / relu(Dense_k(k)) (separate parameters) instead of q / k for the span
-    abstractions; the pooling kind (max | mean) stays the op's `params.pooling`.
+  config.deepsets: pool relu(Dense_q(q)) / relu(Dense_k(k)) (separate parameters) instead of q / k for the
+    span abstractions; the pooling kind (max | mean) stays the op's `params.pooling`.
   config.learned_span_key: axial rowmajor only; span keys pass through `SpanKey`.
   """
 

@@ -1,16 +1,17 @@
-"""gin bindings for the attention modules' constructor fields (ablations), folded into the ml_collections config.
+"""gin bindings for the attention modules' constructor fields (ablations), folded into the ml_collections
+config.
 
     python train.py --config configs/cifar10.py --gin_bindings "attention.deepsets = True" \
         --gin_bindings "attention.row_length = 64" --workdir workdirs/c10_deepsets
 
-Flags: `--gin_file FILE` (repeatable) and `--gin_bindings "attention.FIELD = VALUE"` (repeatable). The only gin
-scope is `attention`.
+Flags: `--gin_file FILE` (repeatable) and `--gin_bindings "attention.FIELD = VALUE"` (repeatable). The only
+gin scope is `attention`.
 
 The configurable `attention` accepts every field some registered attention module reads (see
-`models.registry.configurable_fields`) and every plan parameter of the chosen op. The config stays the source of
-truth: `apply(config, ...)` writes the bound values into `config.model.attention` (so the saved config shows
-them) and refuses a binding for a field the config itself sets (a value other than None / "auto"), or a field
-the chosen module does not read (the message lists the valid ones).
+`models.registry.configurable_fields`) and every plan parameter of the chosen op. The config stays the source
+of truth: `apply(config, ...)` writes the bound values into `config.model.attention` (so the saved config
+shows them) and refuses a binding for a field the config itself sets (a value other than None / "auto"), or a
+field the chosen module does not read (the message lists the valid ones).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def attention_bindings(**kwargs: Any) -> dict[str, Any]:
 
 
 def _unset(value: Any) -> bool:
-  return value is None or (isinstance(value, str) and value == attention.AUTO)
+  return value is None or attention.is_auto(value)
 
 
 def apply(config: ml_collections.ConfigDict, gin_files: Sequence[str] = (),
@@ -53,23 +54,21 @@ def apply(config: ml_collections.ConfigDict, gin_files: Sequence[str] = (),
   spec = ops_registry.OPS.get(name) if name in ops_registry.names() else None
   plan = sorted(set(att.get("params", {}) or {}) | (set(spec.params(1)) if spec else set()))
   if spec is not None:
-    import inspect
-
-    sig = inspect.signature(spec.fn).parameters
-    plan = sorted(set(plan) | {n for n, p in sig.items() if p.kind is inspect.Parameter.KEYWORD_ONLY
-                               and n not in ("causal", "mask", "pool_q", "pool_k", "span_key_fn")})
+    plan = sorted(set(plan) | set(attention.op_parameters(spec) or ()))
   for key, value in bound.items():
     if key in fields:
       if not _unset(att.get(key, None)):
-        raise ValueError(f"gin binding {GIN_NAME}.{key}={value!r} conflicts with config.model.attention.{key}="
-                         f"{att.get(key)!r}: the config sets it; set it in one place only")
+        raise ValueError(f"gin binding {GIN_NAME}.{key}={value!r} conflicts with "
+                         f"config.model.attention.{key}={att.get(key)!r}: the config sets it; "
+                         "set it in one place only")
       with att.unlocked():
         att[key] = value
     elif key in plan:
       params = att.params
       if not _unset(params.get(key, None)):
-        raise ValueError(f"gin binding {GIN_NAME}.{key}={value!r} conflicts with config.model.attention.params."
-                         f"{key}={params.get(key)!r}: the config sets it; set it in one place only")
+        raise ValueError(f"gin binding {GIN_NAME}.{key}={value!r} conflicts with "
+                         f"config.model.attention.params.{key}={params.get(key)!r}: the config sets it; "
+                         "set it in one place only")
       with params.unlocked():
         params[key] = value
     else:

@@ -1,9 +1,9 @@
 """Small NNX layers whose parameters carry logical axis names (embed, mlp, heads, kv, vocab).
 
-Every parameter is created with `nnx.with_partitioning(init, axes, eager_sharding=False)`: the logical names are
-stored as metadata and `train.py` maps them to mesh axes with the config's rule table, creating the parameters
-already sharded (jit with `out_shardings`). `eager_sharding=False` keeps the modules constructible without a mesh
-(tests, eval on one device).
+Every parameter is created with `nnx.with_partitioning(init, axes, eager_sharding=False)`: the logical names
+are stored as metadata and `train.py` maps them to mesh axes with the config's rule table, creating the
+parameters already sharded (jit with `out_shardings`). `eager_sharding=False` keeps the modules constructible
+without a mesh (tests, eval on one device).
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ class DenseGeneral(nnx.Module):
     def kernel_init_nd(key, shape, dtype):
       return kernel_init(key, (fan_in, fan_out), dtype).reshape(shape)
 
-    self.kernel = param(rngs, kernel_init_nd, self.in_shape + self.out_shape, tuple(in_axes) + tuple(out_axes))
+    self.kernel = param(rngs, kernel_init_nd, self.in_shape + self.out_shape,
+                        tuple(in_axes) + tuple(out_axes))
     self.bias = param(rngs, zeros_init, self.out_shape, tuple(out_axes)) if use_bias else None
 
   def __call__(self, x: Array) -> Array:
@@ -91,7 +92,8 @@ class Embed(nnx.Module):
   def __init__(self, num_embeddings: int, features: int, *, dtype: Any = jnp.float32, rngs: nnx.Rngs,
                axes: Axes = ("vocab", "embed")):
     self.dtype = dtype
-    self.embedding = param(rngs, nnx.initializers.normal(stddev=features ** -0.5), (num_embeddings, features), axes)
+    self.embedding = param(rngs, nnx.initializers.normal(stddev=features ** -0.5), (num_embeddings, features),
+                           axes)
 
   def __call__(self, ids: Array) -> Array:
     return jnp.take(self.embedding[...], ids, axis=0).astype(self.dtype)

@@ -35,7 +35,8 @@ def loss_and_sums(task: str, logits: Array, batch: dict[str, Array]) -> tuple[Ar
     sums = {"nll_sum": nll.sum(), "weight_sum": weights.sum(), "correct_sum": correct.sum()}
   elif task in ("classify", "retrieval"):
     valid = batch.get("valid")
-    weights = jnp.ones(logits.shape[0], jnp.float32) if valid is None else valid.astype(jnp.float32)  # [batch]
+    weights = (jnp.ones(logits.shape[0], jnp.float32) if valid is None
+               else valid.astype(jnp.float32))  # [batch]
     labels = batch["label"]
     nll = _xent(logits, labels) * weights
     correct = (jnp.argmax(logits, -1) == labels).astype(jnp.float32) * weights

@@ -10,6 +10,6 @@ import baselines.registry  # noqa: F401  (registers dense, dense_xla)
 import combiner.registry  # noqa: F401  (registers the Combiner plans and their sparse counterparts)
 import routing.registry  # noqa: F401  (registers routing, combiner_routed)
 import yoso.registry  # noqa: F401  (registers yoso, yoso_sketch, yoso_e, yoso_c)
-from core.registry import OPS, OpSpec, get, names, register, sqrt_pow2
+from core.registry import OPS, OpSpec, get, names, register, sqrt_pow2, takes_implementation
 
-__all__ = ["OPS", "OpSpec", "get", "names", "register", "sqrt_pow2"]
+__all__ = ["OPS", "OpSpec", "get", "names", "register", "sqrt_pow2", "takes_implementation"]

@@ -1,13 +1,15 @@
 """Attention whose backward pass recomputes it from its inputs: nothing of the op's intermediates is kept.
 
-For dense attention the kept intermediates are the [batch, heads, L, L] probabilities of every layer (18 GiB for
-the 6-layer benchmark model at L = 8192, batch 1); recomputing costs one extra forward pass of the op only.
+For dense attention the kept intermediates are the [batch, heads, L, L] probabilities of every layer (18 GiB
+for the 6-layer benchmark model at L = 8192, batch 1); recomputing costs one extra forward pass of the op
+only.
 
-Why not `jax.checkpoint` / `nnx.remat` (`model.remat`): XLA:CPU removes optimisation barriers before scheduling,
-and its scheduler then hoists every layer's recomputation right after the forward pass, where it is live at the
-same time as all the others: measured, remat does not lower XLA:CPU's temp memory at all. Here the recomputation
-reads its inputs through a zero that depends on the layer's output cotangent, so it cannot start before that
-cotangent exists: layers are recomputed one at a time, in the order of the backward pass, on every backend.
+Why not `jax.checkpoint` / `nnx.remat` (`model.remat`): XLA:CPU removes optimisation barriers before
+scheduling, and its scheduler then hoists every layer's recomputation right after the forward pass, where it
+is live at the same time as all the others: measured, remat does not lower XLA:CPU's temp memory at all. Here
+the recomputation reads its inputs through a zero that depends on the layer's output cotangent, so it cannot
+start before that cotangent exists: layers are recomputed one at a time, in the order of the backward pass, on
+every backend.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ def _pin(x: Any, zero: Array) -> Any:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def recompute_in_backward(fn: Callable[..., Array], *args: Any) -> Array:
-  """fn(*args) (args: arrays or None; only floating arrays get gradients), keeping only `args` for the backward.
+  """fn(*args) (args: arrays or None; only floating arrays get gradients), keeping only `args` for the
+  backward.
 
   The gradient is exactly jax.vjp(fn, *args)'s: the backward runs it on the same inputs.
   """

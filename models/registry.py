@@ -2,10 +2,10 @@
 
 Adding an attention mechanism
 =============================
-1. A pure op (docs/design.md) registered with `core.registry.register` in `<your package>/registry.py` (a new
-   package is added to `models.ops_registry`'s imports) is usable at once by name through `OpAttention`
-   (projections + op); no module is needed. `get_module(name)` falls back to `OpAttention` for every registered
-   op name that has no module entry.
+1. A pure op (docs/design.md) registered with `core.registry.register` in `<your package>/registry.py` (a
+   new package is added to `models.ops_registry`'s imports) is usable at once by name through `OpAttention`
+   (projections + op); no module is needed. `get_module(name)` falls back to `OpAttention` for every
+   registered op name that has no module entry.
 2. A mechanism with parameters, state or randomness of its own writes a module in `models/<name>_attention.py`
    and registers it in the table below: `register_module("routing", routing_attention.RoutingAttention, ...)`.
 
@@ -13,8 +13,9 @@ The module contract
 -------------------
     cls(config_attention, *, features, num_heads, head_dim, causal, dtype, rngs)
     module(x, mask, *, deterministic) -> y
-  config_attention: the `config.model.attention` ConfigDict (`name`, `params` = plan parameters with "auto" =
-    the op's `params(L)`, `dropout_rate`, plus the module's own fields); x: [batch, length, features] in `dtype`;
+  config_attention: the `config.model.attention` ConfigDict (`name`, `params` = plan parameters with
+    "auto" = the op's `params(L)`, `dropout_rate`, plus the module's own fields); x: [batch, length, features]
+    in `dtype`;
   mask: None or [batch, length] bool (True = real token); y: [batch, length, features]. Subclassing
   `models.attention.AttentionBase` gives the q/k/v/output projections with logical axis names.
   Optional context: a constructor that also names `layer` and/or `num_layers` receives the block's index and
@@ -26,14 +27,15 @@ Randomness: `rngs` is an `nnx.Rngs` with the streams "params", "dropout" and "at
   `self.rng()` in `__call__`. The train step reseeds every "dropout" and "attention" stream from the step key
   (`nnx.reseed`), so steps differ and a resumed run repeats them exactly; eval reseeds with a fixed seed, so
   evaluation is deterministic even for random attention.
-Non-gradient state: a module may own `nnx.Variable` subclasses that are not `nnx.Param` (e.g. `nnx.BatchStat`
-  or a custom `class EmaState(nnx.Variable)` for centroids). Only `nnx.Param` is differentiated; the train step
-  carries the rest through, and the module updates it in place (`self.centroids.value = ...`) when called with
-  `deterministic=False` only. That state is replicated (or sharded by its `out_sharding` logical axes) and
-  saved in checkpoints with the parameters.
+Non-gradient state: a module may own `nnx.Variable` subclasses that are not `nnx.Param` (e.g.
+  `nnx.BatchStat` or a custom `class EmaState(nnx.Variable)` for centroids). Only `nnx.Param` is
+  differentiated; the train step carries the rest through, and the module updates it in place
+  (`self.centroids.value = ...`) when called with `deterministic=False` only. That state is replicated (or
+  sharded by its `out_sharding` logical axes) and saved in checkpoints with the parameters.
 Auxiliary losses: `self.sow(nnx.Intermediate, "aux_loss", value)` with a scalar `value`; the train step adds
   `config.aux_loss_weight * sum(all sown aux_loss values)` to the loss and logs it as `aux_loss`.
-gin: `configurable_fields(name)` lists the constructor fields gin may bind for ablations (see `models.gin_bridge`).
+gin: `configurable_fields(name)` lists the constructor fields gin may bind for ablations (see
+  `models.gin_bridge`).
 """
 
 from __future__ import annotations
@@ -43,7 +45,15 @@ from typing import Any
 
 import ml_collections
 
-from models import attention, ops_registry, routing_attention, yoso_attention
+from models import (
+  attention,
+  bigbird_attention,
+  learned_baselines_attention,
+  ops_registry,
+  performer_attention,
+  routing_attention,
+  yoso_attention,
+)
 
 # Config name -> module class. Generic ops are not listed (they fall back to OpAttention).
 MODULES: dict[str, type] = {}
@@ -72,9 +82,15 @@ register_module("combiner_axial_rowmajor", attention.CombinerAttention,
 for _name in ("sparse_fixed", "sparse_logsparse", "sparse_axial"):
   register_module(_name, attention.OpAttention)
 register_module("routing", routing_attention.RoutingAttention, fields=routing_attention.ROUTING_FIELDS)
-register_module("combiner_routed", routing_attention.RoutedCombinerAttention, fields=routing_attention.ROUTED_FIELDS)
+register_module("combiner_routed", routing_attention.RoutedCombinerAttention,
+                fields=routing_attention.ROUTED_FIELDS)
 for _name in (*yoso_attention.SAMPLED, "yoso_e"):
   register_module(_name, yoso_attention.YosoAttention, fields=yoso_attention.YOSO_FIELDS)
+register_module("performer", performer_attention.PerformerAttention,
+                fields=performer_attention.PERFORMER_FIELDS)
+register_module("bigbird", bigbird_attention.BigBirdAttention, fields=("recompute",))
+for _name, _cls in learned_baselines_attention.MODULES.items():
+  register_module(_name, _cls, fields=learned_baselines_attention.FIELDS[_name])
 
 
 def names() -> list[str]:
@@ -121,7 +137,8 @@ def build(config_attention: Any, *, layer: int | None = None, num_layers: int | 
   module declares a `seq_len` field the config leaves unset (state shaped at construction, e.g. centroids)."""
   cls = get_module(str(config_attention.name))
   check_fields(config_attention)
-  if seq_len is not None and "seq_len" in MODULE_FIELDS.get(cls, ()) and config_attention.get("seq_len") is None:
+  wants_length = "seq_len" in MODULE_FIELDS.get(cls, ())
+  if seq_len is not None and wants_length and config_attention.get("seq_len") is None:
     config_attention = ml_collections.ConfigDict(config_attention.to_dict())
     config_attention.seq_len = int(seq_len)
   params = inspect.signature(cls.__init__).parameters

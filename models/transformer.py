@@ -7,7 +7,8 @@
 - `classify`: bidirectional encoder + CLS (first position) or MEAN (padding-aware) pooling + MLP head.
 - `retrieval`: the same encoder applied to both inputs (LRA dual encoder), head on [u, v, u*v, u-v].
 
-The attention module is built from `config.attention` by `models.registry`; every parameter carries logical axes.
+The attention module is built from `config.attention` by `models.registry`; every parameter carries logical
+axes.
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ from models import layers, registry
 
 Array = Any
 CAUSAL_TASKS = ("lm", "image")
-# model.remat: "none" keeps every activation for the backward; "full" keeps only each block's input and recomputes
-# the block; "minimal" also keeps the outputs of matmuls without batch dimensions (projections, MLP), so only the
-# attention core (batched over heads) is recomputed: dense's [heads, L, L] probabilities are never kept.
+# model.remat: "none" keeps every activation for the backward; "full" keeps only each block's input and
+# recomputes the block; "minimal" also keeps the outputs of matmuls without batch dimensions (projections,
+# MLP), so only the attention core (batched over heads) is recomputed: dense's [heads, L, L] probabilities are
+# never kept.
 # Both rely on the backend scheduling recomputation late; XLA:CPU does not (measured: the same temp memory as
 # "none"), so there use `model.attention.recompute`, which pins the op's recomputation into the backward pass.
 REMAT = ("none", "full", "minimal")
@@ -43,8 +45,8 @@ class Mlp(nnx.Module):
   def __init__(self, features: int, mlp_dim: int, *, dropout_rate: float, dtype: Any, rngs: nnx.Rngs):
     self.up = layers.DenseGeneral((features,), (mlp_dim,), in_axes=("embed",), out_axes=("mlp",), dtype=dtype,
                                   rngs=rngs)
-    self.down = layers.DenseGeneral((mlp_dim,), (features,), in_axes=("mlp",), out_axes=("embed",), dtype=dtype,
-                                    rngs=rngs)
+    self.down = layers.DenseGeneral((mlp_dim,), (features,), in_axes=("mlp",), out_axes=("embed",),
+                                    dtype=dtype, rngs=rngs)
     self.dropout = nnx.Dropout(dropout_rate, rngs=rngs)
 
   def __call__(self, x: Array, *, deterministic: bool) -> Array:
@@ -97,14 +99,15 @@ class PositionEmbedding(nnx.Module):
     elif self.kind == "factorized":
       h, w, c = (int(s) for s in cfg.image_shape)
       if h * w * c != seq_len:
-        raise ValueError(f"model.image_shape {tuple(cfg.image_shape)} has {h * w * c} positions, the data has "
-                         f"seq_len={seq_len}")
+        raise ValueError(f"model.image_shape {tuple(cfg.image_shape)} has {h * w * c} positions, "
+                         f"the data has seq_len={seq_len}")
       self.shape = (h, w, c)
       self.rows = layers.param(rngs, init, (h, f), (None, "embed"))
       self.cols = layers.param(rngs, init, (w, f), (None, "embed"))
       self.channels = layers.param(rngs, init, (c, f), (None, "embed"))
     else:
-      raise ValueError(f"model.position_embedding must be one of ['learned', 'factorized'], got {self.kind!r}")
+      raise ValueError(f"model.position_embedding must be one of ['learned', 'factorized'], "
+                       f"got {self.kind!r}")
     self.dtype = dtype
 
   def __call__(self, length: int) -> Array:
@@ -130,8 +133,8 @@ class PositionEmbedding(nnx.Module):
 class Encoder(nnx.Module):
   """Token + position embeddings, the blocks, and the final layer norm."""
 
-  def __init__(self, cfg: ml_collections.ConfigDict, *, vocab_size: int, seq_len: int, causal: bool, dtype: Any,
-               rngs: nnx.Rngs):
+  def __init__(self, cfg: ml_collections.ConfigDict, *, vocab_size: int, seq_len: int, causal: bool,
+               dtype: Any, rngs: nnx.Rngs):
     self.embed = layers.Embed(vocab_size, cfg.features, dtype=dtype, rngs=rngs)
     self.pos = PositionEmbedding(cfg, seq_len, dtype=dtype, rngs=rngs)
     self.dropout = nnx.Dropout(cfg.dropout_rate, rngs=rngs)
@@ -171,7 +174,8 @@ def _block_call(block: Block, x: Array, mask: Array | None, deterministic: bool)
   return block(x, mask, deterministic=deterministic)  # [batch, length, features]
 
 
-# Each trades about one extra forward pass of the recomputed part for a step memory of one block's intermediates.
+# Each trades about one extra forward pass of the recomputed part for a step memory of one block's
+# intermediates.
 _REMATTED_BLOCK = {
     "full": nnx.remat(_block_call, static_argnums=(3,)),
     "minimal": nnx.remat(_block_call, static_argnums=(3,),
@@ -202,8 +206,8 @@ class Transformer(nnx.Module):
                            rngs=rngs)
     f = cfg.features
     if task in ("lm", "image", "mlm"):
-      self.head = layers.DenseGeneral((f,), (vocab_size,), in_axes=("embed",), out_axes=("vocab",), dtype=dtype,
-                                      rngs=rngs)
+      self.head = layers.DenseGeneral((f,), (vocab_size,), in_axes=("embed",), out_axes=("vocab",),
+                                      dtype=dtype, rngs=rngs)
     else:
       if not num_classes:
         raise ValueError(f"task {task!r} needs num_classes")
@@ -277,9 +281,10 @@ class Transformer(nnx.Module):
 
 
 def build_model(cfg: ml_collections.ConfigDict, *, task: str, vocab_size: int, seq_len: int,
-                num_classes: int | None = None, input_vocab_size: int | None = None, bos_id: int | None = None,
-                seed: int = 0) -> Transformer:
-  """The model with fresh parameters and the rng streams of the registry contract (params/dropout/attention)."""
+                num_classes: int | None = None, input_vocab_size: int | None = None,
+                bos_id: int | None = None, seed: int = 0) -> Transformer:
+  """The model with fresh parameters and the rng streams of the registry contract
+  (params/dropout/attention)."""
   rngs = nnx.Rngs(params=seed, dropout=seed + 1, attention=seed + 2)
   return Transformer(cfg, task=task, vocab_size=vocab_size, seq_len=seq_len, num_classes=num_classes,
                      input_vocab_size=input_vocab_size, bos_id=bos_id, rngs=rngs)

@@ -1,17 +1,19 @@
 """YOSO attention modules: the sampled op with a fresh hash rng per call, YOSO-E, and YOSO-C.
 
 Names (`config.model.attention.name`):
-  yoso         YOSO-m, `yoso.attention.yoso`; the hash functions come from the "attention" rng stream, which the
-               train step reseeds from the step key (fresh hashes every step) and evaluation reseeds with a fixed
-               seed (deterministic evaluation).
+  yoso         YOSO-m, `yoso.attention.yoso`; the hash functions come from the "attention" rng stream, which
+               the train step reseeds from the step key (fresh hashes every step) and evaluation reseeds with
+               a fixed seed (deterministic evaluation).
   yoso_sketch  YOSO-m with the linear-in-d backward (`backward_features=1`): faster, noisier dQ/dK.
   yoso_e       YOSO-E, the dense expectation (no randomness).
-  yoso_c       YOSO-C (paper section 4.2), `yoso.attention.yoso_c`: YOSO-m plus a per-head depthwise convolution
-               of V along the sequence, added to the attention output; the kernel [heads, size] is a parameter
-               here. `conv_kernel_size` also adds the convolution to yoso / yoso_e (a YOSO-E-C ablation).
+  yoso_c       YOSO-C (paper section 4.2), `yoso.attention.yoso_c`: YOSO-m plus a per-head depthwise
+               convolution of V along the sequence, added to the attention output; the kernel [heads, size] is
+               a parameter here. `conv_kernel_size` also adds the convolution to yoso / yoso_e (a YOSO-E-C
+               ablation).
 
 Config fields besides `name`, `params`, `dropout_rate`:
-  params.num_hashes, params.tau, params.hash, params.backward, params.backward_features, params.normalize_output
+  params.num_hashes, params.tau, params.hash, params.backward, params.backward_features,
+  params.normalize_output
                      the op's arguments ("auto" = the registry's m = 32, tau = 8); `params.rng` and
                      `params.conv_kernel` are ignored (the module supplies the key and its kernel parameter)
   conv_kernel_size   odd int; None = no convolution for yoso / yoso_e, 33 for yoso_c (the convolution size the

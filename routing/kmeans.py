@@ -8,8 +8,8 @@ nearest-centroid search is maximum inner product search. Two assignments come ou
 - nearest centroid (what the centroid update uses): the argmax over centroids of each token.
 
 Centroids are state, not parameters: the update is an exponential moving average computed from *sums* over the
-batch (`CentroidStats`), so under `jax.jit` with a data-sharded batch the sums are global and every device applies
-the same update with no extra code. Padding tokens never enter the sums.
+batch (`CentroidStats`), so under `jax.jit` with a data-sharded batch the sums are global and every device
+applies the same update with no extra code. Padding tokens never enter the sums.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ class CentroidStats(NamedTuple):
 
 
 def init_centroids(key: Array, heads: int, clusters: int, head_dim: int, dtype: Any = jnp.float32) -> Array:
-  """Per-head centroids [heads, clusters, head_dim]: layer-normed standard normals (on the same sphere as x)."""
+  """Per-head centroids [heads, clusters, head_dim]: layer-normed standard normals (on the same sphere as
+  x)."""
   return layer_norm(jax.random.normal(key, (heads, clusters, head_dim), jnp.float32)).astype(dtype)
 
 
@@ -55,9 +56,9 @@ def scores(x: Array, centroids: Array, *, heads_first: bool = False) -> Array:
 def balanced_membership(token_scores: Array, window: int, mask: Array | None = None) -> Array:
   """Top-`window` tokens per centroid, sorted by position: int32 [batch, heads, clusters, window].
 
-  token_scores: [batch, heads, clusters, length]; mask: [batch, length] bool, True = real token. Padding tokens
-  score -inf, so they are chosen only when a sequence has fewer than `window` real tokens (and then they are
-  masked out as keys by the caller); ties go to the earlier position.
+  token_scores: [batch, heads, clusters, length]; mask: [batch, length] bool, True = real token. Padding
+  tokens score -inf, so they are chosen only when a sequence has fewer than `window` real tokens (and then
+  they are masked out as keys by the caller); ties go to the earlier position.
   """
   length = token_scores.shape[-1]
   if not 1 <= window <= length:
@@ -106,8 +107,8 @@ def ema_update(centroids: Array, stats: CentroidStats, decay: float = 0.999, smo
 
   The target is the mean of the vectors assigned to mu (queries and keys together, which is the paper's
   `(1 - decay)/2 * (mean assigned q + mean assigned k)` when both sides have equal counts, as with shared QK),
-  with Laplace smoothing: `smoothing` pseudo-observations located at mu itself. A centroid that got no vector in
-  this batch therefore stays exactly where it is instead of decaying towards zero.
+  with Laplace smoothing: `smoothing` pseudo-observations located at mu itself. A centroid that got no vector
+  in this batch therefore stays exactly where it is instead of decaying towards zero.
   centroids: [heads, clusters, d]; returns the same shape and dtype.
   """
   if not 0.0 <= decay <= 1.0:

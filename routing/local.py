@@ -1,8 +1,8 @@
 """Block-local attention: the Routing Transformer's local heads (Roy et al., section 5).
 
 Positions are cut into blocks of `block_size`; a query attends to its own block and the previous one (and, in
-bidirectional mode, the next one), causally masked when `causal`. O(length * block_size * d). Lengths that are not
-a multiple of the block are padded with masked keys internally and sliced back.
+bidirectional mode, the next one), causally masked when `causal`. O(length * block_size * d). Lengths that are
+not a multiple of the block are padded with masked keys internally and sliced back.
 """
 
 from __future__ import annotations

@@ -74,8 +74,10 @@ BASELINE = "dense"
 MB = float(2**20)
 GB = float(2**30)
 PEER_PREFIX = "peer:"
+FLASH = "flash"  # the backend's fused attention kernel, the baseline on accelerators
 SKIP_MEMORY = "skipped: > budget"
 SKIP_TIME = "skipped: time > budget"
+SKIP_NO_FLASH = "skipped: no fused attention kernel"
 
 # (row key, table heading) of the ops table; every other row field is still written to the JSON file.
 OP_COLUMNS: tuple[tuple[str, str], ...] = (
@@ -85,6 +87,7 @@ OP_COLUMNS: tuple[tuple[str, str], ...] = (
   ("fwd_ms", "fwd ms"),
   ("fwdbwd_ms", "fwd+bwd ms"),
   ("peak_mb", "peak MB"),
+  ("device_peak_mb", "device peak MB"),
   ("xla_mb", "XLA MB"),
   ("speedup_fwd", "fwd speedup"),
   ("speedup_fwdbwd", "fwd+bwd speedup"),
@@ -92,6 +95,13 @@ OP_COLUMNS: tuple[tuple[str, str], ...] = (
   ("growth", "growth t(L)/t(L/2)"),
   ("status", "status"),
 )
+
+
+
+def op_columns(baseline: str) -> tuple[tuple[str, str], ...]:
+  """OP_COLUMNS with the memory ratio named after the run's baseline (dense on CPU, flash on accelerators)."""
+  return tuple((key, heading.replace("/dense", f"/{baseline}")) for key, heading in OP_COLUMNS)
+
 
 _MODE_MODULES = {
   "train": ("scripts.benchmark_train", "scripts/benchmark_train.py", "training throughput (models/ helper)"),
@@ -385,7 +395,7 @@ def header_info(args: argparse.Namespace, *, device: str | None = None) -> dict[
     "jax": jax.__version__,
     "device": device or "unknown",
     "cpus": f"{cpus_usable} usable of {os.cpu_count()}",
-    "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
     "python": sys.version.split()[0],
     "command": "python -m scripts.benchmark " + " ".join(getattr(args, "_argv", []) or []),
     "flags": json.dumps(flags, default=str),
@@ -484,27 +494,94 @@ def _device_peak_mb() -> float | None:
   return stats["peak_bytes_in_use"] / MB
 
 
-def _worker_op(args: argparse.Namespace, result: dict[str, Any]) -> None:
+def _start_worker(args: argparse.Namespace, result: dict[str, Any]) -> Any:
+  """Starts JAX for one measurement (float64 enabled when asked) and records the device; returns jax."""
   import jax
-  import jax.numpy as jnp
 
   if args.dtype == "float64":
     jax.config.update("jax_enable_x64", True)
-  from models import ops_registry
-
   device = jax.local_devices()[0]
   result["device"] = f"{device.platform} ({device.device_kind})"
+  return jax
+
+
+def flash_attention_fn(platform: str, *, causal: bool, dtype: str, length: int, head_dim: int
+                       ) -> tuple[Callable[..., Any] | None, str]:
+  """(forward, "") for the backend's raw fused attention kernel, or (None, skip reason).
+
+  GPU: `jax.nn.dot_product_attention(..., implementation="cudnn")` (bfloat16/float16); TPU: JAX's Pallas TPU
+  flash kernel (`jax.experimental.pallas.ops.tpu.flash_attention`, the tiles `dense` uses; lengths a multiple
+  of 128). q, k, v: [batch, length, heads, head_dim]; no key mask, as for the ops.
+  """
+  import jax
+  import jax.numpy as jnp
+
+  if platform == "gpu":
+    if dtype not in ("bfloat16", "float16"):
+      return None, f"{SKIP_NO_FLASH} for {dtype} (cuDNN flash attention takes bfloat16/float16)"
+    def cudnn(q, k, v):
+      return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
+    return cudnn, ""
+  if platform == "tpu":
+    if dtype not in ("bfloat16", "float32") or length % 128:
+      return None, f"{SKIP_NO_FLASH} for {dtype}, L={length} (the TPU kernel: bfloat16/float32, L % 128 == 0)"
+    from jax.experimental.pallas.ops.tpu import flash_attention as tpu_flash
+
+    from baselines.dense import tpu_block_sizes
+
+    def forward(q, k, v):
+      qh, kh, vh = (jnp.swapaxes(t, 1, 2) for t in (q, k, v))  # [batch, heads, length, head_dim]
+      out = tpu_flash.flash_attention(qh, kh, vh, causal=causal, sm_scale=head_dim**-0.5,
+                                      block_sizes=tpu_block_sizes(length))
+      return jnp.swapaxes(out, 1, 2)  # [batch, length, heads, head_dim]
+    return forward, ""
+  return None, f"{SKIP_NO_FLASH} on {platform}"
+
+
+def _worker_flash(args: argparse.Namespace, result: dict[str, Any]) -> None:
+  jax = _start_worker(args, result)
+  result["mode"] = "causal" if args.causal else "bidirectional"
+  forward, reason = flash_attention_fn(jax.default_backend(), causal=args.causal, dtype=args.dtype,
+                                       length=args.lengths[0], head_dim=args.head_dim)
+  if forward is None:
+    result["status"] = reason
+    return
+  _measure(forward, args, result)
+
+
+def _worker_op(args: argparse.Namespace, result: dict[str, Any]) -> None:
+  _start_worker(args, result)
+  from models import ops_registry
+
   spec = ops_registry.get(args._name)
   causal, result["mode"] = op_direction(spec.causal, spec.bidirectional, args.causal)
-  length = args.lengths[0]
-  dtype = jnp.dtype(args.dtype)
-  params = op_params(spec, length, batch=args.batch, heads=args.heads, head_dim=args.head_dim,
+  params = op_params(spec, args.lengths[0], batch=args.batch, heads=args.heads, head_dim=args.head_dim,
                      dtype=args.dtype)
+  if args.implementation is not None and _takes_keyword(spec.fn, "implementation"):
+    params["implementation"] = args.implementation
   result["params"] = {k: v for k, v in params.items() if isinstance(v, (int, float, str, bool))}
 
   def forward(q, k, v):  # [batch, length, heads, head_dim] each
     out = spec.fn(q, k, v, causal=causal, **params)
     return out[0] if isinstance(out, tuple) else out  # [batch, length, heads, head_dim]
+
+  _measure(forward, args, result)
+
+
+def _takes_keyword(fn: Callable[..., Any], name: str) -> bool:
+  try:
+    return name in inspect.signature(fn).parameters
+  except (TypeError, ValueError):
+    return False
+
+
+def _measure(forward: Callable[..., Any], args: argparse.Namespace, result: dict[str, Any]) -> None:
+  """Compiles, checks the memory budget, then times forward and forward+backward of `forward(q, k, v)`."""
+  import jax
+  import jax.numpy as jnp
+
+  length = args.lengths[0]
+  dtype = jnp.dtype(args.dtype)
 
   def loss(q, k, v, cotangent):
     return jnp.sum((forward(q, k, v) * cotangent).astype(jnp.float32))
@@ -521,7 +598,7 @@ def _worker_op(args: argparse.Namespace, result: dict[str, Any]) -> None:
     result["xla_fwdbwd_mb"] = (memories[1]["temp"] + memories[1]["output"]) / MB
     result["xla_mb"] = max(result["xla_fwd_mb"], result["xla_fwdbwd_mb"])
     need = max(m["argument"] + m["temp"] + m["output"] for m in memories)
-    reason = memory_skip_reason(need, args.memory_budget_gb * GB)
+    reason = memory_skip_reason(need, memory_budget_bytes(args))
     if reason:
       result["status"] = reason
       return
@@ -560,11 +637,11 @@ def _worker_peer(args: argparse.Namespace, result: dict[str, Any]) -> None:
 
 def worker_main(args: argparse.Namespace) -> int:
   """Measures one (op or peer, length) and prints one JSON line; exit status 1 on error (also reported)."""
-  result: dict[str, Any] = {"op": args._name if args._kind == "op" else PEER_PREFIX + args._name,
+  result: dict[str, Any] = {"op": row_name(args._kind, args._name),
                             "length": args.lengths[0], "status": "error"}
   code = 0
   try:
-    (_worker_op if args._kind == "op" else _worker_peer)(args, result)
+    {"op": _worker_op, "peer": _worker_peer, FLASH: _worker_flash}[args._kind](args, result)
   except Exception as e:  # reported in the table instead of aborting the whole run
     result["status"] = f"error: {type(e).__name__}: {e}"[:300]
     code = 1
@@ -587,12 +664,21 @@ def parse_worker_output(stdout: str) -> dict[str, Any] | None:
   return None
 
 
+def row_name(kind: str, name: str) -> str:
+  return PEER_PREFIX + name if kind == "peer" else name
+
+
 def worker_command(args: argparse.Namespace, kind: str, name: str, length: int) -> list[str]:
-  return [sys.executable, "-m", "scripts.benchmark", "--_worker", "--_kind", kind, "--_name", name,
-          "--lengths", str(length), "--batch", str(args.batch), "--heads", str(args.heads),
-          "--head_dim", str(args.head_dim), "--dtype", args.dtype, "--causal", str(args.causal).lower(),
-          "--repeats", str(args.repeats), "--memory_budget_gb", str(args.memory_budget_gb),
-          "--time_budget_s", str(args.time_budget_s), "--seed", str(args.seed)]
+  command = [sys.executable, "-m", "scripts.benchmark", "--_worker", "--_kind", kind, "--_name", name,
+             "--lengths", str(length), "--batch", str(args.batch), "--heads", str(args.heads),
+             "--head_dim", str(args.head_dim), "--dtype", args.dtype, "--causal", str(args.causal).lower(),
+             "--repeats", str(args.repeats), "--time_budget_s", str(args.time_budget_s),
+             "--seed", str(args.seed)]
+  if args.memory_budget_gb is not None:
+    command += ["--memory_budget_gb", str(args.memory_budget_gb)]
+  if getattr(args, "implementation", None) is not None:
+    command += ["--implementation", args.implementation]
+  return command
 
 
 def run_worker(command: Sequence[str], *, timeout_s: float) -> tuple[dict[str, Any] | None, str]:
@@ -625,19 +711,25 @@ def _progress(row: Mapping[str, Any]) -> None:
         f"{row.get('status')}", flush=True)
 
 
-def measure_all(args: argparse.Namespace, entries: Sequence[tuple[str, str]]) -> list[dict[str, Any]]:
-  """Rows for every (kind, name) entry at every length, in increasing length, applying the skip rules."""
+def measure_all(args: argparse.Namespace, entries: Sequence[tuple[str, str]],
+                notes: list[str] | None = None) -> list[dict[str, Any]]:
+  """Rows for every (kind, name) entry at every length, in increasing length, applying the skip rules.
+
+  A flash entry whose worker finds no fused kernel on the device gives no row (its reason goes to `notes`)
+  and is not run again.
+  """
   rows = []
   history: dict[str, list[tuple[int, float]]] = {}
   stopped: dict[str, str] = {}
   for length in args.lengths:
     for kind, name in entries:
-      row_name = name if kind == "op" else PEER_PREFIX + name
-      row: dict[str, Any] = {"op": row_name, "length": length}
+      key = row_name(kind, name)
+      row: dict[str, Any] = {"op": key, "length": length}
       # A time skip repeats by itself at larger L (the prediction only grows); memory skips and kills are
       # remembered.
-      reason = stopped.get(row_name) or time_skip_reason(row_name, length, history.get(row_name, []),
-                                                         args.time_budget_s)
+      reason = stopped.get(key) or time_skip_reason(key, length, history.get(key, []), args.time_budget_s)
+      if reason and reason.startswith(SKIP_NO_FLASH):
+        continue
       if reason:
         row["status"] = reason
       else:
@@ -645,12 +737,17 @@ def measure_all(args: argparse.Namespace, entries: Sequence[tuple[str, str]]) ->
                                      timeout_s=args.worker_timeout_s)
         row.update(parsed or {"status": failure})
         status = row.get("status", "")
+        if status.startswith(SKIP_NO_FLASH):
+          if notes is not None:
+            notes.append(f"{FLASH} (the backend's fused attention kernel): {status}")
+          stopped[key] = status
+          continue
         if status.startswith(SKIP_MEMORY):
-          stopped[row_name] = f"{SKIP_MEMORY} (at L={length} already)"
+          stopped[key] = f"{SKIP_MEMORY} (at L={length} already)"
         elif "killed" in status:
-          stopped[row_name] = f"skipped: killed at L={length}"
+          stopped[key] = f"skipped: killed at L={length}"
         elif status == "ok":
-          history.setdefault(row_name, []).append((length, row["fwdbwd_s"]))
+          history.setdefault(key, []).append((length, row["fwdbwd_s"]))
       rows.append(row)
       _progress(row)
   return rows
@@ -661,27 +758,36 @@ def run_ops_mode(args: argparse.Namespace) -> dict[str, str]:
 
   available = ops_registry.names()
   names = parse_names(args.ops, [BASELINE] + [n for n in available if n != BASELINE], flag="--ops")
-  entries = [("op", n) for n in names]
+  entries = ([(FLASH, FLASH)] if args.flash else []) + [("op", n) for n in names]
   if args.peers is not None:
     from scripts.benchmark_peers import PEERS
 
     entries += [("peer", n) for n in parse_names(args.peers, list(PEERS), flag="--peers")]
   print(f"[benchmark] {len(entries)} rows x {len(args.lengths)} lengths: {[n for _, n in entries]}",
         flush=True)
-  rows = add_ratios(measure_all(args, entries))
-  device = next((r["device"] for r in rows if r.get("device")), None)
+  flash_notes: list[str] = []
+  measured = measure_all(args, entries, flash_notes)
+  device = next((r["device"] for r in measured if r.get("device")), None)
+  accelerator = device is not None and not device.startswith("cpu")
+  baseline = FLASH if any(r["op"] == FLASH and r.get("status") == "ok" for r in measured) else BASELINE
+  peak = "device_peak_mb" if accelerator else "peak_mb"
+  rows = add_ratios(measured, baseline=baseline,
+                    memory_fields=((peak, "mem_ratio"), ("xla_mb", "xla_mem_ratio")))
   header = header_info(args, device=device)
   notes = [
     f"shapes: q, k, v [batch={args.batch}, L, heads={args.heads}, head_dim={args.head_dim}], {args.dtype}",
     "fwd / fwd+bwd ms: median of repeats after a warm-up, compile excluded; fwd+bwd = grad of "
     "sum(out * random cotangent) w.r.t. q, k, v",
     "peak MB: the worker process's peak-RSS increase over its baseline after inputs were created "
-    "(host memory); XLA MB: compiled temp + output bytes (max of fwd and fwd+bwd)",
-    f"speedup = {BASELINE} time / op time, mem/dense = op peak / {BASELINE} peak, both against {BASELINE} in "
-    "this run at the same L (n/a: no dense figure there); growth = fwd+bwd time(L) / time(L/2)",
+    "(host memory); device peak MB: the accelerator allocator's peak_bytes_in_use in the op's own process "
+    "(inputs included; n/a on CPU); XLA MB: compiled temp + output bytes (max of fwd and fwd+bwd)",
+    f"speedup = {baseline} time / op time, mem/{baseline} = op {peak} / {baseline} {peak}, both against "
+    f"{baseline} in this run at the same L (n/a: no {baseline} figure there); growth = fwd+bwd time(L) / "
+    "time(L/2)",
     "mode with *: the op supports only that direction",
+    *flash_notes,
   ]
-  paths = write_report(rows, OP_COLUMNS, args.out_dir, "benchmark_ops", header=header, notes=notes,
+  paths = write_report(rows, op_columns(baseline), args.out_dir, "benchmark_ops", header=header, notes=notes,
                        title="Attention ops: time and memory")
   paths["png"] = plot_scaling(rows, os.path.join(args.out_dir, "benchmark_ops.png"),
                               title=f"{header['device']}, jax {header['jax']}, batch {args.batch}, heads "
@@ -716,7 +822,9 @@ def run_delegated_mode(args: argparse.Namespace) -> Any:
 
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="python -m scripts.benchmark", description=__doc__.split("\n\n")[0],
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+                                   formatter_class=argparse.RawDescriptionHelpFormatter, add_help=False)
+  parser.add_argument("-h", "--help", action="store_true",
+                      help="show this help (with --mode M: also M's flags)")
   parser.add_argument("--mode", choices=("ops", *_MODE_MODULES), default="ops")
   parser.add_argument("--ops", default=None, help="comma list of registered ops (default: all)")
   parser.add_argument("--lengths", type=parse_lengths, default=list(DEFAULT_LENGTHS),
@@ -726,21 +834,48 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument("--head_dim", type=int, default=64)
   parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16", "float64"))
   parser.add_argument("--causal", type=parse_bool, default=True, help="true|false (default true)")
-  parser.add_argument("--repeats", type=int, default=3, help="timed calls after one warm-up (median)")
+  parser.add_argument("--repeats", type=int, default=None,
+                      help="timed calls after one warm-up (median; default 3, --mode input: 10 train steps)")
   parser.add_argument("--out_dir", default="bench_out")
-  parser.add_argument("--memory_budget_gb", type=float, default=20.0,
-                      help="GiB; skip an (op, L) whose XLA footprint exceeds it (default 20 of 24)")
+  parser.add_argument("--memory_budget_gb", type=float, default=None,
+                      help="GiB; skip an (op, L) whose XLA footprint exceeds it (default: 85%% of this "
+                           "machine's memory, or of the accelerator's)")
   parser.add_argument("--time_budget_s", type=float, default=300.0,
                       help="skip an op at L when its predicted fwd+bwd time exceeds this")
   parser.add_argument("--worker_timeout_s", type=float, default=3600.0,
                       help="wall limit of one worker process")
   parser.add_argument("--peers", nargs="?", const="all", default=None,
                       help="also time scripts/benchmark_peers.py PEERS (all, or a comma list)")
+  parser.add_argument("--flash", type=parse_bool, default=True,
+                      help="also time the backend's fused attention kernel (cuDNN on GPU, the Pallas TPU "
+                           "kernel on TPU; none on CPU) and take it as the ratios' baseline (default true)")
+  parser.add_argument("--implementation", default=None,
+                      help="passed as implementation= to every op whose signature takes it (default: the "
+                           "op's own default, 'auto')")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--_worker", action="store_true", help=argparse.SUPPRESS)
-  parser.add_argument("--_kind", choices=("op", "peer"), default="op", help=argparse.SUPPRESS)
+  parser.add_argument("--_kind", choices=("op", "peer", FLASH), default="op", help=argparse.SUPPRESS)
   parser.add_argument("--_name", default=None, help=argparse.SUPPRESS)
   return parser
+
+
+def print_mode_help(parser: argparse.ArgumentParser, mode: str) -> None:
+  """`--mode M --help`: the shared flags, then the flags of mode M's own module."""
+  module_name, _, what = _MODE_MODULES[mode]
+  parser.print_help()
+  print(f"\n--mode {mode} ({what}) also takes:\n")
+  importlib.import_module(module_name).build_parser().print_help()
+
+
+def memory_budget_bytes(args: argparse.Namespace) -> float:
+  """--memory_budget_gb, or 85% of the device's memory (an accelerator's limit, else this machine's RAM)."""
+  import jax
+
+  if args.memory_budget_gb is not None:
+    return args.memory_budget_gb * GB
+  stats = jax.devices()[0].memory_stats() or {}
+  total = stats.get("bytes_limit") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  return 0.85 * float(total)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -750,8 +885,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   if extra and args.mode == "ops":
     parser.error(f"unrecognized arguments: {' '.join(extra)}")
   for flag in ("batch", "heads", "head_dim", "repeats"):
-    if getattr(args, flag) < 1:
+    if getattr(args, flag) is not None and getattr(args, flag) < 1:
       parser.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+  if args.memory_budget_gb is not None and args.memory_budget_gb <= 0:
+    parser.error(f"--memory_budget_gb must be > 0, got {args.memory_budget_gb}")
+  if args.mode != "input" and args.repeats is None:
+    args.repeats = 3
+  if args.help:
+    if args.mode == "ops":
+      parser.print_help()
+    else:
+      print_mode_help(parser, args.mode)
+    parser.exit()
   args.extra = extra
   args._argv = argv
   return args

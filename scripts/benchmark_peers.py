@@ -1,4 +1,4 @@
-"""Peer implementations timed next to ours by `python -m scripts.benchmark --peers` (docs/design.md section 7).
+"""Peer implementations timed next to ours by `python -m scripts.benchmark --peers` (docs/design.md §7).
 
 A peer is a third-party attention (PyTorch packages from `requirements-bench.txt`: lucidrains'
 `routing-transformer`, HuggingFace `transformers`' YOSO) run on the same shapes as our ops. Each entry of
@@ -75,9 +75,9 @@ def register_peer(name: str, *, counterparts: tuple[str, ...] = ()) -> Callable[
 
 @register_peer("routing_transformer", counterparts=("routing",))
 def _routing_transformer(length, batch, heads, head_dim, causal, dtype):
-  """lucidrains' `routing-transformer` KmeansAttention, set up like our `routing` op (issue 5): clusters = window =
-  sqrt(L) rounded up to a power of two, shared QK. Its one-time k-means initialisation (10 Lloyd iterations) runs
-  here, untimed; the timed calls are in eval mode, so like ours they do not update the centroids."""
+  """lucidrains' `routing-transformer` KmeansAttention, set up like our `routing` op: clusters = window =
+  sqrt(L) rounded up to a power of two, shared QK. Its one-time k-means initialisation (10 Lloyd iterations)
+  runs here, untimed; the timed calls are in eval mode, so like ours they do not update the centroids."""
   import torch
   from routing_transformer.routing_transformer import KmeansAttention
 
@@ -108,11 +108,11 @@ def _routing_transformer(length, batch, heads, head_dim, causal, dtype):
 
 @register_peer("hf_yoso", counterparts=("yoso_e", "yoso", "yoso_sketch"))
 def _hf_yoso(length, batch, heads, head_dim, causal, dtype):
-  """HuggingFace `transformers`' `YosoSelfAttention` (issue 6) with tau = hash_code_len = 8, as our `yoso_e` and
-  `yoso`. Without CUDA its LSH kernels do not exist, so only the expectation path (`use_expectation=True`, dense
-  O(L^2), YOSO-E) runs here. The q/k/v linear projections are replaced by identities so that, like our ops, only
-  the attention is timed (the module then attends over q = k = v = its input, which costs the same as distinct
-  inputs). Padding mask: all real tokens; no convolution (conv_window=None)."""
+  """HuggingFace `transformers`' `YosoSelfAttention` with tau = hash_code_len = 8, as our `yoso_e` and `yoso`.
+  Without CUDA its LSH kernels do not exist, so only the expectation path (`use_expectation=True`, dense
+  O(L^2), YOSO-E) runs here. The q/k/v linear projections are replaced by identities so that, like our ops,
+  only the attention is timed (the module then attends over q = k = v = its input, which costs the same as
+  distinct inputs). Padding mask: all real tokens; no convolution (conv_window=None)."""
   if causal:
     raise ValueError("hf_yoso: YOSO attention is bidirectional only (causal=True unsupported)")
   import torch
@@ -136,5 +136,133 @@ def _hf_yoso(length, batch, heads, head_dim, causal, dtype):
   def fwdbwd():
     out = attn(x, mask)[0]
     torch.autograd.grad((out * cot).sum(), (x,))
+
+  return fwd, fwdbwd
+
+
+def _torch_qkv(length, batch, heads, head_dim, dtype):
+  """Random q, k, v [batch, heads, length, head_dim] (requiring grad) and a cotangent, in torch."""
+  import torch
+
+  torch_dtype = getattr(torch, dtype)
+  gen = torch.Generator().manual_seed(0)
+  q, k, v = (torch.randn(batch, heads, length, head_dim, generator=gen, dtype=torch_dtype, requires_grad=True)
+             for _ in range(3))
+  cot = torch.randn(batch, heads, length, head_dim, generator=gen, dtype=torch_dtype)
+  return q, k, v, cot
+
+
+def _torch_pair(attn, q, k, v, cot):
+  """(fwd, fwdbwd) for `attn(q, k, v) -> out`."""
+  import torch
+
+  def fwd():
+    with torch.no_grad():
+      attn(q, k, v)
+
+  def fwdbwd():
+    torch.autograd.grad((attn(q, k, v) * cot).sum(), (q, k, v))
+@register_peer("reformer_pytorch", counterparts=("reformer",))
+def _reformer_pytorch(length, batch, heads, head_dim, causal, dtype):
+  """lucidrains' `reformer-pytorch` LSHAttention set up like our `reformer` row: bucket_size = chunk = 64
+  (as many buckets as chunks), 2 hash rounds, shared QK (it normalises the keys itself); heads folded into the
+  batch, as its LSHSelfAttention does. Its length must be a multiple of 128."""
+  import torch
+  from reformer_pytorch.reformer_pytorch import LSHAttention
+
+  torch_dtype = getattr(torch, dtype)
+  attn = LSHAttention(bucket_size=64, n_hashes=2, causal=causal).eval()
+  gen = torch.Generator().manual_seed(0)
+  qk, v = (torch.randn(batch * heads, length, head_dim, generator=gen, dtype=torch_dtype, requires_grad=True)
+           for _ in range(2))
+  cot = torch.randn(batch * heads, length, head_dim, generator=gen, dtype=torch_dtype)
+
+  def fwd():
+    with torch.no_grad():
+      attn(qk, v)
+
+  def fwdbwd():
+    out = attn(qk, v)[0]
+    torch.autograd.grad((out * cot).sum(), (qk, v))
+
+  return fwd, fwdbwd
+
+
+@register_peer("performer_pytorch", counterparts=("performer",))
+def _performer_pytorch(length, batch, heads, head_dim, causal, dtype):
+  """lucidrains' `performer-pytorch` FastAttention (FAVOR+), 256 features as our `performer`; causal through
+  its CPU prefix-sum path (chunks of 128)."""
+  import torch
+  from performer_pytorch import FastAttention
+
+  attn = FastAttention(dim_heads=head_dim, nb_features=256, causal=causal).to(getattr(torch, dtype))
+  return _torch_pair(attn, *_torch_qkv(length, batch, heads, head_dim, dtype))
+
+
+@register_peer("linear_attention_transformer", counterparts=("linear",))
+def _linear_attention_transformer(length, batch, heads, head_dim, causal, dtype):
+  """lucidrains' `linear-attention-transformer` attention functions: `linear_attn` (bidirectional) and
+  `causal_linear_attn` (prefix sums over buckets of 64, as our chunks). Its feature map is the softmax of
+  "efficient attention" (Shen et al.) rather than elu + 1; the cost has the same O(L d^2) shape."""
+  if causal and length % 64:
+    raise ValueError("linear_attention_transformer: causal needs a length divisible by 64")
+  from linear_attention_transformer.linear_attention_transformer import causal_linear_attn, linear_attn
+
+  attn = (lambda q, k, v: causal_linear_attn(q, k, v, bucket_size=64)) if causal else linear_attn
+  return _torch_pair(attn, *_torch_qkv(length, batch, heads, head_dim, dtype))
+
+
+def _local_attention(length, batch, heads, head_dim, causal, dtype, *, sliding):
+  import torch
+  from local_attention import LocalAttention
+
+  from core.registry import sqrt_pow2
+
+  size = sqrt_pow2(length)
+  if sliding:  # +-window exactly, like our longformer without global tokens
+    attn = LocalAttention(window_size=size, causal=causal, look_backward=1, look_forward=0 if causal else 1,
+                          exact_windowsize=True, autopad=True)
+  else:  # own block only, like our local
+    attn = LocalAttention(window_size=size, causal=causal, look_backward=0, look_forward=0, autopad=True)
+  return _torch_pair(attn.to(getattr(torch, dtype)), *_torch_qkv(length, batch, heads, head_dim, dtype))
+
+
+@register_peer("local_attention", counterparts=("local",))
+def _local_attention_block(length, batch, heads, head_dim, causal, dtype):
+  """lucidrains' `local-attention` LocalAttention with the window sqrt(L) rounded up to a power of two and no
+  look backward/forward: each query attends within its own block, as our `local` at its automatic block
+  size."""
+  return _local_attention(length, batch, heads, head_dim, causal, dtype, sliding=False)
+
+
+@register_peer("local_attention_window", counterparts=("longformer",))
+def _local_attention_window(length, batch, heads, head_dim, causal, dtype):
+  """`local-attention` LocalAttention as an exact sliding window of sqrt(L) rounded up to a power of two on
+  each side (causal: behind), one block back and forward: our `longformer`'s band without global tokens."""
+  return _local_attention(length, batch, heads, head_dim, causal, dtype, sliding=True)
+@register_peer("nystrom_attention", counterparts=("nystromformer",))
+def _nystrom_attention(length, batch, heads, head_dim, causal, dtype):
+  """lucidrains' `nystrom-attention` NystromAttention set up like our `nystromformer` row: 64 landmarks, 6
+  pseudo-inverse iterations, no residual convolution. Its q/k/v and output projections are replaced by
+  identities (the input carries q, k, v side by side), so only the attention is timed. Bidirectional only."""
+  if causal:
+    raise ValueError("nystrom_attention: Nystromformer is bidirectional only (causal=True unsupported)")
+  import torch
+  from nystrom_attention import NystromAttention
+
+  torch_dtype = getattr(torch, dtype)
+  attn = NystromAttention(dim=heads * head_dim, dim_head=head_dim, heads=heads, num_landmarks=64,
+                          pinv_iterations=6, residual=False).to(torch_dtype).eval()
+  attn.to_qkv = attn.to_out = torch.nn.Identity()
+  gen = torch.Generator().manual_seed(0)
+  x = torch.randn(batch, length, 3 * heads * head_dim, generator=gen, dtype=torch_dtype, requires_grad=True)
+  cot = torch.randn(batch, length, heads * head_dim, generator=gen, dtype=torch_dtype)
+
+  def fwd():
+    with torch.no_grad():
+      attn(x)
+
+  def fwdbwd():
+    torch.autograd.grad((attn(x) * cot).sum(), (x,))
 
   return fwd, fwdbwd

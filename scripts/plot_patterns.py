@@ -5,10 +5,11 @@
 
 For every query row i (vertical axis) and key j (horizontal axis) a cell is coloured by the role key j plays
 for query i, read from the from-definition reference (`combiner.reference.plan_sets` / `sparse_support`,
-docs/design.md section 4): dark blue = direct set D_i (attended individually), warm shades = spans S_i^r (attended
-through the span's pooled abstraction; neighbouring spans of a row get different shades so the partition is
-visible), white = not attended (the future under causal masking). A Combiner row is fully coloured over
-Omega_i (full attention); a sparse baseline's row shows only the keys it attends to (dark green).
+docs/design.md section 4): dark blue = direct set D_i (attended individually), warm shades = spans S_i^r
+(attended through the span's pooled abstraction; neighbouring spans of a row get different shades so the
+partition is visible), white = not attended (the future under causal masking). A Combiner row is fully
+coloured over Omega_i (full attention); a sparse baseline's row shows only the keys it attends to
+(dark green).
 
 Writes one PNG per plan and direction (`combiner_<plan>_<causal|bidirectional>.png`,
 `sparse_<plan>_<causal|bidirectional>.png`) and `overview.png` (all panels, causal top row, bidirectional

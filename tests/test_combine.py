@@ -18,7 +18,7 @@ def test_merge_equals_joint_softmax_with_empty_and_far_apart_partials():
   valid[:, 3:, 0] = True
   with jax.enable_x64(True):
     pieces = []
-    for shift, ok in zip(shifts, valid):
+    for shift, ok in zip(shifts, valid, strict=True):
       values = jnp.asarray(rng.standard_normal((q, n, d)))
       pieces.append(Piece(jnp.asarray(rng.standard_normal((q, n)) + shift), jnp.asarray(ok),
                           lambda w, values=values: jnp.einsum("qn,qnd->qd", w, values)))

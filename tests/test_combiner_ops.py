@@ -162,8 +162,8 @@ def test_op_equals_reference(plan):
           fns.append(lambda q, k, v, m, pq, pk, op=op, c=causal, p=pooling, w=with_pool: op(
               q, k, v, causal=c, mask=m, pooling=p, **({"pool_q": pq, "pool_k": pk} if w else {})))
           args.append((q, k, v, mask, pq, pk))
-          ref_fn = (lambda qq, kk, rp=ref_plan, pr=params, c=causal, p=pooling, **rk:
-                    ref.attention_matrix(rp, qq, kk, causal=c, pooling=p, **pr, **rk))
+          def ref_fn(qq, kk, rp=ref_plan, pr=params, c=causal, p=pooling, **rk):
+            return ref.attention_matrix(rp, qq, kk, causal=c, pooling=p, **pr, **rk)
           kw = {"pool_q": pq, "pool_k": pk} if with_pool else {}
           what = f"{plan}({size}) pooling={pooling} pool_qk={with_pool}"
           checks.append((ref_fn, q, k, mask, causal, kw, what))
@@ -319,7 +319,8 @@ def test_degenerate_plans_equal_dense():
       real = np.asarray(mask)
       directions = (True, False) if length > 1 else (True,)  # at L = 1 both directions are the same set
       cases = [(plan, size, causal) for plan, size in _dense_cases(length) for causal in directions]
-      outs = run_many([lambda q, k, v, p=p, s=s, c=c: plan_call(p, s)[0](q, k, v, causal=c, mask=mask)
+      outs = run_many([lambda q, k, v, p=p, s=s, c=c, mask=mask:
+                         plan_call(p, s)[0](q, k, v, causal=c, mask=mask)
                        for p, s, c in cases], [(q, k, v)] * len(cases), group=12)
       for out, (plan, size, causal) in zip(outs, cases, strict=True):
         expect = np.asarray(dense(q, k, v, causal=causal, mask=mask))
@@ -351,7 +352,7 @@ def test_no_nan_fully_masked_spans_and_huge_logits(plan):
     for dtype in (jnp.float32,):  # float32 is where huge logits overflow; float64 shares the code path
       v = one_hot_v(batch, length, dtype)
       w = normal(g, v.shape, dtype)
-      program = fast_jit(lambda q, k: [value_and_grads(q, k, v, w, c) for c in (True, False)])
+      program = fast_jit(lambda q, k, v=v, w=w: [value_and_grads(q, k, v, w, c) for c in (True, False)])
       for scale in (1.0, 100.0):
         results = program((q * scale).astype(dtype), k.astype(dtype))
         for (out, grads), causal in zip(results, (True, False), strict=True):

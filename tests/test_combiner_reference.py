@@ -1,4 +1,5 @@
-"""Self-checks of the from-definition reference (combiner/reference.py) against docs/design.md §4 and the paper.
+"""Self-checks of the from-definition reference (combiner/reference.py) against docs/design.md §4 and the
+paper.
 
 The reference is what the fast ops are tested against, so it is checked here on its own: the sets partition
 Omega_i for every plan, length, block/row size and mask; hand-written cases from the paper's figures; and the

@@ -1,4 +1,4 @@
-"""combiner.routed (Combiner-learnable, issue 5) against the from-definition reference in float64."""
+"""combiner.routed (Combiner-learnable) against the from-definition reference in float64."""
 
 import functools
 

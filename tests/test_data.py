@@ -1,4 +1,5 @@
-"""Input pipelines on small generated data (offline): layouts, masks, tokenization, packing, resume, sharding."""
+"""Input pipelines on small generated data (offline): layouts, masks, tokenization, packing, resume,
+sharding."""
 
 from __future__ import annotations
 
@@ -192,7 +193,8 @@ def test_lra_text_and_image_from_tfds(tmp_path):
   import tensorflow_datasets as tfds
 
   with testing.mock_data("lra_text", tmp_path, num_examples=5):
-    b = _batches(_config("lra_text", None, seq_len=50), split="train", batch_size=5, shuffle=False, num_epochs=1)[0]
+    b = _batches(_config("lra_text", None, seq_len=50), split="train", batch_size=5, shuffle=False,
+                 num_epochs=1)[0]
     src = tfds.data_source("imdb_reviews", split="train")
     for i in range(5):
       raw = np.frombuffer(src[i]["text"].encode("utf-8")[:50], np.uint8)
@@ -209,7 +211,8 @@ def test_lra_text_and_image_from_tfds(tmp_path):
 
 
 def test_missing_files_name_path_and_prepare_command(tmp_path):
-  with pytest.raises(FileNotFoundError, match=r"listops-1000/basic_train.tsv.*python -m data.prepare lra_listops"):
+  with pytest.raises(FileNotFoundError,
+                     match=r"listops-1000/basic_train.tsv.*python -m data.prepare lra_listops"):
     _batches(_config("lra_listops", str(tmp_path)), split="train")
   with pytest.raises(FileNotFoundError, match=r"wiki40b/en/1.3.0.*python -m data.prepare wiki40b --data_dir"):
     _batches(_config("wiki40b", str(tmp_path)), split="train")
@@ -217,7 +220,7 @@ def test_missing_files_name_path_and_prepare_command(tmp_path):
     data.dataset_info(_config("mnist"))
 
 
-# ------------------------------------------------------------------------------------------------ ListOps generator
+# ------------------------------------------------------------------------------------------ ListOps generator
 
 
 def test_listops_generator_published_process():
@@ -368,7 +371,7 @@ def test_mlm_corruption_ratios_on_a_large_sample():
   assert out[randomized].min() >= tokenizer.FIRST_PIECE_ID and out[randomized].max() < 1000
 
 
-# ------------------------------------------------------------------------------------------------ resume, sharding
+# ------------------------------------------------------------------------------------------- resume, sharding
 
 
 @pytest.mark.parametrize("name", ["wiki40b", "c4", "lra_listops"])
@@ -473,9 +476,10 @@ def test_dataset_engine_yields_the_data_loader_batches(split, shuffle, num_epoch
   batches = {}
   for engine in ("dataset", "loader"):
     loader = pipeline.make_loader(_Numbered(11), [_Noisy()], split=split, batch_size=4, seed=3, shard_index=1,
-                                  shard_count=2, shuffle=shuffle, num_epochs=num_epochs, config=config, engine=engine)
+                                  shard_count=2, shuffle=shuffle, num_epochs=num_epochs, config=config,
+                                  engine=engine)
     it = iter(loader)
-    batches[engine] = [b for _, b in zip(range(12), it)]
+    batches[engine] = [b for _, b in zip(range(12), it, strict=False)]
   assert len(batches["dataset"]) == len(batches["loader"]) > 2
   for got, want in zip(batches["dataset"], batches["loader"], strict=True):
     assert set(got) == set(want) == {"inputs", "valid"}
@@ -559,7 +563,8 @@ def test_index_sampler_checkpoint_is_a_clear_error(tmp_path):
 
   def loader():
     return iter(pipeline.make_loader(_Numbered(9), [op], split="train", batch_size=2, seed=0, shard_index=0,
-                                     shard_count=1, shuffle=True, num_epochs=None, config=config, engine="loader"))
+                                     shard_count=1, shuffle=True, num_epochs=None, config=config,
+                                     engine="loader"))
 
   it = loader()
   next(it)
@@ -577,11 +582,13 @@ def test_index_sampler_checkpoint_is_a_clear_error(tmp_path):
     pipeline.check_iterator_checkpoint(str(step_dir), loader(), config)
 
 
-@pytest.mark.parametrize("fields", [dict(seq_len=64), dict(seq_len=37, num_pairs=9, num_keys=12, num_values=7),
+@pytest.mark.parametrize("fields", [dict(seq_len=64),
+                                    dict(seq_len=37, num_pairs=9, num_keys=12, num_values=7),
                                     dict(seq_len=2000, num_pairs=3)])
 def test_synthetic_recall_records_pose_the_task(fields):
-  """Every record: distinct stored keys, one pair per slice of the first half, filler elsewhere, and each answer
-  is the value stored with the queried key; batch generation equals one-by-one generation; records differ."""
+  """Every record: distinct stored keys, one pair per slice of the first half, filler elsewhere, and each
+  answer is the value stored with the queried key; batch generation equals one-by-one generation; records
+  differ."""
   from data import synthetic
 
   source = synthetic.RecallSource(_config("synthetic_recall", **fields), "validation", seed=11)
@@ -590,7 +597,7 @@ def test_synthetic_recall_records_pose_the_task(fields):
   edges = np.linspace(0, half, p + 1).astype(int)
   indices = [int(i) for i in np.random.default_rng(5).integers(0, 1 << 40, size=24)]
   batch = source.read_batch(indices)
-  for index, record in zip(indices, batch):
+  for index, record in zip(indices, batch, strict=True):
     single = source[index]
     for key in single:
       assert record[key].dtype == single[key].dtype
@@ -604,7 +611,7 @@ def test_synthetic_recall_records_pose_the_task(fields):
     assert np.all(np.delete(t[:half], pair_pos) < f)
     q_pos = half + 2 * np.arange((length - half) // 2)
     assert np.all(record["weights"][q_pos + 1] == 1) and record["weights"].sum() == len(q_pos)
-    for q, a in zip(t[q_pos], t[q_pos + 1]):
+    for q, a in zip(t[q_pos], t[q_pos + 1], strict=True):
       assert stored[q - f] == a - (f + k + k * v)
   assert len({r["inputs"].tobytes() for r in batch}) == len(batch)
   other = synthetic.RecallSource(_config("synthetic_recall", **fields), "train", seed=11)
@@ -629,8 +636,8 @@ def test_input_benchmark_reports_pipeline_against_smoke_step(tmp_path):
 
   from scripts import benchmark, benchmark_input
 
-  args = benchmark.parse_args(["--mode", "input", "--out_dir", str(tmp_path), "--datasets", "synthetic_recall",
-                               "--seconds", "0.2", "--repeats", "2", "--rounds", "2"])
+  args = benchmark.parse_args(["--mode", "input", "--out_dir", str(tmp_path), "--datasets",
+                               "synthetic_recall", "--seconds", "0.2", "--repeats", "2", "--rounds", "2"])
   assert benchmark_input.main(args) == 0
   paths = {"json": tmp_path / "benchmark_input.json", "markdown": tmp_path / "benchmark_input.md"}
   (row,) = json.load(open(paths["json"]))["rows"]
@@ -658,7 +665,8 @@ def test_listops_synthetic_split_is_generated_once_and_bit_identical(tmp_path, m
         np.testing.assert_array_equal(x[key], y[key])
   assert isinstance(listops.make_source(cached, "train"), listops.CachedSource)
   root = tmp_path / "listops_synthetic"
-  assert sorted(p.name.split("-")[0] for p in root.iterdir()) == ["train", "validation"]  # no temporaries left
+  # no temporaries left
+  assert sorted(p.name.split("-")[0] for p in root.iterdir()) == ["train", "validation"]
   # Later runs read the cache (the generator is not called again) ...
   monkeypatch.setattr(listops, "_generate_range", lambda args: pytest.fail("generated again"))
   assert len(_batches(cached, "validation", batch_size=5)) == 2
@@ -666,8 +674,8 @@ def test_listops_synthetic_split_is_generated_once_and_bit_identical(tmp_path, m
   for change in (dict(data_seed=4), dict(num_validation=8), dict(max_length=81), dict(listops_parens=True)):
     assert listops.cache_path(_config("listops_synthetic", str(tmp_path), **{**fields, **change}),
                               "validation") != listops.cache_path(cached, "validation")
-  assert listops.cache_path(_config("listops_synthetic", str(tmp_path), cache_dir=str(tmp_path / "c"), **fields),
-                            "validation").startswith(str(tmp_path / "c"))
+  assert listops.cache_path(_config("listops_synthetic", str(tmp_path), cache_dir=str(tmp_path / "c"),
+                                    **fields), "validation").startswith(str(tmp_path / "c"))
 
 
 def test_prepare_builds_the_listops_synthetic_cache(tmp_path, monkeypatch, capsys):
@@ -768,7 +776,8 @@ def test_data_loader_checkpoint_on_the_dataset_engine_is_a_clear_error(tmp_path)
   import grain
 
   def loader(engine=None):
-    config = _config("synthetic_recall", seq_len=32, train_examples=40, **({"engine": engine} if engine else {}))
+    config = _config("synthetic_recall", seq_len=32, train_examples=40,
+                     **({"engine": engine} if engine else {}))
     return iter(data.create_dataset(config, "train", batch_size=4, seed=0, shard_index=0, shard_count=1))
 
   old = loader("loader")

@@ -1,4 +1,5 @@
-"""`python -m data.prepare`: plan printed up front, manual steps, unpacking, tokenizer training, verification."""
+"""`python -m data.prepare`: plan printed up front, manual steps, unpacking, tokenizer training,
+verification."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ def test_plan_names_size_time_and_manual_downloads(capsys):
   assert "size:" in text and "time:" in text
   assert "train_64x64.tar" in text and "/data/downloads/manual/" in text
   lra = prepare.describe("lra_pathfinder", "/data")
-  assert "https://storage.googleapis.com/long-range-arena/lra_release.gz" in lra and "/data/lra_release/" in lra
+  assert ("https://storage.googleapis.com/long-range-arena/lra_release.gz" in lra
+          and "/data/lra_release/" in lra)
 
 
 def test_lra_missing_archive_is_a_manual_step(tmp_path, capsys):

@@ -14,12 +14,12 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 OP_PACKAGES = ("combiner", "routing", "yoso", "baselines")
 # package -> top-level packages of this repository it must not import
 FORBIDDEN = {
-    "core": {"combiner", "routing", "yoso", "baselines", "models", "data", "configs", "scripts", "train", "eval",
-             "runtime"},
+    "core": {"combiner", "routing", "yoso", "baselines", "models", "data", "configs", "scripts", "train",
+             "eval", "runtime"},
     **{pkg: {"models", "data", "configs", "scripts", "train", "eval", "runtime"} for pkg in OP_PACKAGES},
     # the entry points' path layer and process setup: shared by train, eval and data, importing none of them
-    "runtime": {"core", "combiner", "routing", "yoso", "baselines", "models", "data", "configs", "scripts", "train",
-                "eval"},
+    "runtime": {"core", "combiner", "routing", "yoso", "baselines", "models", "data", "configs", "scripts",
+                "train", "eval"},
 }
 
 

@@ -1,4 +1,5 @@
-"""Routing attention (issue 5): k-means statistics, EMA, balanced membership, attention vs NumPy, causality."""
+"""Routing attention: k-means statistics, EMA, balanced membership, attention vs NumPy,
+causality."""
 
 import functools
 
@@ -58,7 +59,7 @@ def _routing_numpy(q, k, v, mu, mask, window, causal, share_qk, scale_logits, ma
     for hi in range(h):
       total, count = np.zeros((n, v.shape[-1])), np.zeros(n)
       for c in range(mu.shape[1]):
-        def members(x):
+        def members(x, bi=bi, hi=hi, c=c):
           s = np.where(mask[bi], x[bi, :, hi] @ mu[hi, c], -np.inf)
           return np.sort(np.argsort(-s, kind="stable")[:window])
         qi = members(qn)
@@ -216,8 +217,8 @@ def test_gradients_finite_and_bf16_close():
   gq, gv = jax.jit(jax.grad(loss, argnums=(0, 1)))(q, v)
   assert bool(jnp.isfinite(gq).all() and jnp.isfinite(gv).all()) and float(jnp.abs(gq).sum()) > 0
   f32, _ = _routing(q, k, v, mu, mask, window=4, causal=True)
-  b16, _ = _routing(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), mu, mask, window=4,
-                    causal=True)
+  b16, _ = _routing(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), mu, mask,
+                    window=4, causal=True)
   assert b16.dtype == jnp.bfloat16
   real = np.asarray(mask)[:, :, None, None]
   np.testing.assert_allclose(np.where(real, np.asarray(b16, np.float32), 0), np.where(real, f32, 0), atol=0.1)
@@ -258,8 +259,8 @@ def test_local_attention_matches_numpy(causal, n, size):
 
 
 def _nearest_numpy(q, v, mu, mask, window, causal):
-  """Nearest-centroid membership: each token attends to its `window` most recent cluster-mates (self included),
-  or to those within `window - 1` cluster-mates on either side when bidirectional."""
+  """Nearest-centroid membership: each token attends to its `window` most recent cluster-mates (self
+  included), or to those within `window - 1` cluster-mates on either side when bidirectional."""
   qn, v, mu, mask = _ln(q), np.asarray(v), np.asarray(mu), np.asarray(mask)
   b, n, h, d = qn.shape
   out = np.zeros(v.shape)
@@ -283,7 +284,8 @@ def test_nearest_membership_matches_numpy_and_is_exactly_causal(causal):
     q, _, v, mask, mu = _inputs(2, 2, 11, 2, 4, dv=3)
     out, aux = _routing(q, q, v, mu, mask, window=3, causal=causal, membership="nearest")
     real = np.asarray(mask)[:, :, None, None]
-    np.testing.assert_allclose(np.where(real, out, 0), np.where(real, _nearest_numpy(q, v, mu, mask, 3, causal), 0),
+    np.testing.assert_allclose(np.where(real, out, 0),
+                               np.where(real, _nearest_numpy(q, v, mu, mask, 3, causal), 0),
                                rtol=1e-10, atol=1e-12)
     assert float(aux.stats.counts.sum()) == 2 * 2 * np.asarray(mask).sum()
     if causal:  # changing tokens >= 6 (queries, keys and values) moves no output before 6
@@ -296,13 +298,14 @@ def test_nearest_membership_matches_numpy_and_is_exactly_causal(causal):
 
 
 def test_default_membership_is_exactly_causal_and_the_balanced_opt_in_leaks():
-  """The decision documented in `routing.attention`: decoders (causal, shared QK) default to "nearest"; the paper's
-  "balanced" top-k stays an explicit opt-in, and in a decoder it leaks: changing only tokens >= 8 moves outputs
-  before 8 (a later token pushes an earlier one out of a centroid's top-`window`)."""
+  """The decision documented in `routing.attention`: decoders (causal, shared QK) default to "nearest"; the
+  paper's "balanced" top-k stays an explicit opt-in, and in a decoder it leaks: changing only tokens >= 8
+  moves outputs before 8 (a later token pushes an earlier one out of a centroid's top-`window`)."""
   with jax.enable_x64(True):
     q, k, v, _, mu = _inputs(5, 2, 16, 2, 4, mask_p=1.0)
     mask = jnp.ones((2, 16), bool)
-    for causal, share_qk, want in [(True, True, "nearest"), (False, True, "balanced"), (True, False, "balanced")]:
+    for causal, share_qk, want in [(True, True, "nearest"), (False, True, "balanced"),
+                                   (True, False, "balanced")]:
       got = _routing(q, k, v, mu, mask, window=4, causal=causal, share_qk=share_qk, membership=None)[0]
       ref = _routing(q, k, v, mu, mask, window=4, causal=causal, share_qk=share_qk, membership=want)[0]
       np.testing.assert_array_equal(got, ref)
@@ -316,8 +319,8 @@ def test_default_membership_is_exactly_causal_and_the_balanced_opt_in_leaks():
 
 @pytest.mark.parametrize("share_qk", [True, False])
 def test_gradients_match_finite_differences(share_qk):
-  """The cluster attention has a hand-written VJP (shared-QK and general forms): check it numerically (float64;
-  membership is piecewise constant, so the tiny steps of the check keep it fixed)."""
+  """The cluster attention has a hand-written VJP (shared-QK and general forms): check it numerically
+  (float64; membership is piecewise constant, so the tiny steps of the check keep it fixed)."""
   from jax.test_util import check_grads
 
   with jax.enable_x64(True):

@@ -1,4 +1,5 @@
-"""Routing model modules (issue 5): centroid state, EMA in training only, sharded update, checkpoints, causality."""
+"""Routing model modules: centroid state, EMA in training only, sharded update, checkpoints,
+causality."""
 
 import jax
 import jax.numpy as jnp
@@ -46,7 +47,8 @@ def _step(module, x, deterministic):
 def test_centroids_move_in_training_only_and_aux_loss_is_sown(name):
   m = _build(name)
   assert isinstance(m.centroids, Centroids) and not isinstance(m.centroids, nnx.Param)
-  param_paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(nnx.state(m, nnx.Param))]
+  param_paths = [jax.tree_util.keystr(p)
+                 for p, _ in jax.tree_util.tree_leaves_with_path(nnx.state(m, nnx.Param))]
   assert param_paths and not any("centroids" in p for p in param_paths)  # never seen by the optimizer
   before = np.asarray(m.centroids[...])
   y, state, sown = _step(m, _x(), deterministic=True)
@@ -86,7 +88,8 @@ def test_layers_without_routing_are_pure_local_attention():
   q, k, v = first.project(x)
   want = first.out(local_attention(q, k, v, block_size=4, causal=True))
   np.testing.assert_allclose(first(x, None, deterministic=True), want, rtol=1e-5, atol=1e-6)
-  cfg.params = {"num_clusters": 4}  # "auto" block = the routing window ceil(16 / 4), even without routing heads
+  # "auto" block = the routing window ceil(16 / 4), even without routing heads
+  cfg.params = {"num_clusters": 4}
   auto = registry.build(cfg, rngs=nnx.Rngs(0), layer=0, num_layers=3, **kw)
   np.testing.assert_allclose(auto(x, None, deterministic=True), want, rtol=1e-5, atol=1e-6)
 
@@ -111,7 +114,8 @@ def test_sharded_ema_update_equals_one_device():
   assert len(devices) == 8
   m = _build("routing")
   x = _x(batch=8, seed=3)
-  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=devices)  # as train.py
+  # as train.py
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=devices)
   graphdef, state = nnx.split(m)
 
   def step(state, x):
@@ -122,7 +126,8 @@ def test_sharded_ema_update_equals_one_device():
   one = jax.jit(step)(state, x)
   replicated = jax.device_put(state, NamedSharding(mesh, P()))
   sharded = jax.jit(step, in_shardings=(NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))),
-                    out_shardings=NamedSharding(mesh, P()))(replicated, jax.device_put(x, NamedSharding(mesh, P("data"))))
+                    out_shardings=NamedSharding(mesh, P()))(
+                        replicated, jax.device_put(x, NamedSharding(mesh, P("data"))))
   np.testing.assert_allclose(np.asarray(sharded), np.asarray(one), rtol=1e-6, atol=1e-7)
   assert np.abs(np.asarray(one) - np.asarray(m.centroids[...])).max() > 0
 
@@ -160,7 +165,8 @@ def test_routing_paper_variants(config_file):
                                                            seq_len=c.data.seq_len))
     heads = [block.attention.routing_heads for block in model.encoder.blocks]
     assert heads == [0] * 8 + [4] * 4
-  for arg in ("routing_paper,smoke", "routing_paper,smoke,attention=combiner_routed", "attention=routing,smoke"):
+  for arg in ("routing_paper,smoke", "routing_paper,smoke,attention=combiner_routed",
+              "attention=routing,smoke"):
     c = module.get_config(arg)
     model = nnx.eval_shape(lambda c=c: transformer.build_model(c.model, task="image", vocab_size=256,
                                                                seq_len=c.data.seq_len))
@@ -188,8 +194,8 @@ def test_routing_attentions_build_in_every_experiment_config():
 
 
 def test_decoder_default_is_exactly_causal_and_balanced_opt_in_leaks():
-  """Finite changes, not Jacobians: the paper's balanced membership has a zero Jacobian into the future but still
-  leaks through which tokens make a centroid's top-`window`; the module's decoder default does not."""
+  """Finite changes, not Jacobians: the paper's balanced membership has a zero Jacobian into the future but
+  still leaks through which tokens make a centroid's top-`window`; the module's decoder default does not."""
   x = _x(batch=1)
   x2 = x.at[:, 8:].set(3.0 * jax.random.normal(jax.random.key(7), x[:, 8:].shape))
   for membership, leaks in [(None, False), ("balanced", True)]:

@@ -10,6 +10,8 @@ import os
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -372,3 +374,82 @@ def test_committed_pattern_pictures_are_present_and_small():
   for name in expected + ["overview.png"]:
     size = os.path.getsize(os.path.join(pictures, name))
     assert 1000 < size < 100_000, name
+
+
+def test_flash_row_is_dropped_with_a_note_where_the_device_has_no_fused_kernel(monkeypatch):
+  def fake_run_worker(command, *, timeout_s):
+    name, length = command[command.index("--_name") + 1], int(command[command.index("--lengths") + 1])
+    assert "--implementation" in command and command[command.index("--implementation") + 1] == "xla"
+    if name == bm.FLASH:
+      return {"op": name, "length": length, "status": f"{bm.SKIP_NO_FLASH} on cpu"}, ""
+    return {"op": name, "length": length, "status": "ok", "fwd_s": 1.0, "fwdbwd_s": 2.0}, ""
+
+  monkeypatch.setattr(bm, "run_worker", fake_run_worker)
+  args = bm.parse_args(["--lengths", "64,128", "--implementation", "xla"])
+  notes = []
+  rows = bm.measure_all(args, [(bm.FLASH, bm.FLASH), ("op", "dense")], notes)
+  assert [(r["op"], r["length"]) for r in rows] == [("dense", 64), ("dense", 128)]
+  assert notes == [f"flash (the backend's fused attention kernel): {bm.SKIP_NO_FLASH} on cpu"]
+  assert [h for k, h in bm.op_columns("flash") if k == "mem_ratio"] == ["mem/flash"]
+
+
+def test_flash_reference_per_backend_and_implementation_keyword():
+  assert bm.flash_attention_fn("cpu", causal=True, dtype="bfloat16", length=256, head_dim=64)[0] is None
+  fn, reason = bm.flash_attention_fn("gpu", causal=True, dtype="float32", length=256, head_dim=64)
+  assert fn is None and "bfloat16" in reason
+  assert bm.flash_attention_fn("gpu", causal=True, dtype="bfloat16", length=256, head_dim=64)[0] is not None
+  fn, _ = bm.flash_attention_fn("tpu", causal=True, dtype="bfloat16", length=256, head_dim=64)
+  shape = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
+  exported = jax.export.export(jax.jit(fn), platforms=["tpu"])(shape, shape, shape)
+  assert "tpu_custom_call" in exported.mlir_module()
+  from baselines.dense import dense, dense_xla
+  assert bm._takes_keyword(dense, "implementation") and not bm._takes_keyword(dense_xla, "implementation")
+
+
+def test_train_presets_fix_the_ablation_shapes():
+  from scripts import benchmark_train as bt
+
+  args = bm.parse_args(["--mode", "train", "--preset", "imagenet64", "--lengths", "64"])
+  opts = bt.parse(args.extra)
+  bt.apply_preset(args, opts)
+  assert (args.lengths, args.batch, args.heads, args.dtype) == ([12288], 8, 8, "bfloat16")
+  assert (opts.layers, opts.features, opts.mlp_dim) == (6, 512, 2048)
+  assert bt.PRESETS["cifar10"]["length"] == 3072 and bt.PRESETS["cifar10"]["batch"] == 32
+
+
+def test_input_mode_takes_the_shared_repeats_flag_and_its_own_default():
+  from scripts import benchmark_input
+
+  args = bm.parse_args(["--mode", "input", "--repeats", "4", "--seconds", "1"])
+  assert benchmark_input.parse(args.extra, args.repeats).repeats == 4
+  args = bm.parse_args(["--mode", "input"])
+  assert benchmark_input.parse(args.extra, args.repeats).repeats == benchmark_input.INPUT_REPEATS
+  assert bm.parse_args([]).repeats == 3 and bm.parse_args(["--mode", "train"]).repeats == 3
+
+
+@pytest.mark.parametrize("mode,flag", [("input", "--datasets"), ("train", "--preset")])
+def test_mode_help_shows_the_modes_own_flags(mode, flag, capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    bm.parse_args(["--mode", mode, "--help"])
+  assert exit_info.value.code == 0
+  out = capsys.readouterr().out
+  assert "--lengths" in out and flag in out
+
+
+def test_memory_budget_defaults_to_this_machines_memory():
+  ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  assert bm.memory_budget_bytes(bm.parse_args([])) == pytest.approx(0.85 * ram)
+  assert bm.memory_budget_bytes(bm.parse_args(["--memory_budget_gb", "2"])) == 2 * bm.GB
+  with pytest.raises(SystemExit):
+    bm.parse_args(["--memory_budget_gb", "0"])
+
+
+@pytest.mark.slow
+def test_train_mode_exits_zero_on_success(tmp_path):
+  proc = subprocess.run([sys.executable, "-m", "scripts.benchmark", "--mode", "train", "--ops", "dense",
+                         "--lengths", "16", "--batch", "2", "--heads", "2", "--head_dim", "8",
+                         "--layers", "1", "--features", "16", "--mlp_dim", "16", "--repeats", "1",
+                         "--out_dir", str(tmp_path)],
+                        capture_output=True, text=True, cwd=REPO_ROOT, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert (tmp_path / "benchmark_train.md").exists()

@@ -17,8 +17,19 @@ from jax.test_util import check_grads
 from baselines.dense import dense
 from combiner import reference as ref
 from combiner import sparse
-from tests.test_combiner_ops import (COMBOS, HEADS, LOGSPARSE_LENGTHS, fast_jit, normal, one_hot_v, op_matrix,
-                                     raise_failure, random_masks, random_qk, run_many)
+from tests.test_combiner_ops import (
+  COMBOS,
+  HEADS,
+  LOGSPARSE_LENGTHS,
+  fast_jit,
+  normal,
+  one_hot_v,
+  op_matrix,
+  raise_failure,
+  random_masks,
+  random_qk,
+  run_many,
+)
 
 PLANS = ("fixed", "logsparse", "axial")
 
@@ -150,7 +161,8 @@ def test_sparse_degenerate_sizes_equal_dense():
       mask = random_masks(g, 2, length, None)
       cases = [("fixed", length), ("axial", length)] + ([("logsparse", None)] if length == 1 else [])
       cases = [(p, s, c) for p, s in cases for c in (True, False)]
-      outs = run_many([lambda q, k, v, p=p, s=s, c=c: sparse_call(p, s)[0](q, k, v, causal=c, mask=mask)
+      outs = run_many([lambda q, k, v, p=p, s=s, c=c, mask=mask:
+                         sparse_call(p, s)[0](q, k, v, causal=c, mask=mask)
                        for p, s, c in cases], [(q, k, v)] * len(cases))
       real = np.asarray(mask)
       for out, (plan, size, causal) in zip(outs, cases, strict=True):

@@ -113,7 +113,7 @@ def test_sharded_step_matches_single_device():
   s8, out8 = sharded.train_step(sharded.init_state(), batch)
   s1, out1 = single.train_step(single.init_state(), batch)
   np.testing.assert_allclose(float(out8["loss"]), float(out1["loss"]), rtol=1e-5)
-  for a, b in zip(jax.tree.leaves(s8.params), jax.tree.leaves(s1.params)):
+  for a, b in zip(jax.tree.leaves(s8.params), jax.tree.leaves(s1.params), strict=True):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-6)
   # The parameters really are split over the "model" axis by the logical rules (mlp -> model, heads -> model).
   up = s8.params["encoder"]["blocks"][0]["mlp"]["up"]["kernel"].get_value()
@@ -151,7 +151,8 @@ def test_resume_after_sigterm_is_exact_and_eval_reads_it(tmp_path):
   assert second["start_step"] == 3 and second["step"] == 5
   # Identical data order (the grain iterator state was restored) and identical parameters.
   assert list(killed_log) + resumed_log == straight_log
-  for a, b in zip(jax.tree.leaves(straight["state"].params), jax.tree.leaves(second["state"].params)):
+  for a, b in zip(jax.tree.leaves(straight["state"].params), jax.tree.leaves(second["state"].params),
+                  strict=True):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   # eval.py restores what train.py wrote and reproduces its final metrics.
   m = eval_lib.evaluate_workdir(str(tmp_path / "resumed"), max_batches=int(config.train.eval_batches))

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from core import contract
 from yoso import hashing
 from yoso.attention import arccos_poly, expected_collision, l2_normalize, yoso, yoso_e
 
@@ -105,9 +106,9 @@ def test_hash_functions_depend_only_on_rng_and_head():
 
   # x: [batch, heads, length, dim]; functions are shared over batch and length, drawn per head.
   a, b, c = codes(x, _key(7)), codes(x[1:, :, 2:], _key(7)), codes(x, _key(8))
-  for a, b, c in zip(a, b, c, strict=True):
-    np.testing.assert_array_equal(a[1:, :, 2:], b)
-    assert np.mean(np.asarray(a) != np.asarray(c)) > 0.5
+  for same, part, other in zip(a, b, c, strict=True):
+    np.testing.assert_array_equal(same[1:, :, 2:], part)
+    assert np.mean(np.asarray(same) != np.asarray(other)) > 0.5
 
 
 # ----------------------------------------------------------------------------------------------- forward
@@ -283,12 +284,16 @@ def test_sampled_backward_matches_definition_with_forward_codes(path, monkeypatc
     q, k, v = _inputs(9, b=2, length=7)
     mask = jnp.ones((2, 7), bool).at[1, 3].set(False)
     rng, tau, m = _key(2), 2, 6
-    fn = lambda q, k, v: yoso(q, k, v, rng=rng, num_hashes=m, tau=tau, mask=mask, normalize_output=False,
-                              backward_features=None)
+    def fn(q, k, v):
+      return yoso(q, k, v, rng=rng, num_hashes=m, tau=tau, mask=mask, normalize_output=False,
+                  backward_features=None)
+
     got = jax.jit(lambda q, k, v: _grads(fn, q, k, v))(q, k, v)
     hash_rng = jax.random.split(rng)[0]
     qn, kn = l2_normalize(q), l2_normalize(k)
-    heads_major = lambda x: jnp.swapaxes(x, 1, 2)  # hashing takes [batch, heads, length, dim]
+    def heads_major(x):  # hashing takes [batch, heads, length, dim]
+      return jnp.swapaxes(x, 1, 2)
+
     qc = np.asarray(heads_major(hashing.hash_codes(heads_major(qn), hash_rng, num_hashes=m, tau=tau)))
     kc = np.asarray(heads_major(hashing.hash_codes(heads_major(kn), hash_rng, num_hashes=m, tau=tau)))
     bmat = (qc[:, :, None] == kc[:, None, :]) * np.asarray(mask)[:, None, :, None, None]  # [b, Lq, Lk, h, m]
@@ -342,12 +347,14 @@ def _feature_tables_by_definition(qc, kc, kvalid, qn, kn, v, dy, directions):
   return dq, dk
 
 
-@pytest.mark.parametrize("form,sketch", [("chunks", None), ("chunks", 3), ("segments", 1), ("segments", 2)])
+@pytest.mark.parametrize("form,sketch", [("chunks", None), ("chunks", 3), ("segments", 1), ("segments", 2),
+                                         ("onehot", None), ("onehot", 3)])
 def test_backward_feature_tables_match_their_definition(form, sketch):
-  # Both implementations against the sum over colliding pairs: the bucket-sorted chunked matmuls (lengths
-  # give chunks of 2 and 16) and the narrow sketch's segment sums, which also carry dV.
+  # Every implementation against the sum over colliding pairs: the bucket-sorted chunked matmuls (lengths
+  # give chunks of 2 and 16), the narrow sketch's segment sums, which also carry dV, and the one-hot matmuls.
   from yoso import attention as ya
-  tables = jax.jit(ya._feature_tables if form == "chunks" else ya._sketched_tables, static_argnums=7)
+  tables = jax.jit({"chunks": ya._feature_tables, "segments": ya._sketched_tables,
+                    "onehot": ya._onehot_feature_tables}[form], static_argnums=7)
   with jax.enable_x64(True):
     for length, tau, m in ((10, 3, 3), (300, 4, 3)):
       rng = np.random.default_rng(length)
@@ -362,12 +369,69 @@ def test_backward_feature_tables_match_their_definition(form, sketch):
       np.testing.assert_allclose(dq, want_dq, rtol=1e-10, atol=1e-12)
       real = np.asarray(kvalid)[..., None]
       np.testing.assert_allclose(np.where(real, dk, 0.0), want_dk, rtol=1e-10, atol=1e-12)
-      if form == "chunks":
+      if form != "segments":
         assert not np.any(np.asarray(dk)[~np.asarray(kvalid)])  # masked keys read an empty bucket
       else:  # dV_j = sum_t sum_i B^t_ij dY_i for every key (the caller zeroes masked keys)
         collide = np.asarray(qc)[:, :, None] == np.asarray(kc)[:, None, :]  # [g, L_q, L_k, m]
         want_dv = np.einsum("gijt,gie->gje", collide, np.asarray(dy))
         np.testing.assert_allclose(dv[0], want_dv, rtol=1e-10, atol=1e-12)
+
+
+def test_formulation_follows_the_backend(monkeypatch):
+  from yoso import attention as ya
+  assert [ya.resolve_formulation("auto", p) for p in ("cpu", "gpu", "tpu")] == ["sorted", "onehot", "onehot"]
+  assert ya.resolve_formulation("sorted", "tpu") == "sorted"
+  assert ya.resolve_formulation("onehot", "cpu") == "onehot"
+  used = []
+  real = ya._onehot_cumulate
+  monkeypatch.setattr(ya, "_onehot_cumulate", lambda *a: used.append(1) or real(*a))
+  q, k, v = _inputs(3, length=5, dtype=jnp.float32)
+  args = dict(rng=_key(0), num_hashes=2, tau=3)
+  yoso(q, k, v, **args)
+  assert not used
+  monkeypatch.setattr(contract, "backend", lambda: "gpu")
+  yoso(q, k, v, **args)
+  assert used
+
+
+@pytest.mark.parametrize("features", [None, 2])
+def test_formulations_agree_on_the_same_draws(features, monkeypatch):
+  # Sorted tables and one-hot matmuls: the same codes, so the same estimate and gradients up to float32
+  # rounding (the one-hot reads carry float32 tables as two bfloat16 parts: relative error <= 2^-16).
+  from yoso import attention as ya
+  monkeypatch.setattr(ya, "COUNTS_MAX_LENGTH", 0)  # the LSH tables, not the short-sequence counts
+  q, k, v = _inputs(4, b=2, length=40, d=8, e=6, dtype=jnp.float32)
+  mask = jnp.ones((2, 40), bool).at[1, 30:].set(False)
+  cot = jnp.asarray(np.random.default_rng(0).normal(size=v.shape), jnp.float32)
+
+  def run(formulation):
+    def fn(q, k, v):
+      return yoso(q, k, v, rng=_key(5), num_hashes=4, tau=4, mask=mask, backward_features=features,
+                  formulation=formulation)
+
+    out, vjp = jax.vjp(fn, q, k, v)
+    return (out, *vjp(cot))
+
+  for name, got, want in zip(["out", "dq", "dk", "dv"], run("onehot"), run("sorted"), strict=True):
+    scale = float(jnp.max(jnp.abs(want)))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * scale, err_msg=name)
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_onehot_formulation_lowers_for_accelerators(platform):
+  # bf16 inputs, L above the short-sequence threshold: forward and forward+backward (tables for dV, dQ, dK).
+  from yoso import attention as ya
+  shape = jax.ShapeDtypeStruct((1, ya.COUNTS_MAX_LENGTH + 512, 2, 64), jnp.bfloat16)
+
+  def forward(q, k, v):
+    return yoso(q, k, v, rng=jax.random.key(0), num_hashes=4, tau=8, formulation="onehot")
+
+  def fwdbwd(q, k, v):
+    return jax.grad(lambda *a: jnp.sum(forward(*a).astype(jnp.float32)), argnums=(0, 1, 2))(q, k, v)
+
+  for fn in (forward, fwdbwd):
+    module = jax.export.export(jax.jit(fn), platforms=[platform])(shape, shape, shape).mlir_module()
+    assert "dot_general" in module
 
 
 def test_sort_by_code_is_a_stable_sort_in_both_forms():
@@ -411,6 +475,8 @@ def test_bad_arguments_raise_naming_the_argument():
     yoso(q, k, v, backward="exact", **good)
   with pytest.raises(ValueError, match="'backward_features'"):
     yoso(q, k, v, backward_features=0, **good)
+  with pytest.raises(ValueError, match="'formulation'"):
+    yoso(q, k, v, formulation="pallas", **good)
   with pytest.raises(TypeError, match="'rng'"):
     yoso(q, k, v, rng=None, num_hashes=2, tau=3)
   with pytest.raises(ValueError, match="'mask'"):

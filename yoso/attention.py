@@ -42,6 +42,12 @@ through dense collision counts instead (C_ij = the number of hashes in which q_i
 `_counts_backward`): quadratic, but large matmuls, 3-30x faster than the tables there. `backward="dense"`
 replaces the sampled backward by the exact O(L^2) surrogate gradient (short sequences, tests).
 
+Formulations (`formulation=`): the tables above are segment sums and bucket-sorted chunked matmuls, which
+suit a CPU, where scatters are serial and small matmuls cheap. On GPUs and TPUs ("auto" there) every table is
+a one-hot matmul instead: per hash, onehot(write codes)^T [2^tau, L] times the rows, and the read
+onehot(read codes) [L, 2^tau] times the table (`_onehot_cumulate`, `_onehot_feature_tables`), with the
+one-hot factor exact in bfloat16 and float32 operands split in two bfloat16 parts. Same codes, same sums.
+
 The 1/sqrt(head_dim) logit scale of the op contract is a no-op here: YOSO only sees directions of q and k.
 """
 
@@ -173,6 +179,100 @@ def _lsh_cumulate(read_codes: Array, write_codes: Array, write_valid: Array, per
     return out
 
   return jax.lax.map(group, (write_ids, read_codes, per_group, per_hash))
+
+
+FORMULATIONS = ("auto", "sorted", "onehot")
+
+
+def resolve_formulation(formulation: str, platform: str) -> str:
+  """"auto" -> "onehot" on GPU and TPU (matmuls on tensor cores / the MXU), "sorted" elsewhere (CPU)."""
+  if formulation != "auto":
+    return formulation
+  return "onehot" if platform in ("gpu", "tpu") else "sorted"
+
+
+def _onehot(codes: Array, buckets: int) -> Array:
+  """codes [..., L] -> bfloat16 one-hot [..., L, buckets]; codes >= buckets (masked rows) give zero rows."""
+  return (codes[..., None] == jnp.arange(buckets, dtype=codes.dtype)).astype(jnp.bfloat16)
+
+
+def _onehot_matmul(spec: str, onehot: Array, x: Array) -> Array:
+  """einsum(spec, onehot, x) with float32 accumulation on the fast matmul units: a float32 x goes as two
+  bfloat16 parts (x = hi + lo to 16 significant bits, relative error <= 2^-16 per entry; the one-hot factor
+  is exact in bfloat16), float64 x (exact tests) as one float64 product."""
+  if x.dtype == jnp.float64:
+    return jnp.einsum(spec, onehot.astype(x.dtype), x)
+  hi = x.astype(jnp.bfloat16)
+  lo = (x - hi.astype(x.dtype)).astype(jnp.bfloat16)
+  return (jnp.einsum(spec, onehot, hi, preferred_element_type=jnp.float32)
+          + jnp.einsum(spec, onehot, lo, preferred_element_type=jnp.float32)).astype(x.dtype)
+
+
+def _onehot_cumulate(read_codes: Array, write_codes: Array, write_valid: Array, rows: Array,
+                     num_buckets: int) -> Array:
+  """sum_t T_t[read_code_t(i)], T_t[c] = sum of the valid rows j with write_code_t(j) = c, as one-hot
+  matmuls: T_t = onehot(write codes)^T rows, [2^tau, L] x [L, e], and the read onehot(read codes) T_t.
+
+  The same sums as `_lsh_cumulate` with identity write/read functions. Codes [g, L, m] int32, write_valid
+  [g, L], rows [g, L, e] -> [g, L, e]. A scan over hashes with all groups batched: one [g, L, 2^tau]
+  one-hot per step. O(L*m*2^tau*e) multiply-adds, all on the matmul units.
+  """
+  write_codes = jnp.where(write_valid[..., None], write_codes, num_buckets)  # invalid rows: no bucket
+
+  def step(acc, codes):
+    rc, wc = codes  # [g, L] each
+    table = _onehot_matmul("glc,gle->gce", _onehot(wc, num_buckets), rows)  # [g, 2^tau, e]
+    return acc + _onehot_matmul("glc,gce->gle", _onehot(rc, num_buckets), table), None
+
+  out, _ = jax.lax.scan(step, jnp.zeros(rows.shape, rows.dtype),
+                        (jnp.moveaxis(read_codes, -1, 0), jnp.moveaxis(write_codes, -1, 0)))
+  return out
+
+
+ONEHOT_STEP_BYTES = 1 << 30  # float32 [groups, L, e*d] rows per step of the one-hot feature tables
+
+
+def _onehot_feature_tables(qcodes: Array, kcodes: Array, kvalid: Array, qn: Array, kn: Array, v: Array,
+                           dy: Array, num_buckets: int, directions: Array | None = None
+                           ) -> tuple[Array, Array]:
+  """`_feature_tables`' sums as one-hot matmuls: per hash, bucket c's table T[c] = sum_{j in c} v_j k_j^T
+  is row c of onehot(k codes)^T (v (x) k), [2^tau, L] x [L, e*d], and each query's read dY_i^T T[code(i)]
+  contracts dY_i with row i of onehot(q codes) T; dK alike with U[c] = sum_{i in c} dY_i q_i^T. With
+  directions [m, g, e, s], v and dY are first projected on the hash's s directions (the sketch).
+
+  Shapes and result as in `_feature_tables`. O(L*m*2^tau*e*d) multiply-adds (2^tau times the sorted
+  tables' work, but in large matmuls); hashes are scanned and groups vmapped in batches whose [L, e*d]
+  rows stay within ONEHOT_STEP_BYTES (all groups at once at L=4096, e=d=64; 4 at a time at 16K).
+  """
+  _, length, d = qn.shape
+  kcodes = jnp.where(kvalid[..., None], kcodes, num_buckets)  # masked keys write and read nothing
+  if directions is not None:
+    directions = jnp.swapaxes(directions, 0, 1)  # [g, m, e, s]
+
+  def outer(w, x):  # [L, s], [L, d] -> [L, s * d]
+    return (w[:, :, None] * x[:, None, :]).reshape(length, -1)
+
+  def read(onehot, table, w):  # [L, c], [c, s * d], [L, s] -> sum_f w_if table[code(i)]_f, [L, d]
+    rows = _onehot_matmul("lc,cx->lx", onehot, table).reshape(length, -1, d)  # [L, s, d]
+    return jnp.einsum("ls,lsd->ld", w, rows)
+
+  def group(xs):
+    qc, kc, r, q, k, vg, dyg = xs  # [L, m] x2; None or [m, e, s]; [L, d] x2; [L, e] x2
+
+    def hash_step(acc, per_hash):
+      qct, kct, rt = per_hash
+      a, b = (dyg, vg) if rt is None else (dyg @ rt, vg @ rt)  # [L, e] or the sketch's [L, s]
+      oq, ok = _onehot(qct, num_buckets), _onehot(kct, num_buckets)  # [L, 2^tau]
+      dq = read(oq, _onehot_matmul("lc,lx->cx", ok, outer(b, k)), a)  # queries read sum v_j k_j^T
+      dk = read(ok, _onehot_matmul("lc,lx->cx", oq, outer(a, q)), b)  # keys read sum dY_i q_i^T
+      return (acc[0] + dq, acc[1] + dk), None
+
+    out, _ = jax.lax.scan(hash_step, (jnp.zeros_like(q), jnp.zeros_like(k)), (qc.T, kc.T, r))
+    return out
+
+  width = v.shape[-1] if directions is None else directions.shape[-1]
+  batch = max(1, min(qn.shape[0], ONEHOT_STEP_BYTES // (length * width * d * 4)))
+  return jax.lax.map(group, (qcodes, kcodes, directions, qn, kn, v, dy), batch_size=batch)
 
 
 MAX_CHUNK = 16  # rows per matmul block in the exact backward; more pads more (measured 16 > 32 > 8 at L=4096)
@@ -364,9 +464,10 @@ def _counts_backward(qcodes: Array, kcodes: Array, kvalid: Array, qn: Array, kn:
   return jax.lax.map(group, (qcodes, kcodes, kvalid, qn, kn, v, dy))
 
 
-def _make_cumulation(tau: int, backward: str):
+def _make_cumulation(tau: int, backward: str, formulation: str = "sorted"):
   """The custom_vjp core on groups g = batch * heads: (qn, kn [g, L, d], v [g, L, e], codes [g, L, m], kvalid
-  [g, L], directions) -> the mean over hashes of B V [g, L, e], not normalised."""
+  [g, L], directions) -> the mean over hashes of B V [g, L, e], not normalised. formulation "sorted" (segment
+  sums and bucket-sorted tables, for CPUs) or "onehot" (one-hot matmuls, for GPUs and TPUs): the same sums."""
   num_buckets = 1 << tau
 
   @jax.custom_vjp
@@ -375,6 +476,8 @@ def _make_cumulation(tau: int, backward: str):
 
   def _forward(v, qcodes, kcodes, kvalid):
     m = qcodes.shape[-1]
+    if formulation == "onehot":
+      return _onehot_cumulate(qcodes, kcodes, kvalid, v, num_buckets) / m
     out = _lsh_cumulate(qcodes, kcodes, kvalid, v, None, lambda vg, _: vg, lambda rows, *_: rows, num_buckets,
                         v.shape[-1], v.dtype)
     return out / m
@@ -395,6 +498,9 @@ def _make_cumulation(tau: int, backward: str):
     # dQ_i = (tau/2)/m sum B_ij (dY_i . v_j) k_j and dK_j = (tau/2)/m sum B_ij (dY_i . v_j) q_i.
     if directions is None and qcodes.shape[1] <= COUNTS_MAX_LENGTH:
       dq, dk, dv = _counts_backward(qcodes, kcodes, kvalid, qn, kn, v, dy)
+    elif formulation == "onehot":
+      dv = _onehot_cumulate(kcodes, qcodes, jnp.ones(kvalid.shape, bool), dy, num_buckets)
+      dq, dk = _onehot_feature_tables(qcodes, kcodes, kvalid, qn, kn, v, dy, num_buckets, directions)
     elif directions is not None and directions.shape[-1] <= SCATTER_FEATURES:
       dq, dk, dv = _sketched_tables(qcodes, kcodes, kvalid, qn, kn, v, dy, num_buckets, directions)
     else:
@@ -440,7 +546,7 @@ def _check_rng(rng: Any, op: str) -> Array:
 
 def yoso(q: Array, k: Array, v: Array, *, rng: Array, num_hashes: int, tau: int, causal: bool = False,
          mask: Array | None = None, normalize_output: bool = True, hash: str = "gaussian",
-         backward: str = "sampled", backward_features: int | None = None) -> Array:
+         backward: str = "sampled", backward_features: int | None = None, formulation: str = "auto") -> Array:
   """YOSO-m attention: the mean over `num_hashes` LSH samples of B V, l2-normalised per row when asked.
 
   q, k: [batch, length, heads, head_dim]; v: [batch, length, heads, value_dim]; mask: [batch, length] bool
@@ -452,8 +558,11 @@ def yoso(q: Array, k: Array, v: Array, *, rng: Array, num_hashes: int, tau: int,
   estimator, O(L*m*d*value_dim) (up to L = 2048 through dense collision counts, O(L^2*(m + d)), faster
   there); an int s sketches the value space with s random directions per hash, O(L*m*s*d), unbiased but with
   about value_dim/s times the gradient variance (s <= 2: two forward-like passes, 5.5x faster than the
-  exact form at L=4096; the "yoso_sketch" registry op uses s=1). Returns
-  [batch, length, heads, value_dim] in v's dtype.
+  exact form at L=4096; the "yoso_sketch" registry op uses s=1).
+  formulation: how the bucket tables are built and read, the same estimator and sums either way: "sorted"
+  (segment sums and bucket-sorted chunked matmuls, serial-scatter friendly: CPUs), "onehot" (one-hot matmuls,
+  2^tau times the multiply-adds but all on tensor cores / the MXU: GPUs and TPUs), "auto" (by backend).
+  Returns [batch, length, heads, value_dim] in v's dtype.
   """
   op = "yoso"
   q, k, v, mask = contract.check_qkv(q, k, v, mask, op=op)
@@ -464,6 +573,8 @@ def yoso(q: Array, k: Array, v: Array, *, rng: Array, num_hashes: int, tau: int,
   normalize_output = contract.check_bool(normalize_output, name="normalize_output", op=op)
   contract.check_choice(hash, name="hash", allowed=HASHES, op=op)
   contract.check_choice(backward, name="backward", allowed=BACKWARDS, op=op)
+  formulation = resolve_formulation(
+      contract.check_choice(formulation, name="formulation", allowed=FORMULATIONS, op=op), contract.backend())
   if backward_features is not None:
     backward_features = contract.check_positive_int(backward_features, name="backward_features", op=op)
   heads, head_dim = q.shape[2:]
@@ -488,7 +599,7 @@ def yoso(q: Array, k: Array, v: Array, *, rng: Array, num_hashes: int, tau: int,
     return x.reshape(groups, length, *x.shape[3:])
 
   kvalid = jnp.broadcast_to(mask[:, None, :], (batch, heads, length))
-  out = _make_cumulation(tau, backward)(flat(qn), flat(kn), flat(vh), flat(qcodes), flat(kcodes),
+  out = _make_cumulation(tau, backward, formulation)(flat(qn), flat(kn), flat(vh), flat(qcodes), flat(kcodes),
                                          flat(kvalid), directions)  # [batch * heads, length, value_dim]
   if normalize_output:
     out = l2_normalize(out)
@@ -546,7 +657,8 @@ def depthwise_conv(v: Array, kernel: Array, mask: Array | None = None) -> Array:
 
 def yoso_c(q: Array, k: Array, v: Array, *, rng: Array, num_hashes: int, tau: int, conv_kernel: Array,
            causal: bool = False, mask: Array | None = None, normalize_output: bool = True,
-           hash: str = "gaussian", backward: str = "sampled", backward_features: int | None = None) -> Array:
+           hash: str = "gaussian", backward: str = "sampled", backward_features: int | None = None,
+           formulation: str = "auto") -> Array:
   """YOSO-C (paper section 4.2): `yoso(...)` plus a per-head depthwise convolution of V (`depthwise_conv`).
 
   conv_kernel: [heads, size] or [size], size odd, an explicit input like YOSO's rng (the model owns it as a
@@ -554,7 +666,7 @@ def yoso_c(q: Array, k: Array, v: Array, *, rng: Array, num_hashes: int, tau: in
   """
   out = yoso(q, k, v, rng=rng, num_hashes=num_hashes, tau=tau, causal=causal, mask=mask,
              normalize_output=normalize_output, hash=hash, backward=backward,
-             backward_features=backward_features)
+             backward_features=backward_features, formulation=formulation)
   shape = jnp.shape(conv_kernel)
   if len(shape) not in (1, 2) or shape[-1] % 2 == 0 or (len(shape) == 2 and shape[0] != q.shape[2]):
     raise ValueError(f"yoso_c: argument 'conv_kernel' must be [heads={q.shape[2]}, size] or [size] with an "

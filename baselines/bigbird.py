@@ -1,0 +1,150 @@
+"""BigBird attention, ITC form (Zaheer et al., 2020): window, global and random blocks.
+
+Positions are cut into blocks of `block_size`. A query block attends to
+  * window blocks: itself and its neighbours (causal: itself, causally masked, and the previous block),
+  * global blocks (`global_blocks`, block indices, negative = from the end; default the first and the last),
+  * `num_random_blocks` other blocks drawn once per `seed` (a fixed pattern per layer: the model passes the
+    layer index; causal: only blocks before its own).
+A global block's queries attend to every key (causal: every key up to themselves). The pattern is static
+(numpy): window blocks come from pads and slices, global blocks are shared by all query blocks and random
+blocks are one gather, three pieces of one softmax: O(L * (3 + globals + random) * block_size * d), never an
+[L, L] array. The global rows are computed densely and written over.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from baselines.common import masked_head_major, neighbour_blocks
+from baselines.longformer import dense_rows, global_indices
+from core import contract
+from core.blocks import head_major, num_blocks, to_grid
+from core.combine import Piece, joint_softmax
+
+Array = Any
+
+
+def block_pattern(num: int, *, causal: bool, global_blocks: Any, num_random_blocks: int,
+                  seed: int, op: str = "bigbird") -> tuple[np.ndarray, np.ndarray]:
+  """The ITC block pattern: (allowed [num, num] bool, query block -> key block; is_global [num] bool).
+
+  Global query blocks get full rows (causal: blocks up to their own); random blocks are drawn per query block
+  without replacement from the blocks neither in its window nor global (causal: before its own)."""
+  glob = global_indices(global_blocks, num, op=op, name="global_blocks")
+  is_global = np.zeros(num, bool)
+  is_global[glob] = True
+  rng = np.random.default_rng(seed)
+  allowed = np.zeros((num, num), bool)
+  for a in range(num):
+    if is_global[a]:
+      allowed[a, :a + 1 if causal else num] = True
+      continue
+    allowed[a, max(a - 1, 0):a + 1 if causal else a + 2] = True
+    allowed[a, glob[glob <= a] if causal else glob] = True
+    candidates = np.flatnonzero(~allowed[a, :a] if causal else ~allowed[a])
+    take = min(num_random_blocks, candidates.size)
+    if take:
+      allowed[a, rng.choice(candidates, size=take, replace=False)] = True
+  return allowed, is_global
+
+
+def bigbird(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None, block_size: int = 64,
+            global_blocks: Any = (0, -1), num_random_blocks: int = 3, seed: int = 0) -> Array:
+  """Block-sparse ITC attention.
+
+  q, k: [batch, length, heads, head_dim]; v: [batch, length, heads, value_dim]; mask: [batch, length] bool.
+  Returns [batch, length, heads, value_dim] in v's dtype.
+  """
+  op = "bigbird"
+  q, k, v, mask = contract.check_qkv(q, k, v, mask, op=op)
+  causal = contract.check_bool(causal, name="causal", op=op)
+  size = contract.check_positive_int(block_size, name="block_size", op=op)
+  if isinstance(num_random_blocks, bool) or not isinstance(num_random_blocks, (int, np.integer)) \
+     or num_random_blocks < 0:
+    raise ValueError(f"{op}: argument 'num_random_blocks' must be a non-negative int, "
+                     f"got {num_random_blocks!r}")
+  if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+    raise ValueError(f"{op}: argument 'seed' must be an int, got {seed!r}")
+  batch, length, heads, head_dim = q.shape
+  size = min(size, length)
+  n = num_blocks(length, size)
+  allowed, is_global = block_pattern(n, causal=causal, global_blocks=global_blocks,
+                                     num_random_blocks=int(num_random_blocks), seed=int(seed), op=op)
+  ct = contract.softmax_dtype(q.dtype, k.dtype, v.dtype)
+  scale = contract.logit_scale(head_dim)
+  qh = head_major(q.astype(ct))  # [batch, heads, length, head_dim]
+  kh, vh = (masked_head_major(x, mask, ct) for x in (k, v))  # [batch, heads, length, dim]
+
+  # Non-global query blocks: three pieces of one softmax over disjoint key sets. Window blocks by pads and
+  # slices, global blocks shared by every query block, random blocks by one gather of `num_random_blocks`.
+  offsets = (-1, 0) if causal else (-1, 0, 1)
+  blocks = np.arange(n)
+  pos = np.arange(n * size).reshape(n, size)  # [n, size]
+  glob = np.flatnonzero(is_global)
+  window = np.zeros((n, n), bool)
+  for o in offsets:
+    inside = (blocks + o >= 0) & (blocks + o < n)
+    window[blocks[inside], blocks[inside] + o] = True
+  rand = allowed & ~window & ~is_global[None, :] & ~is_global[:, None]  # [n, n]
+  slots = int(rand.sum(axis=1).max())
+  grid_mask = to_grid(mask, n, size, axis=1)  # [batch, n, size]; padding is False
+  qb = to_grid(qh, n, size, axis=2)  # [batch, heads, n, size, head_dim]
+  qh_grid = qb.reshape(batch, heads, n * size, head_dim)  # padded to whole blocks
+  kb, vb = (to_grid(x, n, size, axis=2) for x in (kh, vh))  # [batch, heads, n, size, dim]
+
+  def piece(keys: Array, values: Array, key_valid: Array, kpos: np.ndarray, static: np.ndarray) -> Piece:
+    """keys [batch, heads, n, K, d] (or [batch, heads, K, d], shared); key_valid [batch, n | 1, K];
+    kpos, static: [n, K] key positions and pattern validity."""
+    if keys.ndim == 4:  # shared keys: one plain matmul over all queries (2x faster on CPU than a 5-d einsum)
+      logits = jnp.einsum("bhld,bhkd->bhlk", qh_grid, keys).reshape(batch, heads, n, size, -1) * scale
+    else:
+      logits = jnp.einsum("bhnqd,bhnkd->bhnqk", qb, keys) * scale  # [batch, heads, n, size, K]
+    near = static[:, None, :]  # [n, 1, K]
+    if causal:
+      near = near & (kpos[:, None, :] <= pos[:, :, None])  # [n, size, K]
+    valid = key_valid[:, None, :, None, :] & near  # [batch, 1, n, size | 1, K]
+    if keys.ndim == 4:
+      def apply_shared(w: Array) -> Array:
+        out = jnp.einsum("bhlk,bhkd->bhld", w.reshape(batch, heads, n * size, -1), values)
+        return out.reshape(batch, heads, n, size, -1)
+
+      return Piece(logits, valid, apply_shared)
+    return Piece(logits, valid, lambda w: jnp.einsum("bhnqk,bhnkd->bhnqd", w, values))
+
+  wblock = np.stack([blocks + o for o in offsets], axis=1)  # [n, window blocks]
+  wstatic = (wblock >= 0) & (wblock < n) & ~is_global[np.clip(wblock, 0, n - 1)]
+  wpos = (wblock[:, :, None] * size + np.arange(size)).reshape(n, -1)  # [n, window keys]
+  pieces = [piece(neighbour_blocks(kb, offsets, axis=2), neighbour_blocks(vb, offsets, axis=2),
+                  neighbour_blocks(grid_mask, offsets, axis=1, fill=False), wpos,
+                  np.repeat(wstatic, size, axis=1))]
+  if glob.size:
+    gstatic = np.broadcast_to(glob[None, :] <= blocks[:, None] if causal else True, (n, glob.size))
+    pieces.append(piece(kb[:, :, glob].reshape(batch, heads, glob.size * size, head_dim),
+                        vb[:, :, glob].reshape(batch, heads, glob.size * size, -1),
+                        grid_mask[:, glob].reshape(batch, 1, glob.size * size),
+                        np.broadcast_to(pos[glob].reshape(1, -1), (n, glob.size * size)),
+                        np.repeat(gstatic, size, axis=1)))
+  if slots:
+    index = np.zeros((n, slots), np.int64)
+    used = np.zeros((n, slots), bool)
+    for a in range(n):
+      chosen = np.flatnonzero(rand[a])
+      index[a, :chosen.size], used[a, :chosen.size] = chosen, True
+
+    def gather(x: Array) -> Array:  # [batch, heads, n, size, dim] -> [batch, heads, n, slots * size, dim]
+      return x[:, :, index].reshape(batch, heads, n, slots * size, x.shape[-1])
+
+    pieces.append(piece(gather(kb), gather(vb), grid_mask[:, index].reshape(batch, n, slots * size),
+                        pos[index].reshape(n, -1), np.repeat(used, size, axis=1)))
+  out = joint_softmax(pieces)  # [batch, heads, n, size, value_dim]
+  if glob.size:  # global query blocks: dense rows, written over whole blocks
+    rows = pos[glob].reshape(-1)  # [G * size]
+    q_rows = qb[:, :, glob].reshape(batch, heads, rows.size, head_dim)
+    full = dense_rows(q_rows, kh, vh, rows, mask, causal, scale)
+    full = full.reshape(batch, heads, glob.size, size, -1)  # [batch, heads, G, size, value_dim]
+    out = out.at[:, :, glob].set(full)
+  out = out.reshape(batch, heads, n * size, -1)[:, :, :length]
+  return head_major(out).astype(v.dtype)

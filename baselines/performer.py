@@ -1,0 +1,95 @@
+"""Performer attention (Choromanski et al., 2021): FAVOR+, positive orthogonal random features.
+
+softmax attention's kernel exp(q.k / sqrt(d)) is estimated without bias by phi(q').phi(k') with
+x' = x / d^(1/4) and the positive random features
+
+    phi(x) = exp(W x - |x|^2 / 2) / sqrt(m),   W: [m, d], Gaussian rows, orthogonal in each block of d rows
+
+so attention becomes linear attention with that feature map (`baselines.linear.feature_attention`: one
+key-value summary bidirectionally, chunked prefix sums causally; never an [L, L] array). Exponents are
+stabilised by constants that cancel in the normalised output: each query's max over its features (a per-row
+factor), and for keys the max over all real keys of W k' - |k'|^2 / 2 (one factor per batch and head), without
+gradient.
+
+The random features are an explicit input (`features`), or drawn from `rng` with `num_features` rows; the
+model module owns them as state and redraws them on a schedule (models/performer_attention.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from baselines.linear import DEFAULT_CHUNK, feature_attention, prepare
+from core import contract
+from core.blocks import head_major
+
+Array = Any
+DEFAULT_FEATURES = 256
+
+
+def orthogonal_features(rng: Array, num_features: int, head_dim: int, dtype: Any = jnp.float32) -> Array:
+  """W: [num_features, head_dim]; each block of head_dim rows is orthogonal (a Haar-random rotation, from the
+  QR of a Gaussian matrix) and every row gets the norm of an independent Gaussian vector, so each row alone is
+  N(0, I) (the paper's orthogonal random features: unbiased, with lower variance than i.i.d. rows)."""
+  op = "orthogonal_features"
+  num_features = contract.check_positive_int(num_features, name="num_features", op=op)
+  head_dim = contract.check_positive_int(head_dim, name="head_dim", op=op)
+  blocks = -(-num_features // head_dim)
+  block_key, norm_key = jax.random.split(rng)
+  gauss = jax.random.normal(block_key, (blocks, head_dim, head_dim), dtype)
+  qmat, rmat = jnp.linalg.qr(gauss)
+  # Signs of R's diagonal make Q Haar-distributed; without them (Householder QR) every block's rows share a
+  # sign pattern and the kernel estimate is biased.
+  qmat = qmat * jnp.sign(jnp.diagonal(rmat, axis1=-2, axis2=-1))[..., None, :]
+  rows = jnp.swapaxes(qmat, -1, -2)  # [blocks, d, d], orthonormal rows
+  rows = rows.reshape(blocks * head_dim, head_dim)[:num_features]
+  norms = jnp.linalg.norm(jax.random.normal(norm_key, (num_features, head_dim), dtype), axis=-1)
+  return (rows * norms[:, None]).astype(dtype)  # [num_features, head_dim]
+
+
+def softmax_kernel_features(x: Array, features: Array) -> Array:
+  """The unstabilised positive features phi(x) = exp(W x - |x|^2 / 2) / sqrt(m): E[phi(a).phi(b)] = exp(a.b).
+
+  x: [..., d]; features W: [m, d]. Returns [..., m]. (The op computes the same up to cancelling factors.)"""
+  proj = jnp.einsum("...d,md->...m", x, features)
+  return jnp.exp(proj - 0.5 * jnp.sum(x * x, axis=-1, keepdims=True)) / jnp.sqrt(features.shape[0])
+
+
+def performer(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None,
+              features: Array | None = None, rng: Array | None = None, num_features: int = DEFAULT_FEATURES,
+              chunk_size: int = DEFAULT_CHUNK) -> Array:
+  """FAVOR+ softmax attention.
+
+  q, k: [batch, length, heads, head_dim]; v: [batch, length, heads, value_dim]; mask: [batch, length] bool.
+  features: [m, head_dim] random features shared by all heads (see `orthogonal_features`); when None they are
+    drawn from `rng` with `num_features` rows (given features win: `rng` and `num_features` are then unused).
+  chunk_size: positions per chunk of the causal prefix sum.
+  Returns [batch, length, heads, value_dim] in v's dtype.
+  """
+  op = "performer"
+  out_dtype = v.dtype
+  qh, kh, vh, valid, causal, chunk = prepare(q, k, v, mask, op=op, causal=causal, chunk_size=chunk_size)
+  head_dim = qh.shape[-1]
+  if features is None and rng is None:
+    raise ValueError(f"{op}: pass 'features' (an [m, head_dim] array) or 'rng' to draw them")
+  if features is None:
+    features = orthogonal_features(rng, num_features, head_dim)
+  elif not hasattr(features, "shape") or features.ndim != 2 or features.shape[1] != head_dim:
+    raise ValueError(f"{op}: argument 'features' must have shape [num_features, head_dim={head_dim}], "
+                     f"got {getattr(features, 'shape', type(features).__name__)}")
+  w = jax.lax.stop_gradient(jnp.asarray(features).astype(qh.dtype))  # [m, head_dim]
+  scale = float(head_dim) ** -0.25
+  qp = jnp.einsum("bhld,md->bhlm", qh * scale, w)  # [batch, heads, length, m]
+  # Per-query factors (|q'|^2 / 2 and the row max) cancel between numerator and denominator.
+  phi_q = jnp.exp(qp - jax.lax.stop_gradient(jnp.max(qp, axis=-1, keepdims=True)))
+  ks = kh * scale
+  kp = jnp.einsum("bhld,md->bhlm", ks, w) - 0.5 * jnp.sum(ks * ks, axis=-1, keepdims=True)
+  # One factor per (batch, head) cancels too; only real keys set it.
+  kmax = jnp.max(jnp.where(valid, kp, -jnp.inf), axis=(2, 3), keepdims=True)  # [batch, heads, 1, 1]
+  kmax = jax.lax.stop_gradient(jnp.where(jnp.isfinite(kmax), kmax, 0.0))
+  phi_k = jnp.where(valid, jnp.exp(kp - kmax), 0.0)  # [batch, heads, length, m]
+  out = feature_attention(phi_q, phi_k, vh, causal=causal, chunk_size=chunk)
+  return head_major(out).astype(out_dtype)

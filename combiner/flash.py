@@ -1,0 +1,434 @@
+"""A block-sparse flash-attention kernel (Pallas) that every Combiner plan and sparse counterpart runs on.
+
+Every plan is "each query group attends to a few key sets": its own block or row (direct keys), its own
+column (the same kernel on a column-major layout of the grid), span summaries (pooled keys with their in-span
+expected values) and, for logsparse, one span key per dyadic level. `attend` takes queries laid out in
+groups, q [bh, groups, group_len, head_dim], and a static list of `Source`s: key/value sets that are either
+the group's own ([bh, groups, n, dim]) or shared by every group ([bh, 1, n, dim]), each with a key-validity
+mask and a structural rule comparing a query id (its row in the group, or its group's index) with the key's
+index ("all", "le", "lt", "ne") or with a per-key row range ("range"). The kernel runs one online softmax
+over all sources of a query tile and returns the normalised output and its log-sum-exp, both float32; calls
+on different layouts (row- and column-major) then combine exactly with `merge`, O(L·d) work in XLA.
+
+Forward: grid (bh, groups, query tiles). A query tile [block_q, head_dim] stays on chip; each source is one
+block holding the whole set ([n, dim]; n is small: a block, a row, a column, the summaries), read in key
+tiles of block_k with `pl.ds` inside a `fori_loop` that stops after the last key a causal rule lets the tile
+see. Matmuls take the input dtype (bfloat16 on accelerators) and accumulate in float32; softmax statistics
+are float32. Nothing of size [L, n] is written to device memory.
+
+Backward (custom_vjp; recomputation from the saved log-sum-exp as in FlashAttention-2): one dq kernel with
+the forward's grid and loops, and one dk/dv kernel per source with grid (bh, key groups, key tiles) looping
+over the query tiles that can see its key tile (its group's, or every group's for a shared source): no
+atomics. The log-sum-exp output is differentiable (`merge` uses it); its cotangent enters as delta - dlse.
+
+Block shapes satisfy both lowerings: Triton (GPU) needs power-of-two loads, Mosaic (TPU) needs the last two
+block dims divisible by (8, 128) or equal to the array's. Tiles are powers of two >= 16, group and source
+lengths are padded to whole tiles (padded keys invalid, padded queries dropped), per-key data sits in [rows,
+n] blocks with n on lanes. `lax.platform_dependent` picks Triton on GPU, Mosaic on TPU and interpret mode on
+CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as pltriton
+
+from core.blocks import pad_to
+
+Array = Any
+RULES = ("all", "le", "lt", "ne", "range")
+QIDS = ("row", "group")
+BLOCK_Q = 128
+BLOCK_K = 128
+MIN_BLOCK = 16
+SPLIT_TILES = 8  # query tiles per program in the dk/dv kernel of a shared (summary) source
+
+GPU_PARAMS = pltriton.CompilerParams(num_warps=4, num_stages=2)
+TPU_PARAMS = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel"))
+
+
+def _pallas_call(kernel, **kw):
+  """pl.pallas_call lowered per platform: Triton on GPU, Mosaic on TPU, interpret mode on CPU.
+
+  `lax.platform_dependent` lowers only the branch of the platform compiled for, so the same program exports to
+  TPU and CUDA from a CPU host and runs (interpreted) on the CPU.
+  """
+  def branch(**extra):
+    return lambda *args: pl.pallas_call(kernel, **kw, **extra)(*args)
+
+  def call(*args):
+    gpu = branch(compiler_params=GPU_PARAMS)
+    return lax.platform_dependent(*args, cpu=branch(interpret=True), cuda=gpu, rocm=gpu,
+                                  tpu=branch(compiler_params=TPU_PARAMS))
+  return call
+
+
+def _div(a: Any, b: int) -> Any:
+  """a // b for non-negative ints; jnp's floor division lowers through `sign`, which Mosaic cannot place."""
+  return a // b if isinstance(a, int) else lax.div(a, jnp.int32(b))
+
+
+def _rem(a: Any, b: int) -> Any:
+  return a % b if isinstance(a, int) else lax.rem(a, jnp.int32(b))
+
+
+class Source(NamedTuple):
+  """A key/value set. k: [bh, gk, n, head_dim]; v: [bh, gk, n, value_dim]; valid: [batch, gk, n] bool.
+
+  gk = groups: group g reads its own keys; gk = 1: every group reads the same keys (span summaries).
+  rule: key j is visible to a query when rule(qid, j) holds and valid[j]: "all", "le" (j <= qid), "lt"
+  (j < qid), "ne" (j != qid), "range" (rows[0][j] <= qid < rows[1][j]); qid is the query's row inside its
+  group ("row") or its group's index ("group").
+  rows: for "range", the (first, end) query ids of each key, int arrays broadcastable to [gk, n].
+  """
+
+  k: Array
+  v: Array
+  valid: Array
+  rule: str = "all"
+  qid: str = "row"
+  rows: Any = None
+
+
+class _Spec(NamedTuple):  # the static part of a source, after padding
+  rule: str
+  qid: str
+  shared: bool
+  n: int  # padded length
+  block: int
+
+
+def group_length(length: int) -> int:
+  """Queries per group for plans free to choose it (logsparse): one query tile, at most BLOCK_Q."""
+  return _tile(length, BLOCK_Q)
+
+
+def _valid_rows(spec: _Spec) -> int:
+  return 4 if spec.rule == "range" else 1
+
+
+def _tile(n: int, cap: int) -> int:
+  t = MIN_BLOCK
+  while t < n and t < cap:
+    t *= 2
+  return t
+
+
+def _visible(rule: str, qid: Array, kid: Array) -> Array | None:
+  if rule == "le":
+    return kid <= qid
+  if rule == "lt":
+    return kid < qid
+  if rule == "ne":
+    return kid != qid
+  return None
+
+
+def _key_tiles(spec: _Spec, qid_max: Array, num: int) -> Array | int:
+  """Number of key tiles a query tile must visit: causal rules stop after the last visible key."""
+  if spec.rule == "le":
+    return jnp.minimum(num, _div(qid_max + spec.block, spec.block))
+  if spec.rule == "lt":
+    return jnp.minimum(num, _div(qid_max + spec.block - 1, spec.block))
+  return num
+
+
+def _scores(q, k, valid_ref, vstart, spec: _Spec, qid, start, scale):
+  """Logits [bq, bk] (float32) of a query tile against the key tile at `start`, and which are visible.
+
+  valid_ref columns [vstart, vstart + bk): row 0 the key validity; for the "range" rule rows 1, 2 the first
+  and end query id of each key (rows are loaded from the ref: Triton cannot slice loaded values).
+  """
+  s = pl.dot(q, k, trans_b=True) * scale
+  row = lambda i: valid_ref[pl.ds(i, 1), pl.ds(vstart, spec.block)]  # noqa: E731  [1, bk]
+  ok = row(0) > 0
+  if spec.rule == "range":
+    qf = jnp.asarray(qid).astype(jnp.float32)
+    return s, ok & (row(1) <= qf) & (qf < row(2))
+  kid = start + lax.broadcasted_iota(jnp.int32, (1, spec.block), 1)
+  vis = _visible(spec.rule, qid, kid)
+  if vis is not None:
+    ok = ok & vis
+  return s, ok
+
+
+def _fwd_kernel(q_ref, *refs, specs: Sequence[_Spec], scale: float, block_q: int):
+  n = len(specs)
+  src = [refs[3 * i:3 * i + 3] for i in range(n)]
+  o_ref, lse_ref = refs[3 * n:]
+  g, t = pl.program_id(1), pl.program_id(2)
+  q = q_ref[...]  # [bq, d]
+  rows = t * block_q + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
+  m = jnp.full((block_q, 1), -jnp.inf, jnp.float32)
+  den = jnp.zeros((block_q, 1), jnp.float32)
+  acc = jnp.zeros(o_ref.shape, jnp.float32)
+  for spec, (k_ref, v_ref, valid_ref) in zip(specs, src, strict=True):
+    qid = rows if spec.qid == "row" else g
+    qid_max = t * block_q + block_q - 1 if spec.qid == "row" else g
+
+    def body(j, carry, spec=spec, k_ref=k_ref, v_ref=v_ref, valid_ref=valid_ref, qid=qid):
+      m, den, acc = carry
+      start = pl.multiple_of(j * spec.block, spec.block)
+      k = k_ref[pl.ds(start, spec.block), :]
+      v = v_ref[pl.ds(start, spec.block), :]
+      s, ok = _scores(q, k, valid_ref, start, spec, qid, start, scale)
+      s = jnp.where(ok, s, -jnp.inf)
+      m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+      m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+      p = jnp.exp(s - m_safe)  # exactly 0 where masked
+      alpha = jnp.exp(m - m_safe)
+      den = alpha * den + jnp.sum(p, axis=1, keepdims=True)
+      acc = alpha * acc + pl.dot(p.astype(v.dtype), v)
+      return m_new, den, acc
+
+    m, den, acc = lax.fori_loop(0, _key_tiles(spec, qid_max, spec.n // spec.block), body, (m, den, acc))
+  nonempty = den > 0
+  safe = jnp.where(nonempty, den, 1.0)
+  o_ref[...] = (acc / safe).astype(o_ref.dtype)
+  lse_ref[...] = jnp.where(nonempty, m + jnp.log(safe), -jnp.inf)
+
+
+def _dq_kernel(q_ref, do_ref, lse_ref, delta_ref, *refs, specs: Sequence[_Spec], scale: float, block_q: int):
+  n = len(specs)
+  src = [refs[3 * i:3 * i + 3] for i in range(n)]
+  (dq_ref,) = refs[3 * n:]
+  g, t = pl.program_id(1), pl.program_id(2)
+  q, do = q_ref[...], do_ref[...]
+  lse, delta = lse_ref[...], delta_ref[...]  # [bq, 1]
+  lse = jnp.where(lse == -jnp.inf, 0.0, lse)
+  rows = t * block_q + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
+  dq = jnp.zeros(dq_ref.shape, jnp.float32)
+  for spec, (k_ref, v_ref, valid_ref) in zip(specs, src, strict=True):
+    qid = rows if spec.qid == "row" else g
+    qid_max = t * block_q + block_q - 1 if spec.qid == "row" else g
+
+    def body(j, dq, spec=spec, k_ref=k_ref, v_ref=v_ref, valid_ref=valid_ref, qid=qid):
+      start = pl.multiple_of(j * spec.block, spec.block)
+      k = k_ref[pl.ds(start, spec.block), :]
+      v = v_ref[pl.ds(start, spec.block), :]
+      s, ok = _scores(q, k, valid_ref, start, spec, qid, start, scale)
+      p = jnp.where(ok, jnp.exp(jnp.where(ok, s, 0.0) - lse), 0.0)
+      dp = pl.dot(do, v, trans_b=True)
+      ds = p * (dp - delta)
+      return dq + pl.dot(ds.astype(k.dtype), k) * scale
+
+    dq = lax.fori_loop(0, _key_tiles(spec, qid_max, spec.n // spec.block), body, dq)
+  dq_ref[...] = dq.astype(dq_ref.dtype)
+
+
+def _dkv_kernel(q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, valid_ref, dk_ref, dv_ref, *, spec: _Spec,
+                scale: float, block_q: int, group_len: int):
+  """dk, dv of one key tile from the queries in q_ref etc.: its own group's, or for a shared source the
+  split (a run of whole query tiles of the flattened sequence) of grid axis 1, summed over splits outside."""
+  g, tk = pl.program_id(1), pl.program_id(2)
+  k, v = k_ref[...], v_ref[...]
+  start = tk * spec.block
+  num_q = q_ref.shape[0] // block_q
+  base = g * q_ref.shape[0] if spec.shared else 0  # row of the split's first query in the flattened sequence
+  # First query tile that can see this key tile (causal rules); later tiles all may.
+  if spec.rule in ("le", "lt") and spec.qid == "row" and not spec.shared:
+    lo = _div(start, block_q)
+  elif spec.rule in ("le", "lt") and spec.shared:  # shared summaries: groups >= first key index (+1 for "lt")
+    lo = jnp.maximum(_div((start + (1 if spec.rule == "lt" else 0)) * group_len - base, block_q), 0)
+  else:
+    lo = 0
+  lo = jnp.minimum(lo, num_q)
+
+  def body(i, carry):
+    dk, dv = carry
+    qs = pl.multiple_of(i * block_q, block_q)
+    row0 = base + qs  # query row in its group's (own) or the flattened (shared) sequence
+    q = q_ref[pl.ds(qs, block_q), :]
+    do = do_ref[pl.ds(qs, block_q), :]
+    lse = lse_ref[pl.ds(qs, block_q), :]
+    lse = jnp.where(lse == -jnp.inf, 0.0, lse)
+    delta = delta_ref[pl.ds(qs, block_q), :]
+    if spec.qid == "row":
+      qid = _rem(row0, group_len) + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
+    else:
+      qid = _div(row0, group_len) if spec.shared else g
+    s, ok = _scores(q, k, valid_ref, 0, spec, qid, start, scale)
+    p = jnp.where(ok, jnp.exp(jnp.where(ok, s, 0.0) - lse), 0.0)  # [bq, bk]
+    dv = dv + pl.dot(p.astype(do.dtype), do, trans_a=True)
+    dp = pl.dot(do, v, trans_b=True)
+    ds = p * (dp - delta)
+    dk = dk + pl.dot(ds.astype(q.dtype), q, trans_a=True) * scale
+    return dk, dv
+
+  dk, dv = lax.fori_loop(lo, num_q, body, (jnp.zeros(dk_ref.shape, jnp.float32),
+                                           jnp.zeros(dv_ref.shape, jnp.float32)))
+  dk_ref[...] = dk.astype(dk_ref.dtype)
+  dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _row_spec(rows: int, width: int) -> pl.BlockSpec:
+  """Tile t of `rows` rows of group g: [bh, groups, n, width] -> [rows, width]."""
+  return pl.BlockSpec((None, None, rows, width), lambda b, g, t: (b, g, t, 0))
+
+
+def _full_spec(rows: int, width: int) -> pl.BlockSpec:
+  """All `rows` rows of group g (the grid's key-tile axis does not move it)."""
+  return pl.BlockSpec((None, None, rows, width), lambda b, g, t: (b, g, 0, 0))
+
+
+def _split_queries(x: Array, splits: int, rows: int, fill: float) -> Array:
+  """[bh, groups, glen, w] -> [bh, splits, rows, w]: the flattened rows, cut into splits, padded by `fill`."""
+  bh, w = x.shape[0], x.shape[-1]
+  return pad_to(x.reshape(bh, -1, w), splits * rows, 1, fill).reshape(bh, splits, rows, w)
+
+
+def _key_tile_spec(rows: int, shared: bool, width: int) -> pl.BlockSpec:
+  """Key tile t of group g (shared: of the one group, whatever grid axis 1 is)."""
+  return pl.BlockSpec((None, None, rows, width), (lambda b, g, t: (b, 0, t, 0)) if shared
+                      else (lambda b, g, t: (b, g, t, 0)))
+
+
+def _valid_tile_spec(rows: int, cols: int, shared: bool, heads: int) -> pl.BlockSpec:
+  """Key-validity columns of key tile t; validity is per batch element, shared by its heads."""
+  return pl.BlockSpec((None, None, rows, cols), (lambda b, g, t: (_div(b, heads), 0, 0, t)) if shared
+                      else (lambda b, g, t: (_div(b, heads), g, 0, t)))
+
+
+def _source_specs(specs, arrays, heads):
+  in_specs = []
+  for spec, (k, v, _) in zip(specs, arrays, strict=True):
+    gmap = (lambda bh, g, t: (bh, 0, 0, 0)) if spec.shared else (lambda bh, g, t: (bh, g, 0, 0))
+    vmap = ((lambda bh, g, t: (_div(bh, heads), 0, 0, 0)) if spec.shared
+            else (lambda bh, g, t: (_div(bh, heads), g, 0, 0)))
+    in_specs += [pl.BlockSpec((None, None, spec.n, k.shape[-1]), gmap),
+                 pl.BlockSpec((None, None, spec.n, v.shape[-1]), gmap),
+                 pl.BlockSpec((None, None, _valid_rows(spec), spec.n), vmap)]
+  return in_specs
+
+
+def _flat(specs, arrays):
+  out = []
+  for k, v, valid in arrays:
+    out += [k, v, valid]
+  return out
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _flash(specs: tuple, heads: int, scale: float, block_q: int, q: Array, arrays: tuple):
+  return _flash_fwd(specs, heads, scale, block_q, q, arrays)[0]
+
+
+def _flash_fwd(specs, heads, scale, block_q, q, arrays):
+  bh, groups, glen, d = q.shape
+  dv = arrays[0][1].shape[-1]
+  grid = (bh, groups, glen // block_q)
+  o, lse = _pallas_call(
+      functools.partial(_fwd_kernel, specs=specs, scale=scale, block_q=block_q),
+      grid=grid,
+      in_specs=[_row_spec(block_q, d)] + _source_specs(specs, arrays, heads),
+      out_specs=[_row_spec(block_q, dv), _row_spec(block_q, 1)],
+      out_shape=[jax.ShapeDtypeStruct((bh, groups, glen, dv), jnp.float32),
+                 jax.ShapeDtypeStruct((bh, groups, glen, 1), jnp.float32)],
+      name="combiner_flash_fwd",
+  )(q, *_flat(specs, arrays))
+  return (o, lse), (q, arrays, o, lse)
+
+
+def _flash_bwd(specs, heads, scale, block_q, res, cts):
+  q, arrays, o, lse = res
+  do, dlse = cts
+  bh, groups, glen, d = q.shape
+  delta = jnp.sum(do * o, axis=-1, keepdims=True) - dlse  # [bh, groups, glen, 1]
+  do = do.astype(q.dtype)
+  row_spec = functools.partial(_row_spec, block_q)
+  dq = _pallas_call(
+      functools.partial(_dq_kernel, specs=specs, scale=scale, block_q=block_q),
+      grid=(bh, groups, glen // block_q),
+      in_specs=[row_spec(d), row_spec(do.shape[-1]), row_spec(1), row_spec(1)]
+      + _source_specs(specs, arrays, heads),
+      out_specs=row_spec(d),
+      out_shape=jax.ShapeDtypeStruct(q.shape, jnp.float32),
+      name="combiner_flash_dq",
+  )(q, do, lse, delta, *_flat(specs, arrays))
+  d_arrays = []
+  for spec, (k, v, valid) in zip(specs, arrays, strict=True):
+    if spec.shared:
+      # Every query sees the summaries: the flattened [groups * glen] queries of each (bh) are cut into splits
+      # of SPLIT_TILES query tiles, one program each; padded rows get lse = +inf, hence weight 0.
+      tiles = groups * glen // block_q
+      splits, rows = -(-tiles // SPLIT_TILES), min(tiles, SPLIT_TILES) * block_q
+      fills = ((q, 0.0), (do, 0.0), (lse, jnp.inf), (delta, 0.0))
+      qs = [_split_queries(x, splits, rows, fill) for x, fill in fills]
+    else:
+      qs, splits, rows = [q, do, lse, delta], groups, glen
+    full = functools.partial(_full_spec, rows)
+    tile = functools.partial(_row_spec, spec.block)
+    kv_tile = functools.partial(_key_tile_spec, spec.block, spec.shared)
+    vmap = _valid_tile_spec(_valid_rows(spec), spec.block, spec.shared, heads)
+    out_shape = [jax.ShapeDtypeStruct((bh, splits, spec.n, x.shape[-1]), jnp.float32) for x in (k, v)]
+    dk, dv = _pallas_call(
+        functools.partial(_dkv_kernel, spec=spec, scale=scale, block_q=block_q, group_len=glen),
+        grid=(bh, splits, spec.n // spec.block),
+        in_specs=[full(d), full(do.shape[-1]), full(1), full(1), kv_tile(d), kv_tile(v.shape[-1]), vmap],
+        out_specs=[tile(d), tile(v.shape[-1])],
+        out_shape=out_shape,
+        name="combiner_flash_dkv",
+    )(*qs, k, v, valid)
+    if spec.shared:  # partial sums of the splits
+      dk, dv = jnp.sum(dk, axis=1, keepdims=True), jnp.sum(dv, axis=1, keepdims=True)
+    d_arrays.append((dk.astype(k.dtype), dv.astype(v.dtype), jnp.zeros_like(valid)))
+  return dq.astype(q.dtype), tuple(d_arrays)
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def attend(q: Array, sources: Sequence[Source], *, heads: int, scale: float) -> tuple[Array, Array]:
+  """Joint softmax of grouped queries over `sources`.
+
+  q: [bh, groups, group_len, head_dim], bh = batch * heads (batch-major). Returns (out [bh, groups, group_len,
+  value_dim], lse [bh, groups, group_len]), float32; rows with no visible key give out 0 and lse -inf.
+  """
+  bh, groups, glen, _ = q.shape
+  block_q = _tile(glen, BLOCK_Q)
+  glen_p = -(-glen // block_q) * block_q
+  qp = pad_to(q, glen_p, 2)
+  specs, arrays = [], []
+  for s in sources:
+    if s.rule not in RULES or s.qid not in QIDS:
+      raise ValueError(f"flash.attend: bad source rule {s.rule!r} / qid {s.qid!r}")
+    n = s.k.shape[2]
+    block = _tile(n, BLOCK_K)
+    n_p = -(-n // block) * block
+    shared = s.k.shape[1] == 1 and groups > 1
+    valid = s.valid.astype(jnp.float32)[:, :, None, :]  # [batch, gk, 1, n]
+    if s.rule == "range":  # rows 1, 2: the query-id range of each key (exact in float32); row 3 pads to 4
+      shape = valid.shape[:2] + (1, n)
+      lo, hi = (jnp.broadcast_to(jnp.asarray(r, jnp.float32).reshape(-1, n)[:, None], shape) for r in s.rows)
+      valid = jnp.concatenate([valid, lo, hi, jnp.zeros_like(lo)], axis=2)  # [batch, gk, 4, n]
+    valid = pad_to(valid, n_p, 3)
+    specs.append(_Spec(s.rule, s.qid, shared, n_p, block))
+    arrays.append((pad_to(s.k.astype(q.dtype), n_p, 2), pad_to(s.v.astype(q.dtype), n_p, 2), valid))
+  o, lse = _flash(tuple(specs), heads, float(scale), block_q, qp, tuple(arrays))
+  return o[:, :, :glen], lse[:, :, :glen, 0]
+
+
+def merge(parts: Sequence[tuple[Array, Array]]) -> tuple[Array, Array]:
+  """One softmax over the union of several (out, lse) partials of the same queries (any common layout).
+
+  Partials with lse = -inf (no visible key) get weight 0; selects keep their gradients finite.
+  """
+  top = parts[0][1]
+  for _, x in parts[1:]:
+    top = jnp.maximum(top, x)
+  top = lax.stop_gradient(jnp.where(jnp.isfinite(top), top, 0.0))
+  weights = [jnp.where(jnp.isfinite(x), jnp.exp(jnp.where(jnp.isfinite(x), x, 0.0) - top), 0.0)
+             for _, x in parts]
+  total = sum(weights[1:], weights[0])
+  inv = 1.0 / jnp.where(total > 0, total, 1.0)
+  out = sum((o * (w * inv)[..., None] for (o, _), w in zip(parts, weights, strict=True)))
+  lse = jnp.where(total > 0, top + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
+  return out, lse

@@ -1,0 +1,247 @@
+"""The Pallas implementation of the Combiner plans equals their XLA one and lowers for TPU and CUDA.
+
+On CPU the kernels run in interpret mode; forward outputs and the gradients of sum(out * cotangent) with
+respect to q, k, v (and pool_q / pool_k) are compared with implementation="xla" in float32, with masks,
+lengths that are not multiples of the block/row size, both directions and both poolings. Interpret-mode
+programs compile slowly, so the fast tests take one configuration per plan family and the slow sweep the
+rest. The lowering tests export the bfloat16 forward and forward+backward programs for platforms=["tpu"]
+(Mosaic) and ["cuda"] (Triton).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import combiner
+from combiner import flash, sparse
+from core import contract
+
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
+BATCH, HEADS, HEAD_DIM, VALUE_DIM = 2, 2, 8, 5
+
+
+def op(plan: str, size: int):
+  """op(q, k, v, *, causal, mask, pooling, pool_q, pool_k, implementation) for a plan at a block/row size."""
+  combiner_plans = {
+      "fixed": functools.partial(combiner.fixed, block_size=size),
+      "axial_rowmajor": functools.partial(combiner.axial, row_length=size, direction="rowmajor"),
+      "axial_vertical": functools.partial(combiner.axial, row_length=size, direction="vertical"),
+      "axial_horizontal": functools.partial(combiner.axial, row_length=size, direction="horizontal"),
+      "mixture_mean": functools.partial(combiner.mixture, row_length=size),
+      "mixture_joint": functools.partial(combiner.mixture, row_length=size, normalize="joint"),
+      "logsparse": combiner.logsparse,
+  }
+  if plan in combiner_plans:
+    return combiner_plans[plan]
+  sparse_plans = {"sparse_fixed": functools.partial(sparse.fixed, block_size=size),
+                  "sparse_axial": functools.partial(sparse.axial, row_length=size),
+                  "sparse_logsparse": sparse.logsparse}
+  fn = sparse_plans[plan]
+  return lambda q, k, v, *, pooling=None, pool_q=None, pool_k=None, **kw: fn(q, k, v, **kw)
+
+
+def inputs(length: int, seed: int, deepsets: bool):
+  keys = jax.random.split(jax.random.PRNGKey(seed), 7)
+  shape = (BATCH, length, HEADS, HEAD_DIM)
+  q, k = (jax.random.normal(kk, shape) for kk in keys[:2])
+  v = jax.random.normal(keys[2], (BATCH, length, HEADS, VALUE_DIM))
+  mask = jax.random.bernoulli(keys[3], 0.75, (BATCH, length)).at[:, 0].set(True)
+  cotangent = jax.random.normal(keys[4], v.shape)
+  pools = [jax.random.normal(kk, shape) for kk in keys[5:]] if deepsets else [None, None]
+  return q, k, v, mask, cotangent, pools
+
+
+def compare(plan, length, size, causal, pooling, deepsets, seed=0):
+  """Forward and gradients of the pallas implementation against the xla one."""
+  q, k, v, mask, cotangent, (pool_q, pool_k) = inputs(length, seed, deepsets)
+  fn = op(plan, size)
+
+  def run(implementation, q, k, v, pool_q, pool_k):
+    def f(q, k, v, pool_q, pool_k):
+      return fn(q, k, v, causal=causal, mask=mask, pooling=pooling, pool_q=pool_q, pool_k=pool_k,
+                implementation=implementation)
+    out, vjp = jax.vjp(f, q, k, v, pool_q, pool_k)
+    return out, vjp(cotangent)
+
+  args = (q, k, v, pool_q, pool_k)
+  got = jax.jit(functools.partial(run, "pallas"), compiler_options=FAST_COMPILE)(*args)
+  want = jax.jit(functools.partial(run, "xla"))(*args)
+  names = ("out", "dq", "dk", "dv") + (("dpool_q", "dpool_k") if deepsets else ())
+  for name, a, b in zip(names, jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=2e-5, err_msg=f"{plan}: {name}")
+
+
+# (plan, length, size, causal, pooling, deepsets): each plan family once, odd lengths, both directions and
+# poolings, DeepSets pools on two of them.
+FAST_CASES = (
+    ("fixed", 13, 4, True, "max", False),
+    ("sparse_fixed", 13, 4, False, None, False),
+    ("axial_vertical", 11, 4, True, "mean", True),
+    ("mixture_mean", 11, 3, False, "max", False),
+    ("logsparse", 13, None, False, "max", True),
+)
+SLOW_CASES = (
+    ("fixed", 21, 5, False, "mean", True),
+    ("sparse_fixed", 21, 5, True, None, False),
+    ("axial_rowmajor", 11, 4, True, "max", False),
+    ("axial_rowmajor", 14, 4, False, "mean", True),
+    ("axial_vertical", 14, 3, False, "max", False),
+    ("axial_horizontal", 11, 4, True, "max", True),
+    ("axial_horizontal", 14, 3, False, "mean", False),
+    ("sparse_axial", 11, 4, True, None, False),
+    ("sparse_axial", 14, 3, False, None, False),
+    ("mixture_mean", 14, 4, True, "mean", True),
+    ("mixture_joint", 11, 4, True, "max", False),
+    ("mixture_joint", 14, 3, False, "mean", True),
+    ("logsparse", 21, None, True, "mean", False),
+    ("logsparse", 40, None, True, "max", False),  # two query groups of 32: levels above the group size
+    ("sparse_logsparse", 13, None, True, None, False),
+    ("sparse_logsparse", 21, None, False, None, False),
+)
+
+
+@pytest.mark.parametrize("plan,length,size,causal,pooling,deepsets", FAST_CASES)
+def test_pallas_equals_xla(plan, length, size, causal, pooling, deepsets):
+  compare(plan, length, size, causal, pooling, deepsets)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan,length,size,causal,pooling,deepsets", SLOW_CASES)
+def test_pallas_equals_xla_sweep(plan, length, size, causal, pooling, deepsets):
+  compare(plan, length, size, causal, pooling, deepsets, seed=1)
+
+
+def test_fully_masked_rows_and_nan_keys_stay_finite():
+  """A batch row with every key masked returns zeros, and masked keys holding NaN never reach an output."""
+  q, k, v, mask, _, _ = inputs(9, 2, False)
+  mask = mask.at[1].set(False).at[0, 3].set(False)
+  k = k.at[0, 3].set(jnp.nan)
+  fn = op("fixed", 4)
+  run = jax.jit(lambda impl: fn(q, k, v, causal=True, mask=mask, implementation=impl), static_argnums=0,
+                compiler_options=FAST_COMPILE)
+  got, want = run("pallas"), run("xla")
+  assert np.isfinite(np.asarray(got)).all()
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+  np.testing.assert_array_equal(np.asarray(got[1]), 0.0)
+
+
+def test_implementation_argument():
+  q, k, v, _, _, _ = inputs(4, 0, False)
+  with pytest.raises(ValueError, match="argument 'implementation' must be one of"):
+    combiner.fixed(q, k, v, block_size=2, causal=True, implementation="cuda")
+  assert contract.resolve_implementation("auto", op="t") == (
+      "xla" if jax.default_backend() == "cpu" else "pallas")
+  assert contract.resolve_implementation("pallas", op="t") == "pallas"
+  with pytest.raises(ValueError, match="'implementation'"):
+    contract.check_implementation("pallas", ("auto", "xla", "flash"), op="dense")
+
+
+def test_merge_of_empty_partials_has_finite_gradients():
+  o = jnp.ones((3, 2))
+  lse = jnp.array([0.5, -jnp.inf, -jnp.inf])
+  def f(o1, l1, o2, l2):
+    return jnp.sum(flash.merge([(o1, l1), (o2, l2)])[0])
+  grads = jax.grad(f, argnums=(0, 1, 2, 3))(o, lse, 2 * o, jnp.array([0.0, 1.0, -jnp.inf]))
+  for g in grads:
+    assert np.isfinite(np.asarray(g)).all()
+
+
+# Lowering: the programs an accelerator would compile, at a realistic block/row size of 32 for L = 1024.
+LOWERING_LENGTH, LOWERING_HEADS, LOWERING_DIM = 1024, 2, 64
+LOWERING_OPS = {
+    "fixed": lambda q, k, v: combiner.fixed(q, k, v, block_size=32, causal=True, implementation="pallas"),
+    "sparse_fixed": lambda q, k, v: sparse.fixed(q, k, v, block_size=32, causal=False,
+                                                 implementation="pallas"),
+    "axial_rowmajor": lambda q, k, v: combiner.axial(q, k, v, row_length=32, direction="rowmajor",
+                                                     causal=True, implementation="pallas"),
+    "axial_vertical": lambda q, k, v: combiner.axial(q, k, v, row_length=32, direction="vertical",
+                                                     causal=True, implementation="pallas"),
+    "axial_horizontal": lambda q, k, v: combiner.axial(q, k, v, row_length=32, direction="horizontal",
+                                                       causal=False, implementation="pallas"),
+    "mixture": lambda q, k, v: combiner.mixture(q, k, v, row_length=32, causal=True,
+                                                implementation="pallas"),
+    "logsparse": lambda q, k, v: combiner.logsparse(q, k, v, causal=False, implementation="pallas"),
+    "sparse_logsparse": lambda q, k, v: sparse.logsparse(q, k, v, causal=True, implementation="pallas"),
+}
+# The Triton custom call carries no cross-version compatibility guarantee, so export must be told to allow it.
+TRITON_OK = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+@pytest.mark.parametrize("name", sorted(LOWERING_OPS))
+def test_lowers_for_accelerators(name, platform):
+  fn = LOWERING_OPS[name]
+
+  def fwd_bwd(q, k, v):
+    return jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2))(q, k, v)
+
+  spec = jax.ShapeDtypeStruct((1, LOWERING_LENGTH, LOWERING_HEADS, LOWERING_DIM), jnp.bfloat16)
+  marker = "tpu_custom_call" if platform == "tpu" else "xla.gpu.triton"
+  for f in (fn, fwd_bwd):
+    export = jax.export.export(jax.jit(f), platforms=[platform], disabled_checks=TRITON_OK)
+    exported = export(spec, spec, spec)
+    assert marker in exported.mlir_module(), f"{name}: no Pallas kernel in the {platform} program"
+
+
+def test_registry_and_model_config_carry_the_implementation():
+  """Ops that take `implementation` are found from their signature; the model passes
+  `config.model.attention.implementation` to them and rejects a specific choice for an op without one."""
+  from configs import base
+  from models import ops_registry, transformer
+
+  for name in ("combiner_fixed", "combiner_logsparse", "combiner_axial_rowmajor", "combiner_axial_vertical",
+               "combiner_axial_horizontal", "combiner_mixture", "combiner_mixture_joint", "sparse_fixed",
+               "sparse_logsparse", "sparse_axial"):
+    assert ops_registry.takes_implementation(ops_registry.get(name)), name
+  assert not ops_registry.takes_implementation(ops_registry.OpSpec("plain", lambda q, k, v, *, causal: q))
+
+  def tiny(name, implementation, task="lm"):
+    c = base.base_config().model
+    c.num_layers, c.features, c.num_heads, c.mlp_dim = 1, 16, 2, 32
+    c.attention = base.attention_config(name)
+    c.attention.implementation = implementation
+    return transformer.build_model(c, task=task, vocab_size=11, seq_len=8, num_classes=2)
+
+  assert base.attention_config().implementation == "auto"
+  model = tiny("combiner_fixed", "xla")
+  batch = {"inputs": jnp.ones((1, 8), jnp.int32), "mask": jnp.ones((1, 8), bool)}
+  assert np.isfinite(np.asarray(model(batch, deterministic=True))).all()
+  # YOSO's modules wrap its ops like the Combiner ones but its ops have no implementation choice.
+  without = [n for n in ops_registry.names() if n.startswith("yoso")
+             and not ops_registry.takes_implementation(ops_registry.get(n))]
+  if without:
+    with pytest.raises(ValueError, match="does not take 'implementation'"):
+      tiny(without[0], "pallas", task="classify")
+
+
+def test_shared_source_gradients_split_over_query_tiles(monkeypatch):
+  """A source shared by every query group (span summaries): dk/dv are partial sums over splits of the query
+  tiles, checked against plain masked softmax attention, with splits that end in padding."""
+  monkeypatch.setattr(flash, "SPLIT_TILES", 2)
+  bh, groups, glen, n, scale = 2, 9, 16, 20, 0.3  # 9 query tiles: 5 splits, the last half padding
+  keys = jax.random.split(jax.random.PRNGKey(3), 5)
+  q = jax.random.normal(keys[0], (bh, groups, glen, HEAD_DIM))
+  k = jax.random.normal(keys[1], (bh, 1, n, HEAD_DIM))
+  v = jax.random.normal(keys[2], (bh, 1, n, VALUE_DIM))
+  valid = jax.random.bernoulli(keys[3], 0.8, (1, 1, n))
+  cotangent = jax.random.normal(keys[4], (bh, groups, glen, VALUE_DIM))
+
+  def kernel(q, k, v):
+    out, _ = flash.attend(q, [flash.Source(k, v, valid, "lt", "group")], heads=bh, scale=scale)
+    return jnp.sum(out * cotangent)
+
+  def plain(q, k, v):
+    visible = (jnp.arange(n) < jnp.arange(groups)[:, None, None]) & valid[0]  # key index < group index
+    logits = jnp.where(visible, jnp.einsum("bgtd,bnd->bgtn", q, k[:, 0]) * scale, -jnp.inf)
+    weights = jnp.where(visible, jax.nn.softmax(logits, axis=-1), 0.0)  # rows with nothing visible: 0
+    return jnp.sum(jnp.einsum("bgtn,bnd->bgtd", weights, v[:, 0]) * cotangent)
+
+  got = jax.jit(jax.grad(kernel, argnums=(0, 1, 2)), compiler_options=FAST_COMPILE)(q, k, v)
+  want = jax.grad(plain, argnums=(0, 1, 2))(q, k, v)
+  for a, b in zip(got, want, strict=True):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=2e-5)
