@@ -93,8 +93,8 @@ def create_dataset(
   """
   if batch_size < 1:
     raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-  kw = dict(batch_size=batch_size, seed=seed, shard_index=shard_index, shard_count=shard_count, shuffle=shuffle,
-            num_epochs=num_epochs)
+  kw = dict(batch_size=batch_size, seed=seed, shard_index=shard_index, shard_count=shard_count,
+            shuffle=shuffle, num_epochs=num_epochs)
   try:
     return _module(config).create_dataset(config, split, **kw)
   except FileNotFoundError as e:
@@ -110,7 +110,7 @@ def dataset_info(config: Any) -> DatasetInfo:
   return _module(config).dataset_info(config)
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # Stand-ins for missing data (`config.data.stand_in`, set by the smoke variants)
 
 _STAND_IN_ROOT: list[str] = []  # one temporary directory per process, removed at exit

@@ -4,8 +4,8 @@ Each image becomes one sequence of sub-pixels in raster order with the channels 
 (0, 0), then pixel (0, 1), ...), values 0..255 as tokens (vocabulary 256). The metric is bits/dim over all
 sub-pixels (`models.metrics.summarize`). ImageNet-64 is tfds `downsampled_imagenet/64x64`, the set the
 papers use (not `imagenet_resized`). Random horizontal flip is available (`config.data.random_flip`) but off
-by default: the paper trains without augmentation. `config.data.image_shape` (default: the dataset's own) resizes
-every image (nearest) to a smaller grid, e.g. the 8x8 images of the smoke variants.
+by default: the paper trains without augmentation. `config.data.image_shape` (default: the dataset's own)
+resizes every image (nearest) to a smaller grid, e.g. the 8x8 images of the smoke variants.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ SPECS: dict[str, tuple[str, tuple[int, int, int], dict[str, str], dict[str, int]
                  {"train": 1_281_149, "validation": 49_999}),
 }
 
-_RESIZED = pipeline.Counter("images resized to config.data.image_shape (or mock images to the dataset's shape)")
+_RESIZED = pipeline.Counter("images resized to config.data.image_shape (or mock images to the dataset's)")
 
 
 def tfds_split(table: dict[str, str], split: str) -> str:
