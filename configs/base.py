@@ -36,6 +36,12 @@ def attention_config(name: str = "combiner_fixed") -> ml_collections.ConfigDict:
   # Ops from the op registry: recompute the op in the backward pass instead of keeping its intermediates
   # (dense: the [heads, L, L] probabilities); exact same gradients, one extra op forward (models.recompute).
   att.recompute = ml_collections.FieldReference(None, field_type=bool)
+  # Routing: heads that route per routing layer (None = half of them; the rest attend locally), the routing
+  # layers (layer indices, negative from the top; None = every layer), and the cluster membership (None = the
+  # module's default: "nearest" in decoders, exactly causal; "balanced" = the paper's top-k, see routing/).
+  att.routing_heads = ml_collections.FieldReference(None, field_type=int)
+  att.routing_layers = ml_collections.FieldReference(None, field_type=tuple)
+  att.membership = ml_collections.FieldReference(None, field_type=str)
   # Ops that take `implementation` (Combiner plans): "auto" (fused Pallas kernels on GPU/TPU, XLA on CPU),
   # "xla" or the op's accelerated one ("pallas"); passed only to ops whose signature accepts it.
   att.implementation = "auto"
@@ -60,6 +66,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.data.engine = ml_collections.FieldReference(None, field_type=str)
   c.data.cache_in_memory = 512  # MB: small splits are read into RAM once (0 = never)
   c.data.cache_dir = ml_collections.FieldReference(None, field_type=str)  # generated splits; None = data_dir
+  # When the data is not there, train on the generated stand-in of `data.testing.mock_data` (set by `smoke`;
+  # real runs stop with the "prepare it with ..." message instead).
+  c.data.stand_in = False
 
   c.model = ml_collections.ConfigDict()
   c.model.num_layers = 2
@@ -227,6 +236,14 @@ def fill_auto_params(c: ml_collections.ConfigDict) -> None:
       c.model.attention.params[key] = "auto"
 
 
+def route_every_head(c: ml_collections.ConfigDict) -> None:
+  """`attention=routing` in the Combiner paper's comparisons: every head of every layer routes (the rows share one
+  architecture, without the Routing Transformer's local heads: Section 5), unless the config chose a layout."""
+  att = c.model.attention
+  if str(att.name) == "routing" and att.routing_heads is None:
+    att.routing_heads = int(c.model.num_heads)
+
+
 def shrink_for_smoke(c: ml_collections.ConfigDict, *, seq_len: int | None = None) -> None:
   """A model/data/step budget that trains and evaluates on a CPU in seconds (the `smoke` variant)."""
   c.model.num_layers = 1
@@ -242,5 +259,6 @@ def shrink_for_smoke(c: ml_collections.ConfigDict, *, seq_len: int | None = None
   c.train.eval_batches = 2
   c.train.checkpoint_every = 2
   c.optimizer.warmup_steps = 1
+  c.data.stand_in = True
   if seq_len is not None:
     c.data.seq_len = seq_len
