@@ -41,7 +41,8 @@ import ml_collections
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import resume
 from combiner import seq_parallel
@@ -674,6 +675,7 @@ def _flags():
   flags.DEFINE_multi_string("gin_bindings", [], "gin bindings, e.g. 'attention.deepsets = True'")
   distributed.define_flags()  # --multihost, --coordinator_address, --num_processes, --process_id
   flags.DEFINE_bool("progress", True, "show the progress bar")
+  flags.DEFINE_bool("list", False, "list the attention names, the configs and their arguments, then exit")
   flags.DEFINE_bool("allow_config_change", False, "resume a workdir although model/data fields of the config "
                     "differ from its run's (the change is recorded in config_history.json)")
   return flags.FLAGS
@@ -682,13 +684,15 @@ def _flags():
 def main(argv: list[str]) -> None:
   del argv
   from absl import flags as absl_flags
+  from absl import logging
 
   from models import gin_bridge
 
-  from absl import logging
-
   logging.set_verbosity(logging.WARNING)  # orbax and grain log every save at INFO
   flags = absl_flags.FLAGS
+  if flags.list:
+    print(listing())
+    return
   distributed.initialize_from_flags(flags)
   config = flags.config
   with config.unlocked():
@@ -709,6 +713,37 @@ def main(argv: list[str]) -> None:
     sys.exit(1)
   if "accuracy" in result["metrics"] and chance:
     print(f"accuracy {100 * result['metrics']['accuracy']:.1f}% vs chance {100 * chance:.1f}%", flush=True)
+
+
+def listing() -> str:
+  """What a command line can choose: attention names, config files with their first docstring line, and each
+  config's arguments (`--config FILE:key=value,flag`)."""
+  import glob
+  import importlib
+
+  from models import ops_registry, registry
+
+  lines = ["attention (--config FILE:attention=NAME):"]
+  for name in registry.names():
+    spec = ops_registry.OPS.get(name)
+    lines.append(f"  {name:<28} {spec.description if spec else ''}".rstrip())
+  lines.append("configs (--config FILE[:ARGS]; any field also as --config.FIELD=VALUE):")
+  for path in sorted(glob.glob(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "*.py"))):
+    module = importlib.import_module(f"configs.{os.path.splitext(os.path.basename(path))[0]}")
+    if not hasattr(module, "get_config"):
+      continue  # shared settings, not an experiment
+    try:
+      module.get_config("__list__")
+    except config_base.UnknownConfigArgument as e:
+      keys, flags = e.keys, e.flags
+    paper = getattr(module, "routing_paper", None)  # the Routing paper's variant, read before the parser
+    if paper is not None:
+      keys, flags = keys + [f"{k}= (with {paper.FLAG})" for k in paper.KEYS], flags + [paper.FLAG]
+    rel = os.path.relpath(path, os.path.dirname(os.path.abspath(__file__)))
+    lines.append(f"  {rel:<22} {(module.__doc__ or '').strip().splitlines()[0]}")
+    lines.append(f"  {'':<22} keys: {', '.join(k if '=' in k else k + '=' for k in keys)}")
+    lines.append(f"  {'':<22} flags: {', '.join(flags)}")
+  return "\n".join(lines)
 
 
 def chance_accuracy(config: ml_collections.ConfigDict, info: Any) -> float | None:

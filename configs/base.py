@@ -168,6 +168,14 @@ COMMON_KEYS: dict[str, tuple[Callable, Callable]] = {
 }
 
 
+class UnknownConfigArgument(ValueError):
+  """A config argument no key or flag of the config names; carries the valid ones (`train.py --list`)."""
+
+  def __init__(self, message: str, keys: list[str], flags: list[str]):
+    super().__init__(message)
+    self.keys, self.flags = keys, flags
+
+
 def parse_arg(arg: str | None, extra: tuple[str, ...] = (), flags: tuple[str, ...] = ()
               ) -> tuple[dict[str, str], set[str]]:
   """Splits `k=v,flag` into ({k: v}, {flags}); keys must be COMMON_KEYS or in `extra` and take a value, flags
@@ -183,7 +191,8 @@ def parse_arg(arg: str | None, extra: tuple[str, ...] = (), flags: tuple[str, ..
     key, sep, value = item.partition("=")
     key = key.strip()
     if key not in valid:
-      raise ValueError(f"unknown config argument {key!r} in {arg!r}; valid: {valid}")
+      raise UnknownConfigArgument(f"unknown config argument {key!r} in {arg!r}; valid: {valid}",
+                                  sorted(set(COMMON_KEYS) | set(extra)), sorted(flag_names))
     if key in flag_names:
       if sep:
         raise ValueError(f"config argument {key!r} is a flag and takes no value: write {key!r}, not {item!r}")

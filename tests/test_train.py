@@ -214,3 +214,13 @@ def test_sigterm_subprocess_leaves_resumable_checkpoint(tmp_path):
     config.train.num_steps = saved + 1
   result = train.train_and_evaluate(config, workdir, progress=False)
   assert result["start_step"] == saved and result["step"] == saved + 1
+
+
+def test_list_names_every_attention_config_and_argument():
+  text = train.listing()
+  for name in ("combiner_fixed", "dense", "yoso", "routing"):
+    assert f"\n  {name} " in text
+  for config in ("configs/default.py", "configs/cifar10.py", "configs/lra.py"):
+    assert config in text
+  assert "task=" in text and "yoso_paper" in text and "routing_paper" in text and "smoke" in text
+  assert "configs/base.py" not in text and "configs/images.py" not in text  # shared settings, not experiments
