@@ -98,7 +98,7 @@ def bigbird(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = 
   def piece(keys: Array, values: Array, key_valid: Array, kpos: np.ndarray, static: np.ndarray) -> Piece:
     """keys [batch, heads, n, K, d] (or [batch, heads, K, d], shared); key_valid [batch, n | 1, K];
     kpos, static: [n, K] key positions and pattern validity."""
-    if keys.ndim == 4:  # shared keys: one plain matmul over all queries (2x faster on CPU than a 5-d einsum)
+    if keys.ndim == 4:  # shared keys: one plain matmul over all queries (faster on CPU than a 5-d einsum)
       logits = jnp.einsum("bhld,bhkd->bhlk", qh_grid, keys).reshape(batch, heads, n, size, -1) * scale
     else:
       logits = jnp.einsum("bhnqd,bhnkd->bhnqk", qb, keys) * scale  # [batch, heads, n, size, K]

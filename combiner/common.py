@@ -2,7 +2,7 @@
 
 Plans compute in the head-major layout [batch, heads, length, dim]: batch and heads then lead every batched
 matmul, which XLA runs without the transposes that the contract's [batch, length, heads, dim] would cost at
-each einsum (measured ~25% faster forward+backward at L = 8192 on CPU).
+each einsum (docs/benchmarks.md, "Design measurements").
 """
 
 from __future__ import annotations
@@ -63,10 +63,10 @@ def materialized_head_major(x: Array) -> Array:
   """head_major(x) [batch, heads, length, dim] as a permuting gather instead of a transpose.
 
   XLA:CPU turns a transpose into a layout change and then fuses a transposing copy into every consumer that
-  reshapes it; with one grid per logsparse level that is ~40 full-size copies at L = 8192, all kept alive for
-  the backward pass (temp memory 1079 MB -> 567 MB with the gather). A gather is always a real array, so every
-  grid is a free reshape of it; its backward is a scatter with unique indices, as cheap as the copy it
-  replaces.
+  reshapes it; with one grid per logsparse level that is one full-size copy per level and consumer, all kept
+  alive for the backward pass (about half the temp memory with the gather). A gather is always a real array,
+  so every grid is a free reshape of it; its backward is a scatter with unique indices, as cheap as the copy
+  it replaces.
   """
   batch, length, heads, dim = x.shape
   # (head, position) order

@@ -11,7 +11,7 @@ sequences are the same tokens without parentheses and fit seq_len 2000. The labe
 
 `listops_synthetic` serves such examples through the same interface as the LRA files: example i of a split is
 generated from its own seed (data_seed, split, i), so it is random access and identical on every host and
-after a resume. Generation is slow (rejection sampling: ~7 ms per example at 500..2000, ~1.3 ms at 16..64), so
+after a resume. Generation is slow (rejection sampling, milliseconds per example at the published lengths), so
 like the LRA ListOps files each split is generated once: on first use (or by `python -m data.prepare
 listops_synthetic --data_dir DIR`) it is written under
 `{cache_dir or data_dir}/listops_synthetic/<split>-<key>/` (token ids, offsets, labels as .npy; written to a

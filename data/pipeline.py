@@ -58,8 +58,8 @@ def missing(path: str, dataset: str, data_dir: str | None, what: str = "dataset"
 
 
 def default_read_threads() -> int:
-  """Record-reading threads: 1 on a small machine (measured on the 2-core CI box: 1 thread gave twice the
-  examples/s of 2 or 4, which fight over the GIL), up to 8 on large TPU/GPU hosts with I/O to hide."""
+  """Record-reading threads: 1 on a small machine (on 2 cores more threads only fight over the GIL and read
+  slower), up to 8 on large TPU/GPU hosts with I/O to hide."""
   try:
     cpus = len(os.sched_getaffinity(0))
   except AttributeError:  # not Linux

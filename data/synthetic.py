@@ -11,7 +11,7 @@ pair token whose key matches and read its value (content-based long-range attent
 
 Every example is a pure function of (seed, split, record index), so the grain iterator state alone resumes it:
 its random numbers are a counter-based hash (splitmix64) of (seed, split, index, draw number), computed for a
-whole batch of records at once (`read_batch`, used by the dataset engine): ~10x faster than seeding a numpy
+whole batch of records at once (`read_batch`, used by the dataset engine), much cheaper than seeding a numpy
 Generator per record, which alone cost more than a smoke train step consumes.
 Vocabulary: [0, F) filler; [F, F+K) queries; [F+K, F+K+K*V) pairs; [F+K+K*V, F+K+K*V+V) answers.
 """

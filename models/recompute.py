@@ -6,7 +6,7 @@ only.
 
 Why not `jax.checkpoint` / `nnx.remat` (`model.remat`): XLA:CPU removes optimisation barriers before
 scheduling, and its scheduler then hoists every layer's recomputation right after the forward pass, where it
-is live at the same time as all the others: measured, remat does not lower XLA:CPU's temp memory at all. Here
+is live at the same time as all the others, so remat does not lower XLA:CPU's temp memory at all. Here
 the recomputation reads its inputs through a zero that depends on the layer's output cotangent, so it cannot
 start before that cotangent exists: layers are recomputed one at a time, in the order of the backward pass, on
 every backend.

@@ -29,7 +29,7 @@ CAUSAL_TASKS = ("lm", "image")
 # recomputes the block; "minimal" also keeps the outputs of matmuls without batch dimensions (projections,
 # MLP), so only the attention core (batched over heads) is recomputed: dense's [heads, L, L] probabilities are
 # never kept.
-# Both rely on the backend scheduling recomputation late; XLA:CPU does not (measured: the same temp memory as
+# Both rely on the backend scheduling recomputation late; XLA:CPU does not (its temp memory stays that of
 # "none"), so there use `model.attention.recompute`, which pins the op's recomputation into the backward pass.
 REMAT = ("none", "full", "minimal")
 
