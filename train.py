@@ -1,6 +1,6 @@
 r"""Trains an experiment config: jit over a named device mesh, orbax checkpoints with exact resume.
 
-    python train.py                                      # the embedded default (configs/default.py), ~2 min CPU
+    python train.py                            # the embedded default (configs/default.py), ~2 min CPU
     python train.py --config configs/cifar10.py:attention=combiner_axial_vertical --workdir workdirs/c10 \
         --config.optimizer.lr=3e-4 --gin_bindings "attention.deepsets = True"
 
@@ -9,17 +9,17 @@ r"""Trains an experiment config: jit over a named device mesh, orbax checkpoints
   are created already sharded by the logical-axis rule table `config.sharding_rules`; the train step is
   `jax.jit` with in/out shardings and donated state; batches are sharded over "data".
 - State: parameters (`nnx.Param`, the only differentiated variables), the other module state (e.g. routing
-  centroids, updated by the module in the forward pass), optax state and the step. Per-step randomness comes from
-  `fold_in(key(seed), step)`, reseeding the modules' "dropout"/"attention" streams, so resume is exact.
-- Checkpoints: orbax `CheckpointManager` in `<workdir>/checkpoints` (every `train.checkpoint_every` steps, the last
-  `train.keep_checkpoints` kept, atomic, saved before the evaluation of the same step), with the grain
+  centroids, updated by the module in the forward pass), optax state and the step. Per-step randomness comes
+  from `fold_in(key(seed), step)`, reseeding the modules' "dropout"/"attention" streams, so resume is exact.
+- Checkpoints: orbax `CheckpointManager` in `<workdir>/checkpoints` (every `train.checkpoint_every` steps, the
+  last `train.keep_checkpoints` kept, atomic, saved before the evaluation of the same step), with the grain
   data-iterator state. Rerunning with the same workdir resumes from the newest checkpoint that restores with
   finite values, after checking the config against the run's (`resume.py`). SIGTERM (preemption) saves a
   checkpoint and exits 0. A NaN/Inf loss or gradient stops the run with a clear message; the last good
   checkpoint stays (the bad step is never applied nor saved). A non-finite final evaluation exits non-zero.
 - Output: a tqdm bar (step, loss, steps/s, ETA), metric lines on stdout, TensorBoard summaries in
-  `<workdir>/tensorboard` (tensorboardX), the resolved config in `<workdir>/config.json`, final eval metrics in
-  `<workdir>/metrics.json`. The workdir may be `gs://` (files: runtime/paths.py; arrays: orbax).
+  `<workdir>/tensorboard` (tensorboardX), the resolved config in `<workdir>/config.json`, final eval metrics
+  in `<workdir>/metrics.json`. The workdir may be `gs://` (files: runtime/paths.py; arrays: orbax).
 - Processes: `--multihost` on Cloud TPU pods; elsewhere `--coordinator_address --num_processes --process_id`
   (runtime/distributed.py). Each process feeds its own shard of every global batch.
 """
@@ -59,7 +59,7 @@ class TrainingDiverged(RuntimeError):
   """Raised when the loss or the gradients are not finite."""
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# -----------------------------------------------------------------------------------------------------------
 # Data
 
 
@@ -69,13 +69,14 @@ def dataset_info(config: ml_collections.ConfigDict) -> Any:
   return data.dataset_info(config)
 
 
-def create_dataset(config: ml_collections.ConfigDict, split: str, *, batch_size: int, seed: int, **kw: Any) -> Any:
+def create_dataset(config: ml_collections.ConfigDict, split: str, *, batch_size: int, seed: int,
+                   **kw: Any) -> Any:
   import data
 
   return data.create_dataset(config, split, batch_size=batch_size, seed=seed, **kw)
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# -----------------------------------------------------------------------------------------------------------
 # Mesh and sharding
 
 
@@ -101,7 +102,7 @@ def logical_to_mesh(spec: Any, shape: tuple[int, ...], rules: dict[str, Any], me
   names = tuple(spec) if spec is not None else ()
   out = []
   used = set()
-  for dim, name in zip(shape, names + (None,) * (len(shape) - len(names))):
+  for dim, name in zip(shape, names + (None,) * (len(shape) - len(names)), strict=True):
     axis = rules.get(name) if name is not None else None
     if axis is not None and (axis in used or dim % mesh.shape[axis] != 0):
       axis = None
@@ -123,7 +124,7 @@ def state_shardings(abstract_state: Any, rules: dict[str, Any], mesh: jax.shardi
   return jax.tree.map(one, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# -----------------------------------------------------------------------------------------------------------
 # Optimizer
 
 
@@ -142,7 +143,8 @@ def make_schedule(config: ml_collections.ConfigDict) -> Callable[[Any], Any]:
   if o.schedule == "constant":
     return optax.join_schedules([optax.linear_schedule(0.0, lr, max(warmup, 1)), optax.constant_schedule(lr)],
                                 [max(warmup, 1)])
-  raise ValueError(f"config.optimizer.schedule must be one of ['constant', 'cosine', 'rsqrt'], got {o.schedule!r}")
+  raise ValueError("config.optimizer.schedule must be one of ['constant', 'cosine', 'rsqrt'], "
+                   f"got {o.schedule!r}")
 
 
 def make_optimizer(config: ml_collections.ConfigDict) -> tuple[optax.GradientTransformation, Callable]:
@@ -161,7 +163,7 @@ def make_optimizer(config: ml_collections.ConfigDict) -> tuple[optax.GradientTra
   return tx, schedule
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# -----------------------------------------------------------------------------------------------------------
 # The experiment: model, sharded state, jitted steps
 
 
@@ -217,13 +219,14 @@ class Experiment:
           self.tx, lambda leaf, sh, ref: sh if tuple(leaf.shape) == tuple(ref.shape) else self.replicated,
           abs_opt, self.param_shardings, abs_params, transform_non_params=lambda _: self.replicated,
           is_leaf=lambda x: isinstance(x, nnx.Variable))
-    except (ValueError, TypeError):  # a state optax cannot map: replicate (correct, only less memory-efficient)
+    except (ValueError, TypeError):  # a state optax cannot map: replicate (correct, less memory-efficient)
       return jax.tree.map(lambda _: self.replicated, abs_opt)
 
-  # -- state --------------------------------------------------------------------------------------------------
+  # -- state -------------------------------------------------------------------------------------------------
 
   def init_state(self) -> TrainState:
-    """Fresh parameters created directly with their shardings (jit with out_shardings), and optimizer state."""
+    """Fresh parameters created directly with their shardings (jit with out_shardings), and optimizer
+    state."""
 
     def init():
       model = self._build()
@@ -237,7 +240,7 @@ class Experiment:
     return TrainState(params, rest, opt_state, 0)
 
   def init_rng_state(self) -> None:
-    """The model's rng-stream state alone (the checkpoint holds parameters, not streams), with its sharding."""
+    """The model's rng-stream state alone (the checkpoint holds parameters, not streams), sharded."""
 
     def init():
       return nnx.split(self._build(), nnx.Param, nnx.RngState, ...)[2]
@@ -248,7 +251,8 @@ class Experiment:
     """The checkpoint target: shapes, dtypes and shardings of every saved array."""
 
     def with_sharding(abs_tree, shardings):
-      return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abs_tree, shardings)
+      return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abs_tree,
+                          shardings)
 
     def init():
       model = self._build()
@@ -261,13 +265,14 @@ class Experiment:
             "rest": with_sharding(abs_rest, self.rest_shardings),
             "opt_state": with_sharding(abs_opt, self.opt_shardings)}
 
-  # -- batches ------------------------------------------------------------------------------------------------
+  # -- batches -----------------------------------------------------------------------------------------------
 
   def global_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
     """Host-local NumPy batch -> global jax.Arrays sharded over the "data" mesh axis."""
-    return {k: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(v)) for k, v in batch.items()}
+    return {k: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(v))
+            for k, v in batch.items()}
 
-  # -- steps --------------------------------------------------------------------------------------------------
+  # -- steps -------------------------------------------------------------------------------------------------
 
   def _model(self, params: Any, rng: Any, rest: Any, key: jax.Array) -> nnx.Module:
     model = nnx.merge(self.graphdef, params, rng, rest, copy=True)  # fresh variables in this trace
@@ -350,7 +355,8 @@ class Experiment:
     for batch in loader:
       if 0 <= max_batches <= n:
         break
-      sums = jax.device_get(self._eval_step(state.params, state.rest, self.rng_state, self.global_batch(batch)))
+      sums = jax.device_get(self._eval_step(state.params, state.rest, self.rng_state,
+                                            self.global_batch(batch)))
       for k, v in sums.items():
         totals[k] = totals.get(k, 0.0) + float(v)
       n += 1
@@ -372,7 +378,7 @@ class Experiment:
     return global_batch // jax.process_count()
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# -----------------------------------------------------------------------------------------------------------
 # Checkpoints
 
 
@@ -396,14 +402,16 @@ def save_checkpoint(mgr: Any, state: TrainState, data_iter: Any | None) -> None:
   import grain
   import orbax.checkpoint as ocp
 
-  items = {"state": ocp.args.StandardSave(_state_tree(state)), "meta": ocp.args.JsonSave({"step": state.step})}
+  items = {"state": ocp.args.StandardSave(_state_tree(state)),
+           "meta": ocp.args.JsonSave({"step": state.step})}
   if data_iter is not None:
     items["data"] = grain.checkpoint.CheckpointSave(data_iter)
   mgr.save(state.step, args=ocp.args.Composite(**items), force=True)
   mgr.wait_until_finished()
 
 
-def restore_checkpoint(mgr: Any, exp: Experiment, data_iter: Any | None, step: int | None = None) -> TrainState:
+def restore_checkpoint(mgr: Any, exp: Experiment, data_iter: Any | None,
+                       step: int | None = None) -> TrainState:
   """Restores `step` (default the latest) into a sharded TrainState and, when given, the data iterator.
 
   Raises resume.UnrestorableCheckpoint naming the step directory when its files do not restore or the restored
@@ -440,7 +448,7 @@ def restore_checkpoint(mgr: Any, exp: Experiment, data_iter: Any | None, step: i
   return TrainState(tree["params"], rest, tree["opt_state"], restored_step)
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# -----------------------------------------------------------------------------------------------------------
 # The training loop
 
 
@@ -502,7 +510,8 @@ def load_config(workdir: str, step: int | None = None) -> ml_collections.ConfigD
     c.model.image_shape = tuple(c.model.image_shape)
   c.sharding_rules = tuple(tuple(r) for r in c.sharding_rules)
   with c.model.attention.unlocked():
-    c.model.attention.params = ml_collections.ConfigDict(c.model.attention.get("params") or {}, type_safe=False)
+    c.model.attention.params = ml_collections.ConfigDict(c.model.attention.get("params") or {},
+                                                         type_safe=False)
   return c
 
 
@@ -562,8 +571,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, devic
             + ", ".join(sorted(config_diff)), flush=True)
   start = state.step
   n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
-  print(f"task={exp.task} data={config.data.name} attention={config.model.attention.name} params={n_params:,} "
-        f"mesh={dict(exp.mesh.shape)} steps={start}->{num_steps} workdir={workdir}", flush=True)
+  print(f"task={exp.task} data={config.data.name} attention={config.model.attention.name} "
+        f"params={n_params:,} mesh={dict(exp.mesh.shape)} steps={start}->{num_steps} workdir={workdir}",
+        flush=True)
 
   writer = summary_writer(paths.join(workdir, "tensorboard")) if is_main else None
 
@@ -655,7 +665,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, devic
   return result
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# -----------------------------------------------------------------------------------------------------------
 # Command line
 
 
