@@ -207,7 +207,7 @@ def test_remat_recomputes_the_block_in_the_compiled_backward():
   the compiled backward recomputes the block: "full" every matmul of it (q, k, v, out projections, the two
   attention matmuls, the two MLP matmuls), "minimal" only the attention core's two batched matmuls; both
   recompute the softmax. XLA:CPU's scheduler then hoists the recomputation next to the forward pass, so on CPU
-  the compiled temp memory does not drop (it does not for any small shape tried): that is not asserted here,
+  the compiled temp memory does not drop: no memory saving is asserted here;
   `model.attention.recompute` is the option whose memory saving holds on CPU (the test above)."""
   layers = 2
   batch = {"inputs": jnp.zeros((2, LENGTH), jnp.int32)}
