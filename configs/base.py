@@ -1,8 +1,8 @@
 """The config schema every experiment shares, and the `get_config(arg)` argument parser.
 
-Every field train.py reads exists here, so `--config.<field>=...` overrides are type-checked by ml_collections and a
-misspelled field is an error. `arg` is a comma-separated list of `key=value` items and flags (`smoke`), e.g.
-`attention=combiner_axial_vertical,layers=6,smoke`; an unknown key is an error that lists the valid ones.
+Every field train.py reads exists here, so `--config.<field>=...` overrides are type-checked by ml_collections
+and a misspelled field is an error. `arg` is a comma-separated list of `key=value` items and flags (`smoke`),
+e.g. `attention=combiner_axial_vertical,layers=6,smoke`; an unknown key is an error that lists the valid ones.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ def attention_config(name: str = "combiner_fixed") -> ml_collections.ConfigDict:
   """`config.model.attention`: the module registry name, plan parameters and module options.
 
   params: plan parameters passed to the op ("auto" = the op's own choice for the sequence length,
-    `models.ops_registry` `params(L)`); type-unsafe so that "auto" can be replaced by an int from the command line.
+    `models.ops_registry` `params(L)`); type-unsafe so that "auto" can be replaced by an int from the command
+    line.
   Module options default to None = the module's default; gin may bind only fields left at None / "auto".
   """
   att = ml_collections.ConfigDict()
@@ -30,8 +31,8 @@ def attention_config(name: str = "combiner_fixed") -> ml_collections.ConfigDict:
   att.dropout_rate = ml_collections.FieldReference(None, field_type=float)
   # Combiner: relu(Dense(q)) / relu(Dense(k)) pooled into the span abstractions (paper Table 3).
   att.deepsets = ml_collections.FieldReference(None, field_type=bool)
-  # Combiner axial rowmajor: a learned row-summary span key (per head, from the pooled key), an approximation of
-  # the released code's per-column key (docs/design.md section 4).
+  # Combiner axial rowmajor: a learned row-summary span key (per head, from the pooled key), an approximation
+  # of the released code's per-column key (docs/design.md section 4).
   att.learned_span_key = ml_collections.FieldReference(None, field_type=bool)
   # Ops from the op registry: recompute the op in the backward pass instead of keeping its intermediates
   # (dense: the [heads, L, L] probabilities); exact same gradients, one extra op forward (models.recompute).
@@ -61,8 +62,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.data.name = "synthetic_recall"
   c.data.data_dir = ml_collections.FieldReference(None, field_type=str)
   c.data.seq_len = 512
-  # grain engine: None = "dataset" for batched pipelines, "loader" for self-batching text packing; "loader" also
-  # resumes data-iterator checkpoints written before batched pipelines moved to the dataset engine.
+  # grain engine: None = "dataset" for batched pipelines, "loader" for self-batching text packing; "loader"
+  # also resumes data-iterator checkpoints written before batched pipelines moved to the dataset engine.
   c.data.engine = ml_collections.FieldReference(None, field_type=str)
   c.data.cache_in_memory = 512  # MB: small splits are read into RAM once (0 = never)
   c.data.cache_dir = ml_collections.FieldReference(None, field_type=str)  # generated splits; None = data_dir
@@ -233,8 +234,8 @@ def apply_common(c: ml_collections.ConfigDict, values: dict[str, str]) -> None:
 
 
 def fill_auto_params(c: ml_collections.ConfigDict) -> None:
-  """Writes "auto" for every automatic plan parameter of the chosen op the config leaves out, so that each can be
-  overridden from the command line (`--config.model.attention.params.block_size=64`)."""
+  """Writes "auto" for every automatic plan parameter of the chosen op the config leaves out, so that each can
+  be overridden from the command line (`--config.model.attention.params.block_size=64`)."""
   from models import ops_registry
 
   name = c.model.attention.name
@@ -246,8 +247,9 @@ def fill_auto_params(c: ml_collections.ConfigDict) -> None:
 
 
 def route_every_head(c: ml_collections.ConfigDict) -> None:
-  """`attention=routing` in the Combiner paper's comparisons: every head of every layer routes (the rows share one
-  architecture, without the Routing Transformer's local heads: Section 5), unless the config chose a layout."""
+  """`attention=routing` in the Combiner paper's comparisons: every head of every layer routes (the rows share
+  one architecture, without the Routing Transformer's local heads: Section 5), unless the config chose a
+  layout."""
   att = c.model.attention
   if str(att.name) == "routing" and att.routing_heads is None:
     att.routing_heads = int(c.model.num_heads)

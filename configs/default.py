@@ -1,9 +1,10 @@
 """The embedded default: a small causal Combiner LM on `synthetic_recall` (generated on the fly, no download).
 
 Command:   python train.py            (the same as: python train.py --config configs/default.py)
-Task:      multi-query key-value recall at length 512 (data/synthetic.py): 8 key-value pair tokens lie far apart
-           in the first half; every query in the second half must be answered with its key's value, found up to
-           511 positions back (long-range, content-based attention). Loss and accuracy count the answers only.
+Task:      multi-query key-value recall at length 512 (data/synthetic.py): 8 key-value pair tokens lie far
+           apart in the first half; every query in the second half must be answered with its key's value,
+           found up to 511 positions back (long-range, content-based attention). Loss and accuracy count the
+           answers only.
 Expected:  answer accuracy rises from chance (10%) to well above it within ~2 minutes on a 2-core CPU.
 Cost:      ~2 minutes on 2 CPU cores; seconds on one accelerator.
 Variants:  configs/default.py:attention=dense   (any registry name), `smoke` (a few steps, for tests).

@@ -1,7 +1,8 @@
 """Long Range Arena (Tay et al. 2021): ListOps, Text, Retrieval, Image, Pathfinder; test accuracy.
 
 Command:   python train.py --config configs/lra.py:task=listops,attention=combiner_fixed \
-             --workdir workdirs/lra_listops_fixed --config.data.data_dir DIR    (DIR: the LRA release, `lra_release/`)
+             --workdir workdirs/lra_listops_fixed --config.data.data_dir DIR
+             (DIR: the LRA release, `lra_release/`)
            (`task=listops_synthetic`: ListOps from the offline generator, no download; see below)
 Paper:     Table 5 (LRA's own per-task settings; Appendix E.4; best of CLS/MEAN pooling, `pool=mean`):
            task        combiner_fixed  combiner_axial_*  dense  (chance)
@@ -13,8 +14,9 @@ Paper:     Table 5 (LRA's own per-task settings; Appendix E.4; best of CLS/MEAN 
 Expected:  the combiner_fixed column within about 1 point (LRA runs vary by seed).
 Cost:      listops/text/retrieval: hours on one accelerator (5k-20k steps at batch 32); image: ~35k steps at
            batch 256; pathfinder: ~62k steps at batch 512. `:task=...,smoke` runs in seconds on a CPU.
-Settings are those of the LRA repository's base configs (lra_benchmarks/*/configs/base_*.py): rsqrt schedule with
-lr 0.05 and weight decay 0.1 for listops/text/retrieval, cosine with lr 5e-4 / 1e-3 for image / pathfinder.
+Settings are those of the LRA repository's base configs (lra_benchmarks/*/configs/base_*.py): rsqrt schedule
+with lr 0.05 and weight decay 0.1 for listops/text/retrieval, cosine with lr 5e-4 / 1e-3 for image /
+pathfinder.
 """
 
 from configs import base
@@ -32,21 +34,22 @@ SETTINGS = {
 }
 # `:task=listops_synthetic`: the ListOps experiment on the offline generator (data/listops.py, the published
 # process) instead of the release files; each split is generated once into {data_dir}/listops_synthetic/
-# (`python -m data.prepare listops_synthetic --data_dir DIR` does it up front with every CPU). Not a paper row:
-# the examples are drawn like LRA's, not LRA's own. Its smoke variant generates 1024/128/128 examples of 16..64
-# tokens (seconds; without data_dir they are generated on access, ~1.3 ms each).
+# (`python -m data.prepare listops_synthetic --data_dir DIR` does it up front with every CPU). Not a paper
+# row: the examples are drawn like LRA's, not LRA's own. Its smoke variant generates 1024/128/128 examples of
+# 16..64 tokens (seconds; without data_dir they are generated on access, ~1.3 ms each).
 SETTINGS["listops_synthetic"] = ("listops_synthetic",) + SETTINGS["listops"][1:]
-# Pathfinder-32 difficulty (data/lra.py PATHFINDER_DIFFICULTIES): the Combiner paper reran every Table 5 model on
-# "pathfinder-32-inter" (Appendix E.4), the intermediate set curv_contour_length_9 (LRA's easy / intermediate /
-# hard sets are curv_baseline / curv_contour_length_9 / curv_contour_length_14); `--config.data.difficulty=...`
-# picks another.
+# Pathfinder-32 difficulty (data/lra.py PATHFINDER_DIFFICULTIES): the Combiner paper reran every Table 5 model
+# on "pathfinder-32-inter" (Appendix E.4), the intermediate set curv_contour_length_9 (LRA's easy /
+# intermediate / hard sets are curv_baseline / curv_contour_length_9 / curv_contour_length_14);
+# `--config.data.difficulty=...` picks another.
 PATHFINDER_DIFFICULTY = "curv_contour_length_9"
 SYNTHETIC_SMOKE = dict(min_length=16, max_length=64, num_train=1024, num_validation=128, num_test=128)
 
 
-# `:task=...,yoso_paper` (attention defaults to yoso): the YOSO paper's LRA setting (Zeng et al. 2021, section 4.2,
-# Table 3), which follows Nystromformer's LRA code (Xiong et al. 2021) rather than the LRA base configs: 2 layers,
-# width 64, 2 heads of 32, MLP 128, mean pooling, Adam lr 1e-4 with warmup, no weight decay, dropout 0.1.
+# `:task=...,yoso_paper` (attention defaults to yoso): the YOSO paper's LRA setting (Zeng et al. 2021, section
+# 4.2, Table 3), which follows Nystromformer's LRA code (Xiong et al. 2021) rather than the LRA base configs:
+# 2 layers, width 64, 2 heads of 32, MLP 128, mean pooling, Adam lr 1e-4 with warmup, no weight decay,
+# dropout 0.1.
 # Paper Table 3 test accuracy (listops / text / retrieval / image / pathfinder):
 #   YOSO-32 37.25 / 63.12 / 78.69 / 40.21 / 72.33;  YOSO-C-16 37.40 / 64.28 / 77.61 / 44.67 / 71.86;
 #   YOSO-E 37.30 / 64.71 / 81.16 / 39.78 / 72.90;   softmax 37.10 / 65.02 / 79.35 / 38.20 / 74.16.
@@ -120,7 +123,9 @@ def get_config(arg: str | None = None):
     if task == "listops_synthetic":
       c.data.update(SYNTHETIC_SMOKE)
   base.apply_common(c, values)
-  if YOSO_FLAG in flags and c.model.attention.name in YOSO_SAMPLED:  # the hashing YOSO rows (not yoso_e, dense)
+  # The hashing YOSO rows (not yoso_e, dense).
+  if YOSO_FLAG in flags and c.model.attention.name in YOSO_SAMPLED:
     c.model.attention.params.tau = 8
-    c.model.attention.params.num_hashes = 16 if c.model.attention.name == "yoso_c" else 32  # YOSO-C-16, YOSO-32
+    # YOSO-C-16, YOSO-32
+    c.model.attention.params.num_hashes = 16 if c.model.attention.name == "yoso_c" else 32
   return c

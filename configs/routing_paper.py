@@ -1,17 +1,19 @@
-"""The Routing Transformer paper's image settings (Roy et al., TACL 2021, section 5) as the `routing_paper` variant.
+"""The Routing Transformer paper's image settings (Roy et al., TACL 2021, section 5) as the `routing_paper`
+variant.
 
-`configs/cifar10.py:routing_paper` and `configs/imagenet64.py:routing_paper` take the experiment's data pipeline
-and evaluation and replace the model and optimizer with the paper's; every other config argument (`layers=`,
-`smoke`, `attention=combiner_routed`, ...) still applies on top. The paper trains with Adam (b1 0.9, b2 0.98),
-learning rate 2e-4 and the Transformer rsqrt schedule (section 5).
+`configs/cifar10.py:routing_paper` and `configs/imagenet64.py:routing_paper` take the experiment's data
+pipeline and evaluation and replace the model and optimizer with the paper's; every other config argument
+(`layers=`, `smoke`, `attention=combiner_routed`, ...) still applies on top. The paper trains with Adam
+(b1 0.9, b2 0.98), learning rate 2e-4 and the Transformer rsqrt schedule (section 5).
 
 Routing Transformer Table 1 (CIFAR-10, bits/dim; 12 layers, 8 heads, k = 6) rows as arguments:
-`attention=dense` (full attention), `routing_heads=0` (local attention only), `routing_heads=4,routing_layers=2,
-window=512`, `routing_heads=8,routing_layers=all,window=1024` (routing only), ...
+`attention=dense` (full attention), `routing_heads=0` (local attention only),
+`routing_heads=4,routing_layers=2,window=512`, `routing_heads=8,routing_layers=all,window=1024` (routing
+only), ...
 
-Membership: these are decoders, so the routing heads use the exactly causal "nearest" membership by default. The
-paper's balanced top-k membership leaks future tokens into a decoder's likelihood (see `routing/attention.py`);
-to run it as published anyway: `--config.model.attention.membership=balanced`.
+Membership: these are decoders, so the routing heads use the exactly causal "nearest" membership by default.
+The paper's balanced top-k membership leaks future tokens into a decoder's likelihood (see
+`routing/attention.py`); to run it as published anyway: `--config.model.attention.membership=balanced`.
 """
 
 from __future__ import annotations
@@ -24,13 +26,14 @@ from configs import base
 
 FLAG = "routing_paper"
 
-# CIFAR-10 (section 5.1 / 6.1): 12 layers, 8 heads; the best model routes in the top 4 layers with 4 routing heads,
-# k = 6 clusters and attention window 1024 (the window-512 version reaches 2.975 bits/dim); batch 32, 200k steps.
-CIFAR10 = dict(layers=12, heads=8, features=512, routing_heads=4, routing_layers=(-4, -3, -2, -1), num_clusters=6,
-               window=1024, batch_size=32, steps=200_000)
+# CIFAR-10 (section 5.1 / 6.1): 12 layers, 8 heads; the best model routes in the top 4 layers with 4 routing
+# heads, k = 6 clusters and attention window 1024 (the window-512 version reaches 2.975 bits/dim); batch 32,
+# 200k steps.
+CIFAR10 = dict(layers=12, heads=8, features=512, routing_heads=4, routing_layers=(-4, -3, -2, -1),
+               num_clusters=6, window=1024, batch_size=32, steps=200_000)
 # ImageNet-64 (section 5.4): 24 layers, 16 heads, half local and half routing in every layer, k = 8 clusters,
-# window 2048; 3.425 bits/dim after ~70 epochs. The paper says "batch size 1" on 128 TPU cores, read here as one
-# per core (global 128); the width is not stated (1024 = 16 heads x 64 is our choice).
+# window 2048; 3.425 bits/dim after ~70 epochs. The paper says "batch size 1" on 128 TPU cores, read here as
+# one per core (global 128); the width is not stated (1024 = 16 heads x 64 is our choice).
 IMAGENET64 = dict(layers=24, heads=16, features=1024, routing_heads=8, routing_layers=None, num_clusters=8,
                   window=2048, batch_size=128, steps=700_000)
 
@@ -64,7 +67,8 @@ def apply(c: ml_collections.ConfigDict, settings: dict[str, Any], arg: str, pape
   """Sets the paper's model/optimizer on `c`, then re-applies the user's `arg` so that it wins.
 
   The attention is "routing" unless `attention=` names another (`dense` for the full-attention row of Table 1,
-  `combiner_routed`, ...); the routing fields and plan parameters are set only for the attention that reads them.
+  `combiner_routed`, ...); the routing fields and plan parameters are set only for the attention that reads
+  them.
   """
   values, flags = base.parse_arg(arg, extra=extra_keys, flags=flag_keys)
   if "attention" not in values:
@@ -110,4 +114,5 @@ def apply(c: ml_collections.ConfigDict, settings: dict[str, Any], arg: str, pape
     if not smoke or "clusters" in paper_values:
       att.params.num_clusters = clusters
   elif paper_values:
-    raise ValueError(f"{sorted(paper_values)} configure routing attention; attention={name!r} does not read them")
+    raise ValueError(
+      f"{sorted(paper_values)} configure routing attention; attention={name!r} does not read them")

@@ -11,8 +11,8 @@
 `dataset_info(config)`. Adding a dataset is one line in the table (modules are imported lazily, so a missing
 optional module only fails for the datasets that need it).
 
-Batch layouts (every batch also carries `valid` bool [B]: False for the rows that pad the last evaluation batch
-to the full batch size; training batches are always full and all-valid):
+Batch layouts (every batch also carries `valid` bool [B]: False for the rows that pad the last evaluation
+batch to the full batch size; training batches are always full and all-valid):
   image, lm:  inputs int32 [B, L], mask bool [B, L], weights float32 [B, L], segment_ids int32 [B, L]
   mlm:        inputs (corrupted) int32 [B, L], targets int32 [B, L], weights float32 [B, L] (1 = predicted),
               mask bool [B, L], segment_ids int32 [B, L] (at most `max_segments` per row)
@@ -21,15 +21,16 @@ to the full batch size; training batches are always full and all-valid):
 Padding is always given by `mask` (True = real token); token value 0 is an ordinary token (a black pixel, a
 NUL byte).
 
-config.data fields read here (all optional except `name`): data_dir (TFDS data directory; LRA unpacked
-inside it or `lra_dir`), seq_len, worker_count (grain worker processes, default 0), read_threads, prefetch,
+config.data fields read here (all optional except `name`): data_dir (TFDS data directory; LRA unpacked inside
+it or `lra_dir`), seq_len, worker_count (grain worker processes, default 0), read_threads, prefetch,
 virtual_records (benchmarks: a small split presented at a real split's size, data.pipeline.VirtualRecords),
-engine ("dataset" | "loader": grain engine of batched datasets, default "dataset"; both give the same batches in
-the same `EpochPermutation` record order, but each resumes only its own checkpoints), cache_in_memory (MB, default 512: small splits of lra_text, lra_image,
-lra_listops and the listops_synthetic cache are held in RAM; 0 = never);
-images: random_flip; text: spm_model, vocab_size (32000), tfds_version, max_segments, mlm_rate; LRA:
-lra_dir, skip_malformed, listops_parens, difficulty, resolution; listops_synthetic: min_length, max_length,
-max_depth, max_args, op_p, num_train/num_validation/num_test, data_seed, cache_dir (default data_dir; each split
+engine ("dataset" | "loader": grain engine of batched datasets, default "dataset"; both give the same batches
+in the same `EpochPermutation` record order, but each resumes only its own checkpoints), cache_in_memory (MB,
+default 512: small splits of lra_text, lra_image, lra_listops and the listops_synthetic cache are held in RAM;
+0 = never);
+images: random_flip; text: spm_model, vocab_size (32000), tfds_version, max_segments, mlm_rate; LRA: lra_dir,
+skip_malformed, listops_parens, difficulty, resolution; listops_synthetic: min_length, max_length, max_depth,
+max_args, op_p, num_train/num_validation/num_test, data_seed, cache_dir (default data_dir; each split
 generated once there); stand_in (bool: when the data is missing, read the generated stand-in of
 `data.testing.mock_data` instead, saying so in one line; the `smoke` variants set it). Offline stand-ins for
 every dataset: `data.testing.mock_data`; preparation of the real ones: `python -m data.prepare`.
@@ -85,7 +86,8 @@ def create_dataset(
   shuffle: bool | None = None,
   num_epochs: int | None = None,
 ):
-  """A grain IterDataset (packed text: a grain.DataLoader) over `split` ("train", "validation", "test") of `config.data.name`.
+  """A grain IterDataset (packed text: a grain.DataLoader) over `split` ("train", "validation", "test") of
+  `config.data.name`.
 
   shard_index/shard_count default to jax.process_index()/jax.process_count(). shuffle defaults to
   split == "train"; num_epochs defaults to None (repeat forever) for "train" and 1 otherwise. `batch_size` is

@@ -15,8 +15,8 @@ class DatasetInfo:
     (bits/dim and perplexity are computed over exactly these classes).
   input_vocab_size: embedding rows the model needs: > every id it feeds in, including a dedicated `bos_id` or
     `cls_id` beyond the data's vocabulary (images: bos_id = 256, input_vocab_size = 257).
-  bos_id: id the model right-shifts `inputs` with (lm/image). cls_id: an id no data token uses, for models that
-    prepend a [CLS] token (classify/retrieval). mask_id: the [MASK] id used by the mlm corruption.
+  bos_id: id the model right-shifts `inputs` with (lm/image). cls_id: an id no data token uses, for models
+    that prepend a [CLS] token (classify/retrieval). mask_id: the [MASK] id used by the mlm corruption.
   """
 
   name: str

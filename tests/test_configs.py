@@ -63,7 +63,8 @@ def test_unknown_config_argument_lists_valid_keys():
 
 def test_unknown_attention_name_lists_valid_names():
   c = default.get_config("smoke,attention=combiner_fixd")
-  with pytest.raises(ValueError, match=r"unknown attention 'combiner_fixd'; valid names: \[.*'combiner_fixed'"):
+  with pytest.raises(ValueError,
+                     match=r"unknown attention 'combiner_fixd'; valid names: \[.*'combiner_fixed'"):
     train.Experiment(c, devices=jax.devices()[:1])
 
 
@@ -71,7 +72,8 @@ def test_unknown_config_field_is_an_error():
   # config_flags reads the command line when the flag is defined (as train.py does at import).
   bad = ["train.py", "--config=configs/default.py", "--config.model.num_layerz=3"]
   fv = flags.FlagValues()
-  config_flags.DEFINE_config_file("config", "configs/default.py", flag_values=fv, lock_config=True, sys_argv=bad)
+  config_flags.DEFINE_config_file("config", "configs/default.py", flag_values=fv, lock_config=True,
+                                  sys_argv=bad)
   with pytest.raises(Exception, match="num_layerz"):
     fv(bad)
   good = ["train.py", "--config=configs/default.py", "--config.model.num_layers=3",
@@ -145,4 +147,5 @@ def test_config_smoke_run_and_eval(module, arg, tmp_path):
   key = {"image": "bits_per_dim", "lm": "perplexity", "mlm": "perplexity"}.get(result["experiment"].task,
                                                                               "accuracy")
   assert key in metrics and metrics["step"] == 2
-  assert base.SHARDING_RULES == tuple(tuple(r) for r in train.load_config(str(tmp_path / "run")).sharding_rules)
+  rules = train.load_config(str(tmp_path / "run")).sharding_rules
+  assert base.SHARDING_RULES == tuple(tuple(r) for r in rules)
