@@ -1,6 +1,6 @@
 r"""Evaluates a train.py checkpoint on a split, prints the metrics and writes them as JSON to the workdir.
 
-    python eval.py --workdir workdirs/default-20261122-050000                 # latest checkpoint, config.eval_split
+    python eval.py --workdir workdirs/default-20261122-050000  # latest checkpoint, config.eval_split
     python eval.py --workdir DIR --split test --step 4000 --max_batches 100
 
 The config is the resolved one train.py saved (`<workdir>/config.json`, with the changes it recorded in
@@ -24,7 +24,8 @@ import jax
 from runtime import distributed, paths
 
 
-def restore_workdir(workdir: str, *, step: int | None = None, devices: list | None = None) -> tuple[Any, Any, Any]:
+def restore_workdir(workdir: str, *, step: int | None = None,
+                    devices: list | None = None) -> tuple[Any, Any, Any]:
   """(experiment, train state, open read-only checkpoint manager) for `step` (default: the newest that
   restores) of `workdir`, with the config that step was trained with."""
   import resume

@@ -41,7 +41,8 @@ import ml_collections
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import resume
 from combiner import seq_parallel
@@ -235,6 +236,14 @@ class Experiment:
     opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(params)
     return TrainState(params, rest, opt_state, 0)
 
+  def init_rng_state(self) -> None:
+    """The model's rng-stream state alone (the checkpoint holds parameters, not streams), with its sharding."""
+
+    def init():
+      return nnx.split(self._build(), nnx.Param, nnx.RngState, ...)[2]
+
+    self.rng_state = jax.jit(init, out_shardings=self.rng_shardings)()
+
   def abstract_state(self) -> dict[str, Any]:
     """The checkpoint target: shapes, dtypes and shardings of every saved array."""
 
@@ -268,7 +277,6 @@ class Experiment:
 
   def _build_train_step(self) -> Callable:
     task, aux_w = self.task, float(self.config.aux_loss_weight)
-    nan_step = int(self.config.train.inject_nan_at_step)
     base_key = jax.random.key(int(self.config.seed))
     tx, schedule = self.tx, self.schedule
 
@@ -283,8 +291,6 @@ class Experiment:
         aux = sum((jnp.sum(jnp.asarray(v)) for path, v in jax.tree_util.tree_leaves_with_path(sown)
                    if "aux_loss" in jax.tree_util.keystr(path)), jnp.zeros((), jnp.float32))
         total = loss + aux_w * aux
-        if nan_step >= 0:
-          total = total + jnp.where(step == nan_step, jnp.nan, 0.0)
         new_rest = nnx.state(model, REST)
         return total, (loss, aux, sums, new_rest)
 
@@ -434,16 +440,6 @@ def restore_checkpoint(mgr: Any, exp: Experiment, data_iter: Any | None, step: i
   return TrainState(tree["params"], rest, tree["opt_state"], restored_step)
 
 
-def _init_rng_state(self: Experiment) -> None:
-  def init():
-    return nnx.split(self._build(), nnx.Param, nnx.RngState, ...)[2]
-
-  self.rng_state = jax.jit(init, out_shardings=self.rng_shardings)()
-
-
-Experiment.init_rng_state = _init_rng_state
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # The training loop
 
@@ -533,7 +529,9 @@ def restore_or_init(mgr: Any, exp: Experiment, data_iter: Any, *, set_aside: boo
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, devices: list | None = None,
                        stop_after: int | None = None, batch_log: list | None = None,
                        progress: bool = True, allow_config_change: bool = False) -> dict[str, Any]:
-  """Trains to `config.train.num_steps` (resuming from `workdir`), evaluates, returns the final metrics.
+  """Trains to `config.train.num_steps` (resuming from `workdir`), evaluates, and returns a dict with always
+  the same keys: step, start_step, preempted (stopped early with a checkpoint: SIGTERM or `stop_after`),
+  metrics (the final evaluation, as written to metrics.json; empty when preempted), state and experiment.
 
   stop_after: leave after this many steps of this process, saving a checkpoint (a planned preemption).
   batch_log: if a list, receives (step, fingerprint of the host batch) per step (tests check data order).
@@ -582,82 +580,79 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, devic
                   unit="step", file=sys.stderr)
   acc: dict[str, float] = {}
   acc_n, t_last, last_saved = 0, time.time(), start if mgr.latest_step() is not None else None
-  eval_metrics: dict[str, Any] = {}
   steps_this_run = 0
-  with _Preemption() as preempt:
-    while state.step < num_steps:
-      batch = next(data_iter)
-      if batch_log is not None:
-        batch_log.append((state.step, _fingerprint(batch)))
-      step_before = state.step
-      state, out = exp.train_step(state, batch)
-      out = jax.device_get(out)
-      if not bool(out["finite"]):
-        bar.close()
-        mgr.wait_until_finished()
-        where = (f"the last good checkpoint (step {last_saved}) in {mgr.directory} is intact"
-                 if last_saved is not None else "no checkpoint was saved before it")
-        raise TrainingDiverged(f"non-finite loss ({float(out['loss'])}) or gradient norm "
-                               f"({float(out['grad_norm'])}) at step {step_before}; training stopped and {where}. "
-                               "Lower the learning rate, enable clipping, or use float32.")
-      steps_this_run += 1
-      for k in ("loss", "aux_loss", "grad_norm"):
-        acc[k] = acc.get(k, 0.0) + float(out[k])
-      for k in ("nll_sum", "weight_sum", "correct_sum"):
-        if k in out:
+  result: dict[str, Any] = {"step": start, "start_step": start, "preempted": False, "metrics": {},
+                            "state": state, "experiment": exp}
+  try:  # the bar, the summary writer and the checkpoint manager close once, however the run ends
+    with _Preemption() as preempt:
+      while state.step < num_steps:
+        batch = next(data_iter)
+        if batch_log is not None:
+          batch_log.append((state.step, _fingerprint(batch)))
+        step_before = state.step
+        state, out = exp.train_step(state, batch)
+        out = jax.device_get(out)
+        if not bool(out["finite"]):
+          where = (f"the last good checkpoint (step {last_saved}) in {mgr.directory} is intact"
+                   if last_saved is not None else "no checkpoint was saved before it")
+          raise TrainingDiverged(f"non-finite loss ({float(out['loss'])}) or gradient norm "
+                                 f"({float(out['grad_norm'])}) at step {step_before}; training stopped and "
+                                 f"{where}. Lower the learning rate, enable clipping, or use float32.")
+        steps_this_run += 1
+        for k in ("loss", "aux_loss", "grad_norm"):
           acc[k] = acc.get(k, 0.0) + float(out[k])
-      acc_n += 1
-      bar.update(1)
-      bar.set_postfix(loss=f"{float(out['loss']):.4f}", refresh=False)
-      if state.step % log_every == 0 or state.step == num_steps:
-        now = time.time()
-        train_m = metrics_lib.summarize(exp.task, acc)
-        line = {"loss": acc["loss"] / acc_n, "aux_loss": acc["aux_loss"] / acc_n,
-                "grad_norm": acc["grad_norm"] / acc_n, "lr": float(out["lr"]),
-                "steps_per_s": acc_n / max(now - t_last, 1e-9)}
-        line.update({k: v for k, v in train_m.items() if k != "loss"})
-        _say(bar, f"step {state.step}: " + " ".join(f"{k}={v:.4g}" for k, v in line.items()))
-        log_scalars("train", line, state.step)
-        acc, acc_n, t_last = {}, 0, now
-      # The checkpoint comes first: an evaluation that fails must not lose the step it evaluates.
-      stop = stop_after is not None and steps_this_run >= stop_after
-      if preempt.requested or stop or state.step % ckpt_every == 0 or state.step == num_steps:
-        save_checkpoint(mgr, state, data_iter)
-        last_saved = state.step
-      if eval_every > 0 and state.step % eval_every == 0 and state.step < num_steps and not (
-          preempt.requested or stop):
-        eval_metrics = exp.evaluate(state)
-        _say(bar, f"eval {config.eval_split} @ {state.step}: " + format_metrics(eval_metrics))
-        log_scalars(f"eval_{config.eval_split}", eval_metrics, state.step)
-        t_last = time.time()
-      if preempt.requested or stop:
-        bar.close()
-        why = "SIGTERM" if preempt.requested else f"stop_after={stop_after}"
-        print(f"{why}: saved checkpoint at step {state.step} in {mgr.directory}; rerun to resume", flush=True)
-        mgr.close()
-        if writer is not None:
-          writer.close()
-        return {"step": state.step, "preempted": True, "start_step": start}
-  bar.close()
-  if mgr.latest_step() != state.step:
-    save_checkpoint(mgr, state, data_iter)
-  eval_metrics = exp.evaluate(state)
-  eval_metrics.update(step=state.step, split=config.eval_split, start_step=start)
-  print(f"final eval {config.eval_split} @ {state.step}: " + format_metrics(eval_metrics), flush=True)
-  log_scalars(f"eval_{config.eval_split}", {k: v for k, v in eval_metrics.items() if isinstance(v, float)},
-              state.step)
-  if is_main:
-    resume.write_json(paths.join(workdir, "metrics.json"), eval_metrics)
-  if writer is not None:
-    writer.close()
-  mgr.close()
-  bad = sorted(k for k, v in eval_metrics.items() if isinstance(v, float) and not math.isfinite(v))
+        for k in ("nll_sum", "weight_sum", "correct_sum"):
+          if k in out:
+            acc[k] = acc.get(k, 0.0) + float(out[k])
+        acc_n += 1
+        bar.update(1)
+        bar.set_postfix(loss=f"{float(out['loss']):.4f}", refresh=False)
+        if state.step % log_every == 0 or state.step == num_steps:
+          now = time.time()
+          train_m = metrics_lib.summarize(exp.task, acc)
+          line = {"loss": acc["loss"] / acc_n, "aux_loss": acc["aux_loss"] / acc_n,
+                  "grad_norm": acc["grad_norm"] / acc_n, "lr": float(out["lr"]),
+                  "steps_per_s": acc_n / max(now - t_last, 1e-9)}
+          line.update({k: v for k, v in train_m.items() if k != "loss"})
+          _say(bar, f"step {state.step}: " + " ".join(f"{k}={v:.4g}" for k, v in line.items()))
+          log_scalars("train", line, state.step)
+          acc, acc_n, t_last = {}, 0, now
+        # The checkpoint comes first: an evaluation that fails must not lose the step it evaluates.
+        stop = stop_after is not None and steps_this_run >= stop_after
+        if preempt.requested or stop or state.step % ckpt_every == 0 or state.step == num_steps:
+          save_checkpoint(mgr, state, data_iter)
+          last_saved = state.step
+        if preempt.requested or stop:
+          why = "SIGTERM" if preempt.requested else f"stop_after={stop_after}"
+          _say(bar, f"{why}: saved checkpoint at step {state.step} in {mgr.directory}; rerun to resume")
+          result.update(step=state.step, preempted=True, state=state)
+          return result
+        if eval_every > 0 and state.step % eval_every == 0 and state.step < num_steps:
+          eval_metrics = exp.evaluate(state)
+          _say(bar, f"eval {config.eval_split} @ {state.step}: " + format_metrics(eval_metrics))
+          log_scalars(f"eval_{config.eval_split}", eval_metrics, state.step)
+          t_last = time.time()
+    bar.close()
+    if mgr.latest_step() != state.step:
+      save_checkpoint(mgr, state, data_iter)
+    eval_metrics = exp.evaluate(state)
+    eval_metrics.update(step=state.step, split=config.eval_split, start_step=start)
+    print(f"final eval {config.eval_split} @ {state.step}: " + format_metrics(eval_metrics), flush=True)
+    log_scalars(f"eval_{config.eval_split}", {k: v for k, v in eval_metrics.items() if isinstance(v, float)},
+                state.step)
+    if is_main:
+      resume.write_json(paths.join(workdir, "metrics.json"), eval_metrics)
+    result.update(step=state.step, metrics=eval_metrics, state=state)
+  finally:
+    bar.close()
+    if writer is not None:
+      writer.close()
+    mgr.close()  # waits for the checkpoint writes in flight
+  bad = sorted(k for k, v in result["metrics"].items() if isinstance(v, float) and not math.isfinite(v))
   if bad:
     raise NonFiniteEvaluation(f"the final evaluation at step {state.step} is not finite ({', '.join(bad)}); "
                               f"the checkpoint of step {state.step} in {mgr.directory} is kept")
-  eval_metrics["state"] = state
-  eval_metrics["experiment"] = exp
-  return eval_metrics
+  return result
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -680,6 +675,7 @@ def _flags():
   flags.DEFINE_multi_string("gin_bindings", [], "gin bindings, e.g. 'attention.deepsets = True'")
   distributed.define_flags()  # --multihost, --coordinator_address, --num_processes, --process_id
   flags.DEFINE_bool("progress", True, "show the progress bar")
+  flags.DEFINE_bool("list", False, "list the attention names, the configs and their arguments, then exit")
   flags.DEFINE_bool("allow_config_change", False, "resume a workdir although model/data fields of the config "
                     "differ from its run's (the change is recorded in config_history.json)")
   return flags.FLAGS
@@ -688,13 +684,15 @@ def _flags():
 def main(argv: list[str]) -> None:
   del argv
   from absl import flags as absl_flags
+  from absl import logging
 
   from models import gin_bridge
 
-  from absl import logging
-
   logging.set_verbosity(logging.WARNING)  # orbax and grain log every save at INFO
   flags = absl_flags.FLAGS
+  if flags.list:
+    print(listing())
+    return
   distributed.initialize_from_flags(flags)
   config = flags.config
   with config.unlocked():
@@ -713,8 +711,39 @@ def main(argv: list[str]) -> None:
   except (TrainingDiverged, NonFiniteEvaluation, resume.ConfigMismatch, resume.UnrestorableCheckpoint) as e:
     print(f"ERROR: {e}", file=sys.stderr, flush=True)
     sys.exit(1)
-  if "accuracy" in result and chance:
-    print(f"accuracy {100 * result['accuracy']:.1f}% vs chance {100 * chance:.1f}%", flush=True)
+  if "accuracy" in result["metrics"] and chance:
+    print(f"accuracy {100 * result['metrics']['accuracy']:.1f}% vs chance {100 * chance:.1f}%", flush=True)
+
+
+def listing() -> str:
+  """What a command line can choose: attention names, config files with their first docstring line, and each
+  config's arguments (`--config FILE:key=value,flag`)."""
+  import glob
+  import importlib
+
+  from models import ops_registry, registry
+
+  lines = ["attention (--config FILE:attention=NAME):"]
+  for name in registry.names():
+    spec = ops_registry.OPS.get(name)
+    lines.append(f"  {name:<28} {spec.description if spec else ''}".rstrip())
+  lines.append("configs (--config FILE[:ARGS]; any field also as --config.FIELD=VALUE):")
+  for path in sorted(glob.glob(os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "*.py"))):
+    module = importlib.import_module(f"configs.{os.path.splitext(os.path.basename(path))[0]}")
+    if not hasattr(module, "get_config"):
+      continue  # shared settings, not an experiment
+    try:
+      module.get_config("__list__")
+    except config_base.UnknownConfigArgument as e:
+      keys, flags = e.keys, e.flags
+    paper = getattr(module, "routing_paper", None)  # the Routing paper's variant, read before the parser
+    if paper is not None:
+      keys, flags = keys + [f"{k}= (with {paper.FLAG})" for k in paper.KEYS], flags + [paper.FLAG]
+    rel = os.path.relpath(path, os.path.dirname(os.path.abspath(__file__)))
+    lines.append(f"  {rel:<22} {(module.__doc__ or '').strip().splitlines()[0]}")
+    lines.append(f"  {'':<22} keys: {', '.join(k if '=' in k else k + '=' for k in keys)}")
+    lines.append(f"  {'':<22} flags: {', '.join(flags)}")
+  return "\n".join(lines)
 
 
 def chance_accuracy(config: ml_collections.ConfigDict, info: Any) -> float | None:

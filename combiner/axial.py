@@ -1,8 +1,8 @@
 """Combiner-Axial (paper §4.3, Appendix C) on an n x m grid of rows of length m = row_length.
 
 Positions are laid out as (row, col) = (i // m, i % m); the sequence is padded to whole rows with masked keys.
-Each direction is built as a list of `Piece`s for the shared joint softmax so that `mixture(normalize="joint")`
-can put several span families under one softmax.
+Each direction is built as a list of `Piece`s for the shared joint softmax so that
+`mixture(normalize="joint")` can put several span families under one softmax.
 """
 
 from __future__ import annotations
@@ -52,20 +52,24 @@ def column_piece(g: Grid, causal: bool) -> Piece:
   return Piece(logits, valid, lambda w: weighted_sum("bhrcs,bhscd->bhrcd", w, g.v))
 
 
-def rowmajor_spans(g: Grid, causal: bool, pooling: str, span_key_fn: Callable | None, row_logits: Array) -> Piece:
+def rowmajor_spans(g: Grid, causal: bool, pooling: str, span_key_fn: Callable | None,
+                   row_logits: Array) -> Piece:
   """One span per other row (causal: rows before). Span key: the pooled row; span query: the column-aligned
-  token's own query q_(r', col(i)), falling back to the pooled row query where that token is masked or padding.
+  token's own query q_(r', col(i)), falling back to the pooled row query where that token is masked or
+  padding.
 
   row_logits: [batch, heads, rows, cols_q, cols_k], the in-row logits the direct piece uses too.
   """
-  k_bar, nonempty = pool_ops.pool(g.pool_k, g.mask, axis=3, kind=pooling)  # [b, heads, rows, dim], [b, 1, rows]
+  # k_bar: [b, heads, rows, dim]; nonempty: [b, 1, rows]
+  k_bar, nonempty = pool_ops.pool(g.pool_k, g.mask, axis=3, kind=pooling)
   if span_key_fn is not None:
     k_bar = head_major(span_key_fn(head_major(k_bar)))  # the hook sees [batch, rows, heads, dim]
   q_bar, _ = pool_ops.pool(g.pool_q, g.mask, axis=3, kind=pooling)
   # v_tilde[s, c]: the whole row s attended by the query aligned with column c: the direct piece's row logits,
   # except where that token is masked or padding and the pooled row query stands in.
   pooled_logits = jnp.einsum("bhsd,bhsed->bhse", q_bar, g.k) * g.scale  # [batch, heads, rows, cols_e]
-  in_row = jnp.where(g.mask[..., None], row_logits, pooled_logits[:, :, :, None])  # [b, heads, rows, cols, cols_e]
+  # [b, heads, rows, cols, cols_e]
+  in_row = jnp.where(g.mask[..., None], row_logits, pooled_logits[:, :, :, None])
   v_tilde = attend(in_row, g.mask[:, :, :, None, :], g.v, "bhsce,bhsed->bhscd")  # [b, heads, rows, cols, dv]
   logits = jnp.einsum("bhrcd,bhsd->bhrcs", g.q, k_bar) * g.scale  # [batch, heads, rows, cols, rows_s]
   valid = other_block_valid(g.rows, causal)[:, None, :] & nonempty[:, :, None, None, :]
@@ -82,7 +86,8 @@ def _all_but_one(x: Array, valid: Array, axis: int, causal: bool, pooling: str) 
 
 
 def vertical_spans(g: Grid, causal: bool, pooling: str) -> Piece:
-  """For query (r, c) and every other column e: column e ∩ Ω_i minus D_i, i.e. rows s < r (causal) or s != r."""
+  """For query (r, c) and every other column e: column e ∩ Ω_i minus D_i, i.e. rows s < r (causal)
+  or s != r."""
   k_bar, nonempty = _all_but_one(g.pool_k, g.mask, 2, causal, pooling)  # [b, heads, rows_r, cols_e, dim]
   q_bar, _ = _all_but_one(g.pool_q, g.mask, 2, causal, pooling)
   # v_tilde[r, e] = softmax over rows s of column e (s < r or s != r) of s(q_bar[r, e], k[s, e]).
@@ -116,22 +121,26 @@ def axial_pieces(g: Grid, direction: str, causal: bool, pooling: str,
   return [row_piece(g, causal), column_piece(g, causal), spans(g, causal, pooling)]
 
 
-def axial(q: Array, k: Array, v: Array, *, row_length: int, direction: str, causal: bool, mask: Array | None = None,
-          pooling: str = "max", pool_q: Array | None = None, pool_k: Array | None = None,
-          span_key_fn: Callable[[Array], Array] | None = None, implementation: str = "auto") -> Array:
+def axial(q: Array, k: Array, v: Array, *, row_length: int, direction: str, causal: bool,
+          mask: Array | None = None, pooling: str = "max", pool_q: Array | None = None,
+          pool_k: Array | None = None, span_key_fn: Callable[[Array], Array] | None = None,
+          implementation: str = "auto") -> Array:
   """Combiner-Axial. q, k: [batch, length, heads, head_dim]; v: [batch, length, heads, value_dim].
 
-  direction: "rowmajor" (D_i = own row; one span per other row), "vertical" (D_i = own row ∪ own column; one span
-  per other column), "horizontal" (D_i = own row ∪ own column; one span per other row). Cost O(L·(n + m)·d).
+  direction: "rowmajor" (D_i = own row; one span per other row), "vertical" (D_i = own row ∪ own column; one
+  span per other column), "horizontal" (D_i = own row ∪ own column; one span per other row).
+  Cost O(L·(n + m)·d).
   span_key_fn (rowmajor only): maps the pooled span keys [batch, rows, heads, head_dim] to the keys used.
-  implementation: "xla" (einsums), "pallas" (the fused kernel of `combiner.flash`), "auto" (pallas on GPU/TPU).
+  implementation: "xla" (einsums), "pallas" (the fused kernel of `combiner.flash`),
+  "auto" (pallas on GPU/TPU).
   """
   op = "combiner.axial"
   x = common.prepare(q, k, v, mask, op=op, causal=causal, pooling=pooling, pool_q=pool_q, pool_k=pool_k)
   contract.check_choice(direction, name="direction", allowed=DIRECTIONS, op=op)
   m = contract.check_positive_int(row_length, name="row_length", op=op)
   if span_key_fn is not None and direction != "rowmajor":
-    raise ValueError(f"{op}: argument 'span_key_fn' is only supported for direction='rowmajor', got {direction!r}")
+    raise ValueError(f"{op}: argument 'span_key_fn' is only supported for direction='rowmajor', "
+                     f"got {direction!r}")
   if contract.resolve_implementation(implementation, op=op) == "pallas":
     return fused.axial(x, m, direction, causal, pooling, fused.kernel_dtype(q, k, v), span_key_fn)
   g = Grid(x, m)

@@ -1,8 +1,8 @@
 """Input handling shared by the Combiner plans: contract checks, compute dtype, head-major layout, padding.
 
 Plans compute in the head-major layout [batch, heads, length, dim]: batch and heads then lead every batched
-matmul, which XLA runs without the transposes that the contract's [batch, length, heads, dim] would cost at each
-einsum (measured ~25% faster forward+backward at L = 8192 on CPU).
+matmul, which XLA runs without the transposes that the contract's [batch, length, heads, dim] would cost at
+each einsum (measured ~25% faster forward+backward at L = 8192 on CPU).
 """
 
 from __future__ import annotations
@@ -55,20 +55,22 @@ def prepare(q: Array, k: Array, v: Array, mask: Array | None, *, op: str, causal
                        f"got {getattr(x, 'shape', type(x).__name__)}")
     pooled.append(head_major(jnp.asarray(x).astype(ct)))
   to_heads = materialized_head_major if materialize else head_major
-  return Inputs(to_heads(q.astype(ct)), to_heads(k.astype(ct)), to_heads(v.astype(ct)), mask, pooled[0], pooled[1],
-                contract.logit_scale(q.shape[-1]), v.dtype)
+  return Inputs(to_heads(q.astype(ct)), to_heads(k.astype(ct)), to_heads(v.astype(ct)), mask, pooled[0],
+                pooled[1], contract.logit_scale(q.shape[-1]), v.dtype)
 
 
 def materialized_head_major(x: Array) -> Array:
   """head_major(x) [batch, heads, length, dim] as a permuting gather instead of a transpose.
 
   XLA:CPU turns a transpose into a layout change and then fuses a transposing copy into every consumer that
-  reshapes it; with one grid per logsparse level that is ~40 full-size copies at L = 8192, all kept alive for the
-  backward pass (temp memory 1079 MB -> 567 MB with the gather). A gather is always a real array, so every grid
-  is a free reshape of it; its backward is a scatter with unique indices, as cheap as the copy it replaces.
+  reshapes it; with one grid per logsparse level that is ~40 full-size copies at L = 8192, all kept alive for
+  the backward pass (temp memory 1079 MB -> 567 MB with the gather). A gather is always a real array, so every
+  grid is a free reshape of it; its backward is a scatter with unique indices, as cheap as the copy it
+  replaces.
   """
   batch, length, heads, dim = x.shape
-  rows = (np.arange(heads)[:, None] + heads * np.arange(length)[None, :]).reshape(-1)  # (head, position) order
+  # (head, position) order
+  rows = (np.arange(heads)[:, None] + heads * np.arange(length)[None, :]).reshape(-1)
   out = jnp.take(x.reshape(batch, length * heads, dim), jnp.asarray(rows, jnp.int32), axis=1,
                  unique_indices=True, indices_are_sorted=False, mode="clip")  # [batch, heads * length, dim]
   return out.reshape(batch, heads, length, dim)

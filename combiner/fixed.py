@@ -22,7 +22,8 @@ def block_logits(qb: Array, kb: Array, scale: float) -> Array:
 
 def block_direct_piece(qb: Array, kb: Array, vb: Array, mb: Array, scale: float, causal: bool,
                        logits: Array | None = None) -> Piece:
-  """Attention to the own block ∩ Ω_i. qb, kb: [batch, heads, blocks, size, dim]; mb: [batch, 1, blocks, size]."""
+  """Attention to the own block ∩ Ω_i. qb, kb: [batch, heads, blocks, size, dim];
+  mb: [batch, 1, blocks, size]."""
   size = qb.shape[3]
   if logits is None:
     logits = block_logits(qb, kb, scale)
@@ -60,7 +61,8 @@ def fixed(q: Array, k: Array, v: Array, *, block_size: int, causal: bool, mask: 
 
   D_i = own block ∩ Ω_i; spans = every other block ∩ Ω_i (causal: the blocks before b(i)). Cost
   O(L·(s + L/s)·d), i.e. O(L·sqrt(L)·d) at s ~ sqrt(L).
-  implementation: "xla" (einsums), "pallas" (the fused kernel of `combiner.flash`), "auto" (pallas on GPU/TPU).
+  implementation: "xla" (einsums), "pallas" (the fused kernel of `combiner.flash`),
+  "auto" (pallas on GPU/TPU).
   """
   op = "combiner.fixed"
   x = common.prepare(q, k, v, mask, op=op, causal=causal, pooling=pooling, pool_q=pool_q, pool_k=pool_k)

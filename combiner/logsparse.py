@@ -1,10 +1,11 @@
-"""Combiner-Logsparse (paper §4.2, Appendix B): a dyadic partition of the past (and, bidirectionally, the future).
+"""Combiner-Logsparse (paper §4.2, Appendix B): a dyadic partition of the past (and, bidirectionally, the
+future).
 
 For query i and each bit l set in i, the span is the aligned dyadic block [p, p + 2^l) with
-p = (i >> (l+1)) << (l+1). At level l the blocks of size 2^l tile the sequence and query i (in block t = i >> l)
-uses block t - 1 exactly when t is odd, so every level is a reshape, a pool and a one-block shift: no gathers,
-O(L·d) per level and O(L·log L·d) in all. The bidirectional plan runs the same construction on the reversed
-sequence for the positions after i.
+p = (i >> (l+1)) << (l+1). At level l the blocks of size 2^l tile the sequence and query i (in block
+t = i >> l) uses block t - 1 exactly when t is odd, so every level is a reshape, a pool and a one-block shift:
+no gathers, O(L·d) per level and O(L·log L·d) in all. The bidirectional plan runs the same construction on the
+reversed sequence for the positions after i.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ def level_summaries(x: common.Inputs, pooling: str | None) -> list[tuple[Array, 
   """
   length = x.q.shape[2]
   out = []
-  # Level-0 statistics are the tokens themselves; level l+1 pools pairs of level-l blocks, so all pooling costs
-  # O(L·d) in total (and its max-gradient touches full-length tensors only once).
+  # Level-0 statistics are the tokens themselves; level l+1 pools pairs of level-l blocks, so all pooling
+  # costs O(L·d) in total (and its max-gradient touches full-length tensors only once).
   stats_k = pool_ops.Stats(pool_ops.masked(x.pool_k, x.mask[:, None], pooling or "max"), x.mask[:, None])
   stats_q = pool_ops.Stats(pool_ops.masked(x.pool_q, x.mask[:, None], pooling or "max"), x.mask[:, None])
   for level in range(num_levels(length)):
@@ -50,7 +51,8 @@ def level_summaries(x: common.Inputs, pooling: str | None) -> list[tuple[Array, 
     else:
       if level:
         stats_k, stats_q = (pool_ops.pair_stats(s, blocks, pooling) for s in (stats_k, stats_q))
-      k_bar, nonempty = pool_ops.finalize(stats_k, pooling)  # [batch, heads, blocks, head_dim], [batch, 1, blocks]
+      # k_bar: [batch, heads, blocks, head_dim]; nonempty: [batch, 1, blocks]
+      k_bar, nonempty = pool_ops.finalize(stats_k, pooling)
       q_bar, _ = pool_ops.finalize(stats_q, pooling)
       in_span = jnp.einsum("bhnd,bhnkd->bhnk", q_bar, kb) * x.scale  # [batch, heads, blocks, size]
       v_tilde = attend(in_span, mb, vb, "bhnk,bhnkd->bhnd")  # [batch, heads, blocks, value_dim]
@@ -70,8 +72,8 @@ def level_pieces(x: common.Inputs, pooling: str | None) -> list[Piece]:
     size = 1 << level
     blocks = k_prev.shape[2]
     qb = to_grid(x.q, blocks, size, 2)  # [batch, heads, blocks, size, head_dim]
-    # Contractions and outer products stay einsums: XLA:CPU runs broadcast-multiply-reduce forms of them 10-80x
-    # slower, above all in the backward pass.
+    # Contractions and outer products stay einsums: XLA:CPU runs broadcast-multiply-reduce forms of them
+    # 10-80x slower, above all in the backward pass.
     logits = jnp.einsum("bhnqd,bhnd->bhnq", qb, k_prev) * x.scale  # [batch, heads, blocks, size]
     valid = jnp.broadcast_to(ok_prev[..., None], (*ok_prev.shape, size))  # [batch, 1, blocks, size]
     pieces.append(Piece(from_grid(logits, length, 2)[..., None], from_grid(valid, length, 2)[..., None],
@@ -93,13 +95,17 @@ def self_piece(x: common.Inputs) -> Piece:
 
 
 def flipped(x: common.Inputs) -> common.Inputs:
-  f = lambda t: jnp.flip(t, axis=2)
+  def f(t):
+    return jnp.flip(t, axis=2)
+
   return x._replace(q=f(x.q), k=f(x.k), v=f(x.v), mask=jnp.flip(x.mask, axis=1), pool_q=f(x.pool_q),
                     pool_k=f(x.pool_k))
 
 
 def unflip(p: Piece) -> Piece:
-  f = lambda t: jnp.flip(t, axis=2)
+  def f(t):
+    return jnp.flip(t, axis=2)
+
   return Piece(f(p.logits), f(p.valid), lambda w: f(p.apply(f(w))))
 
 

@@ -1,18 +1,21 @@
-"""Combiner-learnable (Ren et al., NeurIPS 2021, section 4.4 and Appendix D): full attention over routed clusters.
+"""Combiner-learnable (Ren et al., NeurIPS 2021, section 4.4 and Appendix D): full attention over routed
+clusters.
 
 A routing module (e.g. `routing.kmeans`) assigns each token a cluster id per head. The partition is made
 balanced: per (batch, head) the tokens are sorted by (cluster id, position) and the sorted order is cut into
-consecutive chunks of `w = ceil(L / num_clusters)` tokens (the last may be shorter). Token `i` attends directly to
-its own chunk and, through one pooled abstraction each, to every other chunk (docs/design.md section 4, plan `routed`):
+consecutive chunks of `w = ceil(L / num_clusters)` tokens (the last may be shorter). Token `i` attends
+directly to its own chunk and, through one pooled abstraction each, to every other chunk (docs/design.md
+section 4, plan `routed`):
 
 - bidirectional: `D_i` = own chunk, spans = the other chunks (masked keys removed, empty spans dropped);
-- causal (paper eq. 12): every set is intersected with the prefix `[0, i]`, so a span is the part of another chunk
-  at positions `<= i`, its abstraction is a *prefix* pooling and its value a softmax over that prefix only.
+- causal (paper eq. 12): every set is intersected with the prefix `[0, i]`, so a span is the part of another
+  chunk at positions `<= i`, its abstraction is a *prefix* pooling and its value a softmax over that prefix
+  only.
 
 Layout: tokens are permuted into a [chunks, w] "slot" grid sorted by (chunk, position), where a chunk is a
 reshape axis, so span abstractions are reductions (or cumulative reductions, causal) over the slot axis: the
-contiguous-segment case of `jax.ops.segment_max` without a scatter. Causal: the prefix state of chunk r seen by
-query i is the one ended by the last member of r at a position `<= i`; per block of w positions that is a
+contiguous-segment case of `jax.ops.segment_max` without a scatter. Causal: the prefix state of chunk r seen
+by query i is the one ended by the last member of r at a position `<= i`; per block of w positions that is a
 block-start state or the state ended by a token of the same block (see the code), so no [L, chunks, d] tensor
 is formed. Cost O(L * (w + chunks) * d) time, O(L * (w + chunks)) memory besides the inputs, i.e. O(L^1.5 d)
 for num_clusters ~ sqrt(L); never O(L^2).
@@ -51,7 +54,8 @@ def _check_cluster_ids(cluster_ids: Any, shape: tuple[int, int, int], num_cluste
 
 
 class _Slots(NamedTuple):
-  """The balanced partition in slot layout: per (batch, head), tokens sorted by (chunk, position), [chunks, w]."""
+  """The balanced partition in slot layout: per (batch, head), tokens sorted by (chunk, position),
+  [chunks, w]."""
 
   w: int  # chunk size
   chunks: int
@@ -77,7 +81,8 @@ def _partition(ids: Array, mask: Array, num_clusters: int) -> _Slots:
   order_p = jnp.pad(order, ((0, 0), (0, 0), (0, slots - length)))  # [b, h, slots]
   in_range = jnp.arange(slots) < length  # [slots]
   pos_s = jnp.where(in_range, order_p, length).reshape(batch, heads, chunks, w)
-  real_s = (jnp.take_along_axis(mask[:, None, :], order_p, axis=-1) & in_range).reshape(batch, heads, chunks, w)
+  real_s = (jnp.take_along_axis(mask[:, None, :], order_p, axis=-1) & in_range).reshape(
+      batch, heads, chunks, w)
   return _Slots(w, chunks, chunk, order_p, slot_of, pos_s, real_s)
 
 
@@ -100,8 +105,8 @@ def routed(q: Array, k: Array, v: Array, *, cluster_ids: Array, num_clusters: in
 
   q, k: [batch, length, heads, head_dim]; v: [batch, length, heads, value_dim]; mask: [batch, length] bool.
   cluster_ids: int [batch, length, heads] in [0, num_clusters) (no gradient; e.g. nearest k-means centroid).
-  pooling: "max" | "mean" over a span's real members; pool_q / pool_k (shaped like q) are pooled instead of q / k
-  for the span abstractions. Returns [batch, length, heads, value_dim] in v's dtype.
+  pooling: "max" | "mean" over a span's real members; pool_q / pool_k (shaped like q) are pooled instead of
+  q / k for the span abstractions. Returns [batch, length, heads, value_dim] in v's dtype.
   """
   op = "combiner.routed"
   x = common.prepare(q, k, v, mask, op=op, causal=causal, pooling=pooling, pool_q=pool_q, pool_k=pool_k)
@@ -132,7 +137,8 @@ def _bidirectional(x: common.Inputs, p: _Slots, pooling: str) -> Array:
 
 
 def _causal(x: common.Inputs, p: _Slots, pooling: str) -> Array:
-  """Paper eq. 12: every set intersected with the prefix [0, i]; spans are prefix poolings. Returns [b, h, L, dv].
+  """Paper eq. 12: every set intersected with the prefix [0, i]; spans are prefix poolings.
+  Returns [b, h, L, dv].
 
   Chunk r's prefix states: state t pools the chunk's slots 0..t (sorted by position), with the span value a
   softmax over those slots under the pooled query of the same prefix.
@@ -157,9 +163,10 @@ def _causal(x: common.Inputs, p: _Slots, pooling: str) -> Array:
 
   # Query i sees chunk r in state t_r(i) = (#members of r at positions <= i) - 1: L x chunks vectors, too many
   # to gather. Cut positions into blocks of B = w: at a block's start every chunk has one "base" state
-  # ([blocks, chunks] of them), and inside the block only the chunks of the block's own tokens advance, each to
-  # the state that token ends (one per token). So query i takes chunk r from the base state unless a token of r
-  # at a position in [block start, i] advanced it, and then from the last such token. Both are dense pieces.
+  # ([blocks, chunks] of them), and inside the block only the chunks of the block's own tokens advance, each
+  # to the state that token ends (one per token). So query i takes chunk r from the base state unless a token
+  # of r at a position in [block start, i] advanced it, and then from the last such token. Both are dense
+  # pieces.
   nb = -(-length // w)
   lp = nb * w
 
@@ -174,7 +181,8 @@ def _causal(x: common.Inputs, p: _Slots, pooling: str) -> Array:
   before = jnp.cumsum(onehot.sum(axis=3), axis=2) - onehot.sum(axis=3)  # [b, h, nb, C] members before block
   base = own * w + jnp.maximum(before - 1, 0)  # [b, h, nb, C] flat state index
 
-  def states(table: Array, index: Array) -> Array:  # table [b, h, slots, e], index [b, h, ...] -> [b, h, ..., e]
+  # table [b, h, slots, e], index [b, h, ...] -> [b, h, ..., e]
+  def states(table: Array, index: Array) -> Array:
     flat = jnp.take_along_axis(table, index.reshape(batch, heads, -1, 1), axis=2)
     return flat.reshape(*index.shape, table.shape[-1])
 

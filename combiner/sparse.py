@@ -1,8 +1,8 @@
 """The sparse attentions Combiner is derived from (the paper's Fixed / Logsparse / Axial baselines).
 
-Each is its Combiner plan with the spans dropped: query i attends to D_i plus, for `fixed`, the summary positions
-of Child et al. (j mod s = s - 1), for `logsparse`, the last position of each dyadic span. Same contract and same
-pieces as the Combiner plans, so the two differ only by what the definition says.
+Each is its Combiner plan with the spans dropped: query i attends to D_i plus, for `fixed`, the summary
+positions of Child et al. (j mod s = s - 1), for `logsparse`, the last position of each dyadic span. Same
+contract and same pieces as the Combiner plans, so the two differ only by what the definition says.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ def fixed(q: Array, k: Array, v: Array, *, block_size: int, causal: bool, mask: 
   qb, kb, vb = (to_grid(t, blocks, size, 2) for t in (x.q, x.k, x.v))  # [batch, heads, blocks, size, dim]
   mb = to_grid(x.mask, blocks, size, 1)[:, None]  # [batch, 1, blocks, size]
   # The own block's summary position is already in the direct piece; a ragged last block has none (padding).
-  k_sum, v_sum, m_sum = kb[:, :, :, -1], vb[:, :, :, -1], mb[:, :, :, -1]  # [b, heads, blocks, dim], [b, 1, blocks]
+  # k_sum, v_sum: [b, heads, blocks, dim]; m_sum: [b, 1, blocks]
+  k_sum, v_sum, m_sum = kb[:, :, :, -1], vb[:, :, :, -1], mb[:, :, :, -1]
   logits = jnp.einsum("bhnqd,bhrd->bhnqr", qb, k_sum) * x.scale  # [batch, heads, blocks, size, blocks_r]
   valid = other_block_valid(blocks, causal)[:, None, :] & m_sum[:, :, None, None, :]
   summary = Piece(logits, valid, lambda w: weighted_sum("bhnqr,bhrd->bhnqd", w, v_sum))
@@ -63,5 +64,6 @@ def axial(q: Array, k: Array, v: Array, *, row_length: int, causal: bool, mask: 
   if contract.resolve_implementation(implementation, op=op) == "pallas":
     return fused.axial(x, m, None, causal, "max", fused.kernel_dtype(q, k, v))
   g = Grid(x, m)
-  out = joint_softmax([row_piece(g, causal), column_piece(g, causal)])  # [batch, heads, rows, cols, value_dim]
+  # [batch, heads, rows, cols, value_dim]
+  out = joint_softmax([row_piece(g, causal), column_piece(g, causal)])
   return common.finish(from_grid(out, g.length, 2), x)

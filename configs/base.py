@@ -36,6 +36,12 @@ def attention_config(name: str = "combiner_fixed") -> ml_collections.ConfigDict:
   # Ops from the op registry: recompute the op in the backward pass instead of keeping its intermediates
   # (dense: the [heads, L, L] probabilities); exact same gradients, one extra op forward (models.recompute).
   att.recompute = ml_collections.FieldReference(None, field_type=bool)
+  # Routing: heads that route per routing layer (None = half of them; the rest attend locally), the routing
+  # layers (layer indices, negative from the top; None = every layer), and the cluster membership (None = the
+  # module's default: "nearest" in decoders, exactly causal; "balanced" = the paper's top-k, see routing/).
+  att.routing_heads = ml_collections.FieldReference(None, field_type=int)
+  att.routing_layers = ml_collections.FieldReference(None, field_type=tuple)
+  att.membership = ml_collections.FieldReference(None, field_type=str)
   # Ops that take `implementation` (Combiner plans): "auto" (fused Pallas kernels on GPU/TPU, XLA on CPU),
   # "xla" or the op's accelerated one ("pallas"); passed only to ops whose signature accepts it.
   att.implementation = "auto"
@@ -60,6 +66,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.data.engine = ml_collections.FieldReference(None, field_type=str)
   c.data.cache_in_memory = 512  # MB: small splits are read into RAM once (0 = never)
   c.data.cache_dir = ml_collections.FieldReference(None, field_type=str)  # generated splits; None = data_dir
+  # When the data is not there, train on the generated stand-in of `data.testing.mock_data` (set by `smoke`;
+  # real runs stop with the "prepare it with ..." message instead).
+  c.data.stand_in = False
 
   c.model = ml_collections.ConfigDict()
   c.model.num_layers = 2
@@ -97,7 +106,6 @@ def base_config() -> ml_collections.ConfigDict:
   c.train.eval_batches = -1  # batches per evaluation; -1 = the whole split
   c.train.checkpoint_every = 1000
   c.train.keep_checkpoints = 3
-  c.train.inject_nan_at_step = -1  # testing hook: make the loss NaN at this step (checks the divergence stop)
 
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = -1  # -1 = all devices not used by the other axes
@@ -160,6 +168,14 @@ COMMON_KEYS: dict[str, tuple[Callable, Callable]] = {
 }
 
 
+class UnknownConfigArgument(ValueError):
+  """A config argument no key or flag of the config names; carries the valid ones (`train.py --list`)."""
+
+  def __init__(self, message: str, keys: list[str], flags: list[str]):
+    super().__init__(message)
+    self.keys, self.flags = keys, flags
+
+
 def parse_arg(arg: str | None, extra: tuple[str, ...] = (), flags: tuple[str, ...] = ()
               ) -> tuple[dict[str, str], set[str]]:
   """Splits `k=v,flag` into ({k: v}, {flags}); keys must be COMMON_KEYS or in `extra` and take a value, flags
@@ -175,7 +191,8 @@ def parse_arg(arg: str | None, extra: tuple[str, ...] = (), flags: tuple[str, ..
     key, sep, value = item.partition("=")
     key = key.strip()
     if key not in valid:
-      raise ValueError(f"unknown config argument {key!r} in {arg!r}; valid: {valid}")
+      raise UnknownConfigArgument(f"unknown config argument {key!r} in {arg!r}; valid: {valid}",
+                                  sorted(set(COMMON_KEYS) | set(extra)), sorted(flag_names))
     if key in flag_names:
       if sep:
         raise ValueError(f"config argument {key!r} is a flag and takes no value: write {key!r}, not {item!r}")
@@ -228,6 +245,14 @@ def fill_auto_params(c: ml_collections.ConfigDict) -> None:
       c.model.attention.params[key] = "auto"
 
 
+def route_every_head(c: ml_collections.ConfigDict) -> None:
+  """`attention=routing` in the Combiner paper's comparisons: every head of every layer routes (the rows share one
+  architecture, without the Routing Transformer's local heads: Section 5), unless the config chose a layout."""
+  att = c.model.attention
+  if str(att.name) == "routing" and att.routing_heads is None:
+    att.routing_heads = int(c.model.num_heads)
+
+
 def shrink_for_smoke(c: ml_collections.ConfigDict, *, seq_len: int | None = None) -> None:
   """A model/data/step budget that trains and evaluates on a CPU in seconds (the `smoke` variant)."""
   c.model.num_layers = 1
@@ -243,5 +268,6 @@ def shrink_for_smoke(c: ml_collections.ConfigDict, *, seq_len: int | None = None
   c.train.eval_batches = 2
   c.train.checkpoint_every = 2
   c.optimizer.warmup_steps = 1
+  c.data.stand_in = True
   if seq_len is not None:
     c.data.seq_len = seq_len

@@ -5,6 +5,10 @@ and evaluation and replace the model and optimizer with the paper's; every other
 `smoke`, `attention=combiner_routed`, ...) still applies on top. The paper trains with Adam (b1 0.9, b2 0.98),
 learning rate 2e-4 and the Transformer rsqrt schedule (section 5).
 
+Routing Transformer Table 1 (CIFAR-10, bits/dim; 12 layers, 8 heads, k = 6) rows as arguments:
+`attention=dense` (full attention), `routing_heads=0` (local attention only), `routing_heads=4,routing_layers=2,
+window=512`, `routing_heads=8,routing_layers=all,window=1024` (routing only), ...
+
 Membership: these are decoders, so the routing heads use the exactly causal "nearest" membership by default. The
 paper's balanced top-k membership leaks future tokens into a decoder's likelihood (see `routing/attention.py`);
 to run it as published anyway: `--config.model.attention.membership=balanced`.
@@ -31,30 +35,41 @@ IMAGENET64 = dict(layers=24, heads=16, features=1024, routing_heads=8, routing_l
                   window=2048, batch_size=128, steps=700_000)
 
 
-def split_flag(arg: str | None) -> tuple[str, bool]:
-  """(arg without the `routing_paper` flag, whether it was given)."""
-  items = [s.strip() for s in (arg or "").split(",")]
-  return ",".join(s for s in items if s and s != FLAG), FLAG in items
+# Keys of the Routing Transformer Table 1 ablation, read only with the flag: routing heads per routing layer,
+# routing layers counted from the top (`all` = every layer), the attention window (also the local heads'
+# block) and the number of clusters.
+KEYS = ("routing_heads", "routing_layers", "window", "clusters")
 
 
-def apply(c: ml_collections.ConfigDict, settings: dict[str, Any], arg: str,
-          flag_keys: tuple[str, ...]) -> None:
-  """Sets the paper's model/optimizer on `c`, then re-applies the user's `arg` so that it wins."""
-  values, flags = base.parse_arg(arg, flags=flag_keys)
-  att = c.model.attention
-  if str(att.name) not in ("routing", "combiner_routed"):
-    att.name = "routing"
-  att.params.num_clusters = settings["num_clusters"]
-  att.params.window = settings["window"]
-  att.params.block_size = settings["window"]  # local heads get the same attention budget as routing heads
-  if "membership" not in att:  # None = the module's default (decoders: "nearest"); overridable from the command line
-    att.membership = ml_collections.FieldReference(None, field_type=str)
-  if "smoke" in flags:  # keep the shrunken CPU model; route in its single layer with one of its two heads
-    att.routing_heads = 1
-    att.routing_layers = None
-  else:
-    att.routing_heads = settings["routing_heads"]
-    att.routing_layers = settings["routing_layers"]
+def split_flag(arg: str | None) -> tuple[str, dict[str, str] | None]:
+  """(arg without the `routing_paper` flag and its own KEYS, {key: value} of those keys; None without the
+  flag)."""
+  items = [s.strip() for s in (arg or "").split(",") if s.strip()]
+  if FLAG not in items:
+    return ",".join(items), None
+  rest, own = [], {}
+  for item in items:
+    key, sep, value = item.partition("=")
+    if item == FLAG:
+      continue
+    if sep and key.strip() in KEYS:
+      own[key.strip()] = value.strip()
+    else:
+      rest.append(item)
+  return ",".join(rest), own
+
+
+def apply(c: ml_collections.ConfigDict, settings: dict[str, Any], arg: str, paper_values: dict[str, str],
+          extra_keys: tuple[str, ...], flag_keys: tuple[str, ...]) -> None:
+  """Sets the paper's model/optimizer on `c`, then re-applies the user's `arg` so that it wins.
+
+  The attention is "routing" unless `attention=` names another (`dense` for the full-attention row of Table 1,
+  `combiner_routed`, ...); the routing fields and plan parameters are set only for the attention that reads them.
+  """
+  values, flags = base.parse_arg(arg, extra=extra_keys, flags=flag_keys)
+  if "attention" not in values:
+    c.model.attention = base.attention_config("routing")
+  if "smoke" not in flags:
     c.model.num_layers = settings["layers"]
     c.model.num_heads = settings["heads"]
     c.model.features = settings["features"]
@@ -69,11 +84,30 @@ def apply(c: ml_collections.ConfigDict, settings: dict[str, Any], arg: str,
     c.optimizer.warmup_steps = 4000  # not stated in the paper; the Transformer's default
   c.aux_loss_weight = 1e-4  # commitment loss weight
   base.apply_common(c, values)
-  if str(c.model.attention.name) == "combiner_routed":  # every head routed, every layer; clusters only
-    for key in ("window", "block_size"):
-      if key in c.model.attention.params:
-        del c.model.attention.params[key]
-    if c.model.attention.get("membership", None) is None and "membership" in c.model.attention:
-      del c.model.attention["membership"]
-    att.routing_heads = None
-    att.routing_layers = None
+  att = c.model.attention
+  name = str(att.name)
+  clusters = int(paper_values.get("clusters", settings["num_clusters"]))
+  window = int(paper_values.get("window", settings["window"]))
+  smoke = "smoke" in flags  # the shrunken CPU model: automatic clusters and window for its short sequence
+  if name == "routing":
+    if not smoke or "clusters" in paper_values:
+      att.params.num_clusters = clusters
+    if not smoke or "window" in paper_values:
+      att.params.window = window
+      if "block_size" not in values:
+        att.params.block_size = window  # local heads get the same attention budget as routing heads
+    if smoke:  # route in the single layer with one of its two heads
+      att.routing_heads, att.routing_layers = 1, None
+    else:
+      att.routing_heads = settings["routing_heads"]
+      att.routing_layers = settings["routing_layers"]
+    if "routing_heads" in paper_values:
+      att.routing_heads = int(paper_values["routing_heads"])
+    if "routing_layers" in paper_values:
+      top = paper_values["routing_layers"]
+      att.routing_layers = None if top == "all" else tuple(range(-int(top), 0))
+  elif name == "combiner_routed":  # every head routed, every layer; clusters only
+    if not smoke or "clusters" in paper_values:
+      att.params.num_clusters = clusters
+  elif paper_values:
+    raise ValueError(f"{sorted(paper_values)} configure routing attention; attention={name!r} does not read them")

@@ -34,4 +34,5 @@ def text_config(name: str, arg: str | None):
   if "smoke" in flags:
     base.shrink_for_smoke(c, seq_len=64)
   base.apply_common(c, values)
+  base.route_every_head(c)  # Routing-2k of Tables 2 and 6
   return c

@@ -1,10 +1,11 @@
 """One joint log-sum-exp combine, shared by every Combiner plan, its sparse counterparts and span summaries.
 
 A query's attention is a softmax over several *pieces* of logits with different layouts (direct keys of its
-block, pooled span keys, dyadic levels, ...). Each piece brings its logits, a validity mask and a function that
-contracts softmax weights with the piece's values. `joint_softmax` normalises all pieces together with one shared
-max, which is the only place where the numerics of masking and empty rows are decided. `partial_softmax` and
-`merge` split that softmax when several softmaxes share pieces (Combiner-Mixture's two plans share D_i).
+block, pooled span keys, dyadic levels, ...). Each piece brings its logits, a validity mask and a function
+that contracts softmax weights with the piece's values. `joint_softmax` normalises all pieces together with
+one shared max, which is the only place where the numerics of masking and empty rows are decided.
+`partial_softmax` and `merge` split that softmax when several softmaxes share pieces (Combiner-Mixture's two
+plans share D_i).
 """
 
 from __future__ import annotations
@@ -57,13 +58,14 @@ def _exp_weights(pieces: Sequence[Piece]) -> tuple[list[Array], Array]:
   safe_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)[..., None]
   # Masked entries (possibly huge or -inf) become -inf before exp(): exactly zero weight, and a zero gradient
   # that never touches their logits. One select, so the backward keeps only the weights and the mask.
-  return [jnp.exp(jnp.where(valid, p.logits, -jnp.inf) - safe_max) for p, valid in zip(pieces, valids)], row_max
+  return [jnp.exp(jnp.where(valid, p.logits, -jnp.inf) - safe_max)
+          for p, valid in zip(pieces, valids, strict=True)], row_max
 
 
 def partial_softmax(pieces: Sequence[Piece]) -> Partial:
   """The shared-max exponentials of all pieces' valid logits, contracted with their values."""
   weights, row_max = _exp_weights(pieces)
-  numer = _sum(p.apply(w) for p, w in zip(pieces, weights))
+  numer = _sum(p.apply(w) for p, w in zip(pieces, weights, strict=True))
   return Partial(numer, _sum(jnp.sum(w, axis=-1) for w in weights), row_max)
 
 
@@ -75,16 +77,17 @@ def _sum(xs: Any) -> Any:
 
 
 def merge(partials: Sequence[Partial]) -> Partial:
-  """One softmax over the union of the partials' entries: each is rescaled by exp(its max - the joint max) <= 1,
-  so nothing overflows and a partial underflows only where it is negligible."""
+  """One softmax over the union of the partials' entries: each is rescaled by exp(its max - the joint max)
+  <= 1, so nothing overflows and a partial underflows only where it is negligible."""
   row_max = partials[0].max
   for p in partials[1:]:
     row_max = jnp.maximum(row_max, p.max)
   safe_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-  factors = [jnp.where(jnp.isfinite(p.max), jnp.exp(jnp.where(jnp.isfinite(p.max), p.max, 0.0) - safe_max), 0.0)
+  factors = [jnp.where(jnp.isfinite(p.max), jnp.exp(jnp.where(jnp.isfinite(p.max), p.max, 0.0) - safe_max),
+                       0.0)
              for p in partials]
-  return Partial(_sum(p.numer * f[..., None] for p, f in zip(partials, factors)),
-                 _sum(p.denom * f for p, f in zip(partials, factors)), row_max)
+  return Partial(_sum(p.numer * f[..., None] for p, f in zip(partials, factors, strict=True)),
+                 _sum(p.denom * f for p, f in zip(partials, factors, strict=True)), row_max)
 
 
 def normalize(p: Partial) -> Array:
@@ -93,9 +96,10 @@ def normalize(p: Partial) -> Array:
 
 
 # Pieces with at most this many logits per query are normalised before `apply` (weights times 1/denom) instead
-# of after it (summed outputs times 1/denom). For the single-logit pieces of logsparse that halves fwd+bwd time
-# and temp memory at L = 8192 (measured): the after-form's backward reduces cotangent x output over value_dim
-# for every piece. Wide pieces keep the after-form, which scales Q x value_dim numbers instead of Q x n.
+# of after it (summed outputs times 1/denom). For the single-logit pieces of logsparse that halves fwd+bwd
+# time and temp memory at L = 8192 (measured): the after-form's backward reduces cotangent x output over
+# value_dim for every piece. Wide pieces keep the after-form, which scales Q x value_dim numbers instead of
+# Q x n.
 NORMALIZE_WEIGHTS_MAX_LOGITS = 8
 
 
@@ -107,8 +111,10 @@ def joint_softmax(pieces: Sequence[Piece]) -> Array:
   weights, _ = _exp_weights(pieces)
   denom = _sum(jnp.sum(w, axis=-1) for w in weights)
   inv = (1.0 / jnp.where(denom > 0, denom, 1.0))[..., None]  # [*Q, 1]
-  narrow = [(p, w) for p, w in zip(pieces, weights) if w.shape[-1] <= NORMALIZE_WEIGHTS_MAX_LOGITS]
-  wide = [(p, w) for p, w in zip(pieces, weights) if w.shape[-1] > NORMALIZE_WEIGHTS_MAX_LOGITS]
+  narrow = [(p, w) for p, w in zip(pieces, weights, strict=True)
+            if w.shape[-1] <= NORMALIZE_WEIGHTS_MAX_LOGITS]
+  wide = [(p, w) for p, w in zip(pieces, weights, strict=True)
+          if w.shape[-1] > NORMALIZE_WEIGHTS_MAX_LOGITS]
   out_narrow = _sum(p.apply(w * inv) for p, w in narrow)
   out_wide = _sum(p.apply(w) for p, w in wide)
   if out_wide is None:

@@ -30,13 +30,20 @@ lra_listops and the listops_synthetic cache are held in RAM; 0 = never);
 images: random_flip; text: spm_model, vocab_size (32000), tfds_version, max_segments, mlm_rate; LRA:
 lra_dir, skip_malformed, listops_parens, difficulty, resolution; listops_synthetic: min_length, max_length,
 max_depth, max_args, op_p, num_train/num_validation/num_test, data_seed, cache_dir (default data_dir; each split
-generated once there). Offline stand-ins for every dataset:
-`data.testing.mock_data`; preparation of the real ones: `python -m data.prepare`.
+generated once there); stand_in (bool: when the data is missing, read the generated stand-in of
+`data.testing.mock_data` instead, saying so in one line; the `smoke` variants set it). Offline stand-ins for
+every dataset: `data.testing.mock_data`; preparation of the real ones: `python -m data.prepare`.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import copy
 import importlib
+import os
+import shutil
+import tempfile
 from typing import Any
 
 from data.info import DatasetInfo
@@ -56,6 +63,7 @@ DATASETS: dict[str, str] = {
   "lra_pathfinder": "data.lra",
   "listops_synthetic": "data.listops",
   "synthetic_recall": "data.synthetic",
+  "pystdlib": "data.pystdlib",
 }
 
 
@@ -85,18 +93,59 @@ def create_dataset(
   """
   if batch_size < 1:
     raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-  return _module(config).create_dataset(
-    config,
-    split,
-    batch_size=batch_size,
-    seed=seed,
-    shard_index=shard_index,
-    shard_count=shard_count,
-    shuffle=shuffle,
-    num_epochs=num_epochs,
-  )
+  kw = dict(batch_size=batch_size, seed=seed, shard_index=shard_index, shard_count=shard_count,
+            shuffle=shuffle, num_epochs=num_epochs)
+  try:
+    return _module(config).create_dataset(config, split, **kw)
+  except FileNotFoundError as e:
+    if not _wants_stand_in(config):
+      raise
+    missing = e
+  with _stand_in(config, missing) as stand_in_config:
+    return _module(config).create_dataset(stand_in_config, split, **kw)
 
 
 def dataset_info(config: Any) -> DatasetInfo:
   """Static facts about `config.data.name` (no data is read)."""
   return _module(config).dataset_info(config)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Stand-ins for missing data (`config.data.stand_in`, set by the smoke variants)
+
+_STAND_IN_ROOT: list[str] = []  # one temporary directory per process, removed at exit
+_STAND_IN_SAID: set[str] = set()
+
+
+def _wants_stand_in(config: Any) -> bool:
+  data = config.data
+  value = data.get("stand_in", False) if hasattr(data, "get") else getattr(data, "stand_in", False)
+  return bool(value)
+
+
+@contextlib.contextmanager
+def _stand_in(config: Any, missing: Exception):
+  """A copy of `config` reading the generated stand-in of its dataset (`data.testing.mock_data`), written once
+  per process into a temporary directory; TFDS-backed sets are patched while their source is opened."""
+  from data import testing
+
+  name = str(config.data.name)
+  if not _STAND_IN_ROOT:
+    _STAND_IN_ROOT.append(tempfile.mkdtemp(prefix="stand_in_data_"))
+    atexit.register(shutil.rmtree, _STAND_IN_ROOT[0], True)
+  if name not in _STAND_IN_SAID:
+    first = str(missing).split(";")[0]
+    print(f"data: {first}; using the generated stand-in (data.testing.mock_data), not the real dataset",
+          flush=True)
+  with contextlib.ExitStack() as stack:
+    if name in testing.TFDS_BACKED or name not in _STAND_IN_SAID:
+      data_dir = stack.enter_context(testing.mock_data(name, _STAND_IN_ROOT[0]))
+    else:  # files written by the first call
+      data_dir = os.path.join(_STAND_IN_ROOT[0], f"mock_{name}")
+    _STAND_IN_SAID.add(name)
+    out = copy.deepcopy(config)
+    with out.unlocked() if hasattr(out, "unlocked") else contextlib.nullcontext():
+      out.data.data_dir = data_dir
+      if getattr(out.data, "lra_dir", None) is not None:
+        out.data.lra_dir = None
+    yield out

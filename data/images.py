@@ -4,7 +4,8 @@ Each image becomes one sequence of sub-pixels in raster order with the channels 
 (0, 0), then pixel (0, 1), ...), values 0..255 as tokens (vocabulary 256). The metric is bits/dim over all
 sub-pixels (`models.metrics.summarize`). ImageNet-64 is tfds `downsampled_imagenet/64x64`, the set the
 papers use (not `imagenet_resized`). Random horizontal flip is available (`config.data.random_flip`) but off
-by default: the paper trains without augmentation.
+by default: the paper trains without augmentation. `config.data.image_shape` (default: the dataset's own)
+resizes every image (nearest) to a smaller grid, e.g. the 8x8 images of the smoke variants.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ SPECS: dict[str, tuple[str, tuple[int, int, int], dict[str, str], dict[str, int]
                  {"train": 1_281_149, "validation": 49_999}),
 }
 
-_RESIZED = pipeline.Counter("images resized to the dataset's shape (only mock data should need this)")
+_RESIZED = pipeline.Counter("images resized to config.data.image_shape (or mock images to the dataset's)")
 
 
 def tfds_split(table: dict[str, str], split: str) -> str:
@@ -85,8 +86,21 @@ def _spec(config: Any):
   return SPECS[name]
 
 
+def image_shape(config: Any) -> tuple[int, int, int]:
+  """(height, width, channels) of the examples: `config.data.image_shape`, default the dataset's own."""
+  _, shape, _, _ = _spec(config)
+  want = pipeline.cfg_get(config, "image_shape")
+  if want is None:
+    return shape
+  want = tuple(int(s) for s in want)
+  if len(want) != 3 or want[2] != shape[2] or min(want) < 1:
+    raise ValueError(f"config.data.image_shape must be (height, width, {shape[2]}), got {want}")
+  return want
+
+
 def dataset_info(config: Any) -> DatasetInfo:
-  _, shape, _, sizes = _spec(config)
+  _, _, _, sizes = _spec(config)
+  shape = image_shape(config)
   seq_len = shape[0] * shape[1] * shape[2]
   want = pipeline.cfg_get(config, "seq_len", seq_len)
   if want != seq_len:
@@ -112,8 +126,8 @@ class _ImageFn:
 
 def create_dataset(config: Any, split: str, *, batch_size: int, seed: int, shard_index=None, shard_count=None,
                    shuffle=None, num_epochs=None):
-  tfds_name, shape, splits, _ = _spec(config)
-  dataset_info(config)  # validates seq_len
+  tfds_name, _, splits, _ = _spec(config)
+  shape = dataset_info(config).image_shape  # validates seq_len
   data_dir = pipeline.cfg_get(config, "data_dir")
   source = tfds_source(tfds_name, tfds_split(splits, split), data_dir, config.data.name)
   flip = bool(pipeline.cfg_get(config, "random_flip", False)) and split.startswith("train")

@@ -34,6 +34,7 @@ class DatasetInfo:
   metric: str = "accuracy"  # "bits_per_dim" | "perplexity" | "accuracy"
   max_segments: int | None = None  # packed text: most documents per row (None = unlimited)
   split_sizes: dict[str, int] = dataclasses.field(default_factory=dict)  # known full-dataset record counts
+  version: str | None = None  # what the data was read from, where it varies by machine (pystdlib: the Python)
 
   def __post_init__(self):
     if self.task not in TASKS:

@@ -1,9 +1,9 @@
 """Routing attention (Roy et al., TACL 2021, Algorithm 1) as a pure function.
 
 Each head routes its layer-normed queries (and keys) to `clusters` centroids; every centroid gathers its top
-`window` tokens (sorted by position), attention runs inside each cluster, and each token's output is the average
-over the clusters it was gathered into (zero when it is in none). With `clusters * window ~ length` and
-`window ~ sqrt(length)` the cost is O(length^1.5 * d).
+`window` tokens (sorted by position), attention runs inside each cluster, and each token's output is the
+average over the clusters it was gathered into (zero when it is in none). With `clusters * window ~ length`
+and `window ~ sqrt(length)` the cost is O(length^1.5 * d).
 
 The two reference implementations disagree in two places, which are options here:
 - `scale_logits`: multiply logits by 1/sqrt(head_dim) (lucidrains' routing-transformer, and the op contract of
@@ -12,11 +12,12 @@ The two reference implementations disagree in two places, which are options here
   masks it unless it is the only key visible (the first token of a causal cluster). Off by default (paper).
 
 Membership in decoders (the default is decided here, with the reason). The paper's balanced membership (each
-centroid takes its top-`window` tokens) is not causal: whether token i makes a centroid's top-`window` depends on
-the scores of tokens after i, so a later token can push i out of (or pull it into) a cluster and change out_i.
-The Jacobian of out_i with respect to later inputs is still zero (membership is discrete), which is why gradient
-checks miss it; a teacher-forced decoder can exploit it and its likelihoods are then not those of a causal model.
-Both reference codes (the paper's top-k and lucidrains' `routing-transformer`) share this leak. So:
+centroid takes its top-`window` tokens) is not causal: whether token i makes a centroid's top-`window` depends
+on the scores of tokens after i, so a later token can push i out of (or pull it into) a cluster and change
+out_i. The Jacobian of out_i with respect to later inputs is still zero (membership is discrete), which is why
+gradient checks miss it; a teacher-forced decoder can exploit it and its likelihoods are then not those of a
+causal model. Both reference codes (the paper's top-k and lucidrains' `routing-transformer`) share this leak.
+So:
 
 - `membership=None` (default) resolves to "nearest" when `causal and share_qk` (exactly causal: a token's
   cluster is its own nearest centroid and it attends to the `window` most recent cluster-mates) and to
@@ -47,7 +48,8 @@ Array = Any
 class RoutingAux(NamedTuple):
   """What a training step needs besides the output.
 
-  stats:       batch sums for `kmeans.ema_update` (nearest-centroid assignment of queries and keys, real tokens)
+  stats:       batch sums for `kmeans.ema_update` (nearest-centroid assignment of queries and keys,
+               real tokens)
   commit_loss: scalar commitment loss mean((x - stop_gradient(assigned centroid))^2) over queries and keys
   """
 
@@ -66,7 +68,8 @@ def _dlogits(weights: Array, v: Array, out: Array, g: Array, scale: float) -> tu
   dv = jnp.einsum("...qk,...qd->...kd", weights, g)  # [..., keys, dv]
   dw = jnp.einsum("...qd,...kd->...qk", g, jnp.where(jnp.isfinite(v), v, 0))  # [..., queries, keys]
   # softmax Jacobian: dlogit = w * (dw - sum_k w dw), with sum_k w dw = sum_d g * out (a [..., queries, dv]
-  # reduction instead of one fused into the dw contraction, which XLA:CPU runs several times slower than the dot).
+  # reduction instead of one fused into the dw contraction, which XLA:CPU runs several times slower than the
+  # dot).
   return weights * (dw - jnp.sum(g * out, axis=-1, keepdims=True)) * scale, dv
 
 
@@ -80,12 +83,13 @@ def _saved(out: Array) -> Array:
 def _cluster_attention(q: Array, k: Array, v: Array, valid: Array, scale: float) -> Array:
   """Masked softmax attention inside each cluster, with a hand-written backward.
 
-  q: [..., queries, d]; k: [..., keys, d]; v: [..., keys, dv]; valid: bool broadcastable to [..., queries, keys].
-  Returns [..., queries, dv]. Rows with no valid key give zeros.
+  q: [..., queries, d]; k: [..., keys, d]; v: [..., keys, dv]; valid: bool broadcastable to
+  [..., queries, keys]. Returns [..., queries, dv]. Rows with no valid key give zeros.
 
-  Why a custom VJP: autodiff of the shared `joint_softmax` (numerator / denominator) differentiates the division
-  through the value contraction, and XLA:CPU fuses that contraction into a reduction which runs several times
-  slower than the matmuls themselves; the textbook backward from the saved weights is plain einsums.
+  Why a custom VJP: autodiff of the shared `joint_softmax` (numerator / denominator) differentiates the
+  division through the value contraction, and XLA:CPU fuses that contraction into a reduction which runs
+  several times slower than the matmuls themselves; the textbook backward from the saved weights is plain
+  einsums.
   """
   return weighted_sum("...qk,...kd->...qd", _softmax_weights(q, k, valid, scale), v)
 
@@ -133,8 +137,8 @@ _shared_cluster_attention.defvjp(_shared_cluster_attention_fwd, _shared_cluster_
 MEMBERSHIPS = ("balanced", "nearest")
 
 
-def _nearest_window(qn: Array, v: Array, assign: Array, mask: Array, *, window: int, causal: bool, scale: float,
-                    mask_self: bool) -> Array:
+def _nearest_window(qn: Array, v: Array, assign: Array, mask: Array, *, window: int, causal: bool,
+                    scale: float, mask_self: bool) -> Array:
   """Attention to the `window` most recent same-cluster tokens (shared QK), in (cluster, position) order.
 
   qn: [batch, length, heads, d] layer-normed; v: [batch, length, heads, dv]; assign: [batch, heads, length].
@@ -146,8 +150,10 @@ def _nearest_window(qn: Array, v: Array, assign: Array, mask: Array, *, window: 
   nb = -(-length // w)
   lp = nb * w
   order = jnp.argsort(assign, axis=-1, stable=True).astype(jnp.int32)  # [b, h, L]: sorted index -> position
-  # position -> sorted index: the inverse permutation, by a scatter (a second sort would cost as much as the first)
-  flat_order = (order + (jnp.arange(batch * heads, dtype=jnp.int32) * length).reshape(batch, heads, 1)).reshape(-1)
+  # position -> sorted index: the inverse permutation, by a scatter (a second sort would cost as much as the
+  # first)
+  flat_order = (order
+                + (jnp.arange(batch * heads, dtype=jnp.int32) * length).reshape(batch, heads, 1)).reshape(-1)
   rank = jnp.zeros((batch * heads * length,), jnp.int32).at[flat_order].set(
       jnp.tile(jnp.arange(length, dtype=jnp.int32), batch * heads), unique_indices=True,
       mode="promise_in_bounds").reshape(batch, heads, length)
@@ -189,17 +195,19 @@ def routing_attention(q: Array, k: Array, v: Array, *, centroids: Array, window:
   centroids: [heads, clusters, head_dim] (state; no gradient flows into it). window: tokens per cluster,
   clipped to `length`. share_qk: keys are the queries (`k` is ignored), the paper's choice for causal models,
   which makes every cluster's causal mask well defined. Queries and keys are layer-normed (no affine) before
-  both routing and attention, as in Algorithm 1. Returns out [batch, length, heads, value_dim] in v's dtype and
-  `RoutingAux`. A query whose cluster holds no visible key (only possible without shared QK) gets zeros.
+  both routing and attention, as in Algorithm 1. Returns out [batch, length, heads, value_dim] in v's dtype
+  and `RoutingAux`. A query whose cluster holds no visible key (only possible without shared QK) gets zeros.
 
-  membership: None (default) = "nearest" when `causal and share_qk`, else "balanced" (see the module docstring).
+  membership: None (default) = "nearest" when `causal and share_qk`, else "balanced" (see the module
+  docstring).
     "balanced" (the paper): top-`window` tokens per centroid. In a decoder this leaks the future
     through a discrete channel: whether an earlier token makes a centroid's top-`window` depends on later
     tokens' scores, so out_i can change when a later token changes (its Jacobian is still exactly zero).
-    "nearest": every token joins only its nearest centroid and attends to its `window` most recent cluster-mates
-    (itself included; bidirectional: `window - 1` on each side), found by sorting tokens by (centroid, position)
-    and attending within a sliding window of that order. The set depends on tokens <= i only, so a decoder is
-    exactly causal; needs `share_qk=True` (one cluster per token for both roles). Every token gets an output.
+    "nearest": every token joins only its nearest centroid and attends to its `window` most recent
+    cluster-mates (itself included; bidirectional: `window - 1` on each side), found by sorting tokens by
+    (centroid, position) and attending within a sliding window of that order. The set depends on tokens <= i
+    only, so a decoder is exactly causal; needs `share_qk=True` (one cluster per token for both roles). Every
+    token gets an output.
   """
   op = "routing_attention"
   q, k, v, mask = contract.check_qkv(q, k, v, mask, op=op)
@@ -216,7 +224,8 @@ def routing_attention(q: Array, k: Array, v: Array, *, centroids: Array, window:
   batch, length, heads, head_dim = q.shape
   if not hasattr(centroids, "shape") or len(centroids.shape) != 3 or centroids.shape[0] != heads \
       or centroids.shape[2] != head_dim:
-    raise ValueError(f"{op}: argument 'centroids' must have shape [heads={heads}, clusters, head_dim={head_dim}], "
+    raise ValueError(f"{op}: argument 'centroids' must have shape "
+                     f"[heads={heads}, clusters, head_dim={head_dim}], "
                      f"got {getattr(centroids, 'shape', type(centroids).__name__)}")
   window = min(window, length)
   ct = contract.softmax_dtype(q.dtype, k.dtype, v.dtype)
@@ -231,11 +240,12 @@ def routing_attention(q: Array, k: Array, v: Array, *, centroids: Array, window:
     q_assign = kmeans.nearest_centroid(q_scores)  # [batch, heads, length]
     out = _nearest_window(qn, v.astype(ct), q_assign, mask, window=window, causal=causal,
                           scale=contract.logit_scale(head_dim) if scale_logits else 1.0, mask_self=mask_self)
-    return out.astype(v.dtype), cluster_aux(qn, qn, q_assign, q_assign, centroids, mask)  # keys are the queries
+    # keys are the queries
+    return out.astype(v.dtype), cluster_aux(qn, qn, q_assign, q_assign, centroids, mask)
   q_idx = kmeans.balanced_membership(q_scores, window, mask)  # [batch, heads, clusters, window]
   k_idx = q_idx if share_qk else kmeans.balanced_membership(k_scores, window, mask)
-  # Flat row ids into [batch * heads * length, e] head-major tables: plain row gathers (and row scatter-adds in
-  # the backward), which XLA:CPU runs far faster than batched take_along_axis.
+  # Flat row ids into [batch * heads * length, e] head-major tables: plain row gathers (and row scatter-adds
+  # in the backward), which XLA:CPU runs far faster than batched take_along_axis.
   base = (jnp.arange(batch * heads, dtype=jnp.int32) * length).reshape(batch, heads, 1, 1)
   q_rows, k_rows = q_idx + base, k_idx + base  # [batch, heads, clusters, window]
 
@@ -267,7 +277,8 @@ def routing_attention(q: Array, k: Array, v: Array, *, centroids: Array, window:
     yg = _cluster_attention(qg, kg, vg, valid, scale)
   n = batch * heads * length
   flat_rows = q_rows.reshape(-1)
-  total = jnp.zeros((n, yg.shape[-1]), ct).at[flat_rows].add(yg.reshape(-1, yg.shape[-1]), mode="promise_in_bounds")
+  total = jnp.zeros((n, yg.shape[-1]), ct).at[flat_rows].add(yg.reshape(-1, yg.shape[-1]),
+                                                             mode="promise_in_bounds")
   count = jnp.zeros((n,), ct).at[flat_rows].add(1.0, mode="promise_in_bounds")
   out = (total / jnp.maximum(count, 1.0)[:, None]).reshape(batch, heads, length, -1).transpose(0, 2, 1, 3)
 
@@ -276,11 +287,13 @@ def routing_attention(q: Array, k: Array, v: Array, *, centroids: Array, window:
   return out.astype(v.dtype), cluster_aux(qn, kn, q_assign, k_assign, centroids, mask)
 
 
-def cluster_aux(qn: Array, kn: Array, q_assign: Array, k_assign: Array, centroids: Array, mask: Array) -> RoutingAux:
+def cluster_aux(qn: Array, kn: Array, q_assign: Array, k_assign: Array, centroids: Array,
+                mask: Array) -> RoutingAux:
   """The EMA statistics and commitment loss of queries and keys assigned to their nearest centroids.
 
-  qn, kn: [batch, length, heads, head_dim] layer-normed; q_assign, k_assign: [batch, heads, length] centroid ids;
-  centroids: [heads, clusters, head_dim]; mask: [batch, length]. The loss averages the query and key terms.
+  qn, kn: [batch, length, heads, head_dim] layer-normed; q_assign, k_assign: [batch, heads, length] centroid
+  ids; centroids: [heads, clusters, head_dim]; mask: [batch, length]. The loss averages the query and key
+  terms.
   """
   clusters = centroids.shape[1]
   stats = kmeans.merge_stats(kmeans.centroid_stats(qn, q_assign, mask, clusters),
@@ -299,7 +312,9 @@ def routed_clusters(q: Array, k: Array, centroids: Array, mask: Array) -> tuple[
   """
   ct = contract.softmax_dtype(q.dtype, k.dtype)
   qn, kn = layer_norm(q.astype(ct)), layer_norm(k.astype(ct))  # [batch, length, heads, head_dim]
-  q_scores, k_scores = kmeans.scores(qn, centroids), kmeans.scores(kn, centroids)  # [batch, heads, clusters, L]
+  # [batch, heads, clusters, L]
+  q_scores, k_scores = kmeans.scores(qn, centroids), kmeans.scores(kn, centroids)
   ids = kmeans.nearest_centroid(q_scores + k_scores).transpose(0, 2, 1)  # [batch, length, heads]
-  aux = cluster_aux(qn, kn, kmeans.nearest_centroid(q_scores), kmeans.nearest_centroid(k_scores), centroids, mask)
+  aux = cluster_aux(qn, kn, kmeans.nearest_centroid(q_scores), kmeans.nearest_centroid(k_scores), centroids,
+                    mask)
   return ids, aux

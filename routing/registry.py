@@ -1,4 +1,4 @@
-"""Registers the routing ops as pure functions for the benchmark and OpAttention (issue 5).
+"""Registers the routing ops as pure functions for the benchmark and OpAttention.
 
 The registered functions return only the output. Their k-means centroids come from a fixed key (a stand-in for
 trained state, same for every call), with the benchmark's setting clusters = window = sqrt(L) rounded up to a
@@ -33,8 +33,8 @@ def routing_op(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None
 
   membership: "balanced" here (the paper's and lucidrains' top-k per centroid), so that the benchmark row is
   like-for-like with the `routing_transformer` peer; like the peer it leaks the future in a decoder (see
-  `routing.attention`). None = the op's own default ("nearest" when causal), as the `routing` model module uses.
-  It is not among the registered `params` on purpose: configs pre-fill every registered param as a plan
+  `routing.attention`). None = the op's own default ("nearest" when causal), as the `routing` model module
+  uses. It is not among the registered `params` on purpose: configs pre-fill every registered param as a plan
   parameter, while the model module takes `membership` as a module field.
   """
   out, _ = routing_attention(q, k, v, centroids=_centroids(q, num_clusters), window=window, causal=causal,
@@ -48,7 +48,8 @@ def combiner_routed_op(q: Array, k: Array, v: Array, *, causal: bool, mask: Arra
   full = jnp.ones(q.shape[:2], bool) if mask is None else mask
   k_route = jnp.where(full[:, :, None, None], k, 0)  # masked keys: a cluster that ignores their values
   ids, _ = routed_clusters(q, k_route, _centroids(q, num_clusters), full)  # [batch, length, heads]
-  return routed(q, k, v, cluster_ids=ids, num_clusters=num_clusters, causal=causal, mask=mask, pooling=pooling)
+  return routed(q, k, v, cluster_ids=ids, num_clusters=num_clusters, causal=causal, mask=mask,
+                pooling=pooling)
 
 
 register(OpSpec("routing", routing_op,

@@ -95,10 +95,12 @@ def test_missing_data_names_the_expected_path(tmp_path):
   from configs import cifar10
 
   c = cifar10.get_config("smoke")
+  c.data.stand_in = False  # smoke variants otherwise train on a generated stand-in (tests/test_reproduce.py)
   c.data.data_dir = str(tmp_path / "nowhere")
   with pytest.raises(FileNotFoundError, match=str(tmp_path / "nowhere")):
     train.create_dataset(c, "train", batch_size=8, seed=0)
   c = lra.get_config("task=listops,smoke")
+  c.data.stand_in = False
   c.data.data_dir = str(tmp_path / "nowhere")
   with pytest.raises(FileNotFoundError, match="lra_release"):
     train.create_dataset(c, "train", batch_size=8, seed=0)

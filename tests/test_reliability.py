@@ -44,7 +44,7 @@ def trained(tmp_path_factory):
   """A finished 4-step run with checkpoints at steps 2 and 4, and its final metrics."""
   workdir = str(tmp_path_factory.mktemp("trained") / "run")
   result = train.train_and_evaluate(smoke(), workdir, progress=False)
-  return workdir, {k: v for k, v in result.items() if k not in ("state", "experiment")}
+  return workdir, result["metrics"]
 
 
 def copy_of(trained, tmp_path):

@@ -157,16 +157,27 @@ def test_resume_after_sigterm_is_exact_and_eval_reads_it(tmp_path):
   # eval.py restores what train.py wrote and reproduces its final metrics.
   m = eval_lib.evaluate_workdir(str(tmp_path / "resumed"), max_batches=int(config.train.eval_batches))
   assert m["step"] == 5
-  np.testing.assert_allclose(m["loss"], second["loss"], rtol=1e-6)
+  np.testing.assert_allclose(m["loss"], second["metrics"]["loss"], rtol=1e-6)
   with open(m["path"]) as f:
     assert json.load(f)["accuracy"] == m["accuracy"]
   assert os.path.exists(tmp_path / "resumed" / "config.json")
   assert os.listdir(tmp_path / "resumed" / "tensorboard")
 
 
-def test_nan_stops_and_keeps_last_good_checkpoint(tmp_path):
-  config = smoke("combiner_fixed", **{"train.num_steps": 6, "train.checkpoint_every": 2,
-                                      "train.inject_nan_at_step": 3})
+def test_nan_stops_and_keeps_last_good_checkpoint(tmp_path, monkeypatch):
+  config = smoke("combiner_fixed", **{"train.num_steps": 6, "train.checkpoint_every": 2})
+  build = train.Experiment._build_train_step
+
+  def poisoned_at_step_3(self):  # the compiled step, fed NaN parameters at step 3: its loss is NaN
+    step_fn = build(self)
+
+    def run(params, rest, opt_state, rng, step, batch):
+      if int(step) == 3:
+        params = jax.tree.map(lambda x: x * jnp.nan, params)
+      return step_fn(params, rest, opt_state, rng, step, batch)
+    return run
+
+  monkeypatch.setattr(train.Experiment, "_build_train_step", poisoned_at_step_3)
   with pytest.raises(train.TrainingDiverged, match=r"step 3.*last good checkpoint \(step 2\)"):
     train.train_and_evaluate(config, str(tmp_path), progress=False)
   exp = train.Experiment(config, devices=jax.devices())
@@ -203,3 +214,13 @@ def test_sigterm_subprocess_leaves_resumable_checkpoint(tmp_path):
     config.train.num_steps = saved + 1
   result = train.train_and_evaluate(config, workdir, progress=False)
   assert result["start_step"] == saved and result["step"] == saved + 1
+
+
+def test_list_names_every_attention_config_and_argument():
+  text = train.listing()
+  for name in ("combiner_fixed", "dense", "yoso", "routing"):
+    assert f"\n  {name} " in text
+  for config in ("configs/default.py", "configs/cifar10.py", "configs/lra.py"):
+    assert config in text
+  assert "task=" in text and "yoso_paper" in text and "routing_paper" in text and "smoke" in text
+  assert "configs/base.py" not in text and "configs/images.py" not in text  # shared settings, not experiments
