@@ -30,7 +30,7 @@ import ml_collections
 from flax import nnx
 
 from models import attention, layers, ops_registry
-from yoso.attention import depthwise_conv
+from yoso.conv import depthwise_conv
 
 Array = Any
 DEFAULT_CONV_KERNEL = 33

@@ -12,7 +12,8 @@ import pytest
 
 from core import contract
 from yoso import hashing
-from yoso.attention import arccos_poly, expected_collision, l2_normalize, yoso, yoso_e
+from yoso.attention import l2_normalize, yoso, yoso_e
+from yoso.collision import arccos_poly, expected_collision
 
 
 def _key(seed):
@@ -158,7 +159,7 @@ def test_normalized_output_is_the_unit_row_of_the_raw_output():
 
 @pytest.mark.parametrize("path", ["counts", "tables"])
 def test_masked_keys_contribute_nothing_and_padding_is_invariant(path, monkeypatch):
-  from yoso import attention as ya
+  from yoso import backward as ya
   if path == "tables":  # short sequences take dense collision counts unless the threshold is lowered
     monkeypatch.setattr(ya, "COUNTS_MAX_LENGTH", 0)
   with jax.enable_x64(True):
@@ -277,7 +278,7 @@ def test_sampled_backward_matches_definition_with_forward_codes(path, monkeypatc
   # dV_j = 1/m sum_t,i B_ij dY_i, dQn_i = (tau/2)/m sum_t,j B_ij (dY_i.v_j) kn_j, dKn_j likewise; then the
   # normalisations of q and k by autodiff. Re-hashing in the backward (another rng) would not match. Short
   # sequences take dense collision counts; the LSH tables are forced by lowering the threshold.
-  from yoso import attention as ya
+  from yoso import backward as ya
   if path == "tables":
     monkeypatch.setattr(ya, "COUNTS_MAX_LENGTH", 0)
   with jax.enable_x64(True):
@@ -330,7 +331,7 @@ def test_polynomial_arccos_and_collision_derivative_are_float32_exact():
 
 def _feature_tables_by_definition(qc, kc, kvalid, qn, kn, v, dy, directions):
   """sum_t sum_j B^t_ij (dY_i R_t . v_j R_t) k_j and its dK twin, pair by pair (R_t = I when directions is
-  None); numpy, [g, L, ...] groups as in yoso.attention._feature_tables."""
+  None); numpy, [g, L, ...] groups as in yoso.tables._feature_tables."""
   qc, kc, kvalid, qn, kn, v, dy = map(np.asarray, (qc, kc, kvalid, qn, kn, v, dy))
   g, length, m = qc.shape
   dq, dk = np.zeros_like(qn), np.zeros_like(kn)
@@ -352,7 +353,7 @@ def _feature_tables_by_definition(qc, kc, kvalid, qn, kn, v, dy, directions):
 def test_backward_feature_tables_match_their_definition(form, sketch):
   # Every implementation against the sum over colliding pairs: the bucket-sorted chunked matmuls (lengths
   # give chunks of 2 and 16), the narrow sketch's segment sums, which also carry dV, and the one-hot matmuls.
-  from yoso import attention as ya
+  from yoso import tables as ya
   tables = jax.jit({"chunks": ya._feature_tables, "segments": ya._sketched_tables,
                     "onehot": ya._onehot_feature_tables}[form], static_argnums=7)
   with jax.enable_x64(True):
@@ -378,7 +379,7 @@ def test_backward_feature_tables_match_their_definition(form, sketch):
 
 
 def test_formulation_follows_the_backend(monkeypatch):
-  from yoso import attention as ya
+  from yoso import tables as ya
   assert [ya.resolve_formulation("auto", p) for p in ("cpu", "gpu", "tpu")] == ["sorted", "onehot", "onehot"]
   assert ya.resolve_formulation("sorted", "tpu") == "sorted"
   assert ya.resolve_formulation("onehot", "cpu") == "onehot"
@@ -398,7 +399,7 @@ def test_formulation_follows_the_backend(monkeypatch):
 def test_formulations_agree_on_the_same_draws(features, monkeypatch):
   # Sorted tables and one-hot matmuls: the same codes, so the same estimate and gradients up to float32
   # rounding (the one-hot reads carry float32 tables as two bfloat16 parts: relative error <= 2^-16).
-  from yoso import attention as ya
+  from yoso import backward as ya
   monkeypatch.setattr(ya, "COUNTS_MAX_LENGTH", 0)  # the LSH tables, not the short-sequence counts
   q, k, v = _inputs(4, b=2, length=40, d=8, e=6, dtype=jnp.float32)
   mask = jnp.ones((2, 40), bool).at[1, 30:].set(False)
@@ -420,7 +421,7 @@ def test_formulations_agree_on_the_same_draws(features, monkeypatch):
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
 def test_onehot_formulation_lowers_for_accelerators(platform):
   # bf16 inputs, L above the short-sequence threshold: forward and forward+backward (tables for dV, dQ, dK).
-  from yoso import attention as ya
+  from yoso import backward as ya
   shape = jax.ShapeDtypeStruct((1, ya.COUNTS_MAX_LENGTH + 512, 2, 64), jnp.bfloat16)
 
   def forward(q, k, v):
@@ -436,7 +437,7 @@ def test_onehot_formulation_lowers_for_accelerators(platform):
 
 def test_sort_by_code_is_a_stable_sort_in_both_forms():
   # Packed int32 keys (code * L + row) when they fit, argsort otherwise (tau = 24 tables): same order.
-  from yoso import attention as ya
+  from yoso import tables as ya
   rng = np.random.default_rng(7)
   for buckets, length in ((257, 1000), ((1 << 24) + 1, 300)):
     assert (buckets * length < 2**31) == (buckets == 257)

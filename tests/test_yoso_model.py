@@ -17,7 +17,8 @@ from flax import nnx
 from configs import base
 from data import synthetic
 from models import metrics, registry, transformer
-from yoso.attention import depthwise_conv, yoso, yoso_c
+from yoso.attention import yoso, yoso_c
+from yoso.conv import depthwise_conv
 
 
 def _conv_reference(v, kernel, mask):

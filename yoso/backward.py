@@ -1,0 +1,141 @@
+"""YOSO's backward (paper section 3.3): the rule of the `jax.custom_vjp` around the LSH cumulation, which
+re-uses the forward's codes (nothing is re-hashed):
+  dV_j = 1/m sum_hashes sum_i B_ij dY_i                                   (tables keyed by query codes)
+  dQ_i = (tau/2)/m sum_hashes sum_j B_ij (dY_i . v_j) k_j                 (the lower-bound surrogate, eq. 4)
+  dK_j = (tau/2)/m sum_hashes sum_i B_ij (dY_i . v_j) q_i
+both unbiased for the gradient of the dense surrogate `P V` whose `dP/d(q.k)` is replaced by `(tau/2) P`. The
+bilinear weight `dY_i . v_j` is decomposed over value features (the paper's per-feature tables):
+`sum_l dY_il sum_j B_ij v_jl k_j`, i.e. one [e, d] table per (hash, bucket). The default
+(`backward_features=None`) does this exactly for every hash: O(L*m*d*e) time and O((L/chunk + 2^tau)*d*e)
+table memory (one group and one hash at a time) - linear in L, quadratic in the head size, exactly the
+paper's estimator (section 3.3, Table 1); the tables are in `yoso.tables`.
+`backward_features=s` is a cheaper, linear-in-d alternative: per hash, the
+value space is sketched with `s` random orthonormal directions scaled so that `E[R R^T] = I`, i.e. `dY . v`
+becomes `(dY R) . (v R)`: still unbiased, O(L*m*s*d), but the sketch multiplies the gradient variance of dQ/dK
+by roughly `e/s`. Measured relative error of dQ against the dense surrogate gradient through the same forward
+(L=256, d=e=64, m=32, tau=8, correlated q/k, mean of 6 keys): exact 1.6, s=16 3.3, s=8 4.6, s=4 6.5, s=1 13.0
+(dV 1.1 for all); cycling the blocks of one random basis over the hashes instead of independent directions
+measured the same. Sketches of s <= SCATTER_FEATURES = 2 directions skip the chunked matmuls: their tables
+are plain segment sums of s*d-wide rows, so the backward is two forward-like passes over the hashes; at
+L=4096, 8 heads, m=32, s=1 this is 316 ms fwd+bwd against 447 ms chunked (s=2: 591 against 655). The price is
+the variance: a tiny MLM model on the recall task (L=128, 300 steps, mean of 3 seeds) ended at loss 1.94 /
+answer accuracy 0.275 with s=1 against 1.76 / 0.310 exact (one seed of YOSO-E: 1.56 / 0.34), which is why the
+exact form stays the default. Cost ceiling of the exact form: its tables cost 4*L*m*d*e multiply-adds (build
+and read, dQ and dK) against dense's ~6*L^2*d, a ratio of 3L/(2*m*e) = 6 at L=8192, m=32, e=64 before
+padding (about 1.5-2x at L=4096) and sorting, so 10x dense at L=8192 is out of its reach. The chain rule
+through the l2-normalisations of q, k and of the output is ordinary autodiff.
+
+Three strategies, chosen by `cotangents`: sequences up to COUNTS_MAX_LENGTH = 2048 rows get the exact
+estimator's same sums through dense collision counts instead (C_ij = the number of hashes in which q_i and
+k_j collide; `_counts_backward`): quadratic, but large matmuls, 3-30x faster than the tables there; longer
+ones (and every sketch) the LSH tables; `backward="dense"` replaces the sampled backward by the exact O(L^2)
+surrogate gradient (short sequences, tests).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from yoso import tables
+from yoso.collision import surrogate_collision
+
+Array = Any
+
+BACKWARDS = ("sampled", "dense")
+
+
+def _dense_surrogate(qn: Array, kn: Array, v: Array, kvalid: Array, tau: int) -> Array:
+  """P V with the surrogate derivative; qn, kn [g, L, d] unit rows, v [g, L, e], kvalid [g, L]; g = b*h."""
+  cos = jnp.einsum("gqd,gkd->gqk", qn, kn)  # [groups, length_q, length_k]
+  p = jnp.where(kvalid[:, None, :], surrogate_collision(cos, tau), 0.0)
+  return jnp.einsum("gqk,gke->gqe", p, v)  # [groups, length, value_dim]
+
+
+def sketch_directions(rng: Array, batch: int, heads: int, num_hashes: int, value_dim: int,
+                      features: int | None, dtype: Any) -> Array | None:
+  """[m, batch * heads, e, s] value-space directions per hash with E[R R^T] = I (shared over the batch).
+
+  None (features None or >= value_dim) means the e unit vectors: the exact per-feature decomposition.
+  """
+  if features is None or features >= value_dim:
+    return None
+  gauss = jax.random.normal(rng, (num_hashes, heads, value_dim, features), dtype)
+  r, _ = jnp.linalg.qr(gauss)  # orthonormal columns spanning a uniformly random s-dim subspace
+  r = r * np.sqrt(value_dim / features).astype(dtype)  # E[r r^T] = I
+  return jnp.broadcast_to(r[:, None], (num_hashes, batch, heads, value_dim, features)).reshape(
+      num_hashes, batch * heads, value_dim, features)
+
+
+# Up to this length the exact backward runs on dense collision counts (`_counts_backward`): the same sums,
+# O(L^2 * (m + d)) in large matmuls instead of O(L * m * d * e) in padded per-bucket tables. Measured fwd+bwd
+# at 8 heads, d=64, m=32 (tables -> counts): L=512 813 -> 28 ms, 1024 1172 -> 86, 2048 1398 -> 281, 4096
+# 1924 -> 1062 (temp memory 186 -> 253 MB). Counts would still win at 4096, but above 2048 the backward stays
+# linear in L as the op promises; only "short" sequences take the quadratic form.
+COUNTS_MAX_LENGTH = 2048
+
+
+def _collision_counts(qcodes: Array, kcodes: Array, kvalid: Array, dtype: Any) -> Array:
+  """C_ij = number of hashes t with code_t(q_i) = code_t(k_j), 0 for masked keys: m * (the mean of B^t).
+
+  One group: qcodes, kcodes [L, m]; kvalid [L]. Returns [L_q, L_k] in dtype. O(L^2 * m) compares.
+  """
+  counts = jnp.sum(qcodes[:, None, :] == kcodes[None, :, :], axis=-1, dtype=jnp.int32)  # [L_q, L_k]
+  return jnp.where(kvalid[None, :], counts, 0).astype(dtype)
+
+
+def _counts_backward(qcodes: Array, kcodes: Array, kvalid: Array, qn: Array, kn: Array, v: Array,
+                     dy: Array) -> tuple[Array, Array, Array]:
+  """(dq, dk, dv) unscaled, exactly the per-feature tables' sums, through dense counts C (short sequences):
+  dQ = (C * dY V^T) K, dK = (C * dY V^T)^T Q, dV = C^T dY. Shapes as in `_sampled_backward`. O(L^2 * (m + d))
+  time and O(L^2) memory per group (groups run one at a time): see COUNTS_MAX_LENGTH for when it is used.
+  """
+  def group(xs):
+    qc, kc, valid, q, k, vg, dyg = xs
+    counts = _collision_counts(qc, kc, valid, q.dtype)  # [L_q, L_k]
+    weight = counts * (dyg @ vg.T)  # [L_q, L_k]
+    return weight @ k, weight.T @ q, counts.T @ dyg
+  return jax.lax.map(group, (qcodes, kcodes, kvalid, qn, kn, v, dy))
+
+
+def _dense_backward(qn: Array, kn: Array, v: Array, kvalid: Array, dy: Array, tau: int
+                    ) -> tuple[Array, Array, Array]:
+  """(dq, dk, dv): the exact O(L^2) gradient of the dense surrogate `P V` (`backward="dense"`)."""
+  _, vjp = jax.vjp(lambda a, b, c: _dense_surrogate(a, b, c, kvalid, tau), qn, kn, v)
+  return vjp(dy)
+
+
+def _sampled_backward(qcodes: Array, kcodes: Array, kvalid: Array, qn: Array, kn: Array, v: Array, dy: Array,
+                      tau: int, directions: Array | None, formulation: str) -> tuple[Array, Array, Array]:
+  """(dq, dk, dv) of the sampled estimator with the forward's codes, scaled: dense collision counts up to
+  COUNTS_MAX_LENGTH rows when exact (directions None), the LSH tables otherwise. Masked keys get zero dk, dv.
+
+  Groups heads-major: codes [g, L, m]; kvalid [g, L]; qn, kn [g, L, d]; v, dy [g, L, e];
+  directions None or [m, g, e, s].
+  """
+  m = qcodes.shape[-1]
+  kv = kvalid[..., None]
+  scale = (tau / 2) / m
+  # dQ_i = (tau/2)/m sum B_ij (dY_i . v_j) k_j and dK_j = (tau/2)/m sum B_ij (dY_i . v_j) q_i.
+  if directions is None and qcodes.shape[1] <= COUNTS_MAX_LENGTH:
+    dq, dk, dv = _counts_backward(qcodes, kcodes, kvalid, qn, kn, v, dy)
+  else:
+    dq, dk, dv = tables.backward_tables(qcodes, kcodes, kvalid, qn, kn, v, dy, 1 << tau, directions,
+                                        formulation)
+  dv = jnp.where(kv, dv / m, 0.0)
+  dq, dk = scale * dq, scale * dk
+  dk = jnp.where(kv, dk, 0.0)
+  return dq, dk, dv
+
+
+def cotangents(backward: str, tau: int, formulation: str, qn: Array, kn: Array, v: Array, qcodes: Array,
+               kcodes: Array, kvalid: Array, directions: Array | None, dy: Array
+               ) -> tuple[Array, Array, Array]:
+  """(dq, dk, dv) of the mean over hashes of B V for the output cotangent dy: `backward` "dense" (the exact
+  surrogate gradient) or "sampled" (`_sampled_backward`). Shapes as in `_sampled_backward`."""
+  if backward == "dense":
+    return _dense_backward(qn, kn, v, kvalid, dy, tau)
+  return _sampled_backward(qcodes, kcodes, kvalid, qn, kn, v, dy, tau, directions, formulation)
