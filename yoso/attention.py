@@ -104,8 +104,8 @@ def yoso(q: Array, k: Array, v: Array, *, rng: Array, num_hashes: int, tau: int,
   backward_features: None (default) computes the sampled dQ/dK with every value feature, exactly the paper's
   estimator, O(L*m*d*value_dim) (up to L = 2048 through dense collision counts, O(L^2*(m + d)), faster
   there); an int s sketches the value space with s random directions per hash, O(L*m*s*d), unbiased but with
-  about value_dim/s times the gradient variance (s <= 2: two forward-like passes, 5.5x faster than the
-  exact form at L=4096; the "yoso_sketch" registry op uses s=1).
+  about value_dim/s times the gradient variance (s <= 2: two forward-like passes, much faster than the
+  exact form; the "yoso_sketch" registry op uses s=1).
   formulation: how the bucket tables are built and read, the same estimator and sums either way: "sorted"
   (segment sums and bucket-sorted chunked matmuls, serial-scatter friendly: CPUs), "onehot" (one-hot matmuls,
   2^tau times the multiply-adds but all on tensor cores / the MXU: GPUs and TPUs), "auto" (by backend).

@@ -12,22 +12,17 @@ paper's estimator (section 3.3, Table 1); the tables are in `yoso.tables`.
 `backward_features=s` is a cheaper, linear-in-d alternative: per hash, the
 value space is sketched with `s` random orthonormal directions scaled so that `E[R R^T] = I`, i.e. `dY . v`
 becomes `(dY R) . (v R)`: still unbiased, O(L*m*s*d), but the sketch multiplies the gradient variance of dQ/dK
-by roughly `e/s`. Measured relative error of dQ against the dense surrogate gradient through the same forward
-(L=256, d=e=64, m=32, tau=8, correlated q/k, mean of 6 keys): exact 1.6, s=16 3.3, s=8 4.6, s=4 6.5, s=1 13.0
-(dV 1.1 for all); cycling the blocks of one random basis over the hashes instead of independent directions
-measured the same. Sketches of s <= SCATTER_FEATURES = 2 directions skip the chunked matmuls: their tables
-are plain segment sums of s*d-wide rows, so the backward is two forward-like passes over the hashes; at
-L=4096, 8 heads, m=32, s=1 this is 316 ms fwd+bwd against 447 ms chunked (s=2: 591 against 655). The price is
-the variance: a tiny MLM model on the recall task (L=128, 300 steps, mean of 3 seeds) ended at loss 1.94 /
-answer accuracy 0.275 with s=1 against 1.76 / 0.310 exact (one seed of YOSO-E: 1.56 / 0.34), which is why the
-exact form stays the default. Cost ceiling of the exact form: its tables cost 4*L*m*d*e multiply-adds (build
-and read, dQ and dK) against dense's ~6*L^2*d, a ratio of 3L/(2*m*e) = 6 at L=8192, m=32, e=64 before
-padding (about 1.5-2x at L=4096) and sorting, so 10x dense at L=8192 is out of its reach. The chain rule
+by roughly `e/s` (the measured errors are in docs/benchmarks.md, "YOSO design measurements"). Sketches of
+s <= SCATTER_FEATURES = 2 directions skip the chunked matmuls: their tables are plain segment sums of s*d-wide
+rows, so the backward is two forward-like passes over the hashes. The price is the variance: a small model
+trains measurably worse with s=1 than with the exact form, which is why the exact form stays the default.
+Cost ceiling of the exact form: its tables cost 4*L*m*d*e multiply-adds (build and read, dQ and dK) against
+dense's ~6*L^2*d, a ratio of 3L/(2*m*e) before padding and sorting. The chain rule
 through the l2-normalisations of q, k and of the output is ordinary autodiff.
 
 Three strategies, chosen by `cotangents`: sequences up to COUNTS_MAX_LENGTH = 2048 rows get the exact
 estimator's same sums through dense collision counts instead (C_ij = the number of hashes in which q_i and
-k_j collide; `_counts_backward`): quadratic, but large matmuls, 3-30x faster than the tables there; longer
+k_j collide; `_counts_backward`): quadratic, but large matmuls, faster than the tables there; longer
 ones (and every sketch) the LSH tables; `backward="dense"` replaces the sampled backward by the exact O(L^2)
 surrogate gradient (short sequences, tests).
 """
@@ -71,9 +66,8 @@ def sketch_directions(rng: Array, batch: int, heads: int, num_hashes: int, value
 
 
 # Up to this length the exact backward runs on dense collision counts (`_counts_backward`): the same sums,
-# O(L^2 * (m + d)) in large matmuls instead of O(L * m * d * e) in padded per-bucket tables. Measured fwd+bwd
-# at 8 heads, d=64, m=32 (tables -> counts): L=512 813 -> 28 ms, 1024 1172 -> 86, 2048 1398 -> 281, 4096
-# 1924 -> 1062 (temp memory 186 -> 253 MB). Counts would still win at 4096, but above 2048 the backward stays
+# O(L^2 * (m + d)) in large matmuls instead of O(L * m * d * e) in padded per-bucket tables (timings in
+# docs/benchmarks.md). Counts would still win a little above this length, but beyond it the backward stays
 # linear in L as the op promises; only "short" sequences take the quadratic form.
 COUNTS_MAX_LENGTH = 2048
 

@@ -8,7 +8,7 @@ directions per hash, the same tables of width s (`backward_tables`).
 
 Two formulations of the same sums (`formulation=`). "sorted" suits a CPU, where scatters are serial and small
 matmuls cheap: segment sums (`_lsh_cumulate`), and for the per-feature tables bucket-sorted, chunk-padded
-batched matmuls (`_feature_tables`), 2.3-2.7x faster on CPU than e scatters of d-vectors per hash; sketches of
+batched matmuls (`_feature_tables`), faster on CPU than e scatters of d-vectors per hash; sketches of
 s <= SCATTER_FEATURES directions stay plain segment sums of s*d-wide rows (`_sketched_tables`). "onehot" suits
 GPUs and TPUs ("auto" there): per hash, onehot(write codes)^T [2^tau, L] times the rows, and the read
 onehot(read codes) [L, 2^tau] times the table (`_onehot_cumulate`, `_onehot_feature_tables`), with the one-hot
@@ -37,8 +37,7 @@ def _lsh_cumulate(read_codes: Array, write_codes: Array, write_valid: Array, per
   write_fn(group, hash) -> [L, e] rows to insert; read_fn(rows [L, e], group, hash) -> [L, out_dim], where
   group and hash are one group's (and one hash's) slices. Returns [g, L, out_dim]. Groups run one at a time
   (lax.map) with a scan over hashes inside, so one group's rows stay in cache across its hashes and one
-  [2^tau + 1, e] table is alive at a time. Against all groups per hash step, at L=16384 (8 heads, m=32) the
-  forward measured 421 -> 332 ms and the s=1 sketch's forward+backward 2027 -> 1151 ms; at L=4096 within 6%.
+  [2^tau + 1, e] table is alive at a time, which keeps long sequences from growing super-linearly.
   """
   g, length, _ = read_codes.shape
   # Bucket num_buckets collects invalid rows; read codes never reach it.
@@ -168,7 +167,7 @@ def _onehot_feature_tables(qcodes: Array, kcodes: Array, kvalid: Array, qn: Arra
   return jax.lax.map(group, (qcodes, kcodes, directions, qn, kn, v, dy), batch_size=batch)
 
 
-MAX_CHUNK = 16  # rows per matmul block in the exact backward; more pads more (measured 16 > 32 > 8 at L=4096)
+MAX_CHUNK = 16  # rows per matmul block in the exact backward; more pads more, fewer runs smaller matmuls
 
 
 def _chunk_size(length: int, buckets: int) -> int:
@@ -183,7 +182,7 @@ def _sort_by_code(codes: Array, buckets: int) -> tuple[Array, Array]:
   """(order, sorted codes) of codes [L] in [0, buckets): a stable sort by code.
 
   When code * L + row fits in int32 (tau <= 8 up to L = 8M rows) one plain sort of those packed keys does it,
-  ~4x faster on XLA:CPU than argsort's sort of (key, index) pairs; otherwise argsort.
+  faster on XLA:CPU than argsort's sort of (key, index) pairs; otherwise argsort.
   """
   length = codes.shape[0]
   rows = jnp.arange(length, dtype=jnp.int32)
@@ -247,9 +246,8 @@ def _feature_tables(qcodes: Array, kcodes: Array, kvalid: Array, qn: Array, kn: 
   by code with every bucket padded to a multiple of `chunk` rows, so T is a batched [e, chunk] x [chunk, d]
   matmul per chunk summed over each bucket's chunks, and the read is a batched matmul of each query chunk
   with its bucket's table. Same O(L*m*e*d) work (plus padding), faster on CPU than e scatters of d-vectors
-  per hash (at L=4096, 8 heads, m=32: 2.3-2.7x for the exact tables; with an s=8 sketch 0.66 s against about
-  1.0 s for dQ and dK); tests check it against the sum over colliding pairs. Groups run one at a time
-  (lax.map) so that a group's rows stay in cache across its hashes (vmapped groups measured 2x slower).
+  per hash; tests check it against the sum over colliding pairs. Groups run one at a time
+  (lax.map) so that a group's rows stay in cache across its hashes (vmapped groups are slower).
   """
   buckets = num_buckets + 1  # the extra bucket holds masked keys; query codes never reach it
   chunk, padded_length, qlay, klay = _sorted_layouts(qcodes, kcodes, kvalid, num_buckets)
