@@ -4,6 +4,8 @@ backend."""
 import os
 import sys
 
+import pytest
+
 os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
@@ -11,3 +13,29 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Keep the repository root importable however pytest is invoked (the root is the import root, as in
 # big_vision).
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture
+def decoding_matches_forward():
+  """check(model, length, prompt=5): prefill `prompt` tokens, decode the rest one at a time, and assert that
+  every position's logits equal the model's forward pass on the same tokens (float32, 1e-5)."""
+
+  def check(model, length: int, prompt: int = 5) -> None:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from models.generate import Decoder
+
+    tokens = jax.random.randint(jax.random.key(2), (2, length), 0, 11)
+    full = model({"inputs": tokens}, deterministic=True)  # [batch, length, vocab]
+    dec = Decoder(model)
+    cache = dec.init_cache(2, length)
+    logits, cache = dec.prefill(cache, tokens[:, :prompt])
+    stepped = [logits]
+    for t in range(prompt + 1, length):
+      out, cache = dec.decode(cache, tokens[:, t - 1], t)
+      stepped.append(out[:, None])
+    np.testing.assert_allclose(jnp.concatenate(stepped, axis=1), full, rtol=1e-5, atol=1e-5)
+
+  return check

@@ -124,23 +124,12 @@ FAST_MODEL_CASES = ("dense", "combiner_fixed", "combiner_axial_rowmajor", "combi
 @pytest.mark.parametrize("name,params", [c if c[0] in FAST_MODEL_CASES else
                                          pytest.param(*c, marks=pytest.mark.slow) for c in MODEL_CASES],
                          ids=[n for n, _ in MODEL_CASES])
-def test_model_decode_equals_forward(name, params):
+def test_model_decode_equals_forward(name, params, decoding_matches_forward):
   """Prefill 5 tokens, then decode the rest: every position's logits equal the forward pass's."""
-  from models.generate import Decoder
-
   length = 20
   model = _model(name, params, deepsets=name == "combiner_fixed", position="factorized" if name == "dense"
                  else "learned")
-  tokens = jax.random.randint(jax.random.key(2), (2, length), 0, 11)
-  full = model({"inputs": tokens}, deterministic=True)  # [batch, length, vocab]
-  dec = Decoder(model)
-  cache = dec.init_cache(2, length)
-  logits, cache = dec.prefill(cache, tokens[:, :5])
-  stepped = [logits]
-  for t in range(6, length):
-    out, cache = dec.decode(cache, tokens[:, t - 1], t)
-    stepped.append(out[:, None])
-  np.testing.assert_allclose(jnp.concatenate(stepped, axis=1), full, rtol=1e-5, atol=1e-5)
+  decoding_matches_forward(model, length)
 
 
 def test_model_decode_from_bos_without_prompt():

@@ -75,24 +75,13 @@ def _model(params: dict, *, seq_len: int = 20, attention: str = "routing", **fie
   return transformer.build_model(cfg, task="lm", vocab_size=11, seq_len=seq_len, seed=0)
 
 
-def test_model_decode_equals_forward():
+def test_model_decode_equals_forward(decoding_matches_forward):
   """One routing head next to one local head in the last layer, local heads only in the first; a prompt of 5
   tokens, then step by step: every position's logits equal the forward pass's."""
-  from models.generate import Decoder
-
   length = 20
   model = _model({"num_clusters": 3, "window": 3, "block_size": 4}, routing_heads=1, routing_layers=[-1],
                  mask_self=True)
-  tokens = jax.random.randint(jax.random.key(2), (2, length), 0, 11)
-  full = model({"inputs": tokens}, deterministic=True)  # [batch, length, vocab]
-  dec = Decoder(model)
-  cache = dec.init_cache(2, length)
-  logits, cache = dec.prefill(cache, tokens[:, :5])
-  stepped = [logits]
-  for t in range(6, length):
-    out, cache = dec.decode(cache, tokens[:, t - 1], t)
-    stepped.append(out[:, None])
-  np.testing.assert_allclose(jnp.concatenate(stepped, axis=1), full, rtol=1e-5, atol=1e-5)
+  decoding_matches_forward(model, length)
 
 
 def test_decode_refuses_non_causal_memberships():
