@@ -51,7 +51,7 @@ if ROOT not in sys.path:  # `python scripts/reproduce.py` as well as `python -m 
 from runtime import paths  # noqa: E402
 
 SCALES = ("smoke", "cpu", "paper")
-RUN_INFO = "reproduce.json"  # written into each row's workdir before training: what ran, where, with what
+RUN_INFO = "reproduce.json"  # written into each row's workdir after its run: what ran, where, with what
 # Arguments dropped from a row's config string at smoke scale: the smoke variant's own model and length win.
 SMOKE_DROPS = ("layers", "features", "heads", "mlp_dim", "seq_len", "steps", "batch_size", "main",
                "routing_heads", "routing_layers", "window", "clusters")
@@ -390,8 +390,6 @@ class _Job:
 
 def _run_one(job: _Job, launcher: str, in_process: bool, progress: bool) -> tuple[bool, float]:
   """Runs one job; (finished, seconds). Exceptions of in-process runs are reported, not raised."""
-  paths.makedirs(job.wd)
-  paths.write_json(paths.join(job.wd, RUN_INFO), _run_info(job.row, job.scale, job.seed, job.argv))
   start = time.time()
   if in_process and launcher == "local":
     try:
@@ -404,6 +402,8 @@ def _run_one(job: _Job, launcher: str, in_process: bool, progress: bool) -> tupl
     rc = subprocess.call(job.argv, cwd=ROOT)
   took = time.time() - start
   ok = rc == 0 and (launcher != "local" or finished(job.wd))
+  if ok:  # after the run: train.py refuses a workdir that holds files of anything but its own run
+    paths.write_json(paths.join(job.wd, RUN_INFO), _run_info(job.row, job.scale, job.seed, job.argv))
   print(f"{job.head}: " + (f"done in {took:.0f}s" if ok else f"FAILED (exit status {rc}) after {took:.0f}s"),
         flush=True)
   return ok, took
