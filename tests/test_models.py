@@ -182,6 +182,7 @@ def test_option_for_wrong_module_is_an_error():
     transformer.build_model(c, task="lm", vocab_size=VOCAB, seq_len=LENGTH)
 
 
+@pytest.mark.slow  # ~25 s: float64 gradients of three remat settings without jit
 def test_remat_gives_the_same_loss_and_gradients():
   """model.remat only changes what is kept for the backward; dropout rngs are threaded identically."""
   rng = np.random.default_rng(3)

@@ -5,12 +5,14 @@ from __future__ import annotations
 import zlib
 
 import numpy as np
+import pytest
 
 import sample
 import train
 from configs import default
 
 
+@pytest.mark.slow  # ~25 s: trains a tiny workdir, then samples from it twice
 def test_sample_recall_end_to_end(tmp_path, capsys):
   config = default.get_config("smoke")
   config.train.num_steps = 3
