@@ -62,13 +62,17 @@ def shape_bytes(text: str) -> int:
 
 def _operands(rest: str) -> str:
   """The text inside the instruction's argument parentheses (the opening one is already consumed)."""
-  depth = 1
-  for i, ch in enumerate(rest):
+  return rest[:_closing(rest, depth=1)]
+
+
+def _closing(text: str, depth: int) -> int:
+  """Index of the parenthesis that closes `depth` open ones (counting those in `text`), or len(text)."""
+  for i, ch in enumerate(text):
     depth += ch == "("
     depth -= ch == ")"
     if depth == 0:
-      return rest[:i]
-  return rest
+      return i
+  return len(text)
 
 
 def _group_size(attributes: str) -> int:
@@ -129,13 +133,8 @@ def collectives(hlo_text: str) -> list[Collective]:
 
 
 def _tuple_end(text: str) -> int:
-  depth = 0
-  for i, ch in enumerate(text):
-    depth += ch == "("
-    depth -= ch == ")"
-    if depth == 0:
-      return i + 1
-  return len(text)
+  """Length of the parenthesised tuple type that `text` starts with."""
+  return min(_closing(text, depth=0) + 1, len(text))
 
 
 def bytes_per_device(hlo_text: str) -> float:
