@@ -10,14 +10,15 @@ Names (`config.model.attention.name`):
                convolution of V along the sequence, added to the attention output; the kernel [heads, size] is
                a parameter here. `conv_kernel_size` also adds the convolution to yoso / yoso_e (a YOSO-E-C
                ablation).
+  yoso_sketch_c  YOSO-C with yoso_sketch's backward (the paper's starred *YOSO-C rows).
 
 Config fields besides `name`, `params`, `dropout_rate`:
   params.num_hashes, params.tau, params.hash, params.backward, params.backward_features,
   params.normalize_output
                      the op's arguments ("auto" = the registry's m = 32, tau = 8); `params.rng` and
                      `params.conv_kernel` are ignored (the module supplies the key and its kernel parameter)
-  conv_kernel_size   odd int; None = no convolution for yoso / yoso_e, 33 for yoso_c (the convolution size the
-                     paper uses for Nystromformer, section 4.2)
+  conv_kernel_size   odd int; None = no convolution for yoso / yoso_e, 33 for yoso_c / yoso_sketch_c (the
+                     convolution size the paper uses for Nystromformer, section 4.2)
 YOSO is bidirectional: the op registry marks these ops causal=False, so decoder models refuse them.
 """
 
@@ -35,7 +36,8 @@ from yoso.conv import depthwise_conv
 Array = Any
 DEFAULT_CONV_KERNEL = 33
 YOSO_FIELDS = ("conv_kernel_size",)
-SAMPLED = ("yoso", "yoso_sketch", "yoso_c")  # ops that take a hash rng
+SAMPLED = ("yoso", "yoso_sketch", "yoso_c", "yoso_sketch_c")  # ops that take a hash rng
+CONV = ("yoso_c", "yoso_sketch_c")  # ops that take the convolution kernel
 
 
 class YosoAttention(attention.OpAttention):
@@ -51,7 +53,7 @@ class YosoAttention(attention.OpAttention):
     self.sampled = self.op_name in SAMPLED
     self.rng = rngs.attention.fork() if self.sampled else None
     size = config.get("conv_kernel_size", None)
-    if size is None and self.op_name == "yoso_c":
+    if size is None and self.op_name in CONV:
       size = DEFAULT_CONV_KERNEL
     if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size % 2 == 0
                              or size < 1):
@@ -72,9 +74,9 @@ class YosoAttention(attention.OpAttention):
     params = attention.resolve_plan_params(spec, self.plan_params, x.shape[1])
     if self.sampled:
       params["rng"] = self.rng()
-    if self.op_name == "yoso_c":
+    if self.op_name in CONV:
       params["conv_kernel"] = self.conv[...]
     o = spec.fn(q, k, v, causal=self.causal, mask=mask, **params)  # [batch, length, heads, head_dim]
-    if self.conv is not None and self.op_name != "yoso_c":
+    if self.conv is not None and self.op_name not in CONV:
       o = o + depthwise_conv(v, self.conv[...], mask).astype(o.dtype)
     return self.output(o, deterministic=deterministic)

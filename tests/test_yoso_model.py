@@ -16,7 +16,7 @@ from flax import nnx
 
 from configs import base
 from data import synthetic
-from models import metrics, registry, transformer
+from models import metrics, ops_registry, registry, transformer
 from yoso.attention import yoso, yoso_c
 from yoso.conv import depthwise_conv
 
@@ -81,6 +81,15 @@ def test_module_rng_stream_conv_parameter_and_bidirectional_only():
   # yoso_c owns a [heads, 33] kernel and uses it; conv_kernel_size adds one to yoso_e.
   c_att = registry.build(_tiny_cfg("yoso_c").attention, rngs=nnx.Rngs(0), **kwargs)
   assert c_att.conv[...].shape == (2, 33)
+  # *YOSO-C: the same forward (same hashes, same kernel), the sketched backward.
+  s_att = registry.build(_tiny_cfg("yoso_sketch_c").attention, rngs=nnx.Rngs(0), **kwargs)
+  assert s_att.conv[...].shape == (2, 33)
+  assert ops_registry.get("yoso_sketch_c").params(12)["backward_features"] == 1
+  nnx.update(s_att, nnx.state(c_att))
+  nnx.reseed(c_att, attention=3)
+  nnx.reseed(s_att, attention=3)
+  np.testing.assert_allclose(s_att(x, mask, deterministic=True), c_att(x, mask, deterministic=True),
+                             rtol=1e-5, atol=1e-6)
   e_att = registry.build(_tiny_cfg("yoso_e", conv_kernel_size=5).attention, rngs=nnx.Rngs(0), **kwargs)
   out = e_att(x, mask, deterministic=True)
   e_att.conv[...] = jnp.zeros_like(e_att.conv[...])

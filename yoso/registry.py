@@ -35,3 +35,8 @@ register(OpSpec(
     # call, so importing the registry creates no array).
     params=lambda length: {**_sampled()(length), "conv_kernel": jnp.full((33,), 1 / 33, jnp.float32)},
     description="YOSO-C-32: YOSO-32 plus a per-head depthwise convolution of V (kernel 33)"))
+register(OpSpec(
+    "yoso_sketch_c", yoso_c, causal=False, bidirectional=True,
+    params=lambda length: {**_sampled(backward_features=1)(length),
+                           "conv_kernel": jnp.full((33,), 1 / 33, jnp.float32)},
+    description="YOSO-C-32 with yoso_sketch's linear-in-d backward (the paper's *YOSO-C rows)"))
