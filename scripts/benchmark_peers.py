@@ -162,6 +162,10 @@ def _torch_pair(attn, q, k, v, cot):
 
   def fwdbwd():
     torch.autograd.grad((attn(q, k, v) * cot).sum(), (q, k, v))
+
+  return fwd, fwdbwd
+
+
 @register_peer("reformer_pytorch", counterparts=("reformer",))
 def _reformer_pytorch(length, batch, heads, head_dim, causal, dtype):
   """lucidrains' `reformer-pytorch` LSHAttention set up like our `reformer` row: bucket_size = chunk = 64
@@ -240,6 +244,8 @@ def _local_attention_window(length, batch, heads, head_dim, causal, dtype):
   """`local-attention` LocalAttention as an exact sliding window of sqrt(L) rounded up to a power of two on
   each side (causal: behind), one block back and forward: our `longformer`'s band without global tokens."""
   return _local_attention(length, batch, heads, head_dim, causal, dtype, sliding=True)
+
+
 @register_peer("nystrom_attention", counterparts=("nystromformer",))
 def _nystrom_attention(length, batch, heads, head_dim, causal, dtype):
   """lucidrains' `nystrom-attention` NystromAttention set up like our `nystromformer` row: 64 landmarks, 6
