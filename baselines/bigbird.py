@@ -120,12 +120,15 @@ def bigbird(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = 
   pieces = [piece(neighbour_blocks(kb, offsets, axis=2), neighbour_blocks(vb, offsets, axis=2),
                   neighbour_blocks(grid_mask, offsets, axis=1, fill=False), wpos,
                   np.repeat(wstatic, size, axis=1))]
-  if glob.size:
-    gstatic = np.broadcast_to(glob[None, :] <= blocks[:, None] if causal else True, (n, glob.size))
-    pieces.append(piece(kb[:, :, glob].reshape(batch, heads, glob.size * size, head_dim),
-                        vb[:, :, glob].reshape(batch, heads, glob.size * size, -1),
-                        grid_mask[:, glob].reshape(batch, 1, glob.size * size),
-                        np.broadcast_to(pos[glob].reshape(1, -1), (n, glob.size * size)),
+  # Causally, a global key block is seen only by the query blocks after it (the global query blocks' rows are
+  # dense): the blocks no non-global query block follows (the last block) stay out of the shared piece.
+  gkeys = glob[[bool(np.any(~is_global[g + 1:])) for g in glob]] if causal else glob
+  if gkeys.size:
+    gstatic = np.broadcast_to(gkeys[None, :] <= blocks[:, None] if causal else True, (n, gkeys.size))
+    pieces.append(piece(kb[:, :, gkeys].reshape(batch, heads, gkeys.size * size, head_dim),
+                        vb[:, :, gkeys].reshape(batch, heads, gkeys.size * size, -1),
+                        grid_mask[:, gkeys].reshape(batch, 1, gkeys.size * size),
+                        np.broadcast_to(pos[gkeys].reshape(1, -1), (n, gkeys.size * size)),
                         np.repeat(gstatic, size, axis=1)))
   if slots:
     index = np.zeros((n, slots), np.int64)
