@@ -120,20 +120,52 @@ class _EpathRecordFactory:
 def summary_writer(logdir: PathLike) -> Any:
   """A tensorboardX SummaryWriter for a local or URI logdir (see the module docstring for `gs://`).
 
-  tensorboardX imports torch (seconds) only to accept torch tensors, which this project never logs, so that
-  import is skipped when torch is not loaded already."""
-  blocked = "torch" not in sys.modules
-  if blocked:
-    sys.modules["torch"] = None  # makes `import torch` raise ImportError inside tensorboardX
-  try:
-    from tensorboardX import SummaryWriter, record_writer
-  finally:
-    if blocked:
-      del sys.modules["torch"]
+  tensorboardX's torch import is skipped (`_import_tensorboardx`)."""
+  tbx = _import_tensorboardx("tensorboardX")
+  SummaryWriter, record_writer = tbx.SummaryWriter, _import_tensorboardx("tensorboardX.record_writer")
   logdir = os.fspath(path(logdir))
   if is_uri(logdir):
     record_writer.register_writer_factory(logdir.split("://", 1)[0], _EpathRecordFactory())
   return SummaryWriter(logdir)
+
+
+def _import_tensorboardx(module: str) -> Any:
+  """A tensorboardX module without importing torch (seconds) when it is not loaded already: tensorboardX
+  imports it only to accept torch tensors, which this project never logs."""
+  import importlib
+
+  blocked = "torch" not in sys.modules
+  if blocked:
+    sys.modules["torch"] = None  # makes `import torch` raise ImportError inside tensorboardX
+  try:
+    return importlib.import_module(module)
+  finally:
+    if blocked:
+      del sys.modules["torch"]
+
+
+def read_scalars(logdir: PathLike) -> dict[str, list[tuple[int, float]]]:
+  """Every scalar in a TensorBoard logdir's event files: tag -> [(step, value)], sorted by step (a resumed
+  run's later file wins a step written twice). Reads the records directly (length, CRC, Event proto), so
+  neither TensorFlow nor TensorBoard is needed; {} when the logdir does not exist."""
+  event_pb2 = _import_tensorboardx("tensorboardX.proto.event_pb2")
+  root = path(logdir)
+  if not root.exists():
+    return {}
+  out: dict[str, dict[int, float]] = {}
+  for f in sorted(root.glob("events.out.tfevents.*"), key=lambda f: f.name):
+    data, i = f.read_bytes(), 0
+    while i + 12 <= len(data):
+      n = int.from_bytes(data[i:i + 8], "little")
+      record = data[i + 12:i + 12 + n]
+      i += 12 + n + 4
+      if len(record) < n:  # a record cut short by a crash
+        break
+      event = event_pb2.Event.FromString(record)
+      for value in event.summary.value:
+        if value.HasField("simple_value"):
+          out.setdefault(value.tag, {})[int(event.step)] = float(value.simple_value)
+  return {tag: sorted(points.items()) for tag, points in out.items()}
 
 
 # ------------------------------------------------------------------------------------------------------------

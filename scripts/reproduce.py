@@ -3,7 +3,7 @@ r"""The papers' result tables as data: list, run and collect their rows from the
     python -m scripts.reproduce --table combiner-1 --list                  # the rows and their commands
     python -m scripts.reproduce --table combiner-1 --run --scale smoke     # run them one after another
     python -m scripts.reproduce --table all --scale smoke --run --collect  # every table, then the results
-    python -m scripts.reproduce --table pystdlib --run --scale cpu --seeds 3
+    python -m scripts.reproduce --table pystdlib --run --scale cpu --seeds 3 --collect --plot
     python -m scripts.reproduce --table combiner-2 --run --scale paper --launcher tpu \
         --workdir_root gs://B/r --tpu_args "--zone us-central2-b --accelerator v4-32 --spot"  # scripts/tpu.py
 
@@ -533,6 +533,63 @@ def collect(selected: list[Row], scale: str, root: str, *, seeds: int = 1) -> li
   return out
 
 
+Curve = list[tuple[int, float]]  # [(step, value)]
+
+
+def curves(selected: list[Row], scale: str, root: str, *, seeds: int = 1) -> dict[Row, Curve]:
+  """Each run row's evaluation curve in the paper's unit, from its TensorBoard events: [(step, value)], the
+  mean over the seeds that logged that step."""
+  out = {}
+  for row in selected:
+    if not implemented(row):
+      continue
+    by_step: dict[int, list[float]] = {}
+    for seed in range(max(seeds, 1)):
+      wd = workdir(row, scale, root, seed)
+      config = paths.join(wd, "config.json")
+      split = paths.read_json(config).get("eval_split", "validation") if paths.exists(config) else None
+      scalars = paths.read_scalars(paths.join(wd, "tensorboard"))
+      prefix = f"eval_{split or 'validation'}/"
+      points: dict[int, dict[str, float]] = {}
+      for tag, series in scalars.items():
+        if tag.startswith(prefix):
+          for step, value in series:
+            points.setdefault(step, {})[tag[len(prefix):]] = value
+      for step, metrics in points.items():
+        value = metric_value(row.metric, metrics)
+        if value is not None:
+          by_step.setdefault(step, []).append(value)
+    if by_step:
+      out[row] = [(step, statistics.fmean(values)) for step, values in sorted(by_step.items())]
+  return out
+
+
+def plot_curves(curves_: dict[Row, Curve], out: str) -> None:
+  """One panel per table: every row's evaluation curve against training steps, written as a PNG to `out`."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  tables_ = list(dict.fromkeys(row.table for row in curves_))
+  fig, axes = plt.subplots(len(tables_), 1, figsize=(8, 4.5 * len(tables_)), squeeze=False)
+  for ax, table in zip(axes[:, 0], tables_, strict=True):
+    rows = [row for row in curves_ if row.table == table]
+    for i, row in enumerate(rows):
+      steps, values = zip(*curves_[row], strict=True)
+      ax.plot(steps, values, marker=".", label=row.label, linestyle="-" if i < 10 else "--")
+    ax.set_title(table)
+    ax.set_xlabel("training step")
+    ax.set_ylabel(rows[0].metric.replace("_", " "))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+  fig.tight_layout()
+  buf = io.BytesIO()
+  fig.savefig(buf, format="png", dpi=110)
+  plt.close(fig)
+  paths.write_bytes(out, buf.getvalue())
+
+
 def _fmt(value: Any) -> str:
   if value is None:
     return ""
@@ -591,6 +648,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   p.add_argument("--list", action="store_true", help="print the rows and their train.py commands")
   p.add_argument("--run", action="store_true", help="run the implemented rows one after another")
   p.add_argument("--collect", action="store_true", help="write the markdown and CSV result tables")
+  p.add_argument("--plot", action="store_true", help="plot the rows' evaluation curves (one panel per table)")
   p.add_argument("--scale", choices=SCALES, default="smoke")
   p.add_argument("--seeds", type=int, default=1, help="runs per row, seeds 0..N-1 (mean and std collected)")
   p.add_argument("--launcher", choices=("local", "tpu"), default="local")
@@ -610,7 +668,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   if args.launcher == "tpu" and not paths.is_uri(args.workdir_root) and not args.dry_run:
     raise SystemExit("--launcher tpu needs a gs:// --workdir_root (every TPU worker writes there)")
   chosen = select(args.table, args.rows)
-  if not (args.list or args.run or args.collect):
+  if not (args.list or args.run or args.collect or args.plot):
     args.list = True
   if args.list:
     for r in chosen:
@@ -641,6 +699,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     paths.write_text(cs, to_csv(records))
     done = sum(r["status"] == "ok" for r in records)
     print(f"collected {done} of {len(records)} rows -> {md}, {cs}", flush=True)
+  if args.plot:
+    found = curves(chosen, args.scale, args.workdir_root, seeds=args.seeds)
+    name = "all" if args.table == "all" else args.table
+    png = paths.join(args.workdir_root, f"curves-{name}-{args.scale}.png")
+    if found:
+      plot_curves(found, png)
+    print(f"plotted {len(found)} rows' evaluation curves" + (f" -> {png}" if found else ""), flush=True)
   return status
 
 
