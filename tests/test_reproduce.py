@@ -4,9 +4,12 @@ test runs the smoke form of every implemented row through the runner."""
 from __future__ import annotations
 
 import json
+import math
 import os
+import time
 
 import ml_collections
+import numpy as np
 import pytest
 
 import data
@@ -98,6 +101,37 @@ def test_list_and_collect(tmp_path, capsys):
   # a finished row is skipped by --run
   assert reproduce.run_rows([fixed], "cpu", str(tmp_path)) == []
   assert "finished already" in capsys.readouterr().out
+
+
+def test_curves_and_plot(tmp_path, capsys):
+  """--plot reads each row's evaluation scalars from its TensorBoard events (the later file of a resumed run
+  wins a step logged twice; other splits and train scalars are ignored) and averages the seeds."""
+  from runtime import paths
+
+  rows = reproduce.tables()["pystdlib"][:2]
+  for seed, losses in ((0, {100: 2.0, 200: 1.5}), (1, {100: 3.0, 200: 2.5})):
+    wd = reproduce.workdir(rows[0], "cpu", str(tmp_path), seed)
+    os.makedirs(wd)
+    with open(os.path.join(wd, "config.json"), "w") as f:
+      json.dump({"eval_split": "validation"}, f)
+    first = paths.summary_writer(os.path.join(wd, "tensorboard"))
+    first.add_scalar("eval_validation/loss", 9.0, 200)  # overwritten by the resumed run below
+    first.add_scalar("train/loss", 9.0, 100)
+    first.add_scalar("eval_test/loss", 9.0, 100)
+    first.close()
+    time.sleep(1.1)  # event file names carry the second they were opened
+    second = paths.summary_writer(os.path.join(wd, "tensorboard"))
+    for step, loss in losses.items():
+      second.add_scalar("eval_validation/loss", loss, step)
+    second.close()
+  found = reproduce.curves(rows, "cpu", str(tmp_path), seeds=2)
+  assert list(found) == [rows[0]]
+  ln2 = math.log(2.0)
+  np.testing.assert_allclose(np.array(found[rows[0]]), [[100, 2.5 / ln2], [200, 2.0 / ln2]], rtol=1e-6)
+  assert reproduce.main(["--table", "pystdlib", "--plot", "--scale", "cpu", "--seeds", "2", "--workdir_root",
+                         str(tmp_path)]) == 0
+  assert "plotted 1 rows" in capsys.readouterr().out
+  assert (tmp_path / "curves-pystdlib-cpu.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_tpu_launcher_commands(capsys):
