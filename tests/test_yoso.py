@@ -12,7 +12,7 @@ import pytest
 
 from core import contract
 from yoso import hashing
-from yoso.attention import l2_normalize, yoso, yoso_e
+from yoso.attention import l2_normalize, yoso, yoso_c, yoso_e
 from yoso.collision import arccos_poly, expected_collision
 
 
@@ -30,8 +30,9 @@ def _inputs(seed, b=1, length=10, h=2, d=8, e=5, dtype=jnp.float64):
   return tuple(jnp.asarray(x, dtype) for x in (q, k, v))
 
 
-def _surrogate(q, k, v, mask, tau):
-  """From the definition: P V on normalised q, k, where dP/d(q.k) is replaced by (tau/2) P (paper eq. 4)."""
+def _surrogate(q, k, v, mask, tau, causal=False):
+  """From the definition: P V on normalised q, k, where dP/d(q.k) is replaced by (tau/2) P (paper eq. 4);
+  P_ij = 0 for j > i when causal."""
   qn, kn = l2_normalize(q), l2_normalize(k)
   cos = jnp.einsum("bqhd,bkhd->bhqk", qn, kn)
 
@@ -44,11 +45,13 @@ def _surrogate(q, k, v, mask, tau):
     p = prob(primals[0])
     return p, (tau / 2) * p * tangents[0]
 
-  p = jnp.where(mask[:, None, None, :], prob(cos), 0.0)
+  length = q.shape[1]
+  visible = mask[:, None, None, :] & (np.tri(length, dtype=bool) if causal else True)
+  p = jnp.where(visible, prob(cos), 0.0)
   return jnp.einsum("bhqk,bkhe->bqhe", p, v)
 
 
-def _reference_yoso_e(q, k, v, mask, tau, normalize):
+def _reference_yoso_e(q, k, v, mask, tau, normalize, causal=False):
   q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
   out = np.zeros(v.shape)
   for bi in range(q.shape[0]):
@@ -56,6 +59,8 @@ def _reference_yoso_e(q, k, v, mask, tau, normalize):
       qn = q[bi, :, hi] / np.linalg.norm(q[bi, :, hi], axis=-1, keepdims=True)
       kn = k[bi, :, hi] / np.linalg.norm(k[bi, :, hi], axis=-1, keepdims=True)
       p = (1 - np.arccos(np.clip(qn @ kn.T, -1, 1)) / np.pi) ** tau * np.asarray(mask[bi])[None, :]
+      if causal:
+        p = np.tril(p)
       y = p @ v[bi, :, hi]
       out[bi, :, hi] = y / np.linalg.norm(y, axis=-1, keepdims=True) if normalize else y
   return out
@@ -460,10 +465,11 @@ def test_expected_collision_is_finite_at_parallel_vectors():
 def test_bad_arguments_raise_naming_the_argument():
   q, k, v = _inputs(10, length=4, d=6, dtype=jnp.float32)
   good = dict(rng=jax.random.key(0), num_hashes=2, tau=3)
+  # Only YOSO-C has no causal form (yoso and yoso_e have one: tests/test_yoso_causal.py).
+  with pytest.raises(ValueError, match="'causal'.*convolution"):
+    yoso_c(q, k, v, causal=True, conv_kernel=jnp.ones((3,)), **good)
   with pytest.raises(ValueError, match="'causal'"):
-    yoso(q, k, v, causal=True, **good)
-  with pytest.raises(ValueError, match="'causal'"):
-    yoso_e(q, k, v, tau=3, causal=True)
+    yoso(q, k, v, causal="yes", **good)
   with pytest.raises(ValueError, match="'hash'.*power-of-two head_dim"):
     yoso(q, k, v, hash="fast", **good)
   with pytest.raises(ValueError, match="'hash'"):

@@ -12,6 +12,14 @@ with a `lax.scan` over hashes inside, so one table is alive at a time: memory is
 plus O(L*m) int32 codes and O(L*d) accumulators; time is O(L*m*d). Masked keys go to an extra bucket that
 no query ever reads. The backward is a `jax.custom_vjp` that re-uses the forward's codes (`yoso.backward`).
 
+Causal form (`causal=True`, for decoders; the paper defines only the bidirectional op): the same estimator
+restricted to keys j <= i, out_i = 1/m sum_t sum_{j <= i} B^t_ij v_j. A table cannot hold a prefix, so per
+hash the keys are sorted by (bucket, position) and a running sum restarting at every bucket is read at each
+query's place: O(L log L) per hash for the sort, O(L*m*d) for the sums, O(L*d) memory per live hash. The
+backward is the same sampled gradient with its sums restricted the same way (dQ over the keys j <= i, dK and
+dV over the queries i >= j). YOSO-E takes the causal mask on its dense P; YOSO-C stays bidirectional (its
+"same" convolution reads future values).
+
 This module holds the public ops: their argument checks, the hashing and the custom_vjp wiring.
 The 1/sqrt(head_dim) logit scale of the op contract is a no-op here: YOSO only sees directions of q and k.
 """
@@ -24,8 +32,9 @@ import jax
 import jax.numpy as jnp
 
 from core import contract
+from core.combine import weighted_sum
 from yoso import hashing, tables
-from yoso.backward import BACKWARDS, cotangents, sketch_directions
+from yoso.backward import BACKWARDS, cotangents, sketch_directions, visible
 from yoso.collision import expected_collision
 from yoso.conv import depthwise_conv
 
@@ -41,15 +50,17 @@ def l2_normalize(x: Array) -> Array:
   return x * jax.lax.rsqrt(jnp.maximum(jnp.sum(x * x, axis=-1, keepdims=True), _NORM_EPS**2))
 
 
-def _make_cumulation(tau: int, backward: str, formulation: str = "sorted"):
+def _make_cumulation(tau: int, backward: str, formulation: str = "sorted", causal: bool = False):
   """The custom_vjp core on groups g = batch * heads: (qn, kn [g, L, d], v [g, L, e], codes [g, L, m], kvalid
-  [g, L], directions) -> the mean over hashes of B V [g, L, e], not normalised. formulation "sorted" (segment
-  sums and bucket-sorted tables, for CPUs) or "onehot" (one-hot matmuls, for GPUs and TPUs): the same sums.
+  [g, L], directions) -> the mean over hashes of B V [g, L, e] (over keys j <= i when causal), not
+  normalised. formulation "sorted" (segment sums and bucket-sorted tables, for CPUs) or "onehot" (one-hot
+  matmuls, for GPUs and TPUs): the same sums; the causal sums are sorted running sums either way.
   The backward (`yoso.backward.cotangents`) re-uses the codes and directions saved here."""
   num_buckets = 1 << tau
+  positions = "prefix" if causal else "all"
 
   def forward(v, qcodes, kcodes, kvalid):
-    return tables.cumulate(qcodes, kcodes, kvalid, v, num_buckets, formulation) / qcodes.shape[-1]
+    return tables.cumulate(qcodes, kcodes, kvalid, v, num_buckets, formulation, positions) / qcodes.shape[-1]
 
   @jax.custom_vjp
   def cumulation(qn, kn, v, qcodes, kcodes, kvalid, directions):
@@ -59,7 +70,7 @@ def _make_cumulation(tau: int, backward: str, formulation: str = "sorted"):
     return forward(v, qcodes, kcodes, kvalid), (qn, kn, v, qcodes, kcodes, kvalid, directions)
 
   def bwd(res, dy):
-    dq, dk, dv = cotangents(backward, tau, formulation, *res, dy)
+    dq, dk, dv = cotangents(backward, tau, formulation, causal, *res, dy)
     return dq, dk, dv, None, None, None, None
 
   cumulation.defvjp(fwd, bwd)
@@ -75,8 +86,8 @@ def _check_tau(tau: Any, op: str) -> int:
 
 def _check_bidirectional(causal: Any, op: str) -> None:
   if contract.check_bool(causal, name="causal", op=op):
-    raise ValueError(f"{op}: argument 'causal' must be False: YOSO attention is bidirectional only "
-                     f"(the paper defines no causal variant)")
+    raise ValueError(f"{op}: argument 'causal' must be False: YOSO-C's depthwise convolution ('same' "
+                     f"padding) reads future values; use yoso or yoso_e for causal attention")
 
 
 def _check_rng(rng: Any, op: str) -> Array:
@@ -100,12 +111,15 @@ def yoso(q: Array, k: Array, v: Array, *, rng: Array, num_hashes: int, tau: int,
   (True = real key; masked keys are never inserted in a table). rng: a PRNG key; the same key gives the same
   hash functions (and backward sketch), so pass a fresh key per training step and a fixed one in evaluation.
   hash: "gaussian" (exact hyperplanes) or "fast" (Hadamard rotations, power-of-two head_dim).
+  causal: keys j <= i only (the same estimator restricted to the prefix; sorted running sums per hash,
+  O(L log L * m) for the sorts on top of the bidirectional cost, one formulation on every backend).
   backward: "sampled" (linear cost, re-uses the forward's codes) or "dense" (exact O(L^2) surrogate gradient).
   backward_features: None (default) computes the sampled dQ/dK with every value feature, exactly the paper's
   estimator, O(L*m*d*value_dim) (up to L = 2048 through dense collision counts, O(L^2*(m + d)), faster
   there); an int s sketches the value space with s random directions per hash, O(L*m*s*d), unbiased but with
   about value_dim/s times the gradient variance (s <= 2: two forward-like passes, much faster than the
-  exact form; the "yoso_sketch" registry op uses s=1).
+  exact form; the "yoso_sketch" registry op uses s=1). Causal, the exact form beyond 2048 tokens runs the
+  running sums on value_dim*head_dim-wide rows: linear in L, but O(L*value_dim*head_dim) memory per hash.
   formulation: how the bucket tables are built and read, the same estimator and sums either way: "sorted"
   (segment sums and bucket-sorted chunked matmuls, serial-scatter friendly: CPUs), "onehot" (one-hot matmuls,
   2^tau times the multiply-adds but all on tensor cores / the MXU: GPUs and TPUs), "auto" (by backend).
@@ -113,7 +127,7 @@ def yoso(q: Array, k: Array, v: Array, *, rng: Array, num_hashes: int, tau: int,
   """
   op = "yoso"
   q, k, v, mask = contract.check_qkv(q, k, v, mask, op=op)
-  _check_bidirectional(causal, op)
+  causal = contract.check_bool(causal, name="causal", op=op)
   rng = _check_rng(rng, op)
   num_hashes = contract.check_positive_int(num_hashes, name="num_hashes", op=op)
   tau = _check_tau(tau, op)
@@ -147,8 +161,9 @@ def yoso(q: Array, k: Array, v: Array, *, rng: Array, num_hashes: int, tau: int,
     return x.reshape(groups, length, *x.shape[3:])
 
   kvalid = jnp.broadcast_to(mask[:, None, :], (batch, heads, length))
-  out = _make_cumulation(tau, backward, formulation)(flat(qn), flat(kn), flat(vh), flat(qcodes), flat(kcodes),
-                                         flat(kvalid), directions)  # [batch * heads, length, value_dim]
+  out = _make_cumulation(tau, backward, formulation, causal)(
+      flat(qn), flat(kn), flat(vh), flat(qcodes), flat(kcodes), flat(kvalid),
+      directions)  # [batch * heads, length, value_dim]
   if normalize_output:
     out = l2_normalize(out)
   out = out.reshape(batch, heads, length, -1)
@@ -159,12 +174,13 @@ def yoso_e(q: Array, k: Array, v: Array, *, tau: int, causal: bool = False, mask
            normalize_output: bool = True) -> Array:
   """YOSO-E: the expectation P V with P_ij = (1 - arccos(q_i . k_j)/pi)^tau on l2-normalised q, k; O(L^2).
 
-  Shapes as in `yoso`. Gradients are the exact derivatives of the expectation (a custom_jvp that re-uses
-  the forward's `base^(tau-1)`; below float64 the arccos is the A&S 4.4.46 polynomial, `arccos_poly`).
+  Shapes as in `yoso`; causal: P_ij = 0 for j > i (the expectation of causal `yoso`). Gradients are the exact
+  derivatives of the expectation (a custom_jvp that re-uses the forward's `base^(tau-1)`; below float64 the
+  arccos is the A&S 4.4.46 polynomial, `arccos_poly`).
   """
   op = "yoso_e"
   q, k, v, mask = contract.check_qkv(q, k, v, mask, op=op)
-  _check_bidirectional(causal, op)
+  causal = contract.check_bool(causal, name="causal", op=op)
   tau = _check_tau(tau, op)
   normalize_output = contract.check_bool(normalize_output, name="normalize_output", op=op)
   ct = contract.softmax_dtype(q.dtype, k.dtype, v.dtype)
@@ -175,7 +191,13 @@ def yoso_e(q: Array, k: Array, v: Array, *, tau: int, causal: bool = False, mask
   kn = jnp.where(mask[:, None, :, None], l2_normalize(jnp.swapaxes(k, 1, 2).astype(ct)), 0.0)
   vh = jnp.where(mask[:, None, :, None], jnp.swapaxes(v, 1, 2).astype(ct), 0.0)  # [batch, heads, length, e]
   cos = jnp.einsum("bhqd,bhkd->bhqk", qn, kn)  # [batch, heads, length_q, length_k]
-  out = jnp.einsum("bhqk,bhke->bhqe", expected_collision(cos, tau), vh)  # [batch, heads, length, e]
+  p = expected_collision(cos, tau)  # [batch, heads, length_q, length_k]
+  if causal:
+    # Future keys: P selected to 0, and future values that are not finite selected out (weighted_sum).
+    p = jnp.where(visible(mask[:, None, :], causal=True), p, 0.0)
+    out = weighted_sum("bhqk,bhke->bhqe", p, vh)  # [batch, heads, length, e]
+  else:
+    out = jnp.einsum("bhqk,bhke->bhqe", p, vh)  # [batch, heads, length, e]
   if normalize_output:
     out = l2_normalize(out)
   return jnp.swapaxes(out, 1, 2).astype(v.dtype)  # [batch, length, heads, value_dim]
@@ -189,8 +211,10 @@ def yoso_c(q: Array, k: Array, v: Array, *, rng: Array, num_hashes: int, tau: in
   """YOSO-C (paper section 4.2): `yoso(...)` plus a per-head depthwise convolution of V (`depthwise_conv`).
 
   conv_kernel: [heads, size] or [size], size odd, an explicit input like YOSO's rng (the model owns it as a
-  parameter). Other arguments as in `yoso`. Returns [batch, length, heads, value_dim] in v's dtype.
+  parameter). Other arguments as in `yoso`, but bidirectional only (the convolution reads future values).
+  Returns [batch, length, heads, value_dim] in v's dtype.
   """
+  _check_bidirectional(causal, "yoso_c")
   out = yoso(q, k, v, rng=rng, num_hashes=num_hashes, tau=tau, causal=causal, mask=mask,
              normalize_output=normalize_output, hash=hash, backward=backward,
              backward_features=backward_features, formulation=formulation)

@@ -25,6 +25,11 @@ estimator's same sums through dense collision counts instead (C_ij = the number 
 k_j collide; `_counts_backward`): quadratic, but large matmuls, faster than the tables there; longer
 ones (and every sketch) the LSH tables; `backward="dense"` replaces the sampled backward by the exact O(L^2)
 surrogate gradient (short sequences, tests).
+
+The causal form restricts every sum to the pairs j <= i: the counts and the dense surrogate take the causal
+mask, and the LSH tables become running sums within each bucket (`yoso.tables.backward_tables`): dQ over the
+keys before a query, dK and dV over the queries after a key. Its exact form beyond COUNTS_MAX_LENGTH runs
+those sums on rows of e*d features (the sketch with R = I): linear in L, but O(L*e*d) memory per live hash.
 """
 
 from __future__ import annotations
@@ -43,10 +48,16 @@ Array = Any
 BACKWARDS = ("sampled", "dense")
 
 
-def _dense_surrogate(qn: Array, kn: Array, v: Array, kvalid: Array, tau: int) -> Array:
+def visible(kvalid: Array, causal: bool) -> Array:
+  """[..., L_q, L_k] bool: key j is real (and j <= i when causal); kvalid [..., L_k]."""
+  vis = kvalid[..., None, :]
+  return vis & jnp.tri(kvalid.shape[-1], dtype=bool) if causal else vis
+
+
+def _dense_surrogate(qn: Array, kn: Array, v: Array, kvalid: Array, tau: int, causal: bool) -> Array:
   """P V with the surrogate derivative; qn, kn [g, L, d] unit rows, v [g, L, e], kvalid [g, L]; g = b*h."""
   cos = jnp.einsum("gqd,gkd->gqk", qn, kn)  # [groups, length_q, length_k]
-  p = jnp.where(kvalid[:, None, :], surrogate_collision(cos, tau), 0.0)
+  p = jnp.where(visible(kvalid, causal), surrogate_collision(cos, tau), 0.0)
   return jnp.einsum("gqk,gke->gqe", p, v)  # [groups, length, value_dim]
 
 
@@ -72,40 +83,45 @@ def sketch_directions(rng: Array, batch: int, heads: int, num_hashes: int, value
 COUNTS_MAX_LENGTH = 2048
 
 
-def _collision_counts(qcodes: Array, kcodes: Array, kvalid: Array, dtype: Any) -> Array:
-  """C_ij = number of hashes t with code_t(q_i) = code_t(k_j), 0 for masked keys: m * (the mean of B^t).
+def _collision_counts(qcodes: Array, kcodes: Array, kvalid: Array, dtype: Any, causal: bool = False) -> Array:
+  """C_ij = number of hashes t with code_t(q_i) = code_t(k_j), 0 for masked keys (and j > i when causal):
+  m * (the mean of B^t).
 
   One group: qcodes, kcodes [L, m]; kvalid [L]. Returns [L_q, L_k] in dtype. O(L^2 * m) compares.
   """
   counts = jnp.sum(qcodes[:, None, :] == kcodes[None, :, :], axis=-1, dtype=jnp.int32)  # [L_q, L_k]
-  return jnp.where(kvalid[None, :], counts, 0).astype(dtype)
+  return jnp.where(visible(kvalid, causal), counts, 0).astype(dtype)
 
 
 def _counts_backward(qcodes: Array, kcodes: Array, kvalid: Array, qn: Array, kn: Array, v: Array,
-                     dy: Array) -> tuple[Array, Array, Array]:
+                     dy: Array, causal: bool = False) -> tuple[Array, Array, Array]:
   """(dq, dk, dv) unscaled, exactly the per-feature tables' sums, through dense counts C (short sequences):
-  dQ = (C * dY V^T) K, dK = (C * dY V^T)^T Q, dV = C^T dY. Shapes as in `_sampled_backward`. O(L^2 * (m + d))
-  time and O(L^2) memory per group (groups run one at a time): see COUNTS_MAX_LENGTH for when it is used.
+  dQ = (C * dY V^T) K, dK = (C * dY V^T)^T Q, dV = C^T dY, C masked to j <= i when causal. Shapes as in
+  `_sampled_backward`. O(L^2 * (m + d)) time and O(L^2) memory per group (groups run one at a time): see
+  COUNTS_MAX_LENGTH for when it is used.
   """
   def group(xs):
     qc, kc, valid, q, k, vg, dyg = xs
-    counts = _collision_counts(qc, kc, valid, q.dtype)  # [L_q, L_k]
+    counts = _collision_counts(qc, kc, valid, q.dtype, causal)  # [L_q, L_k]
     weight = counts * (dyg @ vg.T)  # [L_q, L_k]
     return weight @ k, weight.T @ q, counts.T @ dyg
   return jax.lax.map(group, (qcodes, kcodes, kvalid, qn, kn, v, dy))
 
 
-def _dense_backward(qn: Array, kn: Array, v: Array, kvalid: Array, dy: Array, tau: int
+def _dense_backward(qn: Array, kn: Array, v: Array, kvalid: Array, dy: Array, tau: int, causal: bool
                     ) -> tuple[Array, Array, Array]:
-  """(dq, dk, dv): the exact O(L^2) gradient of the dense surrogate `P V` (`backward="dense"`)."""
-  _, vjp = jax.vjp(lambda a, b, c: _dense_surrogate(a, b, c, kvalid, tau), qn, kn, v)
+  """(dq, dk, dv): the exact O(L^2) gradient of the dense surrogate `P V` (`backward="dense"`), P masked to
+  j <= i when causal."""
+  _, vjp = jax.vjp(lambda a, b, c: _dense_surrogate(a, b, c, kvalid, tau, causal), qn, kn, v)
   return vjp(dy)
 
 
 def _sampled_backward(qcodes: Array, kcodes: Array, kvalid: Array, qn: Array, kn: Array, v: Array, dy: Array,
-                      tau: int, directions: Array | None, formulation: str) -> tuple[Array, Array, Array]:
+                      tau: int, directions: Array | None, formulation: str, causal: bool = False
+                      ) -> tuple[Array, Array, Array]:
   """(dq, dk, dv) of the sampled estimator with the forward's codes, scaled: dense collision counts up to
-  COUNTS_MAX_LENGTH rows when exact (directions None), the LSH tables otherwise. Masked keys get zero dk, dv.
+  COUNTS_MAX_LENGTH rows when exact (directions None), the LSH tables otherwise; only pairs j <= i when
+  causal. Masked keys get zero dk, dv.
 
   Groups heads-major: codes [g, L, m]; kvalid [g, L]; qn, kn [g, L, d]; v, dy [g, L, e];
   directions None or [m, g, e, s].
@@ -115,21 +131,22 @@ def _sampled_backward(qcodes: Array, kcodes: Array, kvalid: Array, qn: Array, kn
   scale = (tau / 2) / m
   # dQ_i = (tau/2)/m sum B_ij (dY_i . v_j) k_j and dK_j = (tau/2)/m sum B_ij (dY_i . v_j) q_i.
   if directions is None and qcodes.shape[1] <= COUNTS_MAX_LENGTH:
-    dq, dk, dv = _counts_backward(qcodes, kcodes, kvalid, qn, kn, v, dy)
+    dq, dk, dv = _counts_backward(qcodes, kcodes, kvalid, qn, kn, v, dy, causal)
   else:
     dq, dk, dv = tables.backward_tables(qcodes, kcodes, kvalid, qn, kn, v, dy, 1 << tau, directions,
-                                        formulation)
+                                        formulation, causal)
   dv = jnp.where(kv, dv / m, 0.0)
   dq, dk = scale * dq, scale * dk
   dk = jnp.where(kv, dk, 0.0)
   return dq, dk, dv
 
 
-def cotangents(backward: str, tau: int, formulation: str, qn: Array, kn: Array, v: Array, qcodes: Array,
-               kcodes: Array, kvalid: Array, directions: Array | None, dy: Array
+def cotangents(backward: str, tau: int, formulation: str, causal: bool, qn: Array, kn: Array, v: Array,
+               qcodes: Array, kcodes: Array, kvalid: Array, directions: Array | None, dy: Array
                ) -> tuple[Array, Array, Array]:
-  """(dq, dk, dv) of the mean over hashes of B V for the output cotangent dy: `backward` "dense" (the exact
-  surrogate gradient) or "sampled" (`_sampled_backward`). Shapes as in `_sampled_backward`."""
+  """(dq, dk, dv) of the mean over hashes of B V (over keys j <= i when causal) for the output cotangent dy:
+  `backward` "dense" (the exact surrogate gradient) or "sampled" (`_sampled_backward`). Shapes as in
+  `_sampled_backward`."""
   if backward == "dense":
-    return _dense_backward(qn, kn, v, kvalid, dy, tau)
-  return _sampled_backward(qcodes, kcodes, kvalid, qn, kn, v, dy, tau, directions, formulation)
+    return _dense_backward(qn, kn, v, kvalid, dy, tau, causal)
+  return _sampled_backward(qcodes, kcodes, kvalid, qn, kn, v, dy, tau, directions, formulation, causal)

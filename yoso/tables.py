@@ -14,6 +14,11 @@ GPUs and TPUs ("auto" there): per hash, onehot(write codes)^T [2^tau, L] times t
 onehot(read codes) [L, 2^tau] times the table (`_onehot_cumulate`, `_onehot_feature_tables`), with the one-hot
 factor exact in bfloat16 and float32 operands split in two bfloat16 parts. Same codes, same sums.
 
+The causal form sums, for row i, only the rows j <= i of its bucket (the forward and dQ) or j >= i (dV, dK):
+no table holds that, so per hash the rows are sorted by (bucket, position) and a segmented running sum that
+restarts at every bucket is read at each reader's place in the order (`_bucket_prefix_sums`): O(L log L)
+for the sort, O(L*e) for the sums, one formulation on every backend.
+
 Groups g = batch * heads, heads-major, throughout: codes [g, L, m] int32, rows [g, L, ...].
 """
 
@@ -28,8 +33,51 @@ import jax.numpy as jnp
 Array = Any
 
 
+POSITIONS = ("all", "prefix", "suffix")
+
+
+def _segmented_running_sum(rows: Array, starts: Array, reverse: bool) -> Array:
+  """Inclusive running sums of rows [n, e] along axis 0 that restart at every True of starts [n] (a segment's
+  first row in the scan's direction: from the end when reverse). [n, e].
+
+  A select, not a subtraction of global prefix sums: no cancellation, and a non-finite row reaches only the
+  later rows of its own segment.
+  """
+  def combine(a, b):
+    (start_a, sum_a), (start_b, sum_b) = a, b
+    return start_a | start_b, jnp.where(start_b, sum_b, sum_a + sum_b)
+
+  return jax.lax.associative_scan(combine, (starts[:, None], rows), reverse=reverse)[1]
+
+
+def _bucket_prefix_sums(read_codes: Array, write_ids: Array, rows: Array, num_buckets: int,
+                        reverse: bool) -> Array:
+  """One hash of one group: out_i = sum of rows j with write_ids[j] == read_codes[i] and j <= i (j >= i when
+  reverse). read_codes [L] in [0, num_buckets); write_ids [L] in [0, num_buckets] (num_buckets: a row no
+  reader sees); rows [L, e] -> [L, e].
+
+  The 2L items (a writer and a reader per position, the writer first in the scan's direction so that a row's
+  own position counts) are stably sorted by code, i.e. by (code, position); a running sum that restarts at
+  every code, read at each reader's place, is the sum of the writers before it in its bucket. A row after
+  the reader (a future position) never enters its sum, even when it is not finite.
+  """
+  length = read_codes.shape[0]
+  writer_slot = 1 if reverse else 0
+  pair = (read_codes, write_ids) if reverse else (write_ids, read_codes)
+  items = jnp.stack(pair, axis=-1).reshape(2 * length)  # item 2p + slot
+  order, codes = _sort_by_code(items, num_buckets + 1)  # [2L] each, by (code, position, slot)
+  writer = (order % 2 == writer_slot)[:, None]
+  sorted_rows = jnp.where(writer, rows[order // 2], 0)  # [2L, e]; readers add nothing
+  starts = codes != jnp.roll(codes, -1 if reverse else 1)  # a bucket's first item in the scan's direction
+  sums = _segmented_running_sum(sorted_rows, starts, reverse)  # [2L, e]
+  place = jnp.zeros((2 * length,), jnp.int32).at[order].set(jnp.arange(2 * length, dtype=jnp.int32),
+                                                            unique_indices=True)  # item -> sorted index
+  return sums[place[1 - writer_slot::2]]  # [L, e]: at the readers' places
+
+
 def _lsh_cumulate(read_codes: Array, write_codes: Array, write_valid: Array, per_group: Any, per_hash: Any,
-                  write_fn, read_fn, num_buckets: int, out_dim: int, dtype: Any) -> Array:
+                  write_fn, read_fn, num_buckets: int, out_dim: int, dtype: Any, positions: str = "all"
+                  ) -> Array:
   """sum_t read_fn(T_t[read_code_t(i)]), T_t[c] = sum of the write_fn rows j, valid, with write_code_t(j) = c.
 
   Groups g = batch * heads, heads-major: read_codes, write_codes [g, L, m] int32; write_valid [g, L] bool;
@@ -38,6 +86,8 @@ def _lsh_cumulate(read_codes: Array, write_codes: Array, write_valid: Array, per
   group and hash are one group's (and one hash's) slices. Returns [g, L, out_dim]. Groups run one at a time
   (lax.map) with a scan over hashes inside, so one group's rows stay in cache across its hashes and one
   [2^tau + 1, e] table is alive at a time, which keeps long sequences from growing super-linearly.
+  positions: which rows j reach row i: "all" (the table), "prefix" (j <= i) or "suffix" (j >= i), the causal
+  sums, through `_bucket_prefix_sums` (O(L*e) live rows per hash instead of a table).
   """
   g, length, _ = read_codes.shape
   # Bucket num_buckets collects invalid rows; read codes never reach it.
@@ -49,8 +99,12 @@ def _lsh_cumulate(read_codes: Array, write_codes: Array, write_valid: Array, per
 
     def step(acc, hs):
       wid, rid, extra = hs  # [L], [L], one hash's slice
-      table = jax.ops.segment_sum(write_fn(data, extra), wid, num_segments=num_buckets + 1)  # [2^tau + 1, e]
-      return acc + read_fn(table[rid], data, extra), None
+      rows = write_fn(data, extra)  # [L, e]
+      if positions == "all":
+        read = jax.ops.segment_sum(rows, wid, num_segments=num_buckets + 1)[rid]  # table [2^tau + 1, e]
+      else:
+        read = _bucket_prefix_sums(rid, wid, rows, num_buckets, reverse=positions == "suffix")
+      return acc + read_fn(read, data, extra), None
 
     out, _ = jax.lax.scan(step, jnp.zeros((length, out_dim), dtype), (wids.T, rids.T, hashes))
     return out
@@ -107,17 +161,18 @@ def _onehot_cumulate(read_codes: Array, write_codes: Array, write_valid: Array, 
 
 
 def cumulate(read_codes: Array, write_codes: Array, write_valid: Array, rows: Array, num_buckets: int,
-             formulation: str) -> Array:
+             formulation: str, positions: str = "all") -> Array:
   """sum_t T_t[read_code_t(i)], T_t[c] = sum of the valid rows j with write_code_t(j) = c: the forward's
   tables (values keyed by key codes, read by queries) and dV's (dY keyed by query codes, read by keys).
 
   read_codes, write_codes [g, L, m] int32; write_valid [g, L]; rows [g, L, e] -> [g, L, e], unscaled.
-  formulation "sorted" (segment sums) or "onehot" (one-hot matmuls).
+  formulation "sorted" (segment sums) or "onehot" (one-hot matmuls). positions "prefix" / "suffix" keep only
+  the rows j <= i / j >= i (the causal form; sorted running sums whatever the formulation).
   """
-  if formulation == "onehot":
+  if formulation == "onehot" and positions == "all":
     return _onehot_cumulate(read_codes, write_codes, write_valid, rows, num_buckets)
   return _lsh_cumulate(read_codes, write_codes, write_valid, rows, None, lambda x, _: x, lambda x, *_: x,
-                       num_buckets, rows.shape[-1], rows.dtype)
+                       num_buckets, rows.shape[-1], rows.dtype, positions)
 
 
 
@@ -288,21 +343,30 @@ SCATTER_FEATURES = 2  # sketches this narrow use segment sums: faster than chunk
 
 
 def _sketched_tables(qcodes: Array, kcodes: Array, kvalid: Array, qn: Array, kn: Array, v: Array, dy: Array,
-                     num_buckets: int, directions: Array) -> tuple[Array, Array, Array]:
+                     num_buckets: int, directions: Array | None, causal: bool = False
+                     ) -> tuple[Array, Array, Array]:
   """(dq, dk, dv) unscaled for a narrow sketch, the backward in forward form: per hash, the value-space
   projections a = dY R_t, b = v R_t [g, L, s] turn both bilinear sums into ordinary LSH cumulations of
   s*d-wide rows, dQ_i = sum_f a_if T_t[code(i)]_f with T_t[c]_f = sum_{j in c} b_jf k_j, and dK_j =
   sum_f b_jf U_t[code(j)]_f with U_t[c]_f = sum_{i in c} a_if q_i. dV rides in U's table (its dY columns), so
   the backward is two passes over the hashes, like two forwards of width s*d (+ e).
 
-  Shapes as in `_feature_tables`; directions [m, g, e, s]. dv [g, L, e] is sum_t sum_i B^t_ij dY_i, unscaled,
-  for every key (the caller zeroes masked keys and divides by m).
+  Shapes as in `_feature_tables`; directions [m, g, e, s], or None for R_t = I (a = dY, b = v, s = e: the
+  exact per-feature sums as e*d-wide rows). causal: dQ_i sums the keys j <= i, dK_j and dV_j the queries
+  i >= j (`_lsh_cumulate`'s prefix and suffix sums). dv [g, L, e] is sum_t sum_i B^t_ij dY_i, unscaled, for
+  every key (the caller zeroes masked keys and divides by m).
   """
-  g, length, d = qn.shape
+  _, length, d = qn.shape
   e = v.shape[-1]
-  s = directions.shape[-1]
-  a = jnp.einsum("gle,mges->mgls", dy, directions)  # [m, g, L, s]
-  b = jnp.einsum("gle,mges->mgls", v, directions)  # [m, g, L, s]
+  if directions is None:  # the identity: every hash reads dY and v themselves, no per-hash copies
+    s, per_hash = e, None
+  else:
+    s = directions.shape[-1]
+    per_hash = (jnp.einsum("gle,mges->mgls", dy, directions),  # a [m, g, L, s]
+                jnp.einsum("gle,mges->mgls", v, directions))  # b [m, g, L, s]
+
+  def ab(grp, hsh):  # one group's and hash's (a, b) [L, s]
+    return (grp[3], grp[2]) if hsh is None else hsh
 
   def outer(w, x):  # [L, s], [L, d] -> [L, s * d]
     return (w[:, :, None] * x[:, None, :]).reshape(length, s * d)
@@ -310,26 +374,33 @@ def _sketched_tables(qcodes: Array, kcodes: Array, kvalid: Array, qn: Array, kn:
   def contract(w, rows):  # [L, s], [L, s * d] -> [L, d]
     return jnp.einsum("ls,lsd->ld", w, rows.reshape(length, s, d))
 
-  dq = _lsh_cumulate(qcodes, kcodes, kvalid, kn, (a, b), lambda kg, ab: outer(ab[1], kg),
-                     lambda rows, _, ab: contract(ab[0], rows), num_buckets, d, qn.dtype)
+  per_group = (qn, kn, v, dy)
+  prefix, suffix = ("prefix", "suffix") if causal else ("all", "all")
+  dq = _lsh_cumulate(qcodes, kcodes, kvalid, per_group, per_hash, lambda grp, h: outer(ab(grp, h)[1], grp[1]),
+                     lambda rows, grp, h: contract(ab(grp, h)[0], rows), num_buckets, d, qn.dtype, prefix)
   qvalid = jnp.ones(kvalid.shape, bool)
-  dvk = _lsh_cumulate(kcodes, qcodes, qvalid, (qn, dy), (a, b),
-                      lambda qdy, ab: jnp.concatenate([qdy[1], outer(ab[0], qdy[0])], -1),
-                      lambda rows, _, ab: jnp.concatenate([rows[:, :e], contract(ab[1], rows[:, e:])], -1),
-                      num_buckets, e + d, qn.dtype)
+  dvk = _lsh_cumulate(kcodes, qcodes, qvalid, per_group, per_hash,
+                      lambda grp, h: jnp.concatenate([grp[3], outer(ab(grp, h)[0], grp[0])], -1),
+                      lambda rows, grp, h: jnp.concatenate(
+                          [rows[:, :e], contract(ab(grp, h)[1], rows[:, e:])], -1),
+                      num_buckets, e + d, qn.dtype, suffix)
   return dq, dvk[..., e:], dvk[..., :e]
 
 
 def backward_tables(qcodes: Array, kcodes: Array, kvalid: Array, qn: Array, kn: Array, v: Array, dy: Array,
-                    num_buckets: int, directions: Array | None, formulation: str
+                    num_buckets: int, directions: Array | None, formulation: str, causal: bool = False
                     ) -> tuple[Array, Array, Array]:
   """(dq, dk, dv) unscaled through the LSH tables: dQ_i = sum_t sum_j B^t_ij (dY_i . v_j) k_j, dK_j alike
   with q_i, dV_j = sum_t sum_i B^t_ij dY_i; `dY . v` sketched per hash when directions [m, g, e, s] is given.
 
   Shapes as in `_feature_tables`. The one-hot matmuls for "onehot"; for "sorted", segment sums for sketches of
-  s <= SCATTER_FEATURES directions (dV riding along), bucket-sorted chunked matmuls otherwise. dv is given for
-  every key (the caller zeroes masked keys).
+  s <= SCATTER_FEATURES directions (dV riding along), bucket-sorted chunked matmuls otherwise. causal (the
+  sums over j <= i for dQ, i >= j for dK and dV) takes the running sums of `_sketched_tables` for every
+  sketch and for the exact form (then rows of e*d features: linear in L, O(L*e*d) memory per live hash).
+  dv is given for every key (the caller zeroes masked keys).
   """
+  if causal:
+    return _sketched_tables(qcodes, kcodes, kvalid, qn, kn, v, dy, num_buckets, directions, causal=True)
   if formulation == "sorted" and directions is not None and directions.shape[-1] <= SCATTER_FEATURES:
     return _sketched_tables(qcodes, kcodes, kvalid, qn, kn, v, dy, num_buckets, directions)
   # dV: tables of dY keyed by query codes, read at key codes; every query read the forward, so every
