@@ -18,8 +18,10 @@ Config fields besides `name`, `params`, `dropout_rate`:
                      the op's arguments ("auto" = the registry's m = 32, tau = 8); `params.rng` and
                      `params.conv_kernel` are ignored (the module supplies the key and its kernel parameter)
   conv_kernel_size   odd int; None = no convolution for yoso / yoso_e, 33 for yoso_c / yoso_sketch_c (the
-                     convolution size the paper uses for Nystromformer, section 4.2)
-YOSO is bidirectional: the op registry marks these ops causal=False, so decoder models refuse them.
+                     convolution size the paper uses for Nystromformer, section 4.2); bidirectional only
+yoso, yoso_sketch and yoso_e also run causally (decoder LMs: keys j <= i, `yoso.attention`); the YOSO-C ops
+and any `conv_kernel_size` are bidirectional only (the "same" convolution reads future values), so decoder
+models refuse them.
 """
 
 from __future__ import annotations
@@ -59,6 +61,9 @@ class YosoAttention(attention.OpAttention):
                              or size < 1):
       raise ValueError(f"attention {self.name!r}: conv_kernel_size must be a positive odd int or None, "
                        f"got {size!r}")
+    if size is not None and causal:
+      raise ValueError(f"attention {self.name!r}: conv_kernel_size must be None with causal=True (decoder "
+                       f"models): the depthwise convolution of V ('same' padding) reads future values")
     bound = 1.0 / float(size or 1) ** 0.5
 
     def init(key, shape, dt):

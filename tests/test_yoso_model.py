@@ -1,9 +1,8 @@
-"""YOSO at the model level: YOSO-C's depthwise convolution, the module's rng handling, a tiny model that
-trains.
+"""YOSO at the model level: YOSO-C's depthwise convolution, the module's rng handling, tiny models that train.
 
-The embedded default task (`synthetic_recall`) is a causal LM and YOSO is bidirectional, so the training check
-reads the same generated recall records as a masked-token task: every answer token is replaced by a mask id
-and predicted from the whole sequence (the model must find the pair token of the queried key, anywhere).
+The bidirectional check reads the generated recall records (`synthetic_recall`) as a masked-token task: every
+answer token is replaced by a mask id and predicted from the whole sequence (the model must find the pair
+token of the queried key, anywhere); the causal check trains a decoder LM on the same records.
 """
 
 import jax
@@ -67,7 +66,7 @@ def _tiny_cfg(name: str, **fields) -> ml_collections.ConfigDict:
   return c
 
 
-def test_module_rng_stream_conv_parameter_and_bidirectional_only():
+def test_module_rng_stream_conv_parameter_and_directions():
   x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 12, 32)), jnp.float32)
   mask = jnp.ones((2, 12), bool).at[1, 9:].set(False)
   kwargs = dict(features=32, num_heads=2, head_dim=16, causal=False, dtype=jnp.float32)
@@ -96,38 +95,71 @@ def test_module_rng_stream_conv_parameter_and_bidirectional_only():
   assert float(jnp.max(jnp.abs(out - e_att(x, mask, deterministic=True)))) > 1e-4
   with pytest.raises(ValueError, match="conv_kernel_size"):
     registry.build(_tiny_cfg("yoso", conv_kernel_size=4).attention, rngs=nnx.Rngs(0), **kwargs)
+  # Causal: yoso runs (tests/test_yoso_causal.py); YOSO-C and any convolution read future values.
+  causal = dict(kwargs, causal=True)
+  c_yoso = registry.build(_tiny_cfg("yoso").attention, rngs=nnx.Rngs(params=0, dropout=1, attention=2),
+                          **causal)
+  y = c_yoso(x, mask, deterministic=True)
+  assert y.shape == x.shape and np.all(np.isfinite(np.asarray(y)))
   with pytest.raises(ValueError, match="causal"):
-    registry.build(_tiny_cfg("yoso").attention, rngs=nnx.Rngs(0), **dict(kwargs, causal=True))
+    registry.build(_tiny_cfg("yoso_c").attention, rngs=nnx.Rngs(0), **causal)
+  with pytest.raises(ValueError, match="conv_kernel_size.*causal"):
+    registry.build(_tiny_cfg("yoso_e", conv_kernel_size=5).attention, rngs=nnx.Rngs(0), **causal)
 
 
-def test_tiny_yoso_model_trains_on_recall_records():
+def _recall_records(step: int, batch_size: int = 16):
+  """(records' tokens, weights) [batch, 32] and the vocabulary size of a small synthetic recall task."""
   data = ml_collections.ConfigDict({"data": dict(synthetic.DEFAULTS, seq_len=32, num_pairs=4, num_keys=6,
                                                   num_values=4)})
   source = synthetic.RecallSource(data, "train", seed=0)
-  vocab = synthetic.vocab_size(data)
-  mask_id = vocab  # one extra input id
+  recs = [source[step * batch_size + i] for i in range(batch_size)]
+  return (np.stack([r["inputs"] for r in recs]), np.stack([r["weights"] for r in recs]),
+          synthetic.vocab_size(data))
 
-  def batch(step):
-    recs = [source[step * 16 + i] for i in range(16)]
-    tokens = np.stack([r["inputs"] for r in recs])
-    weights = np.stack([r["weights"] for r in recs])
-    return {"inputs": jnp.asarray(np.where(weights > 0, mask_id, tokens)), "targets": jnp.asarray(tokens),
-            "weights": jnp.asarray(weights), "mask": jnp.ones(tokens.shape, bool)}
 
-  model = transformer.build_model(_tiny_cfg("yoso"), task="mlm", vocab_size=vocab, seq_len=32,
-                                  input_vocab_size=vocab + 1)
+def _train(model, task: str, batch, steps: int) -> list[float]:
   opt = nnx.Optimizer(model, optax.adam(3e-3), wrt=nnx.Param)
 
   @nnx.jit
   def step(model, opt, batch):
     def loss_fn(model):
-      return metrics.loss_and_sums("mlm", model(batch, deterministic=False), batch)[0]
+      return metrics.loss_and_sums(task, model(batch, deterministic=False), batch)[0]
 
     loss, grads = nnx.value_and_grad(loss_fn)(model)
     opt.update(model, grads)
     return loss
 
-  losses = [float(step(model, opt, batch(i))) for i in range(40)]
+  losses = [float(step(model, opt, batch(i))) for i in range(steps)]
   assert all(np.isfinite(losses))
+  return losses
+
+
+def test_tiny_yoso_model_trains_on_recall_records():
+  vocab = _recall_records(0)[2]
+  mask_id = vocab  # one extra input id
+
+  def batch(step):
+    tokens, weights, _ = _recall_records(step)
+    return {"inputs": jnp.asarray(np.where(weights > 0, mask_id, tokens)), "targets": jnp.asarray(tokens),
+            "weights": jnp.asarray(weights), "mask": jnp.ones(tokens.shape, bool)}
+
+  model = transformer.build_model(_tiny_cfg("yoso"), task="mlm", vocab_size=vocab, seq_len=32,
+                                  input_vocab_size=vocab + 1)
+  losses = _train(model, "mlm", batch, 40)
   first, last = np.mean(losses[:5]), np.mean(losses[-5:])
   assert last < 0.7 * first, (first, last)
+
+
+def test_tiny_causal_yoso_lm_trains():
+  # A decoder LM with causal YOSO attention (fresh hashes every step) on the recall records: every token.
+  vocab = _recall_records(0)[2]
+
+  def batch(step):
+    tokens = _recall_records(step)[0]
+    return {"inputs": jnp.asarray(tokens), "mask": jnp.ones(tokens.shape, bool)}
+
+  model = transformer.build_model(_tiny_cfg("yoso"), task="lm", vocab_size=vocab, seq_len=32)
+  assert model.encoder.blocks[0].attention.causal
+  losses = _train(model, "lm", batch, 20)
+  first, last = np.mean(losses[:3]), np.mean(losses[-3:])
+  assert last < 0.8 * first, (first, last)

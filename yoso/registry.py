@@ -1,4 +1,8 @@
-"""Registers the YOSO pure ops (bidirectional only; the benchmark uses the paper's m = 32, tau = 8)."""
+"""Registers the YOSO pure ops (the benchmark uses the paper's m = 32, tau = 8).
+
+yoso, yoso_sketch and yoso_e have a causal form (keys j <= i, for decoders); the YOSO-C ops are bidirectional
+only: their depthwise convolution ("same" padding) reads future values.
+"""
 
 import jax
 import jax.numpy as jnp
@@ -16,17 +20,17 @@ def _sampled(**extra):
 
 
 register(OpSpec(
-    "yoso", yoso, causal=False, bidirectional=True,
+    "yoso", yoso, causal=True, bidirectional=True,
     params=_sampled(),
     description="YOSO-32: LSH Bernoulli sampling, tau=8, O(L*m*d) forward, the paper's per-feature sampled "
                 "backward, O(L*m*d^2) (dense collision counts up to L=2048)"))
 register(OpSpec(
-    "yoso_sketch", yoso, causal=False, bidirectional=True,
+    "yoso_sketch", yoso, causal=True, bidirectional=True,
     params=_sampled(backward_features=1),
     description="YOSO-32 with the linear-in-d backward: dY.v sketched by one random direction per hash "
                 "(two forward-like passes; ~64x the dQ/dK variance of yoso's exact per-feature tables)"))
 register(OpSpec(
-    "yoso_e", yoso_e, causal=False, bidirectional=True,
+    "yoso_e", yoso_e, causal=True, bidirectional=True,
     params=lambda length: {"tau": TAU},
     description="YOSO-E: expected collision probability attention, tau=8, O(L^2)"))
 register(OpSpec(
