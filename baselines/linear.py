@@ -21,7 +21,7 @@ from core.blocks import head_major, num_blocks, pad_to
 from core.combine import weighted_sum
 
 Array = Any
-DEFAULT_CHUNK = 64
+DEFAULT_CHUNK = 128
 
 
 def feature_attention(phi_q: Array, phi_k: Array, v: Array, *, causal: bool, chunk_size: int) -> Array:
@@ -29,13 +29,14 @@ def feature_attention(phi_q: Array, phi_k: Array, v: Array, *, causal: bool, chu
 
   phi_q, phi_k: [batch, heads, length, features] (non-negative); v: [batch, heads, length, value_dim].
   Returns [batch, heads, length, value_dim]; rows whose visible keys all have zero features give zeros.
+  The normaliser rides along as one more value column (a column of ones), so numerator and denominator come
+  out of the same contractions.
   """
   length = phi_q.shape[2]
+  v1 = jnp.concatenate([v, jnp.ones(v.shape[:-1] + (1,), v.dtype)], axis=-1)  # [batch, heads, length, e + 1]
   if not causal:
-    kv = jnp.einsum("bhlm,bhld->bhmd", phi_k, v)  # [batch, heads, features, value_dim]
-    z = jnp.sum(phi_k, axis=2)  # [batch, heads, features]
-    numer = jnp.einsum("bhlm,bhmd->bhld", phi_q, kv)  # [batch, heads, length, value_dim]
-    denom = jnp.einsum("bhlm,bhm->bhl", phi_q, z)  # [batch, heads, length]
+    kv = jnp.einsum("bhlm,bhld->bhmd", phi_k, v1)  # [batch, heads, features, value_dim + 1]
+    numer = jnp.einsum("bhlm,bhmd->bhld", phi_q, kv)  # [batch, heads, length, value_dim + 1]
   else:
     c = min(chunk_size, length)
     n = num_blocks(length, c)
@@ -44,28 +45,18 @@ def feature_attention(phi_q: Array, phi_k: Array, v: Array, *, causal: bool, chu
       x = pad_to(x, n * c, axis=2)
       return x.reshape(*x.shape[:2], n, c, x.shape[-1])
 
-    fq, fk, vc = chunks(phi_q), chunks(phi_k), chunks(v)
-    # Summaries of every chunk before this one: an exclusive prefix sum over chunks.
-    kv = jnp.einsum("bhncm,bhncd->bhnmd", fk, vc)  # [batch, heads, n, features, value_dim]
-    z = jnp.sum(fk, axis=3)  # [batch, heads, n, features]
-    kv, z = exclusive_cumsum(kv), exclusive_cumsum(z)
+    fq, fk, vc = chunks(phi_q), chunks(phi_k), chunks(v1)
+    # Summaries of every chunk before this one: a strictly lower-triangular [n, n] matmul over the chunks'
+    # own summaries (one large contraction; a chunk's own or later summary, even non-finite, never enters).
+    kv = jnp.einsum("bhncm,bhncd->bhnmd", fk, vc)  # [batch, heads, n, features, value_dim + 1]
+    kv = weighted_sum("pn,bhnmd->bhpmd", jnp.tril(jnp.ones((n, n), kv.dtype), -1), kv)
     within = jnp.einsum("bhncm,bhnkm->bhnck", fq, fk)  # [batch, heads, n, c, c]
     within = jnp.where(jnp.tril(jnp.ones((c, c), bool)), within, 0.0)
     # A later position's value (zero weight here) must not reach earlier outputs, even when it is NaN or Inf.
     numer = weighted_sum("bhnck,bhnkd->bhncd", within, vc) + jnp.einsum("bhncm,bhnmd->bhncd", fq, kv)
-    denom = jnp.sum(within, axis=-1) + jnp.einsum("bhncm,bhnm->bhnc", fq, z)  # [batch, heads, n, c]
-    numer = numer.reshape(*numer.shape[:2], n * c, -1)[:, :, :length]
-    denom = denom.reshape(*denom.shape[:2], n * c)[:, :, :length]
+    numer = numer.reshape(*numer.shape[:2], n * c, -1)[:, :, :length]  # [batch, heads, length, e + 1]
+  numer, denom = numer[..., :-1], numer[..., -1]
   return numer / jnp.where(denom > 0, denom, 1.0)[..., None]
-
-
-def exclusive_cumsum(x: Array) -> Array:
-  """Sum over the chunks strictly before each chunk (axis 2), by shifting rather than subtracting, so a
-  chunk's own (possibly non-finite) summary never enters its prefix."""
-  x = jnp.cumsum(x, axis=2)
-  pad = [(0, 0)] * x.ndim
-  pad[2] = (1, 0)
-  return jnp.pad(x, pad)[:, :, :-1]
 
 
 def prepare(q: Array, k: Array, v: Array, mask: Array | None, *, op: str, causal: Any,

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 from baselines.bigbird import bigbird
 from baselines.dense import dense, dense_xla
 from baselines.dense_decode import DENSE
-from baselines.linear import linear
+from baselines.linear import DEFAULT_CHUNK, linear
 from baselines.linformer import linformer
 from baselines.local import local
 from baselines.longformer import longformer
@@ -26,12 +26,12 @@ register(OpSpec("dense_xla", dense_xla,
 
 def _performer_params(length):
   """m = 256 features (the paper's setting) drawn from a fixed key; models own and redraw their features."""
-  return {"rng": jax.random.key(0), "num_features": 256, "chunk_size": 64}
+  return {"rng": jax.random.key(0), "num_features": 256, "chunk_size": DEFAULT_CHUNK}
 
 
 register(OpSpec("performer", performer, params=_performer_params,
                 description="Performer FAVOR+, 256 positive orthogonal random features, O(L*m*d)"))
-register(OpSpec("linear", linear, params=lambda length: {"chunk_size": 64},
+register(OpSpec("linear", linear, params=lambda length: {"chunk_size": DEFAULT_CHUNK},
                 description="linear transformer, elu+1 features, O(L*d^2)"))
 register(OpSpec("local", local, params=lambda length: {"block_size": sqrt_pow2(length)},
                 description="block-local attention (own block), O(L*b*d)"))

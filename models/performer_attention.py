@@ -7,7 +7,7 @@ performer-pytorch, whose default interval is 1000); evaluation never redraws. `r
 first draw for good.
 
 Config fields besides `name`, `params`, `dropout_rate`:
-  params.num_features, params.chunk_size   the op's arguments ("auto" = the registry's 256 and 64);
+  params.num_features, params.chunk_size   the op's arguments ("auto" = the registry's 256 and 128);
                                            `params.rng` is ignored (the module supplies the features)
   redraw_every                             int >= 0, default 1000
 """

@@ -249,6 +249,26 @@ def test_peer_worker_reports_one_json_line(monkeypatch):
   assert result["fwd_ms"] > 0 and result["fwdbwd_ms"] > 0 and result["fwdbwd_repeats"] == 2
 
 
+def test_torch_pair_returns_fwd_and_fwdbwd(monkeypatch):
+  """The PyTorch peers' shared (fwd, fwdbwd) builder, with a stand-in torch: both callables run the attention
+  (no_grad for fwd; autograd.grad of <out, cot> for fwdbwd)."""
+  import types
+
+  from scripts import benchmark_peers
+
+  seen = []
+  grad = lambda out, inputs: seen.append(("grad", out))  # noqa: E731
+  fake = types.SimpleNamespace(no_grad=contextlib.nullcontext, autograd=types.SimpleNamespace(grad=grad))
+  monkeypatch.setitem(sys.modules, "torch", fake)
+  attn = lambda q, k, v: seen.append("attn") or np.ones(3)  # noqa: E731
+  pair = benchmark_peers._torch_pair(attn, np.ones(3), np.ones(3), np.ones(3), np.full(3, 2.0))
+  assert isinstance(pair, tuple) and len(pair) == 2
+  fwd, fwdbwd = pair
+  fwd()
+  fwdbwd()
+  assert seen == ["attn", "attn", ("grad", 6.0)]
+
+
 # ------------------------------------------------------------------------------------------------------------
 # Subprocess runs (the real entry points)
 
