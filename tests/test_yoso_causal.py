@@ -135,7 +135,7 @@ def test_causal_sampled_backward_matches_definition_with_forward_codes(path, fea
   # exact; the running sums are forced by lowering the threshold (sketches always take them).
   from yoso import backward as ya
   if path == "tables":
-    monkeypatch.setattr(ya, "COUNTS_MAX_LENGTH", 0)
+    monkeypatch.setattr(ya, "CAUSAL_COUNTS_MAX_LENGTH", 0)
   with jax.enable_x64(True):
     b, length, h, e = 2, 9, 2, 5
     q, k, v = _inputs(23, b=b, length=length, h=h, e=e)

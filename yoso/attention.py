@@ -118,8 +118,9 @@ def yoso(q: Array, k: Array, v: Array, *, rng: Array, num_hashes: int, tau: int,
   estimator, O(L*m*d*value_dim) (up to L = 2048 through dense collision counts, O(L^2*(m + d)), faster
   there); an int s sketches the value space with s random directions per hash, O(L*m*s*d), unbiased but with
   about value_dim/s times the gradient variance (s <= 2: two forward-like passes, much faster than the
-  exact form; the "yoso_sketch" registry op uses s=1). Causal, the exact form beyond 2048 tokens runs the
-  running sums on value_dim*head_dim-wide rows: linear in L, but O(L*value_dim*head_dim) memory per hash.
+  exact form; the "yoso_sketch" registry op uses s=1). Causal, the exact form stays on the quadratic counts
+  up to 8192 tokens and runs running sums of value_dim*head_dim-wide rows beyond (linear in L but slow): long
+  causal sequences should take a sketch.
   formulation: how the bucket tables are built and read, the same estimator and sums either way: "sorted"
   (segment sums and bucket-sorted chunked matmuls, serial-scatter friendly: CPUs), "onehot" (one-hot matmuls,
   2^tau times the multiply-adds but all on tensor cores / the MXU: GPUs and TPUs), "auto" (by backend).

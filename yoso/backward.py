@@ -28,8 +28,11 @@ surrogate gradient (short sequences, tests).
 
 The causal form restricts every sum to the pairs j <= i: the counts and the dense surrogate take the causal
 mask, and the LSH tables become running sums within each bucket (`yoso.tables.backward_tables`): dQ over the
-keys before a query, dK and dV over the queries after a key. Its exact form beyond COUNTS_MAX_LENGTH runs
-those sums on rows of e*d features (the sketch with R = I): linear in L, but O(L*e*d) memory per live hash.
+keys before a query, dK and dV over the queries after a key. Its exact form has no per-bucket table to
+chunk, so it stays on the (causally masked) counts up to CAUSAL_COUNTS_MAX_LENGTH = 8192 rows: quadratic
+in L; beyond, it runs the running sums on rows of e*d features (the sketch with R = I): linear in L and
+O(L*e*d) memory per live hash, but many times slower than the counts at a few thousand rows. Long causal
+sequences should take a sketch (`backward_features`, the "yoso_sketch" op): linear and cheap.
 """
 
 from __future__ import annotations
@@ -81,6 +84,10 @@ def sketch_directions(rng: Array, batch: int, heads: int, num_hashes: int, value
 # docs/benchmarks.md). Counts would still win a little above this length, but beyond it the backward stays
 # linear in L as the op promises; only "short" sequences take the quadratic form.
 COUNTS_MAX_LENGTH = 2048
+# The causal exact backward's counts limit: its linear alternative (running sums of e*d-wide rows) is slower
+# than the quadratic counts far beyond this length; the limit bounds the counts' [L, L] matrices per group
+# (a few of them, 256 MB each at 8192 rows in float32).
+CAUSAL_COUNTS_MAX_LENGTH = 8192
 
 
 def _collision_counts(qcodes: Array, kcodes: Array, kvalid: Array, dtype: Any, causal: bool = False) -> Array:
@@ -120,8 +127,8 @@ def _sampled_backward(qcodes: Array, kcodes: Array, kvalid: Array, qn: Array, kn
                       tau: int, directions: Array | None, formulation: str, causal: bool = False
                       ) -> tuple[Array, Array, Array]:
   """(dq, dk, dv) of the sampled estimator with the forward's codes, scaled: dense collision counts up to
-  COUNTS_MAX_LENGTH rows when exact (directions None), the LSH tables otherwise; only pairs j <= i when
-  causal. Masked keys get zero dk, dv.
+  COUNTS_MAX_LENGTH rows (CAUSAL_COUNTS_MAX_LENGTH when causal) when exact (directions None), the LSH tables
+  otherwise; only pairs j <= i when causal. Masked keys get zero dk, dv.
 
   Groups heads-major: codes [g, L, m]; kvalid [g, L]; qn, kn [g, L, d]; v, dy [g, L, e];
   directions None or [m, g, e, s].
@@ -130,7 +137,7 @@ def _sampled_backward(qcodes: Array, kcodes: Array, kvalid: Array, qn: Array, kn
   kv = kvalid[..., None]
   scale = (tau / 2) / m
   # dQ_i = (tau/2)/m sum B_ij (dY_i . v_j) k_j and dK_j = (tau/2)/m sum B_ij (dY_i . v_j) q_i.
-  if directions is None and qcodes.shape[1] <= COUNTS_MAX_LENGTH:
+  if directions is None and qcodes.shape[1] <= (CAUSAL_COUNTS_MAX_LENGTH if causal else COUNTS_MAX_LENGTH):
     dq, dk, dv = _counts_backward(qcodes, kcodes, kvalid, qn, kn, v, dy, causal)
   else:
     dq, dk, dv = tables.backward_tables(qcodes, kcodes, kvalid, qn, kn, v, dy, 1 << tau, directions,
