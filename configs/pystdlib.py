@@ -7,7 +7,7 @@ Task:      a real corpus available offline everywhere (~30 MB of `.py` files, sp
            counterpart, mixture <= axial, dense close to Combiner); `python -m scripts.reproduce --table
            pystdlib` runs the rows.
 Model:     2 layers, width 128, 4 heads, MLP 512, batch 4 x 2048 bytes, Adam 2e-3 cosine, 500 steps: sized so
-           that the slowest row (dense: ~2 CPU-seconds a step) trains in about 15 minutes on 2 CPU cores.
+           that a row trains in minutes on a CPU core (docs/results.md has the measured times and results).
 Cost:      minutes per row on a CPU; `:smoke` (length 256, a few steps) runs in seconds.
 Variants:  `attention=...` (any registry name), `seq_len=...`, `smoke`.
 """
