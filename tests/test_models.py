@@ -94,8 +94,9 @@ def check_model(name, task):
   @jax.jit  # one compilation per case: gradients plus the two deterministic forwards of the causality check
   def run(params):
     value_grad = jax.value_and_grad(loss_fn, has_aux=True)(params)
-    m = nnx.merge(graphdef, params, rest, copy=True)
-    return value_grad, m(batch, deterministic=True), m(changed, deterministic=True)
+    # Two copies with one rng state: sampled ops (YOSO's hashes) draw the same randomness for both inputs.
+    fresh = [nnx.merge(graphdef, params, rest, copy=True) for _ in range(2)]
+    return value_grad, fresh[0](batch, deterministic=True), fresh[1](changed, deterministic=True)
 
   ((loss, logits), grads), a, b = run(params)
   expected = (2, LENGTH, VOCAB) if task in ("lm", "mlm") else (2, CLASSES)
