@@ -206,9 +206,10 @@ def test_remat_gives_the_same_loss_and_gradients():
 
 def test_remat_recomputes_the_block_in_the_compiled_backward():
   """model.remat reaches XLA: one jax.checkpoint optimisation barrier per block in the lowered program, and
-  the compiled backward recomputes the block: "full" every matmul of it (q, k, v, out projections, the two
-  attention matmuls, the two MLP matmuls), "minimal" only the attention core's two batched matmuls; both
-  recompute the softmax. XLA:CPU's scheduler then hoists the recomputation next to the forward pass, so on CPU
+  the compiled backward recomputes the block: "full" every matmul of it (q, k, v, out projections, q.k^T, the
+  two MLP matmuls), "minimal" only the attention core's q.k^T; both recompute the softmax. Of the weighted sum
+  of values only its non-finite flag column is needed again, which XLA computes as a reduction, not a dot.
+  XLA:CPU's scheduler then hoists the recomputation next to the forward pass, so on CPU
   the compiled temp memory does not drop: no memory saving is asserted here;
   `model.attention.recompute` is the option whose memory saving holds on CPU (the test above)."""
   layers = 2
@@ -224,8 +225,8 @@ def test_remat_recomputes_the_block_in_the_compiled_backward():
                      len(re.findall(r"\bexponential\(", hlo)))
   (barriers, dots, exps) = counts["none"]
   assert barriers == 0 and exps == layers, counts
-  assert counts["minimal"] == (layers, dots + 2 * layers, 2 * layers), counts
-  assert counts["full"] == (layers, dots + 8 * layers, 2 * layers), counts
+  assert counts["minimal"] == (layers, dots + layers, 2 * layers), counts
+  assert counts["full"] == (layers, dots + 7 * layers, 2 * layers), counts
 
 @pytest.mark.parametrize("name,deepsets", [("dense", None), ("combiner_axial_vertical", True)])
 def test_attention_recompute_gives_the_same_loss_and_gradients(name, deepsets):
