@@ -547,9 +547,9 @@ def curves(selected: list[Row], scale: str, root: str, *, seeds: int = 1) -> dic
     for seed in range(max(seeds, 1)):
       wd = workdir(row, scale, root, seed)
       config = paths.join(wd, "config.json")
-      split = paths.read_json(config).get("eval_split", "validation") if paths.exists(config) else None
+      split = (paths.read_json(config) if paths.exists(config) else {}).get("eval_split", "validation")
       scalars = paths.read_scalars(paths.join(wd, "tensorboard"))
-      prefix = f"eval_{split or 'validation'}/"
+      prefix = f"eval_{split}/"
       points: dict[int, dict[str, float]] = {}
       for tag, series in scalars.items():
         if tag.startswith(prefix):
@@ -577,6 +577,7 @@ def plot_curves(curves_: dict[Row, Curve], out: str) -> None:
     rows = [row for row in curves_ if row.table == table]
     for i, row in enumerate(rows):
       steps, values = zip(*curves_[row], strict=True)
+      # Dashed after the colour cycle's 10 colours, so that no two rows share a line.
       ax.plot(steps, values, marker=".", label=row.label, linestyle="-" if i < 10 else "--")
     ax.set_title(table)
     ax.set_xlabel("training step")
@@ -691,9 +692,8 @@ def main(argv: Sequence[str] | None = None) -> int:
       status = 1
   if args.collect:
     records = collect(chosen, args.scale, args.workdir_root, seeds=args.seeds)
-    name = "all" if args.table == "all" else args.table
-    md = paths.join(args.workdir_root, f"results-{name}-{args.scale}.md")
-    cs = paths.join(args.workdir_root, f"results-{name}-{args.scale}.csv")
+    md = paths.join(args.workdir_root, f"results-{args.table}-{args.scale}.md")
+    cs = paths.join(args.workdir_root, f"results-{args.table}-{args.scale}.csv")
     paths.makedirs(args.workdir_root)
     paths.write_text(md, to_markdown(records))
     paths.write_text(cs, to_csv(records))
@@ -701,8 +701,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"collected {done} of {len(records)} rows -> {md}, {cs}", flush=True)
   if args.plot:
     found = curves(chosen, args.scale, args.workdir_root, seeds=args.seeds)
-    name = "all" if args.table == "all" else args.table
-    png = paths.join(args.workdir_root, f"curves-{name}-{args.scale}.png")
+    png = paths.join(args.workdir_root, f"curves-{args.table}-{args.scale}.png")
     if found:
       plot_curves(found, png)
     print(f"plotted {len(found)} rows' evaluation curves" + (f" -> {png}" if found else ""), flush=True)
