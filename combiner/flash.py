@@ -46,10 +46,12 @@ from core.blocks import pad_to
 Array = Any
 RULES = ("all", "le", "lt", "ne", "range")
 QIDS = ("row", "group")
-BLOCK_Q = 128
+BLOCK_Q = 128  # query / key tile caps on TPU (its 128 lanes) and in interpret mode
 BLOCK_K = 128
+GPU_BLOCK_Q = 64  # on GPUs, where smaller tiles keep more programs in flight (scripts/tune_kernels.py)
+GPU_BLOCK_K = 64
 MIN_BLOCK = 16
-SPLIT_TILES = 8  # query tiles per program in the dk/dv kernel of a shared (summary) source
+SPLIT_TILES = 2  # query tiles per program in the dk/dv kernel of a shared (summary) source
 
 GPU_PARAMS = pltriton.CompilerParams(num_warps=4, num_stages=2)
 TPU_PARAMS = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel"))
@@ -80,6 +82,13 @@ def _rem(a: Any, b: int) -> Any:
   return a % b if isinstance(a, int) else lax.rem(a, jnp.int32(b))
 
 
+def _dot(a: Array, b: Array, trans_a: bool = False, trans_b: bool = False) -> Array:
+  """a @ b of two 2-D tiles (either transposed) with float32 accumulation (float64 stays float64)."""
+  out = jnp.float64 if jnp.float64 in (a.dtype, b.dtype) else jnp.float32
+  dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
+  return lax.dot_general(a, b, dims, preferred_element_type=out)
+
+
 class Source(NamedTuple):
   """A key/value set. k: [bh, gk, n, head_dim]; v: [bh, gk, n, value_dim]; valid: [batch, gk, n] bool.
 
@@ -106,9 +115,16 @@ class _Spec(NamedTuple):  # the static part of a source, after padding
   block: int
 
 
+def tile_caps() -> tuple[int, int]:
+  """(query tile cap, key tile cap) for the backend being traced for."""
+  if jax.default_backend() in ("gpu", "cuda", "rocm"):
+    return GPU_BLOCK_Q, GPU_BLOCK_K
+  return BLOCK_Q, BLOCK_K
+
+
 def group_length(length: int) -> int:
-  """Queries per group for plans free to choose it (logsparse): one query tile, at most BLOCK_Q."""
-  return _tile(length, BLOCK_Q)
+  """Queries per group for plans free to choose it (logsparse): one query tile."""
+  return _tile(length, tile_caps()[0])
 
 
 def _valid_rows(spec: _Spec) -> int:
@@ -147,7 +163,7 @@ def _scores(q, k, valid_ref, vstart, spec: _Spec, qid, start, scale):
   valid_ref columns [vstart, vstart + bk): row 0 the key validity; for the "range" rule rows 1, 2 the first
   and end query id of each key (rows are loaded from the ref: Triton cannot slice loaded values).
   """
-  s = pl.dot(q, k, trans_b=True) * scale
+  s = _dot(q, k, trans_b=True) * scale
   row = lambda i: valid_ref[pl.ds(i, 1), pl.ds(vstart, spec.block)]  # noqa: E731  [1, bk]
   ok = row(0) > 0
   if spec.rule == "range":
@@ -186,7 +202,7 @@ def _fwd_kernel(q_ref, *refs, specs: Sequence[_Spec], scale: float, block_q: int
       p = jnp.exp(s - m_safe)  # exactly 0 where masked
       alpha = jnp.exp(m - m_safe)
       den = alpha * den + jnp.sum(p, axis=1, keepdims=True)
-      acc = alpha * acc + pl.dot(p.astype(v.dtype), v)
+      acc = alpha * acc + _dot(p.astype(v.dtype), v)
       return m_new, den, acc
 
     m, den, acc = lax.fori_loop(0, _key_tiles(spec, qid_max, spec.n // spec.block), body, (m, den, acc))
@@ -216,9 +232,9 @@ def _dq_kernel(q_ref, do_ref, lse_ref, delta_ref, *refs, specs: Sequence[_Spec],
       v = v_ref[pl.ds(start, spec.block), :]
       s, ok = _scores(q, k, valid_ref, start, spec, qid, start, scale)
       p = jnp.where(ok, jnp.exp(jnp.where(ok, s, 0.0) - lse), 0.0)
-      dp = pl.dot(do, v, trans_b=True)
+      dp = _dot(do, v, trans_b=True)
       ds = p * (dp - delta)
-      return dq + pl.dot(ds.astype(k.dtype), k) * scale
+      return dq + _dot(ds.astype(k.dtype), k) * scale
 
     dq = lax.fori_loop(0, _key_tiles(spec, qid_max, spec.n // spec.block), body, dq)
   dq_ref[...] = dq.astype(dq_ref.dtype)
@@ -257,10 +273,10 @@ def _dkv_kernel(q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, valid_ref, dk_r
       qid = _div(row0, group_len) if spec.shared else g
     s, ok = _scores(q, k, valid_ref, 0, spec, qid, start, scale)
     p = jnp.where(ok, jnp.exp(jnp.where(ok, s, 0.0) - lse), 0.0)  # [bq, bk]
-    dv = dv + pl.dot(p.astype(do.dtype), do, trans_a=True)
-    dp = pl.dot(do, v, trans_b=True)
+    dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
+    dp = _dot(do, v, trans_b=True)
     ds = p * (dp - delta)
-    dk = dk + pl.dot(ds.astype(q.dtype), q, trans_a=True) * scale
+    dk = dk + _dot(ds.astype(q.dtype), q, trans_a=True) * scale
     return dk, dv
 
   dk, dv = lax.fori_loop(lo, num_q, body, (jnp.zeros(dk_ref.shape, jnp.float32),
@@ -393,7 +409,8 @@ def attend(q: Array, sources: Sequence[Source], *, heads: int, scale: float) -> 
   value_dim], lse [bh, groups, group_len]), float32; rows with no visible key give out 0 and lse -inf.
   """
   bh, groups, glen, _ = q.shape
-  block_q = _tile(glen, BLOCK_Q)
+  cap_q, cap_k = tile_caps()
+  block_q = _tile(glen, cap_q)
   glen_p = -(-glen // block_q) * block_q
   qp = pad_to(q, glen_p, 2)
   specs, arrays = [], []
@@ -401,7 +418,7 @@ def attend(q: Array, sources: Sequence[Source], *, heads: int, scale: float) -> 
     if s.rule not in RULES or s.qid not in QIDS:
       raise ValueError(f"flash.attend: bad source rule {s.rule!r} / qid {s.qid!r}")
     n = s.k.shape[2]
-    block = _tile(n, BLOCK_K)
+    block = _tile(n, cap_k)
     n_p = -(-n // block) * block
     shared = s.k.shape[1] == 1 and groups > 1
     valid = s.valid.astype(jnp.float32)[:, :, None, :]  # [batch, gk, 1, n]
