@@ -174,7 +174,9 @@ def main(args: argparse.Namespace) -> int:
           device = row.get("device", device)
       rows.append(row)
       print(f"[benchmark train] {name:<26} L={length:<6} {bench.format_value(row.get('step_ms')):>9} ms/step "
-            f"{bench.format_value(row.get('tokens_per_s')):>9} tokens/s  {row.get('status')}", flush=True)
+            f"{bench.format_value(row.get('tokens_per_s')):>9} tokens/s  "
+            f"device peak {bench.format_value(row.get('device_peak_mb'))} MB  {row.get('status')}",
+            flush=True)
   dense = {r["length"]: r.get("tokens_per_s") for r in rows if r["op"] == "dense"}
   for row in rows:
     base, mine = dense.get(row["length"]), row.get("tokens_per_s")
