@@ -22,7 +22,7 @@ import numpy as np
 from baselines.common import masked_head_major, neighbour_blocks
 from core import contract
 from core.blocks import head_major, num_blocks, to_grid
-from core.combine import Piece, attend, joint_softmax, weighted_sum
+from core.combine import Piece, attend, flag_nonfinite, flagged_sum, joint_softmax, weighted_sum
 
 Array = Any
 
@@ -87,7 +87,9 @@ def longformer(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None
 
   qb = to_grid(qh, n, size, axis=2)  # [batch, heads, n, size, head_dim]
   kb = neighbour_blocks(to_grid(kh, n, size, axis=2), offsets, axis=2)  # [batch, heads, n, keys, head_dim]
-  vb = neighbour_blocks(to_grid(vh, n, size, axis=2), offsets, axis=2)  # [batch, heads, n, keys, value_dim]
+  # Values flagged once, before the neighbouring blocks copy them three times.
+  vb = neighbour_blocks(to_grid(flag_nonfinite(vh), n, size, axis=2), offsets,
+                        axis=2)  # [b, h, n, keys, dv + 1]
   kvalid = neighbour_blocks(to_grid(band_keys, n, size, axis=1), offsets, axis=1, fill=False)  # [b, n, keys]
   pos = np.arange(n * size).reshape(n, size)
   kpos = np.concatenate([pos + o * size for o in offsets], axis=1)  # [n, keys]
@@ -95,7 +97,7 @@ def longformer(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None
   near = (dist <= 0 if causal else dist <= window) & (dist >= -window)
   valid = kvalid[:, None, :, None, :] & near  # [batch, 1, n, size, keys]
   logits = jnp.einsum("bhnqd,bhnkd->bhnqk", qb, kb) * scale  # [batch, heads, n, size, keys]
-  pieces = [Piece(logits, valid, lambda w: weighted_sum("bhnqk,bhnkd->bhnqd", w, vb))]
+  pieces = [Piece(logits, valid, lambda w: flagged_sum("bhnqk,bhnkd->bhnqd", w, vb))]
   if glob.size:
     kg, vg = kh[:, :, glob], vh[:, :, glob]  # [batch, heads, G, dim]
     glogits = jnp.einsum("bhnqd,bhgd->bhnqg", qb, kg) * scale  # [batch, heads, n, size, G]

@@ -134,9 +134,24 @@ def weighted_sum(contract: str, weights: Array, values: Array) -> Array:
   one contraction yields both, with no conditional: XLA:CPU compiles a model holding a `lax.cond` per piece
   many times slower and larger.
   """
+  return flagged_sum(contract, weights, flag_nonfinite(values))
+
+
+def flag_nonfinite(values: Array) -> Array:
+  """values [..., value_dim] -> [..., value_dim + 1]: non-finite entries selected to 0, and a last column that
+  is 1 for a row holding any non-finite entry. Ops whose pieces read overlapping copies of the same values
+  (neighbouring blocks, gathered blocks) flag the values once, before copying, and contract the copies with
+  `flagged_sum`."""
   finite = jnp.isfinite(values)
   bad = jnp.logical_not(jnp.all(finite, axis=-1, keepdims=True)).astype(values.dtype)  # [..., 1]
-  both = jnp.einsum(contract, weights, jnp.concatenate([jnp.where(finite, values, 0), bad], axis=-1))
+  return jnp.concatenate([jnp.where(finite, values, 0), bad], axis=-1)
+
+
+def flagged_sum(contract: str, weights: Array, flagged: Array) -> Array:
+  """`weighted_sum` of values already passed through `flag_nonfinite`.
+
+  flagged: [..., value_dim + 1]; returns [..., value_dim]."""
+  both = jnp.einsum(contract, weights, flagged)
   return jnp.where(both[..., -1:] > 0, jnp.nan, both[..., :-1])  # [..., value_dim]
 
 
