@@ -22,7 +22,7 @@ from baselines.common import masked_head_major, neighbour_blocks
 from baselines.longformer import dense_rows, global_indices
 from core import contract
 from core.blocks import head_major, num_blocks, to_grid
-from core.combine import Piece, joint_softmax, weighted_sum
+from core.combine import Piece, flag_nonfinite, flagged_sum, joint_softmax
 
 Array = Any
 
@@ -93,10 +93,13 @@ def bigbird(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = 
   grid_mask = to_grid(mask, n, size, axis=1)  # [batch, n, size]; padding is False
   qb = to_grid(qh, n, size, axis=2)  # [batch, heads, n, size, head_dim]
   qh_grid = qb.reshape(batch, heads, n * size, head_dim)  # padded to whole blocks
-  kb, vb = (to_grid(x, n, size, axis=2) for x in (kh, vh))  # [batch, heads, n, size, dim]
+  kb = to_grid(kh, n, size, axis=2)  # [batch, heads, n, size, head_dim]
+  # Values flagged once, before the window, global and random pieces copy them.
+  vb = to_grid(flag_nonfinite(vh), n, size, axis=2)  # [batch, heads, n, size, value_dim + 1]
 
   def piece(keys: Array, values: Array, key_valid: Array, kpos: np.ndarray, static: np.ndarray) -> Piece:
-    """keys [batch, heads, n, K, d] (or [batch, heads, K, d], shared); key_valid [batch, n | 1, K];
+    """keys [batch, heads, n, K, d] (or [batch, heads, K, d], shared), values likewise with `flag_nonfinite`'s
+    extra column; key_valid [batch, n | 1, K];
     kpos, static: [n, K] key positions and pattern validity."""
     if keys.ndim == 4:  # shared keys: one plain matmul over all queries (faster on CPU than a 5-d einsum)
       logits = jnp.einsum("bhld,bhkd->bhlk", qh_grid, keys).reshape(batch, heads, n, size, -1) * scale
@@ -108,11 +111,11 @@ def bigbird(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = 
     valid = key_valid[:, None, :, None, :] & near  # [batch, 1, n, size | 1, K]
     if keys.ndim == 4:
       def apply_shared(w: Array) -> Array:
-        out = weighted_sum("bhlk,bhkd->bhld", w.reshape(batch, heads, n * size, -1), values)
+        out = flagged_sum("bhlk,bhkd->bhld", w.reshape(batch, heads, n * size, -1), values)
         return out.reshape(batch, heads, n, size, -1)
 
       return Piece(logits, valid, apply_shared)
-    return Piece(logits, valid, lambda w: weighted_sum("bhnqk,bhnkd->bhnqd", w, values))
+    return Piece(logits, valid, lambda w: flagged_sum("bhnqk,bhnkd->bhnqd", w, values))
 
   wblock = np.stack([blocks + o for o in offsets], axis=1)  # [n, window blocks]
   wstatic = (wblock >= 0) & (wblock < n) & ~is_global[np.clip(wblock, 0, n - 1)]
