@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from typing import Any
 
 
 def device_kernel_times(trace_path: str) -> tuple[collections.Counter, int]:
@@ -40,7 +41,10 @@ def device_kernel_times(trace_path: str) -> tuple[collections.Counter, int]:
   return totals, count
 
 
-def profile(name: str, length: int, args: argparse.Namespace) -> None:
+def op_step(name: str, length: int, *, heads: int, head_dim: int, dtype: str, causal: bool,
+            implementation: str | None = None) -> tuple[Any, list[Any], bool]:
+  """(jitted grad of sum(op(q, k, v) * cot) w.r.t. q, k, v, [q, k, v, cot] random [1, L, heads, head_dim],
+  the direction run) for a registered op with the benchmark's parameters."""
   import jax
   import jax.numpy as jnp
 
@@ -48,20 +52,26 @@ def profile(name: str, length: int, args: argparse.Namespace) -> None:
   from scripts.benchmark import op_direction, op_params
 
   spec = ops_registry.get(name)
-  causal, _ = op_direction(spec.causal, spec.bidirectional, args.causal)
-  params = op_params(spec, length, batch=1, heads=args.heads, head_dim=args.head_dim, dtype=args.dtype)
-  if args.implementation:
-    params["implementation"] = args.implementation
+  causal, _ = op_direction(spec.causal, spec.bidirectional, causal)
+  params = op_params(spec, length, batch=1, heads=heads, head_dim=head_dim, dtype=dtype)
+  if implementation:
+    params["implementation"] = implementation
 
   def loss(q, k, v, cot):
     out = spec.fn(q, k, v, causal=causal, **params)
     out = out[0] if isinstance(out, tuple) else out
     return jnp.sum((out * cot).astype(jnp.float32))
 
-  step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
   keys = jax.random.split(jax.random.key(0), 4)
-  shape = (1, length, args.heads, args.head_dim)
-  xs = [jax.random.normal(k, shape, jnp.dtype(args.dtype)) for k in keys]
+  xs = [jax.random.normal(k, (1, length, heads, head_dim), jnp.dtype(dtype)) for k in keys]
+  return jax.jit(jax.grad(loss, argnums=(0, 1, 2))), xs, causal
+
+
+def profile(name: str, length: int, args: argparse.Namespace) -> None:
+  import jax
+
+  step, xs, causal = op_step(name, length, heads=args.heads, head_dim=args.head_dim, dtype=args.dtype,
+                             causal=args.causal, implementation=args.implementation)
   jax.block_until_ready(step(*xs))
   start = time.perf_counter()
   for _ in range(args.calls):

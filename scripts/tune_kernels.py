@@ -31,22 +31,13 @@ VARIANTS = (
 
 
 def time_op(name: str, length: int, args: argparse.Namespace) -> float:
+  """Median ms per forward+backward call of the op's Pallas path (causal, the benchmark's shapes)."""
   import jax
-  import jax.numpy as jnp
 
-  from models import ops_registry
-  from scripts.benchmark import op_params
+  from scripts.profile_ops import op_step
 
-  spec = ops_registry.get(name)
-  params = op_params(spec, length, batch=1, heads=args.heads, head_dim=args.head_dim, dtype=args.dtype)
-
-  def loss(q, k, v, cot):
-    out = spec.fn(q, k, v, causal=True, implementation="pallas", **params)
-    return jnp.sum((out * cot).astype(jnp.float32))
-
-  step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-  keys = jax.random.split(jax.random.key(0), 4)
-  xs = [jax.random.normal(k, (1, length, args.heads, args.head_dim), jnp.dtype(args.dtype)) for k in keys]
+  step, xs, _ = op_step(name, length, heads=args.heads, head_dim=args.head_dim, dtype=args.dtype, causal=True,
+                        implementation="pallas")
   jax.block_until_ready(step(*xs))
   times = []
   for _ in range(args.repeats):
