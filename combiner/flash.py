@@ -41,6 +41,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
+from core import contract
 from core.blocks import pad_to
 
 Array = Any
@@ -117,7 +118,8 @@ class _Spec(NamedTuple):  # the static part of a source, after padding
 
 def tile_caps() -> tuple[int, int]:
   """(query tile cap, key tile cap) for the backend being traced for."""
-  if jax.default_backend() in ("gpu", "cuda", "rocm"):
+  backend = contract.backend()
+  if backend in contract.ACCELERATOR_BACKENDS and backend != "tpu":
     return GPU_BLOCK_Q, GPU_BLOCK_K
   return BLOCK_Q, BLOCK_K
 
