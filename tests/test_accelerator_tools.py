@@ -45,9 +45,9 @@ def test_check_kernels_rejects_unknown_groups():
 def test_check_kernels_covers_every_plan_in_both_directions():
   names = [name for name, _, _ in check_kernels.combiner_cases(1000)]
   plans = {name.split()[0] for name in names}
-  assert plans == {"combiner_fixed", "combiner_logsparse", "combiner_axial_rowmajor", "combiner_axial_vertical",
-                   "combiner_axial_horizontal", "combiner_mixture", "combiner_mixture_joint", "sparse_fixed",
-                   "sparse_axial", "sparse_logsparse"}
+  assert plans == {"combiner_fixed", "combiner_logsparse", "combiner_axial_rowmajor",
+                   "combiner_axial_vertical", "combiner_axial_horizontal", "combiner_mixture",
+                   "combiner_mixture_joint", "sparse_fixed", "sparse_axial", "sparse_logsparse"}
   assert sum("causal=True" in n for n in names) == sum("causal=False" in n for n in names) == len(plans)
   kws = [kw for _, _, kw in check_kernels.combiner_cases(1000)]
   assert {kw.get("pooling") for kw in kws} >= {"max", "mean"} and any(kw.get("deepsets") for kw in kws)
