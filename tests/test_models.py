@@ -228,7 +228,8 @@ def test_remat_recomputes_the_block_in_the_compiled_backward():
   assert counts["minimal"] == (layers, dots + layers, 2 * layers), counts
   assert counts["full"] == (layers, dots + 7 * layers, 2 * layers), counts
 
-@pytest.mark.parametrize("name,deepsets", [("dense", None), ("combiner_axial_vertical", True)])
+@pytest.mark.parametrize("name,deepsets", [
+    ("dense", None), pytest.param("combiner_axial_vertical", True, marks=pytest.mark.slow)])
 def test_attention_recompute_gives_the_same_loss_and_gradients(name, deepsets):
   """attention.recompute only changes what the backward keeps (DeepSets pool_q/pool_k still get gradients)."""
   rng = np.random.default_rng(4)

@@ -75,6 +75,7 @@ def _model(params: dict, *, seq_len: int = 20, attention: str = "routing", **fie
   return transformer.build_model(cfg, task="lm", vocab_size=11, seq_len=seq_len, seed=0)
 
 
+@pytest.mark.slow
 def test_model_decode_equals_forward(decoding_matches_forward):
   """One routing head next to one local head in the last layer, local heads only in the first; a prompt of 5
   tokens, then step by step: every position's logits equal the forward pass's."""

@@ -295,6 +295,7 @@ def test_worker_prints_one_parsable_json_line_and_skips_over_memory_budget():
   assert "unknown attention op 'no_such_op'" in json.loads(proc.stdout.strip().splitlines()[-1])["status"]
 
 
+@pytest.mark.slow
 def test_tiny_benchmark_run_writes_table_json_and_plot(tmp_path):
   from models import ops_registry
 

@@ -65,6 +65,7 @@ def _find(tree, name):
   return [v for path, v in jax.tree_util.tree_leaves_with_path(tree) if name in jax.tree_util.keystr(path)]
 
 
+@pytest.mark.slow
 def test_extension_points_state_randomness_aux_loss(tmp_path):
   config = smoke("fake_stateful")
   exp = train.Experiment(config, devices=jax.devices()[:1])
@@ -102,6 +103,7 @@ def test_extension_points_state_randomness_aux_loss(tmp_path):
   assert float(_find(restored.rest, "last_noise")[0]) == noise2
 
 
+@pytest.mark.slow
 def test_sharded_step_matches_single_device():
   config = smoke("combiner_fixed")
   config.mesh.data, config.mesh.model = 4, 2
@@ -136,6 +138,7 @@ class _SigtermAt(list):
       os.kill(os.getpid(), signal.SIGTERM)
 
 
+@pytest.mark.slow
 def test_resume_after_sigterm_is_exact_and_eval_reads_it(tmp_path):
   import eval as eval_lib
 
