@@ -553,19 +553,27 @@ def _worker_op(args: argparse.Namespace, result: dict[str, Any]) -> None:
   _start_worker(args, result)
   from models import ops_registry
 
-  spec = ops_registry.get(args._name)
-  causal, result["mode"] = op_direction(spec.causal, spec.bidirectional, args.causal)
-  params = op_params(spec, args.lengths[0], batch=args.batch, heads=args.heads, head_dim=args.head_dim,
-                     dtype=args.dtype)
-  if args.implementation is not None and _takes_keyword(spec.fn, "implementation"):
-    params["implementation"] = args.implementation
+  forward, result["mode"], params = op_forward(
+      ops_registry.get(args._name), args.lengths[0], causal=args.causal, batch=args.batch, heads=args.heads,
+      head_dim=args.head_dim, dtype=args.dtype, implementation=args.implementation)
   result["params"] = {k: v for k, v in params.items() if isinstance(v, (int, float, str, bool))}
+  _measure(forward, args, result)
+
+
+def op_forward(spec: Any, length: int, *, causal: bool, batch: int, heads: int, head_dim: int, dtype: str,
+               implementation: str | None = None) -> tuple[Callable[..., Any], str, dict[str, Any]]:
+  """(forward(q, k, v), mode, params): a registered op at its automatic parameters for this shape, run in
+  the direction it supports (see `op_direction`), with `implementation` where the op takes one."""
+  causal, mode = op_direction(spec.causal, spec.bidirectional, causal)
+  params = op_params(spec, length, batch=batch, heads=heads, head_dim=head_dim, dtype=dtype)
+  if implementation is not None and _takes_keyword(spec.fn, "implementation"):
+    params["implementation"] = implementation
 
   def forward(q, k, v):  # [batch, length, heads, head_dim] each
     out = spec.fn(q, k, v, causal=causal, **params)
     return out[0] if isinstance(out, tuple) else out  # [batch, length, heads, head_dim]
 
-  _measure(forward, args, result)
+  return forward, mode, params
 
 
 def _takes_keyword(fn: Callable[..., Any], name: str) -> bool:

@@ -42,35 +42,30 @@ def device_kernel_times(trace_path: str) -> tuple[collections.Counter, int]:
 
 
 def op_step(name: str, length: int, *, heads: int, head_dim: int, dtype: str, causal: bool,
-            implementation: str | None = None) -> tuple[Any, list[Any], bool]:
+            implementation: str | None = None) -> tuple[Any, list[Any], str]:
   """(jitted grad of sum(op(q, k, v) * cot) w.r.t. q, k, v, [q, k, v, cot] random [1, L, heads, head_dim],
   the direction run) for a registered op with the benchmark's parameters."""
   import jax
   import jax.numpy as jnp
 
   from models import ops_registry
-  from scripts.benchmark import op_direction, op_params
+  from scripts.benchmark import op_forward
 
-  spec = ops_registry.get(name)
-  causal, _ = op_direction(spec.causal, spec.bidirectional, causal)
-  params = op_params(spec, length, batch=1, heads=heads, head_dim=head_dim, dtype=dtype)
-  if implementation:
-    params["implementation"] = implementation
+  forward, mode, _ = op_forward(ops_registry.get(name), length, causal=causal, batch=1, heads=heads,
+                                head_dim=head_dim, dtype=dtype, implementation=implementation)
 
   def loss(q, k, v, cot):
-    out = spec.fn(q, k, v, causal=causal, **params)
-    out = out[0] if isinstance(out, tuple) else out
-    return jnp.sum((out * cot).astype(jnp.float32))
+    return jnp.sum((forward(q, k, v) * cot).astype(jnp.float32))
 
   keys = jax.random.split(jax.random.key(0), 4)
   xs = [jax.random.normal(k, (1, length, heads, head_dim), jnp.dtype(dtype)) for k in keys]
-  return jax.jit(jax.grad(loss, argnums=(0, 1, 2))), xs, causal
+  return jax.jit(jax.grad(loss, argnums=(0, 1, 2))), xs, mode
 
 
 def profile(name: str, length: int, args: argparse.Namespace) -> None:
   import jax
 
-  step, xs, causal = op_step(name, length, heads=args.heads, head_dim=args.head_dim, dtype=args.dtype,
+  step, xs, mode = op_step(name, length, heads=args.heads, head_dim=args.head_dim, dtype=args.dtype,
                              causal=args.causal, implementation=args.implementation)
   jax.block_until_ready(step(*xs))
   start = time.perf_counter()
@@ -87,7 +82,7 @@ def profile(name: str, length: int, args: argparse.Namespace) -> None:
       return
     totals, count = device_kernel_times(paths[0])
   device_ms = sum(totals.values()) / 1e3 / args.calls
-  print(f"\n{name} L={length} causal={causal}: wall {wall_ms:.3f} ms/call, device kernels {device_ms:.3f} "
+  print(f"\n{name} L={length} {mode}: wall {wall_ms:.3f} ms/call, device kernels {device_ms:.3f} "
         f"ms/call, {count / args.calls:.0f} kernels/call", flush=True)
   for kernel, us in totals.most_common(args.top):
     share = 100 * us / max(sum(totals.values()), 1)
