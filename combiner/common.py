@@ -29,6 +29,7 @@ class Inputs(NamedTuple):
   scale: float
   out_dtype: Any
   kernel_dtype: Any = None  # matmul input dtype of the fused kernels; None: the XLA path
+  heads_last: bool = False  # every array above in the contract's [batch, length, heads, dim] instead
 
 
 def kernel_dtype(*arrays: Array) -> Any:
@@ -39,14 +40,16 @@ def kernel_dtype(*arrays: Array) -> Any:
 
 def prepare(q: Array, k: Array, v: Array, mask: Array | None, *, op: str, causal: Any, pooling: Any = "max",
             pool_q: Array | None = None, pool_k: Array | None = None, materialize: bool = False,
-            implementation: str | None = None) -> Inputs:
+            implementation: str | None = None, heads_last: bool = False) -> Inputs:
   """Checks the op contract, casts to the softmax dtype (float32, or float64 under x64), goes head-major.
 
-  materialize: build the head-major q, k, v as real arrays (`materialized_head_major`); for plans that reshape
-  them into many different grids (logsparse: one per level).
+  materialize: build the head-major q, k, v as real arrays (`materialized_head_major`); for XLA plans that
+  reshape them into many different grids (logsparse: one per level).
   implementation: the op's "auto" | "xla" | "pallas" argument (None: the op has only the XLA path). For the
   fused kernels q, k, v stay in `kernel_dtype` (a bfloat16 input is not widened to float32 only to be
   narrowed again at the kernel); the pooled inputs still take the softmax dtype, as pooling runs there.
+  heads_last: a fused plan that hands the kernels heads-packed arrays (`combiner.flash.packs_heads`) keeps
+  the contract's layout, so nothing is transposed; Inputs.heads_last says whether it did.
   """
   q, k, v, mask = contract.check_qkv(q, k, v, mask, op=op)
   contract.check_bool(causal, name="causal", op=op)
@@ -64,14 +67,24 @@ def prepare(q: Array, k: Array, v: Array, mask: Array | None, *, op: str, causal
     elif not hasattr(x, "shape") or tuple(x.shape) != tuple(q.shape):
       raise ValueError(f"{op}: argument {name!r} must be None or an array shaped like q {tuple(q.shape)}, "
                        f"got {getattr(x, 'shape', type(x).__name__)}")
-    pooled.append(head_major(jnp.asarray(x).astype(ct)))
+    pooled.append(jnp.asarray(x).astype(ct))
   kernel = None
   if implementation is not None and contract.resolve_implementation(implementation, op=op) == "pallas":
     kernel = kernel_dtype(q, k, v)
-  to_heads = materialized_head_major if materialize else head_major
+  heads_last = heads_last and kernel is not None
+  layout = pooled_layout = head_major
+  if heads_last:
+    layout = pooled_layout = _same
+  elif materialize and kernel is None:
+    layout = materialized_head_major
   dt = ct if kernel is None else kernel
-  return Inputs(to_heads(q.astype(dt)), to_heads(k.astype(dt)), to_heads(v.astype(dt)), mask, pooled[0],
-                pooled[1], contract.logit_scale(q.shape[-1]), v.dtype, kernel)
+  scale = contract.logit_scale(q.shape[-1])
+  return Inputs(layout(q.astype(dt)), layout(k.astype(dt)), layout(v.astype(dt)), mask,
+                pooled_layout(pooled[0]), pooled_layout(pooled[1]), scale, v.dtype, kernel, heads_last)
+
+
+def _same(x: Array) -> Array:
+  return x
 
 
 def materialized_head_major(x: Array) -> Array:

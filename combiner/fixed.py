@@ -6,7 +6,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from combiner import common, fused
+from combiner import common, flash, fused
 from combiner import pooling as pool_ops
 from core import contract
 from core.blocks import from_grid, num_blocks, to_grid
@@ -66,7 +66,7 @@ def fixed(q: Array, k: Array, v: Array, *, block_size: int, causal: bool, mask: 
   """
   op = "combiner.fixed"
   x = common.prepare(q, k, v, mask, op=op, causal=causal, pooling=pooling, pool_q=pool_q, pool_k=pool_k,
-                     implementation=implementation)
+                     implementation=implementation, heads_last=flash.packs_heads())
   size = contract.check_positive_int(block_size, name="block_size", op=op)
   if x.kernel_dtype is not None:
     return fused.fixed(x, size, causal, pooling)

@@ -14,8 +14,8 @@ Forward: grid (bh, groups, query tiles). A query tile [block_q, head_dim] stays 
 block holding the whole set ([n, dim]; n is small: a block, a row, a column, the summaries), read in key
 tiles of block_k with `pl.ds` inside a `fori_loop` that stops after the last key a causal rule lets the tile
 see. Matmuls take the input dtype (bfloat16 on accelerators) and accumulate in float32; softmax statistics
-are float32. Nothing of size [L, n] is written to device memory. Keys and values enter every product with
-non-finite entries selected to 0, and a per-key code marks the ones that had any: a query that sees such a key
+are float32. Nothing of size [L, n] is written to device memory. Key and value tiles have non-finite entries
+selected to 0 before any product, and a per-key code marks the keys that had any: a query that sees such a key
 gets NaN (as the XLA plans give it), while a NaN behind a mask or in the future reaches no output.
 
 Backward (custom_vjp; recomputation from the saved log-sum-exp as in FlashAttention-2): one dq kernel with
@@ -101,6 +101,7 @@ class Source(NamedTuple):
   (j < qid), "ne" (j != qid), "range" (rows[0][j] <= qid < rows[1][j]); qid is the query's row inside its
   group ("row") or its group's index ("group").
   rows: for "range", the (first, end) query ids of each key, int arrays broadcastable to [gk, n].
+  packed: k, v are heads-packed, [batch, gk, n, heads * dim] (see `attend`).
   """
 
   k: Array
@@ -109,6 +110,7 @@ class Source(NamedTuple):
   rule: str = "all"
   qid: str = "row"
   rows: Any = None
+  packed: bool = False
 
 
 class _Spec(NamedTuple):  # the static part of a source, after padding
@@ -117,6 +119,27 @@ class _Spec(NamedTuple):  # the static part of a source, after padding
   shared: bool
   n: int  # padded length
   block: int
+  pack: int | None = None  # heads, for heads-packed keys and values
+
+
+def packs_heads() -> bool:
+  """Whether the fused plans hand the kernels heads-packed arrays ([batch, ..., heads * dim], the op
+  contract's own layout, so no head-major transposes) instead of head-major ones. On GPUs: Triton loads any
+  strided tile. Mosaic (TPU) wants a block's last dim to be a multiple of 128 or the whole axis, and CPU
+  runs the head-major arrays the TPU gets (tests force the packed ones)."""
+  return contract.backend() in contract.ACCELERATOR_BACKENDS and contract.backend() != "tpu"
+
+
+def _packed(imap, pack: int | None):
+  """An index map over [bh, g, n, dim] blocks, moved to the heads-packed [batch, g, n, heads * dim] array
+  (block bh % heads of the last axis); unchanged for pack None."""
+  if pack is None:
+    return imap
+
+  def packed(b, g, t):
+    i = imap(b, g, t)
+    return (_div(i[0], pack), i[1], i[2], _rem(i[0], pack))
+  return packed
 
 
 def tile_caps() -> tuple[int, int]:
@@ -164,7 +187,7 @@ def _key_tiles(spec: _Spec, qid_max: Array, num: int) -> Array | int:
 
 def _scores(q, k, valid_ref, vstart, spec: _Spec, qid, start, scale):
   """Logits [bq, bk] (float32) of a query tile against the key tile at `start`, which are visible, and which
-  visible keys hold a non-finite key or value.
+  keys ([1, bk]) held a non-finite key or value.
 
   valid_ref columns [vstart, vstart + bk): row 0 the key code (0 invalid, VALID, NONFINITE); for the "range"
   rule rows 1, 2 the first and end query id of each key (rows are loaded from the ref: Triton cannot slice
@@ -182,12 +205,12 @@ def _scores(q, k, valid_ref, vstart, spec: _Spec, qid, start, scale):
     vis = _visible(spec.rule, qid, kid)
     if vis is not None:
       ok = ok & vis
-  return s, ok, ok & (code > VALID)
+  return s, ok, code > VALID
 
 
 def _finite(x: Array) -> Array:
-  """x with non-finite entries selected to 0: a key or value that no query of the tile sees must not reach
-  a product with its zero weight (0 * NaN); queries that do see one are flagged instead."""
+  """x with non-finite entries selected to 0: a key or value no query of the tile sees must not reach a
+  product with its zero weight (0 * NaN)."""
   return jnp.where(jnp.isfinite(x.astype(jnp.float32)), x, jnp.zeros_like(x))  # Mosaic tests float32 only
 
 
@@ -200,33 +223,31 @@ def _fwd_kernel(q_ref, *refs, specs: Sequence[_Spec], scale: float, block_q: int
   rows = t * block_q + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
   m = jnp.full((block_q, 1), -jnp.inf, jnp.float32)
   den = jnp.zeros((block_q, 1), jnp.float32)
-  hit = jnp.zeros((block_q, 1), jnp.float32)  # > 0: the query sees a non-finite key or value
   acc = jnp.zeros(o_ref.shape, jnp.float32)
   for spec, (k_ref, v_ref, valid_ref) in zip(specs, src, strict=True):
     qid = rows if spec.qid == "row" else g
     qid_max = t * block_q + block_q - 1 if spec.qid == "row" else g
 
     def body(j, carry, spec=spec, k_ref=k_ref, v_ref=v_ref, valid_ref=valid_ref, qid=qid):
-      m, den, hit, acc = carry
+      m, den, acc = carry
       start = pl.multiple_of(j * spec.block, spec.block)
       k = k_ref[pl.ds(start, spec.block), :]
       v = _finite(v_ref[pl.ds(start, spec.block), :])
       s, ok, bad = _scores(q, k, valid_ref, start, spec, qid, start, scale)
-      s = jnp.where(ok, s, -jnp.inf)
+      # A visible key that held a NaN or Inf gets logit +inf: its query's max, weights and output turn NaN.
+      s = jnp.where(ok, jnp.where(bad, jnp.inf, s), -jnp.inf)
       m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
       m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
       p = jnp.exp(s - m_safe)  # exactly 0 where masked
       alpha = jnp.exp(m - m_safe)
       den = alpha * den + jnp.sum(p, axis=1, keepdims=True)
-      hit = jnp.maximum(hit, jnp.max(jnp.where(bad, 1.0, 0.0), axis=1, keepdims=True))
       acc = alpha * acc + _dot(p.astype(v.dtype), v)
-      return m_new, den, hit, acc
+      return m_new, den, acc
 
-    m, den, hit, acc = lax.fori_loop(0, _key_tiles(spec, qid_max, spec.n // spec.block), body,
-                                     (m, den, hit, acc))
+    m, den, acc = lax.fori_loop(0, _key_tiles(spec, qid_max, spec.n // spec.block), body, (m, den, acc))
   nonempty = den > 0
   safe = jnp.where(nonempty, den, 1.0)
-  o_ref[...] = jnp.where(hit > 0, jnp.nan, acc / safe).astype(o_ref.dtype)
+  o_ref[...] = (acc / safe).astype(o_ref.dtype)
   lse_ref[...] = jnp.where(nonempty, m + jnp.log(safe), -jnp.inf)
 
 
@@ -303,14 +324,14 @@ def _dkv_kernel(q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, valid_ref, dk_r
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _row_spec(rows: int, width: int) -> pl.BlockSpec:
+def _row_spec(rows: int, width: int, pack: int | None = None) -> pl.BlockSpec:
   """Tile t of `rows` rows of group g: [bh, groups, n, width] -> [rows, width]."""
-  return pl.BlockSpec((None, None, rows, width), lambda b, g, t: (b, g, t, 0))
+  return pl.BlockSpec((None, None, rows, width), _packed(lambda b, g, t: (b, g, t, 0), pack))
 
 
-def _full_spec(rows: int, width: int) -> pl.BlockSpec:
+def _full_spec(rows: int, width: int, pack: int | None = None) -> pl.BlockSpec:
   """All `rows` rows of group g (the grid's key-tile axis does not move it)."""
-  return pl.BlockSpec((None, None, rows, width), lambda b, g, t: (b, g, 0, 0))
+  return pl.BlockSpec((None, None, rows, width), _packed(lambda b, g, t: (b, g, 0, 0), pack))
 
 
 def _split_queries(x: Array, splits: int, rows: int, fill: float) -> Array:
@@ -319,10 +340,10 @@ def _split_queries(x: Array, splits: int, rows: int, fill: float) -> Array:
   return pad_to(x.reshape(bh, -1, w), splits * rows, 1, fill).reshape(bh, splits, rows, w)
 
 
-def _key_tile_spec(rows: int, shared: bool, width: int) -> pl.BlockSpec:
+def _key_tile_spec(rows: int, spec: _Spec, width: int) -> pl.BlockSpec:
   """Key tile t of group g (shared: of the one group, whatever grid axis 1 is)."""
-  return pl.BlockSpec((None, None, rows, width), (lambda b, g, t: (b, 0, t, 0)) if shared
-                      else (lambda b, g, t: (b, g, t, 0)))
+  return pl.BlockSpec((None, None, rows, width), _packed(
+      (lambda b, g, t: (b, 0, t, 0)) if spec.shared else (lambda b, g, t: (b, g, t, 0)), spec.pack))
 
 
 def _valid_tile_spec(rows: int, cols: int, shared: bool) -> pl.BlockSpec:
@@ -331,12 +352,17 @@ def _valid_tile_spec(rows: int, cols: int, shared: bool) -> pl.BlockSpec:
                       else (lambda b, g, t: (b, g, 0, t)))
 
 
+def _width(x: Array, pack: int | None) -> int:
+  """Per-head feature width of a head-major or heads-packed array."""
+  return x.shape[-1] // (pack or 1)
+
+
 def _source_specs(specs, arrays):
   in_specs = []
   for spec, (k, v, _) in zip(specs, arrays, strict=True):
     gmap = (lambda bh, g, t: (bh, 0, 0, 0)) if spec.shared else (lambda bh, g, t: (bh, g, 0, 0))
-    in_specs += [pl.BlockSpec((None, None, spec.n, k.shape[-1]), gmap),
-                 pl.BlockSpec((None, None, spec.n, v.shape[-1]), gmap),
+    in_specs += [pl.BlockSpec((None, None, spec.n, _width(k, spec.pack)), _packed(gmap, spec.pack)),
+                 pl.BlockSpec((None, None, spec.n, _width(v, spec.pack)), _packed(gmap, spec.pack)),
                  pl.BlockSpec((None, None, _valid_rows(spec), spec.n), gmap)]
   return in_specs
 
@@ -348,40 +374,45 @@ def _flat(specs, arrays):
   return out
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _flash(specs: tuple, scale: float, block_q: int, q: Array, arrays: tuple):
-  return _flash_fwd(specs, scale, block_q, q, arrays)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _flash(specs: tuple, scale: float, block_q: int, pack: int | None, q: Array, arrays: tuple):
+  return _flash_fwd(specs, scale, block_q, pack, q, arrays)[0]
 
 
-def _flash_fwd(specs, scale, block_q, q, arrays):
-  bh, groups, glen, d = q.shape
-  dv = arrays[0][1].shape[-1]
-  grid = (bh, groups, glen // block_q)
+def _flash_fwd(specs, scale, block_q, pack, q, arrays):
+  batch, groups, glen, _ = q.shape
+  bh, d = batch * (pack or 1), _width(q, pack)
+  dv = _width(arrays[0][1], specs[0].pack)
   o, lse = _pallas_call(
       functools.partial(_fwd_kernel, specs=specs, scale=scale, block_q=block_q),
-      grid=grid,
-      in_specs=[_row_spec(block_q, d)] + _source_specs(specs, arrays),
-      out_specs=[_row_spec(block_q, dv), _row_spec(block_q, 1)],
-      out_shape=[jax.ShapeDtypeStruct((bh, groups, glen, dv), jnp.float32),
+      grid=(bh, groups, glen // block_q),
+      in_specs=[_row_spec(block_q, d, pack)] + _source_specs(specs, arrays),
+      out_specs=[_row_spec(block_q, dv, pack), _row_spec(block_q, 1)],
+      out_shape=[jax.ShapeDtypeStruct((batch, groups, glen, dv * (pack or 1)), jnp.float32),
                  jax.ShapeDtypeStruct((bh, groups, glen, 1), jnp.float32)],
       name="combiner_flash_fwd",
   )(q, *_flat(specs, arrays))
   return (o, lse), (q, arrays, o, lse)
 
 
-def _flash_bwd(specs, scale, block_q, res, cts):
+def _flash_bwd(specs, scale, block_q, pack, res, cts):
   q, arrays, o, lse = res
   do, dlse = cts
-  bh, groups, glen, d = q.shape
-  delta = jnp.sum(do * o, axis=-1, keepdims=True) - dlse  # [bh, groups, glen, 1]
+  batch, groups, glen, _ = q.shape
+  bh, d = batch * (pack or 1), _width(q, pack)
+  delta = jnp.sum(do * o, axis=-1, keepdims=True)  # [bh, groups, glen, 1]
+  if pack:  # [batch, groups, glen, heads * dv] -> per head, head-major
+    delta = jnp.sum((do * o).reshape(batch, groups, glen, pack, -1), axis=-1)  # [batch, groups, glen, heads]
+    delta = jnp.moveaxis(delta, 3, 1).reshape(bh, groups, glen, 1)
+  delta = delta - dlse
   do = do.astype(q.dtype)
   row_spec = functools.partial(_row_spec, block_q)
   dq = _pallas_call(
       functools.partial(_dq_kernel, specs=specs, scale=scale, block_q=block_q),
       grid=(bh, groups, glen // block_q),
-      in_specs=[row_spec(d), row_spec(do.shape[-1]), row_spec(1), row_spec(1)]
+      in_specs=[row_spec(d, pack), row_spec(_width(do, pack), pack), row_spec(1), row_spec(1)]
       + _source_specs(specs, arrays),
-      out_specs=row_spec(d),
+      out_specs=row_spec(d, pack),
       out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
       name="combiner_flash_dq",
   )(q, do, lse, delta, *_flat(specs, arrays))
@@ -397,17 +428,19 @@ def _flash_bwd(specs, scale, block_q, res, cts):
     else:
       qs, splits, rows = [q, do, lse, delta], groups, glen
     full = functools.partial(_full_spec, rows)
-    tile = functools.partial(_row_spec, spec.block)
-    kv_tile = functools.partial(_key_tile_spec, spec.block, spec.shared)
+    kv_tile = functools.partial(_key_tile_spec, spec.block, spec)
     vmap = _valid_tile_spec(_valid_rows(spec), spec.block, spec.shared)
     # Partial sums over splits stay float32 until summed; a group's own keys get theirs in their dtype.
-    out_shape = [jax.ShapeDtypeStruct((bh, splits, spec.n, x.shape[-1]),
+    out_shape = [jax.ShapeDtypeStruct((x.shape[0], splits, spec.n, x.shape[-1]),
                                       jnp.float32 if spec.shared else x.dtype) for x in (k, v)]
+    dk_w, dv_w = _width(k, spec.pack), _width(v, spec.pack)
     dk, dv = _pallas_call(
         functools.partial(_dkv_kernel, spec=spec, scale=scale, block_q=block_q, group_len=glen),
         grid=(bh, splits, spec.n // spec.block),
-        in_specs=[full(d), full(do.shape[-1]), full(1), full(1), kv_tile(d), kv_tile(v.shape[-1]), vmap],
-        out_specs=[tile(d), tile(v.shape[-1])],
+        in_specs=[full(d, pack), full(_width(do, pack), pack), full(1), full(1), kv_tile(dk_w), kv_tile(dv_w),
+                  vmap],
+        out_specs=[kv_tile(dk_w), kv_tile(dv_w)] if not spec.shared
+        else [_row_spec(spec.block, dk_w), _row_spec(spec.block, dv_w)],
         out_shape=out_shape,
         name="combiner_flash_dkv",
     )(*qs, k, v, valid)
@@ -420,13 +453,16 @@ def _flash_bwd(specs, scale, block_q, res, cts):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def attend(q: Array, sources: Sequence[Source], *, heads: int, scale: float) -> tuple[Array, Array]:
+def attend(q: Array, sources: Sequence[Source], *, heads: int, scale: float,
+           packed: bool = False) -> tuple[Array, Array]:
   """Joint softmax of grouped queries over `sources`.
 
-  q: [bh, groups, group_len, head_dim], bh = batch * heads (batch-major). Returns (out [bh, groups, group_len,
-  value_dim], lse [bh, groups, group_len]), float32; rows with no visible key give out 0 and lse -inf.
+  q: [bh, groups, group_len, head_dim], bh = batch * heads (batch-major); packed: q is heads-packed,
+  [batch, groups, group_len, heads * head_dim] (a free reshape of the op contract's layout), and so is out.
+  Returns (out [bh, groups, group_len, value_dim], lse [bh, groups, group_len]), float32; rows with no
+  visible key give out 0 and lse -inf.
   """
-  bh, groups, glen, _ = q.shape
+  groups, glen = q.shape[1:3]
   cap_q, cap_k = tile_caps()
   block_q = _tile(glen, cap_q)
   glen_p = -(-glen // block_q) * block_q
@@ -440,8 +476,10 @@ def attend(q: Array, sources: Sequence[Source], *, heads: int, scale: float) -> 
     n_p = -(-n // block) * block
     shared = s.k.shape[1] == 1 and groups > 1
     # Row 0: the key code, per (batch, head): 0 invalid, else VALID or NONFINITE (a NaN/Inf in its key or
-    # value, which the kernel keeps out of every product and reports as NaN to the queries that see it).
-    finite = jnp.all(jnp.isfinite(s.k), axis=-1) & jnp.all(jnp.isfinite(s.v), axis=-1)  # [bh, gk, n]
+    # value). The kernels select non-finite entries of a tile's keys and values to 0 before their products,
+    # so a key no query of a tile sees never meets its zero weight (0 * NaN); queries that see one get NaN.
+    pack = heads if s.packed else None
+    finite = _per_head(jnp.isfinite(s.k), pack) & _per_head(jnp.isfinite(s.v), pack)  # [bh, gk, n]
     valid = jnp.repeat(s.valid, heads, axis=0)  # [bh, gk, n]
     valid = jnp.where(valid, jnp.where(finite, VALID, NONFINITE), 0.0)[:, :, None, :]  # [bh, gk, 1, n]
     if s.rule == "range":  # rows 1, 2: the query-id range of each key (exact in float32); row 3 pads to 4
@@ -449,10 +487,19 @@ def attend(q: Array, sources: Sequence[Source], *, heads: int, scale: float) -> 
       lo, hi = (jnp.broadcast_to(jnp.asarray(r, jnp.float32).reshape(-1, n)[:, None], shape) for r in s.rows)
       valid = jnp.concatenate([valid, lo, hi, jnp.zeros_like(lo)], axis=2)  # [batch, gk, 4, n]
     valid = pad_to(valid, n_p, 3)
-    specs.append(_Spec(s.rule, s.qid, shared, n_p, block))
+    specs.append(_Spec(s.rule, s.qid, shared, n_p, block, pack))
     arrays.append((pad_to(s.k.astype(q.dtype), n_p, 2), pad_to(s.v.astype(q.dtype), n_p, 2), valid))
-  o, lse = _flash(tuple(specs), float(scale), block_q, qp, tuple(arrays))
+  o, lse = _flash(tuple(specs), float(scale), block_q, heads if packed else None, qp, tuple(arrays))
   return o[:, :, :glen], lse[:, :, :glen, 0]
+
+
+def _per_head(finite: Array, pack: int | None) -> Array:
+  """[bh, gk, n, dim] (or heads-packed [batch, gk, n, heads * dim]) -> [bh, gk, n]: all entries finite."""
+  if pack is None:
+    return jnp.all(finite, axis=-1)
+  batch, gk, n, _ = finite.shape
+  per = jnp.all(finite.reshape(batch, gk, n, pack, -1), axis=-1)  # [batch, gk, n, heads]
+  return jnp.moveaxis(per, 3, 1).reshape(batch * pack, gk, n)
 
 
 def merge(parts: Sequence[tuple[Array, Array]]) -> tuple[Array, Array]:

@@ -51,31 +51,36 @@ def _other_rule(causal: bool) -> str:
   return "lt" if causal else "ne"
 
 
-def span_expectation(q_bar: Array, kb: Array, vb: Array, mb: Array, scale: float) -> Array:
+def span_expectation(q_bar: Array, kb: Array, vb: Array, valid: Array, scale: float, axis: int = 3) -> Array:
   """In-span expected values: softmax(q_bar . k / sqrt(d)) over each span's real keys, times their values.
 
-  q_bar: [batch, heads, n, d] (softmax dtype); kb: [batch, heads, n, s, d], vb: [..., dv] (kernel dtype);
-  mb: [batch, 1, n, s]. Returns [batch, heads, n, dv] float32 (0 for an empty span, dropped by the caller).
-  Spans longer than SPAN_CHUNK are reduced in chunks of it and the chunks summed, which keeps many reductions
-  in flight when a few spans hold thousands of keys (logsparse's top levels). Masked keys and values are
-  zeros (`common.prepare` selects them), so no product needs a select; matmul inputs take the kernel dtype.
+  kb: a span's keys on `axis`, [..., s, ..., head_dim] (head-major [batch, heads, n, s, d]: axis 3; heads-last
+  [batch, n, s, heads, d]: axis 2); vb: the same with value_dim; q_bar: kb's shape without `axis` (softmax
+  dtype); valid: [batch, ...] like kb.shape[:-1] (heads may be 1). Returns q_bar's shape with value_dim,
+  float32 (0 for an empty span, dropped by the caller). Spans longer than SPAN_CHUNK are reduced in chunks of
+  it, which keeps many reductions in flight when a few spans hold thousands of keys (logsparse's top
+  levels). Masked keys and values are zeros (`common.prepare` selects them), so no product needs a select.
   """
-  b, h, n, s, _ = kb.shape
+  s = kb.shape[axis]
   c = SPAN_CHUNK if s > SPAN_CHUNK and s % SPAN_CHUNK == 0 else s
-  kc, vc = (t.reshape(b, h, n, s // c, c, t.shape[-1]) for t in (kb, vb))  # [b, h, n, chunks, c, dim]
-  valid = mb.reshape(mb.shape[0], 1, n, s // c, c)
-  logits = jnp.einsum("bhnd,bhnjkd->bhnjk", q_bar.astype(kb.dtype), kc,
-                      preferred_element_type=jnp.float32) * scale  # [b, h, n, chunks, c]
-  logits = jnp.where(valid, logits, -jnp.inf)
-  top = lax.stop_gradient(jnp.max(logits, axis=(3, 4), keepdims=True))
+  axes = (axis, axis + 1)
+
+  def split(t):  # the span axis -> (s // c, c)
+    return t.reshape(t.shape[:axis] + (s // c, c) + t.shape[axis + 1:])
+
+  logits = jnp.sum(jnp.expand_dims(q_bar, axes) * split(kb), axis=-1) * scale  # kb.shape[:-1], split
+  logits = jnp.where(split(valid), logits, -jnp.inf)
+  top = lax.stop_gradient(jnp.max(logits, axis=axes, keepdims=True))
   p = jnp.exp(logits - jnp.where(jnp.isfinite(top), top, 0.0))  # exactly 0 where masked
-  den = jnp.sum(p, axis=(3, 4))  # [b, h, n]
-  num = jnp.einsum("bhnjk,bhnjkd->bhnd", p.astype(vb.dtype), vc, preferred_element_type=jnp.float32)
+  den = jnp.sum(p, axis=axes)
+  num = jnp.sum(p[..., None] * split(vb), axis=axes)
   return num / jnp.where(den > 0, den, 1.0)[..., None]
 
 
 def fixed(x: common.Inputs, size: int, causal: bool, pooling: str | None) -> Array:
   """Combiner-Fixed (pooling = "max"/"mean") or Sparse-Fixed (pooling None: each block's last position)."""
+  if x.heads_last:
+    return _fixed_packed(x, size, causal, pooling)
   dtype = x.kernel_dtype
   batch, heads, length, _ = x.q.shape
   blocks = num_blocks(length, size)
@@ -96,6 +101,34 @@ def fixed(x: common.Inputs, size: int, causal: bool, pooling: str | None) -> Arr
   ]
   out, _ = flash.attend(_bh(qb).astype(dtype), sources, heads=heads, scale=x.scale)  # [bh, blocks, size, dv]
   return common.finish(from_grid(_unbh(out, batch), length, 2), x)
+
+
+def _fixed_packed(x: common.Inputs, size: int, causal: bool, pooling: str | None) -> Array:
+  """`fixed` on heads-packed arrays: the inputs stay in the contract layout [batch, length, heads, dim] and
+  only the O(L/size)-sized summaries go head-major."""
+  batch, length, heads, _ = x.q.shape
+  blocks = num_blocks(length, size)
+  qb, kb, vb = (to_grid(t, blocks, size, 1) for t in (x.q, x.k, x.v))  # [batch, blocks, size, heads, d]
+  mb = to_grid(x.mask, blocks, size, 1)  # [batch, blocks, size]
+  if pooling is None:
+    k_sum, v_sum, ok_sum = kb[:, :, -1], vb[:, :, -1], mb[:, :, -1]  # [b, blocks, heads, d], [b, blocks]
+  else:
+    pqb, pkb = (to_grid(t, blocks, size, 1) for t in (x.pool_q, x.pool_k))
+    k_sum, ok_sum = pool_ops.pool(pkb, mb[..., None], axis=2, kind=pooling)  # [b, n, h, d], [b, n, 1]
+    q_bar, _ = pool_ops.pool(pqb, mb[..., None], axis=2, kind=pooling)
+    v_sum = span_expectation(q_bar, kb, vb, mb[..., None], x.scale, axis=2)  # [batch, blocks, heads, dv]
+    ok_sum = ok_sum[..., 0]
+
+  def packed(t):  # [batch, blocks, size, heads, dim] -> [batch, blocks, size, heads * dim]
+    return t.reshape(*t.shape[:3], -1)
+
+  def summaries(t):  # [batch, blocks, heads, dim] -> [bh, 1, blocks, dim]
+    return _bh(jnp.swapaxes(t, 1, 2))[:, None].astype(x.kernel_dtype)
+
+  sources = [flash.Source(packed(kb), packed(vb), mb, _direct_rule(causal), "row", packed=True),
+             flash.Source(summaries(k_sum), summaries(v_sum), ok_sum[:, None], _other_rule(causal), "group")]
+  out, _ = flash.attend(packed(qb), sources, heads=heads, scale=x.scale, packed=True)  # [b, n, size, h*dv]
+  return out.reshape(batch, blocks * size, heads, -1)[:, :length].astype(x.out_dtype)
 
 
 class _Layout:

@@ -11,7 +11,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from combiner import common, fused
+from combiner import common, flash, fused
 from combiner.axial import Grid, column_piece, row_piece
 from combiner.fixed import block_direct_piece, other_block_valid
 from combiner.logsparse import logsparse_pieces
@@ -26,7 +26,8 @@ def fixed(q: Array, k: Array, v: Array, *, block_size: int, causal: bool, mask: 
           implementation: str = "auto") -> Array:
   """Sparse Transformer "fixed": own block ∩ Ω_i plus the summary positions {j in Ω_i : j mod s = s-1}."""
   op = "sparse.fixed"
-  x = common.prepare(q, k, v, mask, op=op, causal=causal, implementation=implementation)
+  x = common.prepare(q, k, v, mask, op=op, causal=causal, implementation=implementation,
+                     heads_last=flash.packs_heads())
   size = contract.check_positive_int(block_size, name="block_size", op=op)
   if x.kernel_dtype is not None:
     return fused.fixed(x, size, causal, None)

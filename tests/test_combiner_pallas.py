@@ -116,6 +116,15 @@ def test_pallas_equals_xla_sweep(plan, length, size, causal, pooling, deepsets):
   compare(plan, length, size, causal, pooling, deepsets, seed=1)
 
 
+@pytest.mark.parametrize("plan,causal,pooling,deepsets", [("fixed", True, "mean", True),
+                                                         ("sparse_fixed", False, None, False)])
+def test_heads_packed_layout_equals_xla(monkeypatch, plan, causal, pooling, deepsets):
+  """The layout GPUs run (`flash.packs_heads`: q, k, v, out and their gradients in the contract's layout,
+  heads packed along the last axis), forced on CPU."""
+  monkeypatch.setattr(flash, "packs_heads", lambda: True)
+  compare(plan, 13, 4, causal, pooling, deepsets, seed=4)
+
+
 def test_fully_masked_rows_and_nan_keys_stay_finite():
   """A batch row with every key masked returns zeros, and masked keys holding NaN never reach an output."""
   q, k, v, mask, _, _ = inputs(9, 2, False)
@@ -130,11 +139,13 @@ def test_fully_masked_rows_and_nan_keys_stay_finite():
   np.testing.assert_array_equal(np.asarray(got[1]), 0.0)
 
 
-@pytest.mark.parametrize("plan,size", [("fixed", 4), ("logsparse", None), ("axial_vertical", 4)])
-def test_future_nonfinite_values_reach_only_the_queries_that_see_them(plan, size):
+@pytest.mark.parametrize("plan,size,packed", [("fixed", 4, False), ("fixed", 4, True),
+                                              ("logsparse", None, False), ("axial_vertical", 4, False)])
+def test_future_nonfinite_values_reach_only_the_queries_that_see_them(monkeypatch, plan, size, packed):
   """A NaN value and an Inf key at a future position leave every earlier output as in the clean run, and the
   later outputs that see them are non-finite exactly where the XLA plan's are (the kernel never multiplies a
   zero weight with them)."""
+  monkeypatch.setattr(flash, "packs_heads", lambda: packed)
   q, k, v, mask, _, _ = inputs(13, 3, False)
   mask = jnp.ones_like(mask)
   fn = op(plan, size)
@@ -193,6 +204,17 @@ TRITON_OK = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
 @pytest.mark.parametrize("name", sorted(LOWERING_OPS))
 def test_lowers_for_accelerators(name, platform):
+  check_lowering(name, platform)
+
+
+@pytest.mark.parametrize("name", ["fixed", "sparse_fixed"])
+def test_heads_packed_layout_lowers_for_cuda(monkeypatch, name):
+  """The GPU layout: traced here as on a GPU (`flash.packs_heads`), exported for CUDA."""
+  monkeypatch.setattr(flash, "packs_heads", lambda: True)
+  check_lowering(name, "cuda")
+
+
+def check_lowering(name, platform):
   fn = LOWERING_OPS[name]
 
   def fwd_bwd(q, k, v):
