@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from combiner import common, fused
 from combiner import pooling as pool_ops
-from combiner.fixed import block_direct_piece, block_logits, other_block_valid
+from combiner.fixed import block_direct_piece, block_logits
 from core import contract
 from core.blocks import from_grid, head_major, num_blocks, to_grid
 from core.combine import Piece, attend, joint_softmax, weighted_sum
@@ -85,28 +85,48 @@ def column_piece(g: Grid, r: Rows, causal: bool) -> Piece:
   return Piece(logits, valid, lambda w: weighted_sum("bhrcs,bhscd->bhrcd", w, g.v))
 
 
-def rowmajor_spans(g: Grid, causal: bool, pooling: str, span_key_fn: Callable | None,
-                   row_logits: Array) -> Piece:
-  """One span per other row (causal: rows before). Span key: the pooled row; span query: the column-aligned
-  token's own query q_(r', col(i)), falling back to the pooled row query where that token is masked or
-  padding.
+class RowSummaries(NamedTuple):
+  """Per grid row s: the pooled row, and per column c the value row s gives the query aligned with c."""
 
-  row_logits: [batch, heads, rows, cols_q, cols_k], the in-row logits the direct piece uses too.
+  k_bar: Array  # [batch, heads, rows_s, head_dim]
+  nonempty: Array  # [batch, 1, rows_s]
+  v_tilde: Array  # [batch, heads, rows_s, cols_c, value_dim]
+
+
+def rowmajor_summaries(g: Grid, pooling: str, span_key_fn: Callable | None, chunks: int,
+                       row_logits: Array | None = None) -> RowSummaries:
+  """Span key: the pooled row; span query: the column-aligned token's own query q_(r', col(i)), falling back
+  to the pooled row query where that token is masked or padding.
+
+  row_logits: [batch, heads, rows, cols_q, cols_k], the in-row logits the direct piece uses too (one chunk);
+  None: recomputed in `chunks` chunks of rows.
   """
   # k_bar: [b, heads, rows, dim]; nonempty: [b, 1, rows]
   k_bar, nonempty = pool_ops.pool(g.pool_k, g.mask, axis=3, kind=pooling)
   if span_key_fn is not None:
     k_bar = head_major(span_key_fn(head_major(k_bar)))  # the hook sees [batch, rows, heads, dim]
   q_bar, _ = pool_ops.pool(g.pool_q, g.mask, axis=3, kind=pooling)
-  # v_tilde[s, c]: the whole row s attended by the query aligned with column c: the direct piece's row logits,
-  # except where that token is masked or padding and the pooled row query stands in.
-  pooled_logits = jnp.einsum("bhsd,bhsed->bhse", q_bar, g.k) * g.scale  # [batch, heads, rows, cols_e]
-  # [b, heads, rows, cols, cols_e]
-  in_row = jnp.where(g.mask[..., None], row_logits, pooled_logits[:, :, :, None])
-  v_tilde = attend(in_row, g.mask[:, :, :, None, :], g.v, "bhsce,bhsed->bhscd")  # [b, heads, rows, cols, dv]
-  logits = jnp.einsum("bhrcd,bhsd->bhrcs", g.q, k_bar) * g.scale  # [batch, heads, rows, cols, rows_s]
-  valid = other_block_valid(g.rows, causal)[:, None, :] & nonempty[:, :, None, None, :]
-  return Piece(logits, valid, lambda w: weighted_sum("bhrcs,bhscd->bhrcd", w, v_tilde))
+
+  def expected_values(s: tuple[Array, ...]) -> Array:
+    q_bar, q, k, v, mask, logits = s
+    if logits is None:
+      logits = block_logits(q, k, g.scale)
+    # v_tilde[s, c]: the whole row s attended by the query aligned with column c: the direct piece's row
+    # logits, except where that token is masked or padding and the pooled row query stands in.
+    pooled_logits = jnp.einsum("bhsd,bhsed->bhse", q_bar, k) * g.scale  # [batch, heads, n, cols_e]
+    # [b, heads, n, cols, cols_e]
+    in_row = jnp.where(mask[..., None], logits, pooled_logits[:, :, :, None])
+    return attend(in_row, mask[:, :, :, None, :], v, "bhsce,bhsed->bhscd")  # [b, heads, n, cols, dv]
+
+  v_tilde = common.map_rows(expected_values, (q_bar, g.q, g.k, g.v, g.mask, row_logits), chunks)
+  return RowSummaries(k_bar, nonempty, v_tilde)
+
+
+def rowmajor_spans(g: Grid, r: Rows, causal: bool, spans: RowSummaries) -> Piece:
+  """One span per other row (causal: rows before)."""
+  logits = jnp.einsum("bhrcd,bhsd->bhrcs", r.q, spans.k_bar) * g.scale  # [batch, heads, n, cols, rows_s]
+  valid = rows_valid(r, g.rows, causal)[:, None, :] & spans.nonempty[:, :, None, None, :]
+  return Piece(logits, valid, lambda w: weighted_sum("bhrcs,bhscd->bhrcd", w, spans.v_tilde))
 
 
 def _all_but_one(x: Array, valid: Array, axis: int, causal: bool, pooling: str) -> tuple[Array, Array]:
@@ -180,24 +200,31 @@ def axial_xla(x: common.Inputs, m: int, direction: str, causal: bool, pooling: s
               span_key_fn: Callable | None, query_chunks: int | None, op: str) -> Array:
   """The einsum plan: [batch, heads, length, value_dim]."""
   g = Grid(x, m)
-  if direction == "rowmajor":
-    logits = block_logits(g.q, g.k, g.scale)
-    r = g.query_rows()
-    pieces = [row_piece(g, r, causal, logits), rowmajor_spans(g, causal, pooling, span_key_fn, logits)]
-    return from_grid(joint_softmax(pieces), g.length, 2)
   chunks = g.chunks(query_chunks, op)
-  if direction == "vertical":
+  r = g.query_rows()
+  if direction == "rowmajor" and chunks == 1:
+    # In one piece the in-row logits serve both the direct piece and the span summaries.
+    logits = block_logits(g.q, g.k, g.scale)
+    sums = rowmajor_summaries(g, pooling, span_key_fn, 1, logits)
+    out = joint_softmax([row_piece(g, r, causal, logits), rowmajor_spans(g, r, causal, sums)])
+    return from_grid(out, g.length, 2)  # [batch, heads, length, value_dim]
+  if direction == "rowmajor":
+    sums = rowmajor_summaries(g, pooling, span_key_fn, chunks)
+    spans = functools.partial(rowmajor_spans, g, causal=causal, spans=sums)
+  elif direction == "vertical":
     r = g.query_rows(vertical_summaries(g, causal, pooling))
     spans = functools.partial(vertical_spans, g, causal=causal)
   else:
-    r = g.query_rows()
     sums = horizontal_summaries(g, pooling, chunks)
     spans = functools.partial(horizontal_spans, g, causal=causal, spans=sums)
 
   def attention(r: Rows) -> Array:  # [batch, heads, n, cols, value_dim]
-    return joint_softmax([row_piece(g, r, causal), column_piece(g, r, causal), spans(r)])
+    direct = [row_piece(g, r, causal)]
+    if direction != "rowmajor":
+      direct.append(column_piece(g, r, causal))
+    return joint_softmax(direct + [spans(r)])
 
-  return from_grid(common.map_rows(attention, r, chunks), g.length, 2)
+  return from_grid(common.map_rows(attention, r, chunks), g.length, 2)  # [batch, heads, length, value_dim]
 
 
 def axial(q: Array, k: Array, v: Array, *, row_length: int, direction: str, causal: bool,
@@ -212,7 +239,7 @@ def axial(q: Array, k: Array, v: Array, *, row_length: int, direction: str, caus
   span_key_fn (rowmajor only): maps the pooled span keys [batch, rows, heads, head_dim] to the keys used.
   implementation: "xla" (einsums), "pallas" (the fused kernel of `combiner.flash`),
   "auto" (pallas on GPU/TPU).
-  query_chunks (vertical, horizontal; XLA path): run the query rows in this many chunks, one after the other
+  query_chunks (XLA path): run the query rows in this many chunks, one after the other
   (`common.map_rows`); None: as many as keep each chunk's logits within `common.QUERY_CHUNK_BYTES`; 1: one
   piece.
   """

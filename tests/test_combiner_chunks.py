@@ -23,13 +23,18 @@ def _variants():
   out = []
   for causal in (True, False):
     for pooling in ("max", "mean"):
-      for direction in ("vertical", "horizontal"):
+      for direction in ("rowmajor", "vertical", "horizontal"):
         op = functools.partial(combiner.axial, direction=direction, causal=causal, pooling=pooling)
         out.append((f"axial_{direction}", op))
       for normalize in ("mean", "joint"):
         out.append((f"mixture_{normalize}", functools.partial(combiner.mixture, normalize=normalize,
                                                               causal=causal, pooling=pooling)))
     out.append(("sparse_axial", functools.partial(combiner.sparse.axial, causal=causal)))
+  # The span-key hook and the DeepSets pooling inputs are applied before the chunks.
+  out.append(("axial_rowmajor_hook", functools.partial(combiner.axial, direction="rowmajor", causal=True,
+                                                       span_key_fn=jnp.tanh)))
+  out.append(("mixture_deepsets", lambda q, k, v, **kw: combiner.mixture(
+      q, k, v, causal=True, pooling="mean", pool_q=jnp.sin(q), pool_k=jnp.cos(k), **kw)))
   return out
 
 
