@@ -34,7 +34,7 @@ def _variants():
   out.append(("axial_rowmajor_hook", functools.partial(combiner.axial, direction="rowmajor", causal=True,
                                                        span_key_fn=jnp.tanh)))
   out.append(("mixture_deepsets", lambda q, k, v, **kw: combiner.mixture(
-      q, k, v, causal=True, pooling="mean", pool_q=jnp.sin(q), pool_k=jnp.cos(k), **kw)))
+      q, k, v, causal=True, pooling="mean", pool_q=jnp.sin(q), pool_k=jnp.cos(q), **kw)))
   return out
 
 
@@ -54,6 +54,8 @@ def test_chunked_rows_equal_one_piece():
     v = jax.random.normal(keys[2], (2, LENGTH, 2, 4), jnp.float64)  # value_dim != head_dim
     ct = jax.random.normal(keys[3], (2, LENGTH, 2, 4), jnp.float64)
     mask = jax.random.bernoulli(keys[4], 0.7, (2, LENGTH)).at[1, 3:6].set(False)  # one whole row masked
+    hidden = ~mask[:, :, None, None]
+    k, v = jnp.where(hidden, jnp.nan, k), jnp.where(hidden, jnp.inf, v)  # masked keys reach no output
     variants = _variants()
 
     @functools.partial(jax.jit, compiler_options=FAST_COMPILE)
