@@ -39,12 +39,13 @@ def mixture(q: Array, k: Array, v: Array, *, row_length: int, causal: bool, mask
     None: as many as keep each chunk's logits within `common.QUERY_CHUNK_BYTES`; 1: one piece.
   """
   op = "combiner.mixture"
-  x = common.prepare(q, k, v, mask, op=op, causal=causal, pooling=pooling, pool_q=pool_q, pool_k=pool_k)
+  x = common.prepare(q, k, v, mask, op=op, causal=causal, pooling=pooling, pool_q=pool_q, pool_k=pool_k,
+                     implementation=implementation)
   m = contract.check_positive_int(row_length, name="row_length", op=op)
   contract.check_choice(normalize, name="normalize", allowed=NORMALIZE, op=op)
   common.check_query_chunks(query_chunks, op=op)
-  if contract.resolve_implementation(implementation, op=op) == "pallas":
-    return fused.mixture(x, m, causal, pooling, normalize, fused.kernel_dtype(q, k, v))
+  if x.kernel_dtype is not None:
+    return fused.mixture(x, m, causal, pooling, normalize)
   g = Grid(x, m)
   chunks = g.chunks(query_chunks, op)
   horizontal_sums = horizontal_summaries(g, pooling, chunks)
