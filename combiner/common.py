@@ -98,11 +98,11 @@ def finish(out: Array, x: Inputs) -> Array:
   return head_major(out).astype(x.out_dtype)
 
 
-# The XLA paths of the grid plans (axial, mixture) hold several [batch, heads, rows, cols, rows or cols]
-# logits and softmax-weight tensors, O(L·sqrt(L)) each. Where the largest of them exceeds this many bytes, the
-# query rows are split into chunks that each stay under it and run one after the other (`map_rows`), and the
-# backward recomputes a chunk's logits rather than keeping every chunk's. Below it the op runs in one piece:
-# recomputation costs time, and at these sizes memory is not what limits it.
+# The XLA paths of the grid plans (axial, mixture, sparse axial) hold several [batch, heads, rows, cols, n]
+# logits and softmax-weight tensors (n = rows or cols), O(L·sqrt(L)) each. Where the largest of them exceeds
+# this many bytes, the query rows are split into chunks that each stay under it and run one after the other
+# (`map_rows`), and the backward recomputes a chunk's logits rather than keeping every chunk's. Below it
+# the op runs in one piece: recomputation costs time, and at these sizes memory is not what limits it.
 QUERY_CHUNK_BYTES = 1 << 30
 
 
