@@ -7,14 +7,16 @@ each einsum (docs/benchmarks.md, "Design measurements").
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from combiner.pooling import POOLINGS
 from core import contract
-from core.blocks import head_major
+from core.blocks import head_major, pad_to
 
 Array = Any
 
@@ -107,3 +109,51 @@ def materialized_head_major(x: Array) -> Array:
 def finish(out: Array, x: Inputs) -> Array:
   """[batch, heads, length, value_dim] -> the contract's [batch, length, heads, value_dim] in v's dtype."""
   return head_major(out).astype(x.out_dtype)
+
+
+# The XLA paths of the grid plans (axial, mixture, sparse axial) hold several [batch, heads, rows, cols, n]
+# logits and softmax-weight tensors (n = rows or cols), O(L·sqrt(L)) each. Where the largest of them exceeds
+# this many bytes, the query rows are split into chunks that each stay under it and run one after the other
+# (`map_rows`), and the backward recomputes a chunk's logits rather than keeping every chunk's. Below it
+# the op runs in one piece: recomputation costs time, and at these sizes memory is not what limits it.
+QUERY_CHUNK_BYTES = 1 << 30
+
+
+def row_chunks(rows: int, row_bytes: int, query_chunks: int | None, *, op: str) -> int:
+  """How many chunks of query rows to run: `query_chunks` if given (1 = one piece), else the fewest whose
+  largest per-chunk tensor (`row_bytes` per query row) stays within QUERY_CHUNK_BYTES; at most `rows`."""
+  if query_chunks is None:
+    return max(1, min(rows, -(-rows * row_bytes // QUERY_CHUNK_BYTES)))
+  return min(rows, check_query_chunks(query_chunks, op=op))
+
+
+def check_query_chunks(query_chunks: Any, *, op: str) -> int | None:
+  """None (automatic) or a positive number of chunks."""
+  return None if query_chunks is None else contract.check_positive_int(query_chunks, name="query_chunks",
+                                                                       op=op)
+
+
+def map_rows(fn: Callable[[Any], Any], per_row: Any, chunks: int) -> Any:
+  """fn(per_row) computed over `chunks` chunks of rows, one after the other.
+
+  per_row: a pytree of arrays [batch or 1, heads or 1, rows, ...] (rows on axis 2), split into chunks of
+  equal size (the tail padded with zeros, its results dropped); fn maps such a chunk to a pytree of arrays
+  with the chunk's rows on axis 2. Each chunk is a `jax.checkpoint`: its backward recomputes the chunk's
+  intermediates, so only one chunk's are alive at a time, forward and backward.
+  """
+  if chunks <= 1:
+    return fn(per_row)
+  rows = jax.tree.leaves(per_row)[0].shape[2]
+  size = -(-rows // chunks)
+  chunks = -(-rows // size)
+
+  def split(x: Array) -> Array:  # [b, h, rows, ...] -> [chunks, b, h, size, ...]
+    x = pad_to(x, chunks * size, 2)
+    return jnp.moveaxis(x.reshape(*x.shape[:2], chunks, size, *x.shape[3:]), 2, 0)
+
+  def join(y: Array) -> Array:  # [chunks, b, h, size, ...] -> [b, h, rows, ...]
+    y = jnp.moveaxis(y, 0, 2)
+    return y.reshape(*y.shape[:2], chunks * size, *y.shape[4:])[:, :, :rows]
+
+  out = jax.lax.map(jax.checkpoint(fn), jax.tree.map(split, per_row))
+  return jax.tree.map(join, out)

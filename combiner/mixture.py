@@ -5,7 +5,16 @@ from __future__ import annotations
 from typing import Any
 
 from combiner import common, fused
-from combiner.axial import Grid, column_piece, horizontal_spans, row_piece, vertical_spans
+from combiner.axial import (
+  Grid,
+  Rows,
+  column_piece,
+  horizontal_spans,
+  horizontal_summaries,
+  row_piece,
+  vertical_spans,
+  vertical_summaries,
+)
 from core import combine, contract
 from core.blocks import from_grid
 from core.combine import joint_softmax, merge, partial_softmax
@@ -16,7 +25,8 @@ NORMALIZE = ("mean", "joint")
 
 def mixture(q: Array, k: Array, v: Array, *, row_length: int, causal: bool, mask: Array | None = None,
             pooling: str = "max", normalize: str = "mean", pool_q: Array | None = None,
-            pool_k: Array | None = None, implementation: str = "auto") -> Array:
+            pool_k: Array | None = None, implementation: str = "auto",
+            query_chunks: int | None = None) -> Array:
   """Combiner-Mixture. q, k: [batch, length, heads, head_dim]; v: [batch, length, heads, value_dim].
 
   normalize="mean": the mean of the axial-vertical and axial-horizontal outputs (the paper's mixture of two
@@ -25,22 +35,30 @@ def mixture(q: Array, k: Array, v: Array, *, row_length: int, causal: bool, mask
     (the two families cover the same keys twice, so this is a different, still row-stochastic, attention).
   implementation: "xla" (einsums), "pallas" (the fused kernel of `combiner.flash`), "auto" (pallas on
     GPU/TPU).
+  query_chunks (XLA path): run the query rows in this many chunks, one after the other (`common.map_rows`);
+    None: as many as keep each chunk's logits within `common.QUERY_CHUNK_BYTES`; 1: one piece.
   """
   op = "combiner.mixture"
   x = common.prepare(q, k, v, mask, op=op, causal=causal, pooling=pooling, pool_q=pool_q, pool_k=pool_k,
                      implementation=implementation)
   m = contract.check_positive_int(row_length, name="row_length", op=op)
   contract.check_choice(normalize, name="normalize", allowed=NORMALIZE, op=op)
+  common.check_query_chunks(query_chunks, op=op)
   if x.kernel_dtype is not None:
     return fused.mixture(x, m, causal, pooling, normalize)
   g = Grid(x, m)
-  direct = [row_piece(g, causal), column_piece(g, causal)]
-  vertical, horizontal = vertical_spans(g, causal, pooling), horizontal_spans(g, causal, pooling)
-  if normalize == "mean":
+  chunks = g.chunks(query_chunks, op)
+  horizontal_sums = horizontal_summaries(g, pooling, chunks)
+
+  def attention(r: Rows) -> Array:  # [batch, heads, n, cols, value_dim]
+    direct = [row_piece(g, r, causal), column_piece(g, r, causal)]
+    vertical, horizontal = vertical_spans(g, r, causal), horizontal_spans(g, r, causal, horizontal_sums)
+    if normalize == "joint":
+      return joint_softmax(direct + [vertical, horizontal])
     # Both plans share D_i: its exponentials and value sums are computed once and merged into each softmax.
     shared = partial_softmax(direct)
-    out = 0.5 * sum(combine.normalize(merge([shared, partial_softmax([spans])]))
-                    for spans in (vertical, horizontal))
-  else:
-    out = joint_softmax(direct + [vertical, horizontal])  # [batch, heads, rows, cols, value_dim]
+    return 0.5 * sum(combine.normalize(merge([shared, partial_softmax([spans])]))
+                     for spans in (vertical, horizontal))
+
+  out = common.map_rows(attention, g.query_rows(vertical_summaries(g, causal, pooling)), chunks)
   return common.finish(from_grid(out, g.length, 2), x)

@@ -12,7 +12,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from combiner import common, flash, fused
-from combiner.axial import Grid, column_piece, row_piece
+from combiner.axial import Grid, Rows, column_piece, row_piece
 from combiner.fixed import block_direct_piece, other_block_valid
 from combiner.logsparse import logsparse_pieces
 from core import contract
@@ -57,14 +57,20 @@ def logsparse(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None 
 
 
 def axial(q: Array, k: Array, v: Array, *, row_length: int, causal: bool, mask: Array | None = None,
-          implementation: str = "auto") -> Array:
-  """Axial attention: (own row ∪ own column) ∩ Ω_i."""
+          implementation: str = "auto", query_chunks: int | None = None) -> Array:
+  """Axial attention: (own row ∪ own column) ∩ Ω_i.
+
+  query_chunks (XLA path): as in `combiner.axial`."""
   op = "sparse.axial"
   x = common.prepare(q, k, v, mask, op=op, causal=causal, implementation=implementation)
   m = contract.check_positive_int(row_length, name="row_length", op=op)
+  common.check_query_chunks(query_chunks, op=op)
   if x.kernel_dtype is not None:
     return fused.axial(x, m, None, causal, "max")
   g = Grid(x, m)
-  # [batch, heads, rows, cols, value_dim]
-  out = joint_softmax([row_piece(g, causal), column_piece(g, causal)])
+
+  def attention(r: Rows) -> Array:  # [batch, heads, n, cols, value_dim]
+    return joint_softmax([row_piece(g, r, causal), column_piece(g, r, causal)])
+
+  out = common.map_rows(attention, g.query_rows(), g.chunks(query_chunks, op))
   return common.finish(from_grid(out, g.length, 2), x)
