@@ -45,8 +45,8 @@ def prepare(q: Array, k: Array, v: Array, mask: Array | None, *, op: str, causal
             implementation: str | None = None, heads_last: bool = False) -> Inputs:
   """Checks the op contract, casts to the softmax dtype (float32, or float64 under x64), goes head-major.
 
-  materialize: build the head-major q, k, v as real arrays (`materialized_head_major`); for XLA plans that
-  reshape them into many different grids (logsparse: one per level).
+  materialize: build the head-major q, k, v as real arrays (`materialized_head_major`); for plans that reshape
+  them into many different grids (logsparse: one per level).
   implementation: the op's "auto" | "xla" | "pallas" argument (None: the op has only the XLA path). For the
   fused kernels q, k, v stay in `kernel_dtype` (a bfloat16 input is not widened to float32 only to be
   narrowed again at the kernel); the pooled inputs still take the softmax dtype, as pooling runs there.
@@ -77,7 +77,7 @@ def prepare(q: Array, k: Array, v: Array, mask: Array | None, *, op: str, causal
   layout = pooled_layout = head_major
   if heads_last:
     layout = pooled_layout = _same
-  elif materialize and kernel is None:
+  elif materialize:
     layout = materialized_head_major
   dt = ct if kernel is None else kernel
   scale = contract.logit_scale(q.shape[-1])

@@ -54,7 +54,7 @@ BLOCK_K = 128
 GPU_BLOCK_Q = 64  # on GPUs, where smaller tiles keep more programs in flight (scripts/tune_kernels.py)
 GPU_BLOCK_K = 64
 MIN_BLOCK = 16
-SPLIT_TILES = 2  # query tiles per program in the dk/dv kernel of a shared (summary) source
+SPLIT_TILES = 2  # query tiles per program in the dk/dv kernel of a shared (summary) source, at least
 VALID, NONFINITE = 1.0, 2.0  # key codes in row 0 of the validity data; 0 marks an invalid key
 
 GPU_PARAMS = pltriton.CompilerParams(num_warps=4, num_stages=2)
@@ -420,9 +420,12 @@ def _flash_bwd(specs, scale, block_q, pack, res, cts):
   for spec, (k, v, valid) in zip(specs, arrays, strict=True):
     if spec.shared:
       # Every query sees the summaries: the flattened [groups * glen] queries of each (bh) are cut into splits
-      # of SPLIT_TILES query tiles, one program each; padded rows get lse = +inf, hence weight 0.
+      # of `per` query tiles, one program each; padded rows get lse = +inf, hence weight 0. Each split writes
+      # float32 partial sums for all n keys, so a split takes at least SPLIT_TILES tiles and enough that the
+      # partial sums hold no more numbers than the queries: splits * n * (d + dv) <= groups * glen * d.
       tiles = groups * glen // block_q
-      splits, rows = -(-tiles // SPLIT_TILES), min(tiles, SPLIT_TILES) * block_q
+      per = max(SPLIT_TILES, -(-spec.n * (_width(k, spec.pack) + _width(v, spec.pack)) // (block_q * d)))
+      splits, rows = -(-tiles // per), min(tiles, per) * block_q
       fills = ((q, 0.0), (do, 0.0), (lse, jnp.inf), (delta, 0.0))
       qs = [_split_queries(x, splits, rows, fill) for x, fill in fills]
     else:

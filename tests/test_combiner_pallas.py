@@ -263,7 +263,9 @@ def test_shared_source_gradients_split_over_query_tiles(monkeypatch):
   """A source shared by every query group (span summaries): dk/dv are partial sums over splits of the query
   tiles, checked against plain masked softmax attention, with splits that end in padding."""
   monkeypatch.setattr(flash, "SPLIT_TILES", 2)
-  bh, groups, glen, n, scale = 2, 9, 16, 20, 0.3  # 9 query tiles: 5 splits, the last half padding
+  # 9 query tiles of 16; 20 keys padded to 32: splits of 4 tiles (partial sums of 32 x (8 + 5) numbers per
+  # split against 4 x 16 x 8 query numbers), the last split one tile and three of padding
+  bh, groups, glen, n, scale = 2, 9, 16, 20, 0.3
   keys = jax.random.split(jax.random.PRNGKey(3), 5)
   q = jax.random.normal(keys[0], (bh, groups, glen, HEAD_DIM))
   k = jax.random.normal(keys[1], (bh, 1, n, HEAD_DIM))
