@@ -135,14 +135,15 @@ def axial(q: Array, k: Array, v: Array, *, row_length: int, direction: str, caus
   "auto" (pallas on GPU/TPU).
   """
   op = "combiner.axial"
-  x = common.prepare(q, k, v, mask, op=op, causal=causal, pooling=pooling, pool_q=pool_q, pool_k=pool_k)
+  x = common.prepare(q, k, v, mask, op=op, causal=causal, pooling=pooling, pool_q=pool_q, pool_k=pool_k,
+                     implementation=implementation)
   contract.check_choice(direction, name="direction", allowed=DIRECTIONS, op=op)
   m = contract.check_positive_int(row_length, name="row_length", op=op)
   if span_key_fn is not None and direction != "rowmajor":
     raise ValueError(f"{op}: argument 'span_key_fn' is only supported for direction='rowmajor', "
                      f"got {direction!r}")
-  if contract.resolve_implementation(implementation, op=op) == "pallas":
-    return fused.axial(x, m, direction, causal, pooling, fused.kernel_dtype(q, k, v), span_key_fn)
+  if x.kernel_dtype is not None:
+    return fused.axial(x, m, direction, causal, pooling, span_key_fn)
   g = Grid(x, m)
   out = joint_softmax(axial_pieces(g, direction, causal, pooling, span_key_fn))  # [b, heads, rows, cols, dv]
   return common.finish(from_grid(out, g.length, 2), x)

@@ -20,22 +20,33 @@ Array = Any
 
 
 class Inputs(NamedTuple):
-  q: Array  # [batch, heads, length, head_dim], compute dtype
+  q: Array  # [batch, heads, length, head_dim], compute dtype (kernel_dtype for the fused kernels)
   k: Array  # [batch, heads, length, head_dim]
   v: Array  # [batch, heads, length, value_dim]
   mask: Array  # [batch, length] bool
-  pool_q: Array  # [batch, heads, length, head_dim]: pooled into span queries
-  pool_k: Array  # [batch, heads, length, head_dim]: pooled into span keys
+  pool_q: Array  # [batch, heads, length, head_dim]: pooled into span queries, softmax dtype
+  pool_k: Array  # [batch, heads, length, head_dim]: pooled into span keys, softmax dtype
   scale: float
   out_dtype: Any
+  kernel_dtype: Any = None  # matmul input dtype of the fused kernels; None: the XLA path
+
+
+def kernel_dtype(*arrays: Array) -> Any:
+  """Matmul input dtype of the fused kernels: the inputs' 16-bit float type, else float32."""
+  dt = jnp.result_type(*(a.dtype for a in arrays))
+  return dt if jnp.dtype(dt).itemsize < 4 else jnp.float32
 
 
 def prepare(q: Array, k: Array, v: Array, mask: Array | None, *, op: str, causal: Any, pooling: Any = "max",
-            pool_q: Array | None = None, pool_k: Array | None = None, materialize: bool = False) -> Inputs:
+            pool_q: Array | None = None, pool_k: Array | None = None, materialize: bool = False,
+            implementation: str | None = None) -> Inputs:
   """Checks the op contract, casts to the softmax dtype (float32, or float64 under x64), goes head-major.
 
   materialize: build the head-major q, k, v as real arrays (`materialized_head_major`); for plans that reshape
   them into many different grids (logsparse: one per level).
+  implementation: the op's "auto" | "xla" | "pallas" argument (None: the op has only the XLA path). For the
+  fused kernels q, k, v stay in `kernel_dtype` (a bfloat16 input is not widened to float32 only to be
+  narrowed again at the kernel); the pooled inputs still take the softmax dtype, as pooling runs there.
   """
   q, k, v, mask = contract.check_qkv(q, k, v, mask, op=op)
   contract.check_bool(causal, name="causal", op=op)
@@ -54,9 +65,13 @@ def prepare(q: Array, k: Array, v: Array, mask: Array | None, *, op: str, causal
       raise ValueError(f"{op}: argument {name!r} must be None or an array shaped like q {tuple(q.shape)}, "
                        f"got {getattr(x, 'shape', type(x).__name__)}")
     pooled.append(head_major(jnp.asarray(x).astype(ct)))
+  kernel = None
+  if implementation is not None and contract.resolve_implementation(implementation, op=op) == "pallas":
+    kernel = kernel_dtype(q, k, v)
   to_heads = materialized_head_major if materialize else head_major
-  return Inputs(to_heads(q.astype(ct)), to_heads(k.astype(ct)), to_heads(v.astype(ct)), mask, pooled[0],
-                pooled[1], contract.logit_scale(q.shape[-1]), v.dtype)
+  dt = ct if kernel is None else kernel
+  return Inputs(to_heads(q.astype(dt)), to_heads(k.astype(dt)), to_heads(v.astype(dt)), mask, pooled[0],
+                pooled[1], contract.logit_scale(q.shape[-1]), v.dtype, kernel)
 
 
 def materialized_head_major(x: Array) -> Array:

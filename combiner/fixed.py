@@ -65,10 +65,11 @@ def fixed(q: Array, k: Array, v: Array, *, block_size: int, causal: bool, mask: 
   "auto" (pallas on GPU/TPU).
   """
   op = "combiner.fixed"
-  x = common.prepare(q, k, v, mask, op=op, causal=causal, pooling=pooling, pool_q=pool_q, pool_k=pool_k)
+  x = common.prepare(q, k, v, mask, op=op, causal=causal, pooling=pooling, pool_q=pool_q, pool_k=pool_k,
+                     implementation=implementation)
   size = contract.check_positive_int(block_size, name="block_size", op=op)
-  if contract.resolve_implementation(implementation, op=op) == "pallas":
-    return fused.fixed(x, size, causal, pooling, fused.kernel_dtype(q, k, v))
+  if x.kernel_dtype is not None:
+    return fused.fixed(x, size, causal, pooling)
   length = x.q.shape[2]
   blocks = num_blocks(length, size)
   qb, kb, vb, pqb, pkb = (to_grid(t, blocks, size, 2) for t in (x.q, x.k, x.v, x.pool_q, x.pool_k))

@@ -14,7 +14,9 @@ Forward: grid (bh, groups, query tiles). A query tile [block_q, head_dim] stays 
 block holding the whole set ([n, dim]; n is small: a block, a row, a column, the summaries), read in key
 tiles of block_k with `pl.ds` inside a `fori_loop` that stops after the last key a causal rule lets the tile
 see. Matmuls take the input dtype (bfloat16 on accelerators) and accumulate in float32; softmax statistics
-are float32. Nothing of size [L, n] is written to device memory.
+are float32. Nothing of size [L, n] is written to device memory. Keys and values enter every product with
+non-finite entries selected to 0, and a per-key code marks the ones that had any: a query that sees such a key
+gets NaN (as the XLA plans give it), while a NaN behind a mask or in the future reaches no output.
 
 Backward (custom_vjp; recomputation from the saved log-sum-exp as in FlashAttention-2): one dq kernel with
 the forward's grid and loops, and one dk/dv kernel per source with grid (bh, key groups, key tiles) looping
@@ -53,6 +55,7 @@ GPU_BLOCK_Q = 64  # on GPUs, where smaller tiles keep more programs in flight (s
 GPU_BLOCK_K = 64
 MIN_BLOCK = 16
 SPLIT_TILES = 2  # query tiles per program in the dk/dv kernel of a shared (summary) source
+VALID, NONFINITE = 1.0, 2.0  # key codes in row 0 of the validity data; 0 marks an invalid key
 
 GPU_PARAMS = pltriton.CompilerParams(num_warps=4, num_stages=2)
 TPU_PARAMS = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel"))
@@ -160,22 +163,32 @@ def _key_tiles(spec: _Spec, qid_max: Array, num: int) -> Array | int:
 
 
 def _scores(q, k, valid_ref, vstart, spec: _Spec, qid, start, scale):
-  """Logits [bq, bk] (float32) of a query tile against the key tile at `start`, and which are visible.
+  """Logits [bq, bk] (float32) of a query tile against the key tile at `start`, which are visible, and which
+  visible keys hold a non-finite key or value.
 
-  valid_ref columns [vstart, vstart + bk): row 0 the key validity; for the "range" rule rows 1, 2 the first
-  and end query id of each key (rows are loaded from the ref: Triton cannot slice loaded values).
+  valid_ref columns [vstart, vstart + bk): row 0 the key code (0 invalid, VALID, NONFINITE); for the "range"
+  rule rows 1, 2 the first and end query id of each key (rows are loaded from the ref: Triton cannot slice
+  loaded values).
   """
   s = _dot(q, k, trans_b=True) * scale
   row = lambda i: valid_ref[pl.ds(i, 1), pl.ds(vstart, spec.block)]  # noqa: E731  [1, bk]
-  ok = row(0) > 0
+  code = row(0)
+  ok = code > 0
   if spec.rule == "range":
     qf = jnp.asarray(qid).astype(jnp.float32)
-    return s, ok & (row(1) <= qf) & (qf < row(2))
-  kid = start + lax.broadcasted_iota(jnp.int32, (1, spec.block), 1)
-  vis = _visible(spec.rule, qid, kid)
-  if vis is not None:
-    ok = ok & vis
-  return s, ok
+    ok = ok & (row(1) <= qf) & (qf < row(2))
+  else:
+    kid = start + lax.broadcasted_iota(jnp.int32, (1, spec.block), 1)
+    vis = _visible(spec.rule, qid, kid)
+    if vis is not None:
+      ok = ok & vis
+  return s, ok, ok & (code > VALID)
+
+
+def _finite(x: Array) -> Array:
+  """x with non-finite entries selected to 0: a key or value that no query of the tile sees must not reach
+  a product with its zero weight (0 * NaN); queries that do see one are flagged instead."""
+  return jnp.where(jnp.isfinite(x.astype(jnp.float32)), x, jnp.zeros_like(x))  # Mosaic tests float32 only
 
 
 def _fwd_kernel(q_ref, *refs, specs: Sequence[_Spec], scale: float, block_q: int):
@@ -187,30 +200,33 @@ def _fwd_kernel(q_ref, *refs, specs: Sequence[_Spec], scale: float, block_q: int
   rows = t * block_q + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
   m = jnp.full((block_q, 1), -jnp.inf, jnp.float32)
   den = jnp.zeros((block_q, 1), jnp.float32)
+  hit = jnp.zeros((block_q, 1), jnp.float32)  # > 0: the query sees a non-finite key or value
   acc = jnp.zeros(o_ref.shape, jnp.float32)
   for spec, (k_ref, v_ref, valid_ref) in zip(specs, src, strict=True):
     qid = rows if spec.qid == "row" else g
     qid_max = t * block_q + block_q - 1 if spec.qid == "row" else g
 
     def body(j, carry, spec=spec, k_ref=k_ref, v_ref=v_ref, valid_ref=valid_ref, qid=qid):
-      m, den, acc = carry
+      m, den, hit, acc = carry
       start = pl.multiple_of(j * spec.block, spec.block)
       k = k_ref[pl.ds(start, spec.block), :]
-      v = v_ref[pl.ds(start, spec.block), :]
-      s, ok = _scores(q, k, valid_ref, start, spec, qid, start, scale)
+      v = _finite(v_ref[pl.ds(start, spec.block), :])
+      s, ok, bad = _scores(q, k, valid_ref, start, spec, qid, start, scale)
       s = jnp.where(ok, s, -jnp.inf)
       m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
       m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
       p = jnp.exp(s - m_safe)  # exactly 0 where masked
       alpha = jnp.exp(m - m_safe)
       den = alpha * den + jnp.sum(p, axis=1, keepdims=True)
+      hit = jnp.maximum(hit, jnp.max(jnp.where(bad, 1.0, 0.0), axis=1, keepdims=True))
       acc = alpha * acc + _dot(p.astype(v.dtype), v)
-      return m_new, den, acc
+      return m_new, den, hit, acc
 
-    m, den, acc = lax.fori_loop(0, _key_tiles(spec, qid_max, spec.n // spec.block), body, (m, den, acc))
+    m, den, hit, acc = lax.fori_loop(0, _key_tiles(spec, qid_max, spec.n // spec.block), body,
+                                     (m, den, hit, acc))
   nonempty = den > 0
   safe = jnp.where(nonempty, den, 1.0)
-  o_ref[...] = (acc / safe).astype(o_ref.dtype)
+  o_ref[...] = jnp.where(hit > 0, jnp.nan, acc / safe).astype(o_ref.dtype)
   lse_ref[...] = jnp.where(nonempty, m + jnp.log(safe), -jnp.inf)
 
 
@@ -231,12 +247,12 @@ def _dq_kernel(q_ref, do_ref, lse_ref, delta_ref, *refs, specs: Sequence[_Spec],
     def body(j, dq, spec=spec, k_ref=k_ref, v_ref=v_ref, valid_ref=valid_ref, qid=qid):
       start = pl.multiple_of(j * spec.block, spec.block)
       k = k_ref[pl.ds(start, spec.block), :]
-      v = v_ref[pl.ds(start, spec.block), :]
-      s, ok = _scores(q, k, valid_ref, start, spec, qid, start, scale)
+      v = _finite(v_ref[pl.ds(start, spec.block), :])
+      s, ok, _ = _scores(q, k, valid_ref, start, spec, qid, start, scale)
       p = jnp.where(ok, jnp.exp(jnp.where(ok, s, 0.0) - lse), 0.0)
       dp = _dot(do, v, trans_b=True)
       ds = p * (dp - delta)
-      return dq + _dot(ds.astype(k.dtype), k) * scale
+      return dq + _dot(ds.astype(k.dtype), _finite(k)) * scale
 
     dq = lax.fori_loop(0, _key_tiles(spec, qid_max, spec.n // spec.block), body, dq)
   dq_ref[...] = dq.astype(dq_ref.dtype)
@@ -247,7 +263,7 @@ def _dkv_kernel(q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, valid_ref, dk_r
   """dk, dv of one key tile from the queries in q_ref etc.: its own group's, or for a shared source the
   split (a run of whole query tiles of the flattened sequence) of grid axis 1, summed over splits outside."""
   g, tk = pl.program_id(1), pl.program_id(2)
-  k, v = k_ref[...], v_ref[...]
+  k, v = k_ref[...], _finite(v_ref[...])
   start = tk * spec.block
   num_q = q_ref.shape[0] // block_q
   base = g * q_ref.shape[0] if spec.shared else 0  # row of the split's first query in the flattened sequence
@@ -273,7 +289,7 @@ def _dkv_kernel(q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, valid_ref, dk_r
       qid = _rem(row0, group_len) + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
     else:
       qid = _div(row0, group_len) if spec.shared else g
-    s, ok = _scores(q, k, valid_ref, 0, spec, qid, start, scale)
+    s, ok, _ = _scores(q, k, valid_ref, 0, spec, qid, start, scale)
     p = jnp.where(ok, jnp.exp(jnp.where(ok, s, 0.0) - lse), 0.0)  # [bq, bk]
     dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
     dp = _dot(do, v, trans_b=True)
@@ -309,21 +325,19 @@ def _key_tile_spec(rows: int, shared: bool, width: int) -> pl.BlockSpec:
                       else (lambda b, g, t: (b, g, t, 0)))
 
 
-def _valid_tile_spec(rows: int, cols: int, shared: bool, heads: int) -> pl.BlockSpec:
-  """Key-validity columns of key tile t; validity is per batch element, shared by its heads."""
-  return pl.BlockSpec((None, None, rows, cols), (lambda b, g, t: (_div(b, heads), 0, 0, t)) if shared
-                      else (lambda b, g, t: (_div(b, heads), g, 0, t)))
+def _valid_tile_spec(rows: int, cols: int, shared: bool) -> pl.BlockSpec:
+  """Key-code columns of key tile t."""
+  return pl.BlockSpec((None, None, rows, cols), (lambda b, g, t: (b, 0, 0, t)) if shared
+                      else (lambda b, g, t: (b, g, 0, t)))
 
 
-def _source_specs(specs, arrays, heads):
+def _source_specs(specs, arrays):
   in_specs = []
   for spec, (k, v, _) in zip(specs, arrays, strict=True):
     gmap = (lambda bh, g, t: (bh, 0, 0, 0)) if spec.shared else (lambda bh, g, t: (bh, g, 0, 0))
-    vmap = ((lambda bh, g, t: (_div(bh, heads), 0, 0, 0)) if spec.shared
-            else (lambda bh, g, t: (_div(bh, heads), g, 0, 0)))
     in_specs += [pl.BlockSpec((None, None, spec.n, k.shape[-1]), gmap),
                  pl.BlockSpec((None, None, spec.n, v.shape[-1]), gmap),
-                 pl.BlockSpec((None, None, _valid_rows(spec), spec.n), vmap)]
+                 pl.BlockSpec((None, None, _valid_rows(spec), spec.n), gmap)]
   return in_specs
 
 
@@ -334,19 +348,19 @@ def _flat(specs, arrays):
   return out
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _flash(specs: tuple, heads: int, scale: float, block_q: int, q: Array, arrays: tuple):
-  return _flash_fwd(specs, heads, scale, block_q, q, arrays)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _flash(specs: tuple, scale: float, block_q: int, q: Array, arrays: tuple):
+  return _flash_fwd(specs, scale, block_q, q, arrays)[0]
 
 
-def _flash_fwd(specs, heads, scale, block_q, q, arrays):
+def _flash_fwd(specs, scale, block_q, q, arrays):
   bh, groups, glen, d = q.shape
   dv = arrays[0][1].shape[-1]
   grid = (bh, groups, glen // block_q)
   o, lse = _pallas_call(
       functools.partial(_fwd_kernel, specs=specs, scale=scale, block_q=block_q),
       grid=grid,
-      in_specs=[_row_spec(block_q, d)] + _source_specs(specs, arrays, heads),
+      in_specs=[_row_spec(block_q, d)] + _source_specs(specs, arrays),
       out_specs=[_row_spec(block_q, dv), _row_spec(block_q, 1)],
       out_shape=[jax.ShapeDtypeStruct((bh, groups, glen, dv), jnp.float32),
                  jax.ShapeDtypeStruct((bh, groups, glen, 1), jnp.float32)],
@@ -355,7 +369,7 @@ def _flash_fwd(specs, heads, scale, block_q, q, arrays):
   return (o, lse), (q, arrays, o, lse)
 
 
-def _flash_bwd(specs, heads, scale, block_q, res, cts):
+def _flash_bwd(specs, scale, block_q, res, cts):
   q, arrays, o, lse = res
   do, dlse = cts
   bh, groups, glen, d = q.shape
@@ -366,9 +380,9 @@ def _flash_bwd(specs, heads, scale, block_q, res, cts):
       functools.partial(_dq_kernel, specs=specs, scale=scale, block_q=block_q),
       grid=(bh, groups, glen // block_q),
       in_specs=[row_spec(d), row_spec(do.shape[-1]), row_spec(1), row_spec(1)]
-      + _source_specs(specs, arrays, heads),
+      + _source_specs(specs, arrays),
       out_specs=row_spec(d),
-      out_shape=jax.ShapeDtypeStruct(q.shape, jnp.float32),
+      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
       name="combiner_flash_dq",
   )(q, do, lse, delta, *_flat(specs, arrays))
   d_arrays = []
@@ -385,8 +399,10 @@ def _flash_bwd(specs, heads, scale, block_q, res, cts):
     full = functools.partial(_full_spec, rows)
     tile = functools.partial(_row_spec, spec.block)
     kv_tile = functools.partial(_key_tile_spec, spec.block, spec.shared)
-    vmap = _valid_tile_spec(_valid_rows(spec), spec.block, spec.shared, heads)
-    out_shape = [jax.ShapeDtypeStruct((bh, splits, spec.n, x.shape[-1]), jnp.float32) for x in (k, v)]
+    vmap = _valid_tile_spec(_valid_rows(spec), spec.block, spec.shared)
+    # Partial sums over splits stay float32 until summed; a group's own keys get theirs in their dtype.
+    out_shape = [jax.ShapeDtypeStruct((bh, splits, spec.n, x.shape[-1]),
+                                      jnp.float32 if spec.shared else x.dtype) for x in (k, v)]
     dk, dv = _pallas_call(
         functools.partial(_dkv_kernel, spec=spec, scale=scale, block_q=block_q, group_len=glen),
         grid=(bh, splits, spec.n // spec.block),
@@ -398,7 +414,7 @@ def _flash_bwd(specs, heads, scale, block_q, res, cts):
     if spec.shared:  # partial sums of the splits
       dk, dv = jnp.sum(dk, axis=1, keepdims=True), jnp.sum(dv, axis=1, keepdims=True)
     d_arrays.append((dk.astype(k.dtype), dv.astype(v.dtype), jnp.zeros_like(valid)))
-  return dq.astype(q.dtype), tuple(d_arrays)
+  return dq, tuple(d_arrays)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -423,7 +439,11 @@ def attend(q: Array, sources: Sequence[Source], *, heads: int, scale: float) -> 
     block = _tile(n, cap_k)
     n_p = -(-n // block) * block
     shared = s.k.shape[1] == 1 and groups > 1
-    valid = s.valid.astype(jnp.float32)[:, :, None, :]  # [batch, gk, 1, n]
+    # Row 0: the key code, per (batch, head): 0 invalid, else VALID or NONFINITE (a NaN/Inf in its key or
+    # value, which the kernel keeps out of every product and reports as NaN to the queries that see it).
+    finite = jnp.all(jnp.isfinite(s.k), axis=-1) & jnp.all(jnp.isfinite(s.v), axis=-1)  # [bh, gk, n]
+    valid = jnp.repeat(s.valid, heads, axis=0)  # [bh, gk, n]
+    valid = jnp.where(valid, jnp.where(finite, VALID, NONFINITE), 0.0)[:, :, None, :]  # [bh, gk, 1, n]
     if s.rule == "range":  # rows 1, 2: the query-id range of each key (exact in float32); row 3 pads to 4
       shape = valid.shape[:2] + (1, n)
       lo, hi = (jnp.broadcast_to(jnp.asarray(r, jnp.float32).reshape(-1, n)[:, None], shape) for r in s.rows)
@@ -431,7 +451,7 @@ def attend(q: Array, sources: Sequence[Source], *, heads: int, scale: float) -> 
     valid = pad_to(valid, n_p, 3)
     specs.append(_Spec(s.rule, s.qid, shared, n_p, block))
     arrays.append((pad_to(s.k.astype(q.dtype), n_p, 2), pad_to(s.v.astype(q.dtype), n_p, 2), valid))
-  o, lse = _flash(tuple(specs), heads, float(scale), block_q, qp, tuple(arrays))
+  o, lse = _flash(tuple(specs), float(scale), block_q, qp, tuple(arrays))
   return o[:, :, :glen], lse[:, :, :glen, 0]
 
 

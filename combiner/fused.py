@@ -24,19 +24,14 @@ from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from combiner import common, flash
 from combiner import pooling as pool_ops
 from core.blocks import from_grid, head_major, num_blocks, to_grid
-from core.combine import attend as xla_attend
 
 Array = Any
-
-
-def kernel_dtype(*arrays: Array) -> Any:
-  """Matmul input dtype of the kernels: the inputs' 16-bit float type, else float32."""
-  dt = jnp.result_type(*(a.dtype for a in arrays))
-  return dt if jnp.dtype(dt).itemsize < 4 else jnp.float32
+SPAN_CHUNK = 256  # keys per partial reduction of a long span's in-span expectation
 
 
 def _bh(x: Array) -> Array:
@@ -56,8 +51,32 @@ def _other_rule(causal: bool) -> str:
   return "lt" if causal else "ne"
 
 
-def fixed(x: common.Inputs, size: int, causal: bool, pooling: str | None, dtype: Any) -> Array:
+def span_expectation(q_bar: Array, kb: Array, vb: Array, mb: Array, scale: float) -> Array:
+  """In-span expected values: softmax(q_bar . k / sqrt(d)) over each span's real keys, times their values.
+
+  q_bar: [batch, heads, n, d] (softmax dtype); kb: [batch, heads, n, s, d], vb: [..., dv] (kernel dtype);
+  mb: [batch, 1, n, s]. Returns [batch, heads, n, dv] float32 (0 for an empty span, dropped by the caller).
+  Spans longer than SPAN_CHUNK are reduced in chunks of it and the chunks summed, which keeps many reductions
+  in flight when a few spans hold thousands of keys (logsparse's top levels). Masked keys and values are
+  zeros (`common.prepare` selects them), so no product needs a select; matmul inputs take the kernel dtype.
+  """
+  b, h, n, s, _ = kb.shape
+  c = SPAN_CHUNK if s > SPAN_CHUNK and s % SPAN_CHUNK == 0 else s
+  kc, vc = (t.reshape(b, h, n, s // c, c, t.shape[-1]) for t in (kb, vb))  # [b, h, n, chunks, c, dim]
+  valid = mb.reshape(mb.shape[0], 1, n, s // c, c)
+  logits = jnp.einsum("bhnd,bhnjkd->bhnjk", q_bar.astype(kb.dtype), kc,
+                      preferred_element_type=jnp.float32) * scale  # [b, h, n, chunks, c]
+  logits = jnp.where(valid, logits, -jnp.inf)
+  top = lax.stop_gradient(jnp.max(logits, axis=(3, 4), keepdims=True))
+  p = jnp.exp(logits - jnp.where(jnp.isfinite(top), top, 0.0))  # exactly 0 where masked
+  den = jnp.sum(p, axis=(3, 4))  # [b, h, n]
+  num = jnp.einsum("bhnjk,bhnjkd->bhnd", p.astype(vb.dtype), vc, preferred_element_type=jnp.float32)
+  return num / jnp.where(den > 0, den, 1.0)[..., None]
+
+
+def fixed(x: common.Inputs, size: int, causal: bool, pooling: str | None) -> Array:
   """Combiner-Fixed (pooling = "max"/"mean") or Sparse-Fixed (pooling None: each block's last position)."""
+  dtype = x.kernel_dtype
   batch, heads, length, _ = x.q.shape
   blocks = num_blocks(length, size)
   qb, kb, vb = (to_grid(t, blocks, size, 2) for t in (x.q, x.k, x.v))  # [b, heads, blocks, size, d]
@@ -68,8 +87,7 @@ def fixed(x: common.Inputs, size: int, causal: bool, pooling: str | None, dtype:
     pqb, pkb = (to_grid(t, blocks, size, 2) for t in (x.pool_q, x.pool_k))
     k_sum, ok_sum = pool_ops.pool(pkb, mb[:, None], axis=3, kind=pooling)  # [b, h, blocks, d], [b, 1, blocks]
     q_bar, _ = pool_ops.pool(pqb, mb[:, None], axis=3, kind=pooling)
-    span_logits = jnp.einsum("bhrd,bhrkd->bhrk", q_bar, kb) * x.scale  # [batch, heads, blocks, size]
-    v_sum = xla_attend(span_logits, mb[:, None], vb, "bhrk,bhrkd->bhrd")  # [batch, heads, blocks, value_dim]
+    v_sum = span_expectation(q_bar, kb, vb, mb[:, None], x.scale)  # [batch, heads, blocks, value_dim]
     ok_sum = ok_sum[:, 0]
   sources = [
       flash.Source(_bh(kb).astype(dtype), _bh(vb).astype(dtype), mb, _direct_rule(causal), "row"),
@@ -84,11 +102,12 @@ class _Layout:
   """One sequence on an n x m grid in the kernel's two layouts: row-major [bh, rows, cols, dim] (groups =
   rows) and column-major [bh, cols, rows, dim] (groups = columns)."""
 
-  def __init__(self, x: common.Inputs, cols: int, dtype: Any):
+  def __init__(self, x: common.Inputs, cols: int):
     self.batch, self.heads, self.length, _ = x.q.shape
     self.rows, self.cols = num_blocks(self.length, cols), cols
-    self.dtype, self.scale = dtype, x.scale
-    # [batch, heads, rows, cols, dim] in the softmax dtype (pooling and summaries run there).
+    self.dtype, self.scale = x.kernel_dtype, x.scale
+    # [batch, heads, rows, cols, dim]: q, k, v in the kernel dtype, the pools in the softmax dtype (pooling
+    # and summaries run there).
     self.q, self.k, self.v, self.pool_q, self.pool_k = (
         to_grid(t, self.rows, self.cols, 2) for t in (x.q, x.k, x.v, x.pool_q, x.pool_k))
     self.mask = to_grid(x.mask, self.rows, self.cols, 1)  # [batch, rows, cols]
@@ -165,10 +184,10 @@ def _horizontal_spans(g: _Layout, causal: bool, pooling: str) -> flash.Source:
                       jnp.swapaxes(nonempty[:, 0], 1, 2), _other_rule(causal))
 
 
-def axial(x: common.Inputs, row_length: int, direction: str | None, causal: bool, pooling: str, dtype: Any,
+def axial(x: common.Inputs, row_length: int, direction: str | None, causal: bool, pooling: str,
           span_key_fn: Any = None) -> Array:
   """Combiner-Axial in `direction`, or Sparse-Axial (direction None: own row and column only)."""
-  g = _Layout(x, row_length, dtype)
+  g = _Layout(x, row_length)
   rows = [g.row_keys(_direct_rule(causal))]
   cols = [g.col_keys(_other_rule(causal))] if direction != "rowmajor" else []
   if direction == "rowmajor":
@@ -181,10 +200,9 @@ def axial(x: common.Inputs, row_length: int, direction: str | None, causal: bool
   return g.finish(out, x)
 
 
-def mixture(x: common.Inputs, row_length: int, causal: bool, pooling: str, normalize: str,
-            dtype: Any) -> Array:
+def mixture(x: common.Inputs, row_length: int, causal: bool, pooling: str, normalize: str) -> Array:
   """Combiner-Mixture: the vertical and horizontal plans averaged ("mean") or under one softmax ("joint")."""
-  g = _Layout(x, row_length, dtype)
+  g = _Layout(x, row_length)
   row_d, col_d = g.row_keys(_direct_rule(causal)), g.col_keys(_other_rule(causal))
   vertical, horizontal = _vertical_spans(g, causal, pooling), _horizontal_spans(g, causal, pooling)
   if normalize == "joint":
@@ -197,8 +215,7 @@ def mixture(x: common.Inputs, row_length: int, causal: bool, pooling: str, norma
   return g.finish(out, x)
 
 
-def _logsparse_call(x: common.Inputs, pooling: str | None, dtype: Any,
-                    with_self: bool) -> tuple[Array, Array]:
+def _logsparse_call(x: common.Inputs, pooling: str | None, with_self: bool) -> tuple[Array, Array]:
   """Prefix spans of every query (and D_i = {i} when `with_self`) as one flash call over groups of G queries.
 
   The keys of a group: its own G positions ("range" [j, j+1): the query itself), then per level l the span
@@ -209,6 +226,7 @@ def _logsparse_call(x: common.Inputs, pooling: str | None, dtype: Any,
   from combiner.logsparse import level_summaries  # combiner.logsparse dispatches to this module
 
   batch, heads, length, _ = x.q.shape
+  dtype = x.kernel_dtype
   glen = flash.group_length(length)
   groups = num_blocks(length, glen)
   keys, values, valid, first, end = [], [], [], [], []
@@ -218,7 +236,7 @@ def _logsparse_call(x: common.Inputs, pooling: str | None, dtype: Any,
     valid.append(to_grid(x.mask, groups, glen, 1))  # [batch, groups, glen]
     first.append(np.arange(glen))
     end.append(np.arange(glen) + 1)
-  for level, (k_prev, v_prev, ok_prev) in enumerate(level_summaries(x, pooling)):
+  for level, (k_prev, v_prev, ok_prev) in enumerate(level_summaries(x, pooling, span_expectation)):
     size = 1 << level
     if size <= glen:
       per = glen // size
@@ -244,13 +262,13 @@ def _logsparse_call(x: common.Inputs, pooling: str | None, dtype: Any,
   return out, from_grid(_unbh(lse, batch), length, 2)
 
 
-def logsparse_plan(x: common.Inputs, causal: bool, pooling: str | None, dtype: Any) -> Array:
+def logsparse_plan(x: common.Inputs, causal: bool, pooling: str | None) -> Array:
   """Combiner-Logsparse (pooling "max"/"mean") or LogSparse (pooling None: each span's last position)."""
   from combiner.logsparse import flipped  # combiner.logsparse dispatches to this module
 
-  parts = [_logsparse_call(x, pooling, dtype, True)]
+  parts = [_logsparse_call(x, pooling, True)]
   if not causal:  # the suffix spans are the prefix spans of the reversed sequence
-    out, lse = _logsparse_call(flipped(x), pooling, dtype, False)
+    out, lse = _logsparse_call(flipped(x), pooling, False)
     parts.append((jnp.flip(out, axis=2), jnp.flip(lse, axis=2)))
   out, _ = flash.merge(parts)
   return common.finish(out, x)

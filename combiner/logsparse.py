@@ -16,7 +16,6 @@ import jax.numpy as jnp
 
 from combiner import common, fused
 from combiner import pooling as pool_ops
-from core import contract
 from core.blocks import from_grid, num_blocks, to_grid
 from core.combine import Piece, attend, joint_softmax, weighted_sum
 
@@ -28,12 +27,15 @@ def num_levels(length: int) -> int:
   return (length - 1).bit_length()
 
 
-def level_summaries(x: common.Inputs, pooling: str | None) -> list[tuple[Array, Array, Array]]:
+def level_summaries(x: common.Inputs, pooling: str | None,
+                    expectation: Any = None) -> list[tuple[Array, Array, Array]]:
   """Per level l, the span each block of size 2^l reads: (k_prev [batch, heads, blocks, head_dim], v_prev
   [batch, heads, blocks, value_dim], ok_prev [batch, 1, blocks]); block t reads block t - 1 when t is odd.
 
   pooling=None gives the sparse counterpart: the span is represented by its last position (the suffix sums of
   i's binary expansion) instead of pooled abstractions.
+  expectation: (q_bar, kb, vb, mb, scale) -> in-span expected values [batch, heads, blocks, value_dim]; None
+  is the einsum + masked softmax below (the fused plan passes `combiner.fused.span_expectation`).
   """
   length = x.q.shape[2]
   out = []
@@ -54,8 +56,11 @@ def level_summaries(x: common.Inputs, pooling: str | None) -> list[tuple[Array, 
       # k_bar: [batch, heads, blocks, head_dim]; nonempty: [batch, 1, blocks]
       k_bar, nonempty = pool_ops.finalize(stats_k, pooling)
       q_bar, _ = pool_ops.finalize(stats_q, pooling)
-      in_span = jnp.einsum("bhnd,bhnkd->bhnk", q_bar, kb) * x.scale  # [batch, heads, blocks, size]
-      v_tilde = attend(in_span, mb, vb, "bhnk,bhnkd->bhnd")  # [batch, heads, blocks, value_dim]
+      if expectation is None:
+        in_span = jnp.einsum("bhnd,bhnkd->bhnk", q_bar, kb) * x.scale  # [batch, heads, blocks, size]
+        v_tilde = attend(in_span, mb, vb, "bhnk,bhnkd->bhnd")  # [batch, heads, blocks, value_dim]
+      else:
+        v_tilde = expectation(q_bar, kb, vb, mb, x.scale)
     # Query block t reads span block t - 1, and only when t is odd (bit `level` of i is set).
     k_prev = pool_ops.shift(k_bar, 2, False, 0.0)
     v_prev = pool_ops.shift(v_tilde, 2, False, 0.0)
@@ -126,7 +131,7 @@ def logsparse(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None 
   """
   op = "combiner.logsparse"
   x = common.prepare(q, k, v, mask, op=op, causal=causal, pooling=pooling, pool_q=pool_q, pool_k=pool_k,
-                     materialize=True)
-  if contract.resolve_implementation(implementation, op=op) == "pallas":
-    return fused.logsparse_plan(x, causal, pooling, fused.kernel_dtype(q, k, v))
+                     materialize=True, implementation=implementation)
+  if x.kernel_dtype is not None:
+    return fused.logsparse_plan(x, causal, pooling)
   return common.finish(joint_softmax(logsparse_pieces(x, causal, pooling)), x)

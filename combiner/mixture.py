@@ -27,11 +27,12 @@ def mixture(q: Array, k: Array, v: Array, *, row_length: int, causal: bool, mask
     GPU/TPU).
   """
   op = "combiner.mixture"
-  x = common.prepare(q, k, v, mask, op=op, causal=causal, pooling=pooling, pool_q=pool_q, pool_k=pool_k)
+  x = common.prepare(q, k, v, mask, op=op, causal=causal, pooling=pooling, pool_q=pool_q, pool_k=pool_k,
+                     implementation=implementation)
   m = contract.check_positive_int(row_length, name="row_length", op=op)
   contract.check_choice(normalize, name="normalize", allowed=NORMALIZE, op=op)
-  if contract.resolve_implementation(implementation, op=op) == "pallas":
-    return fused.mixture(x, m, causal, pooling, normalize, fused.kernel_dtype(q, k, v))
+  if x.kernel_dtype is not None:
+    return fused.mixture(x, m, causal, pooling, normalize)
   g = Grid(x, m)
   direct = [row_piece(g, causal), column_piece(g, causal)]
   vertical, horizontal = vertical_spans(g, causal, pooling), horizontal_spans(g, causal, pooling)

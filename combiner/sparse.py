@@ -26,10 +26,10 @@ def fixed(q: Array, k: Array, v: Array, *, block_size: int, causal: bool, mask: 
           implementation: str = "auto") -> Array:
   """Sparse Transformer "fixed": own block ∩ Ω_i plus the summary positions {j in Ω_i : j mod s = s-1}."""
   op = "sparse.fixed"
-  x = common.prepare(q, k, v, mask, op=op, causal=causal)
+  x = common.prepare(q, k, v, mask, op=op, causal=causal, implementation=implementation)
   size = contract.check_positive_int(block_size, name="block_size", op=op)
-  if contract.resolve_implementation(implementation, op=op) == "pallas":
-    return fused.fixed(x, size, causal, None, fused.kernel_dtype(q, k, v))
+  if x.kernel_dtype is not None:
+    return fused.fixed(x, size, causal, None)
   length = x.q.shape[2]
   blocks = num_blocks(length, size)
   qb, kb, vb = (to_grid(t, blocks, size, 2) for t in (x.q, x.k, x.v))  # [batch, heads, blocks, size, dim]
@@ -49,9 +49,9 @@ def logsparse(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None 
   """LogSparse: {i} plus the last position of each dyadic span of [0, i) (mirrored for (i, L) if
   bidirectional)."""
   op = "sparse.logsparse"
-  x = common.prepare(q, k, v, mask, op=op, causal=causal)
-  if contract.resolve_implementation(implementation, op=op) == "pallas":
-    return fused.logsparse_plan(x, causal, None, fused.kernel_dtype(q, k, v))
+  x = common.prepare(q, k, v, mask, op=op, causal=causal, implementation=implementation)
+  if x.kernel_dtype is not None:
+    return fused.logsparse_plan(x, causal, None)
   return common.finish(joint_softmax(logsparse_pieces(x, causal, None)), x)
 
 
@@ -59,10 +59,10 @@ def axial(q: Array, k: Array, v: Array, *, row_length: int, causal: bool, mask: 
           implementation: str = "auto") -> Array:
   """Axial attention: (own row ∪ own column) ∩ Ω_i."""
   op = "sparse.axial"
-  x = common.prepare(q, k, v, mask, op=op, causal=causal)
+  x = common.prepare(q, k, v, mask, op=op, causal=causal, implementation=implementation)
   m = contract.check_positive_int(row_length, name="row_length", op=op)
-  if contract.resolve_implementation(implementation, op=op) == "pallas":
-    return fused.axial(x, m, None, causal, "max", fused.kernel_dtype(q, k, v))
+  if x.kernel_dtype is not None:
+    return fused.axial(x, m, None, causal, "max")
   g = Grid(x, m)
   # [batch, heads, rows, cols, value_dim]
   out = joint_softmax([row_piece(g, causal), column_piece(g, causal)])

@@ -130,6 +130,24 @@ def test_fully_masked_rows_and_nan_keys_stay_finite():
   np.testing.assert_array_equal(np.asarray(got[1]), 0.0)
 
 
+@pytest.mark.parametrize("plan,size", [("fixed", 4), ("logsparse", None), ("axial_vertical", 4)])
+def test_future_nonfinite_values_reach_only_the_queries_that_see_them(plan, size):
+  """A NaN value and an Inf key at a future position leave every earlier output as in the clean run, and the
+  later outputs that see them are non-finite exactly where the XLA plan's are (the kernel never multiplies a
+  zero weight with them)."""
+  q, k, v, mask, _, _ = inputs(13, 3, False)
+  mask = jnp.ones_like(mask)
+  fn = op(plan, size)
+  run = jax.jit(lambda impl, k, v: fn(q, k, v, causal=True, mask=mask, implementation=impl), static_argnums=0,
+                compiler_options=FAST_COMPILE)
+  clean = np.asarray(run("pallas", k, v))
+  k, v = k.at[0, 6].set(jnp.inf), v.at[1, 6].set(jnp.nan)
+  got, want = np.asarray(run("pallas", k, v)), np.asarray(run("xla", k, v))
+  np.testing.assert_allclose(got[:, :6], clean[:, :6], atol=2e-5, rtol=2e-5)
+  np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
+  assert (~np.isfinite(got[:, 6:])).any(axis=(1, 2, 3)).all()
+
+
 def test_implementation_argument():
   q, k, v, _, _, _ = inputs(4, 0, False)
   with pytest.raises(ValueError, match="argument 'implementation' must be one of"):
