@@ -89,8 +89,10 @@ def longformer(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None
   qb = to_grid(qh, n, size, axis=1)  # [batch * heads, n, size, head_dim]
   kb = neighbour_blocks(to_grid(kh, n, size, axis=1), offsets, axis=1)  # [batch * heads, n, keys, head_dim]
   # Values flagged once, before the neighbouring blocks copy them three times.
-  vb = neighbour_blocks(to_grid(flag_nonfinite(vh), n, size, axis=1), offsets, axis=1)  # [g, n, keys, dv + 1]
-  kvalid = neighbour_blocks(to_grid(band_keys, n, size, axis=1), offsets, axis=1, fill=False)  # [g, n, keys]
+  vb = neighbour_blocks(to_grid(flag_nonfinite(vh), n, size, axis=1), offsets,
+                        axis=1)  # [batch * heads, n, keys, dv + 1]
+  kvalid = neighbour_blocks(to_grid(band_keys, n, size, axis=1), offsets, axis=1,
+                            fill=False)  # [batch * heads, n, keys]
   pos = np.arange(n * size).reshape(n, size)
   kpos = np.concatenate([pos + o * size for o in offsets], axis=1)  # [n, keys]
   dist = kpos[:, None, :] - pos[:, :, None]  # [n, size, keys]: key - query
