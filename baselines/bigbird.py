@@ -18,10 +18,10 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from baselines.common import masked_head_major, neighbour_blocks
+from baselines.common import from_rows, masked_rows, neighbour_blocks, rows_mask, to_rows
 from baselines.longformer import dense_rows, global_indices
 from core import contract
-from core.blocks import head_major, num_blocks, to_grid
+from core.blocks import num_blocks, to_grid
 from core.combine import Piece, flag_nonfinite, flagged_sum, joint_softmax
 
 Array = Any
@@ -75,8 +75,10 @@ def bigbird(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = 
                                      num_random_blocks=int(num_random_blocks), seed=int(seed), op=op)
   ct = contract.softmax_dtype(q.dtype, k.dtype, v.dtype)
   scale = contract.logit_scale(head_dim)
-  qh = head_major(q.astype(ct))  # [batch, heads, length, head_dim]
-  kh, vh = (masked_head_major(x, mask, ct) for x in (k, v))  # [batch, heads, length, dim]
+  qh = to_rows(q, ct)  # [batch * heads, length, head_dim]
+  kh, vh = (masked_rows(x, mask, ct) for x in (k, v))  # [batch * heads, length, dim]
+  mask = rows_mask(mask, heads)  # [batch * heads, length]
+  rows = batch * heads
 
   # Non-global query blocks: three pieces of one softmax over disjoint key sets. Window blocks by pads and
   # slices, global blocks shared by every query block, random blocks by one gather of `num_random_blocks`.
@@ -90,37 +92,37 @@ def bigbird(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = 
     window[blocks[inside], blocks[inside] + o] = True
   rand = allowed & ~window & ~is_global[None, :] & ~is_global[:, None]  # [n, n]
   slots = int(rand.sum(axis=1).max())
-  grid_mask = to_grid(mask, n, size, axis=1)  # [batch, n, size]; padding is False
-  qb = to_grid(qh, n, size, axis=2)  # [batch, heads, n, size, head_dim]
-  qh_grid = qb.reshape(batch, heads, n * size, head_dim)  # padded to whole blocks
-  kb = to_grid(kh, n, size, axis=2)  # [batch, heads, n, size, head_dim]
+  grid_mask = to_grid(mask, n, size, axis=1)  # [batch * heads, n, size]; padding is False
+  qb = to_grid(qh, n, size, axis=1)  # [batch * heads, n, size, head_dim]
+  qh_grid = qb.reshape(rows, n * size, head_dim)  # padded to whole blocks
+  kb = to_grid(kh, n, size, axis=1)  # [batch * heads, n, size, head_dim]
   # Values flagged once, before the window, global and random pieces copy them.
-  vb = to_grid(flag_nonfinite(vh), n, size, axis=2)  # [batch, heads, n, size, value_dim + 1]
+  vb = to_grid(flag_nonfinite(vh), n, size, axis=1)  # [batch * heads, n, size, value_dim + 1]
 
   def piece(keys: Array, values: Array, key_valid: Array, kpos: np.ndarray, static: np.ndarray) -> Piece:
-    """keys [batch, heads, n, K, d] (or [batch, heads, K, d], shared), values likewise with `flag_nonfinite`'s
-    extra column; key_valid [batch, n | 1, K];
+    """keys [batch * heads, n, K, d] (or [batch * heads, K, d], shared), values likewise with
+    `flag_nonfinite`'s extra column; key_valid [batch * heads, n | 1, K];
     kpos, static: [n, K] key positions and pattern validity."""
-    if keys.ndim == 4:  # shared keys: one plain matmul over all queries (faster on CPU than a 5-d einsum)
-      logits = jnp.einsum("bhld,bhkd->bhlk", qh_grid, keys).reshape(batch, heads, n, size, -1) * scale
+    if keys.ndim == 3:  # shared keys: one plain matmul over all queries (faster on CPU than a 4-d einsum)
+      logits = jnp.einsum("gld,gkd->glk", qh_grid, keys).reshape(rows, n, size, -1) * scale
     else:
-      logits = jnp.einsum("bhnqd,bhnkd->bhnqk", qb, keys) * scale  # [batch, heads, n, size, K]
+      logits = jnp.einsum("gnqd,gnkd->gnqk", qb, keys) * scale  # [batch * heads, n, size, K]
     near = static[:, None, :]  # [n, 1, K]
     if causal:
       near = near & (kpos[:, None, :] <= pos[:, :, None])  # [n, size, K]
-    valid = key_valid[:, None, :, None, :] & near  # [batch, 1, n, size | 1, K]
-    if keys.ndim == 4:
+    valid = key_valid[:, :, None, :] & near  # [batch * heads, n, size | 1, K]
+    if keys.ndim == 3:
       def apply_shared(w: Array) -> Array:
-        out = flagged_sum("bhlk,bhkd->bhld", w.reshape(batch, heads, n * size, -1), values)
-        return out.reshape(batch, heads, n, size, -1)
+        out = flagged_sum("glk,gkd->gld", w.reshape(rows, n * size, -1), values)
+        return out.reshape(rows, n, size, -1)
 
       return Piece(logits, valid, apply_shared)
-    return Piece(logits, valid, lambda w: flagged_sum("bhnqk,bhnkd->bhnqd", w, values))
+    return Piece(logits, valid, lambda w: flagged_sum("gnqk,gnkd->gnqd", w, values))
 
   wblock = np.stack([blocks + o for o in offsets], axis=1)  # [n, window blocks]
   wstatic = (wblock >= 0) & (wblock < n) & ~is_global[np.clip(wblock, 0, n - 1)]
   wpos = (wblock[:, :, None] * size + np.arange(size)).reshape(n, -1)  # [n, window keys]
-  pieces = [piece(neighbour_blocks(kb, offsets, axis=2), neighbour_blocks(vb, offsets, axis=2),
+  pieces = [piece(neighbour_blocks(kb, offsets, axis=1), neighbour_blocks(vb, offsets, axis=1),
                   neighbour_blocks(grid_mask, offsets, axis=1, fill=False), wpos,
                   np.repeat(wstatic, size, axis=1))]
   # Causally, a global key block is seen only by the query blocks after it (the global query blocks' rows are
@@ -128,9 +130,9 @@ def bigbird(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = 
   gkeys = glob[[bool(np.any(~is_global[g + 1:])) for g in glob]] if causal else glob
   if gkeys.size:
     gstatic = np.broadcast_to(gkeys[None, :] <= blocks[:, None] if causal else True, (n, gkeys.size))
-    pieces.append(piece(kb[:, :, gkeys].reshape(batch, heads, gkeys.size * size, head_dim),
-                        vb[:, :, gkeys].reshape(batch, heads, gkeys.size * size, -1),
-                        grid_mask[:, gkeys].reshape(batch, 1, gkeys.size * size),
+    pieces.append(piece(kb[:, gkeys].reshape(rows, gkeys.size * size, head_dim),
+                        vb[:, gkeys].reshape(rows, gkeys.size * size, -1),
+                        grid_mask[:, gkeys].reshape(rows, 1, gkeys.size * size),
                         np.broadcast_to(pos[gkeys].reshape(1, -1), (n, gkeys.size * size)),
                         np.repeat(gstatic, size, axis=1)))
   if slots:
@@ -140,17 +142,14 @@ def bigbird(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = 
       chosen = np.flatnonzero(rand[a])
       index[a, :chosen.size], used[a, :chosen.size] = chosen, True
 
-    def gather(x: Array) -> Array:  # [batch, heads, n, size, dim] -> [batch, heads, n, slots * size, dim]
-      return x[:, :, index].reshape(batch, heads, n, slots * size, x.shape[-1])
+    def gather(x: Array) -> Array:  # [batch * heads, n, size, dim] -> [batch * heads, n, slots * size, dim]
+      return x[:, index].reshape(rows, n, slots * size, x.shape[-1])
 
-    pieces.append(piece(gather(kb), gather(vb), grid_mask[:, index].reshape(batch, n, slots * size),
+    pieces.append(piece(gather(kb), gather(vb), grid_mask[:, index].reshape(rows, n, slots * size),
                         pos[index].reshape(n, -1), np.repeat(used, size, axis=1)))
-  out = joint_softmax(pieces)  # [batch, heads, n, size, value_dim]
+  out = joint_softmax(pieces)  # [batch * heads, n, size, value_dim]
   if glob.size:  # global query blocks: dense rows, written over whole blocks
-    rows = pos[glob].reshape(-1)  # [G * size]
-    q_rows = qb[:, :, glob].reshape(batch, heads, rows.size, head_dim)
-    full = dense_rows(q_rows, kh, vh, rows, mask, causal, scale)
-    full = full.reshape(batch, heads, glob.size, size, -1)  # [batch, heads, G, size, value_dim]
-    out = out.at[:, :, glob].set(full)
-  out = out.reshape(batch, heads, n * size, -1)[:, :, :length]
-  return head_major(out).astype(v.dtype)
+    gpos = pos[glob].reshape(-1)  # [G * size]
+    full = dense_rows(qb[:, glob].reshape(rows, gpos.size, head_dim), kh, vh, gpos, mask, causal, scale)
+    out = out.at[:, glob].set(full.reshape(rows, glob.size, size, -1))  # [batch * heads, G, size, value_dim]
+  return from_rows(out.reshape(rows, n * size, -1)[:, :length], batch, v.dtype)

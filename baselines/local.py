@@ -10,9 +10,9 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from baselines.common import masked_head_major
+from baselines.common import from_rows, masked_rows, rows_mask, to_rows
 from core import contract
-from core.blocks import head_major, num_blocks, to_grid
+from core.blocks import num_blocks, to_grid
 from core.combine import attend
 
 Array = Any
@@ -33,12 +33,11 @@ def local(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = No
   size = min(size, length)
   n = num_blocks(length, size)
   ct = contract.softmax_dtype(q.dtype, k.dtype, v.dtype)
-  qb = to_grid(head_major(q.astype(ct)), n, size, axis=2)  # [batch, heads, n, size, head_dim]
-  kb, vb = (to_grid(masked_head_major(x, mask, ct), n, size, axis=2) for x in (k, v))  # [b, h, n, size, dim]
-  valid = to_grid(mask, n, size, axis=1)[:, None, :, None, :]  # [batch, 1, n, 1, size]; padding is False
+  qb = to_grid(to_rows(q, ct), n, size, axis=1)  # [batch * heads, n, size, head_dim]
+  kb, vb = (to_grid(masked_rows(x, mask, ct), n, size, axis=1) for x in (k, v))  # [b * h, n, size, dim]
+  valid = to_grid(rows_mask(mask, heads), n, size, axis=1)[:, :, None, :]  # [b * h, n, 1, size]; pads False
   if causal:
     valid = valid & jnp.tril(jnp.ones((size, size), bool))
-  logits = jnp.einsum("bhnqd,bhnkd->bhnqk", qb, kb) * contract.logit_scale(head_dim)  # [b, h, n, size, size]
-  out = attend(logits, valid, vb, "bhnqk,bhnkd->bhnqd")  # [batch, heads, n, size, value_dim]
-  out = out.reshape(batch, heads, n * size, -1)[:, :, :length]
-  return head_major(out).astype(v.dtype)
+  logits = jnp.einsum("gnqd,gnkd->gnqk", qb, kb) * contract.logit_scale(head_dim)  # [b * h, n, size, size]
+  out = attend(logits, valid, vb, "gnqk,gnkd->gnqd")  # [batch * heads, n, size, value_dim]
+  return from_rows(out.reshape(batch * heads, n * size, -1)[:, :length], batch, v.dtype)

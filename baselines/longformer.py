@@ -19,9 +19,9 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from baselines.common import masked_head_major, neighbour_blocks
+from baselines.common import from_rows, masked_rows, neighbour_blocks, rows_mask, to_rows
 from core import contract
-from core.blocks import head_major, num_blocks, to_grid
+from core.blocks import num_blocks, to_grid
 from core.combine import Piece, attend, flag_nonfinite, flagged_sum, joint_softmax, weighted_sum
 
 Array = Any
@@ -49,14 +49,14 @@ def dense_rows(q_rows: Array, k: Array, v: Array, rows: np.ndarray, key_valid: A
                scale: float) -> Array:
   """Full softmax attention for the queries at positions `rows` only (global queries).
 
-  q_rows: [batch, heads, len(rows), d]; k: [batch, heads, length, d]; v: [batch, heads, length, value_dim];
-  key_valid: [batch, length] bool. Returns [batch, heads, len(rows), value_dim]."""
-  length = k.shape[2]
-  logits = jnp.einsum("bhgd,bhkd->bhgk", q_rows, k) * scale  # [batch, heads, G, length]
-  valid = key_valid[:, None, None, :]  # [batch, 1, 1, length]
+  q_rows: [batch * heads, len(rows), d]; k: [batch * heads, length, d]; v: [batch * heads, length, value_dim];
+  key_valid: [batch * heads, length] bool. Returns [batch * heads, len(rows), value_dim]."""
+  length = k.shape[1]
+  logits = jnp.einsum("gqd,gkd->gqk", q_rows, k) * scale  # [batch * heads, G, length]
+  valid = key_valid[:, None, :]  # [batch * heads, 1, length]
   if causal:
     valid = valid & (np.arange(length)[None, :] <= rows[:, None])
-  return attend(logits, valid, v, "bhgk,bhkd->bhgd")
+  return attend(logits, valid, v, "gqk,gkd->gqd")
 
 
 def longformer(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None, window: int = 128,
@@ -75,38 +75,40 @@ def longformer(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None
   glob = global_indices(global_positions, length, op=op)
   ct = contract.softmax_dtype(q.dtype, k.dtype, v.dtype)
   scale = contract.logit_scale(head_dim)
-  qh = head_major(q.astype(ct))  # [batch, heads, length, head_dim]
-  kh, vh = (masked_head_major(x, mask, ct) for x in (k, v))  # [batch, heads, length, dim]
+  qh = to_rows(q, ct)  # [batch * heads, length, head_dim]
+  kh, vh = (masked_rows(x, mask, ct) for x in (k, v))  # [batch * heads, length, dim]
+  mask = rows_mask(mask, heads)  # [batch * heads, length]
 
   size = min(window, length)
   n = num_blocks(length, size)
   is_global = np.zeros(n * size, bool)
   is_global[glob] = True
-  band_keys = mask & ~jnp.asarray(is_global[:length])  # [batch, length]: globals come in their own piece
+  band_keys = mask & ~jnp.asarray(is_global[:length])  # [b * h, length]: globals come in their own piece
   offsets = (-1, 0) if causal else (-1, 0, 1)
 
-  qb = to_grid(qh, n, size, axis=2)  # [batch, heads, n, size, head_dim]
-  kb = neighbour_blocks(to_grid(kh, n, size, axis=2), offsets, axis=2)  # [batch, heads, n, keys, head_dim]
+  qb = to_grid(qh, n, size, axis=1)  # [batch * heads, n, size, head_dim]
+  kb = neighbour_blocks(to_grid(kh, n, size, axis=1), offsets, axis=1)  # [batch * heads, n, keys, head_dim]
   # Values flagged once, before the neighbouring blocks copy them three times.
-  vb = neighbour_blocks(to_grid(flag_nonfinite(vh), n, size, axis=2), offsets,
-                        axis=2)  # [b, h, n, keys, dv + 1]
-  kvalid = neighbour_blocks(to_grid(band_keys, n, size, axis=1), offsets, axis=1, fill=False)  # [b, n, keys]
+  vb = neighbour_blocks(to_grid(flag_nonfinite(vh), n, size, axis=1), offsets,
+                        axis=1)  # [batch * heads, n, keys, dv + 1]
+  kvalid = neighbour_blocks(to_grid(band_keys, n, size, axis=1), offsets, axis=1,
+                            fill=False)  # [batch * heads, n, keys]
   pos = np.arange(n * size).reshape(n, size)
   kpos = np.concatenate([pos + o * size for o in offsets], axis=1)  # [n, keys]
   dist = kpos[:, None, :] - pos[:, :, None]  # [n, size, keys]: key - query
   near = (dist <= 0 if causal else dist <= window) & (dist >= -window)
-  valid = kvalid[:, None, :, None, :] & near  # [batch, 1, n, size, keys]
-  logits = jnp.einsum("bhnqd,bhnkd->bhnqk", qb, kb) * scale  # [batch, heads, n, size, keys]
-  pieces = [Piece(logits, valid, lambda w: flagged_sum("bhnqk,bhnkd->bhnqd", w, vb))]
+  valid = kvalid[:, :, None, :] & near  # [batch * heads, n, size, keys]
+  logits = jnp.einsum("gnqd,gnkd->gnqk", qb, kb) * scale  # [batch * heads, n, size, keys]
+  pieces = [Piece(logits, valid, lambda w: flagged_sum("gnqk,gnkd->gnqd", w, vb))]
   if glob.size:
-    kg, vg = kh[:, :, glob], vh[:, :, glob]  # [batch, heads, G, dim]
-    glogits = jnp.einsum("bhnqd,bhgd->bhnqg", qb, kg) * scale  # [batch, heads, n, size, G]
-    gvalid = mask[:, glob][:, None, None, None, :]  # [batch, 1, 1, 1, G]
+    kg, vg = kh[:, glob], vh[:, glob]  # [batch * heads, G, dim]
+    glogits = jnp.einsum("gnqd,gjd->gnqj", qb, kg) * scale  # [batch * heads, n, size, G]
+    gvalid = mask[:, glob][:, None, None, :]  # [batch * heads, 1, 1, G]
     if causal:
       gvalid = gvalid & (glob[None, None, :] <= pos[:, :, None])  # [.., n, size, G]
-    pieces.append(Piece(glogits, gvalid, lambda w: weighted_sum("bhnqg,bhgd->bhnqd", w, vg)))
-  out = joint_softmax(pieces)  # [batch, heads, n, size, value_dim]
-  out = out.reshape(batch, heads, n * size, -1)[:, :, :length]
+    pieces.append(Piece(glogits, gvalid, lambda w: weighted_sum("gnqj,gjd->gnqd", w, vg)))
+  out = joint_softmax(pieces)  # [batch * heads, n, size, value_dim]
+  out = out.reshape(batch * heads, n * size, -1)[:, :length]
   if glob.size:
-    out = out.at[:, :, glob].set(dense_rows(qh[:, :, glob], kh, vh, glob, mask, causal, scale))
-  return head_major(out).astype(v.dtype)
+    out = out.at[:, glob].set(dense_rows(qh[:, glob], kh, vh, glob, mask, causal, scale))
+  return from_rows(out, batch, v.dtype)

@@ -22,9 +22,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from baselines.common import from_rows
 from baselines.linear import DEFAULT_CHUNK, feature_attention, prepare
 from core import contract
-from core.blocks import head_major
 
 Array = Any
 DEFAULT_FEATURES = 256
@@ -82,15 +82,15 @@ def performer(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None 
                      f"got {getattr(features, 'shape', type(features).__name__)}")
   w = jax.lax.stop_gradient(jnp.asarray(features).astype(qh.dtype))  # [m, head_dim]
   scale = float(head_dim) ** -0.25
-  qp = jnp.einsum("bhld,md->bhlm", qh * scale, w)  # [batch, heads, length, m]
+  qp = jnp.einsum("gld,md->glm", qh * scale, w)  # [batch * heads, length, m]
   # Per-query factors (|q'|^2 / 2 and the row max) cancel between numerator and denominator.
   phi_q = jnp.exp(qp - jax.lax.stop_gradient(jnp.max(qp, axis=-1, keepdims=True)))
   ks = kh * scale
-  kp = jnp.einsum("bhld,md->bhlm", ks, w) - 0.5 * jnp.sum(ks * ks, axis=-1, keepdims=True)
-  # One factor per (batch, head) cancels too; only real keys set it.
+  kp = jnp.einsum("gld,md->glm", ks, w) - 0.5 * jnp.sum(ks * ks, axis=-1, keepdims=True)
+  # One factor per (batch, head) row cancels too; only real keys set it.
   # Non-finite projections (a NaN or Inf key, which no visible output may depend on) stay out of the max.
-  kmax = jnp.max(jnp.where(valid & jnp.isfinite(kp), kp, -jnp.inf), axis=(2, 3), keepdims=True)  # [b,h,1,1]
+  kmax = jnp.max(jnp.where(valid & jnp.isfinite(kp), kp, -jnp.inf), axis=(1, 2), keepdims=True)  # [b*h,1,1]
   kmax = jax.lax.stop_gradient(jnp.where(jnp.isfinite(kmax), kmax, 0.0))
-  phi_k = jnp.where(valid, jnp.exp(kp - kmax), 0.0)  # [batch, heads, length, m]
+  phi_k = jnp.where(valid, jnp.exp(kp - kmax), 0.0)  # [batch * heads, length, m]
   out = feature_attention(phi_q, phi_k, vh, causal=causal, chunk_size=chunk)
-  return head_major(out).astype(out_dtype)
+  return from_rows(out, q.shape[0], out_dtype)

@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from baselines.common import from_rows, masked_rows, rows_mask
 from core import contract
 from core.blocks import num_blocks, pad_to
 from core.combine import Piece, merge, normalize, partial_softmax, weighted_sum
@@ -54,10 +55,10 @@ def _inverse(order: Array) -> Array:
 
 @jax.custom_vjp
 def _permute(x: Array, order: Array, undo: Array) -> Array:
-  """x [b, h, L, dim] gathered by each round's permutation order [b, h, r, L] -> [b, h, r, L, dim].
+  """x [rows, L, dim] gathered by each round's permutation order [rows, r, L] -> [rows, r, L, dim].
 
   The gradient is a gather by the inverse permutation summed over rounds, not a scatter-add."""
-  return jnp.take_along_axis(x[:, :, None], order[..., None], axis=3)
+  return jnp.take_along_axis(x[:, None], order[..., None], axis=2)
 
 
 def _permute_fwd(x, order, undo):
@@ -66,7 +67,7 @@ def _permute_fwd(x, order, undo):
 
 def _permute_bwd(res, g):
   order, undo = res
-  return jnp.sum(jnp.take_along_axis(g, undo[..., None], axis=3), axis=2), None, None
+  return jnp.sum(jnp.take_along_axis(g, undo[..., None], axis=2), axis=1), None, None
 
 
 _permute.defvjp(_permute_fwd, _permute_bwd)
@@ -74,8 +75,8 @@ _permute.defvjp(_permute_fwd, _permute_bwd)
 
 @jax.custom_vjp
 def _unpermute(x: Array, undo: Array, order: Array) -> Array:
-  """Per-round inverse of `_permute`: x [b, h, r, L, ...] gathered by undo [b, h, r, L] along L."""
-  return jnp.take_along_axis(x, undo.reshape(undo.shape + (1,) * (x.ndim - 4)), axis=3)
+  """Per-round inverse of `_permute`: x [rows, r, L, ...] gathered by undo [rows, r, L] along L."""
+  return jnp.take_along_axis(x, undo.reshape(undo.shape + (1,) * (x.ndim - 3)), axis=2)
 
 
 def _unpermute_fwd(x, undo, order):
@@ -91,7 +92,7 @@ _unpermute.defvjp(_unpermute_fwd, _unpermute_bwd)
 
 
 def _contract_with(values: Array):
-  return lambda w: weighted_sum("bhrnck,bhrnkd->bhrncd", w, values)  # [b, h, r, n, c, value_dim]
+  return lambda w: weighted_sum("grnck,grnkd->grncd", w, values)  # [rows, r, n, c, value_dim]
 
 
 def _unit(x: Array) -> Array:
@@ -124,60 +125,62 @@ def reformer(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None =
   ct = contract.softmax_dtype(q.dtype, k.dtype, v.dtype)
   padded = n_chunks * chunk_size
 
-  # Masked positions hold anything (NaN): select them to zero before any arithmetic.
+  # Masked positions hold anything (NaN): select them to zero before any arithmetic. Rows of batch x heads
+  # (`baselines.common`).
+  rows = batch * heads
   valid = pad_to(mask, padded, axis=1)  # [batch, padded]
-  qh = jnp.swapaxes(pad_to(q, padded, axis=1).astype(ct), 1, 2)  # [batch, heads, padded, head_dim]
-  vh = jnp.swapaxes(pad_to(v, padded, axis=1).astype(ct), 1, 2)  # [batch, heads, padded, value_dim]
-  vmask = valid[:, None, :, None]
-  qh, vh = jnp.where(vmask, qh, 0.0), jnp.where(vmask, vh, 0.0)
+  qh = masked_rows(pad_to(q, padded, axis=1), valid, ct)  # [rows, padded, head_dim]
+  vh = masked_rows(pad_to(v, padded, axis=1), valid, ct)  # [rows, padded, value_dim]
+  valid = rows_mask(valid, heads)  # [rows, padded]
 
   rot = rotations(rng, heads=heads, n_hashes=n_hashes, head_dim=head_dim, n_buckets=max(n_buckets, 2))
   if n_buckets == 1:  # no hashing: the chunks are runs of consecutive positions
-    buckets = jnp.zeros((batch, heads, n_hashes, padded), jnp.int32)
+    buckets = jnp.zeros((rows, n_hashes, padded), jnp.int32)
   else:
-    buckets = lsh_buckets(jax.lax.stop_gradient(qh), rot)  # [batch, heads, n_hashes, padded]
-  buckets = jnp.where(valid[:, None, None, :], buckets, n_buckets)  # masked keys: a last bucket of their own
+    buckets = lsh_buckets(jax.lax.stop_gradient(qh).reshape(batch, heads, padded, head_dim), rot)
+    buckets = buckets.reshape(rows, n_hashes, padded)
+  buckets = jnp.where(valid[:, None, :], buckets, n_buckets)  # masked keys: a last bucket of their own
   pos = jnp.arange(padded, dtype=jnp.int32)
-  order = jnp.argsort(buckets * padded + pos, axis=-1).astype(jnp.int32)  # [batch, heads, n_hashes, padded]
+  order = jnp.argsort(buckets * padded + pos, axis=-1).astype(jnp.int32)  # [rows, n_hashes, padded]
   # The inverse permutation by one scatter (much cheaper than a second sort on CPU).
   undo = _inverse(order)
 
-  sq = _permute(qh, order, undo)  # [b, h, r, padded, d], sorted per round
-  sv = _permute(vh, order, undo)  # [b, h, r, padded, dv]
-  chunked = (batch, heads, n_hashes, n_chunks, chunk_size)
+  sq = _permute(qh, order, undo)  # [rows, r, padded, d], sorted per round
+  sv = _permute(vh, order, undo)  # [rows, r, padded, dv]
+  chunked = (rows, n_hashes, n_chunks, chunk_size)
   sq, sv = sq.reshape(*chunked, head_dim), sv.reshape(*chunked, sv.shape[-1])
   spos = order.reshape(chunked)  # original positions, sorted
-  svalid = jnp.take_along_axis(jnp.broadcast_to(valid[:, None, None, :], order.shape), order, axis=-1)
-  svalid = svalid.reshape(chunked)  # [b, h, r, n, c]
+  svalid = jnp.take_along_axis(jnp.broadcast_to(valid[:, None, :], order.shape), order, axis=-1)
+  svalid = svalid.reshape(chunked)  # [rows, r, n, c]
   sk = _unit(sq)
   scale = contract.logit_scale(head_dim)
 
   # Own chunk: the key in slot i is the query in slot i, so "self" is the diagonal.
-  own_logits = jnp.einsum("bhrncd,bhrnkd->bhrnck", sq, sk) * scale  # [b, h, r, n, c, c]
-  own_visible = svalid[..., None, :]  # [b, h, r, n, 1, c]
+  own_logits = jnp.einsum("grncd,grnkd->grnck", sq, sk) * scale  # [rows, r, n, c, c]
+  own_visible = svalid[..., None, :]  # [rows, r, n, 1, c]
   if causal:
     own_visible = own_visible & (spos[..., None, :] <= spos[..., :, None])
   eye = jnp.eye(chunk_size, dtype=bool)
   others = [own_visible & ~eye]
   pieces = [(own_logits, sv)]
   if n_chunks > 1:  # the previous chunk (cyclic); it never holds the query's own position
-    pk, pv = jnp.roll(sk, 1, axis=3), jnp.roll(sv, 1, axis=3)
-    ppos, pvalid = jnp.roll(spos, 1, axis=3), jnp.roll(svalid, 1, axis=3)
-    prev_logits = jnp.einsum("bhrncd,bhrnkd->bhrnck", sq, pk) * scale  # [b, h, r, n, c, c]
+    pk, pv = jnp.roll(sk, 1, axis=2), jnp.roll(sv, 1, axis=2)
+    ppos, pvalid = jnp.roll(spos, 1, axis=2), jnp.roll(svalid, 1, axis=2)
+    prev_logits = jnp.einsum("grncd,grnkd->grnck", sq, pk) * scale  # [rows, r, n, c, c]
     prev_visible = pvalid[..., None, :]
     if causal:
       prev_visible = prev_visible & (ppos[..., None, :] <= spos[..., :, None])
     others.append(prev_visible)
     pieces.append((prev_logits, pv))
   alone = ~functools.reduce(jnp.logical_or, [jnp.any(o, axis=-1, keepdims=True) for o in others])
-  visible = [others[0] | (eye & alone), *others[1:]]  # [b, h, r, n, c, c] each
+  visible = [others[0] | (eye & alone), *others[1:]]  # [rows, r, n, c, c] each
   part = partial_softmax([Piece(lg, vis, _contract_with(val))
                           for (lg, val), vis in zip(pieces, visible, strict=True)])
 
-  def unsort(x):  # [b, h, r, n, c, ...] -> original order [b, h, r, padded, ...]
-    x = x.reshape(batch, heads, n_hashes, padded, *x.shape[5:])
+  def unsort(x):  # [rows, r, n, c, ...] -> original order [rows, r, padded, ...]
+    x = x.reshape(rows, n_hashes, padded, *x.shape[4:])
     return _unpermute(x, undo, order)
 
-  rounds = [type(part)(*(unsort(t)[:, :, r] for t in part)) for r in range(n_hashes)]
-  out = normalize(merge(rounds))  # [batch, heads, padded, value_dim]
-  return jnp.swapaxes(out[:, :, :length], 1, 2).astype(v.dtype)
+  rounds = [type(part)(*(unsort(t)[:, r] for t in part)) for r in range(n_hashes)]
+  out = normalize(merge(rounds))  # [rows, padded, value_dim]
+  return from_rows(out[:, :length], batch, v.dtype)
