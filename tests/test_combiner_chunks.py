@@ -47,6 +47,7 @@ def _loss_and_grads(op, q, k, v, mask, ct, chunks):
   return out, grads
 
 
+@pytest.mark.slow  # every direction and pooling in float64: the longest case here; CI runs the slow tests too
 def test_chunked_rows_equal_one_piece():
   with jax.enable_x64(True):
     keys = jax.random.split(jax.random.key(7), 5)
