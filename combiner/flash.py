@@ -400,10 +400,11 @@ def _flash_bwd(specs, scale, block_q, pack, res, cts):
   do, dlse = cts
   batch, groups, glen, _ = q.shape
   bh, d = batch * (pack or 1), _width(q, pack)
-  delta = jnp.sum(do * o, axis=-1, keepdims=True)  # [bh, groups, glen, 1]
   if pack:  # [batch, groups, glen, heads * dv] -> per head, head-major
     delta = jnp.sum((do * o).reshape(batch, groups, glen, pack, -1), axis=-1)  # [batch, groups, glen, heads]
     delta = jnp.moveaxis(delta, 3, 1).reshape(bh, groups, glen, 1)
+  else:
+    delta = jnp.sum(do * o, axis=-1, keepdims=True)  # [bh, groups, glen, 1]
   delta = delta - dlse
   do = do.astype(q.dtype)
   row_spec = functools.partial(_row_spec, block_q)

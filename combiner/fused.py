@@ -78,57 +78,41 @@ def span_expectation(q_bar: Array, kb: Array, vb: Array, valid: Array, scale: fl
 
 
 def fixed(x: common.Inputs, size: int, causal: bool, pooling: str | None) -> Array:
-  """Combiner-Fixed (pooling = "max"/"mean") or Sparse-Fixed (pooling None: each block's last position)."""
-  if x.heads_last:
-    return _fixed_packed(x, size, causal, pooling)
-  dtype = x.kernel_dtype
-  batch, heads, length, _ = x.q.shape
+  """Combiner-Fixed (pooling = "max"/"mean") or Sparse-Fixed (pooling None: each block's last position).
+
+  Head-major inputs ([batch, heads, L, d]) or, with x.heads_last, the contract's [batch, L, heads, d], which
+  the kernel reads heads-packed; either way only the O(L/size)-sized summaries are rearranged.
+  """
+  axis = 1 if x.heads_last else 2  # the position axis
+  batch, heads = (x.q.shape[0], x.q.shape[2]) if x.heads_last else x.q.shape[:2]
+  length = x.q.shape[axis]
   blocks = num_blocks(length, size)
-  qb, kb, vb = (to_grid(t, blocks, size, 2) for t in (x.q, x.k, x.v))  # [b, heads, blocks, size, d]
+  # [batch, blocks, size, heads, d] (heads-last) or [batch, heads, blocks, size, d]
+  qb, kb, vb = (to_grid(t, blocks, size, axis) for t in (x.q, x.k, x.v))
   mb = to_grid(x.mask, blocks, size, 1)  # [batch, blocks, size]
+  pool_valid = mb[..., None] if x.heads_last else mb[:, None]  # broadcasts against qb.shape[:-1]
   if pooling is None:
-    k_sum, v_sum, ok_sum = kb[:, :, :, -1], vb[:, :, :, -1], mb[:, :, -1]
+    k_sum, v_sum = (lax.index_in_dim(t, -1, axis + 1, keepdims=False) for t in (kb, vb))
+    ok_sum = mb[:, :, -1]  # [batch, blocks]
   else:
-    pqb, pkb = (to_grid(t, blocks, size, 2) for t in (x.pool_q, x.pool_k))
-    k_sum, ok_sum = pool_ops.pool(pkb, mb[:, None], axis=3, kind=pooling)  # [b, h, blocks, d], [b, 1, blocks]
-    q_bar, _ = pool_ops.pool(pqb, mb[:, None], axis=3, kind=pooling)
-    v_sum = span_expectation(q_bar, kb, vb, mb[:, None], x.scale)  # [batch, heads, blocks, value_dim]
-    ok_sum = ok_sum[:, 0]
-  sources = [
-      flash.Source(_bh(kb).astype(dtype), _bh(vb).astype(dtype), mb, _direct_rule(causal), "row"),
-      flash.Source(_bh(k_sum[:, :, None]).astype(dtype), _bh(v_sum[:, :, None]).astype(dtype),
-                   ok_sum[:, None], _other_rule(causal), "group"),
-  ]
-  out, _ = flash.attend(_bh(qb).astype(dtype), sources, heads=heads, scale=x.scale)  # [bh, blocks, size, dv]
-  return common.finish(from_grid(_unbh(out, batch), length, 2), x)
+    pqb, pkb = (to_grid(t, blocks, size, axis) for t in (x.pool_q, x.pool_k))
+    k_sum, ok_sum = pool_ops.pool(pkb, pool_valid, axis=axis + 1, kind=pooling)
+    q_bar, _ = pool_ops.pool(pqb, pool_valid, axis=axis + 1, kind=pooling)
+    v_sum = span_expectation(q_bar, kb, vb, pool_valid, x.scale, axis=axis + 1)
+    ok_sum = ok_sum[..., 0] if x.heads_last else ok_sum[:, 0]  # [batch, blocks]
 
+  def summaries(t):  # [batch, blocks, heads, dim] or [batch, heads, blocks, dim] -> [bh, 1, blocks, dim]
+    return _bh((jnp.swapaxes(t, 1, 2) if x.heads_last else t)[:, :, None]).astype(x.kernel_dtype)
 
-def _fixed_packed(x: common.Inputs, size: int, causal: bool, pooling: str | None) -> Array:
-  """`fixed` on heads-packed arrays: the inputs stay in the contract layout [batch, length, heads, dim] and
-  only the O(L/size)-sized summaries go head-major."""
-  batch, length, heads, _ = x.q.shape
-  blocks = num_blocks(length, size)
-  qb, kb, vb = (to_grid(t, blocks, size, 1) for t in (x.q, x.k, x.v))  # [batch, blocks, size, heads, d]
-  mb = to_grid(x.mask, blocks, size, 1)  # [batch, blocks, size]
-  if pooling is None:
-    k_sum, v_sum, ok_sum = kb[:, :, -1], vb[:, :, -1], mb[:, :, -1]  # [b, blocks, heads, d], [b, blocks]
-  else:
-    pqb, pkb = (to_grid(t, blocks, size, 1) for t in (x.pool_q, x.pool_k))
-    k_sum, ok_sum = pool_ops.pool(pkb, mb[..., None], axis=2, kind=pooling)  # [b, n, h, d], [b, n, 1]
-    q_bar, _ = pool_ops.pool(pqb, mb[..., None], axis=2, kind=pooling)
-    v_sum = span_expectation(q_bar, kb, vb, mb[..., None], x.scale, axis=2)  # [batch, blocks, heads, dv]
-    ok_sum = ok_sum[..., 0]
+  def keys(t):  # the kernel's layout: [batch, blocks, size, heads * dim] or [bh, blocks, size, dim]
+    return (t.reshape(*t.shape[:3], -1) if x.heads_last else _bh(t)).astype(x.kernel_dtype)
 
-  def packed(t):  # [batch, blocks, size, heads, dim] -> [batch, blocks, size, heads * dim]
-    return t.reshape(*t.shape[:3], -1)
-
-  def summaries(t):  # [batch, blocks, heads, dim] -> [bh, 1, blocks, dim]
-    return _bh(jnp.swapaxes(t, 1, 2))[:, None].astype(x.kernel_dtype)
-
-  sources = [flash.Source(packed(kb), packed(vb), mb, _direct_rule(causal), "row", packed=True),
+  sources = [flash.Source(keys(kb), keys(vb), mb, _direct_rule(causal), "row", packed=x.heads_last),
              flash.Source(summaries(k_sum), summaries(v_sum), ok_sum[:, None], _other_rule(causal), "group")]
-  out, _ = flash.attend(packed(qb), sources, heads=heads, scale=x.scale, packed=True)  # [b, n, size, h*dv]
-  return out.reshape(batch, blocks * size, heads, -1)[:, :length].astype(x.out_dtype)
+  out, _ = flash.attend(keys(qb), sources, heads=heads, scale=x.scale, packed=x.heads_last)
+  if x.heads_last:  # [batch, blocks, size, heads * dv]
+    return out.reshape(batch, blocks * size, heads, -1)[:, :length].astype(x.out_dtype)
+  return common.finish(from_grid(_unbh(out, batch), length, 2), x)  # out: [bh, blocks, size, dv]
 
 
 class _Layout:
