@@ -18,10 +18,10 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from baselines.common import from_rows, masked_rows, neighbour_blocks, rows_mask, to_rows
+from baselines.common import from_rows, masked_rows, neighbour_blocks, num_row_chunks, rows_mask, to_rows
 from baselines.longformer import dense_rows, global_indices
 from core import contract
-from core.blocks import num_blocks, to_grid
+from core.blocks import map_chunks, num_blocks, to_grid
 from core.combine import Piece, flag_nonfinite, flagged_sum, joint_softmax
 
 Array = Any
@@ -52,10 +52,13 @@ def block_pattern(num: int, *, causal: bool, global_blocks: Any, num_random_bloc
 
 
 def bigbird(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None, block_size: int = 64,
-            global_blocks: Any = (0, -1), num_random_blocks: int = 3, seed: int = 0) -> Array:
+            global_blocks: Any = (0, -1), num_random_blocks: int = 3, seed: int = 0,
+            row_chunks: int | None = None) -> Array:
   """Block-sparse ITC attention.
 
   q, k: [batch, length, heads, head_dim]; v: [batch, length, heads, value_dim]; mask: [batch, length] bool.
+  row_chunks: rows of batch x heads run in this many chunks, one after the other
+    (`baselines.common.num_row_chunks`; None = automatic).
   Returns [batch, length, heads, value_dim] in v's dtype.
   """
   op = "bigbird"
@@ -82,74 +85,82 @@ def bigbird(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = 
 
   # Non-global query blocks: three pieces of one softmax over disjoint key sets. Window blocks by pads and
   # slices, global blocks shared by every query block, random blocks by one gather of `num_random_blocks`.
+  # The pattern is static: numpy, computed once for all rows.
   offsets = (-1, 0) if causal else (-1, 0, 1)
   blocks = np.arange(n)
   pos = np.arange(n * size).reshape(n, size)  # [n, size]
   glob = np.flatnonzero(is_global)
+  wblock = np.stack([blocks + o for o in offsets], axis=1)  # [n, window blocks]
+  wstatic = (wblock >= 0) & (wblock < n) & ~is_global[np.clip(wblock, 0, n - 1)]
+  wpos = (wblock[:, :, None] * size + np.arange(size)).reshape(n, -1)  # [n, window keys]
   window = np.zeros((n, n), bool)
   for o in offsets:
     inside = (blocks + o >= 0) & (blocks + o < n)
     window[blocks[inside], blocks[inside] + o] = True
-  rand = allowed & ~window & ~is_global[None, :] & ~is_global[:, None]  # [n, n]
-  slots = int(rand.sum(axis=1).max())
-  grid_mask = to_grid(mask, n, size, axis=1)  # [batch * heads, n, size]; padding is False
-  qb = to_grid(qh, n, size, axis=1)  # [batch * heads, n, size, head_dim]
-  qh_grid = qb.reshape(rows, n * size, head_dim)  # padded to whole blocks
-  kb = to_grid(kh, n, size, axis=1)  # [batch * heads, n, size, head_dim]
-  # Values flagged once, before the window, global and random pieces copy them.
-  vb = to_grid(flag_nonfinite(vh), n, size, axis=1)  # [batch * heads, n, size, value_dim + 1]
-
-  def piece(keys: Array, values: Array, key_valid: Array, kpos: np.ndarray, static: np.ndarray) -> Piece:
-    """keys [batch * heads, n, K, d] (or [batch * heads, K, d], shared), values likewise with
-    `flag_nonfinite`'s extra column; key_valid [batch * heads, n | 1, K];
-    kpos, static: [n, K] key positions and pattern validity."""
-    if keys.ndim == 3:  # shared keys: one plain matmul over all queries (faster on CPU than a 4-d einsum)
-      logits = jnp.einsum("gld,gkd->glk", qh_grid, keys).reshape(rows, n, size, -1) * scale
-    else:
-      logits = jnp.einsum("gnqd,gnkd->gnqk", qb, keys) * scale  # [batch * heads, n, size, K]
-    near = static[:, None, :]  # [n, 1, K]
-    if causal:
-      near = near & (kpos[:, None, :] <= pos[:, :, None])  # [n, size, K]
-    valid = key_valid[:, :, None, :] & near  # [batch * heads, n, size | 1, K]
-    if keys.ndim == 3:
-      def apply_shared(w: Array) -> Array:
-        out = flagged_sum("glk,gkd->gld", w.reshape(rows, n * size, -1), values)
-        return out.reshape(rows, n, size, -1)
-
-      return Piece(logits, valid, apply_shared)
-    return Piece(logits, valid, lambda w: flagged_sum("gnqk,gnkd->gnqd", w, values))
-
-  wblock = np.stack([blocks + o for o in offsets], axis=1)  # [n, window blocks]
-  wstatic = (wblock >= 0) & (wblock < n) & ~is_global[np.clip(wblock, 0, n - 1)]
-  wpos = (wblock[:, :, None] * size + np.arange(size)).reshape(n, -1)  # [n, window keys]
-  pieces = [piece(neighbour_blocks(kb, offsets, axis=1), neighbour_blocks(vb, offsets, axis=1),
-                  neighbour_blocks(grid_mask, offsets, axis=1, fill=False), wpos,
-                  np.repeat(wstatic, size, axis=1))]
   # Causally, a global key block is seen only by the query blocks after it (the global query blocks' rows are
   # dense): the blocks no non-global query block follows (the last block) stay out of the shared piece.
   gkeys = glob[[bool(np.any(~is_global[g + 1:])) for g in glob]] if causal else glob
-  if gkeys.size:
-    gstatic = np.broadcast_to(gkeys[None, :] <= blocks[:, None] if causal else True, (n, gkeys.size))
-    pieces.append(piece(kb[:, gkeys].reshape(rows, gkeys.size * size, head_dim),
-                        vb[:, gkeys].reshape(rows, gkeys.size * size, -1),
-                        grid_mask[:, gkeys].reshape(rows, 1, gkeys.size * size),
-                        np.broadcast_to(pos[gkeys].reshape(1, -1), (n, gkeys.size * size)),
-                        np.repeat(gstatic, size, axis=1)))
-  if slots:
-    index = np.zeros((n, slots), np.int64)
-    used = np.zeros((n, slots), bool)
-    for a in range(n):
-      chosen = np.flatnonzero(rand[a])
-      index[a, :chosen.size], used[a, :chosen.size] = chosen, True
+  gstatic = np.broadcast_to(gkeys[None, :] <= blocks[:, None] if causal else True, (n, gkeys.size))
+  rand = allowed & ~window & ~is_global[None, :] & ~is_global[:, None]  # [n, n]
+  slots = int(rand.sum(axis=1).max())
+  index = np.zeros((n, slots), np.int64)  # [n, slots]: each query block's random key blocks
+  used = np.zeros((n, slots), bool)
+  for a in range(n):
+    chosen = np.flatnonzero(rand[a])
+    index[a, :chosen.size], used[a, :chosen.size] = chosen, True
 
-    def gather(x: Array) -> Array:  # [batch * heads, n, size, dim] -> [batch * heads, n, slots * size, dim]
-      return x[:, index].reshape(rows, n, slots * size, x.shape[-1])
+  def attention(chunk: tuple[Array, ...]) -> Array:
+    """A chunk of rows: q, k, v [rows, length, dim], key mask [rows, length] -> [rows, n, size, value_dim]."""
+    qh, kh, vh, mask = chunk
+    rows = qh.shape[0]
+    grid_mask = to_grid(mask, n, size, axis=1)  # [rows, n, size]; padding is False
+    qb = to_grid(qh, n, size, axis=1)  # [rows, n, size, head_dim]
+    qh_grid = qb.reshape(rows, n * size, head_dim)  # padded to whole blocks
+    kb = to_grid(kh, n, size, axis=1)  # [rows, n, size, head_dim]
+    # Values flagged once, before the window, global and random pieces copy them.
+    vb = to_grid(flag_nonfinite(vh), n, size, axis=1)  # [rows, n, size, value_dim + 1]
 
-    pieces.append(piece(gather(kb), gather(vb), grid_mask[:, index].reshape(rows, n, slots * size),
-                        pos[index].reshape(n, -1), np.repeat(used, size, axis=1)))
-  out = joint_softmax(pieces)  # [batch * heads, n, size, value_dim]
-  if glob.size:  # global query blocks: dense rows, written over whole blocks
-    gpos = pos[glob].reshape(-1)  # [G * size]
-    full = dense_rows(qb[:, glob].reshape(rows, gpos.size, head_dim), kh, vh, gpos, mask, causal, scale)
-    out = out.at[:, glob].set(full.reshape(rows, glob.size, size, -1))  # [batch * heads, G, size, value_dim]
+    def piece(keys: Array, values: Array, key_valid: Array, kpos: np.ndarray, static: np.ndarray) -> Piece:
+      """keys [rows, n, K, d] (or [rows, K, d], shared), values likewise with `flag_nonfinite`'s extra
+      column; key_valid [rows, n | 1, K]; kpos, static: [n, K] key positions and pattern validity."""
+      if keys.ndim == 3:  # shared keys: one plain matmul over all queries (faster on CPU than a 4-d einsum)
+        logits = jnp.einsum("gld,gkd->glk", qh_grid, keys).reshape(rows, n, size, -1) * scale
+      else:
+        logits = jnp.einsum("gnqd,gnkd->gnqk", qb, keys) * scale  # [rows, n, size, K]
+      near = static[:, None, :]  # [n, 1, K]
+      if causal:
+        near = near & (kpos[:, None, :] <= pos[:, :, None])  # [n, size, K]
+      valid = key_valid[:, :, None, :] & near  # [rows, n, size | 1, K]
+      if keys.ndim == 3:
+        def apply_shared(w: Array) -> Array:
+          out = flagged_sum("glk,gkd->gld", w.reshape(rows, n * size, -1), values)
+          return out.reshape(rows, n, size, -1)
+
+        return Piece(logits, valid, apply_shared)
+      return Piece(logits, valid, lambda w: flagged_sum("gnqk,gnkd->gnqd", w, values))
+
+    pieces = [piece(neighbour_blocks(kb, offsets, axis=1), neighbour_blocks(vb, offsets, axis=1),
+                    neighbour_blocks(grid_mask, offsets, axis=1, fill=False), wpos,
+                    np.repeat(wstatic, size, axis=1))]
+    if gkeys.size:
+      pieces.append(piece(kb[:, gkeys].reshape(rows, gkeys.size * size, head_dim),
+                          vb[:, gkeys].reshape(rows, gkeys.size * size, -1),
+                          grid_mask[:, gkeys].reshape(rows, 1, gkeys.size * size),
+                          np.broadcast_to(pos[gkeys].reshape(1, -1), (n, gkeys.size * size)),
+                          np.repeat(gstatic, size, axis=1)))
+    if slots:
+      def gather(x: Array) -> Array:  # [rows, n, size, dim] -> [rows, n, slots * size, dim]
+        return x[:, index].reshape(rows, n, slots * size, x.shape[-1])
+
+      pieces.append(piece(gather(kb), gather(vb), grid_mask[:, index].reshape(rows, n, slots * size),
+                          pos[index].reshape(n, -1), np.repeat(used, size, axis=1)))
+    out = joint_softmax(pieces)  # [rows, n, size, value_dim]
+    if glob.size:  # global query blocks: dense rows, written over whole blocks
+      gpos = pos[glob].reshape(-1)  # [G * size]
+      full = dense_rows(qb[:, glob].reshape(rows, gpos.size, head_dim), kh, vh, gpos, mask, causal, scale)
+      out = out.at[:, glob].set(full.reshape(rows, glob.size, size, -1))  # [rows, G, size, value_dim]
+    return out
+
+  chunks = num_row_chunks(rows, length, row_chunks, op=op)
+  out = map_chunks(attention, (qh, kh, vh, mask), chunks, axis=0)  # [batch * heads, n, size, value_dim]
   return from_rows(out.reshape(rows, n * size, -1)[:, :length], batch, v.dtype)

@@ -15,9 +15,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from baselines.common import from_rows, masked_rows, rows_mask, to_rows
+from baselines.common import from_rows, masked_rows, num_row_chunks, rows_mask, to_rows
 from core import contract
-from core.blocks import num_blocks, pad_to
+from core.blocks import map_chunks, num_blocks, pad_to
 from core.combine import weighted_sum
 
 Array = Any
@@ -69,20 +69,22 @@ def exclusive_prefix_sum(x: Array) -> Array:
   return jnp.moveaxis(out, 0, 1)
 
 
-def prepare(q: Array, k: Array, v: Array, mask: Array | None, *, op: str, causal: Any,
-            chunk_size: Any) -> tuple[Array, Array, Array, Array, bool, int]:
+def prepare(q: Array, k: Array, v: Array, mask: Array | None, *, op: str, causal: Any, chunk_size: Any,
+            row_chunks: Any) -> tuple[Array, Array, Array, Array, bool, int, int]:
   """Contract checks; q, k, v as rows [batch * heads, length, dim] (`baselines.common.to_rows`) in the softmax
   dtype with masked keys' k and v replaced by zeros (a select, so NaN or Inf there reaches neither outputs nor
-  gradients). Returns (q, k, v, key_valid, causal, chunk); key_valid: [batch * heads, length, 1]."""
+  gradients). Returns (q, k, v, key_valid, causal, chunk, row chunks); key_valid: [batch * heads, length,
+  1]; row chunks: `baselines.common.num_row_chunks`."""
   q, k, v, mask = contract.check_qkv(q, k, v, mask, op=op)
   causal = contract.check_bool(causal, name="causal", op=op)
   chunk = contract.check_positive_int(chunk_size, name="chunk_size", op=op)
+  chunks = num_row_chunks(q.shape[0] * q.shape[2], q.shape[1], row_chunks, op=op)
   ct = contract.softmax_dtype(q.dtype, k.dtype, v.dtype)
   valid = rows_mask(mask, q.shape[2])[:, :, None]  # [batch * heads, length, 1]
   qh = to_rows(q, ct)  # [batch * heads, length, head_dim]
   kh = masked_rows(k, mask, ct)  # [batch * heads, length, head_dim]
   vh = masked_rows(v, mask, ct)  # [batch * heads, length, value_dim]
-  return qh, kh, vh, valid, causal, chunk
+  return qh, kh, vh, valid, causal, chunk, chunks
 
 
 def elu_feature_map(x: Array) -> Array:
@@ -91,15 +93,26 @@ def elu_feature_map(x: Array) -> Array:
 
 
 def linear(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None,
-           chunk_size: int = DEFAULT_CHUNK) -> Array:
+           chunk_size: int = DEFAULT_CHUNK, row_chunks: int | None = None) -> Array:
   """Linear-transformer attention with phi = elu + 1 (no logit scale: the paper applies phi to q and k as is).
 
   q, k: [batch, length, heads, head_dim]; v: [batch, length, heads, value_dim]; mask: [batch, length] bool.
   chunk_size: positions per chunk of the causal prefix sum (cost O(L (chunk + d) d)); unused bidirectionally.
+  row_chunks: rows of batch x heads run in this many chunks, one after the other
+    (`baselines.common.num_row_chunks`; None = automatic, and one bidirectionally, where no intermediate is
+    wider than the inputs and chunks would only add the backward's recomputation).
   Returns [batch, length, heads, value_dim] in v's dtype.
   """
   out_dtype = v.dtype
-  qh, kh, vh, valid, causal, chunk = prepare(q, k, v, mask, op="linear", causal=causal, chunk_size=chunk_size)
-  phi_k = jnp.where(valid, elu_feature_map(kh), 0.0)  # [batch * heads, length, head_dim]
-  out = feature_attention(elu_feature_map(qh), phi_k, vh, causal=causal, chunk_size=chunk)
+  qh, kh, vh, valid, causal, chunk, chunks = prepare(q, k, v, mask, op="linear", causal=causal,
+                                                     chunk_size=chunk_size, row_chunks=row_chunks)
+  if row_chunks is None and not causal:
+    chunks = 1
+
+  def attention(rows: tuple[Array, ...]) -> Array:  # a chunk of rows -> [rows, length, value_dim]
+    qh, kh, vh, valid = rows
+    phi_k = jnp.where(valid, elu_feature_map(kh), 0.0)  # [rows, length, head_dim]
+    return feature_attention(elu_feature_map(qh), phi_k, vh, causal=causal, chunk_size=chunk)
+
+  out = map_chunks(attention, (qh, kh, vh, valid), chunks, axis=0)  # [batch * heads, length, value_dim]
   return from_rows(out, q.shape[0], out_dtype)

@@ -10,19 +10,21 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from baselines.common import from_rows, masked_rows, rows_mask, to_rows
+from baselines.common import from_rows, masked_rows, num_row_chunks, rows_mask, to_rows
 from core import contract
-from core.blocks import num_blocks, to_grid
+from core.blocks import map_chunks, num_blocks, to_grid
 from core.combine import attend
 
 Array = Any
 
 
 def local(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None,
-          block_size: int = 128) -> Array:
+          block_size: int = 128, row_chunks: int | None = None) -> Array:
   """Softmax attention inside each block of `block_size` positions.
 
   q, k: [batch, length, heads, head_dim]; v: [batch, length, heads, value_dim]; mask: [batch, length] bool.
+  row_chunks: rows of batch x heads run in this many chunks, one after the other
+    (`baselines.common.num_row_chunks`; None = automatic).
   Returns [batch, length, heads, value_dim] in v's dtype.
   """
   op = "local"
@@ -33,11 +35,21 @@ def local(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = No
   size = min(size, length)
   n = num_blocks(length, size)
   ct = contract.softmax_dtype(q.dtype, k.dtype, v.dtype)
-  qb = to_grid(to_rows(q, ct), n, size, axis=1)  # [batch * heads, n, size, head_dim]
-  kb, vb = (to_grid(masked_rows(x, mask, ct), n, size, axis=1) for x in (k, v))  # [b * h, n, size, dim]
-  valid = to_grid(rows_mask(mask, heads), n, size, axis=1)[:, :, None, :]  # [b * h, n, 1, size]; pads False
-  if causal:
-    valid = valid & jnp.tril(jnp.ones((size, size), bool))
-  logits = jnp.einsum("gnqd,gnkd->gnqk", qb, kb) * contract.logit_scale(head_dim)  # [b * h, n, size, size]
-  out = attend(logits, valid, vb, "gnqk,gnkd->gnqd")  # [batch * heads, n, size, value_dim]
-  return from_rows(out.reshape(batch * heads, n * size, -1)[:, :length], batch, v.dtype)
+  qh = to_rows(q, ct)  # [batch * heads, length, head_dim]
+  kh, vh = (masked_rows(x, mask, ct) for x in (k, v))  # [batch * heads, length, dim]
+  scale = contract.logit_scale(head_dim)
+
+  def attention(chunk: tuple[Array, ...]) -> Array:
+    """A chunk of rows: q, k, v [rows, length, dim], key mask [rows, length] -> [rows, length, value_dim]."""
+    qh, kh, vh, mask = chunk
+    qb, kb, vb = (to_grid(x, n, size, axis=1) for x in (qh, kh, vh))  # [rows, n, size, dim]
+    valid = to_grid(mask, n, size, axis=1)[:, :, None, :]  # [rows, n, 1, size]; pads False
+    if causal:
+      valid = valid & jnp.tril(jnp.ones((size, size), bool))
+    logits = jnp.einsum("gnqd,gnkd->gnqk", qb, kb) * scale  # [rows, n, size, size]
+    out = attend(logits, valid, vb, "gnqk,gnkd->gnqd")  # [rows, n, size, value_dim]
+    return out.reshape(qh.shape[0], n * size, -1)[:, :length]
+
+  chunks = num_row_chunks(batch * heads, length, row_chunks, op=op)
+  out = map_chunks(attention, (qh, kh, vh, rows_mask(mask, heads)), chunks, axis=0)  # [b * h, length, dv]
+  return from_rows(out, batch, v.dtype)

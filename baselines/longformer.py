@@ -19,9 +19,9 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from baselines.common import from_rows, masked_rows, neighbour_blocks, rows_mask, to_rows
+from baselines.common import from_rows, masked_rows, neighbour_blocks, num_row_chunks, rows_mask, to_rows
 from core import contract
-from core.blocks import num_blocks, to_grid
+from core.blocks import map_chunks, num_blocks, to_grid
 from core.combine import Piece, attend, flag_nonfinite, flagged_sum, joint_softmax, weighted_sum
 
 Array = Any
@@ -60,11 +60,13 @@ def dense_rows(q_rows: Array, k: Array, v: Array, rows: np.ndarray, key_valid: A
 
 
 def longformer(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None, window: int = 128,
-               global_positions: Any = (0,)) -> Array:
+               global_positions: Any = (0,), row_chunks: int | None = None) -> Array:
   """Sliding-window attention with global tokens.
 
   q, k: [batch, length, heads, head_dim]; v: [batch, length, heads, value_dim]; mask: [batch, length] bool.
   window: keys on each side (causal: before) a query sees; global_positions: ints, may be empty.
+  row_chunks: rows of batch x heads run in this many chunks, one after the other
+    (`baselines.common.num_row_chunks`; None = automatic).
   Returns [batch, length, heads, value_dim] in v's dtype.
   """
   op = "longformer"
@@ -83,32 +85,40 @@ def longformer(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None
   n = num_blocks(length, size)
   is_global = np.zeros(n * size, bool)
   is_global[glob] = True
-  band_keys = mask & ~jnp.asarray(is_global[:length])  # [b * h, length]: globals come in their own piece
   offsets = (-1, 0) if causal else (-1, 0, 1)
-
-  qb = to_grid(qh, n, size, axis=1)  # [batch * heads, n, size, head_dim]
-  kb = neighbour_blocks(to_grid(kh, n, size, axis=1), offsets, axis=1)  # [batch * heads, n, keys, head_dim]
-  # Values flagged once, before the neighbouring blocks copy them three times.
-  vb = neighbour_blocks(to_grid(flag_nonfinite(vh), n, size, axis=1), offsets,
-                        axis=1)  # [batch * heads, n, keys, dv + 1]
-  kvalid = neighbour_blocks(to_grid(band_keys, n, size, axis=1), offsets, axis=1,
-                            fill=False)  # [batch * heads, n, keys]
   pos = np.arange(n * size).reshape(n, size)
   kpos = np.concatenate([pos + o * size for o in offsets], axis=1)  # [n, keys]
   dist = kpos[:, None, :] - pos[:, :, None]  # [n, size, keys]: key - query
   near = (dist <= 0 if causal else dist <= window) & (dist >= -window)
-  valid = kvalid[:, :, None, :] & near  # [batch * heads, n, size, keys]
-  logits = jnp.einsum("gnqd,gnkd->gnqk", qb, kb) * scale  # [batch * heads, n, size, keys]
-  pieces = [Piece(logits, valid, lambda w: flagged_sum("gnqk,gnkd->gnqd", w, vb))]
-  if glob.size:
-    kg, vg = kh[:, glob], vh[:, glob]  # [batch * heads, G, dim]
-    glogits = jnp.einsum("gnqd,gjd->gnqj", qb, kg) * scale  # [batch * heads, n, size, G]
-    gvalid = mask[:, glob][:, None, None, :]  # [batch * heads, 1, 1, G]
-    if causal:
-      gvalid = gvalid & (glob[None, None, :] <= pos[:, :, None])  # [.., n, size, G]
-    pieces.append(Piece(glogits, gvalid, lambda w: weighted_sum("gnqj,gjd->gnqd", w, vg)))
-  out = joint_softmax(pieces)  # [batch * heads, n, size, value_dim]
-  out = out.reshape(batch * heads, n * size, -1)[:, :length]
-  if glob.size:
-    out = out.at[:, glob].set(dense_rows(qh[:, glob], kh, vh, glob, mask, causal, scale))
+
+  def attention(chunk: tuple[Array, ...]) -> Array:
+    """A chunk of rows: q, k, v [rows, length, dim], key mask [rows, length] -> [rows, length, value_dim]."""
+    qh, kh, vh, mask = chunk
+    rows = qh.shape[0]
+    band_keys = mask & ~jnp.asarray(is_global[:length])  # [rows, length]: globals come in their own piece
+    qb = to_grid(qh, n, size, axis=1)  # [rows, n, size, head_dim]
+    kb = neighbour_blocks(to_grid(kh, n, size, axis=1), offsets, axis=1)  # [rows, n, keys, head_dim]
+    # Values flagged once, before the neighbouring blocks copy them three times.
+    vb = neighbour_blocks(to_grid(flag_nonfinite(vh), n, size, axis=1), offsets,
+                          axis=1)  # [rows, n, keys, dv + 1]
+    kvalid = neighbour_blocks(to_grid(band_keys, n, size, axis=1), offsets, axis=1,
+                              fill=False)  # [rows, n, keys]
+    valid = kvalid[:, :, None, :] & near  # [rows, n, size, keys]
+    logits = jnp.einsum("gnqd,gnkd->gnqk", qb, kb) * scale  # [rows, n, size, keys]
+    pieces = [Piece(logits, valid, lambda w: flagged_sum("gnqk,gnkd->gnqd", w, vb))]
+    if glob.size:
+      kg, vg = kh[:, glob], vh[:, glob]  # [rows, G, dim]
+      glogits = jnp.einsum("gnqd,gjd->gnqj", qb, kg) * scale  # [rows, n, size, G]
+      gvalid = mask[:, glob][:, None, None, :]  # [rows, 1, 1, G]
+      if causal:
+        gvalid = gvalid & (glob[None, None, :] <= pos[:, :, None])  # [.., n, size, G]
+      pieces.append(Piece(glogits, gvalid, lambda w: weighted_sum("gnqj,gjd->gnqd", w, vg)))
+    out = joint_softmax(pieces)  # [rows, n, size, value_dim]
+    out = out.reshape(rows, n * size, -1)[:, :length]
+    if glob.size:
+      out = out.at[:, glob].set(dense_rows(qh[:, glob], kh, vh, glob, mask, causal, scale))
+    return out
+
+  chunks = num_row_chunks(batch * heads, length, row_chunks, op=op)
+  out = map_chunks(attention, (qh, kh, vh, mask), chunks, axis=0)  # [batch * heads, length, value_dim]
   return from_rows(out, batch, v.dtype)

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from baselines.common import from_rows
 from baselines.linear import DEFAULT_CHUNK, feature_attention, prepare
 from core import contract
+from core.blocks import map_chunks
 
 Array = Any
 DEFAULT_FEATURES = 256
@@ -60,18 +61,21 @@ def softmax_kernel_features(x: Array, features: Array) -> Array:
 
 def performer(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None,
               features: Array | None = None, rng: Array | None = None, num_features: int = DEFAULT_FEATURES,
-              chunk_size: int = DEFAULT_CHUNK) -> Array:
+              chunk_size: int = DEFAULT_CHUNK, row_chunks: int | None = None) -> Array:
   """FAVOR+ softmax attention.
 
   q, k: [batch, length, heads, head_dim]; v: [batch, length, heads, value_dim]; mask: [batch, length] bool.
   features: [m, head_dim] random features shared by all heads (see `orthogonal_features`); when None they are
     drawn from `rng` with `num_features` rows (given features win: `rng` and `num_features` are then unused).
   chunk_size: positions per chunk of the causal prefix sum.
+  row_chunks: rows of batch x heads run in this many chunks, one after the other
+    (`baselines.common.num_row_chunks`; None = automatic).
   Returns [batch, length, heads, value_dim] in v's dtype.
   """
   op = "performer"
   out_dtype = v.dtype
-  qh, kh, vh, valid, causal, chunk = prepare(q, k, v, mask, op=op, causal=causal, chunk_size=chunk_size)
+  qh, kh, vh, valid, causal, chunk, chunks = prepare(q, k, v, mask, op=op, causal=causal,
+                                                     chunk_size=chunk_size, row_chunks=row_chunks)
   head_dim = qh.shape[-1]
   if features is None and rng is None:
     raise ValueError(f"{op}: pass 'features' (an [m, head_dim] array) or 'rng' to draw them")
@@ -82,15 +86,21 @@ def performer(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None 
                      f"got {getattr(features, 'shape', type(features).__name__)}")
   w = jax.lax.stop_gradient(jnp.asarray(features).astype(qh.dtype))  # [m, head_dim]
   scale = float(head_dim) ** -0.25
-  qp = jnp.einsum("gld,md->glm", qh * scale, w)  # [batch * heads, length, m]
-  # Per-query factors (|q'|^2 / 2 and the row max) cancel between numerator and denominator.
-  phi_q = jnp.exp(qp - jax.lax.stop_gradient(jnp.max(qp, axis=-1, keepdims=True)))
-  ks = kh * scale
-  kp = jnp.einsum("gld,md->glm", ks, w) - 0.5 * jnp.sum(ks * ks, axis=-1, keepdims=True)
-  # One factor per (batch, head) row cancels too; only real keys set it.
-  # Non-finite projections (a NaN or Inf key, which no visible output may depend on) stay out of the max.
-  kmax = jnp.max(jnp.where(valid & jnp.isfinite(kp), kp, -jnp.inf), axis=(1, 2), keepdims=True)  # [b*h,1,1]
-  kmax = jax.lax.stop_gradient(jnp.where(jnp.isfinite(kmax), kmax, 0.0))
-  phi_k = jnp.where(valid, jnp.exp(kp - kmax), 0.0)  # [batch * heads, length, m]
-  out = feature_attention(phi_q, phi_k, vh, causal=causal, chunk_size=chunk)
+
+  def attention(rows: tuple[Array, ...]) -> Array:  # a chunk of rows -> [rows, length, value_dim]
+    qh, kh, vh, valid = rows
+    qp = jnp.einsum("gld,md->glm", qh * scale, w)  # [rows, length, m]
+    # Per-query factors (|q'|^2 / 2 and the row max) cancel between numerator and denominator.
+    phi_q = jnp.exp(qp - jax.lax.stop_gradient(jnp.max(qp, axis=-1, keepdims=True)))
+    ks = kh * scale
+    kp = jnp.einsum("gld,md->glm", ks, w) - 0.5 * jnp.sum(ks * ks, axis=-1, keepdims=True)
+    # One factor per (batch, head) row cancels too; only real keys set it.
+    # Non-finite projections (a NaN or Inf key, which no visible output may depend on) stay out of the max.
+    kp_real = jnp.where(valid & jnp.isfinite(kp), kp, -jnp.inf)
+    kmax = jnp.max(kp_real, axis=(1, 2), keepdims=True)  # [rows, 1, 1]
+    kmax = jax.lax.stop_gradient(jnp.where(jnp.isfinite(kmax), kmax, 0.0))
+    phi_k = jnp.where(valid, jnp.exp(kp - kmax), 0.0)  # [rows, length, m]
+    return feature_attention(phi_q, phi_k, vh, causal=causal, chunk_size=chunk)
+
+  out = map_chunks(attention, (qh, kh, vh, valid), chunks, axis=0)  # [batch * heads, length, value_dim]
   return from_rows(out, q.shape[0], out_dtype)

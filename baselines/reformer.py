@@ -18,9 +18,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from baselines.common import from_rows, masked_rows, rows_mask
+from baselines.common import from_rows, masked_rows, num_row_chunks, rows_mask
 from core import contract
-from core.blocks import num_blocks, pad_to
+from core.blocks import map_chunks, num_blocks, pad_to
 from core.combine import Piece, merge, normalize, partial_softmax, weighted_sum
 
 Array = Any
@@ -102,12 +102,15 @@ def _unit(x: Array) -> Array:
 
 
 def reformer(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None, rng: Array,
-             n_hashes: int = 2, n_buckets: int | None = None, chunk_size: int = 64) -> Array:
+             n_hashes: int = 2, n_buckets: int | None = None, chunk_size: int = 64,
+             row_chunks: int | None = None) -> Array:
   """LSH attention with shared QK, `n_hashes` rounds of `n_buckets` buckets, chunks of `chunk_size`.
 
   q: [batch, length, heads, head_dim] (also the keys, normalised); k: checked, not read; v: [..., value_dim];
   rng: a jax key for the rotations (a fresh one per training step). n_buckets: even, or 1 (no hashing);
   None = 2 * the number of chunks (the paper's choice of about two buckets per chunk), at least 2.
+  row_chunks: rows of batch x heads run in this many chunks, one after the other
+    (`baselines.common.num_row_chunks`; None = automatic).
   """
   op = "reformer"
   q, k, v, mask = contract.check_qkv(q, k, v, mask, op=op)
@@ -134,53 +137,62 @@ def reformer(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None =
   valid = rows_mask(valid, heads)  # [rows, padded]
 
   rot = rotations(rng, heads=heads, n_hashes=n_hashes, head_dim=head_dim, n_buckets=max(n_buckets, 2))
-  if n_buckets == 1:  # no hashing: the chunks are runs of consecutive positions
-    buckets = jnp.zeros((rows, n_hashes, padded), jnp.int32)
-  else:
-    buckets = lsh_buckets(jax.lax.stop_gradient(qh).reshape(batch, heads, padded, head_dim), rot)
-    buckets = buckets.reshape(rows, n_hashes, padded)
-  buckets = jnp.where(valid[:, None, :], buckets, n_buckets)  # masked keys: a last bucket of their own
-  pos = jnp.arange(padded, dtype=jnp.int32)
-  order = jnp.argsort(buckets * padded + pos, axis=-1).astype(jnp.int32)  # [rows, n_hashes, padded]
-  # The inverse permutation by one scatter (much cheaper than a second sort on CPU).
-  undo = _inverse(order)
+  rot = jnp.tile(rot, (batch, 1, 1, 1))  # [rows, n_hashes, head_dim, n_buckets // 2]; row b * heads + h: h
 
-  sq = _permute(qh, order, undo)  # [rows, r, padded, d], sorted per round
-  sv = _permute(vh, order, undo)  # [rows, r, padded, dv]
-  chunked = (rows, n_hashes, n_chunks, chunk_size)
-  sq, sv = sq.reshape(*chunked, head_dim), sv.reshape(*chunked, sv.shape[-1])
-  spos = order.reshape(chunked)  # original positions, sorted
-  svalid = jnp.take_along_axis(jnp.broadcast_to(valid[:, None, :], order.shape), order, axis=-1)
-  svalid = svalid.reshape(chunked)  # [rows, r, n, c]
-  sk = _unit(sq)
-  scale = contract.logit_scale(head_dim)
+  def attention(chunk: tuple[Array, ...]) -> Array:
+    """A chunk of rows: q [rows, padded, d], v [rows, padded, dv], key mask [rows, padded], rotations
+    [rows, ...] -> [rows, padded, dv]."""
+    qh, vh, valid, rot = chunk
+    rows = qh.shape[0]
+    if n_buckets == 1:  # no hashing: the chunks are runs of consecutive positions
+      buckets = jnp.zeros((rows, n_hashes, padded), jnp.int32)
+    else:
+      buckets = lsh_buckets(jax.lax.stop_gradient(qh)[None], rot)[0]  # [rows, n_hashes, padded]
+    buckets = jnp.where(valid[:, None, :], buckets, n_buckets)  # masked keys: a last bucket of their own
+    pos = jnp.arange(padded, dtype=jnp.int32)
+    order = jnp.argsort(buckets * padded + pos, axis=-1).astype(jnp.int32)  # [rows, n_hashes, padded]
+    # The inverse permutation by one scatter (much cheaper than a second sort on CPU).
+    undo = _inverse(order)
 
-  # Own chunk: the key in slot i is the query in slot i, so "self" is the diagonal.
-  own_logits = jnp.einsum("grncd,grnkd->grnck", sq, sk) * scale  # [rows, r, n, c, c]
-  own_visible = svalid[..., None, :]  # [rows, r, n, 1, c]
-  if causal:
-    own_visible = own_visible & (spos[..., None, :] <= spos[..., :, None])
-  eye = jnp.eye(chunk_size, dtype=bool)
-  others = [own_visible & ~eye]
-  pieces = [(own_logits, sv)]
-  if n_chunks > 1:  # the previous chunk (cyclic); it never holds the query's own position
-    pk, pv = jnp.roll(sk, 1, axis=2), jnp.roll(sv, 1, axis=2)
-    ppos, pvalid = jnp.roll(spos, 1, axis=2), jnp.roll(svalid, 1, axis=2)
-    prev_logits = jnp.einsum("grncd,grnkd->grnck", sq, pk) * scale  # [rows, r, n, c, c]
-    prev_visible = pvalid[..., None, :]
+    sq = _permute(qh, order, undo)  # [rows, r, padded, d], sorted per round
+    sv = _permute(vh, order, undo)  # [rows, r, padded, dv]
+    chunked = (rows, n_hashes, n_chunks, chunk_size)
+    sq, sv = sq.reshape(*chunked, head_dim), sv.reshape(*chunked, sv.shape[-1])
+    spos = order.reshape(chunked)  # original positions, sorted
+    svalid = jnp.take_along_axis(jnp.broadcast_to(valid[:, None, :], order.shape), order, axis=-1)
+    svalid = svalid.reshape(chunked)  # [rows, r, n, c]
+    sk = _unit(sq)
+    scale = contract.logit_scale(head_dim)
+
+    # Own chunk: the key in slot i is the query in slot i, so "self" is the diagonal.
+    own_logits = jnp.einsum("grncd,grnkd->grnck", sq, sk) * scale  # [rows, r, n, c, c]
+    own_visible = svalid[..., None, :]  # [rows, r, n, 1, c]
     if causal:
-      prev_visible = prev_visible & (ppos[..., None, :] <= spos[..., :, None])
-    others.append(prev_visible)
-    pieces.append((prev_logits, pv))
-  alone = ~functools.reduce(jnp.logical_or, [jnp.any(o, axis=-1, keepdims=True) for o in others])
-  visible = [others[0] | (eye & alone), *others[1:]]  # [rows, r, n, c, c] each
-  part = partial_softmax([Piece(lg, vis, _contract_with(val))
-                          for (lg, val), vis in zip(pieces, visible, strict=True)])
+      own_visible = own_visible & (spos[..., None, :] <= spos[..., :, None])
+    eye = jnp.eye(chunk_size, dtype=bool)
+    others = [own_visible & ~eye]
+    pieces = [(own_logits, sv)]
+    if n_chunks > 1:  # the previous chunk (cyclic); it never holds the query's own position
+      pk, pv = jnp.roll(sk, 1, axis=2), jnp.roll(sv, 1, axis=2)
+      ppos, pvalid = jnp.roll(spos, 1, axis=2), jnp.roll(svalid, 1, axis=2)
+      prev_logits = jnp.einsum("grncd,grnkd->grnck", sq, pk) * scale  # [rows, r, n, c, c]
+      prev_visible = pvalid[..., None, :]
+      if causal:
+        prev_visible = prev_visible & (ppos[..., None, :] <= spos[..., :, None])
+      others.append(prev_visible)
+      pieces.append((prev_logits, pv))
+    alone = ~functools.reduce(jnp.logical_or, [jnp.any(o, axis=-1, keepdims=True) for o in others])
+    visible = [others[0] | (eye & alone), *others[1:]]  # [rows, r, n, c, c] each
+    part = partial_softmax([Piece(lg, vis, _contract_with(val))
+                            for (lg, val), vis in zip(pieces, visible, strict=True)])
 
-  def unsort(x):  # [rows, r, n, c, ...] -> original order [rows, r, padded, ...]
-    x = x.reshape(rows, n_hashes, padded, *x.shape[4:])
-    return _unpermute(x, undo, order)
+    def unsort(x):  # [rows, r, n, c, ...] -> original order [rows, r, padded, ...]
+      x = x.reshape(rows, n_hashes, padded, *x.shape[4:])
+      return _unpermute(x, undo, order)
 
-  rounds = [type(part)(*(unsort(t)[:, r] for t in part)) for r in range(n_hashes)]
-  out = normalize(merge(rounds))  # [rows, padded, value_dim]
+    rounds = [type(part)(*(unsort(t)[:, r] for t in part)) for r in range(n_hashes)]
+    return normalize(merge(rounds))  # [rows, padded, value_dim]
+
+  chunks = num_row_chunks(rows, padded, row_chunks, op=op)
+  out = map_chunks(attention, (qh, vh, valid, rot), chunks, axis=0)  # [batch * heads, padded, value_dim]
   return from_rows(out[:, :length], batch, v.dtype)

@@ -10,13 +10,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from combiner.pooling import POOLINGS
 from core import contract
-from core.blocks import head_major, pad_to
+from core.blocks import head_major, map_chunks
 
 Array = Any
 
@@ -134,26 +133,9 @@ def check_query_chunks(query_chunks: Any, *, op: str) -> int | None:
 
 
 def map_rows(fn: Callable[[Any], Any], per_row: Any, chunks: int) -> Any:
-  """fn(per_row) computed over `chunks` chunks of rows, one after the other.
+  """fn(per_row) computed over `chunks` chunks of query rows, one after the other (`core.blocks.map_chunks`).
 
-  per_row: a pytree of arrays [batch or 1, heads or 1, rows, ...] (rows on axis 2), split into chunks of
-  equal size (the tail padded with zeros, its results dropped); fn maps such a chunk to a pytree of arrays
-  with the chunk's rows on axis 2. Each chunk is a `jax.checkpoint`: its backward recomputes the chunk's
-  intermediates, so only one chunk's are alive at a time, forward and backward.
+  per_row: a pytree of arrays [batch or 1, heads or 1, rows, ...] (rows on axis 2); fn maps a chunk to a
+  pytree of arrays with the chunk's rows on axis 2. Each chunk's backward recomputes its intermediates.
   """
-  if chunks <= 1:
-    return fn(per_row)
-  rows = jax.tree.leaves(per_row)[0].shape[2]
-  size = -(-rows // chunks)
-  chunks = -(-rows // size)
-
-  def split(x: Array) -> Array:  # [b, h, rows, ...] -> [chunks, b, h, size, ...]
-    x = pad_to(x, chunks * size, 2)
-    return jnp.moveaxis(x.reshape(*x.shape[:2], chunks, size, *x.shape[3:]), 2, 0)
-
-  def join(y: Array) -> Array:  # [chunks, b, h, size, ...] -> [b, h, rows, ...]
-    y = jnp.moveaxis(y, 0, 2)
-    return y.reshape(*y.shape[:2], chunks * size, *y.shape[4:])[:, :, :rows]
-
-  out = jax.lax.map(jax.checkpoint(fn), jax.tree.map(split, per_row))
-  return jax.tree.map(join, out)
+  return map_chunks(fn, per_row, chunks, axis=2)

@@ -6,6 +6,7 @@ sliced off) and view it as a [rows, cols] grid; plans compute head-major, [batch
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -58,3 +59,30 @@ def neighbours(x: Array, offsets: tuple[int, ...], axis: int, fill: Any = 0) -> 
     shifted = jnp.pad(x, pad, constant_values=fill) if o else x
     parts.append(jax.lax.slice_in_dim(shifted, max(o, 0), max(o, 0) + blocks, axis=axis))
   return jnp.concatenate(parts, axis=axis + 1)
+
+
+def map_chunks(fn: Callable[[Any], Any], tree: Any, chunks: int, axis: int) -> Any:
+  """fn(tree) computed over `chunks` slices of `axis`, one after the other, each a `jax.checkpoint`.
+
+  tree: a pytree of arrays sharing the size of `axis`, split into `chunks` equal slices (the tail padded with
+  zeros, its results dropped); fn maps a slice to a pytree of arrays with the slice on the same axis, and
+  must treat the entries along `axis` independently. The backward recomputes one slice's intermediates at a
+  time, so only one slice's are alive, forward and backward: less memory for big intermediates, and on a
+  CPU, where every execution touches its scratch memory afresh, less time as well.
+  """
+  if chunks <= 1:
+    return fn(tree)
+  total = jax.tree.leaves(tree)[0].shape[axis]
+  size = -(-total // chunks)
+  chunks = -(-total // size)
+
+  def split(x: Array) -> Array:  # [..., total, ...] -> [chunks, ..., size, ...]
+    x = pad_to(x, chunks * size, axis)
+    return jnp.moveaxis(x.reshape(*x.shape[:axis], chunks, size, *x.shape[axis + 1:]), axis, 0)
+
+  def join(y: Array) -> Array:  # [chunks, ..., size, ...] -> [..., total, ...]
+    y = jnp.moveaxis(y, 0, axis)
+    y = y.reshape(*y.shape[:axis], chunks * size, *y.shape[axis + 2:])
+    return jax.lax.slice_in_dim(y, 0, total, axis=axis)
+
+  return jax.tree.map(join, jax.lax.map(jax.checkpoint(fn), jax.tree.map(split, tree)))
