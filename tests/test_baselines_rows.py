@@ -25,8 +25,13 @@ OPS = {
 }
 
 
-@pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("name", sorted(OPS))
+# Two cases run with the fast tests, every op and direction with the slow ones.
+FAST = {("bigbird", True), ("performer", False)}
+CASES = [pytest.param(name, causal, marks=() if (name, causal) in FAST else pytest.mark.slow)
+         for name in sorted(OPS) for causal in (True, False)]
+
+
+@pytest.mark.parametrize("name,causal", CASES)
 def test_row_chunks_equal_one_piece(name, causal):
   with jax.enable_x64(True):
     _check_row_chunks(name, causal)
