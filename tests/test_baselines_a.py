@@ -163,6 +163,7 @@ def test_performer_kernel_estimate_is_unbiased_and_improves_with_features():
     assert errors[0] > 1.5 * errors[1] and errors[1] > 1.5 * errors[2]  # falls about as 1/sqrt(m)
 
 
+@pytest.mark.slow
 def test_performer_output_error_falls_with_features():
   q, k, v, mask = _inputs(3, batch=1, length=32, head_dim=8, dtype=jnp.float32, scale=0.5)
   exact = dense(q, k, v, causal=False, mask=mask)
@@ -329,8 +330,9 @@ OPS = {
 }
 
 
-# BigBird's compiles are the slowest of these: its cases run with the slow tests.
-SLOW_LAST = [pytest.param(n, marks=pytest.mark.slow) if n == "bigbird" else n for n in sorted(OPS)]
+# BigBird's and Longformer's compiles are the slowest of these: their cases run with the slow tests.
+SLOW_LAST = [pytest.param(n, marks=pytest.mark.slow) if n in ("bigbird", "longformer") else n
+             for n in sorted(OPS)]
 
 
 @pytest.mark.parametrize("name", SLOW_LAST)

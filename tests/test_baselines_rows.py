@@ -25,8 +25,8 @@ OPS = {
 }
 
 
-# Two cases run with the fast tests, every op and direction with the slow ones.
-FAST = {("bigbird", True), ("performer", False)}
+# One case runs with the fast tests, every op and direction with the slow ones.
+FAST = {("performer", False)}
 CASES = [pytest.param(name, causal, marks=() if (name, causal) in FAST else pytest.mark.slow)
          for name in sorted(OPS) for causal in (True, False)]
 

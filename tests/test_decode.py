@@ -152,6 +152,7 @@ def test_decode_needs_a_causal_model_and_a_decodable_op():
     _model("yoso", {}).init_cache(1, 8)
 
 
+@pytest.mark.slow
 def test_sampling_is_deterministic_and_respects_the_prompt():
   from models.generate import Decoder, filter_logits, generate
 

@@ -152,6 +152,7 @@ def test_cudnn_mask_coordinate_is_exact(monkeypatch, causal):
   assert all(bool(jnp.all(jnp.isfinite(g))) for g in grad)
 
 
+@pytest.mark.slow
 def test_pallas_tpu_path_in_interpret_mode(monkeypatch):
   # JAX's TPU flash kernel, interpreted on CPU: forward and gradients equal the XLA path with a key mask, a
   # length that is not a multiple of the kernel's tile (padded with masked keys), a query with no visible key.

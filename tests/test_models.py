@@ -229,7 +229,8 @@ def test_remat_recomputes_the_block_in_the_compiled_backward():
   assert counts["full"] == (layers, dots + 7 * layers, 2 * layers), counts
 
 @pytest.mark.parametrize("name,deepsets", [
-    ("dense", None), pytest.param("combiner_axial_vertical", True, marks=pytest.mark.slow)])
+    pytest.param("dense", None, marks=pytest.mark.slow),
+    pytest.param("combiner_axial_vertical", True, marks=pytest.mark.slow)])
 def test_attention_recompute_gives_the_same_loss_and_gradients(name, deepsets):
   """attention.recompute only changes what the backward keeps (DeepSets pool_q/pool_k still get gradients)."""
   rng = np.random.default_rng(4)
