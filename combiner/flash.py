@@ -43,7 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
-from core import contract
+from core import contract, pallas
 from core.blocks import pad_to
 
 Array = Any
@@ -62,19 +62,8 @@ TPU_PARAMS = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "
 
 
 def _pallas_call(kernel, **kw):
-  """pl.pallas_call lowered per platform: Triton on GPU, Mosaic on TPU, interpret mode on CPU.
-
-  `lax.platform_dependent` lowers only the branch of the platform compiled for, so the same program exports to
-  TPU and CUDA from a CPU host and runs (interpreted) on the CPU.
-  """
-  def branch(**extra):
-    return lambda *args: pl.pallas_call(kernel, **kw, **extra)(*args)
-
-  def call(*args):
-    gpu = branch(compiler_params=GPU_PARAMS)
-    return lax.platform_dependent(*args, cpu=branch(interpret=True), cuda=gpu, rocm=gpu,
-                                  tpu=branch(compiler_params=TPU_PARAMS))
-  return call
+  """pl.pallas_call lowered per platform (`core.pallas.platform_call`) with this kernel family's params."""
+  return pallas.platform_call(kernel, gpu_params=GPU_PARAMS, tpu_params=TPU_PARAMS, **kw)
 
 
 def _div(a: Any, b: int) -> Any:
@@ -86,11 +75,7 @@ def _rem(a: Any, b: int) -> Any:
   return a % b if isinstance(a, int) else lax.rem(a, jnp.int32(b))
 
 
-def _dot(a: Array, b: Array, trans_a: bool = False, trans_b: bool = False) -> Array:
-  """a @ b of two 2-D tiles (either transposed) with float32 accumulation (float64 stays float64)."""
-  out = jnp.float64 if jnp.float64 in (a.dtype, b.dtype) else jnp.float32
-  dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
-  return lax.dot_general(a, b, dims, preferred_element_type=out)
+_dot = pallas.dot
 
 
 class Source(NamedTuple):

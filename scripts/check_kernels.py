@@ -7,10 +7,10 @@ compiled for the attached GPU (Triton) or TPU (Mosaic), where tile shapes, lower
 matmul precision differ. For every Combiner plan and sparse counterpart (implementation="pallas" against
 "xla", with a random key mask, both directions, max/mean pooling, DeepSets pools and value_dim != head_dim),
 for `dense` (implementation="flash" against "xla" on the same bfloat16 inputs upcast to float32) and for YOSO
-(formulation="onehot" against "sorted", same hashes) it prints the relative L2 error
-||got - want|| / ||want|| of the output and of the gradients of sum(out * cotangent), and exits 1 when any is
-above its tolerance or not finite. Tolerances allow the accelerator's reduced-precision matmul inputs (TF32
-for float32, bfloat16), which put errors near 1e-3; a wrong index or mask gives errors near 1.
+(formulation="onehot" and the fused "pallas" kernels against "sorted", same hashes) it prints the relative
+L2 error ||got - want|| / ||want|| of the output and of the gradients of sum(out * cotangent), and exits 1
+when any is above its tolerance or not finite. Tolerances allow the accelerator's reduced-precision matmul
+inputs (TF32 for float32, bfloat16), which put errors near 1e-3; a wrong index or mask gives errors near 1.
 """
 
 from __future__ import annotations
@@ -147,9 +147,10 @@ def check_yoso(args: argparse.Namespace, key: Any) -> list[tuple[str, dict[str, 
                   backward_features=backward_features)
 
     label = "yoso" if backward_features is None else "yoso_sketch"
-    results.append((f"{label} onehot vs sorted",
-                    _errors(functools.partial(op, "onehot"), functools.partial(op, "sorted"),
-                            (q, k, v), cot, ("dq", "dk", "dv"))))
+    for formulation in ("onehot", "pallas"):
+      results.append((f"{label} {formulation} vs sorted",
+                      _errors(functools.partial(op, formulation), functools.partial(op, "sorted"),
+                              (q, k, v), cot, ("dq", "dk", "dv"))))
   return results
 
 

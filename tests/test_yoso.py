@@ -385,29 +385,78 @@ def test_backward_feature_tables_match_their_definition(form, sketch):
 
 def test_formulation_follows_the_backend(monkeypatch):
   from yoso import tables as ya
-  assert [ya.resolve_formulation("auto", p) for p in ("cpu", "gpu", "tpu")] == ["sorted", "onehot", "onehot"]
+  assert [ya.resolve_formulation("auto", p) for p in ("cpu", "gpu", "tpu")] == ["sorted", "pallas", "pallas"]
   assert ya.resolve_formulation("sorted", "tpu") == "sorted"
   assert ya.resolve_formulation("onehot", "cpu") == "onehot"
   used = []
-  real = ya._onehot_cumulate
-  monkeypatch.setattr(ya, "_onehot_cumulate", lambda *a: used.append(1) or real(*a))
+  real = ya._pallas_cumulate
+  monkeypatch.setattr(ya, "_pallas_cumulate", lambda *a: used.append(1) or real(*a))
   q, k, v = _inputs(3, length=5, dtype=jnp.float32)
   args = dict(rng=_key(0), num_hashes=2, tau=3)
   yoso(q, k, v, **args)
   assert not used
   monkeypatch.setattr(contract, "backend", lambda: "gpu")
-  yoso(q, k, v, **args)
+  yoso(q, k, v, **args)  # the kernels, interpreted on this CPU
   assert used
 
 
-@pytest.mark.parametrize("features", [None, 2])
-def test_formulations_agree_on_the_same_draws(features, monkeypatch):
-  # Sorted tables and one-hot matmuls: the same codes, so the same estimate and gradients up to float32
-  # rounding (the one-hot reads carry float32 tables as two bfloat16 parts: relative error <= 2^-16).
+@pytest.mark.parametrize("length", [1, 130])
+def test_kernels_equal_the_table_sums(length):
+  # float64, interpreted: build sums (weighted) rows per bucket, read sums (weighted) table rows over hashes,
+  # codes >= buckets write and read nothing; two row sets share one one-hot; a length past one tile pads.
+  from yoso import kernels
+  rng = np.random.default_rng(length)
+  g, m, buckets = 2, 3, 8
+  wcodes = rng.integers(0, buckets + 1, size=(g, m, length)).astype(np.int32)  # buckets: no bucket
+  rcodes = rng.integers(0, buckets + 1, size=(g, m, length)).astype(np.int32)
+  rows_a, rows_b = rng.normal(size=(g, length, 5)), rng.normal(size=(g, length, 3))
+  w_build, w_read = rng.normal(size=(g, m, length)), rng.normal(size=(g, m, length))
+  onehot_w = (wcodes[..., None] == np.arange(buckets)).astype(float)  # [g, m, L, B]
+  onehot_r = (rcodes[..., None] == np.arange(buckets)).astype(float)
+
+  with jax.enable_x64(True):
+    tables = kernels.build(jnp.asarray(wcodes), [jnp.asarray(rows_a), jnp.asarray(rows_b)],
+                           jnp.asarray(w_build),
+                           [False, True], buckets=buckets, operands="float32")
+    want_a = np.einsum("gmlc,gle->gmce", onehot_w, rows_a)
+    want_b = np.einsum("gmlc,gml,gle->gmce", onehot_w, w_build, rows_b)
+    np.testing.assert_allclose(tables[0], want_a, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(tables[1], want_b, rtol=1e-12, atol=1e-12)
+
+    outs = kernels.read(jnp.asarray(rcodes), tables, jnp.asarray(w_read), [True, False], operands="float32")
+    np.testing.assert_allclose(outs[0], np.einsum("gmlc,gml,gmce->gle", onehot_r, w_read, want_a), rtol=1e-12,
+                               atol=1e-12)
+    np.testing.assert_allclose(outs[1], np.einsum("gmlc,gmce->gle", onehot_r, want_b), rtol=1e-12, atol=1e-12)
+
+
+def test_kernel_operands_split_float32_in_two_bfloat16_parts():
+  # float32 rows and weights go to the matmuls as hi + lo bfloat16 parts: relative error near 2^-16, far
+  # below bfloat16's 2^-8, which the "bfloat16" operands give.
+  from yoso import kernels
+  rng = np.random.default_rng(0)
+  codes = jnp.asarray(rng.integers(0, 4, size=(1, 2, 200)), jnp.int32)
+  rows = jnp.asarray(rng.normal(size=(1, 200, 16)), jnp.float32)
+  weights = jnp.asarray(rng.normal(size=(1, 2, 200)), jnp.float32)
+  want = np.einsum("gmlc,gml,gle->gmce", np.asarray(codes)[..., None] == np.arange(4), np.asarray(weights),
+                   np.asarray(rows, np.float64))
+  errors = {}
+  for operands in kernels.OPERANDS:
+    (table,) = kernels.build(codes, [rows], weights, buckets=4, operands=operands)
+    errors[operands] = float(np.max(np.abs(np.asarray(table) - want)) / np.max(np.abs(want)))
+  assert errors["float32"] < 1e-5 < 1e-3 < errors["bfloat16"] < 2e-2, errors
+
+
+@pytest.mark.parametrize("formulation,features", [("onehot", None), ("onehot", 2), ("pallas", None),
+                                                  ("pallas", 2)])
+def test_formulations_agree_on_the_same_draws(formulation, features, monkeypatch):
+  # Sorted tables, one-hot matmuls and the fused kernels: the same codes, so the same estimate and gradients
+  # up to float32 rounding (float32 operands go to the matmuls as two bfloat16 parts: relative error near
+  # 2^-16).
   from yoso import backward as ya
   monkeypatch.setattr(ya, "COUNTS_MAX_LENGTH", 0)  # the LSH tables, not the short-sequence counts
   q, k, v = _inputs(4, b=2, length=40, d=8, e=6, dtype=jnp.float32)
   mask = jnp.ones((2, 40), bool).at[1, 30:].set(False)
+  v = v.at[1, 33].set(jnp.nan)  # behind the mask: reaches nothing
   cot = jnp.asarray(np.random.default_rng(0).normal(size=v.shape), jnp.float32)
 
   def run(formulation):
@@ -418,9 +467,32 @@ def test_formulations_agree_on_the_same_draws(features, monkeypatch):
     out, vjp = jax.vjp(fn, q, k, v)
     return (out, *vjp(cot))
 
-  for name, got, want in zip(["out", "dq", "dk", "dv"], run("onehot"), run("sorted"), strict=True):
+  for name, got, want in zip(["out", "dq", "dk", "dv"], run(formulation), run("sorted"), strict=True):
+    assert np.all(np.isfinite(got)), name
     scale = float(jnp.max(jnp.abs(want)))
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * scale, err_msg=name)
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+@pytest.mark.parametrize("features", [None, 1])
+def test_pallas_formulation_lowers_for_accelerators(platform, features):
+  # bf16 inputs, L above the short-sequence threshold: forward and forward+backward carry the kernels.
+  from yoso import backward as ya
+  shape = jax.ShapeDtypeStruct((1, ya.COUNTS_MAX_LENGTH + 100, 2, 64), jnp.bfloat16)
+
+  def forward(q, k, v):
+    return yoso(q, k, v, rng=jax.random.key(0), num_hashes=4, tau=8, formulation="pallas",
+                backward_features=features)
+
+  def fwdbwd(q, k, v):
+    return jax.grad(lambda *a: jnp.sum(forward(*a).astype(jnp.float32)), argnums=(0, 1, 2))(q, k, v)
+
+  marker = "tpu_custom_call" if platform == "tpu" else "xla.gpu.triton"
+  checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+  for fn in (forward, fwdbwd):
+    module = jax.export.export(jax.jit(fn), platforms=[platform], disabled_checks=checks)(
+        shape, shape, shape).mlir_module()
+    assert marker in module, f"no Pallas kernel in the {platform} program"
 
 
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
@@ -483,7 +555,7 @@ def test_bad_arguments_raise_naming_the_argument():
   with pytest.raises(ValueError, match="'backward_features'"):
     yoso(q, k, v, backward_features=0, **good)
   with pytest.raises(ValueError, match="'formulation'"):
-    yoso(q, k, v, formulation="pallas", **good)
+    yoso(q, k, v, formulation="gather", **good)
   with pytest.raises(TypeError, match="'rng'"):
     yoso(q, k, v, rng=None, num_hashes=2, tau=3)
   with pytest.raises(ValueError, match="'mask'"):

@@ -50,17 +50,20 @@ def l2_normalize(x: Array) -> Array:
   return x * jax.lax.rsqrt(jnp.maximum(jnp.sum(x * x, axis=-1, keepdims=True), _NORM_EPS**2))
 
 
-def _make_cumulation(tau: int, backward: str, formulation: str = "sorted", causal: bool = False):
+def _make_cumulation(tau: int, backward: str, formulation: str = "sorted", causal: bool = False,
+                     operands: str = "float32"):
   """The custom_vjp core on groups g = batch * heads: (qn, kn [g, L, d], v [g, L, e], codes [g, L, m], kvalid
   [g, L], directions) -> the mean over hashes of B V [g, L, e] (over keys j <= i when causal), not
-  normalised. formulation "sorted" (segment sums and bucket-sorted tables, for CPUs) or "onehot" (one-hot
-  matmuls, for GPUs and TPUs): the same sums; the causal sums are sorted running sums either way.
+  normalised. formulation "sorted" (segment sums and bucket-sorted tables, for CPUs), "onehot" (one-hot
+  matmuls) or "pallas" (one-hot matmuls in fused kernels, for GPUs and TPUs, with matmul operands
+  `operands`): the same sums; the causal sums are sorted running sums whatever the formulation.
   The backward (`yoso.backward.cotangents`) re-uses the codes and directions saved here."""
   num_buckets = 1 << tau
   positions = "prefix" if causal else "all"
 
   def forward(v, qcodes, kcodes, kvalid):
-    return tables.cumulate(qcodes, kcodes, kvalid, v, num_buckets, formulation, positions) / qcodes.shape[-1]
+    out = tables.cumulate(qcodes, kcodes, kvalid, v, num_buckets, formulation, positions, operands)
+    return out / qcodes.shape[-1]
 
   @jax.custom_vjp
   def cumulation(qn, kn, v, qcodes, kcodes, kvalid, directions):
@@ -70,7 +73,7 @@ def _make_cumulation(tau: int, backward: str, formulation: str = "sorted", causa
     return forward(v, qcodes, kcodes, kvalid), (qn, kn, v, qcodes, kcodes, kvalid, directions)
 
   def bwd(res, dy):
-    dq, dk, dv = cotangents(backward, tau, formulation, causal, *res, dy)
+    dq, dk, dv = cotangents(backward, tau, formulation, causal, *res, dy, operands=operands)
     return dq, dk, dv, None, None, None, None
 
   cumulation.defvjp(fwd, bwd)
@@ -123,7 +126,10 @@ def yoso(q: Array, k: Array, v: Array, *, rng: Array, num_hashes: int, tau: int,
   causal sequences should take a sketch.
   formulation: how the bucket tables are built and read, the same estimator and sums either way: "sorted"
   (segment sums and bucket-sorted chunked matmuls, serial-scatter friendly: CPUs), "onehot" (one-hot matmuls,
-  2^tau times the multiply-adds but all on tensor cores / the MXU: GPUs and TPUs), "auto" (by backend).
+  2^tau times the multiply-adds but all on tensor cores / the MXU), "pallas" (the one-hot matmuls in fused
+  kernels that make the one-hot factors on chip: GPUs and TPUs; bfloat16 matmul operands for bfloat16
+  inputs, split float32 ones otherwise), "auto" (by backend). The exact backward's per-feature tables
+  (backward_features None, beyond the counts) are one-hot matmuls under "pallas".
   Returns [batch, length, heads, value_dim] in v's dtype.
   """
   op = "yoso"
@@ -162,7 +168,8 @@ def yoso(q: Array, k: Array, v: Array, *, rng: Array, num_hashes: int, tau: int,
     return x.reshape(groups, length, *x.shape[3:])
 
   kvalid = jnp.broadcast_to(mask[:, None, :], (batch, heads, length))
-  out = _make_cumulation(tau, backward, formulation, causal)(
+  low = all(x.dtype in (jnp.bfloat16, jnp.float16) for x in (q, k, v))
+  out = _make_cumulation(tau, backward, formulation, causal, "bfloat16" if low else "float32")(
       flat(qn), flat(kn), flat(vh), flat(qcodes), flat(kcodes), flat(kvalid),
       directions)  # [batch * heads, length, value_dim]
   if normalize_output:

@@ -124,8 +124,8 @@ def _dense_backward(qn: Array, kn: Array, v: Array, kvalid: Array, dy: Array, ta
 
 
 def _sampled_backward(qcodes: Array, kcodes: Array, kvalid: Array, qn: Array, kn: Array, v: Array, dy: Array,
-                      tau: int, directions: Array | None, formulation: str, causal: bool = False
-                      ) -> tuple[Array, Array, Array]:
+                      tau: int, directions: Array | None, formulation: str, causal: bool = False,
+                      operands: str = "float32") -> tuple[Array, Array, Array]:
   """(dq, dk, dv) of the sampled estimator with the forward's codes, scaled: dense collision counts up to
   COUNTS_MAX_LENGTH rows (CAUSAL_COUNTS_MAX_LENGTH when causal) when exact (directions None), the LSH tables
   otherwise; only pairs j <= i when causal. Masked keys get zero dk, dv.
@@ -141,7 +141,7 @@ def _sampled_backward(qcodes: Array, kcodes: Array, kvalid: Array, qn: Array, kn
     dq, dk, dv = _counts_backward(qcodes, kcodes, kvalid, qn, kn, v, dy, causal)
   else:
     dq, dk, dv = tables.backward_tables(qcodes, kcodes, kvalid, qn, kn, v, dy, 1 << tau, directions,
-                                        formulation, causal)
+                                        formulation, causal, operands)
   dv = jnp.where(kv, dv / m, 0.0)
   dq, dk = scale * dq, scale * dk
   dk = jnp.where(kv, dk, 0.0)
@@ -149,11 +149,12 @@ def _sampled_backward(qcodes: Array, kcodes: Array, kvalid: Array, qn: Array, kn
 
 
 def cotangents(backward: str, tau: int, formulation: str, causal: bool, qn: Array, kn: Array, v: Array,
-               qcodes: Array, kcodes: Array, kvalid: Array, directions: Array | None, dy: Array
-               ) -> tuple[Array, Array, Array]:
+               qcodes: Array, kcodes: Array, kvalid: Array, directions: Array | None, dy: Array,
+               operands: str = "float32") -> tuple[Array, Array, Array]:
   """(dq, dk, dv) of the mean over hashes of B V (over keys j <= i when causal) for the output cotangent dy:
   `backward` "dense" (the exact surrogate gradient) or "sampled" (`_sampled_backward`). Shapes as in
   `_sampled_backward`."""
   if backward == "dense":
     return _dense_backward(qn, kn, v, kvalid, dy, tau, causal)
-  return _sampled_backward(qcodes, kcodes, kvalid, qn, kn, v, dy, tau, directions, formulation, causal)
+  return _sampled_backward(qcodes, kcodes, kvalid, qn, kn, v, dy, tau, directions, formulation, causal,
+                           operands)

@@ -30,6 +30,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from yoso import kernels
+
 Array = Any
 
 
@@ -112,14 +114,16 @@ def _lsh_cumulate(read_codes: Array, write_codes: Array, write_valid: Array, per
   return jax.lax.map(group, (write_ids, read_codes, per_group, per_hash))
 
 
-FORMULATIONS = ("auto", "sorted", "onehot")
+FORMULATIONS = ("auto", "sorted", "onehot", "pallas")
+OPERANDS = kernels.OPERANDS
 
 
 def resolve_formulation(formulation: str, platform: str) -> str:
-  """"auto" -> "onehot" on GPU and TPU (matmuls on tensor cores / the MXU), "sorted" elsewhere (CPU)."""
+  """"auto" -> "pallas" on GPU and TPU (one-hot matmuls made on chip, `yoso.kernels`), "sorted" elsewhere
+  (CPU)."""
   if formulation != "auto":
     return formulation
-  return "onehot" if platform in ("gpu", "tpu") else "sorted"
+  return "pallas" if platform in ("gpu", "tpu") else "sorted"
 
 
 def _onehot(codes: Array, buckets: int) -> Array:
@@ -149,6 +153,7 @@ def _onehot_cumulate(read_codes: Array, write_codes: Array, write_valid: Array, 
   one-hot per step. O(L*m*2^tau*e) multiply-adds, all on the matmul units.
   """
   write_codes = jnp.where(write_valid[..., None], write_codes, num_buckets)  # invalid rows: no bucket
+  rows = jnp.where(write_valid[..., None], rows, 0)  # a zero one-hot entry times NaN is still NaN
 
   def step(acc, codes):
     rc, wc = codes  # [g, L] each
@@ -160,15 +165,34 @@ def _onehot_cumulate(read_codes: Array, write_codes: Array, write_valid: Array, 
   return out
 
 
+def _hash_major(codes: Array) -> Array:
+  """[g, L, m] -> [g, m, L], the kernels' layout (one hash's codes contiguous)."""
+  return jnp.swapaxes(codes, 1, 2)
+
+
+def _pallas_cumulate(read_codes: Array, write_codes: Array, write_valid: Array, rows: Array,
+                     num_buckets: int, operands: str) -> Array:
+  """`_onehot_cumulate`'s sums through the fused kernels (`yoso.kernels`): one build launch for every
+  hash's table, one read launch. Shapes as there."""
+  write_codes = jnp.where(write_valid[..., None], write_codes, num_buckets)  # invalid rows: no bucket
+  rows = jnp.where(write_valid[..., None], rows, 0)  # and nothing of theirs in a product
+  (table,) = kernels.build(_hash_major(write_codes), [rows], buckets=num_buckets, operands=operands)
+  (out,) = kernels.read(_hash_major(read_codes), [table], operands=operands)  # [g, L, e]
+  return out.astype(rows.dtype)
+
+
 def cumulate(read_codes: Array, write_codes: Array, write_valid: Array, rows: Array, num_buckets: int,
-             formulation: str, positions: str = "all") -> Array:
+             formulation: str, positions: str = "all", operands: str = "float32") -> Array:
   """sum_t T_t[read_code_t(i)], T_t[c] = sum of the valid rows j with write_code_t(j) = c: the forward's
   tables (values keyed by key codes, read by queries) and dV's (dY keyed by query codes, read by keys).
 
   read_codes, write_codes [g, L, m] int32; write_valid [g, L]; rows [g, L, e] -> [g, L, e], unscaled.
-  formulation "sorted" (segment sums) or "onehot" (one-hot matmuls). positions "prefix" / "suffix" keep only
-  the rows j <= i / j >= i (the causal form; sorted running sums whatever the formulation).
+  formulation "sorted" (segment sums), "onehot" (one-hot matmuls) or "pallas" (the same in fused kernels,
+  matmul operands `operands`). positions "prefix" / "suffix" keep only the rows j <= i / j >= i (the causal
+  form; sorted running sums whatever the formulation).
   """
+  if formulation == "pallas" and positions == "all":
+    return _pallas_cumulate(read_codes, write_codes, write_valid, rows, num_buckets, operands)
   if formulation == "onehot" and positions == "all":
     return _onehot_cumulate(read_codes, write_codes, write_valid, rows, num_buckets)
   return _lsh_cumulate(read_codes, write_codes, write_valid, rows, None, lambda x, _: x, lambda x, *_: x,
@@ -193,6 +217,7 @@ def _onehot_feature_tables(qcodes: Array, kcodes: Array, kvalid: Array, qn: Arra
   """
   _, length, d = qn.shape
   kcodes = jnp.where(kvalid[..., None], kcodes, num_buckets)  # masked keys write and read nothing
+  kn, v = (jnp.where(kvalid[..., None], x, 0) for x in (kn, v))  # nor reach a product (0 * NaN is NaN)
   if directions is not None:
     directions = jnp.swapaxes(directions, 0, 1)  # [g, m, e, s]
 
@@ -387,25 +412,57 @@ def _sketched_tables(qcodes: Array, kcodes: Array, kvalid: Array, qn: Array, kn:
   return dq, dvk[..., e:], dvk[..., :e]
 
 
+def _pallas_sketched_tables(qcodes: Array, kcodes: Array, kvalid: Array, qn: Array, kn: Array, v: Array,
+                            dy: Array, num_buckets: int, directions: Array, operands: str
+                            ) -> tuple[Array, Array, Array]:
+  """`_sketched_tables`' bidirectional sums through the fused kernels, one direction f at a time: the
+  weights a_f = dY R_t[:, f] and b_f = v R_t[:, f] [g, m, L] ride in the one-hot factors. dK's table of
+  a_f-weighted queries and dV's of dY share one build and one read (both keyed by query codes, read at key
+  codes); dQ's of b_f-weighted keys is the other. Shapes and results as in `_sketched_tables`."""
+  qc = _hash_major(qcodes)  # [g, m, L]
+  kc = _hash_major(jnp.where(kvalid[..., None], kcodes, num_buckets))  # masked keys: no bucket
+  kn = jnp.where(kvalid[..., None], kn, 0)
+  a = jnp.einsum("gle,mges->sgml", dy, directions)  # [s, g, m, L]
+  b = jnp.where(kvalid[None, :, None, :], jnp.einsum("gle,mges->sgml", v, directions), 0)
+  dq, dk, dv = jnp.zeros_like(qn), jnp.zeros_like(kn), None
+  for f in range(directions.shape[-1]):
+    first = dv is None  # dV (unweighted dY rows) rides along once
+    rows, weighted = ([dy, qn], [False, True]) if first else ([qn], [True])
+    built = kernels.build(qc, rows, a[f], weighted, buckets=num_buckets, operands=operands)
+    outs = kernels.read(kc, built, b[f], weighted, operands=operands)  # [g, L, e (dV)], [g, L, d]
+    if first:
+      dv = outs[0].astype(dy.dtype)
+    dk = dk + outs[-1].astype(dk.dtype)
+    (table,) = kernels.build(kc, [kn], b[f], buckets=num_buckets, operands=operands)
+    (read,) = kernels.read(qc, [table], a[f], operands=operands)  # [g, L, d]
+    dq = dq + read.astype(dq.dtype)
+  return dq, dk, dv
+
+
 def backward_tables(qcodes: Array, kcodes: Array, kvalid: Array, qn: Array, kn: Array, v: Array, dy: Array,
-                    num_buckets: int, directions: Array | None, formulation: str, causal: bool = False
-                    ) -> tuple[Array, Array, Array]:
+                    num_buckets: int, directions: Array | None, formulation: str, causal: bool = False,
+                    operands: str = "float32") -> tuple[Array, Array, Array]:
   """(dq, dk, dv) unscaled through the LSH tables: dQ_i = sum_t sum_j B^t_ij (dY_i . v_j) k_j, dK_j alike
   with q_i, dV_j = sum_t sum_i B^t_ij dY_i; `dY . v` sketched per hash when directions [m, g, e, s] is given.
 
-  Shapes as in `_feature_tables`. The one-hot matmuls for "onehot"; for "sorted", segment sums for sketches of
-  s <= SCATTER_FEATURES directions (dV riding along), bucket-sorted chunked matmuls otherwise. causal (the
-  sums over j <= i for dQ, i >= j for dK and dV) takes the running sums of `_sketched_tables` for every
-  sketch and for the exact form (then rows of e*d features: linear in L, O(L*e*d) memory per live hash).
+  Shapes as in `_feature_tables`. The one-hot matmuls for "onehot"; for "pallas", the fused kernels for dV and
+  for sketches (the exact per-feature tables are one-hot matmuls there); for "sorted", segment sums for
+  sketches of s <= SCATTER_FEATURES directions (dV riding along), bucket-sorted chunked matmuls otherwise.
+  causal (the sums over j <= i for dQ, i >= j for dK and dV) takes the running sums of `_sketched_tables` for
+  every sketch and for the exact form (then rows of e*d features: linear in L, O(L*e*d) memory per live
+  hash).
   dv is given for every key (the caller zeroes masked keys).
   """
   if causal:
     return _sketched_tables(qcodes, kcodes, kvalid, qn, kn, v, dy, num_buckets, directions, causal=True)
   if formulation == "sorted" and directions is not None and directions.shape[-1] <= SCATTER_FEATURES:
     return _sketched_tables(qcodes, kcodes, kvalid, qn, kn, v, dy, num_buckets, directions)
+  if formulation == "pallas" and directions is not None:
+    return _pallas_sketched_tables(qcodes, kcodes, kvalid, qn, kn, v, dy, num_buckets, directions, operands)
   # dV: tables of dY keyed by query codes, read at key codes; every query read the forward, so every
   # query's cotangent is inserted.
-  dv = cumulate(kcodes, qcodes, jnp.ones(kvalid.shape, bool), dy, num_buckets, formulation)
-  tables = _onehot_feature_tables if formulation == "onehot" else _feature_tables
+  dv = cumulate(kcodes, qcodes, jnp.ones(kvalid.shape, bool), dy, num_buckets, formulation,
+                operands=operands)
+  tables = _feature_tables if formulation == "sorted" else _onehot_feature_tables
   dq, dk = tables(qcodes, kcodes, kvalid, qn, kn, v, dy, num_buckets, directions)
   return dq, dk, dv

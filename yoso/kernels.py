@@ -1,0 +1,205 @@
+"""YOSO's bucket tables as fused Pallas kernels (Triton on GPU, Mosaic on TPU, interpreted on CPU).
+
+The same sums as the one-hot formulation of `yoso.tables` (per hash t, the table T_t = onehot(write codes)^T
+rows, [2^tau, L] x [L, f], read back as onehot(read codes) T_t), but the one-hot factors are made tile by tile
+on chip and never written to device memory, and every hash of a group runs in one kernel launch:
+
+  build: grid (groups, hashes). A program walks the rows in tiles of TILE, makes the [2^tau, TILE] one-hot of
+         its hash's codes and accumulates [2^tau, TILE] x [TILE, f] into its table in float32.
+  read:  grid (groups, row tiles). A program loops over the hashes, making the [TILE, 2^tau] one-hot of its
+         rows' codes and adding [TILE, 2^tau] x [2^tau, f] table products in float32.
+
+Both take optional per-hash row weights w [groups, hashes, L]: the build then sums w_tj rows_j (the weight
+rides in the one-hot factor: w where the code matches, 0 elsewhere) and the read scales row i's product by
+w_ti. The sketched backward is these weighted sums (`yoso.tables`). Several row sets share one build or
+read (one one-hot, several products): dV's table of dY and dK's of weighted q.
+
+Matmul operands are bfloat16 with float32 accumulation: "bfloat16" operands (for bfloat16 inputs) go as
+they are; "float32" operands are split in two bfloat16 parts (x = hi + lo to 16 significant bits; the
+one-hot factor is exact, a weighted one is split too: three products), as on the tensor cores' and the
+MXU's fast paths; float64 operands (exact tests, interpret mode) stay float64. Tables are float32 sums.
+
+Codes >= 2^tau (masked keys, padding) match no bucket. The caller zeroes rows that must not count: a zero
+one-hot entry times a non-finite row is still NaN in a product, so a non-finite real row reaches every reader
+of its group (as a non-finite visible key does in dense attention).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as pltriton
+
+from core import pallas
+from core.blocks import pad_to
+
+Array = Any
+
+TILE = 128  # rows per step; a multiple of the TPU's 128 lanes, and Triton's power-of-two loads
+OPERANDS = ("bfloat16", "float32")
+BUILD_GPU = pltriton.CompilerParams(num_warps=8, num_stages=2)  # a [2^tau, f] float32 accumulator
+READ_GPU = pltriton.CompilerParams(num_warps=4, num_stages=2)
+TPU_PARAMS = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel"))
+
+
+def _parts(x: Array, operands: str) -> list[Array]:
+  """x as the matmul operands that sum to it: [x] in float64 or for bfloat16 operands (cast), [hi, lo]
+  bfloat16 for float32 ones."""
+  if x.dtype == jnp.float64:
+    return [x]
+  if operands == "bfloat16":
+    return [x.astype(jnp.bfloat16)]
+  hi = x.astype(jnp.bfloat16)
+  return [hi, (x.astype(jnp.float32) - hi.astype(jnp.float32)).astype(jnp.bfloat16)]
+
+
+def _product(a_parts: list[Array], b_parts: list[Array], trans_a: bool = False) -> Array:
+  """sum of a_i @ b_j over the part pairs that carry the precision (hi.hi, hi.lo, lo.hi), float32 sums."""
+  out = 0.0
+  for i, a in enumerate(a_parts):
+    for j, b in enumerate(b_parts):
+      if i + j <= 1:
+        out = out + pallas.dot(a, b, trans_a=trans_a)
+  return out
+
+
+def _onehot_parts(hit: Array, weights: Array | None, like: Array, operands: str) -> list[Array]:
+  """The one-hot factor of a product: hit as 0/1 (exact in bfloat16), or weights where hit, split."""
+  if weights is None:
+    dtype = jnp.float64 if like.dtype == jnp.float64 else jnp.bfloat16
+    return [hit.astype(dtype)]
+  return _parts(jnp.where(hit, weights, 0), operands)
+
+
+def _split_refs(refs: Sequence[Any], has_weights: bool) -> tuple[Any, Any, Sequence[Any]]:
+  """(codes_ref, weights_ref or None, the rest) of a kernel's refs."""
+  return (refs[0], refs[1], refs[2:]) if has_weights else (refs[0], None, refs[1:])
+
+
+def _build_kernel(*refs, buckets: int, steps: int, weighted: Sequence[bool], operands: str,
+                  has_weights: bool):
+  """One (group, hash): tables[f_s] = sum_j onehot_j (w_j) rows_s[j]. codes_ref, weights_ref [1, Lp];
+  rows refs [Lp, f_s]; table refs [buckets, f_s]."""
+  codes_ref, weights_ref, refs = _split_refs(refs, has_weights)
+  rows_refs, out_refs = refs[:len(weighted)], refs[len(weighted):]
+
+  def step(i, accs):
+    start = pl.multiple_of(i * TILE, TILE)
+    codes = codes_ref[:, pl.ds(start, TILE)]  # [1, T]
+    hit = lax.broadcasted_iota(jnp.int32, (buckets, TILE), 0) == codes  # [B, T]
+    w = None if weights_ref is None else weights_ref[:, pl.ds(start, TILE)]  # [1, T]
+    out = []
+    for acc, rows_ref, weigh in zip(accs, rows_refs, weighted, strict=True):
+      rows = rows_ref[pl.ds(start, TILE), :]  # [T, f]
+      onehot = _onehot_parts(hit, w if weigh else None, rows, operands)
+      out.append(acc + _product(onehot, _parts(rows, operands)))  # [B, f]
+    return tuple(out)
+
+  init = tuple(jnp.zeros(ref.shape, ref.dtype) for ref in out_refs)
+  accs = lax.fori_loop(0, steps, step, init)
+  for ref, acc in zip(out_refs, accs, strict=True):
+    ref[...] = acc.astype(ref.dtype)
+
+
+def _read_kernel(*refs, buckets: int, hashes: int, weighted: Sequence[bool], parts: int, has_weights: bool):
+  """One (group, row tile): out_s[i] = sum_t (w_ti) onehot_ti tables_s[t]. codes_ref, weights_ref [m, T, 1];
+  table refs (parts each, the table's operand parts) [m, buckets, f_s]; out refs [T, f_s]."""
+  codes_ref, weights_ref, refs = _split_refs(refs, has_weights)
+  n = len(weighted)
+  table_refs, out_refs = refs[:n * parts], refs[n * parts:]
+
+  def step(t, accs):
+    codes = codes_ref[t]  # [T, 1]
+    hit = codes == lax.broadcasted_iota(jnp.int32, (TILE, buckets), 1)  # [T, B]
+    w = None if weights_ref is None else weights_ref[t]  # [T, 1]
+    out = []
+    for s, (acc, weigh) in enumerate(zip(accs, weighted, strict=True)):
+      table = [table_refs[s * parts + p][t] for p in range(parts)]  # [B, f] each
+      dtype = jnp.float64 if table[0].dtype == jnp.float64 else jnp.bfloat16
+      val = _product([hit.astype(dtype)], table)  # [T, f]
+      out.append(acc + (val * w if weigh else val))
+    return tuple(out)
+
+  init = tuple(jnp.zeros(ref.shape, _sum_dtype(ref)) for ref in out_refs)
+  accs = lax.fori_loop(0, hashes, step, init)
+  for ref, acc in zip(out_refs, accs, strict=True):
+    ref[...] = acc.astype(ref.dtype)
+
+
+def _sum_dtype(x: Array) -> Any:
+  """Tables and reads are float32 sums (float64 for float64 operands)."""
+  return jnp.float64 if x.dtype == jnp.float64 else jnp.float32
+
+
+def _padded(length: int) -> int:
+  return -(-length // TILE) * TILE
+
+
+def build(codes: Array, rows: Sequence[Array], weights: Array | None = None,
+          weighted: Sequence[bool] | None = None, *, buckets: int, operands: str) -> list[Array]:
+  """Per hash, the tables T_t[c] = sum of (w_tj) rows_j over j with code_t(j) = c.
+
+  codes [g, m, L] int32 (>= buckets: no bucket); rows: row sets [g, L, f_s]; weights None or [g, m, L];
+  weighted: per row set, whether it takes the weights (default: all when weights are given).
+  Returns one table [g, m, buckets, f_s] per row set, float32 (float64 for float64 rows).
+  """
+  g, m, length = codes.shape
+  weighted = tuple(weighted if weighted is not None else [weights is not None] * len(rows))
+  padded = _padded(length)
+  codes = pad_to(codes, padded, 2, fill=buckets)[:, :, None, :]  # [g, m, 1, Lp]
+  rows = [pad_to(r, padded, 1) for r in rows]  # [g, Lp, f_s]
+  hash_row = pl.BlockSpec((None, None, 1, padded), lambda b, t: (b, t, 0, 0))
+  in_specs = [hash_row]
+  args = [codes]
+  if weights is not None:
+    in_specs.append(hash_row)
+    args.append(pad_to(weights, padded, 2)[:, :, None, :])
+  in_specs += [pl.BlockSpec((None, padded, r.shape[-1]), lambda b, t: (b, 0, 0)) for r in rows]
+  args += rows
+  kernel = functools.partial(_build_kernel, buckets=buckets, steps=padded // TILE, weighted=weighted,
+                             operands=operands, has_weights=weights is not None)
+  call = pallas.platform_call(
+      kernel, grid=(g, m), in_specs=in_specs, gpu_params=BUILD_GPU, tpu_params=TPU_PARAMS,
+      out_specs=[pl.BlockSpec((None, None, buckets, r.shape[-1]), lambda b, t: (b, t, 0, 0)) for r in rows],
+      out_shape=[jax.ShapeDtypeStruct((g, m, buckets, r.shape[-1]), _sum_dtype(r)) for r in rows])
+  return list(call(*args))
+
+
+def read(codes: Array, tables: Sequence[Array], weights: Array | None = None,
+         weighted: Sequence[bool] | None = None, *, operands: str) -> list[Array]:
+  """out_s[i] = sum_t (w_ti) T^s_t[code_t(i)] for each table set.
+
+  codes [g, m, L] int32 (>= buckets: reads nothing); tables [g, m, buckets, f_s] (from `build`); weights
+  None or [g, m, L]; weighted per table set as in `build`. Returns [g, L, f_s] each, float32 (float64 for
+  float64 tables).
+  """
+  g, m, length = codes.shape
+  buckets = tables[0].shape[2]
+  weighted = tuple(weighted if weighted is not None else [weights is not None] * len(tables))
+  padded = _padded(length)
+  column = pl.BlockSpec((None, m, TILE, 1), lambda b, i: (b, 0, i, 0))
+  in_specs = [column]
+  args = [pad_to(codes, padded, 2, fill=buckets)[..., None]]  # [g, m, Lp, 1]
+  if weights is not None:
+    in_specs.append(column)
+    args.append(pad_to(weights, padded, 2)[..., None])
+  parts = None
+  for table in tables:
+    split = _parts(table, operands)
+    parts = len(split)
+    in_specs += [pl.BlockSpec((None, m, buckets, table.shape[-1]), lambda b, i: (b, 0, 0, 0))] * parts
+    args += split
+  kernel = functools.partial(_read_kernel, buckets=buckets, hashes=m, weighted=weighted, parts=parts,
+                             has_weights=weights is not None)
+  call = pallas.platform_call(
+      kernel, grid=(g, padded // TILE), in_specs=in_specs, gpu_params=READ_GPU, tpu_params=TPU_PARAMS,
+      out_specs=[pl.BlockSpec((None, TILE, t.shape[-1]), lambda b, i: (b, i, 0)) for t in tables],
+      out_shape=[jax.ShapeDtypeStruct((g, padded, t.shape[-1]), _sum_dtype(t)) for t in tables])
+  return [out[:, :length] for out in call(*args)]
