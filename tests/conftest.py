@@ -39,3 +39,44 @@ def decoding_matches_forward():
     np.testing.assert_allclose(jnp.concatenate(stepped, axis=1), full, rtol=1e-5, atol=1e-5)
 
   return check
+
+
+# The fast suite (under 10 minutes on 2 cores) runs a sample of the long parametrized sweeps; `-m slow` runs
+# the rest. Sweeps over every registered op keep the listed cases fast (one or more of each family, the
+# cheapest); other tests send the listed cases (their most expensive: logsparse, the joint mixture, the
+# widest definitions) to the slow run. Ids match by prefix.
+FAST_CASES = {
+    "test_every_attention_forward_backward": (
+        "dense-", "combiner_fixed-", "combiner_axial_rowmajor-", "sparse_fixed-", "linear-", "local-",
+        "none-", "linformer-", "yoso-", "yoso_e-", "routing-", "longformer-"),
+    "test_nonfinite_behind_masks_never_reaches_visible_outputs": (
+        "dense", "combiner_fixed", "combiner_axial_rowmajor", "sparse_fixed", "sparse_axial", "linear",
+        "linformer", "local", "none", "nystromformer", "synthesizer", "yoso_c", "yoso_e", "bigbird",
+        "longformer"),
+}
+SLOW_CASES = {
+    "test_op_step_equals_forward": ("combiner_logsparse-{}", "combiner_mixture_joint-"),
+    "test_op_equals_reference": ("logsparse", "mixture_joint"),
+    "test_gradients_match_finite_differences": ("logsparse", "mixture_joint"),
+    "test_pallas_equals_xla": ("logsparse-",),
+    "test_longformer_matches_definition": ("10-4-glob3-True", "13-3-glob1-True"),
+    "test_bigbird_matches_definition": ("22-2-glob0-2-True", "16-2-glob2-3-True"),
+    "test_registered_ops_run_at_their_automatic_parameters": ("bigbird",),
+    "test_model_decode_equals_forward": ("combiner_logsparse",),
+    "test_masked_keys_holding_nan_change_nothing": ("linear-True",),
+    "test_formulations_agree_on_the_same_draws": ("onehot-None",),
+}
+
+
+def _case_is_slow(name: str, case: str) -> bool:
+  if name in FAST_CASES:
+    return not any(case == p or (p.endswith("-") and case.startswith(p)) for p in FAST_CASES[name])
+  return any(case.startswith(p) for p in SLOW_CASES.get(name, ()))
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(config, items):
+  for item in items:
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None and _case_is_slow(item.originalname, callspec.id):
+      item.add_marker(pytest.mark.slow)

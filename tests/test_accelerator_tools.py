@@ -17,6 +17,7 @@ from combiner import flash
 from scripts import check_kernels, profile_ops, tune_kernels
 
 
+@pytest.mark.slow
 def test_check_kernels_passes_when_formulations_agree(capsys):
   assert check_kernels.main(["--length", "40", "--head_dim", "8", "--only", "yoso"]) == 0
   out = capsys.readouterr().out

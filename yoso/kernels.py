@@ -19,7 +19,8 @@ they are; "float32" operands are split in two bfloat16 parts (x = hi + lo to 16 
 one-hot factor is exact, a weighted one is split too: three products), as on the tensor cores' and the
 MXU's fast paths; float64 operands (exact tests, interpret mode) stay float64. Tables are float32 sums.
 
-Codes >= 2^tau (masked keys, padding) match no bucket. The caller zeroes rows that must not count: a zero
+Codes >= 2^tau (masked keys, padding) match no bucket. Bucket counts and row widths are padded to powers of
+two >= 16 for Triton (zero rows and columns, sliced off). The caller zeroes rows that must not count: a zero
 one-hot entry times a non-finite row is still NaN in a product, so a non-finite real row reaches every reader
 of its group (as a non-finite visible key does in dense attention).
 """
@@ -43,6 +44,7 @@ from core.blocks import pad_to
 Array = Any
 
 TILE = 128  # rows per step; a multiple of the TPU's 128 lanes, and Triton's power-of-two loads
+MIN_DIM = 16  # buckets and row widths are padded to powers of two >= this (Triton's dot sizes)
 OPERANDS = ("bfloat16", "float32")
 BUILD_GPU = pltriton.CompilerParams(num_warps=8, num_stages=2)  # a [2^tau, f] float32 accumulator
 READ_GPU = pltriton.CompilerParams(num_warps=4, num_stages=2)
@@ -142,6 +144,19 @@ def _padded(length: int) -> int:
   return -(-length // TILE) * TILE
 
 
+def _pow2(n: int) -> int:
+  """The smallest power of two >= max(n, MIN_DIM): Triton's loads and dots want power-of-two sizes >= 16."""
+  p = MIN_DIM
+  while p < n:
+    p *= 2
+  return p
+
+
+def _none_to(codes: Array, buckets: int, kernel_buckets: int) -> Array:
+  """Codes >= buckets (no bucket) moved past the kernel's padded bucket range."""
+  return jnp.where(codes >= buckets, kernel_buckets, codes)
+
+
 def build(codes: Array, rows: Sequence[Array], weights: Array | None = None,
           weighted: Sequence[bool] | None = None, *, buckets: int, operands: str) -> list[Array]:
   """Per hash, the tables T_t[c] = sum of (w_tj) rows_j over j with code_t(j) = c.
@@ -152,9 +167,10 @@ def build(codes: Array, rows: Sequence[Array], weights: Array | None = None,
   """
   g, m, length = codes.shape
   weighted = tuple(weighted if weighted is not None else [weights is not None] * len(rows))
-  padded = _padded(length)
-  codes = pad_to(codes, padded, 2, fill=buckets)[:, :, None, :]  # [g, m, 1, Lp]
-  rows = [pad_to(r, padded, 1) for r in rows]  # [g, Lp, f_s]
+  padded, kb = _padded(length), _pow2(buckets)
+  codes = pad_to(_none_to(codes, buckets, kb), padded, 2, fill=kb)[:, :, None, :]  # [g, m, 1, Lp]
+  widths = [r.shape[-1] for r in rows]
+  rows = [pad_to(pad_to(r, _pow2(f), 2), padded, 1) for r, f in zip(rows, widths, strict=True)]  # [g, Lp, F]
   hash_row = pl.BlockSpec((None, None, 1, padded), lambda b, t: (b, t, 0, 0))
   in_specs = [hash_row]
   args = [codes]
@@ -163,13 +179,13 @@ def build(codes: Array, rows: Sequence[Array], weights: Array | None = None,
     args.append(pad_to(weights, padded, 2)[:, :, None, :])
   in_specs += [pl.BlockSpec((None, padded, r.shape[-1]), lambda b, t: (b, 0, 0)) for r in rows]
   args += rows
-  kernel = functools.partial(_build_kernel, buckets=buckets, steps=padded // TILE, weighted=weighted,
+  kernel = functools.partial(_build_kernel, buckets=kb, steps=padded // TILE, weighted=weighted,
                              operands=operands, has_weights=weights is not None)
   call = pallas.platform_call(
       kernel, grid=(g, m), in_specs=in_specs, gpu_params=BUILD_GPU, tpu_params=TPU_PARAMS,
-      out_specs=[pl.BlockSpec((None, None, buckets, r.shape[-1]), lambda b, t: (b, t, 0, 0)) for r in rows],
-      out_shape=[jax.ShapeDtypeStruct((g, m, buckets, r.shape[-1]), _sum_dtype(r)) for r in rows])
-  return list(call(*args))
+      out_specs=[pl.BlockSpec((None, None, kb, r.shape[-1]), lambda b, t: (b, t, 0, 0)) for r in rows],
+      out_shape=[jax.ShapeDtypeStruct((g, m, kb, r.shape[-1]), _sum_dtype(r)) for r in rows])
+  return [t[:, :, :buckets, :f] for t, f in zip(call(*args), widths, strict=True)]
 
 
 def read(codes: Array, tables: Sequence[Array], weights: Array | None = None,
@@ -183,10 +199,12 @@ def read(codes: Array, tables: Sequence[Array], weights: Array | None = None,
   g, m, length = codes.shape
   buckets = tables[0].shape[2]
   weighted = tuple(weighted if weighted is not None else [weights is not None] * len(tables))
-  padded = _padded(length)
+  padded, kb = _padded(length), _pow2(buckets)
+  widths = [t.shape[-1] for t in tables]
+  tables = [pad_to(pad_to(t, _pow2(f), 3), kb, 2) for t, f in zip(tables, widths, strict=True)]
   column = pl.BlockSpec((None, m, TILE, 1), lambda b, i: (b, 0, i, 0))
   in_specs = [column]
-  args = [pad_to(codes, padded, 2, fill=buckets)[..., None]]  # [g, m, Lp, 1]
+  args = [pad_to(_none_to(codes, buckets, kb), padded, 2, fill=kb)[..., None]]  # [g, m, Lp, 1]
   if weights is not None:
     in_specs.append(column)
     args.append(pad_to(weights, padded, 2)[..., None])
@@ -194,12 +212,12 @@ def read(codes: Array, tables: Sequence[Array], weights: Array | None = None,
   for table in tables:
     split = _parts(table, operands)
     parts = len(split)
-    in_specs += [pl.BlockSpec((None, m, buckets, table.shape[-1]), lambda b, i: (b, 0, 0, 0))] * parts
+    in_specs += [pl.BlockSpec((None, m, kb, table.shape[-1]), lambda b, i: (b, 0, 0, 0))] * parts
     args += split
-  kernel = functools.partial(_read_kernel, buckets=buckets, hashes=m, weighted=weighted, parts=parts,
+  kernel = functools.partial(_read_kernel, buckets=kb, hashes=m, weighted=weighted, parts=parts,
                              has_weights=weights is not None)
   call = pallas.platform_call(
       kernel, grid=(g, padded // TILE), in_specs=in_specs, gpu_params=READ_GPU, tpu_params=TPU_PARAMS,
       out_specs=[pl.BlockSpec((None, TILE, t.shape[-1]), lambda b, i: (b, i, 0)) for t in tables],
       out_shape=[jax.ShapeDtypeStruct((g, padded, t.shape[-1]), _sum_dtype(t)) for t in tables])
-  return [out[:, :length] for out in call(*args)]
+  return [out[:, :length, :f] for out, f in zip(call(*args), widths, strict=True)]
