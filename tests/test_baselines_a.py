@@ -138,6 +138,7 @@ def test_orthogonal_features_are_orthogonal_gaussian_rows():
     orthogonal_features(jax.random.key(0), 0, 4)
 
 
+@pytest.mark.slow
 def test_performer_kernel_estimate_is_unbiased_and_improves_with_features():
   with jax.enable_x64(True):
     ka, kb = jax.random.split(jax.random.key(5))

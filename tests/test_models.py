@@ -204,6 +204,7 @@ def test_remat_gives_the_same_loss_and_gradients():
 
 
 
+@pytest.mark.slow
 def test_remat_recomputes_the_block_in_the_compiled_backward():
   """model.remat reaches XLA: one jax.checkpoint optimisation barrier per block in the lowered program, and
   the compiled backward recomputes the block: "full" every matmul of it (q, k, v, out projections, q.k^T, the
