@@ -168,8 +168,8 @@ def yoso(q: Array, k: Array, v: Array, *, rng: Array, num_hashes: int, tau: int,
     return x.reshape(groups, length, *x.shape[3:])
 
   kvalid = jnp.broadcast_to(mask[:, None, :], (batch, heads, length))
-  low = all(x.dtype in (jnp.bfloat16, jnp.float16) for x in (q, k, v))
-  out = _make_cumulation(tau, backward, formulation, causal, "bfloat16" if low else "float32")(
+  operands = "bfloat16" if all(x.dtype == jnp.bfloat16 for x in (q, k, v)) else "float32"
+  out = _make_cumulation(tau, backward, formulation, causal, operands)(
       flat(qn), flat(kn), flat(vh), flat(qcodes), flat(kcodes), flat(kvalid),
       directions)  # [batch * heads, length, value_dim]
   if normalize_output:

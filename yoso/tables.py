@@ -115,7 +115,6 @@ def _lsh_cumulate(read_codes: Array, write_codes: Array, write_valid: Array, per
 
 
 FORMULATIONS = ("auto", "sorted", "onehot", "pallas")
-OPERANDS = kernels.OPERANDS
 
 
 def resolve_formulation(formulation: str, platform: str) -> str:
@@ -143,6 +142,14 @@ def _onehot_matmul(spec: str, onehot: Array, x: Array) -> Array:
           + jnp.einsum(spec, onehot, lo, preferred_element_type=jnp.float32)).astype(x.dtype)
 
 
+def _drop_invalid(write_codes: Array, write_valid: Array, rows: Array, num_buckets: int
+                  ) -> tuple[Array, Array]:
+  """For the one-hot products: invalid rows get no bucket (code num_buckets) and zero values, since a zero
+  one-hot entry times a NaN row is still NaN. write_codes [g, L, m], write_valid [g, L], rows [g, L, e]."""
+  valid = write_valid[..., None]
+  return jnp.where(valid, write_codes, num_buckets), jnp.where(valid, rows, 0)
+
+
 def _onehot_cumulate(read_codes: Array, write_codes: Array, write_valid: Array, rows: Array,
                      num_buckets: int) -> Array:
   """sum_t T_t[read_code_t(i)], T_t[c] = sum of the valid rows j with write_code_t(j) = c, as one-hot
@@ -152,8 +159,7 @@ def _onehot_cumulate(read_codes: Array, write_codes: Array, write_valid: Array, 
   [g, L], rows [g, L, e] -> [g, L, e]. A scan over hashes with all groups batched: one [g, L, 2^tau]
   one-hot per step. O(L*m*2^tau*e) multiply-adds, all on the matmul units.
   """
-  write_codes = jnp.where(write_valid[..., None], write_codes, num_buckets)  # invalid rows: no bucket
-  rows = jnp.where(write_valid[..., None], rows, 0)  # a zero one-hot entry times NaN is still NaN
+  write_codes, rows = _drop_invalid(write_codes, write_valid, rows, num_buckets)
 
   def step(acc, codes):
     rc, wc = codes  # [g, L] each
@@ -174,8 +180,7 @@ def _pallas_cumulate(read_codes: Array, write_codes: Array, write_valid: Array, 
                      num_buckets: int, operands: str) -> Array:
   """`_onehot_cumulate`'s sums through the fused kernels (`yoso.kernels`): one build launch for every
   hash's table, one read launch. Shapes as there."""
-  write_codes = jnp.where(write_valid[..., None], write_codes, num_buckets)  # invalid rows: no bucket
-  rows = jnp.where(write_valid[..., None], rows, 0)  # and nothing of theirs in a product
+  write_codes, rows = _drop_invalid(write_codes, write_valid, rows, num_buckets)
   (table,) = kernels.build(_hash_major(write_codes), [rows], buckets=num_buckets, operands=operands)
   (out,) = kernels.read(_hash_major(read_codes), [table], operands=operands)  # [g, L, e]
   return out.astype(rows.dtype)
