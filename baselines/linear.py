@@ -6,10 +6,17 @@ with j over the visible keys (all real keys, or j <= i when causal). `feature_at
 for any positive feature map (Performer's FAVOR+ uses it too): bidirectional by one [m, d_v] key-value
 summary, causal by prefix sums over chunks of `chunk_size` positions (exact attention-like product inside a
 chunk, the running summary of all earlier chunks between them), so no [L, L] array ever exists.
+
+The bidirectional op itself runs `_bidirectional`: a hand-written backward over blocks of rows read straight
+from the [batch, length, heads, dim] inputs, which keeps only each row's [d, d_v] summary between the passes
+and makes every feature and gradient pass a single sweep over its block (no transposed copies of q, k, v or
+of the gradients, no recomputed matmuls).
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -88,8 +95,117 @@ def prepare(q: Array, k: Array, v: Array, mask: Array | None, *, op: str, causal
 
 
 def elu_feature_map(x: Array) -> Array:
-  """phi(x) = elu(x) + 1 > 0, the paper's feature map."""
-  return jax.nn.elu(x) + 1.0
+  """phi(x) = elu(x) + 1 > 0, the paper's feature map, as x + 1 above zero and exp(x) below (exactly
+  elu + 1, without expm1's slower kernel and its rounding in the added 1)."""
+  return jnp.where(x > 0, x + 1.0, jnp.exp(jnp.minimum(x, 0.0)))
+
+
+def _row_blocks(batch: int, heads: int, chunks: int) -> tuple[int, int]:
+  """(batches, heads) per block when the batch x heads rows run in about `chunks` sequential blocks: a block
+  is whole divisors of both axes, so it is one contiguous slice [batches, length, heads, dim] of the input."""
+  rows = -(-batch * heads // chunks)
+  if rows >= heads:
+    return max(b for b in range(1, batch + 1) if batch % b == 0 and b * heads <= rows), heads
+  return 1, max(h for h in range(1, heads + 1) if heads % h == 0 and h <= rows)
+
+
+def _block(x: Array, index: Array, size: tuple[int, int], dtype: Any) -> Array:
+  """Block `index` of x [batch, length, heads, dim] (blocks of size (batches, heads), heads fastest) as rows
+  [batches * heads, length, dim] in `dtype`."""
+  nb, nh = size
+  b, h = index // (x.shape[2] // nh) * nb, index % (x.shape[2] // nh) * nh
+  zero = jnp.zeros_like(index)
+  return to_rows(jax.lax.dynamic_slice(x, (b, zero, h, zero), (nb, x.shape[1], nh, x.shape[3])), dtype)
+
+
+def _put_block(buf: Array, rows: Array, index: Array, size: tuple[int, int]) -> Array:
+  """Writes rows [batches * heads, length, dim] into block `index` of buf [batch, length, heads, dim]."""
+  nb, nh = size
+  b, h = index // (buf.shape[2] // nh) * nb, index % (buf.shape[2] // nh) * nh
+  zero = jnp.zeros_like(index)
+  return jax.lax.dynamic_update_slice(buf, from_rows(rows, nb, buf.dtype), (b, zero, h, zero))
+
+
+def _block_features(q: Array, k: Array, v: Array, mask: Array, index: Array, size: tuple[int, int]
+                    ) -> tuple[Array, Array, Array, Array]:
+  """A block's phi(q), phi(k) and v rows [rows, length, dim], masked keys' features and values selected to
+  zero, and their validity [rows, length, 1]."""
+  ct = contract.softmax_dtype(q.dtype, k.dtype, v.dtype)
+  b = index // (q.shape[2] // size[1]) * size[0]
+  valid = rows_mask(jax.lax.dynamic_slice_in_dim(mask, b, size[0], axis=0), size[1])[..., None]
+  phi_q = elu_feature_map(_block(q, index, size, ct))
+  phi_k = jnp.where(valid, elu_feature_map(_block(k, index, size, ct)), 0.0)
+  return phi_q, phi_k, jnp.where(valid, _block(v, index, size, ct), 0.0), valid
+
+
+def _blocks_loop(count: int, body: Callable[[Array, Any], Any], init: Any) -> Any:
+  """fori_loop over the blocks; one block (an accelerator's default) runs without a loop."""
+  if count == 1:
+    return body(jnp.int32(0), init)
+  return jax.lax.fori_loop(jnp.int32(0), jnp.int32(count), body, init)
+
+
+def _safe(denom: Array) -> Array:
+  return jnp.where(denom > 0, denom, 1.0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _bidirectional(q: Array, k: Array, v: Array, mask: Array, size: tuple[int, int]) -> Array:
+  """Bidirectional elu linear attention: q, k [batch, length, heads, d]; v [batch, length, heads, e]; mask
+  [batch, length]; size: (batches, heads) per block (`_row_blocks`). Returns [batch, length, heads, e]."""
+  return _bidirectional_fwd(q, k, v, mask, size)[0]
+
+
+def _bidirectional_fwd(q: Array, k: Array, v: Array, mask: Array, size: tuple[int, int]) -> tuple[Array, Any]:
+  batch, length, heads, d = q.shape
+  count, rows = batch * heads // (size[0] * size[1]), size[0] * size[1]
+  ct = contract.softmax_dtype(q.dtype, k.dtype, v.dtype)
+
+  def body(i, carry):
+    out, kvs, ksums, denoms = carry
+    phi_q, phi_k, vr, _ = _block_features(q, k, v, mask, i, size)
+    kv = jnp.einsum("glm,gle->gme", phi_k, vr)  # [rows, d, e]
+    ksum = jnp.einsum("glm->gm", phi_k)  # [rows, d]
+    denom = jnp.einsum("glm,gm->gl", phi_q, ksum)  # [rows, length]
+    numer = jnp.einsum("glm,gme->gle", phi_q, kv)  # [rows, length, e]
+    out = _put_block(out, numer / _safe(denom)[..., None], i, size)
+    return out, kvs.at[i].set(kv), ksums.at[i].set(ksum), denoms.at[i].set(denom)
+
+  init = (jnp.zeros(v.shape, v.dtype), jnp.zeros((count, rows, d, v.shape[-1]), ct),
+          jnp.zeros((count, rows, d), ct), jnp.zeros((count, rows, length), ct))
+  out, kvs, ksums, denoms = _blocks_loop(count, body, init)
+  return out, (q, k, v, mask, kvs, ksums, denoms)
+
+
+def _bidirectional_bwd(size: tuple[int, int], res: Any, cot: Array) -> tuple[Array, Array, Array, None]:
+  """With a = dOut / denom and u = a kv^T: dphi_q = u - (phi_q . u / denom) ksum, dkv = phi_q^T a, dksum =
+  phi_q^T (-(phi_q . u) / denom), dphi_k = v dkv^T + dksum, dv = phi_k dkv; phi's derivative is min(phi, 1)
+  (1 above zero, exp(x) = phi below); masked keys get zeros."""
+  q, k, v, mask, kvs, ksums, denoms = res
+  count = kvs.shape[0]
+
+  def body(i, grads):
+    dq, dk, dv = grads
+    phi_q, phi_k, vr, valid = _block_features(q, k, v, mask, i, size)
+    kv, ksum, denom = kvs[i], ksums[i], denoms[i]
+    inv = 1.0 / _safe(denom)  # [rows, length]
+    a = _block(cot, i, size, inv.dtype) * inv[..., None]  # [rows, length, e]
+    u = jnp.einsum("gle,gme->glm", a, kv)  # [rows, length, d]
+    ddenom = jnp.where(denom > 0, -jnp.einsum("glm,glm->gl", phi_q, u) * inv, 0.0)  # [rows, length]
+    dphi_q = u + ddenom[..., None] * ksum[:, None, :]
+    dkv = jnp.einsum("glm,gle->gme", phi_q, a)  # [rows, d, e]
+    dksum = jnp.einsum("glm,gl->gm", phi_q, ddenom)  # [rows, d]
+    dphi_k = jnp.einsum("gle,gme->glm", vr, dkv) + dksum[:, None, :]
+    dvr = jnp.einsum("glm,gme->gle", phi_k, dkv)
+    dq = _put_block(dq, dphi_q * jnp.minimum(phi_q, 1.0), i, size)
+    dk = _put_block(dk, jnp.where(valid, dphi_k * jnp.minimum(phi_k, 1.0), 0.0), i, size)
+    return dq, dk, _put_block(dv, jnp.where(valid, dvr, 0.0), i, size)
+
+  dq, dk, dv = _blocks_loop(count, body, (jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)))
+  return dq, dk, dv, None
+
+
+_bidirectional.defvjp(_bidirectional_fwd, _bidirectional_bwd)
 
 
 def linear(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None,
@@ -99,15 +215,15 @@ def linear(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = N
   q, k: [batch, length, heads, head_dim]; v: [batch, length, heads, value_dim]; mask: [batch, length] bool.
   chunk_size: positions per chunk of the causal prefix sum (cost O(L (chunk + d) d)); unused bidirectionally.
   row_chunks: rows of batch x heads run in this many chunks, one after the other
-    (`baselines.common.num_row_chunks`; None = automatic, and one bidirectionally, where no intermediate is
-    wider than the inputs and chunks would only add the backward's recomputation).
+    (`baselines.common.num_row_chunks`; None = automatic).
   Returns [batch, length, heads, value_dim] in v's dtype.
   """
   out_dtype = v.dtype
   qh, kh, vh, valid, causal, chunk, chunks = prepare(q, k, v, mask, op="linear", causal=causal,
                                                      chunk_size=chunk_size, row_chunks=row_chunks)
-  if row_chunks is None and not causal:
-    chunks = 1
+  if not causal:  # the inputs as given: `prepare`'s row copies are left unused (XLA drops them)
+    q, k, v, mask = contract.check_qkv(q, k, v, mask, op="linear")
+    return _bidirectional(q, k, v, mask, _row_blocks(q.shape[0], q.shape[2], chunks))
 
   def attention(rows: tuple[Array, ...]) -> Array:  # a chunk of rows -> [rows, length, value_dim]
     qh, kh, vh, valid = rows

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from baselines.common import from_rows, masked_rows, num_row_chunks, rows_mask, to_rows
 from core import contract
 from core.blocks import map_chunks, num_blocks, to_grid
-from core.combine import attend
+from core.combine import attend_zeros_hidden, flag_nonfinite, unflag
 
 Array = Any
 
@@ -35,9 +35,8 @@ def local(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = No
   size = min(size, length)
   n = num_blocks(length, size)
   ct = contract.softmax_dtype(q.dtype, k.dtype, v.dtype)
-  qh = to_rows(q, ct)  # [batch * heads, length, head_dim]
+  qh = to_rows(q, ct) * contract.logit_scale(head_dim)  # [batch * heads, length, head_dim], scaled once
   kh, vh = (masked_rows(x, mask, ct) for x in (k, v))  # [batch * heads, length, dim]
-  scale = contract.logit_scale(head_dim)
 
   def attention(chunk: tuple[Array, ...]) -> Array:
     """A chunk of rows: q, k, v [rows, length, dim], key mask [rows, length] -> [rows, length, value_dim]."""
@@ -46,8 +45,11 @@ def local(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = No
     valid = to_grid(mask, n, size, axis=1)[:, :, None, :]  # [rows, n, 1, size]; pads False
     if causal:
       valid = valid & jnp.tril(jnp.ones((size, size), bool))
-    logits = jnp.einsum("gnqd,gnkd->gnqk", qb, kb) * scale  # [rows, n, size, size]
-    out = attend(logits, valid, vb, "gnqk,gnkd->gnqd")  # [rows, n, size, value_dim]
+    logits = jnp.einsum("gnqd,gnkd->gnqk", qb, kb)  # [rows, n, size, size]
+    if causal:  # a later key's value (zero weight) must not reach earlier outputs even when it is NaN or Inf
+      out = unflag(attend_zeros_hidden(logits, valid, flag_nonfinite(vb), "gnqk,gnkd->gnqd"))
+    else:  # every zero-weight value is a masked key's or the padding's: zeros here
+      out = attend_zeros_hidden(logits, valid, vb, "gnqk,gnkd->gnqd")  # [rows, n, size, value_dim]
     return out.reshape(qh.shape[0], n * size, -1)[:, :length]
 
   chunks = num_row_chunks(batch * heads, length, row_chunks, op=op)

@@ -10,6 +10,7 @@ plans share D_i).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -151,10 +152,61 @@ def flagged_sum(contract: str, weights: Array, flagged: Array) -> Array:
   """`weighted_sum` of values already passed through `flag_nonfinite`.
 
   flagged: [..., value_dim + 1]; returns [..., value_dim]."""
-  both = jnp.einsum(contract, weights, flagged)
-  return jnp.where(both[..., -1:] > 0, jnp.nan, both[..., :-1])  # [..., value_dim]
+  return unflag(jnp.einsum(contract, weights, flagged))
+
+
+def unflag(both: Array) -> Array:
+  """Sums of `flag_nonfinite` values [..., value_dim + 1] -> [..., value_dim]: NaN where a non-finite value
+  had positive weight."""
+  return jnp.where(both[..., -1:] > 0, jnp.nan, both[..., :-1])
 
 
 def attend(logits: Array, valid: Array, values: Array, contract: str) -> Array:
   """Single-piece masked softmax attention: `weighted_sum(contract, weights, values)`."""
   return joint_softmax([Piece(logits, valid, lambda w: weighted_sum(contract, w, values))])
+
+
+def attend_zeros_hidden(logits: Array, valid: Array, values: Array, contract: str) -> Array:
+  """`attend` for callers whose values at invalid entries are zeros (masked keys selected to zero, padding),
+  so no contraction can meet a hidden non-finite value and `weighted_sum`'s guard is not needed; a visible
+  non-finite value still shows. Callers with other hidden values (future keys) pass `flag_nonfinite(values)`
+  and `unflag` the result: `attend`'s guard. A hand-written backward (flash attention's: dlogits = P * (dP -
+  rowsum(dOut * Out))) keeps only the weights and the output between the passes, faster on a CPU than the
+  autodiff of `attend`.
+
+  logits [*Q, K] (K, the keys, last); valid broadcastable to logits; contract "A,B->C": weights A x values B
+  -> output C whose last axis is the values' last, a plain contraction (no repeated or ellipsis indices).
+  """
+  return _softmax_contract(logits, valid, values, contract)
+
+
+def _softmax_weights(logits: Array, valid: Array) -> Array:
+  """Softmax over the last axis of the valid logits; exactly 0 where invalid, rows with none valid all 0."""
+  weights, _ = _exp_weights([Piece(logits, valid, None)])
+  denom = jnp.sum(weights[0], axis=-1, keepdims=True)
+  return weights[0] * (1.0 / jnp.where(denom > 0, denom, 1.0))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _softmax_contract(logits: Array, valid: Array, values: Array, contract: str) -> Array:
+  return jnp.einsum(contract, _softmax_weights(logits, valid), values)
+
+
+def _softmax_contract_fwd(logits: Array, valid: Array, values: Array, contract: str) -> tuple[Array, Any]:
+  weights = _softmax_weights(logits, valid)
+  out = jnp.einsum(contract, weights, values)
+  return out, (weights, values, out, valid)
+
+
+def _softmax_contract_bwd(contract: str, res: Any, dout: Array) -> tuple[Array, None, Array]:
+  weights, values, out, valid = res
+  w_spec, rest = contract.split(",")
+  v_spec, o_spec = rest.split("->")
+  dweights = jnp.einsum(f"{o_spec},{v_spec}->{w_spec}", dout, values)  # [*Q, K]
+  row = jnp.einsum(f"{o_spec},{o_spec}->{w_spec[:-1]}", dout, out)[..., None]  # [*Q, 1]
+  dlogits = weights * (dweights - row)
+  dvalues = jnp.einsum(f"{w_spec},{o_spec}->{v_spec}", weights, dout)
+  return dlogits.astype(weights.dtype), None, dvalues.astype(values.dtype)
+
+
+_softmax_contract.defvjp(_softmax_contract_fwd, _softmax_contract_bwd)

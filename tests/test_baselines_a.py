@@ -80,6 +80,48 @@ def test_linear_equals_its_quadratic_formula(causal, length, chunk):
     np.testing.assert_allclose(out, ref, rtol=1e-10, atol=1e-12)
 
 
+def _linear_definition(q, k, v, mask):
+  """Bidirectional linear attention from the definition, in jax (for autodiff): [b, n, h, *] in and out."""
+  phi_q, phi_k = (jnp.where(x > 0, x + 1.0, jnp.exp(jnp.minimum(x, 0.0))) for x in (q, k))
+  kern = jnp.einsum("bihd,bjhd->bhij", phi_q, phi_k) * mask[:, None, None, :]
+  return jnp.einsum("bhij,bjhe->bihe", kern, v) / jnp.sum(kern, -1).transpose(0, 2, 1)[..., None]
+
+
+@pytest.mark.parametrize("row_chunks", [1, 2, 3, 8])
+def test_linear_bidirectional_gradients_equal_the_definitions(row_chunks):
+  """The bidirectional op's hand-written backward, in every block layout of batch x heads (one block; whole
+  batches; pairs of heads; single rows), equals autodiff of the definition; a masked key's NaN changes
+  nothing and its k, v get zero gradient."""
+  with jax.enable_x64(True):
+    q, k, v, mask = _inputs(5, batch=2, length=9, heads=4, head_dim=3, value_dim=2)
+    cot = jax.random.normal(jax.random.key(6), v.shape, jnp.float64)
+    clean_k, clean_v = (jnp.where(mask[:, :, None, None], x, 0.0) for x in (k, v))
+    nan_k, nan_v = (jnp.where(mask[:, :, None, None], x, jnp.nan) for x in (k, v))
+
+    def reference(q, k, v):
+      return jnp.sum(_linear_definition(q, k, v, mask) * cot)
+
+    def loss(q, k, v):
+      return jnp.sum(linear(q, k, v, causal=False, mask=mask, row_chunks=row_chunks) * cot)
+
+    want, want_grads = jax.value_and_grad(reference, argnums=(0, 1, 2))(q, clean_k, clean_v)
+    got, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, nan_k, nan_v)
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+    for g, w in zip(grads, want_grads, strict=True):
+      np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12)
+    assert not np.any(grads[1][~np.asarray(mask)]) and not np.any(grads[2][~np.asarray(mask)])
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_linear_bidirectional_keeps_input_dtypes(dtype):
+  q, k, v, mask = _inputs(3, dtype=dtype)
+  out, vjp = jax.vjp(lambda q, k, v: linear(q, k, v, causal=False, mask=mask), q, k, v)
+  assert out.dtype == dtype and all(g.dtype == dtype for g in vjp(out))
+  want = linear(*(x.astype(jnp.float32) for x in (q, k, v)), causal=False, mask=mask)
+  np.testing.assert_allclose(out.astype(jnp.float32), want, rtol=2e-2 if dtype == jnp.bfloat16 else 1e-6,
+                             atol=2e-2 if dtype == jnp.bfloat16 else 1e-6)
+
+
 # -- performer -----------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -340,7 +382,8 @@ SLOW_LAST = [pytest.param(n, marks=pytest.mark.slow) if n in ("bigbird", "longfo
 def test_causal_outputs_do_not_depend_on_the_future(name):
   fn = functools.partial(ops_registry.get(name).fn, causal=True, **OPS[name])
   q, k, v, _ = _inputs(1, batch=1, length=9, dtype=jnp.float32)
-  jac = jax.jacfwd(lambda q, k, v: fn(q, k, v), argnums=(0, 1, 2))(q, k, v)  # each [1, 9, h, dv, 1, 9, h, d]
+  # reverse mode: the Jacobian through the backward the ops train with (some are hand-written)
+  jac = jax.jacrev(lambda q, k, v: fn(q, k, v), argnums=(0, 1, 2))(q, k, v)  # each [1, 9, h, dv, 1, 9, h, d]
   future = np.triu(np.ones((9, 9), bool), 1)  # [output position, input position]
   for j in jac:
     j = np.abs(np.asarray(j)).sum(axis=(0, 2, 3, 4, 6, 7))  # [output position, input position]
