@@ -25,7 +25,6 @@ import jax.numpy as jnp
 from baselines.common import from_rows, masked_rows, num_row_chunks, rows_mask, to_rows
 from core import contract
 from core.blocks import map_chunks, num_blocks, pad_to
-from core.combine import weighted_sum
 
 Array = Any
 DEFAULT_CHUNK = 128
@@ -36,43 +35,92 @@ def feature_attention(phi_q: Array, phi_k: Array, v: Array, *, causal: bool, chu
 
   phi_q, phi_k: [rows, length, features] (non-negative); v: [rows, length, value_dim] (rows: batch x heads).
   Returns [rows, length, value_dim]; rows whose visible keys all have zero features give zeros.
-  The normaliser rides along as one more value column (a column of ones), so numerator and denominator come
-  out of the same contractions.
+  Bidirectionally the normaliser rides along as one more value column (a column of ones), so numerator and
+  denominator come out of the same contractions. Causally (`_causal_chunks`) a later position's value, even
+  NaN or Inf, never reaches an earlier output: values enter with non-finite entries selected to zero, and an
+  output that sees a non-finite value (at or before its position) is NaN.
   """
-  length = phi_q.shape[1]
+  if causal:
+    finite = jnp.isfinite(v)
+    seen_bad = jnp.cumsum(jnp.any(~finite, axis=-1, keepdims=True), axis=1) > 0  # [rows, length, 1]
+    out = _causal_chunks(phi_q, phi_k, jnp.where(finite, v, 0.0), min(chunk_size, phi_q.shape[1]))
+    return jnp.where(seen_bad, jnp.nan, out)
   v1 = jnp.concatenate([v, jnp.ones(v.shape[:-1] + (1,), v.dtype)], axis=-1)  # [rows, length, e + 1]
-  if not causal:
-    kv = jnp.einsum("glm,gld->gmd", phi_k, v1)  # [rows, features, value_dim + 1]
-    numer = jnp.einsum("glm,gmd->gld", phi_q, kv)  # [rows, length, value_dim + 1]
-  else:
-    c = min(chunk_size, length)
-    n = num_blocks(length, c)
-
-    def chunks(x: Array) -> Array:  # [rows, length, dim] -> [rows, n, c, dim]
-      x = pad_to(x, n * c, axis=1)
-      return x.reshape(x.shape[0], n, c, x.shape[-1])
-
-    fq, fk, vc = chunks(phi_q), chunks(phi_k), chunks(v1)
-    kv = jnp.einsum("gncm,gncd->gnmd", fk, vc)  # [rows, n, features, value_dim + 1]
-    kv = exclusive_prefix_sum(kv)  # summaries of every chunk before this one
-    within = jnp.einsum("gncm,gnkm->gnck", fq, fk)  # [rows, n, c, c]
-    within = jnp.where(jnp.tril(jnp.ones((c, c), bool)), within, 0.0)
-    # A later position's value (zero weight here) must not reach earlier outputs, even when it is NaN or Inf.
-    numer = weighted_sum("gnck,gnkd->gncd", within, vc) + jnp.einsum("gncm,gnmd->gncd", fq, kv)
-    numer = numer.reshape(numer.shape[0], n * c, -1)[:, :length]  # [rows, length, e + 1]
+  kv = jnp.einsum("glm,gld->gmd", phi_k, v1)  # [rows, features, value_dim + 1]
+  numer = jnp.einsum("glm,gmd->gld", phi_q, kv)  # [rows, length, value_dim + 1]
   numer, denom = numer[..., :-1], numer[..., -1]
-  return numer / jnp.where(denom > 0, denom, 1.0)[..., None]
+  return numer / _safe(denom)[..., None]
 
 
-def exclusive_prefix_sum(x: Array) -> Array:
-  """out[:, i] = sum of x[:, j] for j < i (zeros for i = 0); x: [rows, n, ...].
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _causal_chunks(phi_q: Array, phi_k: Array, v: Array, chunk: int) -> Array:
+  """Causal feature attention by chunks of `chunk` positions: inside a chunk the masked product W = tril(phi_q
+  phi_k^T) [c, c], between chunks the summaries S = sum of phi_k^T v over every earlier chunk [features, e]
+  (an exclusive running sum), out_i = (W v + phi_q S)_i / (W 1 + phi_q KS)_i with KS the summed phi_k.
+  phi_q, phi_k [rows, length, m]; v [rows, length, e], finite. Returns [rows, length, e].
+
+  The hand-written backward keeps W, S and the outputs and spends 8 chunk matmuls, where autodiff of the
+  forward (and the recomputation a checkpoint adds) spends more and writes more."""
+  return _causal_chunks_fwd(phi_q, phi_k, v, chunk)[0]
+
+
+def _chunked(x: Array, chunk: int) -> Array:
+  """[rows, length, dim] -> [rows, n, chunk, dim], zero-padded to whole chunks."""
+  n = num_blocks(x.shape[1], chunk)
+  return pad_to(x, n * chunk, axis=1).reshape(x.shape[0], n, chunk, x.shape[-1])
+
+
+def _unchunked(x: Array, length: int) -> Array:
+  """[rows, n, chunk, dim] -> [rows, length, dim]."""
+  return x.reshape(x.shape[0], -1, x.shape[-1])[:, :length]
+
+
+def _causal_chunks_fwd(phi_q: Array, phi_k: Array, v: Array, chunk: int) -> tuple[Array, Any]:
+  fq, fk, vc = (_chunked(x, chunk) for x in (phi_q, phi_k, v))  # [rows, n, c, dim]
+  tril = jnp.tril(jnp.ones((chunk, chunk), bool))
+  s = exclusive_prefix_sum(jnp.einsum("gncm,gnce->gnme", fk, vc))  # [rows, n, m, e]
+  ks = exclusive_prefix_sum(jnp.sum(fk, axis=2))  # [rows, n, m]
+  w = jnp.where(tril, jnp.einsum("gncm,gnkm->gnck", fq, fk), 0.0)  # [rows, n, c, c]
+  numer = jnp.einsum("gnck,gnke->gnce", w, vc) + jnp.einsum("gncm,gnme->gnce", fq, s)
+  denom = jnp.sum(w, axis=-1) + jnp.einsum("gncm,gnm->gnc", fq, ks)  # [rows, n, c]
+  out = numer / _safe(denom)[..., None]  # [rows, n, c, e]
+  return _unchunked(out, phi_q.shape[1]), (fq, fk, vc, w, s, ks, denom, out)
+
+
+def _causal_chunks_bwd(chunk: int, res: Any, cot: Array) -> tuple[Array, Array, Array]:
+  """With a = dOut / denom and ddenom = -(dOut . out) / denom: dW = tril(a v^T + ddenom), dphi_q = dW phi_k +
+  a S^T + ddenom KS, dS = phi_q^T a and dKS = phi_q^T ddenom, whose running sums over the later chunks give
+  each chunk's dkv and dks; dphi_k = dW^T phi_q + v dkv^T + dks, dv = W^T a + phi_k dkv."""
+  fq, fk, vc, w, s, ks, denom, out = res
+  length = cot.shape[1]
+  g = _chunked(cot, chunk)  # [rows, n, c, e]
+  inv = 1.0 / _safe(denom)
+  a = g * inv[..., None]
+  ddenom = jnp.where(denom > 0, -jnp.einsum("gnce,gnce->gnc", g, out) * inv, 0.0)  # [rows, n, c]
+  tril = jnp.tril(jnp.ones((chunk, chunk), bool))
+  dw = jnp.where(tril, jnp.einsum("gnce,gnke->gnck", a, vc) + ddenom[..., None], 0.0)  # [rows, n, c, c]
+  dfq = (jnp.einsum("gnck,gnkm->gncm", dw, fk) + jnp.einsum("gnce,gnme->gncm", a, s)
+         + ddenom[..., None] * ks[:, :, None, :])
+  dkv = exclusive_prefix_sum(jnp.einsum("gncm,gnce->gnme", fq, a), reverse=True)  # [rows, n, m, e]
+  dks = exclusive_prefix_sum(jnp.einsum("gncm,gnc->gnm", fq, ddenom), reverse=True)  # [rows, n, m]
+  dfk = (jnp.einsum("gnck,gncm->gnkm", dw, fq) + jnp.einsum("gnce,gnme->gncm", vc, dkv)
+         + dks[:, :, None, :])
+  dv = jnp.einsum("gnck,gnce->gnke", w, a) + jnp.einsum("gncm,gnme->gnce", fk, dkv)
+  return tuple(_unchunked(x, length) for x in (dfq, dfk, dv))
+
+
+_causal_chunks.defvjp(_causal_chunks_fwd, _causal_chunks_bwd)
+
+
+def exclusive_prefix_sum(x: Array, reverse: bool = False) -> Array:
+  """out[:, i] = sum of x[:, j] for j < i (zeros for i = 0), or for j > i when `reverse`; x: [rows, n, ...].
 
   A sequential scan: each step adds one slice, so a later slice, even non-finite, never reaches an earlier
   output (a triangular matmul would multiply it by zero), and the work is O(n) slices rather than O(n^2)."""
   def step(total: Array, item: Array) -> tuple[Array, Array]:
     return total + item, total
 
-  _, out = jax.lax.scan(step, jnp.zeros_like(x[:, 0]), jnp.moveaxis(x, 1, 0))
+  _, out = jax.lax.scan(step, jnp.zeros_like(x[:, 0]), jnp.moveaxis(x, 1, 0), reverse=reverse)
   return jnp.moveaxis(out, 0, 1)
 
 

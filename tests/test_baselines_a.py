@@ -80,18 +80,24 @@ def test_linear_equals_its_quadratic_formula(causal, length, chunk):
     np.testing.assert_allclose(out, ref, rtol=1e-10, atol=1e-12)
 
 
-def _linear_definition(q, k, v, mask):
-  """Bidirectional linear attention from the definition, in jax (for autodiff): [b, n, h, *] in and out."""
+def _linear_definition(q, k, v, mask, causal):
+  """Linear attention from the definition, in jax (for autodiff): [b, n, h, *] in and out."""
   phi_q, phi_k = (jnp.where(x > 0, x + 1.0, jnp.exp(jnp.minimum(x, 0.0))) for x in (q, k))
   kern = jnp.einsum("bihd,bjhd->bhij", phi_q, phi_k) * mask[:, None, None, :]
+  if causal:
+    kern = kern * jnp.tril(jnp.ones(kern.shape[-2:]))
   return jnp.einsum("bhij,bjhe->bihe", kern, v) / jnp.sum(kern, -1).transpose(0, 2, 1)[..., None]
 
 
-@pytest.mark.parametrize("row_chunks", [1, 2, 3, 8])
-def test_linear_bidirectional_gradients_equal_the_definitions(row_chunks):
-  """The bidirectional op's hand-written backward, in every block layout of batch x heads (one block; whole
-  batches; pairs of heads; single rows), equals autodiff of the definition; a masked key's NaN changes
-  nothing and its k, v get zero gradient."""
+LINEAR_GRADIENT_CASES = [(False, 1, 4), (False, 2, 4), (False, 3, 4), (False, 8, 4), (True, 1, 4),
+                         (True, 3, 3), (True, 1, 16)]
+
+
+@pytest.mark.parametrize("causal,row_chunks,chunk", LINEAR_GRADIENT_CASES)
+def test_linear_gradients_equal_the_definitions(causal, row_chunks, chunk):
+  """The op's hand-written backwards equal autodiff of the definition: bidirectionally in every block layout
+  of batch x heads (one block; whole batches; pairs of heads; single rows), causally with ragged and single
+  chunks; a masked key's NaN changes nothing and its k, v get zero gradient."""
   with jax.enable_x64(True):
     q, k, v, mask = _inputs(5, batch=2, length=9, heads=4, head_dim=3, value_dim=2)
     cot = jax.random.normal(jax.random.key(6), v.shape, jnp.float64)
@@ -99,10 +105,10 @@ def test_linear_bidirectional_gradients_equal_the_definitions(row_chunks):
     nan_k, nan_v = (jnp.where(mask[:, :, None, None], x, jnp.nan) for x in (k, v))
 
     def reference(q, k, v):
-      return jnp.sum(_linear_definition(q, k, v, mask) * cot)
+      return jnp.sum(_linear_definition(q, k, v, mask, causal) * cot)
 
     def loss(q, k, v):
-      return jnp.sum(linear(q, k, v, causal=False, mask=mask, row_chunks=row_chunks) * cot)
+      return jnp.sum(linear(q, k, v, causal=causal, mask=mask, row_chunks=row_chunks, chunk_size=chunk) * cot)
 
     want, want_grads = jax.value_and_grad(reference, argnums=(0, 1, 2))(q, clean_k, clean_v)
     got, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, nan_k, nan_v)
@@ -110,6 +116,15 @@ def test_linear_bidirectional_gradients_equal_the_definitions(row_chunks):
     for g, w in zip(grads, want_grads, strict=True):
       np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12)
     assert not np.any(grads[1][~np.asarray(mask)]) and not np.any(grads[2][~np.asarray(mask)])
+
+
+def test_causal_linear_non_finite_value_shows_from_its_position_on():
+  """A real key's NaN value: outputs before it are unchanged, outputs from it on are NaN (it is visible)."""
+  q, k, v, _ = _inputs(8, batch=1, length=11, heads=1, dtype=jnp.float32)
+  out = linear(q, k, v, causal=True, chunk_size=4)
+  bad = linear(q, k, v.at[0, 5, 0, 1].set(jnp.nan), causal=True, chunk_size=4)
+  np.testing.assert_array_equal(bad[0, :5], out[0, :5])
+  assert np.all(np.isnan(bad[0, 5:]))
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
