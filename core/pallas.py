@@ -16,16 +16,18 @@ from jax.experimental import pallas as pl
 Array = Any
 
 
-def platform_call(kernel, *, gpu_params: Any, tpu_params: Any, **kw):
+def platform_call(kernel, *, gpu_params: Any, tpu_params: Any, tpu_in_specs: Any = None, **kw):
   """pl.pallas_call(kernel, **kw) with `gpu_params` (Triton) on CUDA/ROCm, `tpu_params` (Mosaic) on TPU and
-  interpret=True on CPU."""
+  interpret=True on CPU; `tpu_in_specs` replaces `in_specs` on TPU (scalars a kernel loops by live in SMEM
+  there)."""
   def branch(**extra):
-    return lambda *args: pl.pallas_call(kernel, **kw, **extra)(*args)
+    return lambda *args: pl.pallas_call(kernel, **{**kw, **extra})(*args)
 
   def call(*args):
     gpu = branch(compiler_params=gpu_params)
+    tpu = {} if tpu_in_specs is None else {"in_specs": tpu_in_specs}
     return lax.platform_dependent(*args, cpu=branch(interpret=True), cuda=gpu, rocm=gpu,
-                                  tpu=branch(compiler_params=tpu_params))
+                                  tpu=branch(compiler_params=tpu_params, **tpu))
   return call
 
 

@@ -429,6 +429,21 @@ def test_kernels_equal_the_table_sums(length):
     np.testing.assert_allclose(outs[1], np.einsum("gmlc,gmce->gle", onehot_r, want_b), rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("la,lb,codes", [(300, 260, 3), (130, 5, 40), (1, 1, 1)])
+def test_pair_sums_equal_the_colliding_pairs(la, lb, codes):
+  # float64, interpreted: out_a = sum_b [code_a = code_b] (x_a . y_b) z_b over code-sorted rows, with runs of
+  # one code across several tiles (3 codes), codes the other side lacks (40 codes, 5 rows), a ragged tile.
+  from yoso import kernels
+  rng = np.random.default_rng(la + lb)
+  a_codes = np.sort(rng.integers(0, codes, size=(2, la)), axis=1).astype(np.int32)
+  b_codes = np.sort(rng.integers(0, codes, size=(2, lb)), axis=1).astype(np.int32)
+  x, y, z = rng.normal(size=(2, la, 5)), rng.normal(size=(2, lb, 5)), rng.normal(size=(2, lb, 3))
+  want = np.einsum("gab,gae,gbe,gbd->gad", a_codes[:, :, None] == b_codes[:, None, :], x, y, z)
+  with jax.enable_x64(True):
+    got = kernels.pair_sums(*(jnp.asarray(t) for t in (a_codes, x, b_codes, y, z)), operands="float32")
+  np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
 def test_kernel_operands_split_float32_in_two_bfloat16_parts():
   # float32 rows and weights go to the matmuls as hi + lo bfloat16 parts: relative error near 2^-16, far
   # below bfloat16's 2^-8, which the "bfloat16" operands give.
@@ -493,6 +508,7 @@ def test_pallas_formulation_lowers_for_accelerators(platform, features):
     module = jax.export.export(jax.jit(fn), platforms=[platform], disabled_checks=checks)(
         shape, shape, shape).mlir_module()
     assert marker in module, f"no Pallas kernel in the {platform} program"
+  assert ("_pair_kernel" in module) == (features is None)  # the exact dQ/dK's code-sorted pair sums
 
 
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])

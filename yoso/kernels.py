@@ -9,10 +9,16 @@ on chip and never written to device memory, and every hash of a group runs in on
   read:  grid (groups, row tiles). A program loops over the hashes, making the [TILE, 2^tau] one-hot of its
          rows' codes and adding [TILE, 2^tau] x [2^tau, f] table products in float32.
 
-Both take optional per-hash row weights w [groups, hashes, L]: the build then sums w_tj rows_j (the weight
-rides in the one-hot factor: w where the code matches, 0 elsewhere) and the read scales row i's product by
-w_ti. The sketched backward is these weighted sums (`yoso.tables`). Several row sets share one build or
-read (one one-hot, several products): dV's table of dY and dK's of weighted q.
+  pair_sums: grid (groups, row tiles), one hash, rows sorted by code. out_a = sum_b [code(a) = code(b)]
+         (x_a . y_b) z_b, the exact backward's dQ (a queries, b keys: x dY, y v, z k) and dK (a keys, b
+         queries: x v, y dY, z q). Sorted, a tile's partners form one contiguous run of the other side's
+         tiles (its `ranges`, computed outside), which the program walks as flash attention walks its keys:
+         [TILE, TILE] products x y^T, masked to equal codes, times z. O(L * partners * d), no [L, L] array.
+
+Build and read take optional per-hash row weights w [groups, hashes, L]: the build then sums w_tj rows_j
+(the weight rides in the one-hot factor: w where the code matches, 0 elsewhere) and the read scales row i's
+product by w_ti. The sketched backward is these weighted sums (`yoso.tables`). Several row sets share one
+build or read (one one-hot, several products): dV's table of dY and dK's of weighted q.
 
 Matmul operands are bfloat16 with float32 accumulation: "bfloat16" operands (for bfloat16 inputs) go as
 they are; "float32" operands are split in two bfloat16 parts (x = hi + lo to 16 significant bits; the
@@ -48,6 +54,7 @@ MIN_DIM = 16  # buckets and row widths are padded to powers of two >= this (Trit
 OPERANDS = ("bfloat16", "float32")
 BUILD_GPU = pltriton.CompilerParams(num_warps=8, num_stages=2)  # a [2^tau, f] float32 accumulator
 READ_GPU = pltriton.CompilerParams(num_warps=4, num_stages=2)
+PAIRS_GPU = pltriton.CompilerParams(num_warps=4, num_stages=2)
 TPU_PARAMS = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel"))
 
 
@@ -62,13 +69,14 @@ def _parts(x: Array, operands: str) -> list[Array]:
   return [hi, (x.astype(jnp.float32) - hi.astype(jnp.float32)).astype(jnp.bfloat16)]
 
 
-def _product(a_parts: list[Array], b_parts: list[Array], trans_a: bool = False) -> Array:
+def _product(a_parts: list[Array], b_parts: list[Array], trans_a: bool = False, trans_b: bool = False
+             ) -> Array:
   """sum of a_i @ b_j over the part pairs that carry the precision (hi.hi, hi.lo, lo.hi), float32 sums."""
   out = 0.0
   for i, a in enumerate(a_parts):
     for j, b in enumerate(b_parts):
       if i + j <= 1:
-        out = out + pallas.dot(a, b, trans_a=trans_a)
+        out = out + pallas.dot(a, b, trans_a=trans_a, trans_b=trans_b)
   return out
 
 
@@ -221,3 +229,70 @@ def read(codes: Array, tables: Sequence[Array], weights: Array | None = None,
       out_specs=[pl.BlockSpec((None, TILE, t.shape[-1]), lambda b, i: (b, i, 0)) for t in tables],
       out_shape=[jax.ShapeDtypeStruct((g, padded, t.shape[-1]), _sum_dtype(t)) for t in tables])
   return [out[:, :length, :f] for out, f in zip(call(*args), widths, strict=True)]
+
+
+def _pair_kernel(ranges_ref, a_codes_ref, x_ref, b_codes_ref, y_ref, z_ref, out_ref, *, operands: str):
+  """One (group, a tile): out = sum over the b tiles in its range of where(codes equal, x y^T, 0) z.
+  ranges_ref [tiles, 2] (the group's first and end b tile per a tile); a_codes_ref [T, 1]; x_ref [T, e];
+  b_codes_ref [1, Lb]; y_ref [Lb, e]; z_ref [Lb, d]; out_ref [T, d]."""
+  tile = pl.program_id(1)
+  x = _parts(x_ref[...], operands)  # [T, e]
+  codes = a_codes_ref[...]  # [T, 1]
+
+  def step(b, acc):
+    start = pl.multiple_of(b * TILE, TILE)
+    equal = codes == b_codes_ref[:, pl.ds(start, TILE)]  # [T, T]
+    s = _product(x, _parts(y_ref[pl.ds(start, TILE), :], operands), trans_b=True)  # [T, T]
+    w = jnp.where(equal, s, 0.0)
+    return acc + _product(_parts(w, operands), _parts(z_ref[pl.ds(start, TILE), :], operands))
+
+  init = jnp.zeros(out_ref.shape, _sum_dtype(x_ref))
+  acc = lax.fori_loop(ranges_ref[tile, 0], ranges_ref[tile, 1], step, init)
+  out_ref[...] = acc.astype(out_ref.dtype)
+
+
+def tile_ranges(a_codes: Array, b_codes: Array) -> Array:
+  """[g, tiles of a, 2]: for each TILE of the sorted a codes [g, La], the first and end tile of the sorted b
+  codes [g, Lb] holding its codes (its run of partners; empty when none)."""
+  length = a_codes.shape[1]
+  starts = jnp.arange(0, length, TILE)
+  first = a_codes[:, starts]  # [g, n] each tile's smallest code
+  last = a_codes[:, jnp.minimum(starts + TILE, length) - 1]  # and largest
+  lo = jax.vmap(lambda b, c: jnp.searchsorted(b, c, side="left"))(b_codes, first)
+  hi = jax.vmap(lambda b, c: jnp.searchsorted(b, c, side="right"))(b_codes, last)
+  return jnp.stack([lo // TILE, -(-hi // TILE)], axis=-1).astype(jnp.int32)  # [g, n, 2]
+
+
+def pair_sums(a_codes: Array, x: Array, b_codes: Array, y: Array, z: Array, *, operands: str) -> Array:
+  """out_a = sum_b [a_codes_a = b_codes_b] (x_a . y_b) z_b for one hash, both sides sorted by code.
+
+  a_codes [g, La], b_codes [g, Lb] int32, each ascending along L (equal codes pair; give rows that pair with
+  nothing codes no row of the other side has); x [g, La, e]; y [g, Lb, e]; z [g, Lb, d], rows that pair with
+  nothing zero (a zero weight times a non-finite row is still NaN in a product). Returns [g, La, d], float32
+  (float64 for float64 inputs).
+  """
+  g, la = a_codes.shape
+  lb = b_codes.shape[1]
+  pa, pb = _padded(la), _padded(lb)
+  # [g, R, 2], R a power of two >= the tiles (Triton's block sizes), extra rows empty
+  ranges = pad_to(tile_ranges(a_codes, b_codes), _pow2(pa // TILE), 1)
+  big = jnp.iinfo(jnp.int32).max
+  a_codes = pad_to(a_codes, pa, 1, fill=big - 1)[..., None]  # [g, Pa, 1]; padding pairs with nothing
+  b_codes = pad_to(b_codes, pb, 1, fill=big)[:, None, :]  # [g, 1, Pb]
+  e, d = _pow2(x.shape[-1]), _pow2(z.shape[-1])
+  x = pad_to(pad_to(x, e, 2), pa, 1)
+  y, z_p = (pad_to(pad_to(t, w, 2), pb, 1) for t, w in ((y, e), (z, d)))
+  tile = lambda width: pl.BlockSpec((None, TILE, width), lambda b, i: (b, i, 0))  # noqa: E731
+  whole = lambda width: pl.BlockSpec((None, pb, width), lambda b, i: (b, 0, 0))  # noqa: E731
+  range_spec = pl.BlockSpec((None, ranges.shape[1], 2), lambda b, i: (b, 0, 0))
+  common = dict(
+      grid=(g, pa // TILE), gpu_params=PAIRS_GPU, tpu_params=TPU_PARAMS,
+      out_specs=pl.BlockSpec((None, TILE, d), lambda b, i: (b, i, 0)),
+      out_shape=jax.ShapeDtypeStruct((g, pa, d), _sum_dtype(x)))
+  specs = [range_spec, tile(1), tile(e), pl.BlockSpec((None, 1, pb), lambda b, i: (b, 0, 0)), whole(e),
+           whole(d)]
+  tpu_specs = [pl.BlockSpec((None, ranges.shape[1], 2), lambda b, i: (b, 0, 0), memory_space=pltpu.SMEM),
+               *specs[1:]]  # loop bounds are scalars in SMEM on TPU
+  call = pallas.platform_call(functools.partial(_pair_kernel, operands=operands), in_specs=specs,
+                              tpu_in_specs=tpu_specs, **common)
+  return call(ranges, a_codes, x, b_codes, y, z_p)[:, :la, :z.shape[-1]]

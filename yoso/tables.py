@@ -9,10 +9,12 @@ directions per hash, the same tables of width s (`backward_tables`).
 Two formulations of the same sums (`formulation=`). "sorted" suits a CPU, where scatters are serial and small
 matmuls cheap: segment sums (`_lsh_cumulate`), and for the per-feature tables bucket-sorted, chunk-padded
 batched matmuls (`_feature_tables`), faster on CPU than e scatters of d-vectors per hash; sketches of
-s <= SCATTER_FEATURES directions stay plain segment sums of s*d-wide rows (`_sketched_tables`). "onehot" suits
-GPUs and TPUs ("auto" there): per hash, onehot(write codes)^T [2^tau, L] times the rows, and the read
-onehot(read codes) [L, 2^tau] times the table (`_onehot_cumulate`, `_onehot_feature_tables`), with the one-hot
-factor exact in bfloat16 and float32 operands split in two bfloat16 parts. Same codes, same sums.
+s <= SCATTER_FEATURES directions stay plain segment sums of s*d-wide rows (`_sketched_tables`). "onehot":
+per hash, onehot(write codes)^T [2^tau, L] times the rows, and the read onehot(read codes) [L, 2^tau] times
+the table (`_onehot_cumulate`, `_onehot_feature_tables`), with the one-hot factor exact in bfloat16 and
+float32 operands split in two bfloat16 parts. "pallas" ("auto" on GPUs and TPUs): the same one-hot sums in
+the fused kernels of `yoso.kernels`, and the exact dQ/dK as sums over code-sorted pairs
+(`_pallas_feature_tables`). Same codes, same sums.
 
 The causal form sums, for row i, only the rows j <= i of its bucket (the forward and dQ) or j >= i (dV, dK):
 no table holds that, so per hash the rows are sorted by (bucket, position) and a segmented running sum that
@@ -444,14 +446,45 @@ def _pallas_sketched_tables(qcodes: Array, kcodes: Array, kvalid: Array, qn: Arr
   return dq, dk, dv
 
 
+def _pallas_feature_tables(qcodes: Array, kcodes: Array, kvalid: Array, qn: Array, kn: Array, v: Array,
+                           dy: Array, num_buckets: int, operands: str) -> tuple[Array, Array]:
+  """`_feature_tables`' exact sums without tables: per hash, queries and keys sorted by code, dQ_i = sum_j
+  [code(i) = code(j)] (dY_i . v_j) k_j and dK_j = sum_i [...] (v_j . dY_i) q_i by `kernels.pair_sums`
+  (each sorted tile meets only the run of tiles sharing its codes), put back in position order and summed
+  over the hashes (a scan: one hash's sorted copies live at a time). Shapes and results as in
+  `_feature_tables`."""
+  kcodes = jnp.where(kvalid[..., None], kcodes, num_buckets)  # masked keys: a code no query has
+  kn, v = (jnp.where(kvalid[..., None], x, 0) for x in (kn, v))  # nor reach a product (0 * NaN is NaN)
+  rows = jnp.arange(qn.shape[0])[:, None]
+
+  def sort(codes):  # [g, L] -> (sorted codes, order, inverse order)
+    order = jnp.argsort(codes, axis=1)
+    inverse = jnp.zeros_like(order).at[rows, order].set(jnp.arange(codes.shape[1], dtype=order.dtype))
+    return jnp.take_along_axis(codes, order, axis=1), order, inverse
+
+  def gather(x, order):  # [g, L, f] rows in `order`
+    return jnp.take_along_axis(x, order[..., None], axis=1)
+
+  def hash_step(acc, codes):
+    (qs, qo, qi), (ks, ko, ki) = sort(codes[0]), sort(codes[1])
+    dy_s, q_s, v_s, k_s = gather(dy, qo), gather(qn, qo), gather(v, ko), gather(kn, ko)
+    dq = kernels.pair_sums(qs, dy_s, ks, v_s, k_s, operands=operands)  # [g, L, d] in query-code order
+    dk = kernels.pair_sums(ks, v_s, qs, dy_s, q_s, operands=operands)  # in key-code order
+    return (acc[0] + gather(dq, qi).astype(acc[0].dtype), acc[1] + gather(dk, ki).astype(acc[1].dtype)), None
+
+  per_hash = (jnp.moveaxis(qcodes, 2, 0), jnp.moveaxis(kcodes, 2, 0))  # [m, g, L] each
+  (dq, dk), _ = jax.lax.scan(hash_step, (jnp.zeros_like(qn), jnp.zeros_like(kn)), per_hash)
+  return dq, dk
+
+
 def backward_tables(qcodes: Array, kcodes: Array, kvalid: Array, qn: Array, kn: Array, v: Array, dy: Array,
                     num_buckets: int, directions: Array | None, formulation: str, causal: bool = False,
                     operands: str = "float32") -> tuple[Array, Array, Array]:
   """(dq, dk, dv) unscaled through the LSH tables: dQ_i = sum_t sum_j B^t_ij (dY_i . v_j) k_j, dK_j alike
   with q_i, dV_j = sum_t sum_i B^t_ij dY_i; `dY . v` sketched per hash when directions [m, g, e, s] is given.
 
-  Shapes as in `_feature_tables`. The one-hot matmuls for "onehot"; for "pallas", the fused kernels for dV and
-  for sketches (the exact per-feature tables are one-hot matmuls there); for "sorted", segment sums for
+  Shapes as in `_feature_tables`. The one-hot matmuls for "onehot"; for "pallas", the fused kernels (the
+  exact dQ/dK as sums over code-sorted pairs, `_pallas_feature_tables`); for "sorted", segment sums for
   sketches of s <= SCATTER_FEATURES directions (dV riding along), bucket-sorted chunked matmuls otherwise.
   causal (the sums over j <= i for dQ, i >= j for dK and dV) takes the running sums of `_sketched_tables` for
   every sketch and for the exact form (then rows of e*d features: linear in L, O(L*e*d) memory per live
@@ -468,6 +501,9 @@ def backward_tables(qcodes: Array, kcodes: Array, kvalid: Array, qn: Array, kn: 
   # query's cotangent is inserted.
   dv = cumulate(kcodes, qcodes, jnp.ones(kvalid.shape, bool), dy, num_buckets, formulation,
                 operands=operands)
-  tables = _feature_tables if formulation == "sorted" else _onehot_feature_tables
-  dq, dk = tables(qcodes, kcodes, kvalid, qn, kn, v, dy, num_buckets, directions)
+  if formulation == "pallas":
+    dq, dk = _pallas_feature_tables(qcodes, kcodes, kvalid, qn, kn, v, dy, num_buckets, operands)
+  else:
+    tables = _feature_tables if formulation == "sorted" else _onehot_feature_tables
+    dq, dk = tables(qcodes, kcodes, kvalid, qn, kn, v, dy, num_buckets, directions)
   return dq, dk, dv
