@@ -429,7 +429,8 @@ def test_kernels_equal_the_table_sums(length):
     np.testing.assert_allclose(outs[1], np.einsum("gmlc,gmce->gle", onehot_r, want_b), rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("la,lb,codes", [(300, 260, 3), (130, 5, 40), (1, 1, 1)])
+@pytest.mark.parametrize("la,lb,codes", [(300, 260, 3), pytest.param(130, 5, 40, marks=pytest.mark.slow),
+                                         pytest.param(1, 1, 1, marks=pytest.mark.slow)])
 def test_pair_sums_equal_the_colliding_pairs(la, lb, codes):
   # float64, interpreted: out_a = sum_b [code_a = code_b] (x_a . y_b) z_b over code-sorted rows, with runs of
   # one code across several tiles (3 codes), codes the other side lacks (40 codes, 5 rows), a ragged tile.
