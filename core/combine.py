@@ -195,11 +195,11 @@ def _softmax_contract(logits: Array, valid: Array, values: Array, contract: str)
 def _softmax_contract_fwd(logits: Array, valid: Array, values: Array, contract: str) -> tuple[Array, Any]:
   weights = _softmax_weights(logits, valid)
   out = jnp.einsum(contract, weights, values)
-  return out, (weights, values, out, valid)
+  return out, (weights, values, out)
 
 
 def _softmax_contract_bwd(contract: str, res: Any, dout: Array) -> tuple[Array, None, Array]:
-  weights, values, out, valid = res
+  weights, values, out = res
   w_spec, rest = contract.split(",")
   v_spec, o_spec = rest.split("->")
   dweights = jnp.einsum(f"{o_spec},{v_spec}->{w_spec}", dout, values)  # [*Q, K]
