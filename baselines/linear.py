@@ -124,22 +124,35 @@ def exclusive_prefix_sum(x: Array, reverse: bool = False) -> Array:
   return jnp.moveaxis(out, 0, 1)
 
 
-def prepare(q: Array, k: Array, v: Array, mask: Array | None, *, op: str, causal: Any, chunk_size: Any,
-            row_chunks: Any) -> tuple[Array, Array, Array, Array, bool, int, int]:
-  """Contract checks; q, k, v as rows [batch * heads, length, dim] (`baselines.common.to_rows`) in the softmax
-  dtype with masked keys' k and v replaced by zeros (a select, so NaN or Inf there reaches neither outputs nor
-  gradients). Returns (q, k, v, key_valid, causal, chunk, row chunks); key_valid: [batch * heads, length,
-  1]; row chunks: `baselines.common.num_row_chunks`."""
+def check_args(q: Array, k: Array, v: Array, mask: Array | None, *, op: str, causal: Any, chunk_size: Any,
+               row_chunks: Any) -> tuple[Array, Array, Array, Array, bool, int, int]:
+  """The contract checks of the feature-attention ops: (q, k, v, mask, causal, chunk, row chunks); mask
+  defaults to all real; row chunks: `baselines.common.num_row_chunks`."""
   q, k, v, mask = contract.check_qkv(q, k, v, mask, op=op)
   causal = contract.check_bool(causal, name="causal", op=op)
   chunk = contract.check_positive_int(chunk_size, name="chunk_size", op=op)
   chunks = num_row_chunks(q.shape[0] * q.shape[2], q.shape[1], row_chunks, op=op)
+  return q, k, v, mask, causal, chunk, chunks
+
+
+def as_rows(q: Array, k: Array, v: Array, mask: Array) -> tuple[Array, Array, Array, Array]:
+  """q, k, v as rows [batch * heads, length, dim] (`baselines.common.to_rows`) in the softmax dtype with
+  masked keys' k and v replaced by zeros (a select, so NaN or Inf there reaches neither outputs nor
+  gradients), and the keys' validity [batch * heads, length, 1]."""
   ct = contract.softmax_dtype(q.dtype, k.dtype, v.dtype)
   valid = rows_mask(mask, q.shape[2])[:, :, None]  # [batch * heads, length, 1]
   qh = to_rows(q, ct)  # [batch * heads, length, head_dim]
   kh = masked_rows(k, mask, ct)  # [batch * heads, length, head_dim]
   vh = masked_rows(v, mask, ct)  # [batch * heads, length, value_dim]
-  return qh, kh, vh, valid, causal, chunk, chunks
+  return qh, kh, vh, valid
+
+
+def prepare(q: Array, k: Array, v: Array, mask: Array | None, *, op: str, causal: Any, chunk_size: Any,
+            row_chunks: Any) -> tuple[Array, Array, Array, Array, bool, int, int]:
+  """`check_args` then `as_rows`: (q, k, v rows, key_valid, causal, chunk, row chunks)."""
+  q, k, v, mask, causal, chunk, chunks = check_args(q, k, v, mask, op=op, causal=causal,
+                                                    chunk_size=chunk_size, row_chunks=row_chunks)
+  return (*as_rows(q, k, v, mask), causal, chunk, chunks)
 
 
 def elu_feature_map(x: Array) -> Array:
@@ -157,21 +170,24 @@ def _row_blocks(batch: int, heads: int, chunks: int) -> tuple[int, int]:
   return 1, max(h for h in range(1, heads + 1) if heads % h == 0 and h <= rows)
 
 
-def _block(x: Array, index: Array, size: tuple[int, int], dtype: Any) -> Array:
-  """Block `index` of x [batch, length, heads, dim] (blocks of size (batches, heads), heads fastest) as rows
-  [batches * heads, length, dim] in `dtype`."""
-  nb, nh = size
-  b, h = index // (x.shape[2] // nh) * nb, index % (x.shape[2] // nh) * nh
+def _block_start(index: Array, heads: int, size: tuple[int, int]) -> tuple[Array, Array, Array, Array]:
+  """Where block `index` (blocks of size (batches, heads), heads fastest) starts in [batch, length, heads,
+  dim]: (batch, 0, head, 0)."""
+  per_batch = heads // size[1]
   zero = jnp.zeros_like(index)
-  return to_rows(jax.lax.dynamic_slice(x, (b, zero, h, zero), (nb, x.shape[1], nh, x.shape[3])), dtype)
+  return index // per_batch * size[0], zero, index % per_batch * size[1], zero
+
+
+def _block(x: Array, index: Array, size: tuple[int, int], dtype: Any) -> Array:
+  """Block `index` of x [batch, length, heads, dim] as rows [batches * heads, length, dim] in `dtype`."""
+  shape = (size[0], x.shape[1], size[1], x.shape[3])
+  return to_rows(jax.lax.dynamic_slice(x, _block_start(index, x.shape[2], size), shape), dtype)
 
 
 def _put_block(buf: Array, rows: Array, index: Array, size: tuple[int, int]) -> Array:
   """Writes rows [batches * heads, length, dim] into block `index` of buf [batch, length, heads, dim]."""
-  nb, nh = size
-  b, h = index // (buf.shape[2] // nh) * nb, index % (buf.shape[2] // nh) * nh
-  zero = jnp.zeros_like(index)
-  return jax.lax.dynamic_update_slice(buf, from_rows(rows, nb, buf.dtype), (b, zero, h, zero))
+  return jax.lax.dynamic_update_slice(buf, from_rows(rows, size[0], buf.dtype),
+                                      _block_start(index, buf.shape[2], size))
 
 
 def _block_features(q: Array, k: Array, v: Array, mask: Array, index: Array, size: tuple[int, int]
@@ -179,7 +195,7 @@ def _block_features(q: Array, k: Array, v: Array, mask: Array, index: Array, siz
   """A block's phi(q), phi(k) and v rows [rows, length, dim], masked keys' features and values selected to
   zero, and their validity [rows, length, 1]."""
   ct = contract.softmax_dtype(q.dtype, k.dtype, v.dtype)
-  b = index // (q.shape[2] // size[1]) * size[0]
+  b = _block_start(index, q.shape[2], size)[0]
   valid = rows_mask(jax.lax.dynamic_slice_in_dim(mask, b, size[0], axis=0), size[1])[..., None]
   phi_q = elu_feature_map(_block(q, index, size, ct))
   phi_k = jnp.where(valid, elu_feature_map(_block(k, index, size, ct)), 0.0)
@@ -267,11 +283,11 @@ def linear(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = N
   Returns [batch, length, heads, value_dim] in v's dtype.
   """
   out_dtype = v.dtype
-  qh, kh, vh, valid, causal, chunk, chunks = prepare(q, k, v, mask, op="linear", causal=causal,
-                                                     chunk_size=chunk_size, row_chunks=row_chunks)
-  if not causal:  # the inputs as given: `prepare`'s row copies are left unused (XLA drops them)
-    q, k, v, mask = contract.check_qkv(q, k, v, mask, op="linear")
+  q, k, v, mask, causal, chunk, chunks = check_args(q, k, v, mask, op="linear", causal=causal,
+                                                    chunk_size=chunk_size, row_chunks=row_chunks)
+  if not causal:  # blocks of rows sliced from the inputs as given
     return _bidirectional(q, k, v, mask, _row_blocks(q.shape[0], q.shape[2], chunks))
+  qh, kh, vh, valid = as_rows(q, k, v, mask)
 
   def attention(rows: tuple[Array, ...]) -> Array:  # a chunk of rows -> [rows, length, value_dim]
     qh, kh, vh, valid = rows

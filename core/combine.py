@@ -189,7 +189,7 @@ def _softmax_weights(logits: Array, valid: Array) -> Array:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _softmax_contract(logits: Array, valid: Array, values: Array, contract: str) -> Array:
-  return jnp.einsum(contract, _softmax_weights(logits, valid), values)
+  return _softmax_contract_fwd(logits, valid, values, contract)[0]
 
 
 def _softmax_contract_fwd(logits: Array, valid: Array, values: Array, contract: str) -> tuple[Array, Any]:

@@ -453,14 +453,15 @@ def _pallas_feature_tables(qcodes: Array, kcodes: Array, kvalid: Array, qn: Arra
   (each sorted tile meets only the run of tiles sharing its codes), put back in position order and summed
   over the hashes (a scan: one hash's sorted copies live at a time). Shapes and results as in
   `_feature_tables`."""
-  kcodes = jnp.where(kvalid[..., None], kcodes, num_buckets)  # masked keys: a code no query has
-  kn, v = (jnp.where(kvalid[..., None], x, 0) for x in (kn, v))  # nor reach a product (0 * NaN is NaN)
+  kcodes, v = _drop_invalid(kcodes, kvalid, v, num_buckets)  # masked keys: a code no query has
+  kn = jnp.where(kvalid[..., None], kn, 0)  # and nothing of theirs in a product
   rows = jnp.arange(qn.shape[0])[:, None]
+  sort_rows = jax.vmap(functools.partial(_sort_by_code, buckets=num_buckets + 1))
 
   def sort(codes):  # [g, L] -> (sorted codes, order, inverse order)
-    order = jnp.argsort(codes, axis=1)
+    order, sorted_codes = sort_rows(codes)
     inverse = jnp.zeros_like(order).at[rows, order].set(jnp.arange(codes.shape[1], dtype=order.dtype))
-    return jnp.take_along_axis(codes, order, axis=1), order, inverse
+    return sorted_codes, order, inverse
 
   def gather(x, order):  # [g, L, f] rows in `order`
     return jnp.take_along_axis(x, order[..., None], axis=1)
