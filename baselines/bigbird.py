@@ -18,10 +18,10 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from baselines.common import from_rows, masked_rows, neighbour_blocks, num_row_chunks, rows_mask, to_rows
+from baselines.common import block_mask, map_row_blocks, neighbour_blocks, num_row_chunks
 from baselines.longformer import dense_rows, global_indices
 from core import contract
-from core.blocks import map_chunks, num_blocks, to_grid
+from core.blocks import num_blocks, to_grid
 from core.combine import Piece, flag_nonfinite, flagged_sum, joint_softmax
 
 Array = Any
@@ -78,9 +78,6 @@ def bigbird(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = 
                                      num_random_blocks=int(num_random_blocks), seed=int(seed), op=op)
   ct = contract.softmax_dtype(q.dtype, k.dtype, v.dtype)
   scale = contract.logit_scale(head_dim)
-  qh = to_rows(q, ct)  # [batch * heads, length, head_dim]
-  kh, vh = (masked_rows(x, mask, ct) for x in (k, v))  # [batch * heads, length, dim]
-  mask = rows_mask(mask, heads)  # [batch * heads, length]
   rows = batch * heads
 
   # Non-global query blocks: three pieces of one softmax over disjoint key sets. Window blocks by pads and
@@ -109,10 +106,12 @@ def bigbird(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = 
     chosen = np.flatnonzero(rand[a])
     index[a, :chosen.size], used[a, :chosen.size] = chosen, True
 
-  def attention(chunk: tuple[Array, ...]) -> Array:
-    """A chunk of rows: q, k, v [rows, length, dim], key mask [rows, length] -> [rows, n, size, value_dim]."""
-    qh, kh, vh, mask = chunk
+  def attention(block: tuple[Array, ...], mask: Array, ids: Array) -> Array:
+    """A block of rows: q, k, v [rows, length, dim] -> [rows, length, value_dim]."""
+    qh, kh, vh = block
     rows = qh.shape[0]
+    mask = block_mask(mask, ids, heads)  # [rows, length]
+    kh, vh = (jnp.where(mask[:, :, None], x, 0.0) for x in (kh, vh))  # masked keys' NaN reaches nothing
     grid_mask = to_grid(mask, n, size, axis=1)  # [rows, n, size]; padding is False
     qb = to_grid(qh, n, size, axis=1)  # [rows, n, size, head_dim]
     qh_grid = qb.reshape(rows, n * size, head_dim)  # padded to whole blocks
@@ -159,8 +158,7 @@ def bigbird(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = 
       gpos = pos[glob].reshape(-1)  # [G * size]
       full = dense_rows(qb[:, glob].reshape(rows, gpos.size, head_dim), kh, vh, gpos, mask, causal, scale)
       out = out.at[:, glob].set(full.reshape(rows, glob.size, size, -1))  # [rows, G, size, value_dim]
-    return out
+    return out.reshape(rows, n * size, -1)[:, :length]
 
   chunks = num_row_chunks(rows, length, row_chunks, op=op)
-  out = map_chunks(attention, (qh, kh, vh, mask), chunks, axis=0)  # [batch * heads, n, size, value_dim]
-  return from_rows(out.reshape(rows, n * size, -1)[:, :length], batch, v.dtype)
+  return map_row_blocks(attention, (q, k, v), mask, chunks, dtype=ct, out_dtype=v.dtype)

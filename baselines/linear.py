@@ -7,61 +7,96 @@ for any positive feature map (Performer's FAVOR+ uses it too): bidirectional by 
 summary, causal by prefix sums over chunks of `chunk_size` positions (exact attention-like product inside a
 chunk, the running summary of all earlier chunks between them), so no [L, L] array ever exists.
 
-The bidirectional op itself runs `_bidirectional`: a hand-written backward over blocks of rows read straight
-from the [batch, length, heads, dim] inputs, which keeps only each row's [d, d_v] summary between the passes
-and makes every feature and gradient pass a single sweep over its block (no transposed copies of q, k, v or
-of the gradients, no recomputed matmuls).
+It runs over blocks of batch x heads rows (`baselines.common.map_row_blocks`) with a hand-written backward:
+bidirectionally it keeps each row's [m, d_v] summary between the passes, causally nothing (the backward
+recomputes the in-chunk products and the summaries, never the outputs).
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from baselines.common import from_rows, masked_rows, num_row_chunks, rows_mask, to_rows
+from baselines.common import map_row_blocks, num_row_chunks
 from core import contract
-from core.blocks import map_chunks, num_blocks, pad_to
+from core.blocks import num_blocks, pad_to
 
 Array = Any
 DEFAULT_CHUNK = 128
+# (q rows, k rows [rows, length, d], key validity [rows, length, 1], params) -> (phi(q), phi(k)), each
+# [rows, length, m], non-negative, masked keys' phi(k) zero; differentiated by autodiff, a block at a time.
+FeatureMap = Callable[[Array, Array, Array, Any], tuple[Array, Array]]
 
 
-def feature_attention(phi_q: Array, phi_k: Array, v: Array, *, causal: bool, chunk_size: int) -> Array:
-  """Normalised linear attention from feature maps (masked keys already zeroed in phi_k and v).
+def feature_attention(q: Array, k: Array, v: Array, mask: Array, params: Any, feature_map: FeatureMap, *,
+                      causal: bool, chunk: int, row_chunks: int) -> Array:
+  """Normalised linear attention with phi = feature_map(..., params), over blocks of rows.
 
-  phi_q, phi_k: [rows, length, features] (non-negative); v: [rows, length, value_dim] (rows: batch x heads).
-  Returns [rows, length, value_dim]; rows whose visible keys all have zero features give zeros.
-  Bidirectionally the normaliser rides along as one more value column (a column of ones), so numerator and
-  denominator come out of the same contractions. Causally (`_causal_chunks`) a later position's value, even
-  NaN or Inf, never reaches an earlier output: values enter with non-finite entries selected to zero, and an
-  output that sees a non-finite value (at or before its position) is NaN.
+  q, k: [batch, length, heads, d]; v: [batch, length, heads, e]; mask: [batch, length] bool (True = real);
+  params: arrays the feature map reads without gradient (Performer's random features) or None; chunk:
+  positions per causal chunk; row_chunks: `baselines.common.num_row_chunks`. Returns [batch, length, heads,
+  e] in v's dtype; rows whose visible keys all have zero features give zeros. Causally a later position's
+  value, even NaN or Inf, never reaches an earlier output: values enter with non-finite entries selected to
+  zero, and an output that sees a non-finite value (at or before its position) is NaN.
   """
-  if causal:
-    finite = jnp.isfinite(v)
-    seen_bad = jnp.cumsum(jnp.any(~finite, axis=-1, keepdims=True), axis=1) > 0  # [rows, length, 1]
-    out = _causal_chunks(phi_q, phi_k, jnp.where(finite, v, 0.0), min(chunk_size, phi_q.shape[1]))
-    return jnp.where(seen_bad, jnp.nan, out)
-  v1 = jnp.concatenate([v, jnp.ones(v.shape[:-1] + (1,), v.dtype)], axis=-1)  # [rows, length, e + 1]
-  kv = jnp.einsum("glm,gld->gmd", phi_k, v1)  # [rows, features, value_dim + 1]
-  numer = jnp.einsum("glm,gmd->gld", phi_q, kv)  # [rows, length, value_dim + 1]
-  numer, denom = numer[..., :-1], numer[..., -1]
-  return numer / _safe(denom)[..., None]
+  heads = q.shape[2]
+  ct = contract.softmax_dtype(q.dtype, k.dtype, v.dtype)
+  chunk = min(chunk, q.shape[1])
+
+  def inputs(rows: tuple[Array, ...], aux: Any, ids: Array) -> tuple[Array, Array, Array, Callable]:
+    """A block's phi(q), phi(k), v with masked keys' values selected to zero, and the features' vjp."""
+    q, k, v = rows
+    mask, params = aux
+    valid = jnp.take(mask, ids // heads, axis=0)[:, :, None]  # [rows, length, 1]
+    (phi_q, phi_k), vjp = jax.vjp(lambda q, k: feature_map(q, k, valid, params), q, k)
+    return phi_q, phi_k, jnp.where(valid, v, 0.0), vjp
+
+  def forward(rows: tuple[Array, ...], aux: Any, ids: Array) -> tuple[Array, Any]:
+    phi_q, phi_k, v, _ = inputs(rows, aux, ids)
+    if causal:
+      return _causal_forward(phi_q, phi_k, v, chunk), None
+    return _bidirectional_forward(phi_q, phi_k, v)
+
+  def backward(rows: tuple[Array, ...], aux: Any, ids: Array, res: Any, dout: Array
+               ) -> tuple[Array, Array, Array]:
+    phi_q, phi_k, v, vjp = inputs(rows, aux, ids)
+    if causal:
+      dphi_q, dphi_k, dv = _causal_backward(phi_q, phi_k, v, dout, chunk)
+    else:
+      dphi_q, dphi_k, dv = _bidirectional_backward(phi_q, phi_k, v, res, dout)
+    valid = jnp.take(aux[0], ids // heads, axis=0)[:, :, None]
+    return (*vjp((dphi_q, dphi_k)), jnp.where(valid, dv, 0.0))
+
+  return map_row_blocks(forward, (q, k, v), (mask, params), row_chunks, dtype=ct, out_dtype=v.dtype,
+                        bwd=backward)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _causal_chunks(phi_q: Array, phi_k: Array, v: Array, chunk: int) -> Array:
-  """Causal feature attention by chunks of `chunk` positions: inside a chunk the masked product W = tril(phi_q
-  phi_k^T) [c, c], between chunks the summaries S = sum of phi_k^T v over every earlier chunk [features, e]
-  (an exclusive running sum), out_i = (W v + phi_q S)_i / (W 1 + phi_q KS)_i with KS the summed phi_k.
-  phi_q, phi_k [rows, length, m]; v [rows, length, e], finite. Returns [rows, length, e].
+def _bidirectional_forward(phi_q: Array, phi_k: Array, v: Array) -> tuple[Array, tuple[Array, Array]]:
+  """phi_q, phi_k [rows, length, m], v [rows, length, e] -> (out [rows, length, e], (kv, ksum))."""
+  kv = jnp.einsum("glm,gle->gme", phi_k, v)  # [rows, m, e]
+  ksum = jnp.einsum("glm->gm", phi_k)  # [rows, m]
+  denom = jnp.einsum("glm,gm->gl", phi_q, ksum)  # [rows, length]
+  return jnp.einsum("glm,gme->gle", phi_q, kv) / _safe(denom)[..., None], (kv, ksum)
 
-  The hand-written backward keeps W, S and the outputs and spends 8 chunk matmuls, where autodiff of the
-  forward (and the recomputation a checkpoint adds) spends more and writes more."""
-  return _causal_chunks_fwd(phi_q, phi_k, v, chunk)[0]
+
+def _bidirectional_backward(phi_q: Array, phi_k: Array, v: Array, res: tuple[Array, Array], dout: Array
+                            ) -> tuple[Array, Array, Array]:
+  """With a = dOut / denom and u = a kv^T: dphi_q = u - (phi_q . u / denom) ksum, dkv = phi_q^T a, dksum =
+  phi_q^T (-(phi_q . u) / denom), dphi_k = v dkv^T + dksum, dv = phi_k dkv."""
+  kv, ksum = res
+  denom = jnp.einsum("glm,gm->gl", phi_q, ksum)  # [rows, length]
+  inv = 1.0 / _safe(denom)
+  a = dout * inv[..., None]  # [rows, length, e]
+  u = jnp.einsum("gle,gme->glm", a, kv)  # [rows, length, m]
+  ddenom = jnp.where(denom > 0, -jnp.einsum("glm,glm->gl", phi_q, u) * inv, 0.0)  # [rows, length]
+  dkv = jnp.einsum("glm,gle->gme", phi_q, a)  # [rows, m, e]
+  dksum = jnp.einsum("glm,gl->gm", phi_q, ddenom)  # [rows, m]
+  dphi_q = u + ddenom[..., None] * ksum[:, None, :]
+  dphi_k = jnp.einsum("gle,gme->glm", v, dkv) + dksum[:, None, :]
+  return dphi_q, dphi_k, jnp.einsum("glm,gme->gle", phi_k, dkv)
 
 
 def _chunked(x: Array, chunk: int) -> Array:
@@ -75,41 +110,58 @@ def _unchunked(x: Array, length: int) -> Array:
   return x.reshape(x.shape[0], -1, x.shape[-1])[:, :length]
 
 
-def _causal_chunks_fwd(phi_q: Array, phi_k: Array, v: Array, chunk: int) -> tuple[Array, Any]:
-  fq, fk, vc = (_chunked(x, chunk) for x in (phi_q, phi_k, v))  # [rows, n, c, dim]
+def _causal_parts(phi_q: Array, phi_k: Array, v: Array, chunk: int) -> tuple[Array, ...]:
+  """The chunked causal terms: fq, fk [rows, n, c, m]; vc [rows, n, c, e] (non-finite values selected to
+  zero); the in-chunk product W = tril(phi_q phi_k^T) [rows, n, c, c]; the summaries of every earlier chunk,
+  S = sum of phi_k^T v [rows, n, m, e] and KS = sum of phi_k [rows, n, m] (exclusive running sums); the
+  denominators W 1 + phi_q KS [rows, n, c]; and whether a position has seen a non-finite value [rows, length,
+  1]."""
+  finite = jnp.isfinite(v)
+  seen_bad = jnp.cumsum(jnp.any(~finite, axis=-1, keepdims=True), axis=1) > 0  # [rows, length, 1]
+  fq, fk, vc = (_chunked(x, chunk) for x in (phi_q, phi_k, jnp.where(finite, v, 0.0)))  # [rows, n, c, dim]
   tril = jnp.tril(jnp.ones((chunk, chunk), bool))
   s = exclusive_prefix_sum(jnp.einsum("gncm,gnce->gnme", fk, vc))  # [rows, n, m, e]
   ks = exclusive_prefix_sum(jnp.sum(fk, axis=2))  # [rows, n, m]
   w = jnp.where(tril, jnp.einsum("gncm,gnkm->gnck", fq, fk), 0.0)  # [rows, n, c, c]
-  numer = jnp.einsum("gnck,gnke->gnce", w, vc) + jnp.einsum("gncm,gnme->gnce", fq, s)
   denom = jnp.sum(w, axis=-1) + jnp.einsum("gncm,gnm->gnc", fq, ks)  # [rows, n, c]
-  out = numer / _safe(denom)[..., None]  # [rows, n, c, e]
-  return _unchunked(out, phi_q.shape[1]), (fq, fk, vc, w, s, ks, denom, out)
+  return fq, fk, vc, w, s, ks, denom, seen_bad
 
 
-def _causal_chunks_bwd(chunk: int, res: Any, cot: Array) -> tuple[Array, Array, Array]:
-  """With a = dOut / denom and ddenom = -(dOut . out) / denom: dW = tril(a v^T + ddenom), dphi_q = dW phi_k +
-  a S^T + ddenom KS, dS = phi_q^T a and dKS = phi_q^T ddenom, whose running sums over the later chunks give
-  each chunk's dkv and dks; dphi_k = dW^T phi_q + v dkv^T + dks, dv = W^T a + phi_k dkv."""
-  fq, fk, vc, w, s, ks, denom, out = res
-  length = cot.shape[1]
-  g = _chunked(cot, chunk)  # [rows, n, c, e]
+def _causal_forward(phi_q: Array, phi_k: Array, v: Array, chunk: int) -> Array:
+  """out_i = (W v + phi_q S)_i / (W 1 + phi_q KS)_i (`_causal_parts`), NaN from a non-finite value on.
+  phi_q, phi_k [rows, length, m]; v [rows, length, e]. Returns [rows, length, e]."""
+  fq, _, vc, w, s, _, denom, seen_bad = _causal_parts(phi_q, phi_k, v, chunk)
+  numer = jnp.einsum("gnck,gnke->gnce", w, vc) + jnp.einsum("gncm,gnme->gnce", fq, s)
+  out = _unchunked(numer / _safe(denom)[..., None], v.shape[1])  # [rows, length, e]
+  return jnp.where(seen_bad, jnp.nan, out)
+
+
+def _causal_backward(phi_q: Array, phi_k: Array, v: Array, dout: Array, chunk: int
+                     ) -> tuple[Array, Array, Array]:
+  """With a = dOut / denom, P = a v^T [c, c] and R = a S^T [c, m], the forward's numerator never recomputed:
+  ddenom = -(a . numer) / denom = -(rowsum(W * P) + rowsum(phi_q * R)) / denom, dW = tril(P + ddenom), dphi_q
+  = dW phi_k + R + ddenom KS, dS = phi_q^T a and dKS = phi_q^T ddenom, whose running sums over the later
+  chunks give each chunk's dkv and dks; dphi_k = dW^T phi_q + v dkv^T + dks, dv = W^T a + phi_k dkv. Outputs
+  that saw a non-finite value pass no gradient, and such values get none. 8 chunk matmuls, and 2 to recompute
+  W and S."""
+  fq, fk, vc, w, s, ks, denom, seen_bad = _causal_parts(phi_q, phi_k, v, chunk)
   inv = 1.0 / _safe(denom)
-  a = g * inv[..., None]
-  ddenom = jnp.where(denom > 0, -jnp.einsum("gnce,gnce->gnc", g, out) * inv, 0.0)  # [rows, n, c]
+  a = _chunked(jnp.where(seen_bad, 0.0, dout), chunk) * inv[..., None]  # [rows, n, c, e]
+  p = jnp.einsum("gnce,gnke->gnck", a, vc)  # [rows, n, c, c]
+  r = jnp.einsum("gnce,gnme->gncm", a, s)  # [rows, n, c, m]
+  a_numer = jnp.einsum("gnck,gnck->gnc", w, p) + jnp.einsum("gncm,gncm->gnc", fq, r)  # [rows, n, c]
+  ddenom = jnp.where(denom > 0, -a_numer * inv, 0.0)  # [rows, n, c]
   tril = jnp.tril(jnp.ones((chunk, chunk), bool))
-  dw = jnp.where(tril, jnp.einsum("gnce,gnke->gnck", a, vc) + ddenom[..., None], 0.0)  # [rows, n, c, c]
-  dfq = (jnp.einsum("gnck,gnkm->gncm", dw, fk) + jnp.einsum("gnce,gnme->gncm", a, s)
-         + ddenom[..., None] * ks[:, :, None, :])
+  dw = jnp.where(tril, p + ddenom[..., None], 0.0)  # [rows, n, c, c]
+  dfq = jnp.einsum("gnck,gnkm->gncm", dw, fk) + r + ddenom[..., None] * ks[:, :, None, :]
   dkv = exclusive_prefix_sum(jnp.einsum("gncm,gnce->gnme", fq, a), reverse=True)  # [rows, n, m, e]
   dks = exclusive_prefix_sum(jnp.einsum("gncm,gnc->gnm", fq, ddenom), reverse=True)  # [rows, n, m]
   dfk = (jnp.einsum("gnck,gncm->gnkm", dw, fq) + jnp.einsum("gnce,gnme->gncm", vc, dkv)
          + dks[:, :, None, :])
   dv = jnp.einsum("gnck,gnce->gnke", w, a) + jnp.einsum("gncm,gnme->gnce", fk, dkv)
-  return tuple(_unchunked(x, length) for x in (dfq, dfk, dv))
-
-
-_causal_chunks.defvjp(_causal_chunks_fwd, _causal_chunks_bwd)
+  length = v.shape[1]
+  return _unchunked(dfq, length), _unchunked(dfk, length), jnp.where(jnp.isfinite(v), _unchunked(dv, length),
+                                                                     0.0)
 
 
 def exclusive_prefix_sum(x: Array, reverse: bool = False) -> Array:
@@ -135,141 +187,21 @@ def check_args(q: Array, k: Array, v: Array, mask: Array | None, *, op: str, cau
   return q, k, v, mask, causal, chunk, chunks
 
 
-def as_rows(q: Array, k: Array, v: Array, mask: Array) -> tuple[Array, Array, Array, Array]:
-  """q, k, v as rows [batch * heads, length, dim] (`baselines.common.to_rows`) in the softmax dtype with
-  masked keys' k and v replaced by zeros (a select, so NaN or Inf there reaches neither outputs nor
-  gradients), and the keys' validity [batch * heads, length, 1]."""
-  ct = contract.softmax_dtype(q.dtype, k.dtype, v.dtype)
-  valid = rows_mask(mask, q.shape[2])[:, :, None]  # [batch * heads, length, 1]
-  qh = to_rows(q, ct)  # [batch * heads, length, head_dim]
-  kh = masked_rows(k, mask, ct)  # [batch * heads, length, head_dim]
-  vh = masked_rows(v, mask, ct)  # [batch * heads, length, value_dim]
-  return qh, kh, vh, valid
-
-
-def prepare(q: Array, k: Array, v: Array, mask: Array | None, *, op: str, causal: Any, chunk_size: Any,
-            row_chunks: Any) -> tuple[Array, Array, Array, Array, bool, int, int]:
-  """`check_args` then `as_rows`: (q, k, v rows, key_valid, causal, chunk, row chunks)."""
-  q, k, v, mask, causal, chunk, chunks = check_args(q, k, v, mask, op=op, causal=causal,
-                                                    chunk_size=chunk_size, row_chunks=row_chunks)
-  return (*as_rows(q, k, v, mask), causal, chunk, chunks)
-
-
 def elu_feature_map(x: Array) -> Array:
   """phi(x) = elu(x) + 1 > 0, the paper's feature map, as x + 1 above zero and exp(x) below (exactly
   elu + 1, without expm1's slower kernel and its rounding in the added 1)."""
   return jnp.where(x > 0, x + 1.0, jnp.exp(jnp.minimum(x, 0.0)))
 
 
-def _row_blocks(batch: int, heads: int, chunks: int) -> tuple[int, int]:
-  """(batches, heads) per block when the batch x heads rows run in about `chunks` sequential blocks: a block
-  is whole divisors of both axes, so it is one contiguous slice [batches, length, heads, dim] of the input."""
-  rows = -(-batch * heads // chunks)
-  if rows >= heads:
-    return max(b for b in range(1, batch + 1) if batch % b == 0 and b * heads <= rows), heads
-  return 1, max(h for h in range(1, heads + 1) if heads % h == 0 and h <= rows)
-
-
-def _block_start(index: Array, heads: int, size: tuple[int, int]) -> tuple[Array, Array, Array, Array]:
-  """Where block `index` (blocks of size (batches, heads), heads fastest) starts in [batch, length, heads,
-  dim]: (batch, 0, head, 0)."""
-  per_batch = heads // size[1]
-  zero = jnp.zeros_like(index)
-  return index // per_batch * size[0], zero, index % per_batch * size[1], zero
-
-
-def _block(x: Array, index: Array, size: tuple[int, int], dtype: Any) -> Array:
-  """Block `index` of x [batch, length, heads, dim] as rows [batches * heads, length, dim] in `dtype`."""
-  shape = (size[0], x.shape[1], size[1], x.shape[3])
-  return to_rows(jax.lax.dynamic_slice(x, _block_start(index, x.shape[2], size), shape), dtype)
-
-
-def _put_block(buf: Array, rows: Array, index: Array, size: tuple[int, int]) -> Array:
-  """Writes rows [batches * heads, length, dim] into block `index` of buf [batch, length, heads, dim]."""
-  return jax.lax.dynamic_update_slice(buf, from_rows(rows, size[0], buf.dtype),
-                                      _block_start(index, buf.shape[2], size))
-
-
-def _block_features(q: Array, k: Array, v: Array, mask: Array, index: Array, size: tuple[int, int]
-                    ) -> tuple[Array, Array, Array, Array]:
-  """A block's phi(q), phi(k) and v rows [rows, length, dim], masked keys' features and values selected to
-  zero, and their validity [rows, length, 1]."""
-  ct = contract.softmax_dtype(q.dtype, k.dtype, v.dtype)
-  b = _block_start(index, q.shape[2], size)[0]
-  valid = rows_mask(jax.lax.dynamic_slice_in_dim(mask, b, size[0], axis=0), size[1])[..., None]
-  phi_q = elu_feature_map(_block(q, index, size, ct))
-  phi_k = jnp.where(valid, elu_feature_map(_block(k, index, size, ct)), 0.0)
-  return phi_q, phi_k, jnp.where(valid, _block(v, index, size, ct), 0.0), valid
-
-
-def _blocks_loop(count: int, body: Callable[[Array, Any], Any], init: Any) -> Any:
-  """fori_loop over the blocks; one block (an accelerator's default) runs without a loop."""
-  if count == 1:
-    return body(jnp.int32(0), init)
-  return jax.lax.fori_loop(jnp.int32(0), jnp.int32(count), body, init)
+def _elu_features(q: Array, k: Array, valid: Array, params: None) -> tuple[Array, Array]:
+  """The linear transformer's `FeatureMap`: elu + 1 of q and of the real keys (masked keys selected to zero
+  first, so a NaN there reaches no gradient)."""
+  phi_k = elu_feature_map(jnp.where(valid, k, 0.0))
+  return elu_feature_map(q), jnp.where(valid, phi_k, 0.0)
 
 
 def _safe(denom: Array) -> Array:
   return jnp.where(denom > 0, denom, 1.0)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _bidirectional(q: Array, k: Array, v: Array, mask: Array, size: tuple[int, int]) -> Array:
-  """Bidirectional elu linear attention: q, k [batch, length, heads, d]; v [batch, length, heads, e]; mask
-  [batch, length]; size: (batches, heads) per block (`_row_blocks`). Returns [batch, length, heads, e]."""
-  return _bidirectional_fwd(q, k, v, mask, size)[0]
-
-
-def _bidirectional_fwd(q: Array, k: Array, v: Array, mask: Array, size: tuple[int, int]) -> tuple[Array, Any]:
-  batch, length, heads, d = q.shape
-  count, rows = batch * heads // (size[0] * size[1]), size[0] * size[1]
-  ct = contract.softmax_dtype(q.dtype, k.dtype, v.dtype)
-
-  def body(i, carry):
-    out, kvs, ksums, denoms = carry
-    phi_q, phi_k, vr, _ = _block_features(q, k, v, mask, i, size)
-    kv = jnp.einsum("glm,gle->gme", phi_k, vr)  # [rows, d, e]
-    ksum = jnp.einsum("glm->gm", phi_k)  # [rows, d]
-    denom = jnp.einsum("glm,gm->gl", phi_q, ksum)  # [rows, length]
-    numer = jnp.einsum("glm,gme->gle", phi_q, kv)  # [rows, length, e]
-    out = _put_block(out, numer / _safe(denom)[..., None], i, size)
-    return out, kvs.at[i].set(kv), ksums.at[i].set(ksum), denoms.at[i].set(denom)
-
-  init = (jnp.zeros(v.shape, v.dtype), jnp.zeros((count, rows, d, v.shape[-1]), ct),
-          jnp.zeros((count, rows, d), ct), jnp.zeros((count, rows, length), ct))
-  out, kvs, ksums, denoms = _blocks_loop(count, body, init)
-  return out, (q, k, v, mask, kvs, ksums, denoms)
-
-
-def _bidirectional_bwd(size: tuple[int, int], res: Any, cot: Array) -> tuple[Array, Array, Array, None]:
-  """With a = dOut / denom and u = a kv^T: dphi_q = u - (phi_q . u / denom) ksum, dkv = phi_q^T a, dksum =
-  phi_q^T (-(phi_q . u) / denom), dphi_k = v dkv^T + dksum, dv = phi_k dkv; phi's derivative is min(phi, 1)
-  (1 above zero, exp(x) = phi below); masked keys get zeros."""
-  q, k, v, mask, kvs, ksums, denoms = res
-  count = kvs.shape[0]
-
-  def body(i, grads):
-    dq, dk, dv = grads
-    phi_q, phi_k, vr, valid = _block_features(q, k, v, mask, i, size)
-    kv, ksum, denom = kvs[i], ksums[i], denoms[i]
-    inv = 1.0 / _safe(denom)  # [rows, length]
-    a = _block(cot, i, size, inv.dtype) * inv[..., None]  # [rows, length, e]
-    u = jnp.einsum("gle,gme->glm", a, kv)  # [rows, length, d]
-    ddenom = jnp.where(denom > 0, -jnp.einsum("glm,glm->gl", phi_q, u) * inv, 0.0)  # [rows, length]
-    dphi_q = u + ddenom[..., None] * ksum[:, None, :]
-    dkv = jnp.einsum("glm,gle->gme", phi_q, a)  # [rows, d, e]
-    dksum = jnp.einsum("glm,gl->gm", phi_q, ddenom)  # [rows, d]
-    dphi_k = jnp.einsum("gle,gme->glm", vr, dkv) + dksum[:, None, :]
-    dvr = jnp.einsum("glm,gme->gle", phi_k, dkv)
-    dq = _put_block(dq, dphi_q * jnp.minimum(phi_q, 1.0), i, size)
-    dk = _put_block(dk, jnp.where(valid, dphi_k * jnp.minimum(phi_k, 1.0), 0.0), i, size)
-    return dq, dk, _put_block(dv, jnp.where(valid, dvr, 0.0), i, size)
-
-  dq, dk, dv = _blocks_loop(count, body, (jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)))
-  return dq, dk, dv, None
-
-
-_bidirectional.defvjp(_bidirectional_fwd, _bidirectional_bwd)
 
 
 def linear(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None,
@@ -282,17 +214,6 @@ def linear(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = N
     (`baselines.common.num_row_chunks`; None = automatic).
   Returns [batch, length, heads, value_dim] in v's dtype.
   """
-  out_dtype = v.dtype
   q, k, v, mask, causal, chunk, chunks = check_args(q, k, v, mask, op="linear", causal=causal,
                                                     chunk_size=chunk_size, row_chunks=row_chunks)
-  if not causal:  # blocks of rows sliced from the inputs as given
-    return _bidirectional(q, k, v, mask, _row_blocks(q.shape[0], q.shape[2], chunks))
-  qh, kh, vh, valid = as_rows(q, k, v, mask)
-
-  def attention(rows: tuple[Array, ...]) -> Array:  # a chunk of rows -> [rows, length, value_dim]
-    qh, kh, vh, valid = rows
-    phi_k = jnp.where(valid, elu_feature_map(kh), 0.0)  # [rows, length, head_dim]
-    return feature_attention(elu_feature_map(qh), phi_k, vh, causal=causal, chunk_size=chunk)
-
-  out = map_chunks(attention, (qh, kh, vh, valid), chunks, axis=0)  # [batch * heads, length, value_dim]
-  return from_rows(out, q.shape[0], out_dtype)
+  return feature_attention(q, k, v, mask, None, _elu_features, causal=causal, chunk=chunk, row_chunks=chunks)

@@ -10,9 +10,9 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from baselines.common import from_rows, masked_rows, num_row_chunks, rows_mask, to_rows
+from baselines.common import block_mask, map_row_blocks, num_row_chunks
 from core import contract
-from core.blocks import map_chunks, num_blocks, to_grid
+from core.blocks import num_blocks, to_grid
 from core.combine import attend_zeros_hidden, flag_nonfinite, unflag
 
 Array = Any
@@ -35,13 +35,14 @@ def local(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = No
   size = min(size, length)
   n = num_blocks(length, size)
   ct = contract.softmax_dtype(q.dtype, k.dtype, v.dtype)
-  qh = to_rows(q, ct) * contract.logit_scale(head_dim)  # [batch * heads, length, head_dim], scaled once
-  kh, vh = (masked_rows(x, mask, ct) for x in (k, v))  # [batch * heads, length, dim]
+  scale = contract.logit_scale(head_dim)
 
-  def attention(chunk: tuple[Array, ...]) -> Array:
-    """A chunk of rows: q, k, v [rows, length, dim], key mask [rows, length] -> [rows, length, value_dim]."""
-    qh, kh, vh, mask = chunk
-    qb, kb, vb = (to_grid(x, n, size, axis=1) for x in (qh, kh, vh))  # [rows, n, size, dim]
+  def attention(rows: tuple[Array, ...], mask: Array, ids: Array) -> Array:
+    """A block of rows: q, k, v [rows, length, dim] -> [rows, length, value_dim]."""
+    qh, kh, vh = rows
+    mask = block_mask(mask, ids, heads)  # [rows, length]
+    kh, vh = (jnp.where(mask[:, :, None], x, 0.0) for x in (kh, vh))  # masked keys' NaN reaches nothing
+    qb, kb, vb = (to_grid(x, n, size, axis=1) for x in (qh * scale, kh, vh))  # [rows, n, size, dim]
     valid = to_grid(mask, n, size, axis=1)[:, :, None, :]  # [rows, n, 1, size]; pads False
     if causal:
       valid = valid & jnp.tril(jnp.ones((size, size), bool))
@@ -53,5 +54,4 @@ def local(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = No
     return out.reshape(qh.shape[0], n * size, -1)[:, :length]
 
   chunks = num_row_chunks(batch * heads, length, row_chunks, op=op)
-  out = map_chunks(attention, (qh, kh, vh, rows_mask(mask, heads)), chunks, axis=0)  # [b * h, length, dv]
-  return from_rows(out, batch, v.dtype)
+  return map_row_blocks(attention, (q, k, v), mask, chunks, dtype=ct, out_dtype=v.dtype)

@@ -19,9 +19,9 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from baselines.common import from_rows, masked_rows, neighbour_blocks, num_row_chunks, rows_mask, to_rows
+from baselines.common import block_mask, map_row_blocks, neighbour_blocks, num_row_chunks
 from core import contract
-from core.blocks import map_chunks, num_blocks, to_grid
+from core.blocks import num_blocks, to_grid
 from core.combine import Piece, attend, flag_nonfinite, flagged_sum, joint_softmax, weighted_sum
 
 Array = Any
@@ -77,9 +77,6 @@ def longformer(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None
   glob = global_indices(global_positions, length, op=op)
   ct = contract.softmax_dtype(q.dtype, k.dtype, v.dtype)
   scale = contract.logit_scale(head_dim)
-  qh = to_rows(q, ct)  # [batch * heads, length, head_dim]
-  kh, vh = (masked_rows(x, mask, ct) for x in (k, v))  # [batch * heads, length, dim]
-  mask = rows_mask(mask, heads)  # [batch * heads, length]
 
   size = min(window, length)
   n = num_blocks(length, size)
@@ -91,10 +88,12 @@ def longformer(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None
   dist = kpos[:, None, :] - pos[:, :, None]  # [n, size, keys]: key - query
   near = (dist <= 0 if causal else dist <= window) & (dist >= -window)
 
-  def attention(chunk: tuple[Array, ...]) -> Array:
-    """A chunk of rows: q, k, v [rows, length, dim], key mask [rows, length] -> [rows, length, value_dim]."""
-    qh, kh, vh, mask = chunk
+  def attention(block: tuple[Array, ...], mask: Array, ids: Array) -> Array:
+    """A block of rows: q, k, v [rows, length, dim] -> [rows, length, value_dim]."""
+    qh, kh, vh = block
     rows = qh.shape[0]
+    mask = block_mask(mask, ids, heads)  # [rows, length]
+    kh, vh = (jnp.where(mask[:, :, None], x, 0.0) for x in (kh, vh))  # masked keys' NaN reaches nothing
     band_keys = mask & ~jnp.asarray(is_global[:length])  # [rows, length]: globals come in their own piece
     qb = to_grid(qh, n, size, axis=1)  # [rows, n, size, head_dim]
     kb = neighbour_blocks(to_grid(kh, n, size, axis=1), offsets, axis=1)  # [rows, n, keys, head_dim]
@@ -120,5 +119,4 @@ def longformer(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None
     return out
 
   chunks = num_row_chunks(batch * heads, length, row_chunks, op=op)
-  out = map_chunks(attention, (qh, kh, vh, mask), chunks, axis=0)  # [batch * heads, length, value_dim]
-  return from_rows(out, batch, v.dtype)
+  return map_row_blocks(attention, (q, k, v), mask, chunks, dtype=ct, out_dtype=v.dtype)

@@ -22,10 +22,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from baselines.common import from_rows
-from baselines.linear import DEFAULT_CHUNK, feature_attention, prepare
+from baselines.linear import DEFAULT_CHUNK, check_args, feature_attention
 from core import contract
-from core.blocks import map_chunks
 
 Array = Any
 DEFAULT_FEATURES = 256
@@ -73,10 +71,9 @@ def performer(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None 
   Returns [batch, length, heads, value_dim] in v's dtype.
   """
   op = "performer"
-  out_dtype = v.dtype
-  qh, kh, vh, valid, causal, chunk, chunks = prepare(q, k, v, mask, op=op, causal=causal,
-                                                     chunk_size=chunk_size, row_chunks=row_chunks)
-  head_dim = qh.shape[-1]
+  q, k, v, mask, causal, chunk, chunks = check_args(q, k, v, mask, op=op, causal=causal,
+                                                    chunk_size=chunk_size, row_chunks=row_chunks)
+  head_dim = q.shape[-1]
   if features is None and rng is None:
     raise ValueError(f"{op}: pass 'features' (an [m, head_dim] array) or 'rng' to draw them")
   if features is None:
@@ -84,23 +81,22 @@ def performer(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None 
   elif not hasattr(features, "shape") or features.ndim != 2 or features.shape[1] != head_dim:
     raise ValueError(f"{op}: argument 'features' must have shape [num_features, head_dim={head_dim}], "
                      f"got {getattr(features, 'shape', type(features).__name__)}")
-  w = jax.lax.stop_gradient(jnp.asarray(features).astype(qh.dtype))  # [m, head_dim]
-  scale = float(head_dim) ** -0.25
+  w = jax.lax.stop_gradient(jnp.asarray(features).astype(contract.softmax_dtype(q.dtype, k.dtype, v.dtype)))
+  return feature_attention(q, k, v, mask, w, _favor_features, causal=causal, chunk=chunk, row_chunks=chunks)
 
-  def attention(rows: tuple[Array, ...]) -> Array:  # a chunk of rows -> [rows, length, value_dim]
-    qh, kh, vh, valid = rows
-    qp = jnp.einsum("gld,md->glm", qh * scale, w)  # [rows, length, m]
-    # Per-query factors (|q'|^2 / 2 and the row max) cancel between numerator and denominator.
-    phi_q = jnp.exp(qp - jax.lax.stop_gradient(jnp.max(qp, axis=-1, keepdims=True)))
-    ks = kh * scale
-    kp = jnp.einsum("gld,md->glm", ks, w) - 0.5 * jnp.sum(ks * ks, axis=-1, keepdims=True)
-    # One factor per (batch, head) row cancels too; only real keys set it.
-    # Non-finite projections (a NaN or Inf key, which no visible output may depend on) stay out of the max.
-    kp_real = jnp.where(valid & jnp.isfinite(kp), kp, -jnp.inf)
-    kmax = jnp.max(kp_real, axis=(1, 2), keepdims=True)  # [rows, 1, 1]
-    kmax = jax.lax.stop_gradient(jnp.where(jnp.isfinite(kmax), kmax, 0.0))
-    phi_k = jnp.where(valid, jnp.exp(kp - kmax), 0.0)  # [rows, length, m]
-    return feature_attention(phi_q, phi_k, vh, causal=causal, chunk_size=chunk)
 
-  out = map_chunks(attention, (qh, kh, vh, valid), chunks, axis=0)  # [batch * heads, length, value_dim]
-  return from_rows(out, q.shape[0], out_dtype)
+def _favor_features(q: Array, k: Array, valid: Array, w: Array) -> tuple[Array, Array]:
+  """FAVOR+'s `FeatureMap` (baselines.linear) for rows q, k [rows, length, d] and features w [m, d], with
+  the stabilising factors that cancel in the output: [rows, length, m] each."""
+  scale = float(q.shape[-1]) ** -0.25
+  qp = jnp.einsum("gld,md->glm", q * scale, w)  # [rows, length, m]
+  # Per-query factors (|q'|^2 / 2 and the row max) cancel between numerator and denominator.
+  phi_q = jnp.exp(qp - jax.lax.stop_gradient(jnp.max(qp, axis=-1, keepdims=True)))
+  ks = jnp.where(valid, k, 0.0) * scale  # masked keys selected to zero first: a NaN there reaches no gradient
+  kp = jnp.einsum("gld,md->glm", ks, w) - 0.5 * jnp.sum(ks * ks, axis=-1, keepdims=True)
+  # One factor per (batch, head) row cancels too; only real keys set it.
+  # Non-finite projections (a NaN or Inf key, which no visible output may depend on) stay out of the max.
+  kp_real = jnp.where(valid & jnp.isfinite(kp), kp, -jnp.inf)
+  kmax = jnp.max(kp_real, axis=(1, 2), keepdims=True)  # [rows, 1, 1]
+  kmax = jax.lax.stop_gradient(jnp.where(jnp.isfinite(kmax), kmax, 0.0))
+  return phi_q, jnp.where(valid, jnp.exp(kp - kmax), 0.0)

@@ -18,9 +18,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from baselines.common import from_rows, masked_rows, num_row_chunks, rows_mask
+from baselines.common import block_mask, map_row_blocks, num_row_chunks
 from core import contract
-from core.blocks import map_chunks, num_blocks, pad_to
+from core.blocks import num_blocks, pad_to
 from core.combine import Piece, merge, normalize, partial_softmax, weighted_sum
 
 Array = Any
@@ -128,21 +128,18 @@ def reformer(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None =
   ct = contract.softmax_dtype(q.dtype, k.dtype, v.dtype)
   padded = n_chunks * chunk_size
 
-  # Masked positions hold anything (NaN): select them to zero before any arithmetic. Rows of batch x heads
-  # (`baselines.common`).
   rows = batch * heads
   valid = pad_to(mask, padded, axis=1)  # [batch, padded]
-  qh = masked_rows(pad_to(q, padded, axis=1), valid, ct)  # [rows, padded, head_dim]
-  vh = masked_rows(pad_to(v, padded, axis=1), valid, ct)  # [rows, padded, value_dim]
-  valid = rows_mask(valid, heads)  # [rows, padded]
-
   rot = rotations(rng, heads=heads, n_hashes=n_hashes, head_dim=head_dim, n_buckets=max(n_buckets, 2))
-  rot = jnp.tile(rot, (batch, 1, 1, 1))  # [rows, n_hashes, head_dim, n_buckets // 2]; row b * heads + h: h
 
-  def attention(chunk: tuple[Array, ...]) -> Array:
-    """A chunk of rows: q [rows, padded, d], v [rows, padded, dv], key mask [rows, padded], rotations
-    [rows, ...] -> [rows, padded, dv]."""
-    qh, vh, valid, rot = chunk
+  def attention(block: tuple[Array, ...], aux: tuple[Array, Array], ids: Array) -> Array:
+    """A block of rows: q [rows, padded, d], v [rows, padded, dv] -> [rows, padded, dv]; aux: the key mask
+    [batch, padded] and the rotations [heads, ...]."""
+    qh, vh = block
+    valid = block_mask(aux[0], ids, heads)  # [rows, padded]
+    rot = aux[1][ids % heads]  # [rows, n_hashes, head_dim, n_buckets // 2]
+    # Masked positions hold anything (NaN): select them to zero before any arithmetic.
+    qh, vh = (jnp.where(valid[:, :, None], x, 0.0) for x in (qh, vh))
     rows = qh.shape[0]
     if n_buckets == 1:  # no hashing: the chunks are runs of consecutive positions
       buckets = jnp.zeros((rows, n_hashes, padded), jnp.int32)
@@ -194,5 +191,5 @@ def reformer(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None =
     return normalize(merge(rounds))  # [rows, padded, value_dim]
 
   chunks = num_row_chunks(rows, padded, row_chunks, op=op)
-  out = map_chunks(attention, (qh, vh, valid, rot), chunks, axis=0)  # [batch * heads, padded, value_dim]
-  return from_rows(out[:, :length], batch, v.dtype)
+  q, v = (pad_to(x, padded, axis=1) for x in (q, v))  # [batch, padded, heads, dim]
+  return map_row_blocks(attention, (q, v), (valid, rot), chunks, dtype=ct, out_dtype=v.dtype)[:, :length]

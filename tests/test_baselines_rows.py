@@ -1,5 +1,6 @@
-"""The row-wise baselines run their rows of batch x heads in sequential chunks (`core.blocks.map_chunks`):
-any number of chunks, even ones that leave a padded tail, gives the one-piece outputs and gradients."""
+"""The row-wise baselines run their rows of batch x heads in sequential blocks
+(`baselines.common.map_row_blocks`): any number of chunks (blocks of whole batches, of heads, single rows)
+gives the one-piece outputs and gradients."""
 
 import jax
 import jax.numpy as jnp
@@ -51,7 +52,7 @@ def _check_row_chunks(name, causal):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
 
   (want, want_grads) = run(1)
-  for chunks in (4, 10):  # 10 rows: chunks of 3 with a padded tail, and one row per chunk
+  for chunks in (2, 10):  # 2 batches x 5 heads: one batch per block, and one row per block
     got, grads = run(chunks)
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
     for g, w in zip(grads, want_grads, strict=True):
