@@ -18,7 +18,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from baselines.common import block_mask, map_row_blocks, neighbour_blocks, num_row_chunks
+from baselines.common import block_mask, map_row_blocks, neighbour_blocks, num_row_chunks, select_real
 from baselines.longformer import dense_rows, global_indices
 from core import contract
 from core.blocks import num_blocks, to_grid
@@ -111,7 +111,7 @@ def bigbird(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = 
     qh, kh, vh = block
     rows = qh.shape[0]
     mask = block_mask(mask, ids, heads)  # [rows, length]
-    kh, vh = (jnp.where(mask[:, :, None], x, 0.0) for x in (kh, vh))  # masked keys' NaN reaches nothing
+    kh, vh = select_real(mask, kh, vh)
     grid_mask = to_grid(mask, n, size, axis=1)  # [rows, n, size]; padding is False
     qb = to_grid(qh, n, size, axis=1)  # [rows, n, size, head_dim]
     qh_grid = qb.reshape(rows, n * size, head_dim)  # padded to whole blocks

@@ -93,6 +93,11 @@ def _put_block(buf: Array, rows: Array, index: Array, size: tuple[int, int]) -> 
                                       _block_start(index, buf.shape[2], size))
 
 
+def _num_row_blocks(x: Array, size: tuple[int, int]) -> int:
+  """How many blocks of size (batches, heads) x [batch, length, heads, dim] holds."""
+  return x.shape[0] * x.shape[2] // (size[0] * size[1])
+
+
 def _row_ids(index: Array, heads: int, size: tuple[int, int]) -> Array:
   """The rows (batch * heads + head) of block `index`, in its row order: [batches * heads]."""
   b, _, h, _ = _block_start(index, heads, size)
@@ -102,6 +107,12 @@ def _row_ids(index: Array, heads: int, size: tuple[int, int]) -> Array:
 def block_mask(mask: Array, ids: Array, heads: int) -> Array:
   """The key mask [batch, length] of the rows `ids` (`map_row_blocks`): [rows, length]."""
   return jnp.take(mask, ids // heads, axis=0)
+
+
+def select_real(mask: Array, *xs: Array) -> tuple[Array, ...]:
+  """Each x [rows, length, dim] with masked positions (mask [rows, length], True = real) selected to zero: a
+  select, so NaN or Inf there reaches neither outputs nor gradients."""
+  return tuple(jnp.where(mask[:, :, None], x, 0.0) for x in xs)
 
 
 def _blocks_loop(count: int, body: Callable[[Array, Any], Any], init: Any) -> Any:
@@ -139,7 +150,7 @@ def _map_row_blocks(fn, bwd, size, dtype, out_dtype, xs, aux):
 def _forward(fn, bwd, size, dtype, out_dtype, xs, aux, *, keep):
   """The blocks' outputs [batch, length', heads, e] and, with `keep`, their stacked residuals."""
   batch, _, heads, _ = xs[0].shape
-  count = batch * heads // (size[0] * size[1])
+  count = _num_row_blocks(xs[0], size)
 
   def run(index):
     return fn(tuple(_get_block(x, index, size, dtype) for x in xs), aux, _row_ids(index, heads, size))
@@ -169,7 +180,7 @@ def _map_row_blocks_fwd(fn, bwd, size, dtype, out_dtype, xs, aux):
 def _map_row_blocks_bwd(fn, bwd, size, dtype, out_dtype, saved, cot):
   xs, aux, res = saved
   heads = xs[0].shape[2]
-  count = xs[0].shape[0] * heads // (size[0] * size[1])
+  count = _num_row_blocks(xs[0], size)
 
   def body(index, grads):
     rows, ids = tuple(_get_block(x, index, size, dtype) for x in xs), _row_ids(index, heads, size)

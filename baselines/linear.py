@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from baselines.common import map_row_blocks, num_row_chunks
+from baselines.common import block_mask, map_row_blocks, num_row_chunks, select_real
 from core import contract
 from core.blocks import num_blocks, pad_to
 
@@ -46,29 +46,29 @@ def feature_attention(q: Array, k: Array, v: Array, mask: Array, params: Any, fe
   ct = contract.softmax_dtype(q.dtype, k.dtype, v.dtype)
   chunk = min(chunk, q.shape[1])
 
-  def inputs(rows: tuple[Array, ...], aux: Any, ids: Array) -> tuple[Array, Array, Array, Callable]:
-    """A block's phi(q), phi(k), v with masked keys' values selected to zero, and the features' vjp."""
+  def inputs(rows: tuple[Array, ...], aux: Any, ids: Array) -> tuple[Array, Array, Array, Array, Callable]:
+    """A block's phi(q), phi(k), v with masked keys' values selected to zero, the keys' mask [rows, length]
+    and the features' vjp."""
     q, k, v = rows
     mask, params = aux
-    valid = jnp.take(mask, ids // heads, axis=0)[:, :, None]  # [rows, length, 1]
-    (phi_q, phi_k), vjp = jax.vjp(lambda q, k: feature_map(q, k, valid, params), q, k)
-    return phi_q, phi_k, jnp.where(valid, v, 0.0), vjp
+    mask = block_mask(mask, ids, heads)  # [rows, length]
+    (phi_q, phi_k), vjp = jax.vjp(lambda q, k: feature_map(q, k, mask[:, :, None], params), q, k)
+    return phi_q, phi_k, *select_real(mask, v), mask, vjp
 
   def forward(rows: tuple[Array, ...], aux: Any, ids: Array) -> tuple[Array, Any]:
-    phi_q, phi_k, v, _ = inputs(rows, aux, ids)
+    phi_q, phi_k, v, _, _ = inputs(rows, aux, ids)
     if causal:
       return _causal_forward(phi_q, phi_k, v, chunk), None
     return _bidirectional_forward(phi_q, phi_k, v)
 
   def backward(rows: tuple[Array, ...], aux: Any, ids: Array, res: Any, dout: Array
                ) -> tuple[Array, Array, Array]:
-    phi_q, phi_k, v, vjp = inputs(rows, aux, ids)
+    phi_q, phi_k, v, mask, vjp = inputs(rows, aux, ids)
     if causal:
       dphi_q, dphi_k, dv = _causal_backward(phi_q, phi_k, v, dout, chunk)
     else:
       dphi_q, dphi_k, dv = _bidirectional_backward(phi_q, phi_k, v, res, dout)
-    valid = jnp.take(aux[0], ids // heads, axis=0)[:, :, None]
-    return (*vjp((dphi_q, dphi_k)), jnp.where(valid, dv, 0.0))
+    return (*vjp((dphi_q, dphi_k)), *select_real(mask, dv))
 
   return map_row_blocks(forward, (q, k, v), (mask, params), row_chunks, dtype=ct, out_dtype=v.dtype,
                         bwd=backward)

@@ -10,7 +10,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from baselines.common import block_mask, map_row_blocks, num_row_chunks
+from baselines.common import block_mask, map_row_blocks, num_row_chunks, select_real
 from core import contract
 from core.blocks import num_blocks, to_grid
 from core.combine import attend_zeros_hidden, flag_nonfinite, unflag
@@ -41,7 +41,7 @@ def local(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = No
     """A block of rows: q, k, v [rows, length, dim] -> [rows, length, value_dim]."""
     qh, kh, vh = rows
     mask = block_mask(mask, ids, heads)  # [rows, length]
-    kh, vh = (jnp.where(mask[:, :, None], x, 0.0) for x in (kh, vh))  # masked keys' NaN reaches nothing
+    kh, vh = select_real(mask, kh, vh)
     qb, kb, vb = (to_grid(x, n, size, axis=1) for x in (qh * scale, kh, vh))  # [rows, n, size, dim]
     valid = to_grid(mask, n, size, axis=1)[:, :, None, :]  # [rows, n, 1, size]; pads False
     if causal:

@@ -19,7 +19,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from baselines.common import block_mask, map_row_blocks, neighbour_blocks, num_row_chunks
+from baselines.common import block_mask, map_row_blocks, neighbour_blocks, num_row_chunks, select_real
 from core import contract
 from core.blocks import num_blocks, to_grid
 from core.combine import Piece, attend, flag_nonfinite, flagged_sum, joint_softmax, weighted_sum
@@ -93,7 +93,7 @@ def longformer(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None
     qh, kh, vh = block
     rows = qh.shape[0]
     mask = block_mask(mask, ids, heads)  # [rows, length]
-    kh, vh = (jnp.where(mask[:, :, None], x, 0.0) for x in (kh, vh))  # masked keys' NaN reaches nothing
+    kh, vh = select_real(mask, kh, vh)
     band_keys = mask & ~jnp.asarray(is_global[:length])  # [rows, length]: globals come in their own piece
     qb = to_grid(qh, n, size, axis=1)  # [rows, n, size, head_dim]
     kb = neighbour_blocks(to_grid(kh, n, size, axis=1), offsets, axis=1)  # [rows, n, keys, head_dim]

@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from baselines.common import block_mask, map_row_blocks, num_row_chunks
+from baselines.common import block_mask, map_row_blocks, num_row_chunks, select_real
 from core import contract
 from core.blocks import num_blocks, pad_to
 from core.combine import Piece, merge, normalize, partial_softmax, weighted_sum
@@ -138,8 +138,7 @@ def reformer(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None =
     qh, vh = block
     valid = block_mask(aux[0], ids, heads)  # [rows, padded]
     rot = aux[1][ids % heads]  # [rows, n_hashes, head_dim, n_buckets // 2]
-    # Masked positions hold anything (NaN): select them to zero before any arithmetic.
-    qh, vh = (jnp.where(valid[:, :, None], x, 0.0) for x in (qh, vh))
+    qh, vh = select_real(valid, qh, vh)  # masked positions hold anything (NaN): zeros before any arithmetic
     rows = qh.shape[0]
     if n_buckets == 1:  # no hashing: the chunks are runs of consecutive positions
       buckets = jnp.zeros((rows, n_hashes, padded), jnp.int32)
