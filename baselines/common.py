@@ -104,14 +104,17 @@ def _row_ids(index: Array, heads: int, size: tuple[int, int]) -> Array:
   return ((b + jnp.arange(size[0]))[:, None] * heads + h + jnp.arange(size[1])).reshape(-1).astype(jnp.int32)
 
 
-def block_mask(mask: Array, ids: Array, heads: int) -> Array:
-  """The key mask [batch, length] of the rows `ids` (`map_row_blocks`): [rows, length]."""
-  return jnp.take(mask, ids // heads, axis=0)
+def block_mask(mask: Array | None, ids: Array, heads: int) -> Array | None:
+  """The key mask [batch, length] of the rows `ids` (`map_row_blocks`): [rows, length]; None (no mask: every
+  key real) stays None."""
+  return None if mask is None else jnp.take(mask, ids // heads, axis=0)
 
 
-def select_real(mask: Array, *xs: Array) -> tuple[Array, ...]:
+def select_real(mask: Array | None, *xs: Array) -> tuple[Array, ...]:
   """Each x [rows, length, dim] with masked positions (mask [rows, length], True = real) selected to zero: a
-  select, so NaN or Inf there reaches neither outputs nor gradients."""
+  select, so NaN or Inf there reaches neither outputs nor gradients. No mask (None) leaves xs as they are."""
+  if mask is None:
+    return xs
   return tuple(jnp.where(mask[:, :, None], x, 0.0) for x in xs)
 
 

@@ -26,8 +26,9 @@ from core.blocks import num_blocks, pad_to
 
 Array = Any
 DEFAULT_CHUNK = 128
-# (q rows, k rows [rows, length, d], key validity [rows, length, 1], params) -> (phi(q), phi(k)), each
-# [rows, length, m], non-negative, masked keys' phi(k) zero; differentiated by autodiff, a block at a time.
+# (q rows, k rows [rows, length, d], key validity [rows, length, 1] or None (every key real), params) ->
+# (phi(q), phi(k)), each [rows, length, m], non-negative, masked keys' phi(k) zero; differentiated by
+# autodiff, a block at a time.
 FeatureMap = Callable[[Array, Array, Array, Any], tuple[Array, Array]]
 
 
@@ -35,7 +36,8 @@ def feature_attention(q: Array, k: Array, v: Array, mask: Array, params: Any, fe
                       causal: bool, chunk: int, row_chunks: int) -> Array:
   """Normalised linear attention with phi = feature_map(..., params), over blocks of rows.
 
-  q, k: [batch, length, heads, d]; v: [batch, length, heads, e]; mask: [batch, length] bool (True = real);
+  q, k: [batch, length, heads, d]; v: [batch, length, heads, e]; mask: [batch, length] bool (True = real), or
+  None when every key is real (no masking work at all);
   params: arrays the feature map reads without gradient (Performer's random features) or None; chunk:
   positions per causal chunk; row_chunks: `baselines.common.num_row_chunks`. Returns [batch, length, heads,
   e] in v's dtype; rows whose visible keys all have zero features give zeros. Causally a later position's
@@ -51,8 +53,9 @@ def feature_attention(q: Array, k: Array, v: Array, mask: Array, params: Any, fe
     and the features' vjp."""
     q, k, v = rows
     mask, params = aux
-    mask = block_mask(mask, ids, heads)  # [rows, length]
-    (phi_q, phi_k), vjp = jax.vjp(lambda q, k: feature_map(q, k, mask[:, :, None], params), q, k)
+    mask = block_mask(mask, ids, heads)  # [rows, length] or None
+    valid = None if mask is None else mask[:, :, None]
+    (phi_q, phi_k), vjp = jax.vjp(lambda q, k: feature_map(q, k, valid, params), q, k)
     return phi_q, phi_k, *select_real(mask, v), mask, vjp
 
   def forward(rows: tuple[Array, ...], aux: Any, ids: Array) -> tuple[Array, Any]:
@@ -177,25 +180,37 @@ def exclusive_prefix_sum(x: Array, reverse: bool = False) -> Array:
 
 
 def check_args(q: Array, k: Array, v: Array, mask: Array | None, *, op: str, causal: Any, chunk_size: Any,
-               row_chunks: Any) -> tuple[Array, Array, Array, Array, bool, int, int]:
+               row_chunks: Any) -> tuple[Array, Array, Array, Array | None, bool, int, int]:
   """The contract checks of the feature-attention ops: (q, k, v, mask, causal, chunk, row chunks); mask
-  defaults to all real; row chunks: `baselines.common.num_row_chunks`."""
-  q, k, v, mask = contract.check_qkv(q, k, v, mask, op=op)
+  stays None when not given (every key real); row chunks: `baselines.common.num_row_chunks`."""
+  q, k, v, mask = contract.check_qkv(q, k, v, mask, op=op, keep_none=True)
   causal = contract.check_bool(causal, name="causal", op=op)
   chunk = contract.check_positive_int(chunk_size, name="chunk_size", op=op)
   chunks = num_row_chunks(q.shape[0] * q.shape[2], q.shape[1], row_chunks, op=op)
   return q, k, v, mask, causal, chunk, chunks
 
 
+@jax.custom_jvp
 def elu_feature_map(x: Array) -> Array:
   """phi(x) = elu(x) + 1 > 0, the paper's feature map, as x + 1 above zero and exp(x) below (exactly
   elu + 1, without expm1's slower kernel and its rounding in the added 1)."""
   return jnp.where(x > 0, x + 1.0, jnp.exp(jnp.minimum(x, 0.0)))
 
 
-def _elu_features(q: Array, k: Array, valid: Array, params: None) -> tuple[Array, Array]:
+@elu_feature_map.defjvp
+def _elu_feature_map_jvp(primals: tuple[Array], tangents: tuple[Array]) -> tuple[Array, Array]:
+  """phi'(x) = 1 above zero and exp(x) = phi(x) at or below it, so phi' = min(phi, 1): the derivative
+  from the output alone, without a second exp or the selects of the two branches' autodiff."""
+  (x,), (dx,) = primals, tangents
+  y = elu_feature_map(x)
+  return y, dx * jnp.minimum(y, 1.0)
+
+
+def _elu_features(q: Array, k: Array, valid: Array | None, params: None) -> tuple[Array, Array]:
   """The linear transformer's `FeatureMap`: elu + 1 of q and of the real keys (masked keys selected to zero
   first, so a NaN there reaches no gradient)."""
+  if valid is None:
+    return elu_feature_map(q), elu_feature_map(k)
   phi_k = elu_feature_map(jnp.where(valid, k, 0.0))
   return elu_feature_map(q), jnp.where(valid, phi_k, 0.0)
 

@@ -28,7 +28,7 @@ def local(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = No
   Returns [batch, length, heads, value_dim] in v's dtype.
   """
   op = "local"
-  q, k, v, mask = contract.check_qkv(q, k, v, mask, op=op)
+  q, k, v, mask = contract.check_qkv(q, k, v, mask, op=op, keep_none=True)
   causal = contract.check_bool(causal, name="causal", op=op)
   size = contract.check_positive_int(block_size, name="block_size", op=op)
   batch, length, heads, head_dim = q.shape
@@ -40,10 +40,11 @@ def local(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = No
   def attention(rows: tuple[Array, ...], mask: Array, ids: Array) -> Array:
     """A block of rows: q, k, v [rows, length, dim] -> [rows, length, value_dim]."""
     qh, kh, vh = rows
-    mask = block_mask(mask, ids, heads)  # [rows, length]
+    mask = block_mask(mask, ids, heads)  # [rows, length], or None: every key real
     kh, vh = select_real(mask, kh, vh)
     qb, kb, vb = (to_grid(x, n, size, axis=1) for x in (qh * scale, kh, vh))  # [rows, n, size, dim]
-    valid = to_grid(mask, n, size, axis=1)[:, :, None, :]  # [rows, n, 1, size]; pads False
+    real = jnp.ones((1, length), bool) if mask is None else mask  # no mask: a constant XLA folds away
+    valid = to_grid(real, n, size, axis=1)[:, :, None, :]  # [rows or 1, n, 1, size]; pads False
     if causal:
       valid = valid & jnp.tril(jnp.ones((size, size), bool))
     logits = jnp.einsum("gnqd,gnkd->gnqk", qb, kb)  # [rows, n, size, size]

@@ -85,18 +85,21 @@ def performer(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None 
   return feature_attention(q, k, v, mask, w, _favor_features, causal=causal, chunk=chunk, row_chunks=chunks)
 
 
-def _favor_features(q: Array, k: Array, valid: Array, w: Array) -> tuple[Array, Array]:
+def _favor_features(q: Array, k: Array, valid: Array | None, w: Array) -> tuple[Array, Array]:
   """FAVOR+'s `FeatureMap` (baselines.linear) for rows q, k [rows, length, d] and features w [m, d], with
-  the stabilising factors that cancel in the output: [rows, length, m] each."""
+  the stabilising factors that cancel in the output: [rows, length, m] each. valid None: every key real."""
   scale = float(q.shape[-1]) ** -0.25
   qp = jnp.einsum("gld,md->glm", q * scale, w)  # [rows, length, m]
   # Per-query factors (|q'|^2 / 2 and the row max) cancel between numerator and denominator.
   phi_q = jnp.exp(qp - jax.lax.stop_gradient(jnp.max(qp, axis=-1, keepdims=True)))
-  ks = jnp.where(valid, k, 0.0) * scale  # masked keys selected to zero first: a NaN there reaches no gradient
+  # Masked keys selected to zero first: a NaN there reaches no gradient.
+  ks = (k if valid is None else jnp.where(valid, k, 0.0)) * scale
   kp = jnp.einsum("gld,md->glm", ks, w) - 0.5 * jnp.sum(ks * ks, axis=-1, keepdims=True)
   # One factor per (batch, head) row cancels too; only real keys set it.
   # Non-finite projections (a NaN or Inf key, which no visible output may depend on) stay out of the max.
-  kp_real = jnp.where(valid & jnp.isfinite(kp), kp, -jnp.inf)
+  real = jnp.isfinite(kp) if valid is None else valid & jnp.isfinite(kp)
+  kp_real = jnp.where(real, kp, -jnp.inf)
   kmax = jnp.max(kp_real, axis=(1, 2), keepdims=True)  # [rows, 1, 1]
   kmax = jax.lax.stop_gradient(jnp.where(jnp.isfinite(kmax), kmax, 0.0))
-  return phi_q, jnp.where(valid, jnp.exp(kp - kmax), 0.0)
+  phi_k = jnp.exp(kp - kmax)
+  return phi_q, phi_k if valid is None else jnp.where(valid, phi_k, 0.0)

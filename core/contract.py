@@ -17,9 +17,10 @@ import numpy as np
 Array = Any  # jax.Array; kept loose so numpy inputs are accepted and converted.
 
 
-def check_qkv(q: Array, k: Array, v: Array, mask: Array | None, *,
-              op: str) -> tuple[Array, Array, Array, Array]:
-  """Validates the op contract and returns (q, k, v, mask) as jax arrays; mask defaults to all-True."""
+def check_qkv(q: Array, k: Array, v: Array, mask: Array | None, *, op: str,
+              keep_none: bool = False) -> tuple[Array, Array, Array, Array | None]:
+  """Validates the op contract and returns (q, k, v, mask) as jax arrays; mask defaults to all-True, or
+  stays None with `keep_none` (for ops that then skip their masking work: every key is real)."""
   arrays = {}
   for name, x in (("q", q), ("k", k), ("v", v)):
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
@@ -43,7 +44,7 @@ def check_qkv(q: Array, k: Array, v: Array, mask: Array | None, *,
     raise ValueError(f"{op}: length must be >= 1, got {q.shape[1]}")
   batch, length = q.shape[:2]
   if mask is None:
-    mask = jnp.ones((batch, length), dtype=bool)
+    mask = None if keep_none else jnp.ones((batch, length), dtype=bool)
   else:
     if not hasattr(mask, "shape"):
       raise TypeError(f"{op}: argument 'mask' must be None or a bool array [batch, length], "

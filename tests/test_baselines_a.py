@@ -11,7 +11,7 @@ import pytest
 
 from baselines.bigbird import bigbird, block_pattern
 from baselines.dense import dense
-from baselines.linear import linear
+from baselines.linear import elu_feature_map, linear
 from baselines.local import local
 from baselines.longformer import longformer
 from baselines.none import none
@@ -119,6 +119,17 @@ def test_linear_gradients_equal_the_definitions(causal, row_chunks, chunk):
     for g, w in zip(grads, want_grads, strict=True):
       np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12)
     assert not np.any(grads[1][~np.asarray(mask)]) and not np.any(grads[2][~np.asarray(mask)])
+
+
+def test_elu_feature_map_derivatives_equal_elu():
+  """phi' = min(phi, 1) is elu's derivative (1 above zero, exp(x) at or below it, so 1 at zero), and its own
+  derivative is elu's second (0 above zero, exp(x) below)."""
+  with jax.enable_x64(True):
+    x = jnp.array([-30.0, -2.0, -1e-9, 0.0, 1e-9, 0.5, 3.0])
+    first = jax.vmap(jax.grad(elu_feature_map))(x)
+    np.testing.assert_allclose(first, np.where(x > 0, 1.0, np.exp(x)), rtol=1e-15, atol=0)
+    second = jax.vmap(jax.grad(jax.grad(elu_feature_map)))(x)
+    np.testing.assert_allclose(second[x != 0], np.where(x > 0, 0.0, np.exp(x))[x != 0], rtol=1e-15, atol=0)
 
 
 def test_causal_linear_non_finite_value_shows_from_its_position_on():
@@ -422,6 +433,32 @@ def test_masked_keys_holding_nan_change_nothing(name, causal):
   for g in grads:
     assert np.all(np.isfinite(np.asarray(g)))
     assert not np.any(np.asarray(g)[np.asarray(bad[..., 0, 0])])  # masked keys get zero gradient
+
+
+# Ops that skip their masking work when given no mask; one case with the fast tests.
+NO_MASK_FAST = {("linear", True)}
+NO_MASK_CASES = [pytest.param(name, causal, marks=() if (name, causal) in NO_MASK_FAST else pytest.mark.slow)
+                 for name in ("linear", "local", "performer") for causal in (True, False)]
+
+
+@pytest.mark.parametrize("name,causal", NO_MASK_CASES)
+def test_no_mask_equals_an_all_real_mask(name, causal):
+  """Without a mask the op skips its selects: outputs and gradients equal those under an all-True mask, in
+  float64, with a ragged last chunk or block."""
+  fn = functools.partial(ops_registry.get(name).fn, causal=causal, **OPS[name])
+  with jax.enable_x64(True):
+    q, k, v, _ = _inputs(9, length=10)
+    cot = jax.random.normal(jax.random.key(10), v.shape, jnp.float64)
+
+    def run(mask):
+      loss = lambda q, k, v: jnp.sum(fn(q, k, v, mask=mask) * cot)  # noqa: E731
+      return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+    want, want_grads = run(jnp.ones(q.shape[:2], bool))
+    got, grads = run(None)
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+    for g, w in zip(grads, want_grads, strict=True):
+      np.testing.assert_allclose(g, w, rtol=1e-11, atol=1e-13)
 
 
 @pytest.mark.parametrize("name", sorted(OPS))
