@@ -25,7 +25,9 @@ from core import contract
 from core.blocks import num_blocks, pad_to
 
 Array = Any
-DEFAULT_CHUNK = 128
+# Causal chunk: the in-chunk product costs c per position and feature, the chunk summaries m (the features)
+# per position and feature, so c = m = 64 balances the two for elu + 1 on 64-dimensional heads.
+DEFAULT_CHUNK = 64
 # (q rows, k rows [rows, length, d], key validity [rows, length, 1] or None (every key real), params) ->
 # (phi(q), phi(k)), each [rows, length, m], non-negative, masked keys' phi(k) zero; differentiated by
 # autodiff, a block at a time.

@@ -6,12 +6,14 @@ import jax.numpy as jnp
 from baselines.bigbird import bigbird
 from baselines.dense import dense, dense_xla
 from baselines.dense_decode import DENSE
-from baselines.linear import DEFAULT_CHUNK, linear
+from baselines.linear import DEFAULT_CHUNK as LINEAR_CHUNK
+from baselines.linear import linear
 from baselines.linformer import linformer
 from baselines.local import local
 from baselines.longformer import longformer
 from baselines.none import none
 from baselines.nystromformer import nystromformer
+from baselines.performer import DEFAULT_CHUNK as PERFORMER_CHUNK
 from baselines.performer import performer
 from baselines.reformer import reformer
 from baselines.sinkhorn import sinkhorn
@@ -26,14 +28,11 @@ register(OpSpec("dense_xla", dense_xla,
 
 def _performer_params(length):
   """m = 256 features (the paper's setting) drawn from a fixed key; models own and redraw their features."""
-  return {"rng": jax.random.key(0), "num_features": 256, "chunk_size": DEFAULT_CHUNK}
+  return {"rng": jax.random.key(0), "num_features": 256, "chunk_size": PERFORMER_CHUNK}
 
 
 register(OpSpec("performer", performer, params=_performer_params,
                 description="Performer FAVOR+, 256 positive orthogonal random features, O(L*m*d)"))
-# Linear attention's 64 features make the within-chunk product (c per position and feature) the larger term
-# of its causal cost, so it takes smaller chunks than Performer's 256 features (the same result either way).
-LINEAR_CHUNK = 64
 register(OpSpec("linear", linear, params=lambda length: {"chunk_size": LINEAR_CHUNK},
                 description="linear transformer, elu+1 features, O(L*d^2)"))
 register(OpSpec("local", local, params=lambda length: {"block_size": sqrt_pow2(length)},
