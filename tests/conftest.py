@@ -55,7 +55,7 @@ FAST_CASES = {
         "longformer"),
 }
 SLOW_CASES = {
-    "test_op_step_equals_forward": ("combiner_logsparse-{}", "combiner_mixture_joint-", "combiner_fixed-"),
+    "test_op_step_equals_forward": ("combiner_logsparse-", "combiner_mixture_joint-", "combiner_fixed-"),
     "test_op_step_equals_forward_with_pooled_inputs": ("combiner_mixture-",),
     "test_op_equals_reference": ("logsparse", "mixture_joint", "mixture_mean", "axial_vertical"),
     "test_gradients_match_finite_differences": ("logsparse", "mixture_joint"),
@@ -64,17 +64,19 @@ SLOW_CASES = {
     "test_bfloat16_close_to_float32": ("logsparse", "mixture_joint"),
     "test_sparse_gradients_bf16_and_huge_logits": ("logsparse",),
     "test_sparse_op_equals_reference_and_support": ("logsparse",),
-    "test_pallas_equals_xla": ("logsparse-", "axial_vertical-"),
+    "test_pallas_equals_xla": ("logsparse-", "axial_vertical-", "mixture_mean-"),
     "test_lowers_for_accelerators": ("mixture-cuda", "logsparse-cuda", "sparse_logsparse-tpu"),
     "test_matches_reference": ("10-4-False", "13-3-False"),
     "test_longformer_matches_definition": ("10-4-glob3-True", "13-3-glob1-True"),
-    "test_bigbird_matches_definition": ("22-2-glob0-2-True", "16-2-glob2-3-True"),
+    "test_bigbird_matches_definition": ("22-2-glob0-2-", "16-2-glob2-3-True"),
     "test_linear_equals_its_quadratic_formula": ("12-3-True", "11-4-True"),
-    "test_causal_outputs_do_not_depend_on_the_future": ("linear",),
+    "test_causal_outputs_do_not_depend_on_the_future": ("linear", "performer"),
     "test_registered_ops_run_at_their_automatic_parameters": ("bigbird", "performer"),
-    "test_model_decode_equals_forward": ("combiner_logsparse", "dense"),
-    "test_masked_keys_holding_nan_change_nothing": ("linear-True",),
-    "test_formulations_agree_on_the_same_draws": ("onehot-",),
+    "test_model_decode_equals_forward": ("combiner_logsparse", "dense", "combiner_fixed"),
+    "test_masked_keys_holding_nan_change_nothing": ("linear-", "performer-True"),
+    "test_formulations_agree_on_the_same_draws": ("onehot-", "pallas-None"),
+    "test_dense_backward_matches_surrogate_exactly": ("False",),
+    "test_routing_step_equals_nearest_forward": ("False-True",),
 }
 
 
