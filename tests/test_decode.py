@@ -132,6 +132,7 @@ def test_model_decode_equals_forward(name, params, decoding_matches_forward):
   decoding_matches_forward(model, length)
 
 
+@pytest.mark.slow
 def test_model_decode_from_bos_without_prompt():
   from models.generate import Decoder
 

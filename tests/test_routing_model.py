@@ -193,6 +193,7 @@ def test_routing_attentions_build_in_every_experiment_config():
   assert bool(jnp.isfinite(y).all()) and len(jax.tree.leaves(sown)) == 1
 
 
+@pytest.mark.slow
 def test_decoder_default_is_exactly_causal_and_balanced_opt_in_leaks():
   """Finite changes, not Jacobians: the paper's balanced membership has a zero Jacobian into the future but
   still leaks through which tokens make a centroid's top-`window`; the module's decoder default does not."""

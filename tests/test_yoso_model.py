@@ -66,6 +66,7 @@ def _tiny_cfg(name: str, **fields) -> ml_collections.ConfigDict:
   return c
 
 
+@pytest.mark.slow
 def test_module_rng_stream_conv_parameter_and_directions():
   x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 12, 32)), jnp.float32)
   mask = jnp.ones((2, 12), bool).at[1, 9:].set(False)
