@@ -172,13 +172,15 @@ def _causal_backward(phi_q: Array, phi_k: Array, v: Array, dout: Array, chunk: i
 def exclusive_prefix_sum(x: Array, reverse: bool = False) -> Array:
   """out[:, i] = sum of x[:, j] for j < i (zeros for i = 0), or for j > i when `reverse`; x: [rows, n, ...].
 
-  A sequential scan: each step adds one slice, so a later slice, even non-finite, never reaches an earlier
-  output (a triangular matmul would multiply it by zero), and the work is O(n) slices rather than O(n^2)."""
-  def step(total: Array, item: Array) -> tuple[Array, Array]:
-    return total + item, total
-
-  _, out = jax.lax.scan(step, jnp.zeros_like(x[:, 0]), jnp.moveaxis(x, 1, 0), reverse=reverse)
-  return jnp.moveaxis(out, 0, 1)
+  An associative scan shifted by one: each partial sum adds runs of neighbouring slices, so a later slice,
+  even non-finite, never reaches an earlier output (a triangular matmul would multiply it by zero), and the
+  log2(n) levels are whole-array elementwise passes that XLA:CPU spreads over its cores, where a sequential
+  scan runs n small steps one after the other."""
+  inclusive = jax.lax.associative_scan(jnp.add, x, reverse=reverse, axis=1)
+  zero = jnp.zeros_like(x[:, :1])
+  if reverse:
+    return jnp.concatenate([inclusive[:, 1:], zero], axis=1)
+  return jnp.concatenate([zero, inclusive[:, :-1]], axis=1)
 
 
 def check_args(q: Array, k: Array, v: Array, mask: Array | None, *, op: str, causal: Any, chunk_size: Any,

@@ -11,7 +11,7 @@ import pytest
 
 from baselines.bigbird import bigbird, block_pattern
 from baselines.dense import dense
-from baselines.linear import elu_feature_map, linear
+from baselines.linear import elu_feature_map, exclusive_prefix_sum, linear
 from baselines.local import local
 from baselines.longformer import longformer
 from baselines.none import none
@@ -130,6 +130,22 @@ def test_elu_feature_map_derivatives_equal_elu():
     np.testing.assert_allclose(first, np.where(x > 0, 1.0, np.exp(x)), rtol=1e-15, atol=0)
     second = jax.vmap(jax.grad(jax.grad(elu_feature_map)))(x)
     np.testing.assert_allclose(second[x != 0], np.where(x > 0, 0.0, np.exp(x))[x != 0], rtol=1e-15, atol=0)
+
+
+def test_exclusive_prefix_sum_is_exact_and_reads_no_later_slice():
+  """out[:, i] = the sum of the slices before i (after i when reversed), for any count of slices; a NaN or
+  Inf slice reaches only the outputs after it (before it when reversed), never through a zero weight."""
+  with jax.enable_x64(True):
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((2, 13, 3, 2)))
+    forward = np.concatenate([np.zeros_like(x[:, :1]), np.cumsum(x, axis=1)[:, :-1]], axis=1)
+    later = np.cumsum(x[:, ::-1], axis=1)[:, ::-1]
+    backward = np.concatenate([later[:, 1:], np.zeros_like(x[:, :1])], axis=1)
+    np.testing.assert_allclose(exclusive_prefix_sum(x), forward, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(exclusive_prefix_sum(x, reverse=True), backward, rtol=1e-12, atol=1e-12)
+    bad = x.at[:, 7, 0, 0].set(jnp.inf).at[:, 7, 1, 1].set(jnp.nan)
+    assert np.all(np.isfinite(exclusive_prefix_sum(bad)[:, :8]))
+    assert np.all(np.isfinite(exclusive_prefix_sum(bad, reverse=True)[:, 7:]))
+    assert np.all(np.isinf(exclusive_prefix_sum(bad)[:, 8:, 0, 0]))
 
 
 def test_causal_linear_non_finite_value_shows_from_its_position_on():
