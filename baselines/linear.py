@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from baselines.common import block_mask, map_row_blocks, num_row_chunks, select_real
 from core import contract
-from core.blocks import num_blocks, pad_to
+from core.blocks import num_blocks, pad_to, shift
 
 Array = Any
 # Causal chunk: the in-chunk product costs c per position and feature, the chunk summaries m (the features)
@@ -176,11 +176,7 @@ def exclusive_prefix_sum(x: Array, reverse: bool = False) -> Array:
   even non-finite, never reaches an earlier output (a triangular matmul would multiply it by zero), and the
   log2(n) levels are whole-array elementwise passes that XLA:CPU spreads over its cores, where a sequential
   scan runs n small steps one after the other."""
-  inclusive = jax.lax.associative_scan(jnp.add, x, reverse=reverse, axis=1)
-  zero = jnp.zeros_like(x[:, :1])
-  if reverse:
-    return jnp.concatenate([inclusive[:, 1:], zero], axis=1)
-  return jnp.concatenate([zero, inclusive[:, :-1]], axis=1)
+  return shift(jax.lax.associative_scan(jnp.add, x, reverse=reverse, axis=1), 1, reverse, 0.0)
 
 
 def check_args(q: Array, k: Array, v: Array, mask: Array | None, *, op: str, causal: Any, chunk_size: Any,

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from combiner import common, fused
 from combiner import pooling as pool_ops
-from core.blocks import from_grid, num_blocks, to_grid
+from core.blocks import from_grid, num_blocks, shift, to_grid
 from core.combine import Piece, attend, joint_softmax, weighted_sum
 
 Array = Any
@@ -62,9 +62,9 @@ def level_summaries(x: common.Inputs, pooling: str | None,
       else:
         v_tilde = expectation(q_bar, kb, vb, mb, x.scale)
     # Query block t reads span block t - 1, and only when t is odd (bit `level` of i is set).
-    k_prev = pool_ops.shift(k_bar, 2, False, 0.0)
-    v_prev = pool_ops.shift(v_tilde, 2, False, 0.0)
-    ok_prev = pool_ops.shift(nonempty, 2, False, False) & (jnp.arange(blocks) % 2 == 1)  # [batch, 1, blocks]
+    k_prev = shift(k_bar, 2, False, 0.0)
+    v_prev = shift(v_tilde, 2, False, 0.0)
+    ok_prev = shift(nonempty, 2, False, False) & (jnp.arange(blocks) % 2 == 1)  # [batch, 1, blocks]
     out.append((k_prev, v_prev, ok_prev))
   return out
 

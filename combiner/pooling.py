@@ -12,6 +12,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from core.blocks import shift
+
 Array = Any
 POOLINGS = ("max", "mean")
 
@@ -52,18 +54,6 @@ def exclusive_scan_stats(x: Array, valid: Array, axis: int, kind: str, *, revers
   s = inclusive_scan_stats(x, valid, axis, kind, reverse=reverse)
   fill = -jnp.inf if kind == "max" else 0.0
   return Stats(shift(s.value, axis, reverse, fill), shift(s.count, axis, reverse, 0))
-
-
-def shift(x: Array, axis: int, reverse: bool, fill: Any) -> Array:
-  """Shift by one along `axis` (forward: x[t] <- x[t-1]; reverse: x[t] <- x[t+1]), filling the vacated
-  slot."""
-  n = x.shape[axis]
-  pad = [(0, 0)] * x.ndim
-  if reverse:
-    pad[axis] = (0, 1)
-    return jnp.pad(jax.lax.slice_in_dim(x, 1, n, axis=axis), pad, constant_values=fill)
-  pad[axis] = (1, 0)
-  return jnp.pad(jax.lax.slice_in_dim(x, 0, n - 1, axis=axis), pad, constant_values=fill)
 
 
 def pair_stats(s: Stats, blocks: int, kind: str) -> Stats:

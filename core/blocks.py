@@ -43,6 +43,18 @@ def from_grid(x: Array, length: int, axis: int) -> Array:
   return x[(slice(None),) * axis + (slice(0, length),)]
 
 
+def shift(x: Array, axis: int, reverse: bool, fill: Any) -> Array:
+  """Shift by one along `axis` (forward: x[t] <- x[t-1]; reverse: x[t] <- x[t+1]), filling the vacated
+  slot."""
+  n = x.shape[axis]
+  pad = [(0, 0)] * x.ndim
+  if reverse:
+    pad[axis] = (0, 1)
+    return jnp.pad(jax.lax.slice_in_dim(x, 1, n, axis=axis), pad, constant_values=fill)
+  pad[axis] = (1, 0)
+  return jnp.pad(jax.lax.slice_in_dim(x, 0, n - 1, axis=axis), pad, constant_values=fill)
+
+
 def num_blocks(length: int, size: int) -> int:
   return -(-length // size)
 
