@@ -8,8 +8,10 @@ from baselines.dense import dense, dense_xla
 from baselines.dense_decode import DENSE
 from baselines.linear import DEFAULT_CHUNK as LINEAR_CHUNK
 from baselines.linear import linear
+from baselines.linear_decode import LINEAR
 from baselines.linformer import linformer
 from baselines.local import local
+from baselines.local_decode import LOCAL
 from baselines.longformer import longformer
 from baselines.none import none
 from baselines.nystromformer import nystromformer
@@ -34,9 +36,9 @@ def _performer_params(length):
 register(OpSpec("performer", performer, params=_performer_params,
                 description="Performer FAVOR+, 256 positive orthogonal random features, O(L*m*d)"))
 register(OpSpec("linear", linear, params=lambda length: {"chunk_size": LINEAR_CHUNK},
-                description="linear transformer, elu+1 features, O(L*d^2)"))
+                description="linear transformer, elu+1 features, O(L*d^2)", decode=LINEAR))
 register(OpSpec("local", local, params=lambda length: {"block_size": sqrt_pow2(length)},
-                description="block-local attention (own block), O(L*b*d)"))
+                description="block-local attention (own block), O(L*b*d)", decode=LOCAL))
 register(OpSpec("longformer", longformer,
                 params=lambda length: {"window": sqrt_pow2(length), "global_positions": (0,)},
                 description="Longformer sliding window (w each side) + global tokens, O(L*w*d)"))

@@ -25,6 +25,9 @@ OP_CASES = [
     ("sparse_fixed", {"block_size": 4}),
     ("sparse_axial", {"row_length": 4}),
     ("sparse_logsparse", {}),
+    ("linear", {"chunk_size": 4}),
+    ("local", {"block_size": 4}),
+    ("local", {"block_size": 32}),
 ]
 
 
@@ -88,6 +91,19 @@ def test_op_step_equals_forward_with_pooled_inputs(name, params):
   np.testing.assert_allclose(stepped, full[:, 5:], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("name,params", [("linear", {"chunk_size": 4}), ("local", {"block_size": 4})])
+def test_op_step_keeps_nonfinite_values_where_the_forward_does(name, params):
+  """A NaN or Inf value reaches exactly the outputs it reaches in the forward pass: local's ring keeps the
+  previous block's NaN from the next block, linear's summaries carry it to every later token of its head."""
+  spec = ops_registry.get(name)
+  q, k, v = _qkv(3, 2, 19, 2, 8)
+  v = v.at[0, 3, 0, 1].set(jnp.nan).at[1, 9, 1, 0].set(jnp.inf)  # one in the prompt, one after it
+  full = spec.fn(q, k, v, causal=True, **params)
+  stepped = _decode_all(spec, params, q, k, v, prompt=6)
+  assert np.isnan(stepped).any() and np.isfinite(stepped).any()
+  np.testing.assert_allclose(stepped, full[:, 6:], rtol=1e-5, atol=1e-5)  # NaN positions must match too
+
+
 def test_op_without_decoder_names_it():
   from models.attention import check_decodable
 
@@ -114,7 +130,8 @@ MODEL_CASES = [("dense", {}), ("combiner_fixed", {"block_size": 4}),
                ("combiner_axial_rowmajor", {"row_length": 4}), ("combiner_axial_vertical", {"row_length": 4}),
                ("combiner_axial_horizontal", {"row_length": 4}), ("combiner_logsparse", {}),
                ("combiner_mixture", {"row_length": 4}), ("sparse_fixed", {"block_size": 4}),
-               ("sparse_axial", {"row_length": 4}), ("sparse_logsparse", {})]
+               ("sparse_axial", {"row_length": 4}), ("sparse_logsparse", {}), ("linear", {"chunk_size": 4}),
+               ("local", {"block_size": 4})]
 
 
 # The op-level tests cover every plan; at model level the plans not below run with `-m slow`.
