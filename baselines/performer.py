@@ -75,7 +75,15 @@ def performer(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None 
   op = "performer"
   q, k, v, mask, causal, chunk, chunks = check_args(q, k, v, mask, op=op, causal=causal,
                                                     chunk_size=chunk_size, row_chunks=row_chunks)
-  head_dim = q.shape[-1]
+  ct = contract.softmax_dtype(q.dtype, k.dtype, v.dtype)
+  w = resolve_features(features, rng, num_features, q.shape[-1], ct, op=op)
+  return feature_attention(q, k, v, mask, w, _favor_features, causal=causal, chunk=chunk, row_chunks=chunks)
+
+
+def resolve_features(features: Array | None, rng: Array | None, num_features: int, head_dim: int,
+                     dtype: Any, *, op: str) -> Array:
+  """The random features W [m, head_dim] in `dtype`, without gradient: `features` if given, else drawn from
+  `rng` with `num_features` rows; a ValueError naming the argument when neither fits."""
   if features is None and rng is None:
     raise ValueError(f"{op}: pass 'features' (an [m, head_dim] array) or 'rng' to draw them")
   if features is None:
@@ -83,8 +91,7 @@ def performer(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None 
   elif not hasattr(features, "shape") or features.ndim != 2 or features.shape[1] != head_dim:
     raise ValueError(f"{op}: argument 'features' must have shape [num_features, head_dim={head_dim}], "
                      f"got {getattr(features, 'shape', type(features).__name__)}")
-  w = jax.lax.stop_gradient(jnp.asarray(features).astype(contract.softmax_dtype(q.dtype, k.dtype, v.dtype)))
-  return feature_attention(q, k, v, mask, w, _favor_features, causal=causal, chunk=chunk, row_chunks=chunks)
+  return jax.lax.stop_gradient(jnp.asarray(features).astype(dtype))
 
 
 def _favor_features(q: Array, k: Array, valid: Array | None, w: Array) -> tuple[Array, Array]:

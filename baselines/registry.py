@@ -17,6 +17,7 @@ from baselines.none import none
 from baselines.nystromformer import nystromformer
 from baselines.performer import DEFAULT_CHUNK as PERFORMER_CHUNK
 from baselines.performer import performer
+from baselines.performer_decode import PERFORMER
 from baselines.reformer import reformer
 from baselines.sinkhorn import sinkhorn
 from baselines.synthesizer import synthesizer_dense, synthesizer_random
@@ -34,7 +35,8 @@ def _performer_params(length):
 
 
 register(OpSpec("performer", performer, params=_performer_params,
-                description="Performer FAVOR+, 256 positive orthogonal random features, O(L*m*d)"))
+                description="Performer FAVOR+, 256 positive orthogonal random features, O(L*m*d)",
+                decode=PERFORMER))
 register(OpSpec("linear", linear, params=lambda length: {"chunk_size": LINEAR_CHUNK},
                 description="linear transformer, elu+1 features, O(L*d^2)", decode=LINEAR))
 register(OpSpec("local", local, params=lambda length: {"block_size": sqrt_pow2(length)},

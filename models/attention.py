@@ -185,6 +185,12 @@ class OpAttention(AttentionBase):
     """Extra keyword arguments for the op (subclasses add model-level options)."""
     return {}
 
+  def step_kwargs(self, q: Array, k: Array) -> dict[str, Any]:
+    """`op_kwargs` for one decoding step (q, k: [batch, 1, heads, head_dim]): per-token arrays at that token,
+    functions as they are; subclasses whose arrays are not per token (Performer's features) pass them
+    whole."""
+    return {n: (a if callable(a) else a[:, 0]) for n, a in self.op_kwargs(q, k).items()}
+
   def __call__(self, x: Array, mask: Array | None, *, deterministic: bool) -> Array:
     q, k, v = self.project(x)  # [batch, length, heads, head_dim]
     spec = ops_registry.get(self.op_name)
@@ -227,8 +233,8 @@ class OpAttention(AttentionBase):
     `position` of the causal forward pass over `cache.max_length` tokens."""
     decoder, params = self._decoding(cache.max_length)
     q, k, v = self.project(x)  # [batch, 1, heads, head_dim]
-    extra = {n: (a if callable(a) else a[:, 0]) for n, a in self.op_kwargs(q, k).items()}
-    o, state = decoder.step(cache.state, q[:, 0], k[:, 0], v[:, 0], position, **params, **extra)
+    o, state = decoder.step(cache.state, q[:, 0], k[:, 0], v[:, 0], position, **params,
+                            **self.step_kwargs(q, k))
     return self.out(o[:, None]), LayerCache(state, cache.max_length)  # [batch, 1, features]
 
   def prefill(self, x: Array, cache: LayerCache) -> tuple[Array, LayerCache]:

@@ -58,6 +58,9 @@ class PerformerAttention(attention.OpAttention):
   def op_kwargs(self, q: Array, k: Array) -> dict[str, Any]:
     return {"features": self.random_features[...]}
 
+  def step_kwargs(self, q: Array, k: Array) -> dict[str, Any]:
+    return self.op_kwargs(q, k)  # the features are the module's, not per token
+
   def __call__(self, x: Array, mask: Array | None, *, deterministic: bool) -> Array:
     if not deterministic and self.redraw_every:
       step = self.step[...]

@@ -26,6 +26,7 @@ OP_CASES = [
     ("sparse_axial", {"row_length": 4}),
     ("sparse_logsparse", {}),
     ("linear", {"chunk_size": 4}),
+    ("performer", {"rng": jax.random.key(1), "num_features": 16, "chunk_size": 4}),
     ("local", {"block_size": 4}),
     ("local", {"block_size": 32}),
 ]
@@ -65,7 +66,8 @@ def _decode_all(spec, params, q, k, v, prompt: int = 0, pool_q=None, pool_k=None
   return run(q, k, v, pooled)
 
 
-@pytest.mark.parametrize("name,params", OP_CASES, ids=[f"{n}-{p}" for n, p in OP_CASES])
+@pytest.mark.parametrize("name,params", OP_CASES,
+                         ids=[f"{n}-{ {k: v for k, v in p.items() if k != 'rng'} }" for n, p in OP_CASES])
 def test_op_step_equals_forward(name, params):
   spec = ops_registry.get(name)
   length = 19  # ragged: not a multiple of 4 or 3, > 16 so logsparse has 5 levels
@@ -91,10 +93,13 @@ def test_op_step_equals_forward_with_pooled_inputs(name, params):
   np.testing.assert_allclose(stepped, full[:, 5:], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name,params", [("linear", {"chunk_size": 4}), ("local", {"block_size": 4})])
+@pytest.mark.parametrize("name,params", [("linear", {"chunk_size": 4}), ("local", {"block_size": 4}),
+                                         ("performer", {"rng": jax.random.key(2), "num_features": 16})],
+                         ids=["linear", "local", "performer"])
 def test_op_step_keeps_nonfinite_values_where_the_forward_does(name, params):
   """A NaN or Inf value reaches exactly the outputs it reaches in the forward pass: local's ring keeps the
-  previous block's NaN from the next block, linear's summaries carry it to every later token of its head."""
+  previous block's NaN from the next block; linear's and Performer's summaries carry it to every later token
+  of its head."""
   spec = ops_registry.get(name)
   q, k, v = _qkv(3, 2, 19, 2, 8)
   v = v.at[0, 3, 0, 1].set(jnp.nan).at[1, 9, 1, 0].set(jnp.inf)  # one in the prompt, one after it
@@ -131,7 +136,7 @@ MODEL_CASES = [("dense", {}), ("combiner_fixed", {"block_size": 4}),
                ("combiner_axial_horizontal", {"row_length": 4}), ("combiner_logsparse", {}),
                ("combiner_mixture", {"row_length": 4}), ("sparse_fixed", {"block_size": 4}),
                ("sparse_axial", {"row_length": 4}), ("sparse_logsparse", {}), ("linear", {"chunk_size": 4}),
-               ("local", {"block_size": 4})]
+               ("performer", {"num_features": 16, "chunk_size": 4}), ("local", {"block_size": 4})]
 
 
 # The op-level tests cover every plan; at model level the plans not below run with `-m slow`.
