@@ -109,6 +109,17 @@ def test_op_step_keeps_nonfinite_values_where_the_forward_does(name, params):
   np.testing.assert_allclose(stepped, full[:, 6:], rtol=1e-5, atol=1e-5)  # NaN positions must match too
 
 
+def test_performer_step_rescales_when_a_later_key_raises_the_max():
+  """The forward pass stabilises every key by the row's max, set here by a large key after the prompt; the
+  decoder rescales its summaries when that key arrives, and still equals the forward pass."""
+  spec = ops_registry.get("performer")
+  params = {"rng": jax.random.key(5), "num_features": 16}
+  q, k, v = _qkv(4, 2, 19, 2, 8)
+  k = k.at[:, 12].multiply(3.0)
+  stepped = _decode_all(spec, params, q, k, v, prompt=6)
+  np.testing.assert_allclose(stepped, spec.fn(q, k, v, causal=True, **params)[:, 6:], rtol=2e-5, atol=2e-5)
+
+
 def test_op_without_decoder_names_it():
   from models.attention import check_decodable
 
