@@ -13,6 +13,7 @@ from baselines.linformer import linformer
 from baselines.local import local
 from baselines.local_decode import LOCAL
 from baselines.longformer import longformer
+from baselines.longformer_decode import LONGFORMER
 from baselines.none import none
 from baselines.nystromformer import nystromformer
 from baselines.performer import DEFAULT_CHUNK as PERFORMER_CHUNK
@@ -43,7 +44,8 @@ register(OpSpec("local", local, params=lambda length: {"block_size": sqrt_pow2(l
                 description="block-local attention (own block), O(L*b*d)", decode=LOCAL))
 register(OpSpec("longformer", longformer,
                 params=lambda length: {"window": sqrt_pow2(length), "global_positions": (0,)},
-                description="Longformer sliding window (w each side) + global tokens, O(L*w*d)"))
+                description="Longformer sliding window (w each side) + global tokens, O(L*w*d)",
+                decode=LONGFORMER))
 register(OpSpec("bigbird", bigbird,
                 params=lambda length: {"block_size": min(64, sqrt_pow2(length)), "global_blocks": (0, -1),
                                        "num_random_blocks": 3},

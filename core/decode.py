@@ -33,11 +33,15 @@ class Decoder(NamedTuple):
   prefill(cache, q, k, v, *, pool_q=None, pool_k=None, **plan_params) -> cache, for positions
     [0, prompt_length), with q, k, pool_q, pool_k: [batch, prompt_length, heads, head_dim] (the op
     contract's layout).
+  prompt_params(plan_params, prompt_length, max_length) -> the plan parameters that make the op's forward
+    pass over the prompt alone equal the prompt's rows of a pass over max_length tokens (Longformer's global
+    positions, resolved for max_length, keep those inside the prompt); None: the same parameters.
   """
 
   init_cache: Callable[..., Cache]
   step: Callable[..., tuple[Array, Cache]]
   prefill: Callable[..., Cache]
+  prompt_params: Callable[[dict[str, Any], int, int], dict[str, Any]] | None = None
 
 
 def scan_prefill(step: Callable[..., tuple[Array, Cache]]) -> Callable[..., Cache]:
@@ -62,7 +66,8 @@ def scan_prefill(step: Callable[..., tuple[Array, Cache]]) -> Callable[..., Cach
 
 def bind(decoder: Decoder, **fixed: Any) -> Decoder:
   """The decoder with some plan parameters fixed (as `functools.partial` fixes them for the op)."""
-  return Decoder(*(functools.partial(f, **fixed) for f in decoder))
+  return decoder._replace(**{name: functools.partial(getattr(decoder, name), **fixed)
+                              for name in ("init_cache", "step", "prefill")})
 
 
 def make_decoder(init_cache: Callable[..., Cache], step: Callable[..., tuple[Array, Cache]]) -> Decoder:

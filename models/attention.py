@@ -244,7 +244,9 @@ class OpAttention(AttentionBase):
     q, k, v = self.project(x)  # [batch, prompt_length, heads, head_dim]
     extra = self.op_kwargs(q, k)
     chosen = {} if self.implementation is None else {"implementation": self.implementation}
-    o = ops_registry.get(self.op_name).fn(q, k, v, causal=True, **params, **chosen, **extra)
+    prompt = params if decoder.prompt_params is None else decoder.prompt_params(params, x.shape[1],
+                                                                                 cache.max_length)
+    o = ops_registry.get(self.op_name).fn(q, k, v, causal=True, **prompt, **chosen, **extra)
     state = decoder.prefill(cache.state, q, k, v, **params, **extra)
     return self.out(o), LayerCache(state, cache.max_length)  # [batch, prompt_length, features]
 
