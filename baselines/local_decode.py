@@ -10,8 +10,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from core import contract
-from core.combine import Piece, joint_softmax, weighted_sum
-from core.decode import Cache, Decoder, finish, token, write, zeros
+from core.decode import Cache, Decoder, attend_cached, finish, token, write, zeros
 
 Array = Any
 
@@ -36,10 +35,7 @@ def step(cache: Cache, q: Array, k: Array, v: Array, position: Any, *, pool_q: A
   slot = x.position % slots
   cache = {"k": write(cache["k"], x.k, slot), "v": write(cache["v"], x.v, slot)}
   valid = jnp.arange(slots) <= slot  # [slots]
-  logits = jnp.einsum("bhd,bhnd->bhn", x.q, cache["k"]) * x.scale  # [batch, heads, slots]
-  # The previous block's values stay in the later slots: weighted_sum keeps a NaN there from the output.
-  piece = Piece(logits, valid, lambda w: weighted_sum("bhn,bhnd->bhd", w, cache["v"]))
-  return finish(joint_softmax([piece]), x), cache
+  return finish(attend_cached(x, cache["k"], cache["v"], valid), x), cache
 
 
 def prefill(cache: Cache, q: Array, k: Array, v: Array, *, pool_q: Array | None = None,

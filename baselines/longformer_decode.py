@@ -1,7 +1,8 @@
 """Longformer decoded with a key/value cache of every earlier token: a token attends to the `window` keys
 before it, itself and the global tokens before it; a global token attends to every key up to itself, which is
 why the cache keeps all of them (O(length) per token, as dense decoding). Global positions are resolved for
-the cache's length, as the forward pass resolves them for its own (negative ones count from the end)."""
+the cache's length (negative ones count from its end), and a prompt's forward pass runs over that length
+(`pad_prompt`)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,7 @@ from baselines.dense_decode import init_cache as dense_init_cache
 from baselines.dense_decode import prefill as dense_prefill
 from baselines.longformer import global_indices
 from core import contract
-from core.combine import Piece, joint_softmax, weighted_sum
-from core.decode import Cache, Decoder, finish, token, write
+from core.decode import Cache, Decoder, attend_cached, finish, token, write
 
 Array = Any
 
@@ -40,9 +40,7 @@ def step(cache: Cache, q: Array, k: Array, v: Array, position: Any, *, pool_q: A
   j = jnp.arange(length)
   near = (j >= x.position - window) | jnp.asarray(is_global) | jnp.asarray(is_global)[x.position]
   valid = (j <= x.position) & near  # [length]
-  logits = jnp.einsum("bhd,bhnd->bhn", x.q, cache["k"]) * x.scale  # [batch, heads, length]
-  piece = Piece(logits, valid, lambda w: weighted_sum("bhn,bhnd->bhd", w, cache["v"]))
-  return finish(joint_softmax([piece]), x), cache
+  return finish(attend_cached(x, cache["k"], cache["v"], valid), x), cache
 
 
 def prefill(cache: Cache, q: Array, k: Array, v: Array, *, pool_q: Array | None = None,
@@ -52,11 +50,4 @@ def prefill(cache: Cache, q: Array, k: Array, v: Array, *, pool_q: Array | None 
   return dense_prefill(cache, q, k, v, pool_q=pool_q, pool_k=pool_k)
 
 
-def prompt_params(params: dict[str, Any], prompt_length: int, max_length: int) -> dict[str, Any]:
-  """The global positions of a pass over max_length tokens that fall inside the prompt: the forward pass over
-  the prompt alone then gives the prompt's rows of the longer pass."""
-  glob = global_indices(params.get("global_positions", (0,)), max_length, op="longformer")
-  return {**params, "global_positions": tuple(int(g) for g in glob if g < prompt_length)}
-
-
-LONGFORMER = Decoder(init_cache, step, prefill, prompt_params)
+LONGFORMER = Decoder(init_cache, step, prefill, pad_prompt=True)

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 
 from baselines.bigbird import bigbird
+from baselines.bigbird_decode import BIGBIRD
 from baselines.dense import dense, dense_xla
 from baselines.dense_decode import DENSE
 from baselines.linear import DEFAULT_CHUNK as LINEAR_CHUNK
@@ -49,7 +50,7 @@ register(OpSpec("longformer", longformer,
 register(OpSpec("bigbird", bigbird,
                 params=lambda length: {"block_size": min(64, sqrt_pow2(length)), "global_blocks": (0, -1),
                                        "num_random_blocks": 3},
-                description="BigBird ITC: 3 window + 2 global + 3 random blocks, O(L*8b*d)"))
+                description="BigBird ITC: 3 window + 2 global + 3 random blocks, O(L*8b*d)", decode=BIGBIRD))
 register(OpSpec("none", none, description="no attention (zeros): the feed-forward-only reference"))
 # Learned or sampled baselines: the registered op takes its parameters explicitly; params(length) makes fixed
 # stand-ins for the benchmark (models own the real ones, see models/<name>_attention.py).

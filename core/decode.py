@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from core import contract
-from core.combine import Piece
+from core.combine import Piece, joint_softmax, weighted_sum
 
 Array = Any
 Cache = dict[str, Array]
@@ -33,15 +33,15 @@ class Decoder(NamedTuple):
   prefill(cache, q, k, v, *, pool_q=None, pool_k=None, **plan_params) -> cache, for positions
     [0, prompt_length), with q, k, pool_q, pool_k: [batch, prompt_length, heads, head_dim] (the op
     contract's layout).
-  prompt_params(plan_params, prompt_length, max_length) -> the plan parameters that make the op's forward
-    pass over the prompt alone equal the prompt's rows of a pass over max_length tokens (Longformer's global
-    positions, resolved for max_length, keep those inside the prompt); None: the same parameters.
+  pad_prompt: the prompt's own forward pass runs over max_length tokens, the prompt zero-padded (a causal op's
+    prompt rows never see the padding), for ops whose plan depends on the length (Longformer's global
+    positions, BigBird's block pattern); their models pass no per-token op arguments.
   """
 
   init_cache: Callable[..., Cache]
   step: Callable[..., tuple[Array, Cache]]
   prefill: Callable[..., Cache]
-  prompt_params: Callable[[dict[str, Any], int, int], dict[str, Any]] | None = None
+  pad_prompt: bool = False
 
 
 def scan_prefill(step: Callable[..., tuple[Array, Cache]]) -> Callable[..., Cache]:
@@ -122,6 +122,14 @@ def keys_piece(x: Token, k: Array, v: Array, valid: Array) -> Piece:
   """Attention of the token to the keys k [batch, heads, n, head_dim] where valid ([n] or broadcastable)."""
   logits = jnp.einsum("bhd,bhnd->bhn", x.q, k) * x.scale  # [batch, heads, n]
   return Piece(logits, valid, lambda w: jnp.einsum("bhn,bhnd->bhd", w, v))
+
+
+def attend_cached(x: Token, k: Array, v: Array, valid: Array) -> Array:
+  """The token's softmax attention over cached keys k [batch, heads, n, head_dim] and values v [batch, heads,
+  n, value_dim] where valid ([n]); a value outside valid (a stale ring slot, even NaN) never reaches the
+  output (`weighted_sum`). Returns [batch, heads, value_dim]."""
+  logits = jnp.einsum("bhd,bhnd->bhn", x.q, k) * x.scale  # [batch, heads, n]
+  return joint_softmax([Piece(logits, valid, lambda w: weighted_sum("bhn,bhnd->bhd", w, v))])
 
 
 def finish(out: Array, x: Token) -> Array:

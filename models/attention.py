@@ -244,9 +244,12 @@ class OpAttention(AttentionBase):
     q, k, v = self.project(x)  # [batch, prompt_length, heads, head_dim]
     extra = self.op_kwargs(q, k)
     chosen = {} if self.implementation is None else {"implementation": self.implementation}
-    prompt = params if decoder.prompt_params is None else decoder.prompt_params(params, x.shape[1],
-                                                                                 cache.max_length)
-    o = ops_registry.get(self.op_name).fn(q, k, v, causal=True, **prompt, **chosen, **extra)
+    fn = ops_registry.get(self.op_name).fn
+    if decoder.pad_prompt:  # the plan of max_length tokens; the padding is after every prompt row
+      pad = [(0, 0), (0, cache.max_length - x.shape[1]), (0, 0), (0, 0)]
+      o = fn(*(jnp.pad(a, pad) for a in (q, k, v)), causal=True, **params, **chosen, **extra)[:, :x.shape[1]]
+    else:
+      o = fn(q, k, v, causal=True, **params, **chosen, **extra)
     state = decoder.prefill(cache.state, q, k, v, **params, **extra)
     return self.out(o), LayerCache(state, cache.max_length)  # [batch, prompt_length, features]
 

@@ -31,6 +31,7 @@ OP_CASES = [
     ("local", {"block_size": 32}),
     ("longformer", {"window": 3, "global_positions": (0, 7, -2)}),
     ("longformer", {"window": 4, "global_positions": ()}),
+    ("bigbird", {"block_size": 3, "global_blocks": (0, -2), "num_random_blocks": 2, "seed": 3}),
 ]
 
 
@@ -97,8 +98,9 @@ def test_op_step_equals_forward_with_pooled_inputs(name, params):
 
 @pytest.mark.parametrize("name,params", [("linear", {"chunk_size": 4}), ("local", {"block_size": 4}),
                                          ("performer", {"rng": jax.random.key(2), "num_features": 16}),
-                                         ("longformer", {"window": 3, "global_positions": (0, 4)})],
-                         ids=["linear", "local", "performer", "longformer"])
+                                         ("longformer", {"window": 3, "global_positions": (0, 4)}),
+                                         ("bigbird", {"block_size": 3, "num_random_blocks": 1})],
+                         ids=["linear", "local", "performer", "longformer", "bigbird"])
 def test_op_step_keeps_nonfinite_values_where_the_forward_does(name, params):
   """A NaN or Inf value reaches exactly the outputs it reaches in the forward pass: local's ring keeps the
   previous block's NaN from the next block; linear's and Performer's summaries carry it to every later token
@@ -151,7 +153,8 @@ MODEL_CASES = [("dense", {}), ("combiner_fixed", {"block_size": 4}),
                ("combiner_mixture", {"row_length": 4}), ("sparse_fixed", {"block_size": 4}),
                ("sparse_axial", {"row_length": 4}), ("sparse_logsparse", {}), ("linear", {"chunk_size": 4}),
                ("performer", {"num_features": 16, "chunk_size": 4}), ("local", {"block_size": 4}),
-               ("longformer", {"window": 3, "global_positions": (0, 7, -3)})]
+               ("longformer", {"window": 3, "global_positions": (0, 7, -3)}),
+               ("bigbird", {"block_size": 1, "num_random_blocks": 1})]
 
 
 # The op-level tests cover every plan; at model level the plans not below run with `-m slow`.
