@@ -31,10 +31,18 @@ def init_cache(batch: int, heads: int, max_length: int, head_dim: int, value_dim
           "seen_bad": jnp.zeros((batch, heads), bool)}
 
 
-def _clean(v: Array) -> tuple[Array, Array]:
+def clean_values(v: Array) -> tuple[Array, Array]:
   """v [..., e] -> (v with non-finite entries selected to 0, whether each row [...] held one)."""
   finite = jnp.isfinite(v)
   return jnp.where(finite, v, 0.0), ~jnp.all(finite, axis=-1)
+
+
+def read_summaries(phi_q: Array, cache: Cache) -> Array:
+  """phi(q)^T S / phi(q)^T z for phi_q [batch, heads, m] (zeros where the denominator is not positive), NaN
+  for a head that has seen a non-finite value: [batch, heads, e]."""
+  denom = jnp.einsum("bhm,bhm->bh", phi_q, cache["ksum"])  # [batch, heads]
+  out = jnp.einsum("bhm,bhme->bhe", phi_q, cache["kv"]) / jnp.where(denom > 0, denom, 1.0)[..., None]
+  return jnp.where(cache["seen_bad"][..., None], jnp.nan, out)
 
 
 def step(cache: Cache, q: Array, k: Array, v: Array, position: Any, *, pool_q: Array | None = None,
@@ -43,12 +51,10 @@ def step(cache: Cache, q: Array, k: Array, v: Array, position: Any, *, pool_q: A
   del pool_q, pool_k, chunk_size
   x = token(q, k, v, position, None, None, op="linear")
   phi_q, phi_k = elu_feature_map(x.q), elu_feature_map(x.k)  # [batch, heads, m]
-  values, bad = _clean(x.v)  # [batch, heads, e], [batch, heads]
+  values, bad = clean_values(x.v)  # [batch, heads, e], [batch, heads]
   cache = {"kv": cache["kv"] + phi_k[..., :, None] * values[..., None, :],
            "ksum": cache["ksum"] + phi_k, "seen_bad": cache["seen_bad"] | bad}
-  denom = jnp.einsum("bhm,bhm->bh", phi_q, cache["ksum"])  # [batch, heads]
-  out = jnp.einsum("bhm,bhme->bhe", phi_q, cache["kv"]) / jnp.where(denom > 0, denom, 1.0)[..., None]
-  return finish(jnp.where(cache["seen_bad"][..., None], jnp.nan, out), x), cache
+  return finish(read_summaries(phi_q, cache), x), cache
 
 
 def prefill(cache: Cache, q: Array, k: Array, v: Array, *, pool_q: Array | None = None,
@@ -57,7 +63,7 @@ def prefill(cache: Cache, q: Array, k: Array, v: Array, *, pool_q: Array | None 
   del q, pool_q, pool_k, chunk_size
   ct = cache["kv"].dtype
   phi_k = elu_feature_map(k.astype(ct))  # [batch, prompt_length, heads, m]
-  values, bad = _clean(v.astype(ct))  # [batch, prompt_length, heads, e], [batch, prompt_length, heads]
+  values, bad = clean_values(v.astype(ct))  # [batch, prompt_length, heads, e], [batch, prompt_length, heads]
   return {"kv": cache["kv"] + jnp.einsum("blhm,blhe->bhme", phi_k, values),
           "ksum": cache["ksum"] + jnp.sum(phi_k, axis=1),
           "seen_bad": cache["seen_bad"] | jnp.any(bad, axis=1)}

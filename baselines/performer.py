@@ -94,16 +94,25 @@ def resolve_features(features: Array | None, rng: Array | None, num_features: in
   return jax.lax.stop_gradient(jnp.asarray(features).astype(dtype))
 
 
+def query_features(q: Array, w: Array) -> Array:
+  """phi(q') up to a per-query factor that cancels between numerator and denominator (|q'|^2 / 2 and the
+  max over the features): q [..., d], w [m, d] -> [..., m]."""
+  qp = jnp.einsum("...d,md->...m", q * float(q.shape[-1]) ** -0.25, w)  # [..., m]
+  return jnp.exp(qp - jax.lax.stop_gradient(jnp.max(qp, axis=-1, keepdims=True)))
+
+
+def key_exponents(k: Array, w: Array) -> Array:
+  """The exponents of phi(k'), W k' - |k'|^2 / 2, before the stabilising shift: k [..., d] -> [..., m]."""
+  ks = k * float(k.shape[-1]) ** -0.25
+  return jnp.einsum("...d,md->...m", ks, w) - 0.5 * jnp.sum(ks * ks, axis=-1, keepdims=True)
+
+
 def _favor_features(q: Array, k: Array, valid: Array | None, w: Array) -> tuple[Array, Array]:
   """FAVOR+'s `FeatureMap` (baselines.linear) for rows q, k [rows, length, d] and features w [m, d], with
   the stabilising factors that cancel in the output: [rows, length, m] each. valid None: every key real."""
-  scale = float(q.shape[-1]) ** -0.25
-  qp = jnp.einsum("gld,md->glm", q * scale, w)  # [rows, length, m]
-  # Per-query factors (|q'|^2 / 2 and the row max) cancel between numerator and denominator.
-  phi_q = jnp.exp(qp - jax.lax.stop_gradient(jnp.max(qp, axis=-1, keepdims=True)))
+  phi_q = query_features(q, w)  # [rows, length, m]
   # Masked keys selected to zero first: a NaN there reaches no gradient.
-  ks = (k if valid is None else jnp.where(valid, k, 0.0)) * scale
-  kp = jnp.einsum("gld,md->glm", ks, w) - 0.5 * jnp.sum(ks * ks, axis=-1, keepdims=True)
+  kp = key_exponents(k if valid is None else jnp.where(valid, k, 0.0), w)  # [rows, length, m]
   # One factor per (batch, head) row cancels too; only real keys set it.
   # Non-finite projections (a NaN or Inf key, which no visible output may depend on) stay out of the max.
   real = jnp.isfinite(kp) if valid is None else valid & jnp.isfinite(kp)

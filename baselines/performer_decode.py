@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 
-from baselines.performer import DEFAULT_FEATURES, resolve_features
+from baselines.linear_decode import clean_values, read_summaries
+from baselines.performer import DEFAULT_FEATURES, key_exponents, query_features, resolve_features
 from core import contract
 from core.decode import Cache, Decoder, finish, token
 
@@ -37,19 +37,17 @@ def init_cache(batch: int, heads: int, max_length: int, head_dim: int, value_dim
 
 def _absorb(cache: Cache, k: Array, v: Array, w: Array) -> Cache:
   """The summaries with keys k [batch, n, heads, d] and values v [batch, n, heads, e] added (w [m, d])."""
-  ks = k * float(k.shape[-1]) ** -0.25
-  kp = jnp.einsum("bnhd,md->bnhm", ks, w) - 0.5 * jnp.sum(ks * ks, axis=-1, keepdims=True)  # [b, n, h, m]
+  kp = key_exponents(k, w)  # [batch, n, heads, m]
   new_max = jnp.max(jnp.where(jnp.isfinite(kp), kp, -jnp.inf), axis=(1, 3))  # [batch, heads]
   shift = jnp.maximum(cache["shift"], new_max)
   safe = jnp.where(jnp.isfinite(shift), shift, 0.0)
   # exp(old - new) <= 1 for the summaries so far; they are zeros (or NaN, kept) while the old shift is -inf.
   rescale = jnp.where(jnp.isfinite(cache["shift"]), jnp.exp(cache["shift"] - safe), 0.0)  # [batch, heads]
   phi_k = jnp.exp(kp - safe[:, None, :, None])  # [batch, n, heads, m]
-  finite = jnp.isfinite(v)
-  values = jnp.where(finite, v, 0.0)
+  values, bad = clean_values(v)  # [batch, n, heads, e], [batch, n, heads]
   return {"kv": cache["kv"] * rescale[..., None, None] + jnp.einsum("bnhm,bnhe->bhme", phi_k, values),
           "ksum": cache["ksum"] * rescale[..., None] + jnp.sum(phi_k, axis=1), "shift": shift,
-          "seen_bad": cache["seen_bad"] | jnp.any(~finite, axis=(1, 3))}
+          "seen_bad": cache["seen_bad"] | jnp.any(bad, axis=1)}
 
 
 def step(cache: Cache, q: Array, k: Array, v: Array, position: Any, *, pool_q: Array | None = None,
@@ -60,11 +58,7 @@ def step(cache: Cache, q: Array, k: Array, v: Array, position: Any, *, pool_q: A
   x = token(q, k, v, position, None, None, op="performer")
   w = resolve_features(features, rng, num_features, q.shape[-1], x.q.dtype, op="performer")
   cache = _absorb(cache, x.k[:, None], x.v[:, None], w)
-  qp = jnp.einsum("bhd,md->bhm", x.q * float(q.shape[-1]) ** -0.25, w)  # [batch, heads, m]
-  phi_q = jnp.exp(qp - jax.lax.stop_gradient(jnp.max(qp, axis=-1, keepdims=True)))  # a factor that cancels
-  denom = jnp.einsum("bhm,bhm->bh", phi_q, cache["ksum"])  # [batch, heads]
-  out = jnp.einsum("bhm,bhme->bhe", phi_q, cache["kv"]) / jnp.where(denom > 0, denom, 1.0)[..., None]
-  return finish(jnp.where(cache["seen_bad"][..., None], jnp.nan, out), x), cache
+  return finish(read_summaries(query_features(x.q, w), cache), x), cache
 
 
 def prefill(cache: Cache, q: Array, k: Array, v: Array, *, pool_q: Array | None = None,

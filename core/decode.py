@@ -128,8 +128,8 @@ def attend_cached(x: Token, k: Array, v: Array, valid: Array) -> Array:
   """The token's softmax attention over cached keys k [batch, heads, n, head_dim] and values v [batch, heads,
   n, value_dim] where valid ([n]); a value outside valid (a stale ring slot, even NaN) never reaches the
   output (`weighted_sum`). Returns [batch, heads, value_dim]."""
-  logits = jnp.einsum("bhd,bhnd->bhn", x.q, k) * x.scale  # [batch, heads, n]
-  return joint_softmax([Piece(logits, valid, lambda w: weighted_sum("bhn,bhnd->bhd", w, v))])
+  piece = keys_piece(x, k, v, valid)._replace(apply=lambda w: weighted_sum("bhn,bhnd->bhd", w, v))
+  return joint_softmax([piece])
 
 
 def finish(out: Array, x: Token) -> Array:
