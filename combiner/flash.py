@@ -170,6 +170,25 @@ def _key_tiles(spec: _Spec, qid_max: Array, num: int) -> Array | int:
   return num
 
 
+def _over_key_tiles(spec: _Spec, qid_max: Array, body, carry):
+  """carry after body(j, carry) for the key tiles j a query tile must visit.
+
+  A source of one tile runs it once at the static offset 0, even where a causal rule lets no key of it be
+  seen (every logit is then masked): Mosaic cannot prove a dynamic offset into a key-code row of fewer than
+  128 lanes aligned (E2003), and a tile of 128 or more keys only exists when every offset is a multiple of
+  128. Larger sources loop, stopping after the last tile a causal rule lets the query tile see.
+  """
+  num = spec.n // spec.block
+  if num == 1:
+    return body(0, carry)
+  return lax.fori_loop(0, _key_tiles(spec, qid_max, num), body, carry)
+
+
+def _tile_start(j: Array | int, block: int) -> Array | int:
+  """Offset of key tile j (static 0 for a source of one tile, see `_over_key_tiles`)."""
+  return j * block if isinstance(j, int) else pl.multiple_of(j * block, block)
+
+
 def _scores(q, k, valid_ref, vstart, spec: _Spec, qid, start, scale):
   """Logits [bq, bk] (float32) of a query tile against the key tile at `start`, which are visible, and which
   keys ([1, bk]) held a non-finite key or value.
@@ -215,7 +234,7 @@ def _fwd_kernel(q_ref, *refs, specs: Sequence[_Spec], scale: float, block_q: int
 
     def body(j, carry, spec=spec, k_ref=k_ref, v_ref=v_ref, valid_ref=valid_ref, qid=qid):
       m, den, acc = carry
-      start = pl.multiple_of(j * spec.block, spec.block)
+      start = _tile_start(j, spec.block)
       k = k_ref[pl.ds(start, spec.block), :]
       v = _finite(v_ref[pl.ds(start, spec.block), :])
       s, ok, bad = _scores(q, k, valid_ref, start, spec, qid, start, scale)
@@ -229,7 +248,7 @@ def _fwd_kernel(q_ref, *refs, specs: Sequence[_Spec], scale: float, block_q: int
       acc = alpha * acc + _dot(p.astype(v.dtype), v)
       return m_new, den, acc
 
-    m, den, acc = lax.fori_loop(0, _key_tiles(spec, qid_max, spec.n // spec.block), body, (m, den, acc))
+    m, den, acc = _over_key_tiles(spec, qid_max, body, (m, den, acc))
   nonempty = den > 0
   safe = jnp.where(nonempty, den, 1.0)
   o_ref[...] = (acc / safe).astype(o_ref.dtype)
@@ -251,7 +270,7 @@ def _dq_kernel(q_ref, do_ref, lse_ref, delta_ref, *refs, specs: Sequence[_Spec],
     qid_max = t * block_q + block_q - 1 if spec.qid == "row" else g
 
     def body(j, dq, spec=spec, k_ref=k_ref, v_ref=v_ref, valid_ref=valid_ref, qid=qid):
-      start = pl.multiple_of(j * spec.block, spec.block)
+      start = _tile_start(j, spec.block)
       k = k_ref[pl.ds(start, spec.block), :]
       v = _finite(v_ref[pl.ds(start, spec.block), :])
       s, ok, _ = _scores(q, k, valid_ref, start, spec, qid, start, scale)
@@ -260,7 +279,7 @@ def _dq_kernel(q_ref, do_ref, lse_ref, delta_ref, *refs, specs: Sequence[_Spec],
       ds = p * (dp - delta)
       return dq + _dot(ds.astype(k.dtype), _finite(k)) * scale
 
-    dq = lax.fori_loop(0, _key_tiles(spec, qid_max, spec.n // spec.block), body, dq)
+    dq = _over_key_tiles(spec, qid_max, body, dq)
   dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
