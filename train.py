@@ -318,11 +318,23 @@ class Experiment:
         out_shardings=(self.param_shardings, self.rest_shardings, self.opt_shardings, self.replicated),
         donate_argnums=(0, 1, 2))
 
-  def train_step(self, state: TrainState, batch: dict[str, np.ndarray]) -> tuple[TrainState, dict[str, Any]]:
+  def jitted_train_step(self) -> Callable:
+    """The jitted, donated step (params, rest, opt_state, rng, step, batch) -> (params, rest, opt_state, out),
+    built once; `scripts.compile_tpu` lowers it ahead of time."""
     if self._train_step is None:
       self._train_step = self._build_train_step()
-    params, rest, opt, out = self._train_step(state.params, state.rest, state.opt_state, self.rng_state,
-                                              jnp.asarray(state.step, jnp.int32), self.global_batch(batch))
+    return self._train_step
+
+  def abstract_rng_state(self) -> Any:
+    """Shapes, dtypes and shardings of the rng-stream state (the step's `rng` argument), nothing allocated."""
+    abs_rng = jax.eval_shape(lambda: nnx.split(self._build(), nnx.Param, nnx.RngState, ...)[2])
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abs_rng,
+                        self.rng_shardings)
+
+  def train_step(self, state: TrainState, batch: dict[str, np.ndarray]) -> tuple[TrainState, dict[str, Any]]:
+    step = self.jitted_train_step()
+    params, rest, opt, out = step(state.params, state.rest, state.opt_state, self.rng_state,
+                                  jnp.asarray(state.step, jnp.int32), self.global_batch(batch))
     return TrainState(params, rest, opt, state.step + 1), out
 
   def _build_eval_step(self) -> Callable:

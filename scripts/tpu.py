@@ -13,6 +13,11 @@ worker, log in ~/train.log), logs, status, run (all of these, then watch: when t
 SUSPENDED/FAILED or gone, it is deleted and recreated and training resumes from the workdir's checkpoint),
 delete. `--dry_run` prints every command instead of running it. Commands are argument lists; the remote shell
 command quotes every user-given value with shlex.quote.
+
+Before create and run make a slice, the config's whole train step is compiled here for the accelerator type
+(`scripts/compile_tpu.py`, with the `--config.*` and gin flags given after `--`): a config that does not fit
+the slice's HBM or does not compile creates nothing. `--skip_compile_check` skips it; `--dry_run` only
+prints it.
 """
 
 from __future__ import annotations
@@ -142,6 +147,40 @@ def train_cmds(args: argparse.Namespace) -> list[list[str]]:
   return [ssh_cmd(args, f"cd {REMOTE_DIR} && setsid nohup {run} > {REMOTE_LOG} 2>&1 < /dev/null &")]
 
 
+def compile_check_cmd(args: argparse.Namespace) -> list[str]:
+  """scripts/compile_tpu.py for --config on --accelerator, with the train flags after `--` it understands."""
+  config, colon, arg = args.config.partition(":")
+  if not os.path.isabs(config) and not os.path.exists(config):
+    config = os.path.join(ROOT, config)  # train.py reads it relative to the repository root
+  forwarded, rest = [], list(args.train_args)
+  while rest:
+    a = rest.pop(0)
+    name = a.split("=", 1)[0]
+    if name.startswith("--config.") or name in ("--gin_file", "--gin_bindings"):
+      forwarded.append(a)
+      if "=" not in a and rest and not rest[0].startswith("--"):
+        forwarded.append(rest.pop(0))
+  return [sys.executable, os.path.join(ROOT, "scripts", "compile_tpu.py"), "--config", config + colon + arg,
+          "--topology", args.accelerator, *forwarded]
+
+
+def compile_check(args: argparse.Namespace, run: Runner) -> None:
+  """Refuses (SystemExit) to go on when the config's train step does not fit or compile on the slice."""
+  if args.skip_compile_check:
+    return
+  if not args.config:
+    run.note("no --config: the compile check is skipped")
+    return
+  cmd = compile_check_cmd(args)
+  if run.dry_run:
+    run.note("compile check, not run by --dry_run: " + shlex.join(cmd))
+    return
+  code, _ = run(cmd, check=False)
+  if code:
+    raise SystemExit(f"the compile check of {args.config} on {args.accelerator} failed (exit {code}): "
+                     f"not creating {args.name}; --skip_compile_check creates it anyway")
+
+
 def logs_cmd(args: argparse.Namespace) -> list[str]:
   return ssh_cmd(args, f"tail -n +1 -F {REMOTE_LOG}", worker="0")
 
@@ -254,6 +293,7 @@ def dispatch(args: argparse.Namespace, run: Runner) -> int:
   if cmd in ("create", "run") and not args.accelerator:
     raise SystemExit(f"{cmd} needs --accelerator (e.g. v4-8, v5e-16)")
   if cmd == "create":
+    compile_check(args, run)
     run(create_cmd(args))
     if not wait_active(args, run):
       raise SystemExit(f"queued resource {args.name} did not become ACTIVE")
@@ -271,6 +311,7 @@ def dispatch(args: argparse.Namespace, run: Runner) -> int:
     run(delete_cmd(args))
   elif cmd == "run":
     train_cmds(args)  # checks --config/--workdir before anything is created
+    compile_check(args, run)
     if not start(args, run):
       raise SystemExit(f"queued resource {args.name} did not become ACTIVE")
     watch(args, run)
@@ -300,6 +341,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   p.add_argument("--max_restarts", type=int, default=20, help="give up after this many preemptions")
   p.add_argument("--delete_after", action="store_true", help="run: delete the slice when training finished")
   p.add_argument("--dry_run", action="store_true", help="print every command instead of running it")
+  p.add_argument("--skip_compile_check", action="store_true",
+                 help="create the slice without first compiling the config's train step for it here")
   p.epilog = "Everything after `--` goes to train.py, e.g. -- --config.seed=1"
   argv = list(sys.argv[1:] if argv is None else argv)
   cut = argv.index("--") if "--" in argv else len(argv)

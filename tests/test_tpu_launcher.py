@@ -1,8 +1,10 @@
 """scripts/tpu.py --dry_run: the exact gcloud commands for a v4-8 (spot) and a v5e-16 (on-demand) run,
 quoting of user input, and the clear errors; nothing is executed (subprocess is blocked)."""
 
+import os
 import shlex
 import subprocess
+import sys
 
 import pytest
 
@@ -108,3 +110,37 @@ def test_run_recreates_the_slice_after_a_preemption(monkeypatch, capsys):
   assert len(creates) == 2 and len(trains) == 2 and len(deletes) == 2  # recreated once, deleted at the end
   assert creates[0] < trains[0] < deletes[0] < creates[1] < trains[1] < deletes[1] == len(kinds) - 1
   assert "training finished" in capsys.readouterr().out
+
+
+def test_the_compile_check_runs_first_with_the_config_flags(capsys):
+  capsys.readouterr()
+  assert tpu.main(["create", "--dry_run", "--name", "n", "--zone", "z", "--accelerator", "v5e-16", "--config",
+                   "configs/c4.py", "--", "--config.train.batch_size", "64", "--noprogress",
+                   "--gin_bindings=attention.deepsets = True"]) == 0
+  lines = capsys.readouterr().out.splitlines()
+  check = shlex.split(lines[0].split(": ", 1)[1])
+  assert lines[0].startswith("# compile check")
+  assert lines[1].startswith("gcloud compute tpus queued-resources create")
+  assert check[1].endswith("scripts/compile_tpu.py") and check[-5:] == [
+      "--topology", "v5e-16", "--config.train.batch_size", "64", "--gin_bindings=attention.deepsets = True"]
+  assert tpu.main(["create", "--dry_run", "--name", "n", "--zone", "z", "--accelerator", "v5e-16", "--config",
+                   "configs/c4.py", "--skip_compile_check"]) == 0
+  assert "compile check" not in capsys.readouterr().out
+
+
+def test_no_slice_is_created_when_the_config_does_not_fit(tmp_path):
+  """The real launcher, with a `gcloud` on PATH that records its calls: the compile check of a batch no chip
+  holds fails, so gcloud is never called."""
+  pytest.importorskip("libtpu")
+  log = tmp_path / "gcloud.log"
+  (tmp_path / "gcloud").write_text(f"#!/bin/sh\necho \"$@\" >> {log}\n")
+  (tmp_path / "gcloud").chmod(0o755)
+  env = {**os.environ, "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}"}
+  proc = subprocess.Popen([sys.executable, "-m", "scripts.tpu", "create", "--name", "n", "--zone", "z",
+                           "--accelerator", "v5e-1", "--config", "configs/default.py:smoke", "--",
+                           "--config.train.batch_size=4194304"], cwd=tpu.ROOT, env=env, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+  out, err = proc.communicate(timeout=300)
+  assert proc.returncode == 1
+  assert "does not fit on v5e-1" in err and "not creating n" in err.splitlines()[-1]
+  assert not log.exists()

@@ -1,0 +1,424 @@
+r"""Compiles a config's whole train step for a Cloud TPU slice on this machine, before paying for the slice.
+
+    python -m scripts.compile_tpu --config configs/c4.py --topology v5e-16
+    python -m scripts.compile_tpu --config configs/cifar10.py:attention=combiner_fixed --topology v4-32 \
+        --config.train.batch_size=64
+    python -m scripts.compile_tpu --config configs/wiki40b.py --topology v5p     # the smallest v5p slice
+    python -m scripts.compile_tpu --list_topologies
+    python -m scripts.compile_tpu --docs docs/tpu.md                             # the table of docs/tpu.md
+
+libtpu runs the real TPU compiler ahead of time on the host's CPU (`jax.experimental.topologies`), so no TPU
+is needed. The step is the one train.py runs: `train.Experiment` builds the model, optimizer, state
+shardings and mesh (`train.make_mesh` over the slice's devices) and its jitted, donated step is lowered with
+abstract arguments: the sharded state and a global batch of `config.train.batch_size` examples, shapes only
+(no data is read). Printed per chip: the HBM the step needs (arguments, temporaries, outputs, generated code)
+against the chip's, the step's FLOPs and bytes accessed (XLA's cost analysis), and a roofline estimate of the
+step time, max(FLOPs / peak bf16 FLOP/s, bytes / HBM bandwidth), from the per-generation figures of
+GENERATIONS. The estimate is a lower bound: XLA's cost analysis counts a loop body once and does not see
+inside Pallas kernels.
+
+--topology takes a Cloud TPU accelerator type (v4-32, v5e-16 = v5litepod-16, v5p-128, v6e-8: v4 and v5p
+names count TensorCores, two per chip, v5e and v6e names count chips), or a generation alone (v5e): then the
+smallest slice of it that the step fits is searched. `--num_slices N` compiles for N such slices (multislice,
+the data axis spans them). Exit status: 0 when the step compiles and fits, 2 when it does not fit in HBM or a
+flag is wrong (one line naming it), 1 when the compiler fails (one line: the config, the topology and the
+compiler's first error line). scripts/tpu.py runs this check before it creates a slice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from typing import Any
+
+# Before jax and libtpu load: the host's devices are never used (compile only), other processes on this host
+# may hold libtpu's lock, and libtpu would warn that it is not on a TPU VM.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+os.environ.setdefault("TPU_HOST_BOUNDS", "1,1,1")
+
+if __package__ in (None, ""):  # run as a file (scripts/tpu.py does): the repository root is the import root
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+GiB = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+  """One TPU generation: HBM per chip, peak dense bf16 FLOP/s and HBM bandwidth per chip, slice shapes."""
+
+  name: str
+  hbm_bytes: int
+  peak_flops: float
+  hbm_bandwidth: float  # bytes/s
+  counts_cores: bool  # accelerator-type names count TensorCores (two per chip), not chips
+  shapes: dict[int, tuple[int, ...]]  # chips -> the slice's physical shape
+
+  @property
+  def megacore(self) -> bool:
+    return self.counts_cores  # v4 and v5p: one jax device per chip (both TensorCores)
+
+  def slice_name(self, chips: int) -> str:
+    return f"{self.name}-{chips * 2 if self.counts_cores else chips}"
+
+
+_SHAPES_2D = {1: (1, 1), 4: (2, 2), 8: (2, 4), 16: (4, 4), 32: (4, 8), 64: (8, 8), 128: (8, 16),
+              256: (16, 16)}
+_SHAPES_3D = {4: (2, 2, 1), 8: (2, 2, 2), 16: (2, 2, 4), 32: (2, 4, 4), 64: (4, 4, 4), 128: (4, 4, 8),
+              256: (4, 8, 8), 512: (8, 8, 8), 1024: (8, 8, 16), 2048: (8, 16, 16)}
+GENERATIONS = {
+  "v4": Generation("v4", 32 * GiB, 275e12, 1.2e12, True, _SHAPES_3D),
+  "v5e": Generation("v5e", 16 * GiB, 197e12, 819e9, False, _SHAPES_2D),
+  "v5p": Generation("v5p", 95 * GiB, 459e12, 2.765e12, True, _SHAPES_3D),
+  "v6e": Generation("v6e", 32 * GiB, 918e12, 1.64e12, False, _SHAPES_2D),
+}
+ALIASES = {"v5litepod": "v5e"}  # gcloud's accelerator-type prefix -> the generation
+
+
+class BadTopology(ValueError):
+  """--topology names no slice this script knows."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Slice:
+  gen: Generation
+  chips: int
+  num_slices: int = 1
+
+  @property
+  def name(self) -> str:
+    return self.gen.slice_name(self.chips) + (f" x {self.num_slices} slices" if self.num_slices > 1 else "")
+
+  @property
+  def topology_name(self) -> str:
+    return f"{self.gen.name}:" + "x".join(map(str, self.gen.shapes[self.chips]))
+
+
+def topology_names() -> list[str]:
+  return [g.slice_name(chips) for g in GENERATIONS.values() for chips in g.shapes]
+
+
+def allowed() -> str:
+  return (", ".join(topology_names()) + " (v5litepod-N = v5e-N), or a generation alone ("
+          + ", ".join(GENERATIONS) + ") for its smallest slice that fits")
+
+
+def parse_topology(name: str, num_slices: int = 1) -> tuple[Generation, list[int]]:
+  """`v5e-16` -> (v5e, [16]); `v5e` -> (v5e, every slice size, smallest first)."""
+  gen_name, _, count = name.strip().lower().partition("-")
+  gen = GENERATIONS.get(ALIASES.get(gen_name, gen_name))
+  if gen is None:
+    raise BadTopology(f"--topology={name!r} is not one of {allowed()}")
+  if num_slices < 1:
+    raise BadTopology(f"--num_slices={num_slices} must be at least 1")
+  if not count:
+    return gen, sorted(gen.shapes)
+  chips = int(count) // 2 if count.isdigit() and gen.counts_cores and int(count) % 2 == 0 else (
+      int(count) if count.isdigit() and not gen.counts_cores else None)
+  if chips not in gen.shapes:
+    raise BadTopology(f"--topology={name!r} is not one of {allowed()}")
+  return gen, [chips]
+
+
+def devices(sl: Slice) -> list[Any]:
+  """The slice's compile-only TPU devices (libtpu's topology description), all slices together."""
+  from jax.experimental import topologies
+
+  kw: dict[str, Any] = {"chip_config_name": "megacore" if sl.gen.megacore else "default"}
+  if sl.chips == 1:
+    kw["chips_per_host_bounds"] = (1, 1, 1)
+  if sl.num_slices > 1:
+    kw["num_slices"] = sl.num_slices
+  return list(topologies.get_topology_desc(platform="tpu", topology_name=sl.topology_name, **kw).devices)
+
+
+# -----------------------------------------------------------------------------------------------------------
+# Compiling the train step
+
+
+@dataclasses.dataclass
+class Result:
+  """What one compile says; `status` is "fits", "too big" (HBM or mesh) or "fails" (the compiler)."""
+
+  slice: Slice
+  status: str
+  message: str = ""
+  mesh: dict[str, int] = dataclasses.field(default_factory=dict)
+  memory: dict[str, int] = dataclasses.field(default_factory=dict)
+  flops: float = 0.0
+  bytes_accessed: float = 0.0
+
+  @property
+  def total(self) -> int:
+    return self.memory.get("total", 0)
+
+  @property
+  def step_s(self) -> float:
+    return max(self.flops / self.slice.gen.peak_flops, self.bytes_accessed / self.slice.gen.hbm_bandwidth)
+
+
+def batch_shapes(task: str, batch: int, length: int, sharding: Any) -> dict[str, Any]:
+  """The global training batch as ShapeDtypeStructs, in the layouts of `data` (its module docstring)."""
+  import jax
+  import jax.numpy as jnp
+
+  def spec(shape, dtype):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+  tokens, mask = spec((batch, length), jnp.int32), spec((batch, length), jnp.bool_)
+  out = {"valid": spec((batch,), jnp.bool_)}
+  if task == "retrieval":
+    return {**out, "inputs1": tokens, "mask1": mask, "inputs2": tokens, "mask2": mask,
+            "label": spec((batch,), jnp.int32)}
+  out.update(inputs=tokens, mask=mask)
+  if task == "classify":
+    return {**out, "label": spec((batch,), jnp.int32)}
+  out.update(weights=spec((batch, length), jnp.float32), segment_ids=tokens)
+  if task == "mlm":
+    out["targets"] = tokens
+  return out
+
+
+def first_line(e: BaseException) -> str:
+  lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+  return (lines[0] if lines else type(e).__name__)[:400]
+
+
+def compile_step(config: Any, sl: Slice) -> Result:
+  """AOT-compiles train.py's step for `sl`; never raises for a config that does not fit or compile."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  import train
+
+  try:
+    exp = train.Experiment(config, devices=devices(sl))
+  except ValueError as e:  # train.make_mesh: the mesh does not fit this many chips, or cannot be built
+    return Result(sl, "too big" if "does not fit" in str(e) else "fails", first_line(e))
+  mesh = {k: int(v) for k, v in exp.mesh.shape.items()}
+  batch = int(config.train.batch_size)
+  if batch % exp.data_size:
+    return Result(sl, "too big", f"global batch {batch} is not divisible by the {exp.data_size}-way data "
+                  "axis", mesh)
+  state = exp.abstract_state()
+  step = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(exp.mesh, P()))
+  args = (state["params"], state["rest"], state["opt_state"], exp.abstract_rng_state(), step,
+          batch_shapes(exp.task, batch, int(exp.info.seq_len), exp.batch_sharding))
+  try:
+    compiled = exp.jitted_train_step().lower(*args).compile()
+  except Exception as e:  # the compiler's error (XlaRuntimeError, Mosaic, ...), reported in one line
+    line = first_line(e)
+    fits = not any(s in line for s in ("RESOURCE_EXHAUSTED", "Ran out of memory"))
+    return Result(sl, "fails" if fits else "too big", line, mesh)
+  m = compiled.memory_analysis()
+  memory = {"arguments": int(m.argument_size_in_bytes), "temporaries": int(m.temp_size_in_bytes),
+            "outputs": int(m.output_size_in_bytes - m.alias_size_in_bytes),
+            "code": int(m.generated_code_size_in_bytes)}
+  memory["total"] = sum(memory.values())
+  cost = compiled.cost_analysis()
+  cost = (cost[0] if cost else {}) if isinstance(cost, (list, tuple)) else (cost or {})
+  r = Result(sl, "fits", "", mesh, memory, float(cost.get("flops", 0.0)),
+             float(cost.get("bytes accessed", 0.0)))
+  if r.total > sl.gen.hbm_bytes:
+    r.status = "too big"
+    r.message = (f"needs {r.total / GiB:.2f} GiB of HBM per chip, a {sl.gen.name} chip has "
+                 f"{sl.gen.hbm_bytes // GiB}")
+  return r
+
+
+def search(config: Any, gen: Generation, sizes: list[int], num_slices: int) -> tuple[Result, list[Result]]:
+  """The first of `sizes` (chips, ascending) the step fits or fails to compile on, and the smaller slices it
+  does not fit; when it fits none, the last of them."""
+  skipped: list[Result] = []
+  for chips in sizes:
+    result = compile_step(config, Slice(gen, chips, num_slices))
+    if result.status != "too big":
+      return result, skipped
+    skipped.append(result)
+  return skipped[-1], skipped[:-1]
+
+
+# -----------------------------------------------------------------------------------------------------------
+# Output
+
+
+def _gib(n: int) -> str:
+  return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / (1 << 20):.2f} MiB"
+
+
+def _seconds(s: float) -> str:
+  return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
+
+
+def bound(r: Result) -> str:
+  g = r.slice.gen
+  return "compute" if r.flops / g.peak_flops >= r.bytes_accessed / g.hbm_bandwidth else "HBM bandwidth"
+
+
+def report(label: str, r: Result, batch: int) -> str:
+  """The human-readable table of one compile that fits (or that fits the compiler, not the HBM)."""
+  g, sl = r.slice.gen, r.slice
+  mesh = " ".join(f"{k}={v}" for k, v in r.mesh.items())
+  chips = sl.chips * sl.num_slices
+  lines = [f"{label} on {sl.name} ({chips} chip{'s' if chips > 1 else ''}, topology {sl.topology_name}, "
+           f"mesh {mesh}, global batch {batch})",
+           f"{'per chip':<34}{'':>14}",
+           f"  {'HBM: arguments':<32}{_gib(r.memory['arguments']):>14}",
+           f"  {'HBM: temporaries':<32}{_gib(r.memory['temporaries']):>14}",
+           f"  {'HBM: outputs (not donated)':<32}{_gib(r.memory['outputs']):>14}",
+           f"  {'HBM: generated code':<32}{_gib(r.memory['code']):>14}",
+           f"  {'HBM: total':<32}{_gib(r.total):>14}  of {g.hbm_bytes // GiB} GiB "
+           f"({100 * r.total / g.hbm_bytes:.1f}%)",
+           f"  {'step FLOPs':<32}{r.flops:>14.4g}",
+           f"  {'step bytes accessed':<32}{r.bytes_accessed:>14.4g}",
+           f"  {'roofline step time':<32}{_seconds(r.step_s):>14}  ({bound(r)}-bound at "
+           f"{g.peak_flops / 1e12:g} TFLOP/s, {g.hbm_bandwidth / 1e9:g} GB/s)"]
+  return "\n".join(lines)
+
+
+MARKDOWN_HEADER = ("| config | TPU | compiles | HBM per chip | smallest slice | roofline step time |\n"
+                   "|---|---|---|---|---|---|")
+
+
+def markdown_row(label: str, gen: Generation, r: Result) -> str:
+  if r.status == "fails":
+    cells = [f"fails to compile on {r.slice.name}: {r.message.replace('|', '/')}", "", "", ""]
+  elif r.status == "too big":
+    cells = [f"does not fit: {r.message.replace('|', '/')}", "", "", ""]
+  else:
+    cells = ["yes", f"{r.total / GiB:.2f} of {gen.hbm_bytes // GiB} GiB", r.slice.name,
+             f"{_seconds(r.step_s)} ({bound(r)})"]
+  return f"| `{label}` | {gen.name} | " + " | ".join(cells) + " |"
+
+
+# -----------------------------------------------------------------------------------------------------------
+# docs/tpu.md
+
+# The paper variant of every experiment config, the quickest to compile first.
+DOC_CONFIGS = (
+  "configs/default.py", "configs/pystdlib.py", "configs/lra.py:task=listops", "configs/lra.py:task=text",
+  "configs/lra.py:task=retrieval", "configs/lra.py:task=image", "configs/lra.py:task=pathfinder",
+  "configs/cifar10.py", "configs/cifar10.py:routing_paper", "configs/c4.py", "configs/wiki40b.py",
+  "configs/imagenet64.py", "configs/imagenet64.py:routing_paper", "configs/wiki40b.py:seq_len=8192",
+  "configs/c4.py:seq_len=8192", "configs/imagenet64.py:main", "configs/cifar10.py:main",
+)
+DOC_TIMEOUT_S = 900  # one (config, generation) search
+
+DOC_INTRO = """# Which TPU slice each paper config needs
+
+Generated by `python -m scripts.compile_tpu --docs docs/tpu.md`: the whole train step of each config (its
+paper variant, as train.py would run it, at its own global batch) compiled ahead of time by the TPU compiler
+for each generation, searching the smallest slice the step fits (`--topology v5e` etc.). "HBM per chip" is
+what that slice's chips need (arguments, temporaries, outputs, code) against their HBM. The step time is a
+roofline estimate, max(FLOPs / peak bf16 FLOP/s, bytes accessed / HBM bandwidth), per chip: a lower bound,
+since XLA's cost analysis counts a loop body once and does not see inside Pallas kernels. Slices are
+searched up to the largest the config's global batch can split over (the mesh's data axis must divide it).
+Check one config and slice before creating it: `python -m scripts.compile_tpu --config configs/X.py
+--topology v5e-16` (scripts/tpu.py does so itself).
+
+"""
+
+
+def write_docs(path: str, configs: tuple[str, ...] = DOC_CONFIGS) -> int:
+  """One subprocess of this module per (config, generation) with --markdown; the file is rewritten after each
+  row, so an interrupted run leaves the rows it finished."""
+  rows = [MARKDOWN_HEADER]
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  for label in configs:
+    for gen in GENERATIONS:
+      cmd = [sys.executable, "-m", "scripts.compile_tpu", "--config", label, "--topology", gen, "--markdown"]
+      try:
+        out = subprocess.run(cmd, cwd=root, text=True, capture_output=True, check=False,
+                             timeout=DOC_TIMEOUT_S)
+        row = next((line for line in out.stdout.splitlines() if line.startswith("| `")), None)
+        why = (out.stderr.strip().splitlines() or ["no output"])[-1][:300]
+      except subprocess.TimeoutExpired:
+        row, why = None, f"not measured: the search ran past {DOC_TIMEOUT_S} s on the generating machine"
+      if row is None:
+        row = f"| `{label}` | {gen} | {why.replace('|', '/')} | | | |"
+      print(row, flush=True)
+      rows.append(row)
+      with open(path, "w") as f:
+        f.write(DOC_INTRO + "\n".join(rows) + "\n")
+  return 0
+
+
+# -----------------------------------------------------------------------------------------------------------
+# Command line
+
+
+def _flags():
+  from absl import flags
+  from ml_collections import config_flags
+
+  import train
+
+  config_flags.DEFINE_config_file("config", train.DEFAULT_CONFIG, "experiment config file (path[:arg])",
+                                  lock_config=True)
+  flags.DEFINE_multi_string("gin_file", [], "gin files binding attention constructor fields (as train.py)")
+  flags.DEFINE_multi_string("gin_bindings", [], "gin bindings, e.g. 'attention.deepsets = True'")
+  flags.DEFINE_string("topology", None, "Cloud TPU accelerator type (v4-32, v5e-16, v5p-128, v6e-8) or a "
+                      "generation alone (v5e: the smallest slice that fits)")
+  flags.DEFINE_integer("num_slices", 1, "compile for this many such slices (multislice)")
+  flags.DEFINE_bool("list_topologies", False, "list the accelerator types --topology takes, then exit")
+  flags.DEFINE_bool("markdown", False, "print one row of the docs/tpu.md table instead of the report")
+  flags.DEFINE_string("docs", None, "write the table of every paper config by generation to this file")
+  return flags.FLAGS
+
+
+def fail(message: str, code: int) -> None:
+  print(message, file=sys.stderr, flush=True)
+  sys.exit(code)
+
+
+def main(argv: list[str]) -> None:
+  del argv
+  from absl import flags as absl_flags
+  from absl import logging
+
+  from models import gin_bridge
+
+  logging.set_verbosity(logging.ERROR)
+  flags = absl_flags.FLAGS
+  if flags.list_topologies:
+    for g in GENERATIONS.values():
+      names = ", ".join(g.slice_name(c) for c in g.shapes)
+      print(f"{g.name}: {names}  ({g.hbm_bytes // GiB} GiB HBM, {g.peak_flops / 1e12:g} TFLOP/s bf16, "
+            f"{g.hbm_bandwidth / 1e9:g} GB/s per chip)")
+    return
+  if flags.docs:
+    sys.exit(write_docs(flags.docs))
+  if not flags.topology:
+    fail(f"--topology is required: one of {allowed()}", 2)
+  try:
+    gen, sizes = parse_topology(flags.topology, flags.num_slices)
+  except BadTopology as e:
+    fail(str(e), 2)
+  config = flags.config
+  with config.unlocked():
+    gin_bridge.apply(config, flags.gin_file, flags.gin_bindings)
+  label = flags["config"].config_filename
+  r, skipped = search(config, gen, sizes, flags.num_slices)
+  batch = int(config.train.batch_size)
+  if flags.markdown:
+    print(markdown_row(label, gen, r), flush=True)
+  elif r.memory:
+    print(report(label, r, batch), flush=True)
+  smaller = f" (it does not fit {', '.join(s.slice.name for s in skipped)})" if skipped else ""
+  if r.status == "fails":
+    fail(f"{label} on {r.slice.name}: fails to compile: {r.message}{smaller}", 1)
+  if r.status == "too big":
+    where = r.slice.name if len(sizes) == 1 else f"any {gen.name} slice up to {r.slice.name}"
+    fail(f"{label} does not fit on {where}: {r.message}", 2)
+
+
+if __name__ == "__main__":
+  from absl import app
+
+  _flags()
+  app.run(main)

@@ -1,0 +1,54 @@
+"""scripts/compile_tpu.py as a real subprocess: libtpu compiles the default config's whole train step for a
+one-chip v5e slice on this CPU and the table is printed; a config that cannot fit exits 2 with one line, and
+so does an unknown --topology. Skipped where libtpu is not installed."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("libtpu")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def compile_tpu(*argv: str) -> subprocess.CompletedProcess:
+  return subprocess.run([sys.executable, "-m", "scripts.compile_tpu", *argv], cwd=ROOT, text=True,
+                        capture_output=True, timeout=300, check=False)
+
+
+def lines(text: str) -> list[str]:
+  return [line for line in text.splitlines() if line.strip()]
+
+
+def test_smoke_config_compiles_and_prints_the_table():
+  out = compile_tpu("--config", "configs/default.py:smoke", "--topology", "v5e-1")
+  assert out.returncode == 0, out.stderr
+  head = "configs/default.py:smoke on v5e-1 (1 chip, topology v5e:1x1, mesh data=1 seq=1 model=1"
+  assert head in out.stdout
+  for row in ("HBM: arguments", "HBM: temporaries", "HBM: outputs", "step FLOPs", "step bytes accessed"):
+    assert row in out.stdout
+  assert "of 16 GiB" in out.stdout and "roofline step time" in out.stdout
+  assert "Traceback" not in out.stderr
+
+
+def test_a_config_that_cannot_fit_exits_2_with_one_line():
+  out = compile_tpu("--config", "configs/default.py:smoke", "--topology", "v5e-1",
+                    "--config.train.batch_size=4194304")
+  assert out.returncode == 2
+  (line,) = lines(out.stderr)
+  assert line.startswith("configs/default.py:smoke does not fit on v5e-1: ")
+
+
+def test_a_bad_topology_exits_2_with_one_line():
+  out = compile_tpu("--config", "configs/default.py:smoke", "--topology", "v5e-3")
+  assert out.returncode == 2 and out.stdout == ""
+  (line,) = lines(out.stderr)
+  assert "--topology='v5e-3'" in line and "v4-32" in line and "v5e-16" in line and "v5p-128" in line
+
+
+def test_list_topologies():
+  out = compile_tpu("--list_topologies")
+  assert out.returncode == 0
+  assert "v4-8, v4-16, v4-32" in out.stdout and "v5e-1, v5e-4" in out.stdout and "95 GiB" in out.stdout
