@@ -116,9 +116,9 @@ def parse_topology(name: str, num_slices: int = 1) -> tuple[Generation, list[int
     raise BadTopology(f"--num_slices={num_slices} must be at least 1")
   if not count:
     return gen, sorted(gen.shapes)
-  chips = int(count) // 2 if count.isdigit() and gen.counts_cores and int(count) % 2 == 0 else (
-      int(count) if count.isdigit() and not gen.counts_cores else None)
-  if chips not in gen.shapes:
+  n = int(count) if count.isdigit() else 0
+  chips = n // 2 if gen.counts_cores else n
+  if chips not in gen.shapes or (gen.counts_cores and n % 2):
     raise BadTopology(f"--topology={name!r} is not one of {allowed()}")
   return gen, [chips]
 

@@ -52,3 +52,20 @@ def test_list_topologies():
   out = compile_tpu("--list_topologies")
   assert out.returncode == 0
   assert "v4-8, v4-16, v4-32" in out.stdout and "v5e-1, v5e-4" in out.stdout and "95 GiB" in out.stdout
+
+
+def test_accelerator_types_map_to_topologies():
+  from scripts import compile_tpu as ct
+
+  def topology(name):
+    gen, (chips,) = ct.parse_topology(name)
+    return ct.Slice(gen, chips).topology_name, ct.Slice(gen, chips).name
+
+  assert topology("v4-32") == ("v4:2x2x4", "v4-32")  # v4 and v5p names count TensorCores: 16 chips
+  assert topology("v5p-128") == ("v5p:4x4x4", "v5p-128")
+  assert topology("v5litepod-16") == ("v5e:4x4", "v5e-16") and topology("v6e-8") == ("v6e:2x4", "v6e-8")
+  gen, sizes = ct.parse_topology("v5e")
+  assert gen.name == "v5e" and sizes[0] == 1 and sizes == sorted(sizes)
+  for bad in ("v4-9", "v5e-3", "v7-8", "tpu", "v5p-x"):
+    with pytest.raises(ct.BadTopology, match="--topology"):
+      ct.parse_topology(bad)
