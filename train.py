@@ -47,6 +47,7 @@ from jax.sharding import PartitionSpec as P
 import resume
 from combiner import seq_parallel
 from configs import base as config_base
+from core import sharding
 from models import metrics as metrics_lib
 from models import transformer
 from runtime import distributed, paths
@@ -311,8 +312,9 @@ class Experiment:
       return keep(new_params, params), keep(new_rest, rest), keep(new_opt, opt_state), out
 
     batch_sh = self.batch_sharding
+    # Traced with the mesh in JAX's context: attention ops run on each device's batch rows and heads.
     return jax.jit(
-        train_step,
+        sharding.traced_in(self.mesh, train_step),
         in_shardings=(self.param_shardings, self.rest_shardings, self.opt_shardings, self.rng_shardings,
                       self.replicated, batch_sh),
         out_shardings=(self.param_shardings, self.rest_shardings, self.opt_shardings, self.replicated),
@@ -349,8 +351,9 @@ class Experiment:
       valid = batch["valid"] if "valid" in batch else jnp.ones(first.shape[:1], bool)  # [batch]
       return {**sums, "examples": jnp.sum(valid.astype(jnp.int32))}
 
-    return jax.jit(eval_step, in_shardings=(self.param_shardings, self.rest_shardings, self.rng_shardings,
-                                            self.batch_sharding), out_shardings=self.replicated)
+    return jax.jit(sharding.traced_in(self.mesh, eval_step),
+                   in_shardings=(self.param_shardings, self.rest_shardings, self.rng_shardings,
+                                 self.batch_sharding), out_shardings=self.replicated)
 
   def evaluate(self, state: TrainState, split: str | None = None, max_batches: int | None = None) -> dict:
     """Metrics over `split` (default config.eval_split), at most `max_batches` batches (-1/None = all)."""

@@ -10,6 +10,7 @@ The constructor signature and call convention are documented in `models/registry
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
@@ -20,6 +21,7 @@ import ml_collections
 from flax import nnx
 
 from combiner import seq_parallel
+from core import sharding
 from core.norm import layer_norm
 from models import layers, ops_registry, recompute
 
@@ -185,6 +187,15 @@ class OpAttention(AttentionBase):
     """Extra keyword arguments for the op (subclasses add model-level options)."""
     return {}
 
+  def op_kinds(self) -> dict[str, str]:
+    """How `core.sharding.attend` splits op arguments it cannot infer (per-head weights: HEADS)."""
+    return {}
+
+  def call_op(self, fn: Any, q: Array, k: Array, v: Array, mask: Array | None, **kwargs: Any) -> Array:
+    """fn(q, k, v, causal, mask, **kwargs) on each device's batch rows and heads of the context mesh
+    (`core.sharding`): fused kernels cannot be partitioned."""
+    return sharding.attend(fn, q, k, v, mask=mask, kinds=self.op_kinds(), causal=self.causal, **kwargs)
+
   def step_kwargs(self, q: Array, k: Array) -> dict[str, Any]:
     """`op_kwargs` for one decoding step (q, k: [batch, 1, heads, head_dim]): per-token arrays at that token,
     functions as they are; subclasses whose arrays are not per token (Performer's features) pass them
@@ -199,6 +210,9 @@ class OpAttention(AttentionBase):
     if self.implementation is not None and fn is spec.fn:  # sequence-parallel counterparts have no choice
       params["implementation"] = self.implementation
     extra = self.op_kwargs(q, k)
+    # Sequence-parallel counterparts map over the mesh themselves (batch, heads and sequence).
+    call = functools.partial(self.call_op, fn) if fn is spec.fn else (
+        lambda q, k, v, mask, **kw: fn(q, k, v, causal=self.causal, mask=mask, **kw))
     if self.recompute:
       arrays = {name: a for name, a in extra.items() if not callable(a)}
       if len(arrays) != len(extra):
@@ -207,11 +221,11 @@ class OpAttention(AttentionBase):
       names = list(arrays)
 
       def op(q, k, v, mask, *rest):
-        return fn(q, k, v, causal=self.causal, mask=mask, **params, **dict(zip(names, rest, strict=True)))
+        return call(q, k, v, mask, **params, **dict(zip(names, rest, strict=True)))
 
       o = recompute.recompute_in_backward(op, q, k, v, mask, *arrays.values())
     else:
-      o = fn(q, k, v, causal=self.causal, mask=mask, **params, **extra)
+      o = call(q, k, v, mask, **params, **extra)
     return self.output(o, deterministic=deterministic)  # [batch, length, features]
 
   def _decoding(self, max_length: int) -> tuple[Any, dict[str, Any]]:
@@ -245,11 +259,13 @@ class OpAttention(AttentionBase):
     extra = self.op_kwargs(q, k)
     chosen = {} if self.implementation is None else {"implementation": self.implementation}
     fn = ops_registry.get(self.op_name).fn
+    kinds = self.op_kinds()
     if decoder.pad_prompt:  # the plan of max_length tokens; the padding is after every prompt row
       pad = [(0, 0), (0, cache.max_length - x.shape[1]), (0, 0), (0, 0)]
-      o = fn(*(jnp.pad(a, pad) for a in (q, k, v)), causal=True, **params, **chosen, **extra)[:, :x.shape[1]]
+      o = sharding.attend(fn, *(jnp.pad(a, pad) for a in (q, k, v)), kinds=kinds, causal=True, **params,
+                          **chosen, **extra)[:, :x.shape[1]]
     else:
-      o = fn(q, k, v, causal=True, **params, **chosen, **extra)
+      o = sharding.attend(fn, q, k, v, kinds=kinds, causal=True, **params, **chosen, **extra)
     state = decoder.prefill(cache.state, q, k, v, **params, **extra)
     return self.out(o), LayerCache(state, cache.max_length)  # [batch, prompt_length, features]
 
@@ -316,6 +332,9 @@ class CombinerAttention(OpAttention):
     self.pool_q = DeepSetsPool(num_heads, head_dim, dtype=dtype, rngs=rngs) if self.use_deepsets else None
     self.pool_k = DeepSetsPool(num_heads, head_dim, dtype=dtype, rngs=rngs) if self.use_deepsets else None
     self.span_key = SpanKey(num_heads, head_dim, dtype=dtype, rngs=rngs) if self.use_span_key else None
+
+  def op_kinds(self) -> dict[str, str]:
+    return {"span_key_fn": sharding.HEADS}  # SpanKey's parameters are per head
 
   def op_kwargs(self, q: Array, k: Array) -> dict[str, Any]:
     kwargs = {}

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
+from core import sharding
 from models import attention, layers, ops_registry
 
 Array = Any
@@ -37,6 +38,7 @@ class _OwnArgumentsAttention(attention.OpAttention):
   """An op whose listed arguments (`OWN`) the module supplies itself instead of the registry's stand-ins."""
 
   OWN: tuple[str, ...] = ()
+  PER_HEAD = False  # the OWN arrays have a leading heads axis (split with the heads under core.sharding)
 
   def __init__(self, config: ml_collections.ConfigDict, *, features: int, num_heads: int, head_dim: int,
                causal: bool, dtype: Any, rngs: nnx.Rngs):
@@ -55,12 +57,15 @@ class _OwnArgumentsAttention(attention.OpAttention):
   def own_arguments(self, length: int) -> dict[str, Any]:
     raise NotImplementedError
 
+  def op_kinds(self) -> dict[str, str]:
+    return {key: sharding.HEADS for key in self.OWN} if self.PER_HEAD else {}
+
   def __call__(self, x: Array, mask: Array | None, *, deterministic: bool) -> Array:
     q, k, v = self.project(x)  # [batch, length, heads, head_dim]
     spec = ops_registry.get(self.op_name)
     params = attention.resolve_plan_params(spec, self.plan_params, x.shape[1])
     params.update(self.own_arguments(x.shape[1]))
-    o = spec.fn(q, k, v, causal=self.causal, mask=mask, **params)  # [batch, length, heads, head_dim]
+    o = self.call_op(spec.fn, q, k, v, mask, **params)  # [batch, length, heads, head_dim]
     return self.output(o, deterministic=deterministic)  # [batch, length, features]
 
 
@@ -106,6 +111,7 @@ def _mlp(rngs: nnx.Rngs, heads: int, d_in: int, hidden: int, d_out: int) -> tupl
 
 class SinkhornAttention(_OwnArgumentsAttention):
   OWN = ("sort_w1", "sort_b1", "sort_w2", "sort_b2")
+  PER_HEAD = True
 
   def __init__(self, config: ml_collections.ConfigDict, *, num_heads: int, head_dim: int, rngs: nnx.Rngs,
                **kwargs: Any):
@@ -123,6 +129,7 @@ class SinkhornAttention(_OwnArgumentsAttention):
 
 class SynthesizerAttention(_OwnArgumentsAttention):
   OWN = ("w1", "b1", "w2", "b2")
+  PER_HEAD = True
 
   def __init__(self, config: ml_collections.ConfigDict, *, num_heads: int, head_dim: int, rngs: nnx.Rngs,
                **kwargs: Any):
@@ -135,6 +142,7 @@ class SynthesizerAttention(_OwnArgumentsAttention):
 
 class RandomSynthesizerAttention(_OwnArgumentsAttention):
   OWN = ("logits",)
+  PER_HEAD = True
 
   def __init__(self, config: ml_collections.ConfigDict, *, num_heads: int, rngs: nnx.Rngs, **kwargs: Any):
     super().__init__(config, num_heads=num_heads, rngs=rngs, **kwargs)

@@ -32,6 +32,7 @@ import jax
 import ml_collections
 from flax import nnx
 
+from core import sharding
 from models import attention, layers, ops_registry
 from yoso.conv import depthwise_conv
 
@@ -73,6 +74,11 @@ class YosoAttention(attention.OpAttention):
     # [heads, size]
     self.conv = layers.param(rngs, init, (num_heads, size), ("heads", None)) if size else None
 
+  def op_kinds(self) -> dict[str, str]:
+    # The rng is replicated over batch shards (hashes are shared over the batch); a heads shard folds its
+    # index into it, so its heads draw their own hashes (core.sharding).
+    return {"rng": sharding.RNG, "conv_kernel": sharding.HEADS}
+
   def __call__(self, x: Array, mask: Array | None, *, deterministic: bool) -> Array:
     q, k, v = self.project(x)  # [batch, length, heads, head_dim]
     spec = ops_registry.get(self.op_name)
@@ -81,7 +87,7 @@ class YosoAttention(attention.OpAttention):
       params["rng"] = self.rng()
     if self.op_name in CONV:
       params["conv_kernel"] = self.conv[...]
-    o = spec.fn(q, k, v, causal=self.causal, mask=mask, **params)  # [batch, length, heads, head_dim]
+    o = self.call_op(spec.fn, q, k, v, mask, **params)  # [batch, length, heads, head_dim]
     if self.conv is not None and self.op_name not in CONV:
       o = o + depthwise_conv(v, self.conv[...], mask).astype(o.dtype)
     return self.output(o, deterministic=deterministic)
