@@ -61,6 +61,11 @@ def prepare(q: Array, k: Array, v: Array, mask: Array | None, *, op: str, causal
   pool_k = None if pool_k is None else jnp.where(real, jnp.asarray(pool_k), 0)
   contract.check_choice(pooling, name="pooling", allowed=POOLINGS, op=op)
   ct = contract.softmax_dtype(q.dtype, k.dtype, v.dtype)
+  kernel = None
+  if implementation is not None and contract.resolve_implementation(implementation, op=op) == "pallas":
+    kernel = kernel_dtype(q, k, v)
+  # Max pooling is exact in any dtype: the fused kernels pool their own dtype (no float32 copy of q and k).
+  pool_dt = kernel if kernel is not None and pooling == "max" else ct
   pooled = []
   for name, x, default in (("pool_q", pool_q, q), ("pool_k", pool_k, k)):
     if x is None:
@@ -68,10 +73,7 @@ def prepare(q: Array, k: Array, v: Array, mask: Array | None, *, op: str, causal
     elif not hasattr(x, "shape") or tuple(x.shape) != tuple(q.shape):
       raise ValueError(f"{op}: argument {name!r} must be None or an array shaped like q {tuple(q.shape)}, "
                        f"got {getattr(x, 'shape', type(x).__name__)}")
-    pooled.append(jnp.asarray(x).astype(ct))
-  kernel = None
-  if implementation is not None and contract.resolve_implementation(implementation, op=op) == "pallas":
-    kernel = kernel_dtype(q, k, v)
+    pooled.append(jnp.asarray(x).astype(pool_dt))
   heads_last = heads_last and kernel is not None
   layout = pooled_layout = head_major
   if heads_last:

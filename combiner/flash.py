@@ -51,10 +51,15 @@ RULES = ("all", "le", "lt", "ne", "range")
 QIDS = ("row", "group")
 BLOCK_Q = 128  # query / key tile caps on TPU (its 128 lanes) and in interpret mode
 BLOCK_K = 128
+LANES = 128  # TPU vector lanes: per-query statistics are stored with queries on lanes
 GPU_BLOCK_Q = 64  # on GPUs, where smaller tiles keep more programs in flight (scripts/tune_kernels.py)
 GPU_BLOCK_K = 64
 MIN_BLOCK = 16
 SPLIT_TILES = 2  # query tiles per program in the dk/dv kernel of a shared (summary) source, at least
+# Partial sums of a shared source's splits hold at most 1/SPLIT_SHARE as many numbers as the queries: (TPU,
+# GPU). A TPU core runs a grid's programs one after the other, so few long splits cost it nothing; a GPU
+# wants many programs in flight.
+SPLIT_SHARE = (8, 1)
 VALID, NONFINITE = 1.0, 2.0  # key codes in row 0 of the validity data; 0 marks an invalid key
 
 GPU_PARAMS = pltriton.CompilerParams(num_warps=4, num_stages=2)
@@ -252,7 +257,7 @@ def _fwd_kernel(q_ref, *refs, specs: Sequence[_Spec], scale: float, block_q: int
   nonempty = den > 0
   safe = jnp.where(nonempty, den, 1.0)
   o_ref[...] = (acc / safe).astype(o_ref.dtype)
-  lse_ref[...] = jnp.where(nonempty, m + jnp.log(safe), -jnp.inf)
+  lse_ref[...] = jnp.where(nonempty, m + jnp.log(safe), -jnp.inf).T  # [1, bq]: queries on lanes
 
 
 def _dq_kernel(q_ref, do_ref, lse_ref, delta_ref, *refs, specs: Sequence[_Spec], scale: float, block_q: int):
@@ -261,7 +266,7 @@ def _dq_kernel(q_ref, do_ref, lse_ref, delta_ref, *refs, specs: Sequence[_Spec],
   (dq_ref,) = refs[3 * n:]
   g, t = pl.program_id(1), pl.program_id(2)
   q, do = q_ref[...], do_ref[...]
-  lse, delta = lse_ref[...], delta_ref[...]  # [bq, 1]
+  lse, delta = _column(lse_ref[...]), _column(delta_ref[...])  # [bq, 1]
   lse = jnp.where(lse == -jnp.inf, 0.0, lse)
   rows = t * block_q + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
   dq = jnp.zeros(dq_ref.shape, jnp.float32)
@@ -283,6 +288,12 @@ def _dq_kernel(q_ref, do_ref, lse_ref, delta_ref, *refs, specs: Sequence[_Spec],
   dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
+def _column(row: Array) -> Array:
+  """[1, n] -> [n, 1]: per-query statistics are stored with queries on lanes (a [n, 1] array would be padded
+  to 128 lanes on TPU, 128 times its size) and used as columns against [n, keys] logits."""
+  return row.T
+
+
 def _dkv_kernel(q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, valid_ref, dk_ref, dv_ref, *, spec: _Spec,
                 scale: float, block_q: int, group_len: int):
   """dk, dv of one key tile from the queries in q_ref etc.: its own group's, or for a shared source the
@@ -290,7 +301,7 @@ def _dkv_kernel(q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, valid_ref, dk_r
   g, tk = pl.program_id(1), pl.program_id(2)
   k, v = k_ref[...], _finite(v_ref[...])
   start = tk * spec.block
-  num_q = q_ref.shape[0] // block_q
+  num_q = q_ref.shape[0] // block_q  # block_q: this kernel's query tile (`_kv_query_tile`)
   base = g * q_ref.shape[0] if spec.shared else 0  # row of the split's first query in the flattened sequence
   # First query tile that can see this key tile (causal rules); later tiles all may.
   if spec.rule in ("le", "lt") and spec.qid == "row" and not spec.shared:
@@ -303,17 +314,22 @@ def _dkv_kernel(q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, valid_ref, dk_r
 
   def body(i, carry):
     dk, dv = carry
-    qs = pl.multiple_of(i * block_q, block_q)
+    qs = _tile_start(i, block_q)
     row0 = base + qs  # query row in its group's (own) or the flattened (shared) sequence
     q = q_ref[pl.ds(qs, block_q), :]
     do = do_ref[pl.ds(qs, block_q), :]
-    lse = lse_ref[pl.ds(qs, block_q), :]
+    lse = _column(lse_ref[:, pl.ds(qs, block_q)])
     lse = jnp.where(lse == -jnp.inf, 0.0, lse)
-    delta = delta_ref[pl.ds(qs, block_q), :]
-    if spec.qid == "row":
-      qid = _rem(row0, group_len) + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
-    else:
-      qid = _div(row0, group_len) if spec.shared else g
+    delta = _column(delta_ref[:, pl.ds(qs, block_q)])
+    offsets = lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
+    if not spec.shared:
+      qid = row0 + offsets if spec.qid == "row" else g
+    elif group_len & (group_len - 1) == 0:  # a tile may hold rows of several groups (of 2^s rows)
+      shift = group_len.bit_length() - 1
+      rows = row0 + offsets
+      qid = rows & (group_len - 1) if spec.qid == "row" else lax.shift_right_logical(rows, jnp.int32(shift))
+    else:  # groups of whole tiles: one group per tile
+      qid = _rem(row0, group_len) + offsets if spec.qid == "row" else _div(row0, group_len)
     s, ok, _ = _scores(q, k, valid_ref, 0, spec, qid, start, scale)
     p = jnp.where(ok, jnp.exp(jnp.where(ok, s, 0.0) - lse), 0.0)  # [bq, bk]
     dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
@@ -322,8 +338,9 @@ def _dkv_kernel(q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, valid_ref, dk_r
     dk = dk + _dot(ds.astype(q.dtype), q, trans_a=True) * scale
     return dk, dv
 
-  dk, dv = lax.fori_loop(lo, num_q, body, (jnp.zeros(dk_ref.shape, jnp.float32),
-                                           jnp.zeros(dv_ref.shape, jnp.float32)))
+  zeros = (jnp.zeros(dk_ref.shape, jnp.float32), jnp.zeros(dv_ref.shape, jnp.float32))
+  # One query tile runs at the static offset 0 (see `_over_key_tiles`; before lo, its rows are all masked).
+  dk, dv = body(0, zeros) if num_q == 1 else lax.fori_loop(lo, num_q, body, zeros)
   dk_ref[...] = dk.astype(dk_ref.dtype)
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
@@ -338,10 +355,32 @@ def _full_spec(rows: int, width: int, pack: int | None = None) -> pl.BlockSpec:
   return pl.BlockSpec((None, None, rows, width), _packed(lambda b, g, t: (b, g, 0, 0), pack))
 
 
-def _split_queries(x: Array, splits: int, rows: int, fill: float) -> Array:
-  """[bh, groups, glen, w] -> [bh, splits, rows, w]: the flattened rows, cut into splits, padded by `fill`."""
+def _lane_spec(rows: int) -> pl.BlockSpec:
+  """Tile t of per-query statistics stored lane-dense: [bh, groups, 1, n] -> [1, rows]."""
+  return pl.BlockSpec((None, None, 1, rows), lambda b, g, t: (b, g, 0, t))
+
+
+def _full_lane_spec(rows: int) -> pl.BlockSpec:
+  return pl.BlockSpec((None, None, 1, rows), lambda b, g, t: (b, g, 0, 0))
+
+
+def _split_queries(x: Array, splits: int, rows: int, fill: float, axis: int = 2) -> Array:
+  """[bh, groups, glen, w] -> [bh, splits, rows, w] (axis 2; axis 3: [bh, groups, 1, glen] -> [bh, splits,
+  1, rows]): the flattened rows, cut into splits, padded by `fill`."""
+  if axis == 3:
+    return _split_queries(jnp.swapaxes(x, 2, 3), splits, rows, fill).swapaxes(2, 3)
   bh, w = x.shape[0], x.shape[-1]
   return pad_to(x.reshape(bh, -1, w), splits * rows, 1, fill).reshape(bh, splits, rows, w)
+
+
+def _kv_query_tile(rows: int, block_q: int) -> int:
+  """Query tile of the dk/dv kernel over `rows` queries: block_q, except where per-query statistics would be
+  read at offsets that are not multiples of 128 lanes (Mosaic, E2003), which tiles of fewer than 128 queries
+  give: there all `rows` queries in one tile when they are at most 128, else tiles of 128 (`rows` is then a
+  multiple of 128). GPU tiles (Triton) are powers of two and keep block_q."""
+  if block_q >= LANES or tile_caps()[0] < BLOCK_Q:
+    return block_q
+  return rows if rows <= LANES else LANES
 
 
 def _key_tile_spec(rows: int, spec: _Spec, width: int) -> pl.BlockSpec:
@@ -378,12 +417,13 @@ def _flat(specs, arrays):
   return out
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _flash(specs: tuple, scale: float, block_q: int, pack: int | None, q: Array, arrays: tuple):
-  return _flash_fwd(specs, scale, block_q, pack, q, arrays)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _flash(specs: tuple, scale: float, block_q: int, pack: int | None, out_dtype: Any, q: Array,
+           arrays: tuple):
+  return _flash_fwd(specs, scale, block_q, pack, out_dtype, q, arrays)[0]
 
 
-def _flash_fwd(specs, scale, block_q, pack, q, arrays):
+def _flash_fwd(specs, scale, block_q, pack, out_dtype, q, arrays):
   batch, groups, glen, _ = q.shape
   bh, d = batch * (pack or 1), _width(q, pack)
   dv = _width(arrays[0][1], specs[0].pack)
@@ -391,31 +431,32 @@ def _flash_fwd(specs, scale, block_q, pack, q, arrays):
       functools.partial(_fwd_kernel, specs=specs, scale=scale, block_q=block_q),
       grid=(bh, groups, glen // block_q),
       in_specs=[_row_spec(block_q, d, pack)] + _source_specs(specs, arrays),
-      out_specs=[_row_spec(block_q, dv, pack), _row_spec(block_q, 1)],
-      out_shape=[jax.ShapeDtypeStruct((batch, groups, glen, dv * (pack or 1)), jnp.float32),
-                 jax.ShapeDtypeStruct((bh, groups, glen, 1), jnp.float32)],
+      out_specs=[_row_spec(block_q, dv, pack), _lane_spec(block_q)],
+      out_shape=[jax.ShapeDtypeStruct((batch, groups, glen, dv * (pack or 1)), out_dtype),
+                 jax.ShapeDtypeStruct((bh, groups, 1, glen), jnp.float32)],
       name="combiner_flash_fwd",
   )(q, *_flat(specs, arrays))
   return (o, lse), (q, arrays, o, lse)
 
 
-def _flash_bwd(specs, scale, block_q, pack, res, cts):
+def _flash_bwd(specs, scale, block_q, pack, out_dtype, res, cts):
   q, arrays, o, lse = res
   do, dlse = cts
   batch, groups, glen, _ = q.shape
   bh, d = batch * (pack or 1), _width(q, pack)
+  prod = do.astype(jnp.float32) * o.astype(jnp.float32)
   if pack:  # [batch, groups, glen, heads * dv] -> per head, head-major
-    delta = jnp.sum((do * o).reshape(batch, groups, glen, pack, -1), axis=-1)  # [batch, groups, glen, heads]
-    delta = jnp.moveaxis(delta, 3, 1).reshape(bh, groups, glen, 1)
+    delta = jnp.sum(prod.reshape(batch, groups, glen, pack, -1), axis=-1)  # [batch, groups, glen, heads]
+    delta = jnp.moveaxis(delta, 3, 1).reshape(bh, groups, glen)
   else:
-    delta = jnp.sum(do * o, axis=-1, keepdims=True)  # [bh, groups, glen, 1]
-  delta = delta - dlse
+    delta = jnp.sum(prod, axis=-1)  # [bh, groups, glen]
+  delta = delta[:, :, None] - dlse  # [bh, groups, 1, glen], like lse
   do = do.astype(q.dtype)
   row_spec = functools.partial(_row_spec, block_q)
   dq = _pallas_call(
       functools.partial(_dq_kernel, specs=specs, scale=scale, block_q=block_q),
       grid=(bh, groups, glen // block_q),
-      in_specs=[row_spec(d, pack), row_spec(_width(do, pack), pack), row_spec(1), row_spec(1)]
+      in_specs=[row_spec(d, pack), row_spec(_width(do, pack), pack), _lane_spec(block_q), _lane_spec(block_q)]
       + _source_specs(specs, arrays),
       out_specs=row_spec(d, pack),
       out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -427,12 +468,14 @@ def _flash_bwd(specs, scale, block_q, pack, res, cts):
       # Every query sees the summaries: the flattened [groups * glen] queries of each (bh) are cut into splits
       # of `per` query tiles, one program each; padded rows get lse = +inf, hence weight 0. Each split writes
       # float32 partial sums for all n keys, so a split takes at least SPLIT_TILES tiles and enough that the
-      # partial sums hold no more numbers than the queries: splits * n * (d + dv) <= groups * glen * d.
+      # partial sums hold few numbers: splits * n * (d + dv) * SPLIT_SHARE <= groups * glen * d.
       tiles = groups * glen // block_q
-      per = max(SPLIT_TILES, -(-spec.n * (_width(k, spec.pack) + _width(v, spec.pack)) // (block_q * d)))
+      numbers = spec.n * (_width(k, spec.pack) + _width(v, spec.pack)) * SPLIT_SHARE[tile_caps()[0] < BLOCK_Q]
+      per = max(SPLIT_TILES, -(-numbers // (block_q * d)))
       splits, rows = -(-tiles // per), min(tiles, per) * block_q
-      fills = ((q, 0.0), (do, 0.0), (lse, jnp.inf), (delta, 0.0))
-      qs = [_split_queries(x, splits, rows, fill) for x, fill in fills]
+      rows = -(-rows // _kv_query_tile(rows, block_q)) * _kv_query_tile(rows, block_q)  # whole kernel tiles
+      fills = ((q, 0.0, 2), (do, 0.0, 2), (lse, jnp.inf, 3), (delta, 0.0, 3))
+      qs = [_split_queries(x, splits, rows, fill, axis) for x, fill, axis in fills]
     else:
       qs, splits, rows = [q, do, lse, delta], groups, glen
     full = functools.partial(_full_spec, rows)
@@ -443,10 +486,11 @@ def _flash_bwd(specs, scale, block_q, pack, res, cts):
                                       jnp.float32 if spec.shared else x.dtype) for x in (k, v)]
     dk_w, dv_w = _width(k, spec.pack), _width(v, spec.pack)
     dk, dv = _pallas_call(
-        functools.partial(_dkv_kernel, spec=spec, scale=scale, block_q=block_q, group_len=glen),
+        functools.partial(_dkv_kernel, spec=spec, scale=scale, block_q=_kv_query_tile(rows, block_q),
+                          group_len=glen),
         grid=(bh, splits, spec.n // spec.block),
-        in_specs=[full(d, pack), full(_width(do, pack), pack), full(1), full(1), kv_tile(dk_w), kv_tile(dv_w),
-                  vmap],
+        in_specs=[full(d, pack), full(_width(do, pack), pack), _full_lane_spec(rows), _full_lane_spec(rows),
+                  kv_tile(dk_w), kv_tile(dv_w), vmap],
         out_specs=[kv_tile(dk_w), kv_tile(dv_w)] if not spec.shared
         else [_row_spec(spec.block, dk_w), _row_spec(spec.block, dv_w)],
         out_shape=out_shape,
@@ -461,14 +505,15 @@ def _flash_bwd(specs, scale, block_q, pack, res, cts):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def attend(q: Array, sources: Sequence[Source], *, heads: int, scale: float,
-           packed: bool = False) -> tuple[Array, Array]:
+def attend(q: Array, sources: Sequence[Source], *, heads: int, scale: float, packed: bool = False,
+           out_dtype: Any = jnp.float32) -> tuple[Array, Array]:
   """Joint softmax of grouped queries over `sources`.
 
   q: [bh, groups, group_len, head_dim], bh = batch * heads (batch-major); packed: q is heads-packed,
   [batch, groups, group_len, heads * head_dim] (a free reshape of the op contract's layout), and so is out.
-  Returns (out [bh, groups, group_len, value_dim], lse [bh, groups, group_len]), float32; rows with no
-  visible key give out 0 and lse -inf.
+  Returns (out [bh, groups, group_len, value_dim] in `out_dtype`, lse [bh, groups, group_len] float32);
+  rows with no visible key give out 0 and lse -inf. A caller that merges partial outputs keeps out float32;
+  one whose output is final may take its dtype, which the backward then reads too, as flash attention does.
   """
   groups, glen = q.shape[1:3]
   cap_q, cap_k = tile_caps()
@@ -497,8 +542,9 @@ def attend(q: Array, sources: Sequence[Source], *, heads: int, scale: float,
     valid = pad_to(valid, n_p, 3)
     specs.append(_Spec(s.rule, s.qid, shared, n_p, block, pack))
     arrays.append((pad_to(s.k.astype(q.dtype), n_p, 2), pad_to(s.v.astype(q.dtype), n_p, 2), valid))
-  o, lse = _flash(tuple(specs), float(scale), block_q, heads if packed else None, qp, tuple(arrays))
-  return o[:, :, :glen], lse[:, :, :glen, 0]
+  o, lse = _flash(tuple(specs), float(scale), block_q, heads if packed else None, jnp.dtype(out_dtype), qp,
+                  tuple(arrays))
+  return o[:, :, :glen], lse[:, :, 0, :glen]
 
 
 def _per_head(finite: Array, pack: int | None) -> Array:

@@ -55,25 +55,31 @@ def span_expectation(q_bar: Array, kb: Array, vb: Array, valid: Array, scale: fl
   """In-span expected values: softmax(q_bar . k / sqrt(d)) over each span's real keys, times their values.
 
   kb: a span's keys on `axis`, [..., s, ..., head_dim] (head-major [batch, heads, n, s, d]: axis 3; heads-last
-  [batch, n, s, heads, d]: axis 2); vb: the same with value_dim; q_bar: kb's shape without `axis` (softmax
-  dtype); valid: [batch, ...] like kb.shape[:-1] (heads may be 1). Returns q_bar's shape with value_dim,
-  float32 (0 for an empty span, dropped by the caller). Spans longer than SPAN_CHUNK are reduced in chunks of
-  it, which keeps many reductions in flight when a few spans hold thousands of keys (logsparse's top
-  levels). Masked keys and values are zeros (`common.prepare` selects them), so no product needs a select.
+  [batch, n, s, heads, d]: axis 2); vb: the same with value_dim; q_bar: kb's shape without `axis`; valid:
+  [batch, ...] like kb.shape[:-1] (heads may be 1). Returns q_bar's shape with value_dim, float32 (0 for an
+  empty span, dropped by the caller). Both products are matmuls in kb's and vb's dtype (the kernel dtype:
+  q_bar and the weights are cast to it) with float32 accumulation, like the kernel's, so no float32 copy
+  of the keys or values and no broadcast query is written; spans longer
+  than SPAN_CHUNK are reduced in chunks of it, which keeps many reductions in flight when a few spans hold
+  thousands of keys (logsparse's top levels). Masked keys and values are zeros (`common.prepare` selects
+  them), so no product needs a select.
   """
   s = kb.shape[axis]
   c = SPAN_CHUNK if s > SPAN_CHUNK and s % SPAN_CHUNK == 0 else s
-  axes = (axis, axis + 1)
 
-  def split(t):  # the span axis -> (s // c, c)
-    return t.reshape(t.shape[:axis] + (s // c, c) + t.shape[axis + 1:])
+  def split(t):  # the span axis -> the last two before the features: [..., s // c, c, dim]
+    t = jnp.moveaxis(t, axis, -2)
+    return t.reshape(t.shape[:-2] + (s // c, c, t.shape[-1]))
 
-  logits = jnp.sum(jnp.expand_dims(q_bar, axes) * split(kb), axis=-1) * scale  # kb.shape[:-1], split
-  logits = jnp.where(split(valid), logits, -jnp.inf)
-  top = lax.stop_gradient(jnp.max(logits, axis=axes, keepdims=True))
+  f32 = jnp.promote_types(jnp.float32, kb.dtype)
+  logits = jnp.einsum("...d,...jcd->...jc", q_bar.astype(kb.dtype), split(kb),
+                      preferred_element_type=f32) * scale  # [..., s // c, c]
+  ok = split(valid[..., None])[..., 0]
+  logits = jnp.where(ok, logits, -jnp.inf)
+  top = lax.stop_gradient(jnp.max(logits, axis=(-2, -1), keepdims=True))
   p = jnp.exp(logits - jnp.where(jnp.isfinite(top), top, 0.0))  # exactly 0 where masked
-  den = jnp.sum(p, axis=axes)
-  num = jnp.sum(p[..., None] * split(vb), axis=axes)
+  den = jnp.sum(p, axis=(-2, -1))
+  num = jnp.einsum("...jc,...jcd->...d", p.astype(vb.dtype), split(vb), preferred_element_type=f32)
   return num / jnp.where(den > 0, den, 1.0)[..., None]
 
 
@@ -91,15 +97,6 @@ def fixed(x: common.Inputs, size: int, causal: bool, pooling: str | None) -> Arr
   qb, kb, vb = (to_grid(t, blocks, size, axis) for t in (x.q, x.k, x.v))
   mb = to_grid(x.mask, blocks, size, 1)  # [batch, blocks, size]
   pool_valid = mb[..., None] if x.heads_last else mb[:, None]  # broadcasts against qb.shape[:-1]
-  if pooling is None:
-    k_sum, v_sum = (lax.index_in_dim(t, -1, axis + 1, keepdims=False) for t in (kb, vb))
-    ok_sum = mb[:, :, -1]  # [batch, blocks]
-  else:
-    pqb, pkb = (to_grid(t, blocks, size, axis) for t in (x.pool_q, x.pool_k))
-    k_sum, ok_sum = pool_ops.pool(pkb, pool_valid, axis=axis + 1, kind=pooling)
-    q_bar, _ = pool_ops.pool(pqb, pool_valid, axis=axis + 1, kind=pooling)
-    v_sum = span_expectation(q_bar, kb, vb, pool_valid, x.scale, axis=axis + 1)
-    ok_sum = ok_sum[..., 0] if x.heads_last else ok_sum[:, 0]  # [batch, blocks]
 
   def summaries(t):  # [batch, blocks, heads, dim] or [batch, heads, blocks, dim] -> [bh, 1, blocks, dim]
     return _bh((jnp.swapaxes(t, 1, 2) if x.heads_last else t)[:, :, None]).astype(x.kernel_dtype)
@@ -107,9 +104,27 @@ def fixed(x: common.Inputs, size: int, causal: bool, pooling: str | None) -> Arr
   def keys(t):  # the kernel's layout: [batch, blocks, size, heads * dim] or [bh, blocks, size, dim]
     return (t.reshape(*t.shape[:3], -1) if x.heads_last else _bh(t)).astype(x.kernel_dtype)
 
-  sources = [flash.Source(keys(kb), keys(vb), mb, _direct_rule(causal), "row", packed=x.heads_last),
+  block_keys = flash.Source(keys(kb), keys(vb), mb, _direct_rule(causal), "row", packed=x.heads_last)
+  if pooling is None:
+    k_sum, v_sum = (lax.index_in_dim(t, -1, axis + 1, keepdims=False) for t in (kb, vb))
+    ok_sum = mb[:, :, -1]  # [batch, blocks]
+  else:
+    pqb, pkb = (to_grid(t, blocks, size, axis) for t in (x.pool_q, x.pool_k))
+    k_sum, ok_sum = pool_ops.pool(pkb, pool_valid, axis=axis + 1, kind=pooling)
+    q_bar, _ = pool_ops.pool(pqb, pool_valid, axis=axis + 1, kind=pooling)  # qb.shape without the size axis
+    # In-block expected values: the pooled query of each block against the block's real keys, one flash call
+    # over groups = blocks of one query each (no [blocks, size] logits, no float32 copy of keys or values).
+    qg = (q_bar.reshape(batch, blocks, 1, -1) if x.heads_last else _bh(q_bar[:, :, :, None]))
+    v_sum, _ = flash.attend(qg.astype(x.kernel_dtype), [block_keys._replace(rule="all")], heads=heads,
+                            scale=x.scale, packed=x.heads_last, out_dtype=x.kernel_dtype)
+    # [batch, blocks, heads, dv] (heads-last) or [batch, heads, blocks, dv]
+    v_sum = (v_sum.reshape(batch, blocks, heads, -1) if x.heads_last else _unbh(v_sum[:, :, 0], batch))
+    ok_sum = ok_sum[..., 0] if x.heads_last else ok_sum[:, 0]  # [batch, blocks]
+
+  sources = [block_keys,
              flash.Source(summaries(k_sum), summaries(v_sum), ok_sum[:, None], _other_rule(causal), "group")]
-  out, _ = flash.attend(keys(qb), sources, heads=heads, scale=x.scale, packed=x.heads_last)
+  out, _ = flash.attend(keys(qb), sources, heads=heads, scale=x.scale, packed=x.heads_last,
+                        out_dtype=x.out_dtype)  # one call: its output is final
   if x.heads_last:  # [batch, blocks, size, heads * dv]
     return out.reshape(batch, blocks * size, heads, -1)[:, :length].astype(x.out_dtype)
   return common.finish(from_grid(_unbh(out, batch), length, 2), x)  # out: [bh, blocks, size, dv]

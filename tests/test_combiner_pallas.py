@@ -259,10 +259,13 @@ def test_registry_and_model_config_carry_the_implementation():
       tiny(without[0], "pallas", task="classify")
 
 
-def test_shared_source_gradients_split_over_query_tiles(monkeypatch):
+@pytest.mark.parametrize("split_share", [(1, 1), (8, 8)])
+def test_shared_source_gradients_split_over_query_tiles(monkeypatch, split_share):
   """A source shared by every query group (span summaries): dk/dv are partial sums over splits of the query
-  tiles, checked against plain masked softmax attention, with splits that end in padding."""
+  tiles, checked against plain masked softmax attention, with splits that end in padding. split_share (8, 8):
+  one split of 144 queries, run as two 128-query tiles that each span several groups."""
   monkeypatch.setattr(flash, "SPLIT_TILES", 2)
+  monkeypatch.setattr(flash, "SPLIT_SHARE", split_share)
   # 9 query tiles of 16; 20 keys padded to 32: splits of 4 tiles (partial sums of 32 x (8 + 5) numbers per
   # split against 4 x 16 x 8 query numbers), the last split one tile and three of padding
   bh, groups, glen, n, scale = 2, 9, 16, 20, 0.3
