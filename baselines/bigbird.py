@@ -18,7 +18,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from baselines.common import block_mask, map_row_blocks, neighbour_blocks, num_row_chunks, select_real
+from baselines.common import block_mask, map_row_blocks, map_row_chunks, neighbour_blocks, select_real
 from baselines.longformer import dense_rows, global_indices
 from core import contract
 from core.blocks import num_blocks, to_grid
@@ -160,5 +160,7 @@ def bigbird(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = 
       out = out.at[:, glob].set(full.reshape(rows, glob.size, size, -1))  # [rows, G, size, value_dim]
     return out.reshape(rows, n * size, -1)[:, :length]
 
-  chunks = num_row_chunks(rows, length, row_chunks, op=op)
-  return map_row_blocks(attention, (q, k, v), mask, chunks, dtype=ct, out_dtype=v.dtype)
+  def run(chunks: int) -> Array:
+    return map_row_blocks(attention, (q, k, v), mask, chunks, dtype=ct, out_dtype=v.dtype)
+
+  return map_row_chunks(run, rows, length, row_chunks, op=op)

@@ -56,12 +56,21 @@ def from_rows(x: Array, batch: int, dtype: Any) -> Array:
 def num_row_chunks(rows: int, length: int, chunks: Any, *, op: str) -> int:
   """How many sequential chunks of rows an op runs in: `chunks` if given (1 = all rows at once, at most
   `rows`); None = automatic: on a CPU, chunks of about CHUNK_POSITIONS positions (rows x length) each; on an
-  accelerator, whose allocator keeps its memory and whose cores want every row at once, one."""
+  accelerator, whose allocator keeps its memory and whose cores want every row at once, one (by
+  `contract.backend`: `map_row_chunks` stages each platform's count)."""
   if chunks is None:
-    if jax.default_backend() != "cpu":
+    if contract.backend() != "cpu":
       return 1
     return -(-rows // max(1, CHUNK_POSITIONS // length))
   return min(rows, contract.check_positive_int(chunks, name="row_chunks", op=op))
+
+
+def map_row_chunks(fn: Callable[[int], Any], rows: int, length: int, chunks: Any, *, op: str) -> Any:
+  """fn(num_row_chunks(rows, length, chunks)) per lowering platform (`contract.per_platform`): a CPU
+  program runs its automatic chunks and an accelerator's, compiled from any host, one."""
+  num_row_chunks(rows, length, chunks, op=op)  # rejects a bad count here, once
+  return contract.per_platform(lambda: fn(num_row_chunks(rows, length, chunks, op=op)),
+                               key=lambda: num_row_chunks(rows, length, chunks, op=op))
 
 
 def row_blocks(batch: int, heads: int, chunks: int) -> tuple[int, int]:

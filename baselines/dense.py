@@ -6,6 +6,7 @@ On GPU and TPU `dense` runs a fused flash kernel (cuDNN, or JAX's Pallas TPU ker
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -56,6 +57,40 @@ def fused_kernel(platform: str, dtypes: tuple[Any, ...], head_dim: int, value_di
   return "cudnn", ""
 
 
+@functools.cache
+def _cudnn_available() -> bool:
+  """Whether this host can trace cuDNN attention: JAX reads cuDNN's version while tracing it, so a host
+  without CUDA traces the GPU program's XLA path instead."""
+  try:
+    from jax._src.cudnn.fused_attention_stablehlo import check_cudnn_version
+
+    check_cudnn_version()
+  except (ImportError, RuntimeError):
+    return False
+  return True
+
+
+def _kernel(q: Array, k: Array, v: Array, masked: bool) -> tuple[str | None, str]:
+  """`fused_kernel` for the platform being traced for (`contract.backend`)."""
+  platform = contract.backend()
+  if platform == "gpu" and not _cudnn_available():
+    return None, "cuDNN, which JAX needs to trace its attention, is not installed on this host"
+  max_head_dim = _gpu_max_head_dim() if platform == "gpu" else 128
+  return fused_kernel(platform, (q.dtype, k.dtype, v.dtype), q.shape[-1], v.shape[-1], masked=masked,
+                      max_head_dim=max_head_dim)
+
+
+def _choice(q: Array, k: Array, v: Array, *, mask: Array | None = None, implementation: Any = "auto",
+            **_: Any) -> Any:
+  """What `dense` traces per platform: for "auto" the fused kernel that applies there (None: XLA)."""
+  arrays = (q, k, v)
+  if implementation != "auto" or not all(hasattr(x, "dtype") and len(getattr(x, "shape", ())) == 4
+                                         for x in arrays):
+    return implementation  # explicit ones (and bad arguments, which `dense` rejects) are one program
+  return _kernel(q, k, v, mask is not None)[0]
+
+
+@contract.per_platform_op(_choice)
 def dense(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None,
           implementation: str = "auto") -> Array:
   """softmax(q k^T / sqrt(d)) v with an optional causal mask and key mask.
@@ -67,7 +102,8 @@ def dense(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = No
   softmax statistics stay float32 inside the kernel) or JAX's Pallas TPU flash kernel on TPU (bfloat16 or
   float32 inputs, float32 statistics); it raises ValueError where no fused kernel applies (CPU, float64,
   value_dim != head_dim, head dims cuDNN does not take; see `fused_kernel`). "auto" is "flash" where it
-  applies and "xla" elsewhere, so models pick up the fused kernel with no configuration.
+  applies and "xla" elsewhere, chosen per lowering platform (`contract.per_platform`), so models pick up the
+  fused kernel with no configuration, also in a program compiled for TPU from a CPU host.
   """
   op = "dense"
   masked = mask is not None
@@ -76,10 +112,7 @@ def dense(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = No
   contract.check_implementation(implementation, allowed=IMPLEMENTATIONS, op=op)
   kernel = None
   if implementation != "xla":
-    platform = contract.backend()
-    max_head_dim = _gpu_max_head_dim() if platform == "gpu" else 128
-    kernel, reason = fused_kernel(platform, (q.dtype, k.dtype, v.dtype), q.shape[-1], v.shape[-1],
-                                  masked=masked, max_head_dim=max_head_dim)
+    kernel, reason = _kernel(q, k, v, masked)
     if kernel is None and implementation == "flash":
       raise ValueError(f"{op}: argument 'implementation'='flash' does not apply here: {reason}; "
                        f"use 'auto' or 'xla'")

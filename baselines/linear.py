@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from baselines.common import block_mask, map_row_blocks, num_row_chunks, select_real
+from baselines.common import block_mask, map_row_blocks, map_row_chunks, num_row_chunks, select_real
 from core import contract
 from core.blocks import num_blocks, pad_to, shift
 
@@ -35,16 +35,17 @@ FeatureMap = Callable[[Array, Array, Array, Any], tuple[Array, Array]]
 
 
 def feature_attention(q: Array, k: Array, v: Array, mask: Array, params: Any, feature_map: FeatureMap, *,
-                      causal: bool, chunk: int, row_chunks: int) -> Array:
+                      causal: bool, chunk: int, row_chunks: int | None, op: str) -> Array:
   """Normalised linear attention with phi = feature_map(..., params), over blocks of rows.
 
   q, k: [batch, length, heads, d]; v: [batch, length, heads, e]; mask: [batch, length] bool (True = real), or
   None when every key is real (no masking work at all);
   params: arrays the feature map reads without gradient (Performer's random features) or None; chunk:
-  positions per causal chunk; row_chunks: `baselines.common.num_row_chunks`. Returns [batch, length, heads,
-  e] in v's dtype; rows whose visible keys all have zero features give zeros. Causally a later position's
-  value, even NaN or Inf, never reaches an earlier output: values enter with non-finite entries selected to
-  zero, and an output that sees a non-finite value (at or before its position) is NaN.
+  positions per causal chunk; row_chunks: `baselines.common.num_row_chunks` (None: automatic); op: the op's
+  name. Returns [batch, length, heads, e] in v's dtype; rows whose visible keys all have zero features give
+  zeros. Causally a later position's value, even NaN or Inf, never reaches an earlier output: values enter
+  with non-finite entries selected to zero, and an output that sees a non-finite value (at or before its
+  position) is NaN.
   """
   heads = q.shape[2]
   ct = contract.softmax_dtype(q.dtype, k.dtype, v.dtype)
@@ -75,8 +76,11 @@ def feature_attention(q: Array, k: Array, v: Array, mask: Array, params: Any, fe
       dphi_q, dphi_k, dv = _bidirectional_backward(phi_q, phi_k, v, res, dout)
     return (*vjp((dphi_q, dphi_k)), *select_real(mask, dv))
 
-  return map_row_blocks(forward, (q, k, v), (mask, params), row_chunks, dtype=ct, out_dtype=v.dtype,
-                        bwd=backward)
+  def run(chunks: int) -> Array:
+    return map_row_blocks(forward, (q, k, v), (mask, params), chunks, dtype=ct, out_dtype=v.dtype,
+                          bwd=backward)
+
+  return map_row_chunks(run, q.shape[0] * heads, q.shape[1], row_chunks, op=op)
 
 
 def _bidirectional_forward(phi_q: Array, phi_k: Array, v: Array) -> tuple[Array, tuple[Array, Array]]:
@@ -180,14 +184,15 @@ def exclusive_prefix_sum(x: Array, reverse: bool = False) -> Array:
 
 
 def check_args(q: Array, k: Array, v: Array, mask: Array | None, *, op: str, causal: Any, chunk_size: Any,
-               row_chunks: Any) -> tuple[Array, Array, Array, Array | None, bool, int, int]:
+               row_chunks: Any) -> tuple[Array, Array, Array, Array | None, bool, int, int | None]:
   """The contract checks of the feature-attention ops: (q, k, v, mask, causal, chunk, row chunks); mask
-  stays None when not given (every key real); row chunks: `baselines.common.num_row_chunks`."""
+  stays None when not given (every key real); row chunks:
+  as given, checked (`baselines.common.num_row_chunks`)."""
   q, k, v, mask = contract.check_qkv(q, k, v, mask, op=op, keep_none=True)
   causal = contract.check_bool(causal, name="causal", op=op)
   chunk = contract.check_positive_int(chunk_size, name="chunk_size", op=op)
-  chunks = num_row_chunks(q.shape[0] * q.shape[2], q.shape[1], row_chunks, op=op)
-  return q, k, v, mask, causal, chunk, chunks
+  num_row_chunks(q.shape[0] * q.shape[2], q.shape[1], row_chunks, op=op)  # rejects a bad count
+  return q, k, v, mask, causal, chunk, row_chunks
 
 
 @jax.custom_jvp
@@ -231,4 +236,5 @@ def linear(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = N
   """
   q, k, v, mask, causal, chunk, chunks = check_args(q, k, v, mask, op="linear", causal=causal,
                                                     chunk_size=chunk_size, row_chunks=row_chunks)
-  return feature_attention(q, k, v, mask, None, _elu_features, causal=causal, chunk=chunk, row_chunks=chunks)
+  return feature_attention(q, k, v, mask, None, _elu_features, causal=causal, chunk=chunk, row_chunks=chunks,
+                           op="linear")

@@ -10,7 +10,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from baselines.common import block_mask, map_row_blocks, num_row_chunks, select_real
+from baselines.common import block_mask, map_row_blocks, map_row_chunks, select_real
 from core import contract
 from core.blocks import num_blocks, to_grid
 from core.combine import attend_zeros_hidden, flag_nonfinite, unflag
@@ -54,5 +54,7 @@ def local(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = No
       out = attend_zeros_hidden(logits, valid, vb, "gnqk,gnkd->gnqd")  # [rows, n, size, value_dim]
     return out.reshape(qh.shape[0], n * size, -1)[:, :length]
 
-  chunks = num_row_chunks(batch * heads, length, row_chunks, op=op)
-  return map_row_blocks(attention, (q, k, v), mask, chunks, dtype=ct, out_dtype=v.dtype)
+  def run(chunks: int) -> Array:
+    return map_row_blocks(attention, (q, k, v), mask, chunks, dtype=ct, out_dtype=v.dtype)
+
+  return map_row_chunks(run, batch * heads, length, row_chunks, op=op)

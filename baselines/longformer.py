@@ -19,7 +19,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from baselines.common import block_mask, map_row_blocks, neighbour_blocks, num_row_chunks, select_real
+from baselines.common import block_mask, map_row_blocks, map_row_chunks, neighbour_blocks, select_real
 from core import contract
 from core.blocks import num_blocks, to_grid
 from core.combine import Piece, attend, flag_nonfinite, flagged_sum, joint_softmax, weighted_sum
@@ -118,5 +118,7 @@ def longformer(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None
       out = out.at[:, glob].set(dense_rows(qh[:, glob], kh, vh, glob, mask, causal, scale))
     return out
 
-  chunks = num_row_chunks(batch * heads, length, row_chunks, op=op)
-  return map_row_blocks(attention, (q, k, v), mask, chunks, dtype=ct, out_dtype=v.dtype)
+  def run(chunks: int) -> Array:
+    return map_row_blocks(attention, (q, k, v), mask, chunks, dtype=ct, out_dtype=v.dtype)
+
+  return map_row_chunks(run, batch * heads, length, row_chunks, op=op)

@@ -77,7 +77,8 @@ def performer(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None 
                                                     chunk_size=chunk_size, row_chunks=row_chunks)
   ct = contract.softmax_dtype(q.dtype, k.dtype, v.dtype)
   w = resolve_features(features, rng, num_features, q.shape[-1], ct, op=op)
-  return feature_attention(q, k, v, mask, w, _favor_features, causal=causal, chunk=chunk, row_chunks=chunks)
+  return feature_attention(q, k, v, mask, w, _favor_features, causal=causal, chunk=chunk, row_chunks=chunks,
+                           op=op)
 
 
 def resolve_features(features: Array | None, rng: Array | None, num_features: int, head_dim: int,

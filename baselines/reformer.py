@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from baselines.common import block_mask, map_row_blocks, num_row_chunks, select_real
+from baselines.common import block_mask, map_row_blocks, map_row_chunks, select_real
 from core import contract
 from core.blocks import num_blocks, pad_to
 from core.combine import Piece, merge, normalize, partial_softmax, weighted_sum
@@ -189,6 +189,9 @@ def reformer(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None =
     rounds = [type(part)(*(unsort(t)[:, r] for t in part)) for r in range(n_hashes)]
     return normalize(merge(rounds))  # [rows, padded, value_dim]
 
-  chunks = num_row_chunks(rows, padded, row_chunks, op=op)
   q, v = (pad_to(x, padded, axis=1) for x in (q, v))  # [batch, padded, heads, dim]
-  return map_row_blocks(attention, (q, v), (valid, rot), chunks, dtype=ct, out_dtype=v.dtype)[:, :length]
+
+  def run(chunks: int) -> Array:
+    return map_row_blocks(attention, (q, v), (valid, rot), chunks, dtype=ct, out_dtype=v.dtype)
+
+  return map_row_chunks(run, rows, padded, row_chunks, op=op)[:, :length]

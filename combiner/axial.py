@@ -227,6 +227,7 @@ def axial_xla(x: common.Inputs, m: int, direction: str, causal: bool, pooling: s
   return from_grid(common.map_rows(attention, r, chunks), g.length, 2)  # [batch, heads, length, value_dim]
 
 
+@common.per_platform
 def axial(q: Array, k: Array, v: Array, *, row_length: int, direction: str, causal: bool,
           mask: Array | None = None, pooling: str = "max", pool_q: Array | None = None,
           pool_k: Array | None = None, span_key_fn: Callable[[Array], Array] | None = None,

@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 import numpy as np
 
+from combiner import flash
 from combiner.pooling import POOLINGS
 from core import contract
 from core.blocks import head_major, map_chunks
@@ -37,6 +38,18 @@ def kernel_dtype(*arrays: Array) -> Any:
   """Matmul input dtype of the fused kernels: the inputs' 16-bit float type, else float32."""
   dt = jnp.result_type(*(a.dtype for a in arrays))
   return dt if jnp.dtype(dt).itemsize < 4 else jnp.float32
+
+
+def plan_choice(*_: Any, implementation: Any = "auto", **__: Any) -> Any:
+  """What a plan's trace depends on per platform (the key of `contract.per_platform_op`): the implementation
+  "auto" resolves to and, for the fused kernels, their layout and tiles."""
+  if implementation not in contract.IMPLEMENTATIONS:
+    return implementation  # the op rejects it
+  chosen = contract.resolve_implementation(implementation, op="")
+  return (chosen, flash.packs_heads(), flash.tile_caps()) if chosen == "pallas" else chosen
+
+
+per_platform = contract.per_platform_op(plan_choice)  # decorator: a plan's choices made per lowering platform
 
 
 def prepare(q: Array, k: Array, v: Array, mask: Array | None, *, op: str, causal: Any, pooling: Any = "max",

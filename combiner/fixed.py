@@ -54,6 +54,7 @@ def span_summaries(pqb: Array, pkb: Array, kb: Array, vb: Array, mb: Array, scal
   return k_bar, nonempty, v_tilde
 
 
+@common.per_platform
 def fixed(q: Array, k: Array, v: Array, *, block_size: int, causal: bool, mask: Array | None = None,
           pooling: str = "max", pool_q: Array | None = None, pool_k: Array | None = None,
           implementation: str = "auto") -> Array:

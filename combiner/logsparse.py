@@ -121,6 +121,7 @@ def logsparse_pieces(x: common.Inputs, causal: bool, pooling: str | None) -> lis
   return pieces
 
 
+@common.per_platform
 def logsparse(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None, pooling: str = "max",
               pool_q: Array | None = None, pool_k: Array | None = None,
               implementation: str = "auto") -> Array:

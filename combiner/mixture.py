@@ -23,6 +23,7 @@ Array = Any
 NORMALIZE = ("mean", "joint")
 
 
+@common.per_platform
 def mixture(q: Array, k: Array, v: Array, *, row_length: int, causal: bool, mask: Array | None = None,
             pooling: str = "max", normalize: str = "mean", pool_q: Array | None = None,
             pool_k: Array | None = None, implementation: str = "auto",

@@ -22,6 +22,7 @@ from core.combine import Piece, joint_softmax, weighted_sum
 Array = Any
 
 
+@common.per_platform
 def fixed(q: Array, k: Array, v: Array, *, block_size: int, causal: bool, mask: Array | None = None,
           implementation: str = "auto") -> Array:
   """Sparse Transformer "fixed": own block ∩ Ω_i plus the summary positions {j in Ω_i : j mod s = s-1}."""
@@ -45,6 +46,7 @@ def fixed(q: Array, k: Array, v: Array, *, block_size: int, causal: bool, mask: 
   return common.finish(from_grid(out, length, 2), x)
 
 
+@common.per_platform
 def logsparse(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None,
               implementation: str = "auto") -> Array:
   """LogSparse: {i} plus the last position of each dyadic span of [0, i) (mirrored for (i, L) if
@@ -56,6 +58,7 @@ def logsparse(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None 
   return common.finish(joint_softmax(logsparse_pieces(x, causal, None)), x)
 
 
+@common.per_platform
 def axial(q: Array, k: Array, v: Array, *, row_length: int, causal: bool, mask: Array | None = None,
           implementation: str = "auto", query_chunks: int | None = None) -> Array:
   """Axial attention: (own row ∪ own column) ∩ Ω_i.

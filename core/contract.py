@@ -7,12 +7,16 @@ module holds the checks and dtype rules so that every op rejects bad input with 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+import contextvars
+import functools
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 Array = Any  # jax.Array; kept loose so numpy inputs are accepted and converted.
 
@@ -71,9 +75,75 @@ def check_choice(value: Any, *, name: str, allowed: Iterable[str], op: str) -> s
   return value
 
 
+# The platforms ops choose by, each with the `lax.platform_dependent` names it lowers as.
+PLATFORMS = {"cpu": ("cpu",), "gpu": ("cuda", "rocm"), "tpu": ("tpu",)}
+_PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar("platform", default=None)
+_LOWERED_FOR: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("lowered_for", default=())
+
+
 def backend() -> str:
-  """The platform ops are traced for, "cpu", "gpu" or "tpu": what "auto" implementations choose by."""
-  return jax.default_backend()
+  """The platform ops are traced for, "cpu", "gpu" or "tpu": what "auto" implementations choose by. Inside
+  `traced_for(p)` (a branch of `per_platform`) that is p, elsewhere the default backend."""
+  return _PLATFORM.get() or jax.default_backend()
+
+
+def traced_platform() -> str | None:
+  """The one platform the code being traced will be lowered for: that of the enclosing `traced_for` where it
+  serves no other (a `per_platform` branch may serve several), else None."""
+  lowered = _LOWERED_FOR.get()
+  return lowered[0] if len(lowered) == 1 else None
+
+
+@contextlib.contextmanager
+def traced_for(platform: str, *, also: tuple[str, ...] = ()) -> Iterator[None]:
+  """Ops traced under this context make every platform choice for `platform` ("cpu", "gpu" or "tpu"), and
+  `per_platform` stages no branches: one program for that platform, whatever the host's backend. also: other
+  platforms the program is lowered for (a `per_platform` branch that serves several)."""
+  for p in (platform, *also):
+    check_choice(p, name="platform", allowed=PLATFORMS, op="contract.traced_for")
+  token, lowered = _PLATFORM.set(platform), _LOWERED_FOR.set((platform, *also))
+  try:
+    yield
+  finally:
+    _LOWERED_FOR.reset(lowered)
+    _PLATFORM.reset(token)
+
+
+def per_platform(fn: Callable[[], Any], *, key: Callable[[], Any] | None = None) -> Any:
+  """fn() staged once per platform in `lax.platform_dependent`, each branch traced in `traced_for` its
+  platform, so a program lowered for TPU (even from a CPU host) holds the TPU choices and only the lowered
+  platform's branch reaches the compiler. key() (evaluated per platform, cheap) names what fn's trace depends
+  on: platforms with equal keys share one branch, and when every key agrees fn() is traced once, with no
+  branches at all. Inside a branch (or `traced_for`) fn() runs directly."""
+  if _PLATFORM.get() is not None:
+    return fn()
+  groups: dict[Any, list[str]] = {}
+  for platform in PLATFORMS:
+    with traced_for(platform):
+      groups.setdefault(platform if key is None else key(), []).append(platform)
+  if len(groups) == 1:
+    return fn()
+  branches = {}
+  for platforms in groups.values():
+    branch = functools.partial(_traced_for_call, tuple(platforms), fn)
+    branches.update({name: branch for p in platforms for name in PLATFORMS[p]})
+  return lax.platform_dependent(**branches)
+
+
+def _traced_for_call(platforms: tuple[str, ...], fn: Callable[[], Any]) -> Any:
+  with traced_for(platforms[0], also=platforms[1:]):
+    return fn()
+
+
+def per_platform_op(key: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+  """Decorator: every call op(*args, **kw) runs through `per_platform`, its branches keyed by
+  key(*args, **kw) (which must not raise on bad arguments: the op rejects them in its own words)."""
+  def wrap(op: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(op)
+    def run(*args: Any, **kw: Any) -> Any:
+      return per_platform(lambda: op(*args, **kw), key=lambda: key(*args, **kw))
+    return run
+  return wrap
 
 
 IMPLEMENTATIONS = ("auto", "xla", "pallas")
@@ -81,7 +151,8 @@ ACCELERATOR_BACKENDS = ("gpu", "cuda", "rocm", "tpu")
 
 
 def check_implementation(value: Any, allowed: Iterable[str] = IMPLEMENTATIONS, *, op: str) -> str:
-  """An op's `implementation` argument: one of `allowed`, where "auto" means "choose by `backend()`"
+  """An op's `implementation` argument: one of `allowed`, where "auto" means "choose by `backend()`", per
+  lowering platform where the op runs through `per_platform`
   (`resolve_implementation` does it for ops whose accelerated kernel runs on every accelerator)."""
   return check_choice(value, name="implementation", allowed=allowed, op=op)
 

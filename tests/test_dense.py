@@ -116,6 +116,7 @@ def test_dense_auto_picks_the_backend_kernel(monkeypatch, platform, dtype, value
   for name in ("_xla", "_cudnn", "_pallas_tpu"):
     monkeypatch.setattr(dense_module, name, spy(name))
   monkeypatch.setattr(contract, "backend", lambda: platform)
+  monkeypatch.setattr(dense_module, "_cudnn_available", lambda: True)  # as on a GPU host
   q, k, v = _inputs(0, (1, 4, 2, 8), dtype, value_dim)
   out = dense_module.dense(q, k, v, causal=True)
   assert called == ["_" + expected] and out.shape == v.shape and out.dtype == v.dtype

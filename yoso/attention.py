@@ -105,6 +105,14 @@ def _check_rng(rng: Any, op: str) -> Array:
   return rng
 
 
+def _formulation_choice(*_: Any, formulation: Any = "auto", **__: Any) -> Any:
+  """What `yoso` traces per platform (`contract.per_platform_op`): the formulation "auto" resolves to."""
+  if formulation not in tables.FORMULATIONS:
+    return formulation  # the op rejects it
+  return tables.resolve_formulation(formulation, contract.backend())
+
+
+@contract.per_platform_op(_formulation_choice)
 def yoso(q: Array, k: Array, v: Array, *, rng: Array, num_hashes: int, tau: int, causal: bool = False,
          mask: Array | None = None, normalize_output: bool = True, hash: str = "gaussian",
          backward: str = "sampled", backward_features: int | None = None, formulation: str = "auto") -> Array:
@@ -128,8 +136,8 @@ def yoso(q: Array, k: Array, v: Array, *, rng: Array, num_hashes: int, tau: int,
   (segment sums and bucket-sorted chunked matmuls, serial-scatter friendly: CPUs), "onehot" (one-hot matmuls,
   2^tau times the multiply-adds but all on tensor cores / the MXU), "pallas" (the one-hot matmuls in fused
   kernels that make the one-hot factors on chip: GPUs and TPUs; bfloat16 matmul operands for bfloat16
-  inputs, split float32 ones otherwise), "auto" (by backend). The exact backward's per-feature tables
-  (backward_features None, beyond the counts) are one-hot matmuls under "pallas".
+  inputs, split float32 ones otherwise), "auto" (by backend, per lowering platform). The exact backward's
+  per-feature tables (backward_features None, beyond the counts) are one-hot matmuls under "pallas".
   Returns [batch, length, heads, value_dim] in v's dtype.
   """
   op = "yoso"
