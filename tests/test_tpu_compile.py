@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import data  # noqa: E402
 from configs import base as config_base  # noqa: E402
-from core import contract  # noqa: E402
+from core import contract, sharding  # noqa: E402
 from models import ops_registry  # noqa: E402
 from models.transformer import CAUSAL_TASKS  # noqa: E402
 from scripts import compile_tpu  # noqa: E402  (sets libtpu's environment before it loads)
@@ -189,19 +189,30 @@ def _params(name: str, case: Case) -> dict:
   return {**params, **FUSED[name][0]}
 
 
+FAST_GENERATION = "v5e"  # the fast run compiles the representative case here; `-m slow` on the others
+SLOW_TO_COMPILE = ("combiner_logsparse", "sparse_logsparse")  # about a minute each to compile
+# Known failures, kept visible: YOSO's sketched backward holds whole rows in VMEM, over v4's 16 MiB.
+KNOWN_FAILURES = {("v4", "yoso_sketch"), ("v4", "yoso_sketch_c")}
+
+
 def grid_params() -> list:
-  fast, slow = [], []
+  """The representative case of every fused op on every generation (fast on FAST_GENERATION, else slow),
+  then every config and edge case (`-m tpu_grid`, outside CI: about a thousand compiles)."""
+  fast, slow, grid = [], [], []
   cases = config_cases() + EDGE_CASES
   for gen in GENERATIONS:
     for name in FUSED:
       rep = REPRESENTATIVE
       if not _applies(name, rep):
         rep = dataclasses.replace(rep, causal=False)
-      fast.append(pytest.param(gen, rep, name, id=f"{gen}-{rep.id}-{name}"))
+      marks = [] if gen == FAST_GENERATION and name not in SLOW_TO_COMPILE else [pytest.mark.slow]
+      if (gen, name) in KNOWN_FAILURES:
+        marks.append(pytest.mark.xfail(strict=True, reason="exceeds the generation's VMEM"))
+      (slow if marks else fast).append(pytest.param(gen, rep, name, id=f"{gen}-{rep.id}-{name}", marks=marks))
       for case in cases:
         if _applies(name, case) and case != rep:
-          slow.append(pytest.param(gen, case, name, id=f"{gen}-{case.id}-{name}", marks=pytest.mark.slow))
-  return fast + slow
+          grid.append(pytest.param(gen, case, name, id=f"{gen}-{case.id}-{name}", marks=pytest.mark.tpu_grid))
+  return fast + slow + grid
 
 
 _DEVICES: dict[tuple[str, int], list] = {}
@@ -221,21 +232,21 @@ def lowered(names: list[str], case: Case, mesh: jax.sharding.Mesh, spec: P | Non
             heads: int = HEADS):
   """jax.grad (q, k, v) of the sum of the ops' outputs, lowered for the mesh's TPU devices as TPUs trace."""
   spec = P() if spec is None else spec
-  sharding = NamedSharding(mesh, spec)
-  qk = jax.ShapeDtypeStruct((batch, case.length, heads, case.head_dim), case.dtype, sharding=sharding)
+  placed = NamedSharding(mesh, spec)
+  qk = jax.ShapeDtypeStruct((batch, case.length, heads, case.head_dim), case.dtype, sharding=placed)
   v = jax.ShapeDtypeStruct((batch, case.length, heads, case.value_dim or case.head_dim), case.dtype,
-                           sharding=sharding)
+                           sharding=placed)
   mask = jax.ShapeDtypeStruct((batch, case.length), jnp.bool_, sharding=NamedSharding(mesh, P(*spec[:2])))
 
   def loss(q, k, v, mask):
     total = 0.0
     for name in names:
-      out = ops_registry.get(name).fn(q, k, v, causal=case.causal, mask=mask if case.masked else None,
-                                      **_params(name, case))
+      out = sharding.attend(ops_registry.get(name).fn, q, k, v, mask=mask if case.masked else None,
+                            causal=case.causal, **_params(name, case))
       total = total + out.astype(jnp.float32).sum()
     return total
 
-  return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(qk, qk, v, mask)
+  return jax.jit(sharding.traced_in(mesh, jax.grad(loss, argnums=(0, 1, 2)))).lower(qk, qk, v, mask)
 
 
 @pytest.fixture
@@ -261,13 +272,17 @@ def test_fused_kernels_compile_for_tpu(traced_for_tpu, gen, case, name):
                 pytrace=False)
 
 
-@pytest.mark.xfail(strict=False, reason="the Pallas kernels are not partitioned over a mesh yet (shard_map)")
-@pytest.mark.parametrize("axis", ["batch", "heads"])
-def test_fused_kernels_compile_sharded_over_chips(traced_for_tpu, axis):
-  """q, k, v sharded over batch or heads on a 4-chip v5e mesh: each chip runs the kernel on its shard, with no
-  all-gather of q, k, v."""
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n == "combiner_fixed" else [pytest.mark.slow])
+                                  for n in FUSED if n not in SLOW_TO_COMPILE])
+@pytest.mark.parametrize("axis", ["data", "model"])
+def test_fused_kernels_compile_sharded_over_chips(traced_for_tpu, axis, name):
+  """q, k, v sharded over batch ("data") or heads ("model") on a 4-chip v5e mesh, the ops called as the models
+  call them (`core.sharding.attend` under the context mesh): each chip runs the kernel on its shard, with no
+  all-gather of q, k, v. A bare pallas_call here fails: Mosaic kernels cannot be partitioned."""
   mesh = jax.sharding.Mesh(np.array(tpu_devices("v5e", 4)), (axis,))
-  spec = P(axis) if axis == "batch" else P(None, None, axis)
+  spec = P(axis) if axis == "data" else P(None, None, axis)
   case = dataclasses.replace(REPRESENTATIVE, length=1024, masked=False)
-  compiled = lowered(["combiner_fixed"], case, mesh, spec, batch=4, heads=4).compile()
-  assert "all-gather" not in compiled.as_text()
+  if not _applies(name, case):
+    case = dataclasses.replace(case, causal=False)
+  compiled = lowered([name], case, mesh, spec, batch=4, heads=4).compile()
+  assert "all-gather" not in compiled.as_text() and "all-to-all" not in compiled.as_text()
