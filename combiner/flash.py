@@ -66,9 +66,11 @@ GPU_PARAMS = pltriton.CompilerParams(num_warps=4, num_stages=2)
 TPU_PARAMS = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel"))
 
 
-def _pallas_call(kernel, **kw):
-  """pl.pallas_call lowered per platform (`core.pallas.platform_call`) with this kernel family's params."""
-  return pallas.platform_call(kernel, gpu_params=GPU_PARAMS, tpu_params=TPU_PARAMS, **kw)
+def _pallas_call(platform: str | None, kernel, **kw):
+  """pl.pallas_call lowered per platform (`core.pallas.platform_call`) with this kernel family's params;
+  `platform`: the one platform the primal was traced for, if any (a custom_vjp's rules are traced outside
+  that context, so it rides along as a static argument and each kernel is traced only for it)."""
+  return pallas.platform_call(kernel, gpu_params=GPU_PARAMS, tpu_params=TPU_PARAMS, platform=platform, **kw)
 
 
 def _div(a: Any, b: int) -> Any:
@@ -417,18 +419,18 @@ def _flat(specs, arrays):
   return out
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
-def _flash(specs: tuple, scale: float, block_q: int, pack: int | None, out_dtype: Any, q: Array,
-           arrays: tuple):
-  return _flash_fwd(specs, scale, block_q, pack, out_dtype, q, arrays)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5))
+def _flash(platform: str | None, specs: tuple, scale: float, block_q: int, pack: int | None, out_dtype: Any,
+           q: Array, arrays: tuple):
+  return _flash_fwd(platform, specs, scale, block_q, pack, out_dtype, q, arrays)[0]
 
 
-def _flash_fwd(specs, scale, block_q, pack, out_dtype, q, arrays):
+def _flash_fwd(platform, specs, scale, block_q, pack, out_dtype, q, arrays):
   batch, groups, glen, _ = q.shape
   bh, d = batch * (pack or 1), _width(q, pack)
   dv = _width(arrays[0][1], specs[0].pack)
   o, lse = _pallas_call(
-      functools.partial(_fwd_kernel, specs=specs, scale=scale, block_q=block_q),
+      platform, functools.partial(_fwd_kernel, specs=specs, scale=scale, block_q=block_q),
       grid=(bh, groups, glen // block_q),
       in_specs=[_row_spec(block_q, d, pack)] + _source_specs(specs, arrays),
       out_specs=[_row_spec(block_q, dv, pack), _lane_spec(block_q)],
@@ -439,7 +441,7 @@ def _flash_fwd(specs, scale, block_q, pack, out_dtype, q, arrays):
   return (o, lse), (q, arrays, o, lse)
 
 
-def _flash_bwd(specs, scale, block_q, pack, out_dtype, res, cts):
+def _flash_bwd(platform, specs, scale, block_q, pack, out_dtype, res, cts):
   q, arrays, o, lse = res
   do, dlse = cts
   batch, groups, glen, _ = q.shape
@@ -454,7 +456,7 @@ def _flash_bwd(specs, scale, block_q, pack, out_dtype, res, cts):
   do = do.astype(q.dtype)
   row_spec = functools.partial(_row_spec, block_q)
   dq = _pallas_call(
-      functools.partial(_dq_kernel, specs=specs, scale=scale, block_q=block_q),
+      platform, functools.partial(_dq_kernel, specs=specs, scale=scale, block_q=block_q),
       grid=(bh, groups, glen // block_q),
       in_specs=[row_spec(d, pack), row_spec(_width(do, pack), pack), _lane_spec(block_q), _lane_spec(block_q)]
       + _source_specs(specs, arrays),
@@ -486,8 +488,8 @@ def _flash_bwd(specs, scale, block_q, pack, out_dtype, res, cts):
                                       jnp.float32 if spec.shared else x.dtype) for x in (k, v)]
     dk_w, dv_w = _width(k, spec.pack), _width(v, spec.pack)
     dk, dv = _pallas_call(
-        functools.partial(_dkv_kernel, spec=spec, scale=scale, block_q=_kv_query_tile(rows, block_q),
-                          group_len=glen),
+        platform, functools.partial(_dkv_kernel, spec=spec, scale=scale,
+                                    block_q=_kv_query_tile(rows, block_q), group_len=glen),
         grid=(bh, splits, spec.n // spec.block),
         in_specs=[full(d, pack), full(_width(do, pack), pack), _full_lane_spec(rows), _full_lane_spec(rows),
                   kv_tile(dk_w), kv_tile(dv_w), vmap],
@@ -542,8 +544,8 @@ def attend(q: Array, sources: Sequence[Source], *, heads: int, scale: float, pac
     valid = pad_to(valid, n_p, 3)
     specs.append(_Spec(s.rule, s.qid, shared, n_p, block, pack))
     arrays.append((pad_to(s.k.astype(q.dtype), n_p, 2), pad_to(s.v.astype(q.dtype), n_p, 2), valid))
-  o, lse = _flash(tuple(specs), float(scale), block_q, heads if packed else None, jnp.dtype(out_dtype), qp,
-                  tuple(arrays))
+  o, lse = _flash(contract.traced_platform(), tuple(specs), float(scale), block_q, heads if packed else None,
+                  jnp.dtype(out_dtype), qp, tuple(arrays))
   return o[:, :, :glen], lse[:, :, 0, :glen]
 
 
