@@ -1,0 +1,88 @@
+"""Device memory of attention forward+backward on a TPU, from the real TPU compiler run ahead of time here.
+
+    python -m scripts.tpu_memory --lengths 16384,65536 --ops splash,splash_contract,combiner_fixed
+
+Compiles jax.vjp of each op (bfloat16, batch 1, 16 heads, head_dim 128, causal, the cotangent an input as in
+training) for one chip of `--topology` with libtpu and prints the temporaries XLA allocates
+(`memory_analysis().temp_size_in_bytes`) and their ratio to Splash attention's in the op contract's layout
+("splash_contract": [batch, L, heads, d] transposed to Splash's [heads, L, d]); "splash" is Splash on its own
+layout. Block/row sizes are sqrt(L) rounded to a power of two, as the benchmark's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from models import ops_registry
+from scripts import compile_tpu  # noqa: F401  (sets libtpu's environment before jax loads)
+
+HEADS, HEAD_DIM = 16, 128
+
+
+def _splash(length: int):
+  mask = masks.MultiHeadMask([masks.CausalMask((length, length)) for _ in range(HEADS)])
+  return splash.make_splash_mha(mask, head_shards=1, q_seq_shards=1)
+
+
+def op_fn(name: str, length: int):
+  """(q, k, v) -> out in the op's layout, and that layout's shape."""
+  if name == "splash":
+    return _splash(length), (HEADS, length, HEAD_DIM)
+  if name == "splash_contract":
+    kernel = _splash(length)
+    heads_first = lambda x: jnp.swapaxes(x[0], 0, 1)  # noqa: E731  [1, L, h, d] -> [h, L, d]
+    scale = (1 / np.sqrt(HEAD_DIM)).astype(np.float32)
+    return (lambda q, k, v: jnp.swapaxes(kernel(heads_first(q) * scale.astype(q.dtype), heads_first(k),
+                                                heads_first(v)), 0, 1)[None]), (1, length, HEADS, HEAD_DIM)
+  spec = ops_registry.get(name)
+  block = 1 << round(np.log2(np.sqrt(length)))
+  params = {k: block for k in ("block_size", "row_length") if k in spec.params(length)}
+  return (lambda q, k, v: spec.fn(q, k, v, causal=True, implementation="pallas", **params)), \
+      (1, length, HEADS, HEAD_DIM)
+
+
+def temp_bytes(name: str, length: int, device) -> int:
+  fn, shape = op_fn(name, length)
+  mesh = jax.sharding.Mesh(np.array([device]), ("x",))
+  x = jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=NamedSharding(mesh, P()))
+
+  def fwd_bwd(q, k, v, ct):
+    _, vjp = jax.vjp(fn, q, k, v)
+    return vjp(ct)
+
+  return jax.jit(fwd_bwd).lower(x, x, x, x).compile().memory_analysis().temp_size_in_bytes
+
+
+def main(argv: list[str]) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--lengths", default="16384,65536")
+  parser.add_argument("--ops", default="splash,splash_contract,combiner_fixed")
+  parser.add_argument("--topology", default="v5e",
+                      help="a TPU generation: " + ", ".join(compile_tpu.GENERATIONS))
+  args = parser.parse_args(argv)
+  if args.topology not in compile_tpu.GENERATIONS:
+    print(f"--topology must be one of {', '.join(compile_tpu.GENERATIONS)}, got {args.topology!r}",
+          file=sys.stderr)
+    return 2
+  gen = compile_tpu.GENERATIONS[args.topology]
+  device = compile_tpu.devices(compile_tpu.Slice(gen, min(gen.shapes)))[0]
+  print("| op | L | temporaries MiB | / splash_contract |\n|---|---|---|---|")
+  for length in (int(n) for n in args.lengths.split(",")):
+    ref = temp_bytes("splash_contract", length, device)
+    for name in args.ops.split(","):
+      got = ref if name == "splash_contract" else temp_bytes(name, length, device)
+      print(f"| {name} | {length} | {got / 2**20:.0f} | {got / ref:.2f} |", flush=True)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))
