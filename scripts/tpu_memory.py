@@ -80,7 +80,8 @@ def main(argv: list[str]) -> int:
     ref = temp_bytes("splash_contract", length, device)
     for name in args.ops.split(","):
       got = ref if name == "splash_contract" else temp_bytes(name, length, device)
-      print(f"| {name} | {length} | {got / 2**20:.0f} | {got / ref:.2f} |", flush=True)
+      ratio = f"{got / ref:.2f}" if ref else "-"  # short sequences may need no temporaries at all
+      print(f"| {name} | {length} | {got / 2**20:.0f} | {ratio} |", flush=True)
   return 0
 
 

@@ -69,3 +69,16 @@ def test_accelerator_types_map_to_topologies():
   for bad in ("v4-9", "v5e-3", "v7-8", "tpu", "v5p-x"):
     with pytest.raises(ct.BadTopology, match="--topology"):
       ct.parse_topology(bad)
+
+
+def test_tpu_memory_reports_temporaries_against_splash():
+  """scripts/tpu_memory.py: one short length, Splash and Combiner-Fixed, ratios against Splash in the op
+  contract's layout; a bad --topology is one line and exit 2."""
+  run = lambda *a: subprocess.run([sys.executable, "-m", "scripts.tpu_memory", *a], cwd=ROOT, text=True,  # noqa: E731
+                                  capture_output=True, timeout=600)
+  done = run("--lengths", "1024", "--ops", "splash_contract,combiner_fixed")
+  assert done.returncode == 0, done.stderr[-2000:]
+  rows = [line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith("| combiner_fixed")]
+  assert len(rows) == 1 and float(rows[0][2]) >= 0
+  bad = run("--topology", "v9")
+  assert bad.returncode == 2 and "--topology" in bad.stderr and "Traceback" not in bad.stderr
