@@ -6,7 +6,6 @@ On GPU and TPU `dense` runs a fused flash kernel (cuDNN, or JAX's Pallas TPU ker
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
@@ -57,7 +56,6 @@ def fused_kernel(platform: str, dtypes: tuple[Any, ...], head_dim: int, value_di
   return "cudnn", ""
 
 
-@functools.cache
 def _cudnn_available() -> bool:
   """Whether this host can trace cuDNN attention: JAX reads cuDNN's version while tracing it, so a host
   without CUDA traces the GPU program's XLA path instead."""

@@ -299,7 +299,7 @@ def logsparse_plan(x: common.Inputs, causal: bool, pooling: str | None) -> Array
   from combiner.logsparse import flipped  # combiner.logsparse dispatches to this module
 
   parts = [_logsparse_call(x, pooling, True)]
-  if not causal:  # the suffix spans are the prefix spans of the reversed sequence
+  if not causal and x.q.shape[2] > 1:  # suffix spans = prefix spans of the reversed sequence (none at L = 1)
     out, lse = _logsparse_call(flipped(x), pooling, False)
     parts.append((jnp.flip(out, axis=2), jnp.flip(lse, axis=2)))
   out, _ = flash.merge(parts)

@@ -52,19 +52,20 @@ def races_found() -> bool:
   return bool(races is not None and races.races_found)
 
 
-def platform_call(kernel, *, gpu_params: Any, tpu_params: Any, tpu_in_specs: Any = None,
+def platform_call(kernel, *, gpu_params: Any, tpu_params: Any, tpu_kw: dict | None = None,
                   platform: str | None = None, **kw):
   """pl.pallas_call(kernel, **kw) with `gpu_params` (Triton) on CUDA/ROCm, `tpu_params` (Mosaic) on TPU and
-  interpret=True on CPU (under `simulate`, the TPU branch in the TPU interpreter); `tpu_in_specs` replaces
-  `in_specs` on TPU (scalars a kernel loops by live in SMEM there). platform: emit that platform's call alone,
-  for code only ever lowered for it (None: `contract.traced_platform()`, set inside a `contract.per_platform`
+  interpret=True on CPU (under `simulate`, the TPU branch in the TPU interpreter); `tpu_kw` replaces entries
+  of kw on TPU (in_specs with scalars in SMEM, a grid that walks rows through VMEM in chunks, ...).
+  platform: emit that platform's call alone, for code only ever lowered for it (None:
+  `contract.traced_platform()`, set inside a `contract.per_platform`
   branch; a custom_vjp's rules are traced outside it, so kernels pass the platform their primal saw)."""
   def branch(**extra):
     return lambda *args: pl.pallas_call(kernel, **{**kw, **extra})(*args)
 
   def call(*args):
     gpu = branch(compiler_params=gpu_params)
-    tpu_specs = {} if tpu_in_specs is None else {"in_specs": tpu_in_specs}
+    tpu_specs = dict(tpu_kw or {})
     tpu = branch(compiler_params=tpu_params, **tpu_specs)
     simulated = _SIMULATED.get()
     if simulated is not None:

@@ -140,6 +140,7 @@ def test_cudnn_mask_coordinate_is_exact(monkeypatch, causal):
   monkeypatch.setattr(jax.nn, "dot_product_attention",
                       lambda *a, **kw: real(*a, **{**kw, "implementation": "xla"}))
   monkeypatch.setattr(contract, "backend", lambda: "gpu")
+  monkeypatch.setattr(dense_module, "_cudnn_available", lambda: True)  # as on a GPU host
   q, k, v = _inputs(1, (2, 6, 2, 8), jnp.bfloat16)
   mask = jnp.array([[True, False, True, True, False, True], [False, False, True, False, False, False]])
   k, v = (t.at[:, 1].set(jnp.nan) for t in (k, v))  # masked in both rows

@@ -192,7 +192,7 @@ def _params(name: str, case: Case) -> dict:
 FAST_GENERATION = "v5e"  # the fast run compiles the representative case here; `-m slow` on the others
 SLOW_TO_COMPILE = ("combiner_logsparse", "sparse_logsparse")  # about a minute each to compile
 # Known failures, kept visible: YOSO's sketched backward holds whole rows in VMEM, over v4's 16 MiB.
-KNOWN_FAILURES = {("v4", "yoso_sketch"), ("v4", "yoso_sketch_c")}
+KNOWN_FAILURES: set = set()
 
 
 def grid_params() -> list:

@@ -78,13 +78,16 @@ def test_dense_tpu_kernel_equals_xla(causal):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("causal,features", [(False, None), (False, 2), (True, None)])
-def test_yoso_pallas_formulation_equals_sorted(causal, features, monkeypatch):
-  """YOSO's table kernels (build/read, the sketched tables) and the exact backward's pair sums."""
-  from yoso import backward
+@pytest.mark.parametrize("causal,features,length", [(False, None, 24), (False, 2, 24), (True, None, 24),
+                                                    (False, 2, 300)])
+def test_yoso_pallas_formulation_equals_sorted(causal, features, length, monkeypatch):
+  """YOSO's table kernels (build/read, the sketched tables) and the exact backward's pair sums; at length 300
+  the TPU build walks its rows in three chunks of 128."""
+  from yoso import backward, kernels
 
   monkeypatch.setattr(backward, "COUNTS_MAX_LENGTH", 0)  # the LSH tables, not the short-sequence counts
-  q, k, v, mask, cotangent = inputs(24)
+  monkeypatch.setattr(kernels, "BUILD_ROWS", 128)
+  q, k, v, mask, cotangent = inputs(length)
 
   def run(formulation):
     def fn(q, k, v):

@@ -56,6 +56,11 @@ BUILD_GPU = pltriton.CompilerParams(num_warps=8, num_stages=2)  # a [2^tau, f] f
 READ_GPU = pltriton.CompilerParams(num_warps=4, num_stages=2)
 PAIRS_GPU = pltriton.CompilerParams(num_warps=4, num_stages=2)
 TPU_PARAMS = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel"))
+BUILD_TPU = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"))
+# Rows a TPU build program holds in VMEM at once: the grid walks longer sequences in chunks of this many rows
+# (v4 has 16 MiB of VMEM; whole rows of a few thousand positions, double-buffered, overflow it). GPUs read
+# every row from global memory and take one chunk.
+BUILD_ROWS = 1024
 
 
 def _parts(x: Array, operands: str) -> list[Array]:
@@ -93,12 +98,13 @@ def _split_refs(refs: Sequence[Any], has_weights: bool) -> tuple[Any, Any, Seque
   return (refs[0], refs[1], refs[2:]) if has_weights else (refs[0], None, refs[1:])
 
 
-def _build_kernel(*refs, buckets: int, steps: int, weighted: Sequence[bool], operands: str,
-                  has_weights: bool):
-  """One (group, hash): tables[f_s] = sum_j onehot_j (w_j) rows_s[j]. codes_ref, weights_ref [1, Lp];
-  rows refs [Lp, f_s]; table refs [buckets, f_s]."""
+def _build_kernel(*refs, buckets: int, weighted: Sequence[bool], operands: str, has_weights: bool):
+  """One (group, hash, row chunk): tables[f_s] += sum_j onehot_j (w_j) rows_s[j] over the chunk's rows j.
+  codes_ref, weights_ref [1, C]; rows refs [C, f_s]; table refs [buckets, f_s], the same block for every
+  chunk (grid axis 2 runs in order), zeroed by the first."""
   codes_ref, weights_ref, refs = _split_refs(refs, has_weights)
   rows_refs, out_refs = refs[:len(weighted)], refs[len(weighted):]
+  steps = rows_refs[0].shape[0] // TILE
 
   def step(i, accs):
     start = pl.multiple_of(i * TILE, TILE)
@@ -112,28 +118,34 @@ def _build_kernel(*refs, buckets: int, steps: int, weighted: Sequence[bool], ope
       out.append(acc + _product(onehot, _parts(rows, operands)))  # [B, f]
     return tuple(out)
 
+  @pl.when(pl.program_id(2) == 0)
+  def _():
+    for ref in out_refs:
+      ref[...] = jnp.zeros(ref.shape, ref.dtype)
+
   init = tuple(jnp.zeros(ref.shape, ref.dtype) for ref in out_refs)
   accs = lax.fori_loop(0, steps, step, init)
   for ref, acc in zip(out_refs, accs, strict=True):
-    ref[...] = acc.astype(ref.dtype)
+    ref[...] += acc.astype(ref.dtype)
 
 
 def _read_kernel(*refs, buckets: int, hashes: int, weighted: Sequence[bool], parts: int, has_weights: bool):
-  """One (group, row tile): out_s[i] = sum_t (w_ti) onehot_ti tables_s[t]. codes_ref, weights_ref [m, T, 1];
-  table refs (parts each, the table's operand parts) [m, buckets, f_s]; out refs [T, f_s]."""
+  """One (group, row tile): out_s[i] = sum_t (w_ti) onehot_ti tables_s[t]. codes_ref, weights_ref [m, 1, T]
+  (rows on lanes: a [T, 1] block would be padded to 128 lanes in TPU VMEM, 128 times its size); table refs
+  (parts each, the table's operand parts) [m, buckets, f_s]; out refs [T, f_s]."""
   codes_ref, weights_ref, refs = _split_refs(refs, has_weights)
   n = len(weighted)
   table_refs, out_refs = refs[:n * parts], refs[n * parts:]
 
   def step(t, accs):
-    codes = codes_ref[t]  # [T, 1]
-    hit = codes == lax.broadcasted_iota(jnp.int32, (TILE, buckets), 1)  # [T, B]
-    w = None if weights_ref is None else weights_ref[t]  # [T, 1]
+    codes = codes_ref[t]  # [1, T]
+    hit = lax.broadcasted_iota(jnp.int32, (buckets, TILE), 0) == codes  # [B, T]
+    w = None if weights_ref is None else weights_ref[t].T  # [T, 1]
     out = []
     for s, (acc, weigh) in enumerate(zip(accs, weighted, strict=True)):
       table = [table_refs[s * parts + p][t] for p in range(parts)]  # [B, f] each
       dtype = jnp.float64 if table[0].dtype == jnp.float64 else jnp.bfloat16
-      val = _product([hit.astype(dtype)], table)  # [T, f]
+      val = _product([hit.astype(dtype)], table, trans_a=True)  # [T, f]
       out.append(acc + (val * w if weigh else val))
     return tuple(out)
 
@@ -176,22 +188,26 @@ def build(codes: Array, rows: Sequence[Array], weights: Array | None = None,
   g, m, length = codes.shape
   weighted = tuple(weighted if weighted is not None else [weights is not None] * len(rows))
   padded, kb = _padded(length), _pow2(buckets)
+  chunk = min(padded, BUILD_ROWS)  # TPU: rows per program; `padded` a whole number of chunks
+  padded = -(-padded // chunk) * chunk
   codes = pad_to(_none_to(codes, buckets, kb), padded, 2, fill=kb)[:, :, None, :]  # [g, m, 1, Lp]
   widths = [r.shape[-1] for r in rows]
   rows = [pad_to(pad_to(r, _pow2(f), 2), padded, 1) for r, f in zip(rows, widths, strict=True)]  # [g, Lp, F]
-  hash_row = pl.BlockSpec((None, None, 1, padded), lambda b, t: (b, t, 0, 0))
-  in_specs = [hash_row]
-  args = [codes]
-  if weights is not None:
-    in_specs.append(hash_row)
-    args.append(pad_to(weights, padded, 2)[:, :, None, :])
-  in_specs += [pl.BlockSpec((None, padded, r.shape[-1]), lambda b, t: (b, 0, 0)) for r in rows]
-  args += rows
-  kernel = functools.partial(_build_kernel, buckets=kb, steps=padded // TILE, weighted=weighted,
-                             operands=operands, has_weights=weights is not None)
+  args = [codes] + ([] if weights is None else [pad_to(weights, padded, 2)[:, :, None, :]]) + rows
+
+  def specs(c):  # row chunks of c rows: (in_specs, grid)
+    hash_row = pl.BlockSpec((None, None, 1, c), lambda b, t, i: (b, t, 0, i))
+    return ([hash_row] * (1 + (weights is not None))
+            + [pl.BlockSpec((None, c, r.shape[-1]), lambda b, t, i: (b, i, 0)) for r in rows],
+            (g, m, padded // c))
+
+  (in_specs, grid), (tpu_specs, tpu_grid) = specs(padded), specs(chunk)
+  kernel = functools.partial(_build_kernel, buckets=kb, weighted=weighted, operands=operands,
+                             has_weights=weights is not None)
   call = pallas.platform_call(
-      kernel, grid=(g, m), in_specs=in_specs, gpu_params=BUILD_GPU, tpu_params=TPU_PARAMS,
-      out_specs=[pl.BlockSpec((None, None, kb, r.shape[-1]), lambda b, t: (b, t, 0, 0)) for r in rows],
+      kernel, grid=grid, in_specs=in_specs, gpu_params=BUILD_GPU, tpu_params=BUILD_TPU,
+      tpu_kw={"in_specs": tpu_specs, "grid": tpu_grid},
+      out_specs=[pl.BlockSpec((None, None, kb, r.shape[-1]), lambda b, t, i: (b, t, 0, 0)) for r in rows],
       out_shape=[jax.ShapeDtypeStruct((g, m, kb, r.shape[-1]), _sum_dtype(r)) for r in rows])
   return [t[:, :, :buckets, :f] for t, f in zip(call(*args), widths, strict=True)]
 
@@ -210,12 +226,12 @@ def read(codes: Array, tables: Sequence[Array], weights: Array | None = None,
   padded, kb = _padded(length), _pow2(buckets)
   widths = [t.shape[-1] for t in tables]
   tables = [pad_to(pad_to(t, _pow2(f), 3), kb, 2) for t, f in zip(tables, widths, strict=True)]
-  column = pl.BlockSpec((None, m, TILE, 1), lambda b, i: (b, 0, i, 0))
-  in_specs = [column]
-  args = [pad_to(_none_to(codes, buckets, kb), padded, 2, fill=kb)[..., None]]  # [g, m, Lp, 1]
+  row = pl.BlockSpec((None, m, 1, TILE), lambda b, i: (b, 0, 0, i))
+  in_specs = [row]
+  args = [pad_to(_none_to(codes, buckets, kb), padded, 2, fill=kb)[:, :, None, :]]  # [g, m, 1, Lp]
   if weights is not None:
-    in_specs.append(column)
-    args.append(pad_to(weights, padded, 2)[..., None])
+    in_specs.append(row)
+    args.append(pad_to(weights, padded, 2)[:, :, None, :])
   parts = None
   for table in tables:
     split = _parts(table, operands)
@@ -294,5 +310,5 @@ def pair_sums(a_codes: Array, x: Array, b_codes: Array, y: Array, z: Array, *, o
   tpu_specs = [pl.BlockSpec((None, ranges.shape[1], 2), lambda b, i: (b, 0, 0), memory_space=pltpu.SMEM),
                *specs[1:]]  # loop bounds are scalars in SMEM on TPU
   call = pallas.platform_call(functools.partial(_pair_kernel, operands=operands), in_specs=specs,
-                              tpu_in_specs=tpu_specs, **common)
+                              tpu_kw={"in_specs": tpu_specs}, **common)
   return call(ranges, a_codes, x, b_codes, y, z_p)[:, :la, :z.shape[-1]]
