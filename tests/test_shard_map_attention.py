@@ -84,9 +84,14 @@ def by_heads_shard(fn, q, k, v, mask, *, parts, rng, **kw):
                           for j in range(parts)], axis=2)
 
 
-@pytest.mark.parametrize("data,model,name", [
-    *((d, m, n) for d, m in MESHES[:2] for n in ("combiner_fixed", "yoso", "dense")),
-    (4, 2, "linformer"), (4, 2, "synthesizer")])
+def _fast_first(cases: list) -> list:
+  """The first case runs in the fast suite, the others with -m slow (each compiles a model on 8 devices)."""
+  return [c if i == 0 else pytest.param(*c, marks=pytest.mark.slow) for i, c in enumerate(cases)]
+
+
+@pytest.mark.parametrize("data,model,name", _fast_first(sorted(
+    [(d, m, n) for d, m in MESHES[:2] for n in ("combiner_fixed", "yoso", "dense")]
+    + [(4, 2, "linformer"), (4, 2, "synthesizer")], key=lambda c: c != (4, 2, "combiner_fixed"))))
 def test_model_equals_single_device(name, data, model, monkeypatch):
   """Forward and gradients of a model layer on a data x model mesh equal the one-device run. YOSO's batch
   shards share the key (its hashes are shared over the batch: the same draws); its heads shards fold their
@@ -168,8 +173,8 @@ def large_collectives(text: str, elements: int) -> list[str]:
   return found
 
 
-@pytest.mark.parametrize("data,model", MESHES[:2])
-@pytest.mark.parametrize("name", ["combiner_fixed", "yoso"])
+@pytest.mark.parametrize("name,data,model", _fast_first(
+    [("combiner_fixed", 4, 2), ("combiner_fixed", 8, 1), ("yoso", 4, 2), ("yoso", 8, 1)]))
 def test_tpu_fused_kernels_compile_sharded_without_gathering_qkv(name, data, model):
   """The real TPU compiler (Mosaic kernels) compiles a model's forward + backward with the batch over "data"
   and heads over "model"; no q, k, v or output-sized array is all-gathered or all-to-all'd (parameter
