@@ -189,15 +189,17 @@ def _params(name: str, case: Case) -> dict:
   return {**params, **FUSED[name][0]}
 
 
-FAST_GENERATION = "v5e"  # the fast run compiles the representative case here; `-m slow` on the others
+FAST_GENERATION = "v5e"  # the fast run compiles the representative case here
+SLOW_GENERATIONS = ("v4",)  # `-m slow` also here (the least VMEM); the others with the grid, `-m tpu_grid`
 SLOW_TO_COMPILE = ("combiner_logsparse", "sparse_logsparse")  # about a minute each to compile
 # Known failures, kept visible: YOSO's sketched backward holds whole rows in VMEM, over v4's 16 MiB.
 KNOWN_FAILURES: set = set()
 
 
 def grid_params() -> list:
-  """The representative case of every fused op on every generation (fast on FAST_GENERATION, else slow),
-  then every config and edge case (`-m tpu_grid`, outside CI: about a thousand compiles)."""
+  """The representative case of every fused op on every generation (fast on FAST_GENERATION, slow on
+  SLOW_GENERATIONS), then every config and edge case (`-m tpu_grid`, outside CI: about a thousand compiles,
+  with the representative cases of the other generations)."""
   fast, slow, grid = [], [], []
   cases = config_cases() + EDGE_CASES
   for gen in GENERATIONS:
@@ -205,7 +207,10 @@ def grid_params() -> list:
       rep = REPRESENTATIVE
       if not _applies(name, rep):
         rep = dataclasses.replace(rep, causal=False)
-      marks = [] if gen == FAST_GENERATION and name not in SLOW_TO_COMPILE else [pytest.mark.slow]
+      if gen == FAST_GENERATION and name not in SLOW_TO_COMPILE:
+        marks = []
+      else:
+        marks = [pytest.mark.slow if gen in (FAST_GENERATION, *SLOW_GENERATIONS) else pytest.mark.tpu_grid]
       if (gen, name) in KNOWN_FAILURES:
         marks.append(pytest.mark.xfail(strict=True, reason="exceeds the generation's VMEM"))
       (slow if marks else fast).append(pytest.param(gen, rep, name, id=f"{gen}-{rep.id}-{name}", marks=marks))
