@@ -173,8 +173,9 @@ def large_collectives(text: str, elements: int) -> list[str]:
   return found
 
 
-@pytest.mark.parametrize("name,data,model", _fast_first(
-    [("combiner_fixed", 4, 2), ("combiner_fixed", 8, 1), ("yoso", 4, 2), ("yoso", 8, 1)]))
+@pytest.mark.slow
+@pytest.mark.parametrize("name,data,model",
+                         [(n, d, m) for n in ("combiner_fixed", "yoso") for d, m in MESHES[1::-1]])
 def test_tpu_fused_kernels_compile_sharded_without_gathering_qkv(name, data, model):
   """The real TPU compiler (Mosaic kernels) compiles a model's forward + backward with the batch over "data"
   and heads over "model"; no q, k, v or output-sized array is all-gathered or all-to-all'd (parameter

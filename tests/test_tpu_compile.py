@@ -277,8 +277,8 @@ def test_fused_kernels_compile_for_tpu(traced_for_tpu, gen, case, name):
                 pytrace=False)
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n == "combiner_fixed" else [pytest.mark.slow])
-                                  for n in FUSED if n not in SLOW_TO_COMPILE])
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n in FUSED if n not in SLOW_TO_COMPILE])
 @pytest.mark.parametrize("axis", ["data", "model"])
 def test_fused_kernels_compile_sharded_over_chips(traced_for_tpu, axis, name):
   """q, k, v sharded over batch ("data") or heads ("model") on a 4-chip v5e mesh, the ops called as the models
