@@ -475,7 +475,8 @@ def _flash_bwd(platform, specs, scale, block_q, pack, out_dtype, res, cts):
       numbers = spec.n * (_width(k, spec.pack) + _width(v, spec.pack)) * SPLIT_SHARE[tile_caps()[0] < BLOCK_Q]
       per = max(SPLIT_TILES, -(-numbers // (block_q * d)))
       splits, rows = -(-tiles // per), min(tiles, per) * block_q
-      rows = -(-rows // _kv_query_tile(rows, block_q)) * _kv_query_tile(rows, block_q)  # whole kernel tiles
+      tile = _kv_query_tile(rows, block_q)
+      rows = -(-rows // tile) * tile  # whole kernel tiles
       fills = ((q, 0.0, 2), (do, 0.0, 2), (lse, jnp.inf, 3), (delta, 0.0, 3))
       qs = [_split_queries(x, splits, rows, fill, axis) for x, fill, axis in fills]
     else:

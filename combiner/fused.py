@@ -59,9 +59,9 @@ def span_expectation(q_bar: Array, kb: Array, vb: Array, valid: Array, scale: fl
   [batch, ...] like kb.shape[:-1] (heads may be 1). Returns q_bar's shape with value_dim, float32 (0 for an
   empty span, dropped by the caller). Both products are matmuls in kb's and vb's dtype (the kernel dtype:
   q_bar and the weights are cast to it) with float32 accumulation, like the kernel's, so no float32 copy
-  of the keys or values and no broadcast query is written; spans longer
-  than SPAN_CHUNK are reduced in chunks of it, which keeps many reductions in flight when a few spans hold
-  thousands of keys (logsparse's top levels). Masked keys and values are zeros (`common.prepare` selects
+  of the keys or values and no broadcast query is written. Spans longer than SPAN_CHUNK are reduced in
+  chunks of it, which keeps many reductions in flight when a few spans hold thousands of keys (logsparse's
+  top levels). Masked keys and values are zeros (`common.prepare` selects
   them), so no product needs a select.
   """
   s = kb.shape[axis]

@@ -192,8 +192,6 @@ def _params(name: str, case: Case) -> dict:
 FAST_GENERATION = "v5e"  # the fast run compiles the representative case here
 SLOW_GENERATIONS = ("v4",)  # `-m slow` also here (the least VMEM); the others with the grid, `-m tpu_grid`
 SLOW_TO_COMPILE = ("combiner_logsparse", "sparse_logsparse")  # about a minute each to compile
-# Known failures, kept visible: YOSO's sketched backward holds whole rows in VMEM, over v4's 16 MiB.
-KNOWN_FAILURES: set = set()
 
 
 def grid_params() -> list:
@@ -211,8 +209,6 @@ def grid_params() -> list:
         marks = []
       else:
         marks = [pytest.mark.slow if gen in (FAST_GENERATION, *SLOW_GENERATIONS) else pytest.mark.tpu_grid]
-      if (gen, name) in KNOWN_FAILURES:
-        marks.append(pytest.mark.xfail(strict=True, reason="exceeds the generation's VMEM"))
       (slow if marks else fast).append(pytest.param(gen, rep, name, id=f"{gen}-{rep.id}-{name}", marks=marks))
       for case in cases:
         if _applies(name, case) and case != rep:
