@@ -87,6 +87,11 @@ def backend() -> str:
   return _PLATFORM.get() or jax.default_backend()
 
 
+def platform_of(device: Any) -> str:
+  """The `PLATFORMS` name ("cpu", "gpu" or "tpu") of a device (a TPU topology's devices included)."""
+  return next((p for p, names in PLATFORMS.items() if device.platform in names), device.platform)
+
+
 def traced_platform() -> str | None:
   """The one platform the code being traced will be lowered for: that of the enclosing `traced_for` where it
   serves no other (a `per_platform` branch may serve several), else None."""

@@ -35,6 +35,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from core import contract
+
 Array = Any
 
 BATCH_AXES = ("data", "fsdp")
@@ -149,11 +151,14 @@ def attend(fn: Callable[..., Array], q: Array, k: Array, v: Array, *, mask: Arra
 
 def traced_in(mesh: Any, fn: Callable[..., Any]) -> Callable[..., Any]:
   """`fn` with `mesh` as JAX's context mesh while it is traced (what `attend` reads): jit(traced_in(mesh, f))
-  maps the attention ops of f over the mesh however f is called or lowered."""
+  maps the attention ops of f over the mesh however f is called or lowered. The ops also make their
+  platform choices for the mesh's devices (`contract.traced_for`), so f is traced once, for the platform
+  it will run on (a TPU topology's mesh from a CPU host included), instead of once per platform."""
+  platform = contract.platform_of(mesh.devices.flat[0])
 
   @functools.wraps(fn)
   def wrapped(*args: Any, **kwargs: Any) -> Any:
-    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), contract.traced_for(platform):
       return fn(*args, **kwargs)
 
   return wrapped

@@ -93,3 +93,18 @@ def pytest_collection_modifyitems(config, items):
     callspec = getattr(item, "callspec", None)
     if callspec is not None and _case_is_slow(item.originalname, callspec.id):
       item.add_marker(pytest.mark.slow)
+
+
+
+@pytest.fixture(autouse=True)
+def _traced_for_cpu(request):
+  """Ops traced in a test make their choices for CPU only (`core.contract.traced_for`), as train.py's steps
+  do for their mesh: one trace instead of one per platform. Tests that lower for another platform (export
+  for TPU or CUDA, the per-platform staging itself) are marked `all_platforms`."""
+  if request.node.get_closest_marker("all_platforms"):
+    yield
+    return
+  from core import contract
+
+  with contract.traced_for("cpu"):
+    yield

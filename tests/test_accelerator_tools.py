@@ -10,10 +10,10 @@ from __future__ import annotations
 import gzip
 import json
 
-import jax
 import pytest
 
 from combiner import flash
+from core import contract
 from scripts import check_kernels, profile_ops, tune_kernels
 
 
@@ -73,11 +73,12 @@ def test_profile_sums_device_events_only(tmp_path):
   assert count == 3
 
 
-def test_tile_caps_follow_the_backend(monkeypatch):
-  assert flash.tile_caps() == (flash.BLOCK_Q, flash.BLOCK_K)  # CPU: interpret mode, TPU-shaped tiles
-  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  assert flash.tile_caps() == (flash.GPU_BLOCK_Q, flash.GPU_BLOCK_K)
-  assert flash.group_length(1000) == flash.GPU_BLOCK_Q
+def test_tile_caps_follow_the_platform():
+  with contract.traced_for("cpu"):
+    assert flash.tile_caps() == (flash.BLOCK_Q, flash.BLOCK_K)  # CPU: interpret mode, TPU-shaped tiles
+  with contract.traced_for("gpu"):
+    assert flash.tile_caps() == (flash.GPU_BLOCK_Q, flash.GPU_BLOCK_K)
+    assert flash.group_length(1000) == flash.GPU_BLOCK_Q
 
 
 @pytest.mark.slow

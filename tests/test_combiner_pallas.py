@@ -201,12 +201,14 @@ LOWERING_OPS = {
 TRITON_OK = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
 
 
+@pytest.mark.all_platforms
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
 @pytest.mark.parametrize("name", sorted(LOWERING_OPS))
 def test_lowers_for_accelerators(name, platform):
   check_lowering(name, platform)
 
 
+@pytest.mark.all_platforms
 @pytest.mark.parametrize("name", ["fixed", "sparse_fixed"])
 def test_heads_packed_layout_lowers_for_cuda(monkeypatch, name):
   """The GPU layout: traced here as on a GPU (`flash.packs_heads`), exported for CUDA."""

@@ -154,6 +154,7 @@ def test_cudnn_mask_coordinate_is_exact(monkeypatch, causal):
   assert all(bool(jnp.all(jnp.isfinite(g))) for g in grad)
 
 
+@pytest.mark.all_platforms
 @pytest.mark.slow
 def test_pallas_tpu_path_in_interpret_mode(monkeypatch):
   # JAX's TPU flash kernel, interpreted on CPU: forward and gradients equal the XLA path with a key mask, a
@@ -187,6 +188,7 @@ def _export(fn, platform, *shapes):
   return jax.export.export(jax.jit(fn), platforms=[platform], disabled_checks=disabled)(*shapes).mlir_module()
 
 
+@pytest.mark.all_platforms
 @pytest.mark.parametrize("platform, marker", [("tpu", "tpu_custom_call"), ("cuda", "__cudnn$fmhaSoftmax")])
 def test_dense_flash_lowers_for_the_accelerator(monkeypatch, platform, marker):
   # bf16, L = 1024, causal with a key mask: forward and forward+backward lower to the fused kernel.
@@ -213,6 +215,7 @@ def test_dense_flash_lowers_for_the_accelerator(monkeypatch, platform, marker):
   assert marker in module and ("fmhaSoftmaxBackward" in module if platform == "cuda" else True)
 
 
+@pytest.mark.all_platforms
 def test_models_pick_up_the_fused_kernel_with_no_config_change(monkeypatch):
   # The default dense config, bf16 compute: a TPU train-step gradient of the whole LM lowers to the kernel.
   from flax import nnx

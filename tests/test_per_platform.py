@@ -31,6 +31,7 @@ from core import contract  # noqa: E402
 from yoso import attention as yoso_attention  # noqa: E402
 
 MOSAIC, TRITON = "tpu_custom_call", "xla.gpu.triton"
+pytestmark = pytest.mark.all_platforms  # these tests are about the per-platform staging itself
 TRITON_OK = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
 SHAPE = (1, 256, 2, 128)  # Mosaic's (8, 128) tiles; bfloat16, as models run
 

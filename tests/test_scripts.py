@@ -414,6 +414,7 @@ def test_flash_row_is_dropped_with_a_note_where_the_device_has_no_fused_kernel(m
   assert [h for k, h in bm.op_columns("flash") if k == "mem_ratio"] == ["mem/flash"]
 
 
+@pytest.mark.all_platforms
 def test_flash_reference_per_backend_and_implementation_keyword():
   assert bm.flash_attention_fn("cpu", causal=True, dtype="bfloat16", length=256, head_dim=64)[0] is None
   fn, reason = bm.flash_attention_fn("gpu", causal=True, dtype="float32", length=256, head_dim=64)

@@ -250,14 +250,8 @@ def lowered(names: list[str], case: Case, mesh: jax.sharding.Mesh, spec: P | Non
   return jax.jit(sharding.traced_in(mesh, jax.grad(loss, argnums=(0, 1, 2)))).lower(qk, qk, v, mask)
 
 
-@pytest.fixture
-def traced_for_tpu(monkeypatch):
-  """Ops choose layouts and tiles by `contract.backend()`: trace as on a TPU."""
-  monkeypatch.setattr(contract, "backend", lambda: "tpu")
-
-
 @pytest.mark.parametrize("gen,case,name", grid_params())
-def test_fused_kernels_compile_for_tpu(traced_for_tpu, gen, case, name):
+def test_fused_kernels_compile_for_tpu(gen, case, name):
   mesh = jax.sharding.Mesh(np.array(tpu_devices(gen)[:1]), ("data",))
   try:
     program = lowered([name], case, mesh)
@@ -276,7 +270,7 @@ def test_fused_kernels_compile_for_tpu(traced_for_tpu, gen, case, name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n in FUSED if n not in SLOW_TO_COMPILE])
 @pytest.mark.parametrize("axis", ["data", "model"])
-def test_fused_kernels_compile_sharded_over_chips(traced_for_tpu, axis, name):
+def test_fused_kernels_compile_sharded_over_chips(axis, name):
   """q, k, v sharded over batch ("data") or heads ("model") on a 4-chip v5e mesh, the ops called as the models
   call them (`core.sharding.attend` under the context mesh): each chip runs the kernel on its shard, with no
   all-gather of q, k, v. A bare pallas_call here fails: Mosaic kernels cannot be partitioned."""

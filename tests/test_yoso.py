@@ -489,6 +489,7 @@ def test_formulations_agree_on_the_same_draws(formulation, features, monkeypatch
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * scale, err_msg=name)
 
 
+@pytest.mark.all_platforms
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
 @pytest.mark.parametrize("features", [None, 1])
 def test_pallas_formulation_lowers_for_accelerators(platform, features):
@@ -512,6 +513,7 @@ def test_pallas_formulation_lowers_for_accelerators(platform, features):
   assert ("_pair_kernel" in module) == (features is None)  # the exact dQ/dK's code-sorted pair sums
 
 
+@pytest.mark.all_platforms
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
 def test_onehot_formulation_lowers_for_accelerators(platform):
   # bf16 inputs, L above the short-sequence threshold: forward and forward+backward (tables for dV, dQ, dK).
