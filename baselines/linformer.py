@@ -16,6 +16,7 @@ from core import contract
 from core.combine import attend
 
 Array = Any
+PROJ_DIM = 256  # the projected length k: the YOSO paper's Linformer setting (also the LRA one)
 
 
 def _projection(p: Array, *, name: str, length: int, heads: int) -> Array:

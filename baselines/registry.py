@@ -1,4 +1,4 @@
-"""Registers the baselines' pure ops."""
+"""Registers the baselines: their pure ops, modules, decoders and benchmark stand-ins."""
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +10,7 @@ from baselines.dense_decode import DENSE
 from baselines.linear import DEFAULT_CHUNK as LINEAR_CHUNK
 from baselines.linear import linear
 from baselines.linear_decode import LINEAR
+from baselines.linformer import PROJ_DIM as LINFORMER_PROJ_DIM
 from baselines.linformer import linformer
 from baselines.local import local
 from baselines.local_decode import LOCAL
@@ -23,20 +24,25 @@ from baselines.performer_decode import PERFORMER
 from baselines.reformer import reformer
 from baselines.sinkhorn import sinkhorn
 from baselines.synthesizer import synthesizer_dense, synthesizer_random
+from combiner import seq_parallel  # dense's sequence-parallel form lives with the Combiner's (a peer)
 from core.registry import OpSpec, register, sqrt_pow2
 
 register(OpSpec("dense", dense, description="exact softmax attention, O(L^2)",
-                decode=DENSE))
+                decode=DENSE, seq_parallel=seq_parallel.dense))
 register(OpSpec("dense_xla", dense_xla,
                 description="jax.nn.dot_product_attention (XLA), O(L^2), for comparison"))
 
 
-def _performer_params(length):
-  """m = 256 features (the paper's setting) drawn from a fixed key; models own and redraw their features."""
-  return {"rng": jax.random.key(0), "num_features": 256, "chunk_size": PERFORMER_CHUNK}
+def _fixed_key(length: int) -> dict:
+  """A fixed key for the benchmark (models own their keys and draw fresh ones)."""
+  return {"rng": jax.random.key(0)}
 
 
-register(OpSpec("performer", performer, params=_performer_params,
+# m = 256 features (the paper's setting), drawn for the benchmark from a fixed key; models own and redraw
+# their features.
+register(OpSpec("performer", performer,
+                params=lambda length: {"num_features": 256, "chunk_size": PERFORMER_CHUNK},
+                bench_inputs=_fixed_key, module="models.performer_attention:PerformerAttention",
                 description="Performer FAVOR+, 256 positive orthogonal random features, O(L*m*d)",
                 decode=PERFORMER))
 register(OpSpec("linear", linear, params=lambda length: {"chunk_size": LINEAR_CHUNK},
@@ -50,12 +56,13 @@ register(OpSpec("longformer", longformer,
 register(OpSpec("bigbird", bigbird,
                 params=lambda length: {"block_size": min(64, sqrt_pow2(length)), "global_blocks": (0, -1),
                                        "num_random_blocks": 3},
-                description="BigBird ITC: 3 window + 2 global + 3 random blocks, O(L*8b*d)", decode=BIGBIRD))
+                description="BigBird ITC: 3 window + 2 global + 3 random blocks, O(L*8b*d)", decode=BIGBIRD,
+                module="models.bigbird_attention:BigBirdAttention"))
 register(OpSpec("none", none, description="no attention (zeros): the feed-forward-only reference"))
-# Learned or sampled baselines: the registered op takes its parameters explicitly; params(length) makes fixed
-# stand-ins for the benchmark (models own the real ones, see models/<name>_attention.py).
+# Learned or sampled baselines: the registered op takes its weights and keys explicitly; bench_inputs(length)
+# makes fixed stand-ins for the benchmark (their modules own the real ones).
 REFORMER_CHUNK = 64
-LINFORMER_PROJ_DIM = 256  # the YOSO paper's Linformer setting (also the LRA one)
+LEARNED = "models.learned_baselines_attention"
 
 
 def _normal(seed: int, shape: tuple[int, ...], fan_in: int) -> jax.Array:
@@ -65,41 +72,45 @@ def _normal(seed: int, shape: tuple[int, ...], fan_in: int) -> jax.Array:
 def _reformer_params(length: int) -> dict:
   # reformer-pytorch's setting (bucket_size 64): chunks of 64, as many buckets as chunks, 2 rounds.
   chunks = -(-length // REFORMER_CHUNK)
-  return {"rng": jax.random.key(0), "n_hashes": 2, "chunk_size": REFORMER_CHUNK,
-          "n_buckets": max(2, chunks + chunks % 2)}
+  return {"n_hashes": 2, "chunk_size": REFORMER_CHUNK, "n_buckets": max(2, chunks + chunks % 2)}
 
 
-def _sinkhorn_params(length: int, *, head_dim: int = 64) -> dict:
-  block = sqrt_pow2(length)
-  blocks = -(-length // block)
-  return {"block_size": block, "sort_w1": _normal(3, (1, head_dim, head_dim), head_dim),
+def _sinkhorn_inputs(length: int, *, head_dim: int = 64) -> dict:
+  blocks = -(-length // sqrt_pow2(length))
+  return {"sort_w1": _normal(3, (1, head_dim, head_dim), head_dim),
           "sort_b1": jnp.zeros((1, head_dim)), "sort_w2": _normal(4, (1, head_dim, blocks), head_dim),
           "sort_b2": jnp.zeros((1, blocks))}
 
 
 register(OpSpec(
-    "reformer", reformer, params=_reformer_params,
+    "reformer", reformer, params=_reformer_params, bench_inputs=_fixed_key,
+    module=f"{LEARNED}:ReformerAttention",
     description="Reformer LSH attention, shared QK, 2 hashes, chunks of 64 (own + previous chunk), "
                 "O(L*n_hashes*chunk*d)"))
 register(OpSpec(
     "linformer", linformer, causal=False,
-    params=lambda length: {"proj_k": _normal(1, (LINFORMER_PROJ_DIM, length), LINFORMER_PROJ_DIM),
-                           "proj_v": _normal(2, (LINFORMER_PROJ_DIM, length), LINFORMER_PROJ_DIM)},
+    bench_inputs=lambda length: {
+        "proj_k": _normal(1, (LINFORMER_PROJ_DIM, length), LINFORMER_PROJ_DIM),
+        "proj_v": _normal(2, (LINFORMER_PROJ_DIM, length), LINFORMER_PROJ_DIM)},
+    module=f"{LEARNED}:LinformerAttention",
     description="Linformer, K and V projected along the length to k=256, O(L*k*d), bidirectional only"))
 register(OpSpec(
-    "sinkhorn", sinkhorn, params=_sinkhorn_params,
+    "sinkhorn", sinkhorn, params=lambda length: {"block_size": sqrt_pow2(length)},
+    bench_inputs=_sinkhorn_inputs, module=f"{LEARNED}:SinkhornAttention",
     description="sparse Sinkhorn attention, blocks of ~sqrt(L), own block + Sinkhorn-sorted block, "
                 "O(L*block*d + (L/block)^2*block*d)"))
 register(OpSpec(
     "synthesizer", synthesizer_dense,
-    params=lambda length, *, head_dim=64: {"w1": _normal(5, (1, head_dim, head_dim), head_dim),
-                                           "b1": jnp.zeros((1, head_dim)),
-                                           "w2": _normal(6, (1, head_dim, length), head_dim),
-                                           "b2": jnp.zeros((1, length))},
+    bench_inputs=lambda length, *, head_dim=64: {"w1": _normal(5, (1, head_dim, head_dim), head_dim),
+                                                 "b1": jnp.zeros((1, head_dim)),
+                                                 "w2": _normal(6, (1, head_dim, length), head_dim),
+                                                 "b2": jnp.zeros((1, length))},
+    module=f"{LEARNED}:SynthesizerAttention",
     description="dense synthesizer, per-token MLP logits over positions, O(L^2)"))
 register(OpSpec(
     "synthesizer_random", synthesizer_random,
-    params=lambda length: {"logits": _normal(7, (1, length, length), length)},
+    bench_inputs=lambda length: {"logits": _normal(7, (1, length, length), length)},
+    module=f"{LEARNED}:RandomSynthesizerAttention",
     description="random synthesizer, one [L, L] logits matrix per head, O(L^2)"))
 register(OpSpec(
     "nystromformer", nystromformer, causal=False,

@@ -1,10 +1,10 @@
-"""Registers the Combiner plans and their sparse counterparts in the single op registry."""
+"""Registers the Combiner plans and their sparse counterparts: op, module, decoder, sequence-parallel form."""
 
 from __future__ import annotations
 
 import functools
 
-from combiner import axial, fixed, logsparse, mixture, sparse
+from combiner import axial, fixed, logsparse, mixture, seq_parallel, sparse
 from combiner import decode as dec
 from core.decode import bind
 from core.registry import OpSpec, register, sqrt_pow2
@@ -18,20 +18,22 @@ def _row(length: int) -> dict:
   return {"row_length": sqrt_pow2(length)}
 
 
+COMBINER = "models.attention:CombinerAttention"  # the module with DeepSets pooling and the learned span key
+
 register(OpSpec("combiner_fixed", fixed, params=_block, description="Combiner-Fixed, O(L sqrt L)",
-                decode=dec.FIXED))
+                decode=dec.FIXED, module=COMBINER, seq_parallel=seq_parallel.fixed))
 register(OpSpec("combiner_logsparse", logsparse, description="Combiner-Logsparse, O(L log L)",
-                decode=dec.LOGSPARSE))
+                decode=dec.LOGSPARSE, module=COMBINER))
 for _direction in ("rowmajor", "vertical", "horizontal"):
   register(OpSpec(f"combiner_axial_{_direction}", functools.partial(axial, direction=_direction), params=_row,
                   description=f"Combiner-Axial ({_direction}), O(L sqrt L)",
-                  decode=bind(dec.AXIAL, direction=_direction)))
+                  decode=bind(dec.AXIAL, direction=_direction), module=COMBINER))
 register(OpSpec("combiner_mixture", mixture, params=_row,
                 description="Combiner-Mixture (mean of vertical and horizontal), O(L sqrt L)",
-                decode=dec.MIXTURE))
+                decode=dec.MIXTURE, module=COMBINER))
 register(OpSpec("combiner_mixture_joint", functools.partial(mixture, normalize="joint"), params=_row,
                 description="Combiner-Mixture, one joint softmax (released code), O(L sqrt L)",
-                decode=bind(dec.MIXTURE, normalize="joint")))
+                decode=bind(dec.MIXTURE, normalize="joint"), module=COMBINER))
 register(OpSpec("sparse_fixed", sparse.fixed, params=_block, description="Sparse Transformer fixed pattern",
                 decode=dec.SPARSE_FIXED))
 register(OpSpec("sparse_logsparse", sparse.logsparse, description="LogSparse pattern",

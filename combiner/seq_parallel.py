@@ -328,6 +328,3 @@ def dense(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = No
   spec, mspec = _specs(mesh, axis, batch, heads)
   return jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 3 + (mspec,), out_specs=spec)(q, k, v, mask)
 
-
-# Registry op name -> its sequence-parallel counterpart (models choose it when the mesh's seq axis is > 1).
-OPS = {"combiner_fixed": fixed, "dense": dense}

@@ -12,6 +12,8 @@ from typing import Any
 
 import ml_collections
 
+from core import registry as op_registry
+
 # Logical parameter axis -> mesh axis (None = replicated). Model parallelism splits heads, MLP and vocabulary.
 SHARDING_RULES = (("embed", None), ("mlp", "model"), ("heads", "model"), ("kv", None), ("vocab", "model"))
 
@@ -19,9 +21,9 @@ SHARDING_RULES = (("embed", None), ("mlp", "model"), ("heads", "model"), ("kv", 
 def attention_config(name: str = "combiner_fixed") -> ml_collections.ConfigDict:
   """`config.model.attention`: the module registry name, plan parameters and module options.
 
-  params: plan parameters passed to the op ("auto" = the op's own choice for the sequence length,
-    `models.ops_registry` `params(L)`); type-unsafe so that "auto" can be replaced by an int from the command
-    line.
+  params: plan parameters passed to the op ("auto" = the op's own choice for the sequence length, its
+    registration's `params(L)`, resolved where the model is built); type-unsafe so that "auto" can be
+    replaced by an int from the command line.
   Module options default to None = the module's default; gin may bind only fields left at None / "auto".
   """
   att = ml_collections.ConfigDict()
@@ -235,13 +237,12 @@ def apply_common(c: ml_collections.ConfigDict, values: dict[str, str]) -> None:
 
 def fill_auto_params(c: ml_collections.ConfigDict) -> None:
   """Writes "auto" for every automatic plan parameter of the chosen op the config leaves out, so that each can
-  be overridden from the command line (`--config.model.attention.params.block_size=64`)."""
-  from models import ops_registry
-
+  be overridden from the command line (`--config.model.attention.params.block_size=64`). Only the names of
+  the op's automatic parameters are read here; their values are chosen where the model is built."""
   name = c.model.attention.name
-  if name not in ops_registry.names():
+  if name not in op_registry.names():
     return
-  for key in ops_registry.get(name).params(max(int(c.data.seq_len), 1)):
+  for key in op_registry.get(name).params(max(int(c.data.seq_len), 1)):
     if key not in c.model.attention.params:
       c.model.attention.params[key] = "auto"
 

@@ -1,4 +1,4 @@
-"""Attention modules: multi-head projections around a pure op from `models.ops_registry` (docs/design.md
+"""Attention modules: multi-head projections around a pure op registered in `core.registry` (docs/design.md
 section 3).
 
 `AttentionBase` owns what every attention module shares (q/k/v/output projections with logical axis names,
@@ -21,9 +21,10 @@ import ml_collections
 from flax import nnx
 
 from combiner import seq_parallel
+from core import registry as ops_registry
 from core import sharding
 from core.norm import layer_norm
-from models import layers, ops_registry, recompute
+from models import layers, recompute
 
 Array = Any
 AUTO = "auto"
@@ -85,12 +86,12 @@ def check_op_kwargs(spec: ops_registry.OpSpec, names: list[str]) -> None:
 
 
 def op_function(spec: ops_registry.OpSpec) -> Any:
-  """The op itself, or its sequence-parallel counterpart (`combiner.seq_parallel.OPS`) when the current mesh
+  """The op itself, or its sequence-parallel form (the registration's `seq_parallel`) when the current mesh
   (`seq_parallel.set_default_mesh`, which train.py sets when `config.mesh.seq` > 1, or `jax.set_mesh`) splits
   the sequence over its "seq" axis. Ops without one run as they are, the partitioner gathering the
   sequence."""
-  if spec.name in seq_parallel.OPS and seq_parallel.seq_size() > 1:
-    return seq_parallel.OPS[spec.name]
+  if spec.seq_parallel is not None and seq_parallel.seq_size() > 1:
+    return spec.seq_parallel
   return spec.fn
 
 
@@ -151,7 +152,9 @@ class AttentionBase(nnx.Module):
 
 
 class OpAttention(AttentionBase):
-  """Any pure op of `models.ops_registry`, chosen by `config.name`, with plan parameters `config.params`."""
+  """Any registered pure op, chosen by `config.name`, with plan parameters `config.params`."""
+
+  FIELDS: tuple[str, ...] = ("recompute",)  # config fields beyond COMMON_FIELDS (models.registry)
 
   def __init__(self, config: ml_collections.ConfigDict, *, features: int, num_heads: int, head_dim: int,
                causal: bool, dtype: Any, rngs: nnx.Rngs):
@@ -316,6 +319,8 @@ class CombinerAttention(OpAttention):
     span abstractions; the pooling kind (max | mean) stays the op's `params.pooling`.
   config.learned_span_key: axial rowmajor only; span keys pass through `SpanKey`.
   """
+
+  FIELDS = ("deepsets", "recompute", "learned_span_key")
 
   def __init__(self, config: ml_collections.ConfigDict, *, features: int, num_heads: int, head_dim: int,
                causal: bool, dtype: Any, rngs: nnx.Rngs):

@@ -22,7 +22,8 @@ from typing import Any
 import gin
 import ml_collections
 
-from models import attention, ops_registry, registry
+from core import registry as ops_registry
+from models import attention, registry
 
 GIN_NAME = "attention"
 

@@ -1,12 +1,13 @@
 """Modules for the baselines that own parameters or randomness: Reformer, Linformer, Sinkhorn, Synthesizer.
 
-Each wraps its pure op from `baselines/` and supplies the op arguments that the registry fills with fixed
-stand-ins for the benchmark:
+Each wraps its pure op from `baselines/` and supplies the op arguments that the registration's
+`bench_inputs` fills with fixed stand-ins for the benchmark:
   reformer            `rng`: the LSH rotations come from the "attention" rng stream (fresh every training
                       step, fixed in evaluation), as YOSO's hashes do. Shared QK: the key projection is
                       not used.
   linformer           `proj_k`, `proj_v`: E, F [proj_dim, seq_len] per layer, shared by the heads, initialised
-                      N(0, 1/proj_dim) as in the paper. Field `proj_dim` (None = 256).
+                      N(0, 1/proj_dim) as in the paper. Field `proj_dim` (None =
+                      `baselines.linformer.PROJ_DIM`, 256).
   sinkhorn            `sort_w1`, `sort_b1`, `sort_w2`, `sort_b2`: the sorting network per head (hidden size =
                       head_dim, one output per block of the model's length); `params.block_size` is fixed at
                       construction from `seq_len`.
@@ -25,19 +26,19 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
+from baselines.linformer import PROJ_DIM as LINFORMER_PROJ_DIM
+from core import registry as ops_registry
 from core import sharding
-from models import attention, layers, ops_registry
+from models import attention, layers
 
 Array = Any
-LINFORMER_PROJ_DIM = 256
-FIELDS = {"reformer": (), "linformer": ("seq_len", "proj_dim"), "sinkhorn": ("seq_len",),
-          "synthesizer": ("seq_len",), "synthesizer_random": ("seq_len",)}
 
 
 class _OwnArgumentsAttention(attention.OpAttention):
   """An op whose listed arguments (`OWN`) the module supplies itself instead of the registry's stand-ins."""
 
   OWN: tuple[str, ...] = ()
+  FIELDS: tuple[str, ...] = ()
   PER_HEAD = False  # the OWN arrays have a leading heads axis (split with the heads under core.sharding)
 
   def __init__(self, config: ml_collections.ConfigDict, *, features: int, num_heads: int, head_dim: int,
@@ -82,6 +83,7 @@ class ReformerAttention(_OwnArgumentsAttention):
 
 class LinformerAttention(_OwnArgumentsAttention):
   OWN = ("proj_k", "proj_v")
+  FIELDS = ("seq_len", "proj_dim")
 
   def __init__(self, config: ml_collections.ConfigDict, *, rngs: nnx.Rngs, **kwargs: Any):
     super().__init__(config, rngs=rngs, **kwargs)
@@ -111,6 +113,7 @@ def _mlp(rngs: nnx.Rngs, heads: int, d_in: int, hidden: int, d_out: int) -> tupl
 
 class SinkhornAttention(_OwnArgumentsAttention):
   OWN = ("sort_w1", "sort_b1", "sort_w2", "sort_b2")
+  FIELDS = ("seq_len",)
   PER_HEAD = True
 
   def __init__(self, config: ml_collections.ConfigDict, *, num_heads: int, head_dim: int, rngs: nnx.Rngs,
@@ -129,6 +132,7 @@ class SinkhornAttention(_OwnArgumentsAttention):
 
 class SynthesizerAttention(_OwnArgumentsAttention):
   OWN = ("w1", "b1", "w2", "b2")
+  FIELDS = ("seq_len",)
   PER_HEAD = True
 
   def __init__(self, config: ml_collections.ConfigDict, *, num_heads: int, head_dim: int, rngs: nnx.Rngs,
@@ -142,6 +146,7 @@ class SynthesizerAttention(_OwnArgumentsAttention):
 
 class RandomSynthesizerAttention(_OwnArgumentsAttention):
   OWN = ("logits",)
+  FIELDS = ("seq_len",)
   PER_HEAD = True
 
   def __init__(self, config: ml_collections.ConfigDict, *, num_heads: int, rngs: nnx.Rngs, **kwargs: Any):
@@ -156,6 +161,3 @@ class RandomSynthesizerAttention(_OwnArgumentsAttention):
   def own_arguments(self, length: int) -> dict[str, Any]:
     return {"logits": self.logits[...]}
 
-
-MODULES = {"reformer": ReformerAttention, "linformer": LinformerAttention, "sinkhorn": SinkhornAttention,
-           "synthesizer": SynthesizerAttention, "synthesizer_random": RandomSynthesizerAttention}

@@ -21,11 +21,11 @@ import ml_collections
 from flax import nnx
 
 from baselines.performer import orthogonal_features
-from models import attention, ops_registry
+from core import registry as ops_registry
+from models import attention
 
 Array = Any
 DEFAULT_REDRAW_EVERY = 1000
-PERFORMER_FIELDS = ("redraw_every", "recompute")
 
 
 class RandomFeatures(nnx.Variable):
@@ -38,6 +38,8 @@ class RedrawStep(nnx.Variable):
 
 class PerformerAttention(attention.OpAttention):
   """Projections + FAVOR+ attention with module-owned random features."""
+
+  FIELDS = ("redraw_every", "recompute")
 
   def __init__(self, config: ml_collections.ConfigDict, *, features: int, num_heads: int, head_dim: int,
                causal: bool, dtype: Any, rngs: nnx.Rngs):

@@ -1,13 +1,19 @@
-"""The attention-module registry: config name -> Flax NNX module class. The extension points live here.
+"""The model side of the attention registry: a config name -> its Flax NNX module class and config fields.
+
+Every attention has one registration, in `core.registry` (written in its package's `registry.py`): op,
+directions, automatic plan parameters, module, decoder, sequence-parallel form and benchmark inputs. This
+module reads the module side of it: `OpSpec.module` ("package.module:Class", imported on first use; None =
+`models.attention.OpAttention`), and the config fields the class declares in its `FIELDS` attribute.
 
 Adding an attention mechanism
 =============================
-1. A pure op (docs/design.md) registered with `core.registry.register` in `<your package>/registry.py` (a
-   new package is added to `models.ops_registry`'s imports) is usable at once by name through `OpAttention`
-   (projections + op); no module is needed. `get_module(name)` falls back to `OpAttention` for every
-   registered op name that has no module entry.
+1. A pure op (docs/design.md) registered with `core.registry.register(OpSpec(...))` in
+   `<your package>/registry.py` (a new package adds its name to `core.registry.OP_PACKAGES`) is usable at once
+   by name through `OpAttention` (projections + op); no module is needed.
 2. A mechanism with parameters, state or randomness of its own writes a module in `models/<name>_attention.py`
-   and registers it in the table below: `register_module("routing", routing_attention.RoutingAttention, ...)`.
+   (its config fields in the class attribute `FIELDS`) and names it in the registration:
+   `OpSpec("routing", ..., module="models.routing_attention:RoutingAttention")`.
+   `register_module(name, cls)` maps a name with no pure op to a module (model-only attentions, tests).
 
 The module contract
 -------------------
@@ -19,7 +25,7 @@ The module contract
   mask: None or [batch, length] bool (True = real token); y: [batch, length, features]. Subclassing
   `models.attention.AttentionBase` gives the q/k/v/output projections with logical axis names.
   Optional context: a constructor that also names `layer` and/or `num_layers` receives the block's index and
-  the depth; a module that registers a `seq_len` field receives the model's sequence length in a copy of its
+  the depth; a module that declares a `seq_len` field receives the model's sequence length in a copy of its
   config when the config leaves it unset (state shaped at construction).
 
 Randomness: `rngs` is an `nnx.Rngs` with the streams "params", "dropout" and "attention". A module needing
@@ -40,61 +46,38 @@ gin: `configurable_fields(name)` lists the constructor fields gin may bind for a
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from typing import Any
 
 import ml_collections
 
-from models import (
-  attention,
-  bigbird_attention,
-  learned_baselines_attention,
-  ops_registry,
-  performer_attention,
-  routing_attention,
-  yoso_attention,
-)
+from core import registry as ops_registry
+from models import attention
 
-# Config name -> module class. Generic ops are not listed (they fall back to OpAttention).
+# Names with a module and no pure op (`register_module`); every other name is a registered op.
 MODULES: dict[str, type] = {}
-# Extra config fields (beyond attention.COMMON_FIELDS) each module class understands; gin binds only these.
-MODULE_FIELDS: dict[type, tuple[str, ...]] = {}
 
 
-
-def register_module(name: str, cls: type, fields: tuple[str, ...] = ()) -> type:
-  """Maps the config name `name` to the module class `cls` (see the contract above).
-
-  `fields` names the extra `config.model.attention` fields the class reads (gin may bind them)."""
-  if name in MODULES:
+def register_module(name: str, cls: type) -> type:
+  """Maps the config name `name`, which has no registered op, to the module class `cls` (see the contract
+  above); the class declares the extra `config.model.attention` fields it reads in `cls.FIELDS`."""
+  if name in MODULES or name in ops_registry.names():
     raise ValueError(f"attention module {name!r} is already registered")
   MODULES[name] = cls
-  MODULE_FIELDS[cls] = tuple(dict.fromkeys(MODULE_FIELDS.get(cls, ()) + tuple(fields)))
   return cls
 
 
-register_module("dense", attention.OpAttention, fields=("recompute",))
-for _name in ("combiner_fixed", "combiner_logsparse", "combiner_axial_vertical", "combiner_axial_horizontal",
-              "combiner_mixture", "combiner_mixture_joint"):
-  register_module(_name, attention.CombinerAttention, fields=("deepsets", "recompute"))
-register_module("combiner_axial_rowmajor", attention.CombinerAttention,
-                fields=("deepsets", "learned_span_key", "recompute"))
-for _name in ("sparse_fixed", "sparse_logsparse", "sparse_axial"):
-  register_module(_name, attention.OpAttention)
-register_module("routing", routing_attention.RoutingAttention, fields=routing_attention.ROUTING_FIELDS)
-register_module("combiner_routed", routing_attention.RoutedCombinerAttention,
-                fields=routing_attention.ROUTED_FIELDS)
-for _name in (*yoso_attention.SAMPLED, "yoso_e"):
-  register_module(_name, yoso_attention.YosoAttention, fields=yoso_attention.YOSO_FIELDS)
-register_module("performer", performer_attention.PerformerAttention,
-                fields=performer_attention.PERFORMER_FIELDS)
-register_module("bigbird", bigbird_attention.BigBirdAttention, fields=("recompute",))
-for _name, _cls in learned_baselines_attention.MODULES.items():
-  register_module(_name, _cls, fields=learned_baselines_attention.FIELDS[_name])
+def _module_class(path: str | None) -> type:
+  """The class named by a registration's "package.module:Class" (None = OpAttention)."""
+  if path is None:
+    return attention.OpAttention
+  module, _, cls = path.partition(":")
+  return getattr(importlib.import_module(module), cls)
 
 
 def names() -> list[str]:
-  """Every attention name a config may use: registered modules plus every registered pure op."""
+  """Every attention name a config may use: every registered op plus the model-only modules."""
   return sorted(set(MODULES) | set(ops_registry.names()))
 
 
@@ -102,22 +85,26 @@ def get_module(name: str) -> type:
   if name in MODULES:
     return MODULES[name]
   if name in ops_registry.names():
-    return attention.OpAttention
+    return _module_class(ops_registry.get(name).module)
   raise ValueError(f"unknown attention {name!r}; valid names: {names()}")
+
+
+def module_fields(cls: type) -> tuple[str, ...]:
+  """The extra `config.model.attention` fields (beyond attention.COMMON_FIELDS) a module class reads."""
+  return tuple(getattr(cls, "FIELDS", ()))
 
 
 def configurable_fields(name: str) -> tuple[str, ...]:
   """The `config.model.attention` fields the module for `name` reads (common ones first)."""
-  cls = get_module(name)
-  return tuple(f for f in attention.COMMON_FIELDS if f != "name") + MODULE_FIELDS.get(cls, ())
+  return tuple(f for f in attention.COMMON_FIELDS if f != "name") + module_fields(get_module(name))
 
 
 def check_fields(config_attention: Any) -> None:
   """Unknown fields, and options set for a module that does not read them, are config errors."""
   name = str(config_attention.name)
   known = set(attention.COMMON_FIELDS) | {"op"}
-  for fields in MODULE_FIELDS.values():
-    known |= set(fields)
+  for other in names():  # every field some registered module reads
+    known |= set(module_fields(get_module(other)))
   own = set(configurable_fields(name)) | {"name", "op"}
   for key in config_attention.keys():
     if key not in known:
@@ -137,7 +124,7 @@ def build(config_attention: Any, *, layer: int | None = None, num_layers: int | 
   module declares a `seq_len` field the config leaves unset (state shaped at construction, e.g. centroids)."""
   cls = get_module(str(config_attention.name))
   check_fields(config_attention)
-  wants_length = "seq_len" in MODULE_FIELDS.get(cls, ())
+  wants_length = "seq_len" in module_fields(cls)
   if seq_len is not None and wants_length and config_attention.get("seq_len") is None:
     config_attention = ml_collections.ConfigDict(config_attention.to_dict())
     config_attention.seq_len = int(seq_len)

@@ -52,7 +52,8 @@ import ml_collections
 from flax import nnx
 
 import combiner
-from models import attention, ops_registry
+from core import registry as ops_registry
+from models import attention
 from routing import decode, kmeans
 from routing.attention import routed_clusters, routing_attention
 from routing.local import local_attention
@@ -61,12 +62,6 @@ Array = Any
 # "auto" clusters depend on the length, unknown at construction: allocate this many centroids and use the
 # first sqrt_pow2(L) of them (an unused centroid gets no assignment, so its EMA leaves it exactly unchanged).
 DEFAULT_MAX_CLUSTERS = 128
-
-ROUTING_FIELDS = ("routing_heads", "routing_layers", "share_qk", "scale_logits", "mask_self", "membership",
-                  "ema_decay",
-                  "centroid_seed", "max_clusters", "seq_len")
-ROUTED_FIELDS = ("ema_decay", "centroid_seed", "max_clusters", "seq_len")
-
 
 class Centroids(nnx.Variable):
   """k-means centroids [heads, clusters, head_dim]: state updated by EMA, never by gradients."""
@@ -146,6 +141,9 @@ class _CentroidMixin:
 
 class RoutingAttention(attention.AttentionBase, _CentroidMixin):
   """Local heads + routing heads in one layer (Roy et al., section 5)."""
+
+  FIELDS = ("routing_heads", "routing_layers", "share_qk", "scale_logits", "mask_self", "membership",
+            "ema_decay", "centroid_seed", "max_clusters", "seq_len")
 
   def __init__(self, config: ml_collections.ConfigDict, *, features: int, num_heads: int, head_dim: int,
                causal: bool, dtype: Any, rngs: nnx.Rngs, layer: int | None = None,
@@ -278,6 +276,8 @@ class RoutingAttention(attention.AttentionBase, _CentroidMixin):
 class RoutedCombinerAttention(attention.AttentionBase, _CentroidMixin):
   """Combiner-learnable: clusters = nearest k-means centroid of each layer-normed query (and key), per
   head."""
+
+  FIELDS = ("ema_decay", "centroid_seed", "max_clusters", "seq_len")
 
   def __init__(self, config: ml_collections.ConfigDict, *, features: int, num_heads: int, head_dim: int,
                causal: bool, dtype: Any, rngs: nnx.Rngs, layer: int | None = None,

@@ -26,37 +26,41 @@ models refuse them.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import jax
 import ml_collections
 from flax import nnx
 
+from core import registry as ops_registry
 from core import sharding
-from models import attention, layers, ops_registry
+from models import attention, layers
 from yoso.conv import depthwise_conv
 
 Array = Any
 DEFAULT_CONV_KERNEL = 33
-YOSO_FIELDS = ("conv_kernel_size",)
-SAMPLED = ("yoso", "yoso_sketch", "yoso_c", "yoso_sketch_c")  # ops that take a hash rng
-CONV = ("yoso_c", "yoso_sketch_c")  # ops that take the convolution kernel
 
 
 class YosoAttention(attention.OpAttention):
-  """Projections + a YOSO op (+ the YOSO-C convolution of V)."""
+  """Projections + a YOSO op (+ the YOSO-C convolution of V). The op's signature says what the module owns:
+  a hash key (`rng`: sampled ops) and the YOSO-C kernel (`conv_kernel`)."""
+
+  FIELDS = ("conv_kernel_size",)
 
   def __init__(self, config: ml_collections.ConfigDict, *, features: int, num_heads: int, head_dim: int,
                causal: bool, dtype: Any, rngs: nnx.Rngs):
     super().__init__(config, features=features, num_heads=num_heads, head_dim=head_dim, causal=causal,
                      dtype=dtype, rngs=rngs)
-    # "auto" entries from the registry's benchmark parameters; the module owns the key and the kernel.
+    # The module owns the key and the kernel (configs from before may hold "auto" entries for them).
     self.plan_params.pop("rng", None)
     self.plan_params.pop("conv_kernel", None)
-    self.sampled = self.op_name in SAMPLED
+    takes = inspect.signature(ops_registry.get(self.op_name).fn).parameters
+    self.sampled = "rng" in takes
+    self.takes_conv = "conv_kernel" in takes
     self.rng = rngs.attention.fork() if self.sampled else None
     size = config.get("conv_kernel_size", None)
-    if size is None and self.op_name in CONV:
+    if size is None and self.takes_conv:
       size = DEFAULT_CONV_KERNEL
     if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size % 2 == 0
                              or size < 1):
@@ -85,9 +89,9 @@ class YosoAttention(attention.OpAttention):
     params = attention.resolve_plan_params(spec, self.plan_params, x.shape[1])
     if self.sampled:
       params["rng"] = self.rng()
-    if self.op_name in CONV:
+    if self.takes_conv:
       params["conv_kernel"] = self.conv[...]
     o = self.call_op(spec.fn, q, k, v, mask, **params)  # [batch, length, heads, head_dim]
-    if self.conv is not None and self.op_name not in CONV:
+    if self.conv is not None and not self.takes_conv:
       o = o + depthwise_conv(v, self.conv[...], mask).astype(o.dtype)
     return self.output(o, deterministic=deterministic)

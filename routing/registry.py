@@ -1,9 +1,9 @@
-"""Registers the routing ops as pure functions for the benchmark and OpAttention.
+"""Registers the routing attentions: pure ops for the benchmark, and the model modules that own the centroids.
 
 The registered functions return only the output. Their k-means centroids come from a fixed key (a stand-in for
 trained state, same for every call), with the benchmark's setting clusters = window = sqrt(L) rounded up to a
 power of two, shared QK and (routing) the paper's balanced membership, as the lucidrains peer. Models use the
-modules in `models/routing_attention.py`, which own and update the centroids instead.
+modules named in the registrations, which own and update the centroids instead.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+# Combiner-routed is the Combiner's `routed` plan over routing's clusters: a declared peer dependency.
 from combiner.routed import routed
 from core.registry import OpSpec, register, sqrt_pow2
 from routing import kmeans
@@ -54,8 +55,10 @@ def combiner_routed_op(q: Array, k: Array, v: Array, *, causal: bool, mask: Arra
 
 register(OpSpec("routing", routing_op,
                 params=lambda length: {"num_clusters": sqrt_pow2(length), "window": sqrt_pow2(length)},
+                module="models.routing_attention:RoutingAttention",
                 description="Routing Transformer attention: balanced spherical k-means clusters (top-k per "
                             "centroid, as the lucidrains peer), O(L^1.5 d)"))
 register(OpSpec("combiner_routed", combiner_routed_op,
                 params=lambda length: {"num_clusters": sqrt_pow2(length)},
+                module="models.routing_attention:RoutedCombinerAttention",
                 description="Combiner-learnable: full attention over k-means routed chunks, O(L^1.5 d)"))

@@ -7,7 +7,7 @@
     python -m scripts.benchmark --mode train ...          # scripts/benchmark_train.py (models/)
     python -m scripts.benchmark --mode input ...          # scripts/benchmark_input.py (data/)
 
-What is measured (`--mode ops`, the default). For every op in `models.ops_registry` (or `--ops`) and every
+What is measured (`--mode ops`, the default). For every op in `core.registry` (or `--ops`) and every
 length, a fresh worker process (`python -m scripts.benchmark --_worker ...`, printing one JSON line) does:
   1. AOT-compiles `jax.jit(op)` (forward) and `jax.jit(grad of sum(op(q, k, v) * cotangent) w.r.t. q, k, v)`
      (forward+backward) from shapes only, and reads XLA's `memory_analysis()`. If arguments + temporaries +
@@ -32,11 +32,12 @@ every row) and `benchmark_ops.png` (time and memory against L, log-log, one line
 JAX version, device kind, CPU count, date and flags.
 
 Extension points (for the other packages' helpers):
-  * Ops: register a pure op with `models.ops_registry.register(OpSpec(...))` in `<pkg>/registry.py`; it
-    appears here by name. Ops that need explicit state or randomness get it from `OpSpec.params`: the
-    benchmark calls `params(length)` and additionally passes whichever of the keywords `batch`, `heads`,
-    `head_dim`, `dtype` the callable's signature names (e.g. `params=lambda L, *, heads, head_dim:
-    {"centroids": ...}`). Array-valued params are closed over (compile-time constants). An op may return
+  * Ops: register a pure op with `core.registry.register(OpSpec(...))` in `<pkg>/registry.py`; it
+    appears here by name. It runs at its automatic plan parameters (`OpSpec.params(length)`); arguments a
+    model owns (weights, keys, state) come from `OpSpec.bench_inputs`: the benchmark calls
+    `bench_inputs(length)` and additionally passes whichever of the keywords `batch`, `heads`, `head_dim`,
+    `dtype` the callable's signature names (e.g. `bench_inputs=lambda L, *, heads, head_dim:
+    {"centroids": ...}`). Array-valued inputs are closed over (compile-time constants). An op may return
     `(out, aux)`: only `out` is timed/diffed.
   * `--mode train` / `--mode input`: imported lazily from `scripts/benchmark_train.py` /
     `scripts/benchmark_input.py`, which define `main(args)`; `args` is this parser's `argparse.Namespace`
@@ -67,6 +68,8 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
+
+from core import registry as ops_registry  # imports no op package until a lookup (core.registry.load)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_LENGTHS = tuple(1024 * 2**i for i in range(7))  # 1024 .. 65536
@@ -460,13 +463,9 @@ def median_time(fn: Callable[[], Any], repeats: int, budget_s: float,
 
 
 def op_params(spec: Any, length: int, **shape: Any) -> dict[str, Any]:
-  """`spec.params(length)`, also passing the keywords among batch/heads/head_dim/dtype its signature names."""
-  try:
-    accepted = inspect.signature(spec.params).parameters
-  except (TypeError, ValueError):
-    accepted = {}
-  extra = {k: v for k, v in shape.items() if k in accepted}
-  return dict(spec.params(length, **extra))
+  """The op's automatic plan parameters and benchmark inputs (`core.registry.bench_params`), also passing the
+  keywords among batch/heads/head_dim/dtype their signatures name."""
+  return ops_registry.bench_params(spec, length, **shape)
 
 
 def _xla_memory(compiled: Any) -> dict[str, int] | None:
@@ -551,8 +550,6 @@ def _worker_flash(args: argparse.Namespace, result: dict[str, Any]) -> None:
 
 def _worker_op(args: argparse.Namespace, result: dict[str, Any]) -> None:
   _start_worker(args, result)
-  from models import ops_registry
-
   forward, result["mode"], params = op_forward(
       ops_registry.get(args._name), args.lengths[0], causal=args.causal, batch=args.batch, heads=args.heads,
       head_dim=args.head_dim, dtype=args.dtype, implementation=args.implementation)
@@ -762,8 +759,6 @@ def measure_all(args: argparse.Namespace, entries: Sequence[tuple[str, str]],
 
 
 def run_ops_mode(args: argparse.Namespace) -> dict[str, str]:
-  from models import ops_registry
-
   available = ops_registry.names()
   names = parse_names(args.ops, [BASELINE] + [n for n in available if n != BASELINE], flag="--ops")
   entries = ([(FLASH, FLASH)] if args.flash else []) + [("op", n) for n in names]

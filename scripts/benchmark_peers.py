@@ -81,7 +81,7 @@ def _routing_transformer(length, batch, heads, head_dim, causal, dtype):
   import torch
   from routing_transformer.routing_transformer import KmeansAttention
 
-  from models.ops_registry import sqrt_pow2
+  from core.registry import sqrt_pow2
 
   torch_dtype = getattr(torch, dtype)
   size = sqrt_pow2(length)

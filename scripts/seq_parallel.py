@@ -47,9 +47,8 @@ def main(argv: list[str] | None = None) -> dict:
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
-  from combiner import seq_parallel
-  from core import hlo
-  from models.ops_registry import sqrt_pow2
+  from core import hlo, registry
+  from core.registry import sqrt_pow2
 
   if len(jax.devices()) < args.devices:
     raise SystemExit(f"needs {args.devices} devices, JAX sees {len(jax.devices())} "
@@ -72,7 +71,10 @@ def main(argv: list[str] | None = None) -> dict:
     kw = dict(causal=bool(args.causal), mesh=mesh)
     if name == "combiner_fixed":
       kw.update(block_size=block, chunk_blocks=args.chunk_blocks or None)
-    op = seq_parallel.OPS[name]
+    op = registry.get(name).seq_parallel
+    if op is None:
+      raise SystemExit(f"attention op {name!r} has no sequence-parallel form; ops with one: "
+                       f"{[n for n in registry.names() if registry.get(n).seq_parallel is not None]}")
 
     def loss(q, k, v, op=op, kw=kw):
       return jnp.sum(op(q, k, v, **kw), dtype=jnp.float32)

@@ -16,7 +16,7 @@ from baselines.local import local
 from baselines.longformer import longformer
 from baselines.none import none
 from baselines.performer import orthogonal_features, performer, softmax_kernel_features
-from models import ops_registry
+from core import registry as ops_registry
 
 
 def _inputs(key, batch=2, length=11, heads=2, head_dim=4, value_dim=3, dtype=jnp.float64, scale=1.0):
@@ -482,7 +482,7 @@ def test_registered_ops_run_at_their_automatic_parameters(name):
   spec = ops_registry.get(name)
   q, k, v, mask = _inputs(4, batch=1, length=37, head_dim=8, dtype=jnp.bfloat16)
   for causal in (True, False):
-    out = spec.fn(q, k, v, causal=causal, mask=mask, **spec.params(37))
+    out = spec.fn(q, k, v, causal=causal, mask=mask, **ops_registry.bench_params(spec, 37))
     assert out.shape == v.shape and out.dtype == jnp.bfloat16
     assert np.all(np.isfinite(np.asarray(out, np.float32)))
 

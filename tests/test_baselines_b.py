@@ -14,7 +14,7 @@ from baselines.nystromformer import nystromformer
 from baselines.reformer import reformer, rotations
 from baselines.sinkhorn import sinkhorn
 from baselines.synthesizer import synthesizer_dense, synthesizer_random
-from models import ops_registry
+from core import registry as ops_registry
 
 B, H, D, DV = 2, 2, 4, 3
 L = 12  # one length for most tests, so compilations are shared

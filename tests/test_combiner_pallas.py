@@ -234,7 +234,8 @@ def test_registry_and_model_config_carry_the_implementation():
   """Ops that take `implementation` are found from their signature; the model passes
   `config.model.attention.implementation` to them and rejects a specific choice for an op without one."""
   from configs import base
-  from models import ops_registry, transformer
+  from core import registry as ops_registry
+  from models import transformer
 
   for name in ("combiner_fixed", "combiner_logsparse", "combiner_axial_rowmajor", "combiner_axial_vertical",
                "combiner_axial_horizontal", "combiner_mixture", "combiner_mixture_joint", "sparse_fixed",

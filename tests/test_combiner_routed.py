@@ -9,7 +9,7 @@ import pytest
 
 import combiner
 from combiner import reference
-from models import ops_registry
+from core import registry as ops_registry
 
 
 @functools.partial(jax.jit, static_argnames=("num_clusters", "causal", "pooling"))
@@ -135,6 +135,6 @@ def test_registered_ops_run_under_jit():
   q = jax.random.normal(jax.random.key(0), (1, 20, 2, 8))
   for name in ("routing", "combiner_routed"):
     spec = ops_registry.get(name)
-    params = spec.params(20)
+    params = ops_registry.bench_params(spec, 20)
     out = jax.jit(functools.partial(spec.fn, causal=True, **params))(q, q, q)
     assert out.shape == q.shape and bool(jnp.isfinite(out).all())

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models import ops_registry
+from core import registry as ops_registry
 
 # (op name, plan parameters): lengths below cross block and row boundaries (block/row 4, ragged last one).
 OP_CASES = [

@@ -12,7 +12,8 @@ import pytest
 from flax import nnx
 
 from configs import base
-from models import ops_registry, registry, transformer
+from core import registry as ops_registry
+from models import registry, transformer
 
 LENGTH, VOCAB, CLASSES = 16, 13, 3
 

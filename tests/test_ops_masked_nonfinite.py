@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import ops_registry
+from core import registry as ops_registry
 
 LENGTH, BATCH, HEADS, DIM = 16, 2, 2, 64  # head_dim 64: the registry params of some ops assume it
 # Ops whose causal partition is chosen from every token's key: a future key picks its own cluster, which moves
@@ -52,7 +52,7 @@ def _plant(x, where, value):
 def test_nonfinite_behind_masks_never_reaches_visible_outputs(name):
   spec = ops_registry.get(name)
   q, k, v, mask = _inputs(0)
-  params = spec.params(LENGTH)
+  params = ops_registry.bench_params(spec, LENGTH)
   failures = []
   for causal, what, poison, visible in _cases(spec):
     fn = jax.jit(lambda q, k, v, m, c=causal: spec.fn(q, k, v, causal=c, mask=m, **params))

@@ -297,7 +297,7 @@ def test_worker_prints_one_parsable_json_line_and_skips_over_memory_budget():
 
 @pytest.mark.slow
 def test_tiny_benchmark_run_writes_table_json_and_plot(tmp_path):
-  from models import ops_registry
+  from core import registry as ops_registry
 
   others = [n for n in E2E_CANDIDATES if n in ops_registry.names()][:2]
   assert len(others) == 2, f"need two of {E2E_CANDIDATES} registered, have {ops_registry.names()}"

@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import data  # noqa: E402
 from configs import base as config_base  # noqa: E402
 from core import contract, sharding  # noqa: E402
-from models import ops_registry  # noqa: E402
+from core import registry as ops_registry  # noqa: E402
 from models.transformer import CAUSAL_TASKS  # noqa: E402
 from scripts import compile_tpu  # noqa: E402  (sets libtpu's environment before it loads)
 
@@ -183,7 +183,7 @@ def _applies(name: str, case: Case) -> bool:
 
 def _params(name: str, case: Case) -> dict:
   spec = ops_registry.get(name)
-  params = dict(spec.params(case.length))
+  params = ops_registry.bench_params(spec, case.length)
   if case.plan is not None:
     params.update({k: case.plan for k in PLAN_KEYS if k in params})
   return {**params, **FUSED[name][0]}

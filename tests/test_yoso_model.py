@@ -14,8 +14,9 @@ import pytest
 from flax import nnx
 
 from configs import base
+from core import registry as ops_registry
 from data import synthetic
-from models import metrics, ops_registry, registry, transformer
+from models import metrics, registry, transformer
 from yoso.attention import yoso, yoso_c
 from yoso.conv import depthwise_conv
 

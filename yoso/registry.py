@@ -11,36 +11,44 @@ from core.registry import OpSpec, register
 from yoso.attention import yoso, yoso_c, yoso_e
 
 TAU = 8
+MODULE = "models.yoso_attention:YosoAttention"  # owns the hash key and the YOSO-C kernel
 
 
 def _sampled(**extra):
-  """params(length) of a sampled op: the paper's m = 32, tau = 8 and a fixed key (the benchmark times one
-  sample; models pass a fresh key per training step), plus `extra`."""
-  return lambda length: {"rng": jax.random.key(0), "num_hashes": 32, "tau": TAU, **extra}
+  """params(length) of a sampled op: the paper's m = 32, tau = 8, plus `extra`."""
+  return lambda length: {"num_hashes": 32, "tau": TAU, **extra}
+
+
+def _key(length: int) -> dict:
+  """A fixed key (the benchmark times one sample; models pass a fresh key per training step)."""
+  return {"rng": jax.random.key(0)}
+
+
+def _key_and_kernel(length: int) -> dict:
+  """The key, and a fixed averaging kernel of size 33 (the model learns one kernel per head; built per call,
+  so importing the registry creates no array)."""
+  return {**_key(length), "conv_kernel": jnp.full((33,), 1 / 33, jnp.float32)}
 
 
 register(OpSpec(
     "yoso", yoso, causal=True, bidirectional=True,
-    params=_sampled(),
+    params=_sampled(), bench_inputs=_key, module=MODULE,
     description="YOSO-32: LSH Bernoulli sampling, tau=8, O(L*m*d) forward, the paper's per-feature sampled "
                 "backward, O(L*m*d^2) (dense collision counts up to L=2048)"))
 register(OpSpec(
     "yoso_sketch", yoso, causal=True, bidirectional=True,
-    params=_sampled(backward_features=1),
+    params=_sampled(backward_features=1), bench_inputs=_key, module=MODULE,
     description="YOSO-32 with the linear-in-d backward: dY.v sketched by one random direction per hash "
                 "(two forward-like passes; ~64x the dQ/dK variance of yoso's exact per-feature tables)"))
 register(OpSpec(
     "yoso_e", yoso_e, causal=True, bidirectional=True,
-    params=lambda length: {"tau": TAU},
+    params=lambda length: {"tau": TAU}, module=MODULE,
     description="YOSO-E: expected collision probability attention, tau=8, O(L^2)"))
 register(OpSpec(
     "yoso_c", yoso_c, causal=False, bidirectional=True,
-    # The model learns one kernel per head; the benchmark times a fixed averaging kernel of size 33 (built per
-    # call, so importing the registry creates no array).
-    params=lambda length: {**_sampled()(length), "conv_kernel": jnp.full((33,), 1 / 33, jnp.float32)},
+    params=_sampled(), bench_inputs=_key_and_kernel, module=MODULE,
     description="YOSO-C-32: YOSO-32 plus a per-head depthwise convolution of V (kernel 33)"))
 register(OpSpec(
     "yoso_sketch_c", yoso_c, causal=False, bidirectional=True,
-    params=lambda length: {**_sampled(backward_features=1)(length),
-                           "conv_kernel": jnp.full((33,), 1 / 33, jnp.float32)},
+    params=_sampled(backward_features=1), bench_inputs=_key_and_kernel, module=MODULE,
     description="YOSO-C-32 with yoso_sketch's linear-in-d backward (the paper's *YOSO-C rows)"))
