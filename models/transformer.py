@@ -20,10 +20,11 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from data.info import TASKS
 from models import layers, registry
 
 Array = Any
+# The tasks the model has heads for (a dataset names one of them: `data.info.DatasetInfo.task`).
+TASKS = ("lm", "mlm", "image", "classify", "retrieval")
 CAUSAL_TASKS = ("lm", "image")
 # model.remat: "none" keeps every activation for the backward; "full" keeps only each block's input and
 # recomputes the block; "minimal" also keeps the outputs of matmuls without batch dimensions (projections,
