@@ -9,7 +9,7 @@ everything that shapes the model is in it. By default it evaluates as many batch
 (`config.train.eval_batches`), so the two agree; both print how many batches and examples a figure covers. The
 result goes to `<workdir>/eval_<split>_<step>.json` for the whole split, `eval_<split>_<step>_<n>batches.json`
 for the first n batches. A latest checkpoint that does not restore is reported and the newest one that does is
-evaluated.
+evaluated (training/evaluate.py).
 """
 
 from __future__ import annotations
@@ -17,61 +17,9 @@ from __future__ import annotations
 import math
 import os
 import sys
-from typing import Any
 
-import jax
-
-from runtime import distributed, paths
-
-
-def restore_workdir(workdir: str, *, step: int | None = None,
-                    devices: list | None = None) -> tuple[Any, Any, Any]:
-  """(experiment, train state, open read-only checkpoint manager) for `step` (default: the newest that
-  restores) of `workdir`, with the config that step was trained with."""
-  import resume
-  import train
-
-  config = train.load_config(workdir)
-  mgr = train.checkpoint_manager(workdir, config, read_only=True)
-  available = list(mgr.all_steps())
-  if not available:
-    raise FileNotFoundError(f"no checkpoint in {paths.join(workdir, 'checkpoints')}")
-  if step is not None and step not in available:
-    raise ValueError(f"no checkpoint for step {step} in {workdir}; available steps: {sorted(available)}")
-  experiments: dict[str, Any] = {}
-
-  def restore(s: int) -> Any:
-    cfg = train.load_config(workdir, s)  # the config this checkpoint was trained with
-    key = cfg.to_json_best_effort(sort_keys=True)
-    if key not in experiments:
-      experiments[key] = train.Experiment(cfg, devices=devices)
-    exp = experiments[key]
-    return exp, train.restore_checkpoint(mgr, exp, None, s)
-
-  steps = available if step is None else [step]
-  exp, state = resume.restore_newest(steps, restore, mgr.directory, say=lambda line: print(line, flush=True))
-  return exp, state, mgr
-
-
-def evaluate_workdir(workdir: str, *, split: str | None = None, step: int | None = None,
-                     max_batches: int | None = None, devices: list | None = None) -> dict[str, Any]:
-  """Restores `step` (default: the newest that restores) from `workdir` and evaluates `split` (default
-  config.eval_split) over `max_batches` batches (default config.train.eval_batches, as train.py; -1 = all)."""
-  import resume
-
-  exp, state, mgr = restore_workdir(workdir, step=step, devices=devices)
-  config = exp.config
-  split = split or config.eval_split
-  metrics = exp.evaluate(state, split, max_batches)
-  metrics.update(step=state.step, split=split, attention=str(config.model.attention.name),
-                 data=str(config.data.name))
-  if jax.process_index() == 0:
-    part = "" if metrics["whole_split"] else f"_{metrics['num_batches']}batches"
-    path = paths.join(workdir, f"eval_{split}_{state.step}{part}.json")
-    resume.write_json(path, metrics)
-    metrics["path"] = path
-  mgr.close()
-  return metrics
+from runtime import distributed
+from training import evaluate, loop
 
 
 def main(argv: list[str]) -> None:
@@ -81,10 +29,8 @@ def main(argv: list[str]) -> None:
   logging.set_verbosity(logging.WARNING)
   f = flags.FLAGS
   distributed.initialize_from_flags(f)
-  import train
-
-  m = evaluate_workdir(f.workdir, split=f.split, step=f.step, max_batches=f.max_batches)
-  print(train.format_metrics(m), flush=True)
+  m = evaluate.evaluate_workdir(f.workdir, split=f.split, step=f.step, max_batches=f.max_batches)
+  print(loop.format_metrics(m), flush=True)
   bad = sorted(k for k, v in m.items() if isinstance(v, float) and not math.isfinite(v))
   if bad:
     print(f"ERROR: the evaluation is not finite ({', '.join(bad)})", file=sys.stderr, flush=True)

@@ -14,145 +14,15 @@ What is written depends on the task of the workdir's config:
   prompt; the queries of the second half are read from the record, each answer is sampled, and the recalled
   values are printed next to the right ones.
 Attention plans without a cached decoding step (YOSO, bidirectional-only ops) stop with an error naming the
-op.
+op. The driver is training/sample.py.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from typing import Any
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-
-
-def restore_model(workdir: str, step: int | None = None) -> tuple[Any, Any, int]:
-  """(experiment, model with the checkpoint's parameters, step)."""
-  import eval as eval_lib
-
-  exp, state, mgr = eval_lib.restore_workdir(workdir, step=step)
-  mgr.close()
-  exp.init_rng_state()
-  return exp, exp._model(state.params, exp.rng_state, state.rest, jax.random.key(0)), state.step
-
-
-def image_grid(tokens: np.ndarray, shape: tuple[int, int, int], columns: int = 8) -> np.ndarray:
-  """tokens [n, H*W*C] sub-pixel values -> one uint8 image [rows*(H+1)-1, cols*(W+1)-1, C] (1-pixel gaps)."""
-  h, w, c = shape
-  images = np.clip(tokens, 0, 255).astype(np.uint8).reshape(-1, h, w, c)
-  n = images.shape[0]
-  cols = min(columns, n)
-  rows = -(-n // cols)
-  grid = np.full((rows * (h + 1) - 1, cols * (w + 1) - 1, c), 255, np.uint8)
-  for i, image in enumerate(images):
-    r, col = divmod(i, cols)
-    grid[r * (h + 1):r * (h + 1) + h, col * (w + 1):col * (w + 1) + w] = image
-  return grid
-
-
-def write_png(path: str, image: np.ndarray) -> None:
-  """A minimal PNG writer (8-bit grey or RGB), so sampling needs no imaging library."""
-  import struct
-  import zlib
-
-  h, w, c = image.shape
-  raw = b"".join(b"\x00" + image[y].tobytes() for y in range(h))
-
-  def chunk(kind: bytes, data: bytes) -> bytes:
-    crc = zlib.crc32(kind + data) & 0xFFFFFFFF
-    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", crc)
-
-  color = {1: 0, 3: 2, 4: 6}[c]
-  with open(path, "wb") as f:
-    f.write(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, color, 0, 0, 0))
-            + chunk(b"IDAT", zlib.compress(raw, 6)) + chunk(b"IEND", b""))
-
-
-def _validation_records(exp: Any, n: int) -> list[dict[str, np.ndarray]]:
-  import train
-
-  source = train.create_dataset(exp.config, "validation", batch_size=n, seed=int(exp.config.seed))
-  batch = next(iter(source))
-  return [{k: np.asarray(v[i]) for k, v in batch.items()} for i in range(n)]
-
-
-def sample_recall(exp: Any, model: Any, *, num_samples: int, temperature: float, top_k: int, top_p: float,
-                  seed: int) -> dict[str, Any]:
-  """Recall: prefill the pairs, read each query from the record, sample its answer; returns the answers."""
-  from data import synthetic
-  from models.generate import Decoder, sample_token
-
-  source = synthetic.RecallSource(exp.config, "validation", int(exp.config.seed))
-  records = source.read_batch(list(range(num_samples)))
-  inputs = np.stack([r["inputs"] for r in records])  # [n, L]
-  answer_at = np.asarray(records[0]["weights"]) > 0  # the same positions in every record
-  length = inputs.shape[1]
-  half = length // 2
-  dec = Decoder(model)
-  cache = dec.init_cache(num_samples, length)
-  logits, cache = dec.prefill(cache, jnp.asarray(inputs[:, :half]))
-  logits = logits[:, -1]
-  key = jax.random.key(seed)
-  sampled = np.zeros_like(inputs)
-  for t in range(half, length):
-    token = np.asarray(sample_token(jax.random.fold_in(key, t), logits, temperature=temperature, top_k=top_k,
-                                    top_p=top_p))
-    sampled[:, t] = token
-    fed = token if answer_at[t] else inputs[:, t]  # answers are the model's own; queries come from the record
-    if t + 1 < length:
-      logits, cache = dec.decode(cache, jnp.asarray(fed), t + 1)
-  answer_base = synthetic.vocab_size(exp.config) - source.num_values  # answers are the last ids
-  got, want = sampled[:, answer_at] - answer_base, inputs[:, answer_at] - answer_base
-  return {"recalled": got, "right": want, "accuracy": float(np.mean(got == want))}
-
-
-def run(workdir: str, *, num_samples: int = 8, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-        seed: int = 0, step: int | None = None, prompt: str = "", prompt_len: int = 0) -> dict[str, Any]:
-  """Samples from the workdir's checkpoint and writes/prints the result; returns what was produced."""
-  from models.generate import generate
-
-  exp, model, step = restore_model(workdir, step)
-  info = exp.info
-  if info.task not in ("lm", "image"):
-    raise ValueError(f"sampling needs a causal task (lm or image), the workdir's task is {info.task!r}")
-  kw = dict(temperature=temperature, top_k=top_k, top_p=top_p)
-  if info.name == "synthetic_recall":
-    out = sample_recall(exp, model, num_samples=num_samples, seed=seed, **kw)
-    for i, (got, want) in enumerate(zip(out["recalled"], out["right"], strict=True)):
-      print(f"sample {i}: recalled {' '.join(map(str, got))}")
-      print(f"{'':>{len(str(i)) + 7}}  right    {' '.join(map(str, want))}")
-    print(f"recall accuracy {out['accuracy']:.3f} over {out['right'].size} answers", flush=True)
-    return out
-  key = jax.random.key(seed)
-  length = info.seq_len
-  if info.task == "image":
-    head = np.zeros((num_samples, 0), np.int32)
-    if prompt_len:
-      head = np.stack([r["inputs"][:prompt_len] for r in _validation_records(exp, num_samples)])
-    tokens = np.asarray(generate(model, key, num_samples=num_samples, length=length, prompt=head, **kw))
-    path = os.path.join(workdir, f"samples_{step}.png")
-    write_png(path, image_grid(tokens, tuple(info.image_shape)))
-    print(f"wrote {num_samples} samples to {path}", flush=True)
-    return {"tokens": tokens, "path": path}
-  from data import text, tokenizer
-
-  sp = tokenizer.load(text.spm_path(exp.config))
-  ids = [tokenizer.BOS_ID] + sp.encode(prompt) if prompt else [tokenizer.BOS_ID]
-  head = np.tile(np.asarray(ids, np.int32)[None], (num_samples, 1))
-  tokens = np.asarray(generate(model, key, num_samples=num_samples, length=length, prompt=head, **kw))
-  texts = []
-  for row in tokens:
-    row = list(row)
-    end = row.index(tokenizer.EOS_ID, len(ids)) if tokenizer.EOS_ID in row[len(ids):] else len(row)
-    texts.append(sp.decode([int(t) for t in row[1:end]]))
-  path = os.path.join(workdir, f"samples_{step}.txt")
-  with open(path, "w") as f:
-    f.write("\n\n".join(texts) + "\n")
-  for t in texts:
-    print(t, "\n", flush=True)
-  return {"tokens": tokens, "texts": texts, "path": path}
+from training import sample
 
 
 def main(argv: list[str]) -> None:
@@ -161,8 +31,8 @@ def main(argv: list[str]) -> None:
 
   logging.set_verbosity(logging.WARNING)
   f = flags.FLAGS
-  run(f.workdir, num_samples=f.num_samples, temperature=f.temperature, top_k=f.top_k, top_p=f.top_p,
-      seed=f.seed, step=f.step, prompt=f.prompt, prompt_len=f.prompt_len)
+  sample.run(f.workdir, num_samples=f.num_samples, temperature=f.temperature, top_k=f.top_k, top_p=f.top_p,
+             seed=f.seed, step=f.step, prompt=f.prompt, prompt_len=f.prompt_len)
 
 
 if __name__ == "__main__":

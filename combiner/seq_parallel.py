@@ -8,7 +8,7 @@ gradients, is the one of the backward pass); keys and values never cross devices
 context-parallel baseline to compare against: it all-gathers K and V.
 
 Batch is split over the "data" axis and heads over "model" when the mesh has them (and they divide evenly);
-the mesh axes are `Auto` ones, as train.py makes them.
+the mesh axes are `Auto` ones, as training/mesh.py makes them.
 `chunk_blocks` processes the local blocks a few at a time in a loop, forward and backward (an explicit
 `custom_vjp` that recomputes each chunk and writes its gradients in place), so the live logits are
 chunk x block x (block + L / block) per head instead of the whole local run's: what makes very long sequences
@@ -34,23 +34,10 @@ Array = Any
 SEQ_AXIS = "seq"
 
 
-_default_mesh: Any = None
-
-
-def set_default_mesh(mesh: Any) -> Any:
-  """Sets the mesh the ops use when called without `mesh` (None: JAX's context mesh, `jax.set_mesh`);
-  returns the previous one. train.py sets its mesh here when `config.mesh.seq` > 1 (unlike `jax.set_mesh`,
-  this does not make Flax read logical axis names as mesh axes). It is read when an op is traced: a jitted
-  function traced before keeps the op it traced."""
-  global _default_mesh
-  previous, _default_mesh = _default_mesh, mesh
-  return previous
-
-
 def current_mesh() -> Any:
-  """The default mesh, else JAX's context mesh, else None."""
-  if _default_mesh is not None:
-    return _default_mesh
+  """JAX's context mesh (`jax.sharding.use_abstract_mesh`, set by `core.sharding.traced_in` around a train
+  step's tracing, or `jax.set_mesh`), else None. It is read when an op is traced: a jitted function traced
+  before keeps the op it traced."""
   mesh = jax.sharding.get_abstract_mesh()
   return mesh if mesh is not None and mesh.axis_names else None
 
@@ -59,8 +46,8 @@ def resolve_mesh(mesh: Any, axis: str, op: str) -> Any:
   """The explicit `mesh`, else `current_mesh()`; it must have the sequence axis."""
   mesh = current_mesh() if mesh is None else mesh
   if mesh is None or axis not in tuple(mesh.axis_names):
-    raise ValueError(f"{op}: needs a device mesh with a {axis!r} axis (argument 'mesh', `set_default_mesh` "
-                     f"or `jax.set_mesh`), got {None if mesh is None else dict(mesh.shape)}")
+    raise ValueError(f"{op}: needs a device mesh with a {axis!r} axis (argument 'mesh' or JAX's "
+                     f"context mesh), got {None if mesh is None else dict(mesh.shape)}")
   return mesh
 
 

@@ -87,7 +87,7 @@ def check_op_kwargs(spec: ops_registry.OpSpec, names: list[str]) -> None:
 
 def op_function(spec: ops_registry.OpSpec) -> Any:
   """The op itself, or its sequence-parallel form (the registration's `seq_parallel`) when the current mesh
-  (`seq_parallel.set_default_mesh`, which train.py sets when `config.mesh.seq` > 1, or `jax.set_mesh`) splits
+  (JAX's context mesh, which train steps trace in: `core.sharding.traced_in`, or `jax.set_mesh`) splits
   the sequence over its "seq" axis. Ops without one run as they are, the partitioner gathering the
   sequence."""
   if spec.seq_parallel is not None and seq_parallel.seq_size() > 1:

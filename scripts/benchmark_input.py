@@ -17,8 +17,8 @@ run trains on (`--against none`: the paper config's length, batch `--batch_size`
      permutation per epoch, grain's index shuffle above `EpochPermutation.MAX_STORED` records) and the
      caches it touches have the real split's size.
   2. step: the smoke config's model and jitted train step are built the way train.py builds them
-     (`train.Experiment` on one device, `init_state`, `train_step` on a pipeline batch, host-to-device
-     transfer included); after two untimed steps (compile), the median of `--repeats` steps.
+     (training/experiment.py's `Experiment` on one device, `init_state`, `train_step` on a pipeline batch,
+     host-to-device transfer included); after two untimed steps (compile), the median of `--repeats` steps.
   1 and 2 alternate in `--rounds` rounds (fresh pipeline iterator each round); the medians are reported, so
   a change in the machine's load during a run (other jobs) moves both sides of the ratio alike.
 Reported: pipeline examples/s (= rows/s; packed text: one row is one packed sequence), the examples/s the step
@@ -152,13 +152,13 @@ def measure_pipeline(config: Any, seconds: float, seed: int) -> tuple[dict[str, 
 
 def step_timer(config: Any, batch: dict[str, Any]) -> Callable[[int], float]:
   """A function timing the smoke train step (median seconds of n steps), built as train.py builds it
-  (train.Experiment, init_state, train_step with the host-to-device transfer) on one device, compiled."""
+  (training's Experiment, init_state, train_step with the host-to-device transfer) on one device, compiled."""
   import jax
 
-  import train
   from scripts import benchmark as bench
+  from training.experiment import Experiment
 
-  exp = train.Experiment(config, devices=jax.devices()[:1])
+  exp = Experiment(config, devices=jax.devices()[:1])
   state = [exp.init_state()]
 
   def step():
@@ -239,7 +239,7 @@ def main(args: argparse.Namespace) -> int:
     "mock data (data.testing.mock_data) presented as a split of the real split's size; one example = one row "
     "of the batch (packed text: one packed sequence)",
     f"pipeline >= {TARGET:g}x step: pipeline examples/s >= {TARGET:g} x the examples/s the smoke train step "
-    "consumes (batch / median step time; train.Experiment on one device, compile excluded)",
+    "consumes (batch / median step time; training's Experiment on one device, compile excluded)",
   ]
   paths = benchmark.write_report(
     rows, columns, getattr(args, "out_dir", "bench_out"), "benchmark_input", header=header,

@@ -8,7 +8,7 @@
 The model is the paper's ablation architecture (6 layers, width 512, 8 heads, MLP 2048; `--layers`,
 `--features`, `--mlp_dim` change it; `--heads` is the shared flag), a causal LM (or a bidirectional MLM for
 ops that only support `causal=False`, see column `mode`) on random tokens (vocabulary 256), batch `--batch`,
-`--dtype` compute dtype, through `train.Experiment` on one device: the same jitted, donated step `train.py`
+`--dtype` compute dtype, via `Experiment` (training/) on one device: the same jitted, donated step `train.py`
 runs. Each (attention, length) runs in its own process (`python -m scripts.benchmark_train --_worker ...`,
 printing one JSON line): compile, one warm-up step, then the median of `--repeats` steps (fewer when they
 would exceed `--time_budget_s`); compile time is never timed. An attention is not run at a length where its
@@ -108,9 +108,9 @@ def worker(args: argparse.Namespace, name: str, length: int, opts: argparse.Name
   import jax
   import numpy as np
 
-  import train
   from models import ops_registry
   from scripts import benchmark as bench
+  from training import experiment
 
   spec = ops_registry.get(name) if name in ops_registry.names() else None
   causal, mode = True, "causal LM"
@@ -120,12 +120,12 @@ def worker(args: argparse.Namespace, name: str, length: int, opts: argparse.Name
                              mlp_dim=opts.mlp_dim, batch=args.batch, dtype=args.dtype, causal=causal,
                              remat=opts.remat, recompute=opts.recompute == "true",
                              implementation=args.implementation)
-  info = train.dataset_info(config)
+  info = experiment.dataset_info(config)
   if not causal:  # bidirectional-only attention: the same shapes as an MLM encoder
     import dataclasses
 
     info = dataclasses.replace(info, task="mlm", bos_id=None)
-  exp = train.Experiment(config, devices=jax.devices()[:1], info=info)
+  exp = experiment.Experiment(config, devices=jax.devices()[:1], info=info)
   rng = np.random.default_rng(args.seed)
   tokens = rng.integers(0, info.vocab_size, size=(args.batch, length)).astype(np.int32)
   batch = {"inputs": tokens, "mask": np.ones((args.batch, length), bool),

@@ -8,8 +8,8 @@ r"""Compiles a config's whole train step for a Cloud TPU slice on this machine, 
     python -m scripts.compile_tpu --docs docs/tpu.md                             # the table of docs/tpu.md
 
 libtpu runs the real TPU compiler ahead of time on the host's CPU (`jax.experimental.topologies`), so no TPU
-is needed. The step is the one train.py runs: `train.Experiment` builds the model, optimizer, state
-shardings and mesh (`train.make_mesh` over the slice's devices) and its jitted, donated step is lowered with
+is needed. The step is the one train.py runs: `Experiment` (training/) builds the model, optimizer, state
+shardings and mesh (`make_mesh` over the slice's devices) and its jitted, donated step is lowered with
 abstract arguments: the sharded state and a global batch of `config.train.batch_size` examples, shapes only
 (no data is read). Printed per chip: the HBM the step needs (arguments, temporaries, outputs, generated code)
 against the chip's, the step's FLOPs and bytes accessed (XLA's cost analysis), and a roofline estimate of the
@@ -194,11 +194,11 @@ def compile_step(config: Any, sl: Slice) -> Result:
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
-  import train
+  from training.experiment import Experiment
 
   try:
-    exp = train.Experiment(config, devices=devices(sl))
-  except ValueError as e:  # train.make_mesh: the mesh does not fit this many chips, or cannot be built
+    exp = Experiment(config, devices=devices(sl))
+  except ValueError as e:  # make_mesh: the mesh does not fit this many chips, or cannot be built
     return Result(sl, "too big" if "does not fit" in str(e) else "fails", first_line(e))
   mesh = {k: int(v) for k, v in exp.mesh.shape.items()}
   batch = int(config.train.batch_size)
@@ -356,9 +356,9 @@ def _flags():
   from absl import flags
   from ml_collections import config_flags
 
-  import train
+  from training import config_io
 
-  config_flags.DEFINE_config_file("config", train.DEFAULT_CONFIG, "experiment config file (path[:arg])",
+  config_flags.DEFINE_config_file("config", config_io.DEFAULT_CONFIG, "experiment config file (path[:arg])",
                                   lock_config=True)
   flags.DEFINE_multi_string("gin_file", [], "gin files binding attention constructor fields (as train.py)")
   flags.DEFINE_multi_string("gin_bindings", [], "gin bindings, e.g. 'attention.deepsets = True'")

@@ -370,12 +370,12 @@ def _run_info(row: Row, scale: str, seed: int, argv: list[str]) -> dict[str, Any
 
 def _train_in_process(row: Row, scale: str, wd: str, seed: int, progress: bool) -> None:
   """train.py's training and final evaluation in this process (no interpreter and JAX start per row)."""
-  import train
+  from training import loop
 
   config = build_config(row, scale)
   if seed:
     config.seed = seed
-  train.train_and_evaluate(config, wd, progress=progress)
+  loop.train_and_evaluate(config, wd, progress=progress)
 
 
 @dataclasses.dataclass

@@ -8,9 +8,9 @@ import pytest
 from absl import flags
 from ml_collections import config_flags
 
-import train
 from configs import base, default, lra
 from models import gin_bridge, registry
+from training import config_io, experiment, loop
 
 CONFIG_FILES = ("default", "cifar10", "imagenet64", "wiki40b", "c4", "lra")
 VARIANTS = [(f, "") for f in CONFIG_FILES] + [(f, "smoke") for f in CONFIG_FILES if f != "lra"] + [
@@ -65,7 +65,7 @@ def test_unknown_attention_name_lists_valid_names():
   c = default.get_config("smoke,attention=combiner_fixd")
   with pytest.raises(ValueError,
                      match=r"unknown attention 'combiner_fixd'; valid names: \[.*'combiner_fixed'"):
-    train.Experiment(c, devices=jax.devices()[:1])
+    experiment.Experiment(c, devices=jax.devices()[:1])
 
 
 def test_unknown_config_field_is_an_error():
@@ -100,12 +100,12 @@ def test_missing_data_names_the_expected_path(tmp_path):
   c.data.stand_in = False  # smoke variants otherwise train on a generated stand-in (tests/test_reproduce.py)
   c.data.data_dir = str(tmp_path / "nowhere")
   with pytest.raises(FileNotFoundError, match=str(tmp_path / "nowhere")):
-    train.create_dataset(c, "train", batch_size=8, seed=0)
+    experiment.create_dataset(c, "train", batch_size=8, seed=0)
   c = lra.get_config("task=listops,smoke")
   c.data.stand_in = False
   c.data.data_dir = str(tmp_path / "nowhere")
   with pytest.raises(FileNotFoundError, match="lra_release"):
-    train.create_dataset(c, "train", batch_size=8, seed=0)
+    experiment.create_dataset(c, "train", batch_size=8, seed=0)
 
 
 def test_gin_bindings_fold_into_config():
@@ -134,18 +134,18 @@ SMOKE_RUNS = [("cifar10", ""), ("imagenet64", ""), ("wiki40b", ""), ("c4", "")] 
 @pytest.mark.slow
 @pytest.mark.parametrize("module,arg", SMOKE_RUNS)
 def test_config_smoke_run_and_eval(module, arg, tmp_path):
-  import eval as eval_lib
   from data.testing import mock_data
+  from training import evaluate as eval_lib
 
   c = importlib.import_module(f"configs.{module}").get_config((arg + "," if arg else "") + "smoke")
   c.train.num_steps = 2
   with mock_data(c.data.name, str(tmp_path / "data")) as data_dir:
     c.data.data_dir = data_dir
-    result = train.train_and_evaluate(c, str(tmp_path / "run"), progress=False)
+    result = loop.train_and_evaluate(c, str(tmp_path / "run"), progress=False)
     assert result["step"] == 2
     metrics = eval_lib.evaluate_workdir(str(tmp_path / "run"), max_batches=1)
   key = {"image": "bits_per_dim", "lm": "perplexity", "mlm": "perplexity"}.get(result["experiment"].task,
                                                                               "accuracy")
   assert key in metrics and metrics["step"] == 2
-  rules = train.load_config(str(tmp_path / "run")).sharding_rules
+  rules = config_io.load_config(str(tmp_path / "run")).sharding_rules
   assert base.SHARDING_RULES == tuple(tuple(r) for r in rules)

@@ -807,17 +807,17 @@ def test_data_loader_checkpoint_on_the_dataset_engine_is_a_clear_error(tmp_path)
 
 @pytest.mark.slow  # ~15 s: three smoke trainings (the unit test above covers the check itself)
 def test_train_resume_from_an_old_engine_checkpoint_names_the_workdir(tmp_path):
-  import train
   from configs import default
+  from training import loop
 
   config = default.get_config("smoke,attention=dense")
   config.train.num_steps, config.train.checkpoint_every, config.train.eval_every = 2, 2, 0
   config.data.engine = "loader"  # what batched datasets ran on before the dataset engine
   workdir = str(tmp_path / "run")
-  assert train.train_and_evaluate(config, workdir, progress=False)["step"] == 2
+  assert loop.train_and_evaluate(config, workdir, progress=False)["step"] == 2
   config.train.num_steps = 3
   config.data.engine = None
   with pytest.raises(ValueError, match=rf"{workdir}/checkpoints/2 holds .*--config.data.engine=loader"):
-    train.train_and_evaluate(config, workdir, progress=False, allow_config_change=True)  # engine: deliberate
+    loop.train_and_evaluate(config, workdir, progress=False, allow_config_change=True)  # engine: deliberate
   config.data.engine = "loader"
-  assert train.train_and_evaluate(config, workdir, progress=False)["start_step"] == 2
+  assert loop.train_and_evaluate(config, workdir, progress=False)["start_step"] == 2

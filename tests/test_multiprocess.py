@@ -14,8 +14,8 @@ import jax
 import numpy as np
 import pytest
 
-import train
 from runtime import distributed
+from training import checkpoints, experiment
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, EVERY = 20, 5
@@ -113,12 +113,12 @@ def test_two_processes_equal_one_and_resume_after_sigkill(tmp_path):
   straight = str(tmp_path / "straight")
   _finish(_launch("train.py", [*CONFIG, "--noprogress"], straight))
   config = _config()
-  exp = train.Experiment(config, devices=jax.devices()[:4])
+  exp = experiment.Experiment(config, devices=jax.devices()[:4])
   states = []
   for wd in (workdir, straight):
-    mgr = train.checkpoint_manager(wd, config, read_only=True)
+    mgr = checkpoints.checkpoint_manager(wd, config, read_only=True)
     assert mgr.latest_step() == STEPS
-    states.append(train.restore_checkpoint(mgr, exp, None))
+    states.append(checkpoints.restore_checkpoint(mgr, exp, None))
     mgr.close()
   for tree in ("params", "opt_state"):
     a, b = (jax.tree.leaves(getattr(s, tree)) for s in states)
@@ -128,8 +128,8 @@ def test_two_processes_equal_one_and_resume_after_sigkill(tmp_path):
   # 4. The reference: one process, 4 devices, the global batch of step s = host 0's batch then host 1's.
   state = exp.init_state()
   per_host = exp.per_host(int(config.train.batch_size)) // 2
-  hosts = [iter(train.create_dataset(config, "train", batch_size=per_host, seed=int(config.seed),
-                                     shard_index=i, shard_count=2)) for i in range(2)]
+  hosts = [iter(experiment.create_dataset(config, "train", batch_size=per_host, seed=int(config.seed),
+                                          shard_index=i, shard_count=2)) for i in range(2)]
   for _ in range(STEPS):
     b0, b1 = next(hosts[0]), next(hosts[1])
     r0, r1 = _rows(b0), _rows(b1)

@@ -11,10 +11,10 @@ import pytest
 from etils.epath import backend as epath_backend
 from fsspec.implementations.memory import MemoryFileSystem
 
-import train
 from configs import default
 from data import pipeline
 from runtime import paths
+from training import config_io, loop
 
 
 class FakeGCS(MemoryFileSystem):
@@ -62,13 +62,13 @@ def test_workdir_files_on_fake_gcs(fake_gcs):
   workdir = "gs://bucket/runs/a"
   assert paths.join(workdir, "checkpoints") == "gs://bucket/runs/a/checkpoints"
   config = default.get_config("smoke")
-  train.save_config(config, workdir)
+  config_io.save_config(config, workdir)
   assert "bucket/runs/a/config.json" in fake_gcs
-  assert train.load_config(workdir).to_json(sort_keys=True) == config.to_json(sort_keys=True)
+  assert config_io.load_config(workdir).to_json(sort_keys=True) == config.to_json(sort_keys=True)
   paths.write_json(paths.join(workdir, "metrics.json"), {"accuracy": 0.5})
   assert paths.read_json(paths.join(workdir, "metrics.json")) == {"accuracy": 0.5}
 
-  writer = train.summary_writer(paths.join(workdir, "tensorboard"))
+  writer = loop.summary_writer(paths.join(workdir, "tensorboard"))
   writer.add_scalar("train/loss", 1.5, 3)
   writer.flush()
   events = [k for k in fake_gcs if k.startswith("bucket/runs/a/tensorboard/events.out.tfevents.")]

@@ -13,8 +13,9 @@ import jax
 import numpy as np
 import pytest
 
-import train
 from configs import base, default
+from training import checkpoints, config_io, loop
+from training.experiment import Experiment, TrainState, create_dataset
 
 
 def smoke(attention_name="combiner_fixed", **overrides):
@@ -43,7 +44,7 @@ def strict_json(path):
 def trained(tmp_path_factory):
   """A finished 4-step run with checkpoints at steps 2 and 4, and its final metrics."""
   workdir = str(tmp_path_factory.mktemp("trained") / "run")
-  result = train.train_and_evaluate(smoke(), workdir, progress=False)
+  result = loop.train_and_evaluate(smoke(), workdir, progress=False)
   return workdir, result["metrics"]
 
 
@@ -61,23 +62,23 @@ def test_changed_model_config_is_refused_before_anything_is_written(trained, tmp
   before = {name: open(os.path.join(workdir, name), "rb").read() for name in ("config.json", "metrics.json")}
   listing = sorted(os.listdir(workdir))
   with pytest.raises(ValueError, match=r"model\.attention\.name: 'combiner_fixed' -> 'dense'") as e:
-    train.train_and_evaluate(smoke("dense", **{"train.num_steps": 6}), workdir, progress=False)
+    loop.train_and_evaluate(smoke("dense", **{"train.num_steps": 6}), workdir, progress=False)
   assert "allow_config_change" in str(e.value)
   assert sorted(os.listdir(workdir)) == listing
   for name, content in before.items():
     assert open(os.path.join(workdir, name), "rb").read() == content
   # Allowed explicitly: the run continues, config.json stays the original, the change is kept in a history.
-  result = train.train_and_evaluate(smoke("dense", **{"train.num_steps": 6}), workdir, progress=False,
-                                    allow_config_change=True)
+  result = loop.train_and_evaluate(smoke("dense", **{"train.num_steps": 6}), workdir, progress=False,
+                                   allow_config_change=True)
   assert result["start_step"] == 4 and result["step"] == 6
   assert open(os.path.join(workdir, "config.json"), "rb").read() == before["config.json"]
   history = strict_json(os.path.join(workdir, "config_history.json"))
   assert [h["step"] for h in history] == [4]
   assert history[0]["changes"]["model.attention.name"] == {"old": "combiner_fixed", "new": "dense"}
   # Each checkpoint is evaluated with the config it was trained with.
-  assert train.load_config(workdir, 4).model.attention.name == "combiner_fixed"
-  assert train.load_config(workdir, 6).model.attention.name == "dense"
-  assert train.load_config(workdir).model.attention.name == "dense"
+  assert config_io.load_config(workdir, 4).model.attention.name == "combiner_fixed"
+  assert config_io.load_config(workdir, 6).model.attention.name == "dense"
+  assert config_io.load_config(workdir).model.attention.name == "dense"
 
 
 def test_workdir_of_another_run_is_refused(tmp_path):
@@ -85,7 +86,7 @@ def test_workdir_of_another_run_is_refused(tmp_path):
   foreign.mkdir()
   (foreign / "notes.txt").write_text("someone else's files")
   with pytest.raises(ValueError, match=r"not empty \(notes\.txt\) and has no config\.json"):
-    train.train_and_evaluate(smoke(), str(foreign), progress=False)
+    loop.train_and_evaluate(smoke(), str(foreign), progress=False)
   assert sorted(os.listdir(foreign)) == ["notes.txt"]
 
 
@@ -117,14 +118,14 @@ def _files(top):
 
 @pytest.fixture(scope="module")
 def experiment():
-  return train.Experiment(smoke(), devices=jax.devices()[:1])
+  return Experiment(smoke(), devices=jax.devices()[:1])
 
 
 def _restore(workdir, experiment, capsys):
   config = smoke()
-  mgr = train.checkpoint_manager(workdir, config)
-  data_iter = iter(train.create_dataset(config, "train", batch_size=8, seed=0))
-  state = train.restore_or_init(mgr, experiment, data_iter, set_aside=True)
+  mgr = checkpoints.checkpoint_manager(workdir, config)
+  data_iter = iter(create_dataset(config, "train", batch_size=8, seed=0))
+  state = checkpoints.restore_or_init(mgr, experiment, data_iter, set_aside=True)
   steps = list(mgr.all_steps())
   mgr.close()
   return state, steps, capsys.readouterr().out
@@ -146,7 +147,7 @@ def test_broken_latest_checkpoint_names_its_directory_and_falls_back(trained, ex
 
 
 def test_no_restorable_checkpoint_lists_every_step(trained, experiment, tmp_path, capsys):
-  import eval as eval_lib
+  from training import evaluate as eval_lib
 
   workdir = copy_of(trained, tmp_path)
   _damage(os.path.join(workdir, "checkpoints", "4"), "no_meta")
@@ -161,11 +162,11 @@ def test_no_restorable_checkpoint_lists_every_step(trained, experiment, tmp_path
 def test_non_finite_checkpoint_is_not_trusted(trained, experiment, tmp_path, capsys):
   workdir = copy_of(trained, tmp_path)
   config = smoke()
-  mgr = train.checkpoint_manager(workdir, config)
-  data_iter = iter(train.create_dataset(config, "train", batch_size=8, seed=0))
-  state = train.restore_checkpoint(mgr, experiment, data_iter)
+  mgr = checkpoints.checkpoint_manager(workdir, config)
+  data_iter = iter(create_dataset(config, "train", batch_size=8, seed=0))
+  state = checkpoints.restore_checkpoint(mgr, experiment, data_iter)
   bad = jax.tree.map(lambda x: x * np.nan, state.params)  # what flipped bytes in a chunk can restore as
-  train.save_checkpoint(mgr, train.TrainState(bad, state.rest, state.opt_state, 6), data_iter)
+  checkpoints.save_checkpoint(mgr, TrainState(bad, state.rest, state.opt_state, 6), data_iter)
   mgr.close()
   restored, _, out = _restore(workdir, experiment, capsys)
   assert restored.step == 4
@@ -173,14 +174,14 @@ def test_non_finite_checkpoint_is_not_trusted(trained, experiment, tmp_path, cap
 
 
 def test_non_finite_final_evaluation_fails_and_writes_standard_json(trained, tmp_path, monkeypatch):
-  import eval as eval_lib
+  from training import evaluate as eval_lib
 
   workdir = copy_of(trained, tmp_path)
   nan_metrics = {"loss": math.nan, "accuracy": 0.0, "num_batches": 1, "num_examples": 8, "whole_split": False}
-  monkeypatch.setattr(train.Experiment, "evaluate", lambda self, state, split=None, max_batches=None:
+  monkeypatch.setattr(Experiment, "evaluate", lambda self, state, split=None, max_batches=None:
                       dict(nan_metrics))
   with pytest.raises(RuntimeError, match="final evaluation at step 4 is not finite"):
-    train.train_and_evaluate(smoke(), workdir, progress=False)
+    loop.train_and_evaluate(smoke(), workdir, progress=False)
   assert strict_json(os.path.join(workdir, "metrics.json"))["loss"] is None
   m = eval_lib.evaluate_workdir(workdir)
   assert strict_json(m["path"])["loss"] is None
@@ -195,11 +196,11 @@ def test_failing_evaluation_keeps_the_checkpoint_of_its_step(trained, tmp_path, 
   def failing(self, state, split=None, max_batches=None):
     raise RuntimeError(f"evaluation failed at step {state.step}")
 
-  monkeypatch.setattr(train.Experiment, "evaluate", failing)
+  monkeypatch.setattr(Experiment, "evaluate", failing)
   config = smoke(**{"train.num_steps": 8, "train.eval_every": 6})
   with pytest.raises(RuntimeError, match="evaluation failed at step 6"):
-    train.train_and_evaluate(config, workdir, progress=False)
-  mgr = train.checkpoint_manager(workdir, config, read_only=True)
+    loop.train_and_evaluate(config, workdir, progress=False)
+  mgr = checkpoints.checkpoint_manager(workdir, config, read_only=True)
   assert mgr.latest_step() == 6
   mgr.close()
 
@@ -215,9 +216,9 @@ def test_failing_evaluation_keeps_the_checkpoint_of_its_step(trained, tmp_path, 
     ("train.eval_batches", 0, r"eval_batches must be >= 1 or -1"),
 ])
 def test_bad_config_values_are_clear_errors_before_compiling(tmp_path, monkeypatch, field, value, message):
-  monkeypatch.setattr(train, "Experiment", None)  # reaching the model build would be a TypeError
+  monkeypatch.setattr(loop, "Experiment", None)  # reaching the model build would be a TypeError
   with pytest.raises(ValueError, match=message):
-    train.train_and_evaluate(smoke(**{field: value}), str(tmp_path / "run"), progress=False)
+    loop.train_and_evaluate(smoke(**{field: value}), str(tmp_path / "run"), progress=False)
   assert not os.path.exists(tmp_path / "run")
 
 
@@ -236,7 +237,7 @@ def test_config_argument_errors(arg, message):
 
 
 def test_eval_agrees_with_train_by_default_and_keeps_each_file(trained, tmp_path):
-  import eval as eval_lib
+  from training import evaluate as eval_lib
 
   workdir = copy_of(trained, tmp_path)
   final = trained[1]
@@ -249,4 +250,4 @@ def test_eval_agrees_with_train_by_default_and_keeps_each_file(trained, tmp_path
   assert (whole["num_batches"], whole["num_examples"], whole["whole_split"]) == (2, 16, True)
   assert whole["path"] != m["path"]
   assert strict_json(m["path"])["num_batches"] == 1 and strict_json(whole["path"])["num_batches"] == 2
-  assert train.format_metrics(m).count("num_examples=8") == 1
+  assert loop.format_metrics(m).count("num_examples=8") == 1

@@ -7,9 +7,8 @@ import zlib
 import numpy as np
 import pytest
 
-import sample
-import train
 from configs import default
+from training import loop, sample
 
 
 @pytest.mark.slow  # ~25 s: trains a tiny workdir, then samples from it twice
@@ -18,7 +17,7 @@ def test_sample_recall_end_to_end(tmp_path, capsys):
   config.train.num_steps = 3
   config.train.checkpoint_every = 3
   workdir = str(tmp_path / "run")
-  train.train_and_evaluate(config, workdir, progress=False)
+  loop.train_and_evaluate(config, workdir, progress=False)
   out = sample.run(workdir, num_samples=2, temperature=1.0, top_k=5, seed=3)
   again = sample.run(workdir, num_samples=2, temperature=1.0, top_k=5, seed=3)
   np.testing.assert_array_equal(out["recalled"], again["recalled"])  # a seed fixes the samples

@@ -9,11 +9,13 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import train
 from baselines.dense import dense as dense_single
 from combiner import fixed as fixed_single
 from combiner import seq_parallel
 from core import hlo
+from core.sharding import traced_in
+from training import experiment
+from training import mesh as mesh_lib
 
 AUTO = jax.sharding.AxisType.Auto
 FAST = {"xla_backend_optimization_level": 0}
@@ -167,12 +169,12 @@ def test_make_mesh_seq_axis():
 
   config = default.get_config("smoke")
   config.mesh.data, config.mesh.seq, config.mesh.model = -1, 4, 1
-  assert dict(train.make_mesh(config).shape) == {"data": 2, "seq": 4, "model": 1}
+  assert dict(mesh_lib.make_mesh(config).shape) == {"data": 2, "seq": 4, "model": 1}
   config.mesh.data, config.mesh.seq = 2, -1
-  assert dict(train.make_mesh(config).shape) == {"data": 2, "seq": 4, "model": 1}
+  assert dict(mesh_lib.make_mesh(config).shape) == {"data": 2, "seq": 4, "model": 1}
   config.mesh.seq = 3
   with pytest.raises(ValueError, match="does not fit the 8 devices"):
-    train.make_mesh(config)
+    mesh_lib.make_mesh(config)
 
 
 def test_model_chooses_seq_parallel_op():
@@ -196,14 +198,12 @@ def test_model_chooses_seq_parallel_op():
     logits = nnx.merge(graphdef, params, rest)({"inputs": ids, "mask": mask}, deterministic=True)
     return jnp.sum(jnp.where(mask[..., None], logits, 0.0) ** 2), logits
 
-  # Two distinct functions: a jit trace cache is keyed by function, and the default mesh is read when tracing.
+  # Two distinct functions: a jit trace cache is keyed by function, and the context mesh is read when tracing.
   want = jax.jit(jax.value_and_grad(loss, has_aux=True), compiler_options=FAST)(params, ids, mask)
-  previous = seq_parallel.set_default_mesh(seq_mesh())
-  try:
-    step = jax.jit(jax.value_and_grad(lambda *a: loss(*a), has_aux=True), compiler_options=FAST)
-    compiled = step.lower(params, ids, mask).compile()
-  finally:
-    seq_parallel.set_default_mesh(previous)
+  mesh = seq_mesh()  # the context mesh while tracing, as in train steps; inputs placed on its devices
+  step = jax.jit(traced_in(mesh, jax.value_and_grad(lambda *a: loss(*a), has_aux=True)),
+                 in_shardings=NamedSharding(mesh, P()), compiler_options=FAST)
+  compiled = step.lower(params, ids, mask).compile()
   gathers = [c for c in hlo.collectives(compiled.as_text()) if c.kind == "all-gather" and c.group_size == 8]
   # batch x heads x 2 local blocks x head_dim float32: the local K would be 4x more.
   assert gathers and max(c.operand_bytes for c in gathers) <= 2 * 2 * 2 * 8 * 4
@@ -220,14 +220,11 @@ def test_train_step_with_seq_axis_matches_single_device():
     c.mesh.data, c.mesh.seq, c.mesh.model = data, seq, 1
     return c
 
-  try:
-    sharded = train.Experiment(config(2, 4), devices=jax.devices()[:8])
-    assert seq_parallel.seq_size() == 4
-    batch = next(iter(train.create_dataset(sharded.config, "train", batch_size=8, seed=0)))
-    s8, out8 = sharded.train_step(sharded.init_state(), batch)
-  finally:
-    seq_parallel.set_default_mesh(None)
-  single = train.Experiment(config(1, 1), devices=jax.devices()[:1])
+  sharded = experiment.Experiment(config(2, 4), devices=jax.devices()[:8])
+  assert seq_parallel.seq_size(sharded.mesh) == 4
+  batch = next(iter(experiment.create_dataset(sharded.config, "train", batch_size=8, seed=0)))
+  s8, out8 = sharded.train_step(sharded.init_state(), batch)
+  single = experiment.Experiment(config(1, 1), devices=jax.devices()[:1])
   s1, out1 = single.train_step(single.init_state(), batch)
   np.testing.assert_allclose(float(out8["loss"]), float(out1["loss"]), rtol=1e-5)
   for a, b in zip(jax.tree.leaves(s8.params), jax.tree.leaves(s1.params), strict=True):

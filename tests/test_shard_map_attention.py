@@ -13,10 +13,10 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import train
 from configs import base
 from core import sharding
 from models import transformer, yoso_attention
+from training import mesh as mesh_lib
 from yoso.attention import yoso
 
 AUTO = jax.sharding.AxisType.Auto
@@ -64,7 +64,7 @@ def loss_and_grads(model, ids, mesh=None):
   if mesh is None:
     return jax.jit(step, compiler_options=FAST)(params, rest, ids)
   rules = dict(base.SHARDING_RULES)
-  params = jax.device_put(params, train.state_shardings(params, rules, mesh))
+  params = jax.device_put(params, mesh_lib.state_shardings(params, rules, mesh))
   ids = jax.device_put(ids, NamedSharding(mesh, P("data")))
   return jax.jit(sharding.traced_in(mesh, step), compiler_options=FAST)(params, rest, ids)
 
@@ -192,7 +192,7 @@ def test_tpu_fused_kernels_compile_sharded_without_gathering_qkv(name, data, mod
 
   def shaped(tree):
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree,
-                        train.state_shardings(tree, rules, mesh))
+                        mesh_lib.state_shardings(tree, rules, mesh))
 
   ids = jax.ShapeDtypeStruct((batch, length), jnp.int32, sharding=NamedSharding(mesh, P("data")))
 

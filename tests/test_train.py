@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import train
 from baselines.dense import dense
 from configs import default
 from models import attention, registry
+from training import checkpoints, config_io, experiment, listing, loop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -68,12 +68,12 @@ def _find(tree, name):
 @pytest.mark.slow
 def test_extension_points_state_randomness_aux_loss(tmp_path):
   config = smoke("fake_stateful")
-  exp = train.Experiment(config, devices=jax.devices()[:1])
+  exp = experiment.Experiment(config, devices=jax.devices()[:1])
   state = exp.init_state()
   # Only nnx.Param is optimized: the counter and the BatchStat live in `rest`, not in params or optax state.
   assert _find(state.rest, "calls") and not _find(state.params, "calls")
   assert not _find(state.opt_state, "calls") and not _find(state.opt_state, "last_noise")
-  batches = iter(train.create_dataset(config, "train", batch_size=8, seed=0))
+  batches = iter(experiment.create_dataset(config, "train", batch_size=8, seed=0))
   b1, b2 = next(batches), next(batches)
   s1, out1 = exp.train_step(state, b1)
   noise1 = float(_find(s1.rest, "last_noise")[0])
@@ -96,9 +96,9 @@ def test_extension_points_state_randomness_aux_loss(tmp_path):
   assert e1 == e2
   assert int(_find(s2.rest, "calls")[0]) == 2
   # The non-gradient state is checkpointed with the parameters.
-  mgr = train.checkpoint_manager(str(tmp_path), config)
-  train.save_checkpoint(mgr, s2, None)
-  restored = train.restore_checkpoint(mgr, exp, None)
+  mgr = checkpoints.checkpoint_manager(str(tmp_path), config)
+  checkpoints.save_checkpoint(mgr, s2, None)
+  restored = checkpoints.restore_checkpoint(mgr, exp, None)
   assert int(_find(restored.rest, "calls")[0]) == 2
   assert float(_find(restored.rest, "last_noise")[0]) == noise2
 
@@ -107,11 +107,11 @@ def test_extension_points_state_randomness_aux_loss(tmp_path):
 def test_sharded_step_matches_single_device():
   config = smoke("combiner_fixed")
   config.mesh.data, config.mesh.model = 4, 2
-  sharded = train.Experiment(config, devices=jax.devices()[:8])
+  sharded = experiment.Experiment(config, devices=jax.devices()[:8])
   config1 = smoke("combiner_fixed")
   config1.mesh.data, config1.mesh.model = 1, 1
-  single = train.Experiment(config1, devices=jax.devices()[:1])
-  batch = next(iter(train.create_dataset(config, "train", batch_size=8, seed=0)))
+  single = experiment.Experiment(config1, devices=jax.devices()[:1])
+  batch = next(iter(experiment.create_dataset(config, "train", batch_size=8, seed=0)))
   s8, out8 = sharded.train_step(sharded.init_state(), batch)
   s1, out1 = single.train_step(single.init_state(), batch)
   np.testing.assert_allclose(float(out8["loss"]), float(out1["loss"]), rtol=1e-5)
@@ -140,17 +140,17 @@ class _SigtermAt(list):
 
 @pytest.mark.slow
 def test_resume_after_sigterm_is_exact_and_eval_reads_it(tmp_path):
-  import eval as eval_lib
+  from training import evaluate as eval_lib
 
   config = smoke("combiner_fixed", **{"train.num_steps": 5, "train.checkpoint_every": 2})
   straight_log = []
-  straight = train.train_and_evaluate(config, str(tmp_path / "straight"), batch_log=straight_log,
-                                      progress=False)
+  straight = loop.train_and_evaluate(config, str(tmp_path / "straight"), batch_log=straight_log,
+                                     progress=False)
   killed_log = _SigtermAt(2)
-  first = train.train_and_evaluate(config, str(tmp_path / "resumed"), batch_log=killed_log, progress=False)
+  first = loop.train_and_evaluate(config, str(tmp_path / "resumed"), batch_log=killed_log, progress=False)
   assert first["preempted"] and first["step"] == 3  # SIGTERM during step 2: saved after it, exited cleanly
   resumed_log = []
-  second = train.train_and_evaluate(config, str(tmp_path / "resumed"), batch_log=resumed_log, progress=False)
+  second = loop.train_and_evaluate(config, str(tmp_path / "resumed"), batch_log=resumed_log, progress=False)
   assert second["start_step"] == 3 and second["step"] == 5
   # Identical data order (the grain iterator state was restored) and identical parameters.
   assert list(killed_log) + resumed_log == straight_log
@@ -169,7 +169,7 @@ def test_resume_after_sigterm_is_exact_and_eval_reads_it(tmp_path):
 
 def test_nan_stops_and_keeps_last_good_checkpoint(tmp_path, monkeypatch):
   config = smoke("combiner_fixed", **{"train.num_steps": 6, "train.checkpoint_every": 2})
-  build = train.Experiment._build_train_step
+  build = experiment.Experiment._build_train_step
 
   def poisoned_at_step_3(self):  # the compiled step, fed NaN parameters at step 3: its loss is NaN
     step_fn = build(self)
@@ -180,13 +180,13 @@ def test_nan_stops_and_keeps_last_good_checkpoint(tmp_path, monkeypatch):
       return step_fn(params, rest, opt_state, rng, step, batch)
     return run
 
-  monkeypatch.setattr(train.Experiment, "_build_train_step", poisoned_at_step_3)
-  with pytest.raises(train.TrainingDiverged, match=r"step 3.*last good checkpoint \(step 2\)"):
-    train.train_and_evaluate(config, str(tmp_path), progress=False)
-  exp = train.Experiment(config, devices=jax.devices())
-  mgr = train.checkpoint_manager(str(tmp_path), config)
+  monkeypatch.setattr(experiment.Experiment, "_build_train_step", poisoned_at_step_3)
+  with pytest.raises(loop.TrainingDiverged, match=r"step 3.*last good checkpoint \(step 2\)"):
+    loop.train_and_evaluate(config, str(tmp_path), progress=False)
+  exp = experiment.Experiment(config, devices=jax.devices())
+  mgr = checkpoints.checkpoint_manager(str(tmp_path), config)
   assert mgr.latest_step() == 2
-  state = train.restore_checkpoint(mgr, exp, None)
+  state = checkpoints.restore_checkpoint(mgr, exp, None)
   assert state.step == 2
   assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(state.params))
 
@@ -208,19 +208,19 @@ def test_sigterm_subprocess_leaves_resumable_checkpoint(tmp_path):
   output = "".join(lines) + rest
   assert proc.returncode == 0, output
   assert "SIGTERM: saved checkpoint at step" in output
-  config = train.load_config(workdir)
-  mgr = train.checkpoint_manager(workdir, config)
+  config = config_io.load_config(workdir)
+  mgr = checkpoints.checkpoint_manager(workdir, config)
   saved = mgr.latest_step()
   assert saved is not None and saved >= 2
   mgr.close()
   with config.unlocked():
     config.train.num_steps = saved + 1
-  result = train.train_and_evaluate(config, workdir, progress=False)
+  result = loop.train_and_evaluate(config, workdir, progress=False)
   assert result["start_step"] == saved and result["step"] == saved + 1
 
 
 def test_list_names_every_attention_config_and_argument():
-  text = train.listing()
+  text = listing.listing()
   for name in ("combiner_fixed", "dense", "yoso", "routing"):
     assert f"\n  {name} " in text
   for config in ("configs/default.py", "configs/cifar10.py", "configs/lra.py"):

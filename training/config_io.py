@@ -1,15 +1,11 @@
-"""What train.py and eval.py check before they trust a workdir: its config, its checkpoints, their JSON.
+"""A run's config in its workdir: config.json, the recorded changes, the checks before a workdir is trusted.
 
-- Config: a run's first config is `<workdir>/config.json` and is never rewritten. A resume compares the new
-  config with the one in force (the last entry of `config_history.json`, else config.json) before anything is
+- A run's first config is `<workdir>/config.json` and is never rewritten. A resume compares the new config
+  with the one in force (the last entry of `config_history.json`, else config.json) before anything is
   written: a change of model or data fields is refused with the list of differing fields unless it is
   explicitly allowed; an accepted change is appended to `config_history.json` with the step it applies from.
-  `train.load_config(workdir, step)` gives the config a checkpoint was trained with. A non-empty directory
-  without config.json is not a workdir of this project and is refused.
-- Checkpoints: a step that does not restore (missing or damaged files, a corrupt data-iterator state,
-  non-finite parameters or optimizer state) is reported with its directory, and the newest step that restores
-  is used. Training moves such a step into `<workdir>/unrestorable_checkpoints/` (nothing is deleted), so that
-  the step can be trained and saved again.
+  `load_config(workdir, step)` gives the config a checkpoint was trained with. A non-empty directory without
+  config.json is not a workdir of this project and is refused.
 - JSON: metrics files are standard JSON; non-finite numbers are written as null.
 
 File I/O goes through `runtime.paths` / `etils.epath`, so a workdir may be local or `gs://`.
@@ -19,30 +15,26 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
-from collections.abc import Callable, Iterable
 from typing import Any
 
-import jax
 import ml_collections
 import numpy as np
 from etils import epath
 
 from runtime import paths
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root, the import root
+DEFAULT_CONFIG = os.path.join(ROOT, "configs", "default.py")
 CONFIG = "config.json"
 HISTORY = "config_history.json"
-UNRESTORABLE = "unrestorable_checkpoints"
 # Top-level config sections whose change makes a resumed run a different experiment (shapes, task, data).
 GUARDED = ("model", "data")
 
 
 class ConfigMismatch(ValueError):
   """The config given does not match the run in the workdir."""
-
-
-class UnrestorableCheckpoint(RuntimeError):
-  """No checkpoint step of a workdir restores."""
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -159,53 +151,31 @@ def record_config(workdir: Any, config: ml_collections.ConfigDict, diff: dict[st
   write_json(workdir / HISTORY, history)
 
 
-# ------------------------------------------------------------------------------------------------------------
-# Checkpoints
+def save_config(config: ml_collections.ConfigDict, workdir: str) -> None:
+  """Writes `<workdir>/config.json` (train_and_evaluate writes it through the checks above)."""
+  write_json(paths.join(workdir, CONFIG), config_dict(config))
 
 
-def check_finite(tree: Any, what: str) -> None:
-  """Raises ValueError naming the first non-finite leaf of `tree` (restored parameters or optimizer state)."""
-  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-    if hasattr(leaf, "dtype") and jax.numpy.issubdtype(leaf.dtype, jax.numpy.inexact):
-      if not bool(jax.numpy.all(jax.numpy.isfinite(leaf))):
-        raise ValueError(f"non-finite values in the restored {what} at {jax.tree_util.keystr(path)}")
+def load_config(workdir: str, step: int | None = None) -> ml_collections.ConfigDict:
+  """The config the run in `workdir` trained checkpoint `step` with (default: its latest config)."""
+  d = saved_config_dict(paths.path(workdir), step)
+  if d is None:
+    raise FileNotFoundError(f"no config.json in {workdir}: is it a train.py workdir?")
+  c = ml_collections.ConfigDict(d)
+  if c.model.get("image_shape") is not None:
+    c.model.image_shape = tuple(c.model.image_shape)
+  c.sharding_rules = tuple(tuple(r) for r in c.sharding_rules)
+  with c.model.attention.unlocked():
+    c.model.attention.params = ml_collections.ConfigDict(c.model.attention.get("params") or {},
+                                                         type_safe=False)
+  return c
 
 
-def restore_newest(steps: Iterable[int], restore: Callable[[int], Any], directory: Any, *,
-                   say: Callable[[str], None] = print, set_aside: Callable[[int], str] | None = None) -> Any:
-  """restore(step) for the newest of `steps` that restores; each step whose restore raises
-  UnrestorableCheckpoint (naming its directory) is reported and, with `set_aside`, moved out of the way.
-  Raises
-  UnrestorableCheckpoint when none restores. `directory` is the checkpoints directory (for the message)."""
-  failures = []
-  for step in sorted(steps, reverse=True):
-    try:
-      result = restore(step)
-    except UnrestorableCheckpoint as e:  # damage: missing files, bad chunks, corrupt JSON, non-finite values
-      failures.append(str(e))
-      note = f"; moved to {set_aside(step)} (nothing deleted)" if set_aside is not None else ""
-      say(f"WARNING: {e}{note}; trying the previous step")
-      continue
-    if failures:
-      say(f"resuming from step {step}, the newest checkpoint that restores")
-    return result
-  raise UnrestorableCheckpoint(f"no checkpoint in {directory} restores:\n  " + "\n  ".join(failures))
+def config_path_of(flags: Any) -> str:
+  """The file of the `--config` flag (DEFAULT_CONFIG when it cannot be read from the flag)."""
+  from ml_collections import config_flags
 
-
-def move_aside(checkpoints: Any, step: int) -> str:
-  """Moves `<checkpoints>/<step>` into `<workdir>/unrestorable_checkpoints/` and returns where it went."""
-  checkpoints = paths.path(checkpoints)
-  target_dir = checkpoints.parent / UNRESTORABLE
-  target_dir.mkdir(parents=True, exist_ok=True)
-  target = target_dir / str(step)
-  n = 1
-  while target.exists():
-    target = target_dir / f"{step}.{n}"
-    n += 1
-  (checkpoints / str(step)).rename(target)
-  return str(target)
-
-
-def short(e: BaseException, limit: int = 300) -> str:
-  text = " ".join(str(e).split())
-  return text if len(text) <= limit else text[:limit] + "..."
+  try:
+    return config_flags.get_config_filename(flags["config"])
+  except Exception:
+    return DEFAULT_CONFIG

@@ -1,0 +1,164 @@
+"""Checkpoints: orbax `CheckpointManager` in `<workdir>/checkpoints` with the grain data-iterator state, and
+the newest step that restores.
+
+A step that does not restore (missing or damaged files, a corrupt data-iterator state, non-finite parameters
+or optimizer state) is reported with its directory, and the newest step that restores is used. Training moves
+such a step into `<workdir>/unrestorable_checkpoints/` (nothing is deleted), so that the step can be trained
+and saved again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import jax
+import ml_collections
+
+from runtime import paths
+from training.experiment import Experiment, TrainState
+
+UNRESTORABLE = "unrestorable_checkpoints"
+
+
+class UnrestorableCheckpoint(RuntimeError):
+  """No checkpoint step of a workdir restores."""
+
+
+# -----------------------------------------------------------------------------------------------------------
+# Save and restore one step
+
+
+def checkpoint_manager(workdir: str, config: ml_collections.ConfigDict, *, read_only: bool = False) -> Any:
+  import orbax.checkpoint as ocp
+
+  options = ocp.CheckpointManagerOptions(max_to_keep=int(config.train.keep_checkpoints), create=not read_only,
+                                         read_only=read_only, enable_async_checkpointing=False)
+  return ocp.CheckpointManager(paths.path(workdir) / "checkpoints", options=options,
+                               item_names=("state", "data", "meta"))
+
+
+def _state_tree(state: TrainState) -> dict[str, Any]:
+  tree = {"params": state.params, "opt_state": state.opt_state}
+  if jax.tree.leaves(state.rest):  # orbax refuses empty subtrees
+    tree["rest"] = state.rest
+  return tree
+
+
+def save_checkpoint(mgr: Any, state: TrainState, data_iter: Any | None) -> None:
+  import grain
+  import orbax.checkpoint as ocp
+
+  items = {"state": ocp.args.StandardSave(_state_tree(state)),
+           "meta": ocp.args.JsonSave({"step": state.step})}
+  if data_iter is not None:
+    items["data"] = grain.checkpoint.CheckpointSave(data_iter)
+  mgr.save(state.step, args=ocp.args.Composite(**items), force=True)
+  mgr.wait_until_finished()
+
+
+def restore_checkpoint(mgr: Any, exp: Experiment, data_iter: Any | None,
+                       step: int | None = None) -> TrainState:
+  """Restores `step` (default the latest) into a sharded TrainState and, when given, the data iterator.
+
+  Raises UnrestorableCheckpoint naming the step directory when its files do not restore or the restored
+  parameters / optimizer state are not finite.
+  """
+  import grain
+  import orbax.checkpoint as ocp
+
+  step = mgr.latest_step() if step is None else step
+  if step is None:
+    raise FileNotFoundError(f"no checkpoint in {mgr.directory}")
+  target = exp.abstract_state()
+  if not jax.tree.leaves(target["rest"]):
+    del target["rest"]
+  items = {"state": ocp.args.StandardRestore(target), "meta": ocp.args.JsonRestore()}
+  if data_iter is not None:
+    from data import pipeline  # a state of the other input engine: a clear error instead of grain's
+
+    pipeline.check_iterator_checkpoint(paths.join(mgr.directory, str(step)), data_iter, exp.config)
+    items["data"] = grain.checkpoint.CheckpointRestore(data_iter)
+  step_dir = paths.join(mgr.directory, str(step))
+  try:
+    restored = mgr.restore(step, args=ocp.args.Composite(**items))
+    tree = restored["state"]
+    check_finite(tree["params"], "parameters")
+    check_finite(tree["opt_state"], "optimizer state")
+    restored_step = int(restored["meta"]["step"])
+  except Exception as e:  # missing or damaged files, a corrupt data-iterator state, non-finite values
+    raise UnrestorableCheckpoint(f"checkpoint {step_dir} does not restore: {type(e).__name__}: "
+                                 f"{short(e)}") from e
+  if not hasattr(exp, "rng_state"):
+    exp.init_rng_state()
+  rest = tree["rest"] if "rest" in tree else exp.empty_rest
+  return TrainState(tree["params"], rest, tree["opt_state"], restored_step)
+
+
+# -----------------------------------------------------------------------------------------------------------
+# The newest step that restores
+
+
+def check_finite(tree: Any, what: str) -> None:
+  """Raises ValueError naming the first non-finite leaf of `tree` (restored parameters or optimizer state)."""
+  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+    if hasattr(leaf, "dtype") and jax.numpy.issubdtype(leaf.dtype, jax.numpy.inexact):
+      if not bool(jax.numpy.all(jax.numpy.isfinite(leaf))):
+        raise ValueError(f"non-finite values in the restored {what} at {jax.tree_util.keystr(path)}")
+
+
+def restore_newest(steps: Iterable[int], restore: Callable[[int], Any], directory: Any, *,
+                   say: Callable[[str], None] = print, set_aside: Callable[[int], str] | None = None) -> Any:
+  """restore(step) for the newest of `steps` that restores; each step whose restore raises
+  UnrestorableCheckpoint (naming its directory) is reported and, with `set_aside`, moved out of the way.
+  Raises UnrestorableCheckpoint when none restores. `directory` is the checkpoints directory (for the
+  message)."""
+  failures = []
+  for step in sorted(steps, reverse=True):
+    try:
+      result = restore(step)
+    except UnrestorableCheckpoint as e:  # damage: missing files, bad chunks, corrupt JSON, non-finite values
+      failures.append(str(e))
+      note = f"; moved to {set_aside(step)} (nothing deleted)" if set_aside is not None else ""
+      say(f"WARNING: {e}{note}; trying the previous step")
+      continue
+    if failures:
+      say(f"resuming from step {step}, the newest checkpoint that restores")
+    return result
+  raise UnrestorableCheckpoint(f"no checkpoint in {directory} restores:\n  " + "\n  ".join(failures))
+
+
+def move_aside(checkpoints: Any, step: int) -> str:
+  """Moves `<checkpoints>/<step>` into `<workdir>/unrestorable_checkpoints/` and returns where it went."""
+  checkpoints = paths.path(checkpoints)
+  target_dir = checkpoints.parent / UNRESTORABLE
+  target_dir.mkdir(parents=True, exist_ok=True)
+  target = target_dir / str(step)
+  n = 1
+  while target.exists():
+    target = target_dir / f"{step}.{n}"
+    n += 1
+  (checkpoints / str(step)).rename(target)
+  return str(target)
+
+
+def short(e: BaseException, limit: int = 300) -> str:
+  text = " ".join(str(e).split())
+  return text if len(text) <= limit else text[:limit] + "..."
+
+
+def restore_or_init(mgr: Any, exp: Experiment, data_iter: Any, *, set_aside: bool) -> TrainState:
+  """The newest checkpoint that restores (broken newer steps are reported and, with `set_aside`, moved out of
+  the way), or a fresh state when there is none."""
+  steps = list(mgr.all_steps())
+  if not steps:
+    return exp.init_state()
+  move = None
+  if set_aside and jax.process_index() == 0:
+    move = lambda step: move_aside(mgr.directory, step)  # noqa: E731
+  state = restore_newest(steps, lambda step: restore_checkpoint(mgr, exp, data_iter, step), mgr.directory,
+                         say=lambda line: print(line, flush=True), set_aside=move)
+  mgr.reload()
+  print(f"resumed from {mgr.directory} at step {state.step}", flush=True)
+  return state
+

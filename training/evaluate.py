@@ -1,0 +1,64 @@
+"""The evaluation driver: restore a workdir's checkpoint with the config it was trained with, evaluate.
+
+The config is the resolved one train.py saved (`<workdir>/config.json`, with the changes it recorded in
+`config_history.json` up to the checkpoint's step). By default it evaluates as many batches as train.py's
+evaluations (`config.train.eval_batches`), so the two agree. The result goes to
+`<workdir>/eval_<split>_<step>.json` for the whole split, `eval_<split>_<step>_<n>batches.json` for the first
+n batches. A latest checkpoint that does not restore is reported and the newest one that does is evaluated.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from runtime import paths
+from training import checkpoints, config_io
+from training.experiment import Experiment
+
+
+def restore_workdir(workdir: str, *, step: int | None = None,
+                    devices: list | None = None) -> tuple[Any, Any, Any]:
+  """(experiment, train state, open read-only checkpoint manager) for `step` (default: the newest that
+  restores) of `workdir`, with the config that step was trained with."""
+  config = config_io.load_config(workdir)
+  mgr = checkpoints.checkpoint_manager(workdir, config, read_only=True)
+  available = list(mgr.all_steps())
+  if not available:
+    raise FileNotFoundError(f"no checkpoint in {paths.join(workdir, 'checkpoints')}")
+  if step is not None and step not in available:
+    raise ValueError(f"no checkpoint for step {step} in {workdir}; available steps: {sorted(available)}")
+  experiments: dict[str, Any] = {}
+
+  def restore(s: int) -> Any:
+    cfg = config_io.load_config(workdir, s)  # the config this checkpoint was trained with
+    key = cfg.to_json_best_effort(sort_keys=True)
+    if key not in experiments:
+      experiments[key] = Experiment(cfg, devices=devices)
+    exp = experiments[key]
+    return exp, checkpoints.restore_checkpoint(mgr, exp, None, s)
+
+  steps = available if step is None else [step]
+  exp, state = checkpoints.restore_newest(steps, restore, mgr.directory,
+                                          say=lambda line: print(line, flush=True))
+  return exp, state, mgr
+
+
+def evaluate_workdir(workdir: str, *, split: str | None = None, step: int | None = None,
+                     max_batches: int | None = None, devices: list | None = None) -> dict[str, Any]:
+  """Restores `step` (default: the newest that restores) from `workdir` and evaluates `split` (default
+  config.eval_split) over `max_batches` batches (default config.train.eval_batches, as train.py; -1 = all)."""
+  exp, state, mgr = restore_workdir(workdir, step=step, devices=devices)
+  config = exp.config
+  split = split or config.eval_split
+  metrics = exp.evaluate(state, split, max_batches)
+  metrics.update(step=state.step, split=split, attention=str(config.model.attention.name),
+                 data=str(config.data.name))
+  if jax.process_index() == 0:
+    part = "" if metrics["whole_split"] else f"_{metrics['num_batches']}batches"
+    path = paths.join(workdir, f"eval_{split}_{state.step}{part}.json")
+    config_io.write_json(path, metrics)
+    metrics["path"] = path
+  mgr.close()
+  return metrics

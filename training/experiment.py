@@ -1,0 +1,280 @@
+"""The experiment: everything about a run that does not depend on its workdir.
+
+- Model: built from `config.model` and the dataset's `DatasetInfo`; parameters are created already sharded by
+  the logical-axis rule table `config.sharding_rules` over the mesh (training/mesh.py).
+- State: parameters (`nnx.Param`, the only differentiated variables), the other module state (e.g. routing
+  centroids, updated by the module in the forward pass), optax state and the step. Per-step randomness comes
+  from `fold_in(key(seed), step)`, reseeding the modules' "dropout"/"attention" streams, so resume is exact.
+- Steps: `jax.jit` with in/out shardings and donated state, traced with the mesh as JAX's context mesh
+  (`core.sharding.traced_in`): attention ops run per device on its batch rows and heads, and split the
+  sequence over the "seq" axis when it is > 1 (combiner/seq_parallel.py). Batches are sharded over "data".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from core import sharding
+from models import metrics as metrics_lib
+from models import transformer
+from training.mesh import make_mesh, state_shardings
+from training.optimizer import make_optimizer
+
+REST = nnx.Not(nnx.Any(nnx.Param, nnx.RngState))  # non-gradient module state carried through the step
+
+
+# -----------------------------------------------------------------------------------------------------------
+# Data
+
+
+def dataset_info(config: ml_collections.ConfigDict) -> Any:
+  import data
+
+  return data.dataset_info(config)
+
+
+def create_dataset(config: ml_collections.ConfigDict, split: str, *, batch_size: int, seed: int,
+                   **kw: Any) -> Any:
+  import data
+
+  return data.create_dataset(config, split, batch_size=batch_size, seed=seed, **kw)
+
+
+# -----------------------------------------------------------------------------------------------------------
+# The experiment: model, sharded state, jitted steps
+
+
+@dataclasses.dataclass
+class TrainState:
+  params: Any  # nnx.State of nnx.Param
+  rest: Any  # nnx.State of the other module variables (not RngState)
+  opt_state: Any
+  step: int
+
+
+class Experiment:
+  """Everything that does not depend on the workdir: mesh, model definition, shardings, jitted steps."""
+
+  def __init__(self, config: ml_collections.ConfigDict, *, devices: list | None = None, info: Any = None):
+    """info: the dataset's `DatasetInfo` (default: `data.dataset_info(config)`)."""
+    self.config = config
+    self.info = dataset_info(config) if info is None else info
+    self.task = self.info.task
+    self.mesh = make_mesh(config, devices)
+    self.rules = {name: axis for name, axis in config.sharding_rules}
+    model_cfg = config.model
+    if self.info.image_shape is not None and model_cfg.get("image_shape") is None:
+      model_cfg = ml_collections.ConfigDict(model_cfg.to_dict())
+      model_cfg.image_shape = tuple(self.info.image_shape)
+    self.model_cfg = model_cfg
+
+    def build():
+      return transformer.from_info(model_cfg, self.info, seed=int(config.seed))
+
+    self._build = build
+    abstract = nnx.eval_shape(build)
+    self.graphdef, abs_params, abs_rng, abs_rest = nnx.split(abstract, nnx.Param, nnx.RngState, ...)
+    self.empty_rest = abs_rest if not jax.tree.leaves(abs_rest) else None
+    self.param_shardings = state_shardings(abs_params, self.rules, self.mesh)
+    self.rest_shardings = state_shardings(abs_rest, self.rules, self.mesh)
+    self.replicated = NamedSharding(self.mesh, P())
+    self.rng_shardings = jax.tree.map(lambda _: self.replicated, abs_rng)
+    self.tx, self.schedule = make_optimizer(config)
+    abs_opt = jax.eval_shape(self.tx.init, abs_params)
+    self.opt_shardings = self._opt_shardings(abs_opt, abs_params)
+    self.batch_sharding = NamedSharding(self.mesh, P("data"))
+    self.data_size = self.mesh.shape["data"]
+    self._train_step = None
+    self._eval_step = None
+
+  def _opt_shardings(self, abs_opt: Any, abs_params: Any) -> Any:
+    """Optimizer moments shaped like their parameter share its sharding; everything else is replicated."""
+    try:
+      return optax.tree_map_params(
+          self.tx, lambda leaf, sh, ref: sh if tuple(leaf.shape) == tuple(ref.shape) else self.replicated,
+          abs_opt, self.param_shardings, abs_params, transform_non_params=lambda _: self.replicated,
+          is_leaf=lambda x: isinstance(x, nnx.Variable))
+    except (ValueError, TypeError):  # a state optax cannot map: replicate (correct, less memory-efficient)
+      return jax.tree.map(lambda _: self.replicated, abs_opt)
+
+  # -- state -------------------------------------------------------------------------------------------------
+
+  def init_state(self) -> TrainState:
+    """Fresh parameters created directly with their shardings (jit with out_shardings), and optimizer
+    state."""
+
+    def init():
+      model = self._build()
+      _, params, rng, rest = nnx.split(model, nnx.Param, nnx.RngState, ...)
+      return params, rng, rest
+
+    params, rng, rest = jax.jit(init, out_shardings=(self.param_shardings, self.rng_shardings,
+                                                     self.rest_shardings))()
+    self.rng_state = rng
+    opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(params)
+    return TrainState(params, rest, opt_state, 0)
+
+  def init_rng_state(self) -> None:
+    """The model's rng-stream state alone (the checkpoint holds parameters, not streams), sharded."""
+
+    def init():
+      return nnx.split(self._build(), nnx.Param, nnx.RngState, ...)[2]
+
+    self.rng_state = jax.jit(init, out_shardings=self.rng_shardings)()
+
+  def abstract_state(self) -> dict[str, Any]:
+    """The checkpoint target: shapes, dtypes and shardings of every saved array."""
+
+    def with_sharding(abs_tree, shardings):
+      return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abs_tree,
+                          shardings)
+
+    def init():
+      model = self._build()
+      _, params, _, rest = nnx.split(model, nnx.Param, nnx.RngState, ...)
+      return params, rest
+
+    abs_params, abs_rest = jax.eval_shape(init)
+    abs_opt = jax.eval_shape(self.tx.init, abs_params)
+    return {"params": with_sharding(abs_params, self.param_shardings),
+            "rest": with_sharding(abs_rest, self.rest_shardings),
+            "opt_state": with_sharding(abs_opt, self.opt_shardings)}
+
+  # -- batches -----------------------------------------------------------------------------------------------
+
+  def global_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+    """Host-local NumPy batch -> global jax.Arrays sharded over the "data" mesh axis."""
+    return {k: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(v))
+            for k, v in batch.items()}
+
+  # -- steps -------------------------------------------------------------------------------------------------
+
+  def _model(self, params: Any, rng: Any, rest: Any, key: jax.Array) -> nnx.Module:
+    model = nnx.merge(self.graphdef, params, rng, rest, copy=True)  # fresh variables in this trace
+    k_drop, k_att = jax.random.split(key)
+    nnx.reseed(model, dropout=k_drop, attention=k_att)
+    return model
+
+  def _build_train_step(self) -> Callable:
+    task, aux_w = self.task, float(self.config.aux_loss_weight)
+    base_key = jax.random.key(int(self.config.seed))
+    tx, schedule = self.tx, self.schedule
+
+    def train_step(params, rest, opt_state, rng, step, batch):
+      key = jax.random.fold_in(base_key, step)
+
+      def loss_fn(params):
+        model = self._model(params, rng, rest, key)
+        logits = model(batch, deterministic=False)
+        loss, sums = metrics_lib.loss_and_sums(task, logits, batch)
+        sown = nnx.pop(model, nnx.Intermediate)
+        aux = sum((jnp.sum(jnp.asarray(v)) for path, v in jax.tree_util.tree_leaves_with_path(sown)
+                   if "aux_loss" in jax.tree_util.keystr(path)), jnp.zeros((), jnp.float32))
+        total = loss + aux_w * aux
+        new_rest = nnx.state(model, REST)
+        return total, (loss, aux, sums, new_rest)
+
+      (total, (loss, aux, sums, new_rest)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+      grad_norm = optax.global_norm(grads)
+      finite = jnp.isfinite(total) & jnp.isfinite(grad_norm)
+      updates, new_opt = tx.update(grads, opt_state, params)
+      new_params = optax.apply_updates(params, updates)
+      # A non-finite step is never applied: the host stops on `finite` and the state stays the last good one.
+      keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
+      out = {"loss": total, "task_loss": loss, "aux_loss": aux, "grad_norm": grad_norm, "lr": schedule(step),
+             "finite": finite, **sums}
+      return keep(new_params, params), keep(new_rest, rest), keep(new_opt, opt_state), out
+
+    batch_sh = self.batch_sharding
+    # Traced with the mesh in JAX's context: attention ops run on each device's batch rows and heads.
+    return jax.jit(
+        sharding.traced_in(self.mesh, train_step),
+        in_shardings=(self.param_shardings, self.rest_shardings, self.opt_shardings, self.rng_shardings,
+                      self.replicated, batch_sh),
+        out_shardings=(self.param_shardings, self.rest_shardings, self.opt_shardings, self.replicated),
+        donate_argnums=(0, 1, 2))
+
+  def jitted_train_step(self) -> Callable:
+    """The jitted, donated step (params, rest, opt_state, rng, step, batch) -> (params, rest, opt_state, out),
+    built once; `scripts.compile_tpu` lowers it ahead of time."""
+    if self._train_step is None:
+      self._train_step = self._build_train_step()
+    return self._train_step
+
+  def abstract_rng_state(self) -> Any:
+    """Shapes, dtypes and shardings of the rng-stream state (the step's `rng` argument), nothing allocated."""
+    abs_rng = jax.eval_shape(lambda: nnx.split(self._build(), nnx.Param, nnx.RngState, ...)[2])
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abs_rng,
+                        self.rng_shardings)
+
+  def train_step(self, state: TrainState, batch: dict[str, np.ndarray]) -> tuple[TrainState, dict[str, Any]]:
+    step = self.jitted_train_step()
+    params, rest, opt, out = step(state.params, state.rest, state.opt_state, self.rng_state,
+                                  jnp.asarray(state.step, jnp.int32), self.global_batch(batch))
+    return TrainState(params, rest, opt, state.step + 1), out
+
+  def _build_eval_step(self) -> Callable:
+    task = self.task
+    eval_key = jax.random.key(int(self.config.eval_seed))
+
+    def eval_step(params, rest, rng, batch):
+      model = self._model(params, rng, rest, eval_key)  # fixed seed: evaluation is deterministic
+      logits = model(batch, deterministic=True)
+      _, sums = metrics_lib.loss_and_sums(task, logits, batch)
+      first = next(iter(batch.values()))
+      valid = batch["valid"] if "valid" in batch else jnp.ones(first.shape[:1], bool)  # [batch]
+      return {**sums, "examples": jnp.sum(valid.astype(jnp.int32))}
+
+    return jax.jit(sharding.traced_in(self.mesh, eval_step),
+                   in_shardings=(self.param_shardings, self.rest_shardings, self.rng_shardings,
+                                 self.batch_sharding), out_shardings=self.replicated)
+
+  def evaluate(self, state: TrainState, split: str | None = None, max_batches: int | None = None) -> dict:
+    """Metrics over `split` (default config.eval_split), at most `max_batches` batches (-1/None = all)."""
+    if self._eval_step is None:
+      self._eval_step = self._build_eval_step()
+    split = split or self.config.eval_split
+    if max_batches is None:
+      max_batches = int(self.config.train.eval_batches)
+    bs = self.per_host(int(self.config.train.eval_batch_size))
+    loader = create_dataset(self.config, split, batch_size=bs, seed=int(self.config.seed), shuffle=False,
+                            num_epochs=1)
+    totals: dict[str, float] = {}
+    n = 0
+    for batch in loader:
+      if 0 <= max_batches <= n:
+        break
+      sums = jax.device_get(self._eval_step(state.params, state.rest, self.rng_state,
+                                            self.global_batch(batch)))
+      for k, v in sums.items():
+        totals[k] = totals.get(k, 0.0) + float(v)
+      n += 1
+    if n == 0:
+      raise ValueError(f"split {split!r} of {self.config.data.name!r} produced no batches")
+    examples = int(totals.pop("examples"))
+    out = metrics_lib.summarize(self.task, totals)
+    out["num_batches"] = n
+    out["num_examples"] = examples
+    out["whole_split"] = max_batches < 0 or n < max_batches
+    return out
+
+  def per_host(self, global_batch: int) -> int:
+    if global_batch % self.data_size:
+      raise ValueError(f"batch size {global_batch} is not divisible by the data-parallel mesh size "
+                       f"{self.data_size}")
+    if global_batch % jax.process_count():
+      raise ValueError(f"batch size {global_batch} is not divisible by the {jax.process_count()} hosts")
+    return global_batch // jax.process_count()
+
+

@@ -1,0 +1,205 @@
+"""The training loop: train to `config.train.num_steps` from the workdir's newest checkpoint, then evaluate.
+
+- Checkpoints every `train.checkpoint_every` steps (the last `train.keep_checkpoints` kept, atomic, saved
+  before the evaluation of the same step) with the data-iterator state; rerunning with the same workdir
+  resumes from the newest checkpoint that restores with finite values, after checking the config against the
+  run's (training/config_io.py). SIGTERM (preemption) saves a checkpoint and returns. A NaN/Inf loss or
+  gradient stops the run with a clear message; the last good checkpoint stays (the bad step is never applied
+  nor saved). A non-finite final evaluation raises after its metrics are written.
+- Output: a tqdm bar (step, loss, steps/s, ETA), metric lines on stdout, TensorBoard summaries in
+  `<workdir>/tensorboard` (tensorboardX), the resolved config in `<workdir>/config.json`, final eval metrics
+  in `<workdir>/metrics.json`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+
+from configs import base as config_base
+from models import metrics as metrics_lib
+from runtime import paths
+from training import config_io
+from training.checkpoints import checkpoint_manager, restore_or_init, save_checkpoint
+from training.experiment import Experiment, create_dataset
+from training.preemption import Preemption
+
+
+class TrainingDiverged(RuntimeError):
+  """Raised when the loss or the gradients are not finite."""
+
+
+class NonFiniteEvaluation(RuntimeError):
+  """Raised when the final evaluation is not finite (its metrics are written, null for the bad values)."""
+
+
+# -----------------------------------------------------------------------------------------------------------
+# Output
+
+
+def format_metrics(metrics: dict[str, Any]) -> str:
+  """`k=v` pairs; the batch and example counts say what an evaluation figure covers."""
+  return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
+
+
+def _say(bar: Any, line: str) -> None:
+  """A metrics line on stdout that does not break the progress bar, flushed (stdout is often a pipe)."""
+  bar.write(line, file=sys.stdout)
+  sys.stdout.flush()
+
+
+def _fingerprint(batch: dict[str, np.ndarray]) -> str:
+  import hashlib
+
+  h = hashlib.sha1()
+  for k in sorted(batch):
+    h.update(k.encode())
+    h.update(np.ascontiguousarray(batch[k]).tobytes())
+  return h.hexdigest()[:16]
+
+
+def summary_writer(logdir: str) -> Any:
+  """A tensorboardX writer for a local or `gs://` logdir (runtime/paths.py)."""
+  return paths.summary_writer(logdir)
+
+
+# -----------------------------------------------------------------------------------------------------------
+# Train and evaluate
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, devices: list | None = None,
+                       stop_after: int | None = None, batch_log: list | None = None,
+                       progress: bool = True, allow_config_change: bool = False) -> dict[str, Any]:
+  """Trains to `config.train.num_steps` (resuming from `workdir`), evaluates, and returns a dict with always
+  the same keys: step, start_step, preempted (stopped early with a checkpoint: SIGTERM or `stop_after`),
+  metrics (the final evaluation, as written to metrics.json; empty when preempted), state and experiment.
+
+  stop_after: leave after this many steps of this process, saving a checkpoint (a planned preemption).
+  batch_log: if a list, receives (step, fingerprint of the host batch) per step (tests check data order).
+  allow_config_change: continue a run whose model/data config differs (the change is recorded in the workdir).
+  """
+  import tqdm
+
+  config_base.validate(config)
+  workdir = os.fspath(paths.path(workdir))  # local (made absolute) or gs://
+  # Before anything is written: a workdir of another run, or a different experiment, is refused.
+  config_diff = config_io.check_workdir(workdir, config, allow_change=allow_config_change)
+  paths.makedirs(workdir)
+  is_main = jax.process_index() == 0
+  if is_main and not config_diff:
+    config_io.record_config(workdir, config, {}, 0)  # a new run's config.json, first of all its files
+  exp = Experiment(config, devices=devices)
+  num_steps = int(config.train.num_steps)
+  loader = create_dataset(config, "train", batch_size=exp.per_host(int(config.train.batch_size)),
+                          seed=int(config.seed))
+  data_iter = iter(loader)
+  mgr = checkpoint_manager(workdir, config)
+  exp.init_rng_state()
+  state = restore_or_init(mgr, exp, data_iter, set_aside=True)
+  if is_main and config_diff:
+    config_io.record_config(workdir, config, config_diff, state.step)
+    if state.step:
+      print(f"config changed when resuming at step {state.step} (recorded in {config_io.HISTORY}): "
+            + ", ".join(sorted(config_diff)), flush=True)
+  start = state.step
+  n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
+  print(f"task={exp.task} data={config.data.name} attention={config.model.attention.name} "
+        f"params={n_params:,} mesh={dict(exp.mesh.shape)} steps={start}->{num_steps} workdir={workdir}",
+        flush=True)
+
+  writer = summary_writer(paths.join(workdir, "tensorboard")) if is_main else None
+
+  def log_scalars(prefix: str, values: dict[str, Any], step: int) -> None:
+    if writer is not None:
+      for k, v in values.items():
+        if isinstance(v, (int, float)) and math.isfinite(v):
+          writer.add_scalar(f"{prefix}/{k}", v, step)
+      writer.flush()
+
+  ckpt_every = int(config.train.checkpoint_every)
+  log_every, eval_every = int(config.train.log_every), int(config.train.eval_every)
+  bar = tqdm.tqdm(total=num_steps, initial=start, disable=not (progress and is_main), dynamic_ncols=True,
+                  unit="step", file=sys.stderr)
+  acc: dict[str, float] = {}
+  acc_n, t_last, last_saved = 0, time.time(), start if mgr.latest_step() is not None else None
+  steps_this_run = 0
+  result: dict[str, Any] = {"step": start, "start_step": start, "preempted": False, "metrics": {},
+                            "state": state, "experiment": exp}
+  try:  # the bar, the summary writer and the checkpoint manager close once, however the run ends
+    with Preemption() as preempt:
+      while state.step < num_steps:
+        batch = next(data_iter)
+        if batch_log is not None:
+          batch_log.append((state.step, _fingerprint(batch)))
+        step_before = state.step
+        state, out = exp.train_step(state, batch)
+        out = jax.device_get(out)
+        if not bool(out["finite"]):
+          where = (f"the last good checkpoint (step {last_saved}) in {mgr.directory} is intact"
+                   if last_saved is not None else "no checkpoint was saved before it")
+          raise TrainingDiverged(f"non-finite loss ({float(out['loss'])}) or gradient norm "
+                                 f"({float(out['grad_norm'])}) at step {step_before}; training stopped and "
+                                 f"{where}. Lower the learning rate, enable clipping, or use float32.")
+        steps_this_run += 1
+        for k in ("loss", "aux_loss", "grad_norm"):
+          acc[k] = acc.get(k, 0.0) + float(out[k])
+        for k in ("nll_sum", "weight_sum", "correct_sum"):
+          if k in out:
+            acc[k] = acc.get(k, 0.0) + float(out[k])
+        acc_n += 1
+        bar.update(1)
+        bar.set_postfix(loss=f"{float(out['loss']):.4f}", refresh=False)
+        if state.step % log_every == 0 or state.step == num_steps:
+          now = time.time()
+          train_m = metrics_lib.summarize(exp.task, acc)
+          line = {"loss": acc["loss"] / acc_n, "aux_loss": acc["aux_loss"] / acc_n,
+                  "grad_norm": acc["grad_norm"] / acc_n, "lr": float(out["lr"]),
+                  "steps_per_s": acc_n / max(now - t_last, 1e-9)}
+          line.update({k: v for k, v in train_m.items() if k != "loss"})
+          _say(bar, f"step {state.step}: " + " ".join(f"{k}={v:.4g}" for k, v in line.items()))
+          log_scalars("train", line, state.step)
+          acc, acc_n, t_last = {}, 0, now
+        # The checkpoint comes first: an evaluation that fails must not lose the step it evaluates.
+        stop = stop_after is not None and steps_this_run >= stop_after
+        if preempt.requested or stop or state.step % ckpt_every == 0 or state.step == num_steps:
+          save_checkpoint(mgr, state, data_iter)
+          last_saved = state.step
+        if preempt.requested or stop:
+          why = "SIGTERM" if preempt.requested else f"stop_after={stop_after}"
+          _say(bar, f"{why}: saved checkpoint at step {state.step} in {mgr.directory}; rerun to resume")
+          result.update(step=state.step, preempted=True, state=state)
+          return result
+        if eval_every > 0 and state.step % eval_every == 0 and state.step < num_steps:
+          eval_metrics = exp.evaluate(state)
+          _say(bar, f"eval {config.eval_split} @ {state.step}: " + format_metrics(eval_metrics))
+          log_scalars(f"eval_{config.eval_split}", eval_metrics, state.step)
+          t_last = time.time()
+    bar.close()
+    if mgr.latest_step() != state.step:
+      save_checkpoint(mgr, state, data_iter)
+    eval_metrics = exp.evaluate(state)
+    eval_metrics.update(step=state.step, split=config.eval_split, start_step=start)
+    print(f"final eval {config.eval_split} @ {state.step}: " + format_metrics(eval_metrics), flush=True)
+    log_scalars(f"eval_{config.eval_split}", {k: v for k, v in eval_metrics.items() if isinstance(v, float)},
+                state.step)
+    if is_main:
+      config_io.write_json(paths.join(workdir, "metrics.json"), eval_metrics)
+    result.update(step=state.step, metrics=eval_metrics, state=state)
+  finally:
+    bar.close()
+    if writer is not None:
+      writer.close()
+    mgr.close()  # waits for the checkpoint writes in flight
+  bad = sorted(k for k, v in result["metrics"].items() if isinstance(v, float) and not math.isfinite(v))
+  if bad:
+    raise NonFiniteEvaluation(f"the final evaluation at step {state.step} is not finite ({', '.join(bad)}); "
+                              f"the checkpoint of step {state.step} in {mgr.directory} is kept")
+  return result
+
