@@ -60,7 +60,7 @@ def _cudnn_available() -> bool:
   """Whether this host can trace cuDNN attention: JAX reads cuDNN's version while tracing it, so a host
   without CUDA traces the GPU program's XLA path instead."""
   try:
-    from jax._src.cudnn.fused_attention_stablehlo import check_cudnn_version
+    from jax._src.cudnn.fused_attention_stablehlo import check_cudnn_version  # private, may be absent
 
     check_cudnn_version()
   except (ImportError, RuntimeError):
@@ -177,7 +177,7 @@ def _cudnn(q: Array, k: Array, v: Array, mask: Array | None, causal: bool) -> Ar
 def tpu_block_sizes(length: int) -> Any:
   """The TPU kernel's tiles for a length that is a multiple of TPU_BLOCK: the largest power of two up to
   TPU_MAX_BLOCK that divides it, forward and backward."""
-  from jax.experimental.pallas.ops.tpu import flash_attention as tpu_flash
+  from jax.experimental.pallas.ops.tpu import flash_attention as tpu_flash  # on use: only TPU runs need it
 
   block = TPU_BLOCK
   while block * 2 <= TPU_MAX_BLOCK and length % (block * 2) == 0:
@@ -192,7 +192,7 @@ def _pallas_tpu(q: Array, k: Array, v: Array, mask: Array | None, causal: bool) 
   out. The key mask is its segment ids (every query in segment 1, real keys 1, masked keys 0); lengths are
   padded to a multiple of TPU_BLOCK with masked keys, and the padded queries dropped. Masked keys' k and v are
   zeroed first (a select), so NaN or Inf there cannot reach any output."""
-  from jax.experimental.pallas.ops.tpu import flash_attention as tpu_flash
+  from jax.experimental.pallas.ops.tpu import flash_attention as tpu_flash  # on use: only TPU runs need it
 
   batch, length = q.shape[:2]
   padded = -(-length // TPU_BLOCK) * TPU_BLOCK

@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> dict:
   flags = os.environ.get("XLA_FLAGS", "")
   if "xla_force_host_platform_device_count" not in flags:
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.devices}"
+  # JAX (and what imports it) only now: XLA_FLAGS must be set before JAX starts.
   import jax
   import jax.numpy as jnp
   from jax.sharding import NamedSharding
