@@ -28,6 +28,7 @@ from jax import lax
 
 from combiner import common, flash
 from combiner import pooling as pool_ops
+from combiner.dyadic import flipped, level_summaries
 from core.blocks import from_grid, head_major, num_blocks, to_grid
 
 Array = Any
@@ -255,8 +256,6 @@ def _logsparse_call(x: common.Inputs, pooling: str | None, with_self: bool) -> t
   once a block holds the whole group, its one key (seen by all rows). Returns (out [batch, heads, L, dv],
   lse [batch, heads, L]) in the frame of `x`.
   """
-  from combiner.logsparse import level_summaries  # combiner.logsparse dispatches to this module
-
   batch, heads, length, _ = x.q.shape
   dtype = x.kernel_dtype
   glen = flash.group_length(length)
@@ -296,8 +295,6 @@ def _logsparse_call(x: common.Inputs, pooling: str | None, with_self: bool) -> t
 
 def logsparse_plan(x: common.Inputs, causal: bool, pooling: str | None) -> Array:
   """Combiner-Logsparse (pooling "max"/"mean") or LogSparse (pooling None: each span's last position)."""
-  from combiner.logsparse import flipped  # combiner.logsparse dispatches to this module
-
   parts = [_logsparse_call(x, pooling, True)]
   if not causal and x.q.shape[2] > 1:  # suffix spans = prefix spans of the reversed sequence (none at L = 1)
     out, lse = _logsparse_call(flipped(x), pooling, False)
