@@ -14,9 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from combiner import flash
+from combiner import pooling as pool_ops
 from combiner.pooling import POOLINGS
 from core import contract
 from core.blocks import head_major, map_chunks
+from core.combine import attend
 
 Array = Any
 
@@ -154,3 +156,17 @@ def map_rows(fn: Callable[[Any], Any], per_row: Any, chunks: int) -> Any:
   pytree of arrays with the chunk's rows on axis 2. Each chunk's backward recomputes its intermediates.
   """
   return map_chunks(fn, per_row, chunks, axis=2)
+
+
+def span_summary(pk: Array, pq: Array, k: Array, v: Array, valid: Array, scale: float, pooling: str
+            ) -> tuple[Array, Array, Array]:
+  """One span's abstraction: pooled key, in-span value and whether it is nonempty.
+
+  pk, pq, k: [batch, heads, n, head_dim]; v: [batch, heads, n, value_dim]; valid: [n] members of the span.
+  Returns k̄ [batch, heads, head_dim], ṽ = softmax_j(s(q̄, k_j)) v_j [batch, heads, value_dim], nonempty [1, 1].
+  """
+  member = valid[None, None, :]  # [1, 1, n]
+  k_bar, nonempty = pool_ops.pool(pk, member, axis=2, kind=pooling)
+  q_bar, _ = pool_ops.pool(pq, member, axis=2, kind=pooling)
+  logits = jnp.einsum("bhd,bhnd->bhn", q_bar, k) * scale  # [batch, heads, n]
+  return k_bar, attend(logits, member, v, "bhn,bhnd->bhd"), nonempty

@@ -5,7 +5,10 @@ from __future__ import annotations
 import functools
 
 from combiner import axial, fixed, logsparse, mixture, seq_parallel, sparse
-from combiner import decode as dec
+from combiner.axial_decode import AXIAL, SPARSE_AXIAL
+from combiner.fixed_decode import FIXED, SPARSE_FIXED
+from combiner.logsparse_decode import LOGSPARSE, SPARSE_LOGSPARSE
+from combiner.mixture_decode import MIXTURE
 from core.decode import bind
 from core.registry import OpSpec, register, sqrt_pow2
 
@@ -21,22 +24,22 @@ def _row(length: int) -> dict:
 COMBINER = "models.attention:CombinerAttention"  # the module with DeepSets pooling and the learned span key
 
 register(OpSpec("combiner_fixed", fixed, params=_block, description="Combiner-Fixed, O(L sqrt L)",
-                decode=dec.FIXED, module=COMBINER, seq_parallel=seq_parallel.fixed))
+                decode=FIXED, module=COMBINER, seq_parallel=seq_parallel.fixed))
 register(OpSpec("combiner_logsparse", logsparse, description="Combiner-Logsparse, O(L log L)",
-                decode=dec.LOGSPARSE, module=COMBINER))
+                decode=LOGSPARSE, module=COMBINER))
 for _direction in ("rowmajor", "vertical", "horizontal"):
   register(OpSpec(f"combiner_axial_{_direction}", functools.partial(axial, direction=_direction), params=_row,
                   description=f"Combiner-Axial ({_direction}), O(L sqrt L)",
-                  decode=bind(dec.AXIAL, direction=_direction), module=COMBINER))
+                  decode=bind(AXIAL, direction=_direction), module=COMBINER))
 register(OpSpec("combiner_mixture", mixture, params=_row,
                 description="Combiner-Mixture (mean of vertical and horizontal), O(L sqrt L)",
-                decode=dec.MIXTURE, module=COMBINER))
+                decode=MIXTURE, module=COMBINER))
 register(OpSpec("combiner_mixture_joint", functools.partial(mixture, normalize="joint"), params=_row,
                 description="Combiner-Mixture, one joint softmax (released code), O(L sqrt L)",
-                decode=bind(dec.MIXTURE, normalize="joint"), module=COMBINER))
+                decode=bind(MIXTURE, normalize="joint"), module=COMBINER))
 register(OpSpec("sparse_fixed", sparse.fixed, params=_block, description="Sparse Transformer fixed pattern",
-                decode=dec.SPARSE_FIXED))
+                decode=SPARSE_FIXED))
 register(OpSpec("sparse_logsparse", sparse.logsparse, description="LogSparse pattern",
-                decode=dec.SPARSE_LOGSPARSE))
+                decode=SPARSE_LOGSPARSE))
 register(OpSpec("sparse_axial", sparse.axial, params=_row, description="Axial attention (row + column)",
-                decode=dec.SPARSE_AXIAL))
+                decode=SPARSE_AXIAL))
