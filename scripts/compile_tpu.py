@@ -232,15 +232,46 @@ def compile_step(config: Any, sl: Slice) -> Result:
 
 
 def search(config: Any, gen: Generation, sizes: list[int], num_slices: int) -> tuple[Result, list[Result]]:
-  """The first of `sizes` (chips, ascending) the step fits or fails to compile on, and the smaller slices it
-  does not fit; when it fits none, the last of them."""
-  skipped: list[Result] = []
+  """The smallest of `sizes` (chips, ascending) the step fits or fails to compile on, and the smaller slices
+  compiled on the way that it does not fit; when it fits none, the largest. Slices whose mesh the config
+  cannot build, or whose data axis does not divide the global batch, are passed over without compiling; the
+  others are bisected (a step's HBM per chip does not grow with the slice), so a search compiles about
+  log2(len(sizes)) times."""
+  candidates, refused = [], None
   for chips in sizes:
-    result = compile_step(config, Slice(gen, chips, num_slices))
-    if result.status != "too big":
-      return result, skipped
-    skipped.append(result)
-  return skipped[-1], skipped[:-1]
+    sl = Slice(gen, chips, num_slices)
+    why = unservable(config, sl)
+    if why is None:
+      candidates.append(sl)
+    elif refused is None:
+      refused = Result(sl, "too big", why)
+  if not candidates:
+    return refused, []
+  results: dict[int, Result] = {}
+  lo, hi = 0, len(candidates) - 1
+  while lo < hi:
+    mid = (lo + hi) // 2
+    results[mid] = compile_step(config, candidates[mid])
+    if results[mid].status == "too big":
+      lo = mid + 1
+    else:
+      hi = mid
+  found = results.get(lo) or compile_step(config, candidates[lo])
+  return found, [r for i, r in sorted(results.items()) if i < lo]
+
+
+def unservable(config: Any, sl: Slice) -> str | None:
+  """Why the config cannot run on the slice before any compile (its mesh, its global batch), else None."""
+  from training import mesh as mesh_lib
+
+  try:
+    data = mesh_lib.mesh_sizes(config, sl.chips * sl.num_slices)[mesh_lib.AXES.index("data")]
+  except ValueError as e:
+    return first_line(e)
+  batch = int(config.train.batch_size)
+  if batch % data:
+    return f"global batch {batch} is not divisible by the {data}-way data axis"
+  return None
 
 
 # -----------------------------------------------------------------------------------------------------------
@@ -308,6 +339,7 @@ DOC_CONFIGS = (
   "configs/c4.py:seq_len=8192", "configs/imagenet64.py:main", "configs/cifar10.py:main",
 )
 DOC_TIMEOUT_S = 900  # one (config, generation) search
+NOT_MEASURED = "not measured yet"
 
 DOC_INTRO = """# Which TPU slice each paper config needs
 
@@ -324,27 +356,39 @@ Check one config and slice before creating it: `python -m scripts.compile_tpu --
 """
 
 
+def measured_rows(path: str) -> dict[tuple[str, str], str]:
+  """(config, generation) -> its row, for the rows of an existing table that hold a measurement."""
+  if not os.path.exists(path):
+    return {}
+  rows = {}
+  with open(path) as f:
+    for line in f:
+      cells = [c.strip() for c in line.strip().strip("|").split("|")]
+      if line.startswith("| `") and len(cells) > 2 and NOT_MEASURED not in cells[2]:
+        rows[(cells[0].strip("`"), cells[1])] = line.rstrip("\n")
+  return rows
+
+
 def write_docs(path: str, configs: tuple[str, ...] = DOC_CONFIGS) -> int:
-  """One subprocess of this module per (config, generation) with --markdown; the file is rewritten after each
-  row, so an interrupted run leaves the rows it finished."""
-  rows = [MARKDOWN_HEADER]
+  """One subprocess of this module per (config, generation) with --markdown, for the rows the table at
+  `path` does not hold yet (delete a row, or the file, to measure it again); the file is rewritten after
+  each row, so an interrupted run keeps the rows it finished and the next run goes on from there."""
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  for label in configs:
-    for gen in GENERATIONS:
-      cmd = [sys.executable, "-m", "scripts.compile_tpu", "--config", label, "--topology", gen, "--markdown"]
-      try:
-        out = subprocess.run(cmd, cwd=root, text=True, capture_output=True, check=False,
-                             timeout=DOC_TIMEOUT_S)
-        row = next((line for line in out.stdout.splitlines() if line.startswith("| `")), None)
-        why = (out.stderr.strip().splitlines() or ["no output"])[-1][:300]
-      except subprocess.TimeoutExpired:
-        row, why = None, f"not measured yet (the slice search takes over {DOC_TIMEOUT_S // 60} minutes here)"
-      if row is None:
-        row = f"| `{label}` | {gen} | {why.replace('|', '/')} | | | |"
-      print(row, flush=True)
-      rows.append(row)
-      with open(path, "w") as f:
-        f.write(DOC_INTRO + "\n".join(rows) + "\n")
+  done = measured_rows(path)
+  table = {(label, gen): done.get((label, gen), f"| `{label}` | {gen} | {NOT_MEASURED} | | | |")
+           for label in configs for gen in GENERATIONS}
+  for (label, gen) in [key for key in table if key not in done]:
+    cmd = [sys.executable, "-m", "scripts.compile_tpu", "--config", label, "--topology", gen, "--markdown"]
+    try:
+      out = subprocess.run(cmd, cwd=root, text=True, capture_output=True, check=False, timeout=DOC_TIMEOUT_S)
+      row = next((line for line in out.stdout.splitlines() if line.startswith("| `")), None)
+      why = (out.stderr.strip().splitlines() or ["no output"])[-1][:300]
+    except subprocess.TimeoutExpired:
+      row, why = None, f"{NOT_MEASURED} (the slice search takes over {DOC_TIMEOUT_S // 60} minutes here)"
+    table[(label, gen)] = row or f"| `{label}` | {gen} | {why.replace('|', '/')} | | | |"
+    print(table[(label, gen)], flush=True)
+    with open(path, "w") as f:
+      f.write(DOC_INTRO + "\n".join([MARKDOWN_HEADER, *table.values()]) + "\n")
   return 0
 
 

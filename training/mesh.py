@@ -17,18 +17,21 @@ AXES = ("data", "seq", "model")
 def make_mesh(config: ml_collections.ConfigDict, devices: list | None = None) -> jax.sharding.Mesh:
   """Mesh (data, seq, model) from `config.mesh`; at most one size may be -1 (the devices the others leave)."""
   devices = list(devices if devices is not None else jax.devices())
-  n = len(devices)
-  names = AXES
-  sizes = [int(config.mesh.get(name, 1)) for name in names]
+  auto = (jax.sharding.AxisType.Auto,) * 3
+  return jax.make_mesh(mesh_sizes(config, len(devices)), AXES, axis_types=auto, devices=devices)
+
+
+def mesh_sizes(config: ml_collections.ConfigDict, n: int) -> tuple[int, ...]:
+  """The (data, seq, model) sizes `config.mesh` gives on n devices; ValueError when it does not fit them."""
+  sizes = [int(config.mesh.get(name, 1)) for name in AXES]
   if sizes.count(-1) > 1:
     raise ValueError("config.mesh: at most one of data/seq/model may be -1")
   if -1 in sizes:
     sizes[sizes.index(-1)] = n // max(1, -math.prod(sizes))
   if min(sizes) < 1 or math.prod(sizes) != n:
-    given = {name: config.mesh.get(name, 1) for name in names}
+    given = {name: config.mesh.get(name, 1) for name in AXES}
     raise ValueError(f"config.mesh {given} does not fit the {n} devices")
-  auto = (jax.sharding.AxisType.Auto,) * 3
-  return jax.make_mesh(tuple(sizes), names, axis_types=auto, devices=devices)
+  return tuple(sizes)
 
 
 def logical_to_mesh(spec: Any, shape: tuple[int, ...], rules: dict[str, Any], mesh: jax.sharding.Mesh) -> P:
