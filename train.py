@@ -13,8 +13,9 @@ state (checkpoints.py), the workdir's config checks (config_io.py), and the loop
   or gradient stops the run with a clear message (exit 1); the last good checkpoint stays. A non-finite final
   evaluation exits non-zero.
 - Output: a progress bar, metric lines on stdout, TensorBoard summaries in `<workdir>/tensorboard`, the
-  resolved config in `<workdir>/config.json`, final eval metrics in `<workdir>/metrics.json`. The workdir may
-  be `gs://` (files: runtime/paths.py; arrays: orbax).
+  resolved config in `<workdir>/config.json`, final eval metrics in `<workdir>/metrics.json`, and the run's
+  state in `<workdir>/status/` (started, heartbeats, then finished, failed or preempted: training/status.py).
+  The workdir may be `gs://` (files: runtime/paths.py; arrays: orbax).
 - Processes: `--multihost` on Cloud TPU pods; elsewhere `--coordinator_address --num_processes --process_id`
   (runtime/distributed.py). Each process feeds its own shard of every global batch.
 """
@@ -26,10 +27,11 @@ import sys
 import time
 from typing import Any
 
+import jax
 import ml_collections
 
 from runtime import distributed
-from training import checkpoints, config_io, experiment, listing, loop
+from training import checkpoints, config_io, experiment, listing, loop, status
 
 
 def _flags():
@@ -43,6 +45,7 @@ def _flags():
   flags.DEFINE_multi_string("gin_bindings", [], "gin bindings, e.g. 'attention.deepsets = True'")
   distributed.define_flags()  # --multihost, --coordinator_address, --num_processes, --process_id
   flags.DEFINE_bool("progress", True, "show the progress bar")
+  flags.DEFINE_float("heartbeat_s", 60.0, "seconds between heartbeat records in <workdir>/status/")
   flags.DEFINE_bool("list", False, "list the attention names, the configs and their arguments, then exit")
   flags.DEFINE_bool("allow_config_change", False, "resume a workdir although model/data fields of the config "
                     "differ from its run's (the change is recorded in config_history.json)")
@@ -77,15 +80,19 @@ def main(argv: list[str]) -> None:
   if workdir is None:
     name = os.path.splitext(os.path.basename(config_io.config_path_of(flags)))[0]
     workdir = os.path.join("workdirs", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
-  info = experiment.dataset_info(config)
-  chance = chance_accuracy(config, info)
-  print(f"training {config.data.name} -> {workdir}"
-        + (f" (chance accuracy: {100 * chance:.1f}%)" if chance else ""), flush=True)
   try:
-    result = loop.train_and_evaluate(config, workdir, progress=flags.progress,
+    info = experiment.dataset_info(config)
+    chance = chance_accuracy(config, info)
+    print(f"training {config.data.name} -> {workdir}"
+          + (f" (chance accuracy: {100 * chance:.1f}%)" if chance else ""), flush=True)
+    result = loop.train_and_evaluate(config, workdir, progress=flags.progress, heartbeat_s=flags.heartbeat_s,
                                      allow_config_change=flags.allow_config_change)
-  except (loop.TrainingDiverged, loop.NonFiniteEvaluation, config_io.ConfigMismatch,
-          checkpoints.UnrestorableCheckpoint) as e:
+  except BaseException as e:  # failed.json for a watcher, unless the loop wrote it already
+    if not isinstance(e, config_io.ConfigMismatch):  # the workdir is another run's: nothing is written there
+      status.record_failure(workdir, e, enabled=jax.process_index() == 0)
+    if not isinstance(e, (loop.TrainingDiverged, loop.NonFiniteEvaluation, config_io.ConfigMismatch,
+                          checkpoints.UnrestorableCheckpoint)):
+      raise
     print(f"ERROR: {e}", file=sys.stderr, flush=True)
     sys.exit(1)
   if "accuracy" in result["metrics"] and chance:

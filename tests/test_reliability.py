@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from configs import base, default
-from training import checkpoints, config_io, loop
+from training import checkpoints, config_io, loop, status
 from training.experiment import Experiment, TrainState, create_dataset
 
 
@@ -46,6 +46,19 @@ def trained(tmp_path_factory):
   workdir = str(tmp_path_factory.mktemp("trained") / "run")
   result = loop.train_and_evaluate(smoke(), workdir, progress=False)
   return workdir, result["metrics"]
+
+
+def test_the_run_reports_its_state_in_the_workdir(trained):
+  """training/status.py's records of the finished run, the ones scripts/tpu.py watches."""
+  workdir = trained[0]
+  started, beat, done = (strict_json(status.record_path(workdir, name))
+                         for name in ("started", "heartbeat", "finished"))
+  assert started["state"] == "started" and started["step"] == 0 and started["num_steps"] == 4
+  assert started["hosts"] == 1 and started["devices"] == len(jax.devices()) and started["commit"]
+  assert beat["state"] == "heartbeat" and 1 <= beat["step"] <= 4 and beat["time"] >= started["time"]
+  assert done["step"] == 4 and done["metrics"] == strict_json(os.path.join(workdir, "metrics.json"))
+  assert sorted(os.listdir(os.path.join(workdir, "status"))) == ["finished.json", "heartbeat.json",
+                                                                 "started.json"]
 
 
 def copy_of(trained, tmp_path):
@@ -183,6 +196,9 @@ def test_non_finite_final_evaluation_fails_and_writes_standard_json(trained, tmp
   with pytest.raises(RuntimeError, match="final evaluation at step 4 is not finite"):
     loop.train_and_evaluate(smoke(), workdir, progress=False)
   assert strict_json(os.path.join(workdir, "metrics.json"))["loss"] is None
+  failed = strict_json(status.record_path(workdir, "failed"))
+  assert failed["error"].startswith("NonFiniteEvaluation: the final evaluation at step 4 is not finite")
+  assert failed["metrics"]["loss"] is None and failed["step"] == 4
   m = eval_lib.evaluate_workdir(workdir)
   assert strict_json(m["path"])["loss"] is None
 
@@ -200,6 +216,10 @@ def test_failing_evaluation_keeps_the_checkpoint_of_its_step(trained, tmp_path, 
   config = smoke(**{"train.num_steps": 8, "train.eval_every": 6})
   with pytest.raises(RuntimeError, match="evaluation failed at step 6"):
     loop.train_and_evaluate(config, workdir, progress=False)
+  failed = strict_json(status.record_path(workdir, "failed"))  # the copied run's finished.json is gone
+  assert failed["error"] == "RuntimeError: evaluation failed at step 6" and failed["step"] == 6
+  assert "in failing" in "\n".join(failed["traceback"])
+  assert not os.path.exists(status.record_path(workdir, "finished"))
   mgr = checkpoints.checkpoint_manager(workdir, config, read_only=True)
   assert mgr.latest_step() == 6
   mgr.close()

@@ -8,7 +8,8 @@
   nor saved). A non-finite final evaluation raises after its metrics are written.
 - Output: a tqdm bar (step, loss, steps/s, ETA), metric lines on stdout, TensorBoard summaries in
   `<workdir>/tensorboard` (tensorboardX), the resolved config in `<workdir>/config.json`, final eval metrics
-  in `<workdir>/metrics.json`.
+  in `<workdir>/metrics.json`, and the run's state for a watcher in `<workdir>/status/` (training/status.py:
+  started, a heartbeat every `heartbeat_s` seconds, then finished, failed or preempted).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from configs import base as config_base
 from models import metrics as metrics_lib
 from runtime import paths
 from training import config_io
+from training import status as run_status
 from training.checkpoints import checkpoint_manager, restore_or_init, save_checkpoint
 from training.experiment import Experiment, create_dataset
 from training.preemption import Preemption
@@ -76,7 +78,8 @@ def summary_writer(logdir: str) -> Any:
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, devices: list | None = None,
                        stop_after: int | None = None, batch_log: list | None = None,
-                       progress: bool = True, allow_config_change: bool = False) -> dict[str, Any]:
+                       progress: bool = True, allow_config_change: bool = False,
+                       heartbeat_s: float = 60.0) -> dict[str, Any]:
   """Trains to `config.train.num_steps` (resuming from `workdir`), evaluates, and returns a dict with always
   the same keys: step, start_step, preempted (stopped early with a checkpoint: SIGTERM or `stop_after`),
   metrics (the final evaluation, as written to metrics.json; empty when preempted), state and experiment.
@@ -84,6 +87,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, devic
   stop_after: leave after this many steps of this process, saving a checkpoint (a planned preemption).
   batch_log: if a list, receives (step, fingerprint of the host batch) per step (tests check data order).
   allow_config_change: continue a run whose model/data config differs (the change is recorded in the workdir).
+  heartbeat_s: seconds between the heartbeat records in `<workdir>/status/` (training/status.py).
   """
   import tqdm
 
@@ -114,6 +118,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, devic
         f"params={n_params:,} mesh={dict(exp.mesh.shape)} steps={start}->{num_steps} workdir={workdir}",
         flush=True)
 
+  status = run_status.Status(workdir, enabled=is_main, every_s=heartbeat_s)
+  status.started(step=start, num_steps=num_steps, hosts=jax.process_count(), devices=jax.device_count(),
+                 device_kind=jax.devices()[0].device_kind, mesh=dict(exp.mesh.shape))
   writer = summary_writer(paths.join(workdir, "tensorboard")) if is_main else None
 
   def log_scalars(prefix: str, values: dict[str, Any], step: int) -> None:
@@ -148,6 +155,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, devic
                                  f"({float(out['grad_norm'])}) at step {step_before}; training stopped and "
                                  f"{where}. Lower the learning rate, enable clipping, or use float32.")
         steps_this_run += 1
+        status.heartbeat(state.step)
         for k in ("loss", "aux_loss", "grad_norm"):
           acc[k] = acc.get(k, 0.0) + float(out[k])
         for k in ("nll_sum", "weight_sum", "correct_sum"):
@@ -175,6 +183,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, devic
           why = "SIGTERM" if preempt.requested else f"stop_after={stop_after}"
           _say(bar, f"{why}: saved checkpoint at step {state.step} in {mgr.directory}; rerun to resume")
           result.update(step=state.step, preempted=True, state=state)
+          status.preempted(state.step, why)
           return result
         if eval_every > 0 and state.step % eval_every == 0 and state.step < num_steps:
           eval_metrics = exp.evaluate(state)
@@ -192,6 +201,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, devic
     if is_main:
       config_io.write_json(paths.join(workdir, "metrics.json"), eval_metrics)
     result.update(step=state.step, metrics=eval_metrics, state=state)
+  except BaseException as e:
+    status.failed(e, step=state.step)
+    raise
   finally:
     bar.close()
     if writer is not None:
@@ -199,7 +211,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, devic
     mgr.close()  # waits for the checkpoint writes in flight
   bad = sorted(k for k, v in result["metrics"].items() if isinstance(v, float) and not math.isfinite(v))
   if bad:
-    raise NonFiniteEvaluation(f"the final evaluation at step {state.step} is not finite ({', '.join(bad)}); "
-                              f"the checkpoint of step {state.step} in {mgr.directory} is kept")
+    e = NonFiniteEvaluation(f"the final evaluation at step {state.step} is not finite ({', '.join(bad)}); "
+                            f"the checkpoint of step {state.step} in {mgr.directory} is kept")
+    status.failed(e, step=state.step, metrics=result["metrics"])
+    raise e
+  status.finished(state.step, result["metrics"])
   return result
 
