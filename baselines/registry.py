@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 
+from baselines import dense_seq_parallel
 from baselines.bigbird import bigbird
 from baselines.bigbird_decode import BIGBIRD
 from baselines.dense import dense, dense_xla
@@ -24,11 +25,10 @@ from baselines.performer_decode import PERFORMER
 from baselines.reformer import reformer
 from baselines.sinkhorn import sinkhorn
 from baselines.synthesizer import synthesizer_dense, synthesizer_random
-from combiner import seq_parallel  # dense's sequence-parallel form lives with the Combiner's (a peer)
 from core.registry import OpSpec, register, sqrt_pow2
 
 register(OpSpec("dense", dense, description="exact softmax attention, O(L^2)",
-                decode=DENSE, seq_parallel=seq_parallel.dense))
+                decode=DENSE, seq_parallel=dense_seq_parallel.dense))
 register(OpSpec("dense_xla", dense_xla,
                 description="jax.nn.dot_product_attention (XLA), O(L^2), for comparison"))
 

@@ -5,7 +5,7 @@ needs its own block (local) and, from every other block, only that block's span 
 k̄_r and the in-span value ṽ_r, both computed where the block lives. So the one collective of the forward
 pass is an all-gather of L / block_size summary rows per head (its transpose, a reduce-scatter of their
 gradients, is the one of the backward pass); keys and values never cross devices. `dense` is the usual
-context-parallel baseline to compare against: it all-gathers K and V.
+context-parallel baseline to compare against (baselines/dense_seq_parallel.py): it all-gathers K and V.
 
 Batch is split over the "data" axis and heads over "model" when the mesh has them (and they divide evenly);
 the mesh axes are `Auto` ones, as training/mesh.py makes them.
@@ -23,59 +23,13 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
 from combiner.fixed import block_direct_piece, span_summaries
 from combiner.pooling import POOLINGS
-from core import blocks, contract
-from core.combine import Piece, attend, joint_softmax
+from core import blocks, contract, sharding
+from core.combine import Piece, joint_softmax
 
 Array = Any
-SEQ_AXIS = "seq"
-
-
-def current_mesh() -> Any:
-  """JAX's context mesh (`jax.sharding.use_abstract_mesh`, set by `core.sharding.traced_in` around a train
-  step's tracing, or `jax.set_mesh`), else None. It is read when an op is traced: a jitted function traced
-  before keeps the op it traced."""
-  mesh = jax.sharding.get_abstract_mesh()
-  return mesh if mesh is not None and mesh.axis_names else None
-
-
-def resolve_mesh(mesh: Any, axis: str, op: str) -> Any:
-  """The explicit `mesh`, else `current_mesh()`; it must have the sequence axis."""
-  mesh = current_mesh() if mesh is None else mesh
-  if mesh is None or axis not in tuple(mesh.axis_names):
-    raise ValueError(f"{op}: needs a device mesh with a {axis!r} axis (argument 'mesh' or JAX's "
-                     f"context mesh), got {None if mesh is None else dict(mesh.shape)}")
-  return mesh
-
-
-def seq_size(mesh: Any = None, axis: str = SEQ_AXIS) -> int:
-  """Devices along the sequence axis of `mesh` (default `current_mesh()`); 1 when there is none."""
-  mesh = current_mesh() if mesh is None else mesh
-  if mesh is None or axis not in tuple(mesh.axis_names):
-    return 1
-  return int(mesh.shape[axis])
-
-
-def _specs(mesh: Any, axis: str, batch: int, heads: int) -> tuple[P, P]:
-  """PartitionSpecs of [batch, length, heads, dim] arrays and of the [batch, length] mask."""
-  def split(name: str, size: int) -> str | None:
-    n = dict(mesh.shape).get(name, 1)
-    return name if name != axis and n > 1 and size % n == 0 else None
-
-  b, h = split("data", batch), split("model", heads)
-  return P(b, axis, h, None), P(b, axis)
-
-
-def _check_length(length: int, parts: int, multiple: int, op: str, what: str) -> None:
-  if length % (parts * multiple):
-    raise ValueError(f"{op}: length {length} must be a multiple of {parts} devices along the sequence axis "
-                     f"x {what} = {parts * multiple} (each device holds whole blocks); pad the sequence with "
-                     "masked positions to such a length")
-
-
 def _slice(x: Array, start: Any, size: int) -> Array:
   """x[:, start:start + size] of a [batch, length, ...] array."""
   return jax.lax.dynamic_slice_in_dim(x, start, size, axis=1)
@@ -250,7 +204,7 @@ _local.defvjp(_local_fwd, _local_bwd)
 
 def fixed(q: Array, k: Array, v: Array, *, block_size: int, causal: bool, mask: Array | None = None,
           pooling: str = "max", pool_q: Array | None = None, pool_k: Array | None = None, mesh: Any = None,
-          axis: str = SEQ_AXIS, chunk_blocks: int | None = None) -> Array:
+          axis: str = sharding.SEQ_AXIS, chunk_blocks: int | None = None) -> Array:
   """Combiner-Fixed with the sequence split over mesh axis `axis`; equals `combiner.fixed` (same arguments).
 
   q, k: [batch, length, heads, head_dim]; v: [batch, length, heads, value_dim]; length must be a multiple of
@@ -263,10 +217,10 @@ def fixed(q: Array, k: Array, v: Array, *, block_size: int, causal: bool, mask: 
   size = contract.check_positive_int(block_size, name="block_size", op=op)
   if chunk_blocks is not None:
     chunk_blocks = contract.check_positive_int(chunk_blocks, name="chunk_blocks", op=op)
-  mesh = resolve_mesh(mesh, axis, op)
+  mesh = sharding.resolve_mesh(mesh, axis, op)
   parts = int(mesh.shape[axis])
   batch, length, heads, _ = q.shape
-  _check_length(length, parts, size, op, f"block_size {size}")
+  sharding.check_seq_length(length, parts, size, op, f"block_size {size}")
   local_blocks = length // (parts * size)
   if chunk_blocks is not None and local_blocks % chunk_blocks:
     raise ValueError(f"{op}: argument 'chunk_blocks' ({chunk_blocks}) must divide the {local_blocks} blocks "
@@ -280,38 +234,8 @@ def fixed(q: Array, k: Array, v: Array, *, block_size: int, causal: bool, mask: 
   chunk = size * (local_blocks if chunk_blocks is None else chunk_blocks)
   plan = _Plan(size, bool(causal), pooling, axis, chunk, contract.logit_scale(q.shape[-1]),
                contract.softmax_dtype(q.dtype, k.dtype, v.dtype), tuple(pools))
-  spec, mspec = _specs(mesh, axis, batch, heads)
+  spec, mspec = sharding.seq_specs(mesh, axis, batch, heads)
   in_specs = (spec,) * 3 + (mspec,) + (spec,) * len(pools)
   return jax.shard_map(functools.partial(_local, plan), mesh=mesh, in_specs=in_specs, out_specs=spec)(
       q, k, v, mask, *pools.values())
-
-
-def dense(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None, mesh: Any = None,
-          axis: str = SEQ_AXIS) -> Array:
-  """Dense softmax attention, context-parallel: queries stay split along `axis`, K, V and the mask are
-  all-gathered. The baseline whose communication the Combiner ops are compared with; equals `baselines.dense`.
-  """
-  op = "combiner.seq_parallel.dense"
-  q, k, v, mask = contract.check_qkv(q, k, v, mask, op=op)
-  contract.check_bool(causal, name="causal", op=op)
-  mesh = resolve_mesh(mesh, axis, op)
-  parts = int(mesh.shape[axis])
-  batch, length, heads, _ = q.shape
-  _check_length(length, parts, 1, op, "1")
-  ct = contract.softmax_dtype(q.dtype, k.dtype, v.dtype)
-  scale = contract.logit_scale(q.shape[-1])
-
-  def local(q, k, v, m):
-    k_all, v_all = (jax.lax.all_gather(x, axis, axis=1, tiled=True) for x in (k, v))  # [b, L, h, d]
-    m_all = jax.lax.all_gather(m, axis, axis=1, tiled=True)  # [batch, length]
-    logits = jnp.einsum("bqhd,bkhd->bhqk", q.astype(ct), k_all.astype(ct)) * scale  # [b, h, local, L]
-    valid = m_all[:, None, None, :]
-    if causal:
-      q_pos = jax.lax.axis_index(axis) * q.shape[1] + jnp.arange(q.shape[1])
-      valid = valid & (jnp.arange(k_all.shape[1])[None, :] <= q_pos[:, None])
-    out = attend(logits, valid, v_all.astype(ct), "bhqk,bkhd->bhqd")  # [batch, heads, local, value_dim]
-    return blocks.head_major(out).astype(v.dtype)
-
-  spec, mspec = _specs(mesh, axis, batch, heads)
-  return jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 3 + (mspec,), out_specs=spec)(q, k, v, mask)
 

@@ -162,3 +162,51 @@ def traced_in(mesh: Any, fn: Callable[..., Any]) -> Callable[..., Any]:
       return fn(*args, **kwargs)
 
   return wrapped
+
+
+# -----------------------------------------------------------------------------------------------------------
+# Sequence parallelism: the "seq" mesh axis that the sequence-parallel forms of ops split the sequence over
+
+SEQ_AXIS = "seq"
+
+
+def current_mesh() -> Any:
+  """JAX's context mesh (`jax.sharding.use_abstract_mesh`, set by `core.sharding.traced_in` around a train
+  step's tracing, or `jax.set_mesh`), else None. It is read when an op is traced: a jitted function traced
+  before keeps the op it traced."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return mesh if mesh is not None and mesh.axis_names else None
+
+
+def resolve_mesh(mesh: Any, axis: str, op: str) -> Any:
+  """The explicit `mesh`, else `current_mesh()`; it must have the sequence axis."""
+  mesh = current_mesh() if mesh is None else mesh
+  if mesh is None or axis not in tuple(mesh.axis_names):
+    raise ValueError(f"{op}: needs a device mesh with a {axis!r} axis (argument 'mesh' or JAX's "
+                     f"context mesh), got {None if mesh is None else dict(mesh.shape)}")
+  return mesh
+
+
+def seq_size(mesh: Any = None, axis: str = SEQ_AXIS) -> int:
+  """Devices along the sequence axis of `mesh` (default `current_mesh()`); 1 when there is none."""
+  mesh = current_mesh() if mesh is None else mesh
+  if mesh is None or axis not in tuple(mesh.axis_names):
+    return 1
+  return int(mesh.shape[axis])
+
+
+def seq_specs(mesh: Any, axis: str, batch: int, heads: int) -> tuple[P, P]:
+  """PartitionSpecs of [batch, length, heads, dim] arrays and of the [batch, length] mask."""
+  def split(name: str, size: int) -> str | None:
+    n = dict(mesh.shape).get(name, 1)
+    return name if name != axis and n > 1 and size % n == 0 else None
+
+  b, h = split("data", batch), split("model", heads)
+  return P(b, axis, h, None), P(b, axis)
+
+
+def check_seq_length(length: int, parts: int, multiple: int, op: str, what: str) -> None:
+  if length % (parts * multiple):
+    raise ValueError(f"{op}: length {length} must be a multiple of {parts} devices along the sequence axis "
+                     f"x {what} = {parts * multiple} (each device holds whole blocks); pad the sequence with "
+                     "masked positions to such a length")

@@ -47,25 +47,10 @@ import shutil
 import tempfile
 from typing import Any
 
-from data.info import DatasetInfo
+from data.info import DATASETS, DatasetInfo
 
 __all__ = ["DATASETS", "DatasetInfo", "create_dataset", "dataset_info"]
 
-# config.data.name -> module providing create_dataset(...) and dataset_info(config).
-DATASETS: dict[str, str] = {
-  "cifar10": "data.images",
-  "imagenet64": "data.images",
-  "wiki40b": "data.text",
-  "c4": "data.text",
-  "lra_listops": "data.lra",
-  "lra_text": "data.lra",
-  "lra_retrieval": "data.lra",
-  "lra_image": "data.lra",
-  "lra_pathfinder": "data.lra",
-  "listops_synthetic": "data.listops",
-  "synthetic_recall": "data.synthetic",
-  "pystdlib": "data.pystdlib",
-}
 
 
 def _module(config: Any):

@@ -39,3 +39,20 @@ class DatasetInfo:
   def __post_init__(self):
     if self.task not in TASKS:
       raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
+
+
+# config.data.name -> module providing create_dataset(...) and dataset_info(config).
+DATASETS: dict[str, str] = {
+  "cifar10": "data.images",
+  "imagenet64": "data.images",
+  "wiki40b": "data.text",
+  "c4": "data.text",
+  "lra_listops": "data.lra",
+  "lra_text": "data.lra",
+  "lra_retrieval": "data.lra",
+  "lra_image": "data.lra",
+  "lra_pathfinder": "data.lra",
+  "listops_synthetic": "data.listops",
+  "synthetic_recall": "data.synthetic",
+  "pystdlib": "data.pystdlib",
+}

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from data import listops
+from data.info import DATASETS
 
 TFDS_BACKED = {"cifar10", "imagenet64", "lra_text", "lra_image"}
 SYLLABLES = ("ka", "to", "ri", "me", "su", "na", "lo", "pe", "zi", "vu", "ban", "dor", "el", "qui", "stra",
@@ -173,8 +174,6 @@ def mock_data(name: str, tmp_dir: str, *, num_examples: int = 12, seed: int = 0)
   `data.create_dataset(config, split, ...)` read the mock. TFDS-backed sets are patched process-wide for the
   duration of the context.
   """
-  from data import DATASETS
-
   if name not in DATASETS:
     raise ValueError(f"unknown dataset {name!r}; allowed: {sorted(DATASETS)}")
   data_dir = os.path.join(str(tmp_dir), f"mock_{name}")

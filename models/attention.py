@@ -20,7 +20,6 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from combiner import seq_parallel
 from core import registry as ops_registry
 from core import sharding
 from core.norm import layer_norm
@@ -90,7 +89,7 @@ def op_function(spec: ops_registry.OpSpec) -> Any:
   (JAX's context mesh, which train steps trace in: `core.sharding.traced_in`, or `jax.set_mesh`) splits
   the sequence over its "seq" axis. Ops without one run as they are, the partitioner gathering the
   sequence."""
-  if spec.seq_parallel is not None and seq_parallel.seq_size() > 1:
+  if spec.seq_parallel is not None and sharding.seq_size() > 1:
     return spec.seq_parallel
   return spec.fn
 

@@ -21,8 +21,9 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 OP_PACKAGES = ("combiner", "routing", "yoso", "baselines")
 ENTRY_POINTS = ("train", "eval", "sample")  # the root-level .py files run as `python X.py`
-# Op package -> the other op packages it may import (none today: each op package stands on core alone).
-PEERS: dict[str, set[str]] = {pkg: set() for pkg in OP_PACKAGES}
+# Op package -> the other op packages it may import. Combiner-routed is the Combiner's `routed` plan over
+# routing's clusters, registered with routing.
+PEERS: dict[str, set[str]] = {pkg: set() for pkg in OP_PACKAGES} | {"routing": {"combiner"}}
 BELOW_MODELS = {"core", *OP_PACKAGES}
 # Folder (or entry point) -> the top-level names of this repository it may import besides itself.
 ALLOWED: dict[str, set[str]] = {
@@ -36,15 +37,6 @@ ALLOWED: dict[str, set[str]] = {
     "scripts": BELOW_MODELS | {"configs", "runtime", "models", "data", "training"},
     **{name: BELOW_MODELS | {"configs", "runtime", "models", "data", "training"} for name in ENTRY_POINTS},
 }
-# Violations being fixed elsewhere, as "<file> -> <module>" or "cycle: <module>, <module>, ..." (the goal is
-# an empty list; an entry that no longer occurs fails the test, so that it is taken off).
-KNOWN_TO_FIX: set[str] = {
-    "routing/registry.py -> combiner.routed",  # the combiner_routed registration sits with routing
-    "baselines/registry.py -> combiner.seq_parallel",  # dense's sequence-parallel form sits with combiner
-    "cycle: data, data.testing",  # data/__init__ and data/testing import each other inside functions
-}
-
-
 def _files(unit: str) -> list[pathlib.Path]:
   if unit in ENTRY_POINTS:
     return [ROOT / f"{unit}.py"]
@@ -92,7 +84,7 @@ def _resolve(name: str) -> str | None:
 
 
 def _offences(unit: str) -> list[tuple[str, str]]:
-  """(key as KNOWN_TO_FIX spells it, message) for each import of `unit` its floor does not allow."""
+  """("<file> -> <module>", message) for each import of `unit` its floor does not allow."""
   offences = []
   allowed = ALLOWED[unit]
   for path in _files(unit):
@@ -159,19 +151,13 @@ def test_rules_cover_every_source_folder():
 
 @pytest.mark.parametrize("unit", sorted(ALLOWED))
 def test_imports_point_one_way(unit):
-  offences = [message for key, message in _offences(unit) if key not in KNOWN_TO_FIX]
+  offences = [message for _, message in _offences(unit)]
   assert not offences, "\n".join(offences)
 
 
 def test_no_import_cycles():
-  cycles = [c for c in _cycles() if c not in KNOWN_TO_FIX]
+  cycles = _cycles()
   assert not cycles, "\n".join(cycles)
-
-
-def test_known_to_fix_are_still_there():
-  """KNOWN_TO_FIX lists only violations that still occur: a fixed one is taken off the list."""
-  current = {key for unit in ALLOWED for key, _ in _offences(unit)} | set(_cycles())
-  assert KNOWN_TO_FIX <= current, f"fixed, take off KNOWN_TO_FIX: {sorted(KNOWN_TO_FIX - current)}"
 
 
 def test_function_level_imports_are_seen(tmp_path):

@@ -9,10 +9,11 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from baselines import dense_seq_parallel
 from baselines.dense import dense as dense_single
 from combiner import fixed as fixed_single
 from combiner import seq_parallel
-from core import hlo
+from core import hlo, sharding
 from core.sharding import traced_in
 from training import experiment
 from training import mesh as mesh_lib
@@ -98,7 +99,7 @@ def test_dense_equals_single_device(causal):
   weights = jax.random.normal(jax.random.key(4), v.shape)
   mesh = seq_mesh()
   got = jax.jit(lambda *a: value_and_grads(
-      lambda q, k, v: seq_parallel.dense(q, k, v, causal=causal, mask=mask, mesh=mesh), *a, weights),
+      lambda q, k, v: dense_seq_parallel.dense(q, k, v, causal=causal, mask=mask, mesh=mesh), *a, weights),
       compiler_options=FAST)(q, k, v)
   want = jax.jit(lambda *a: value_and_grads(
       lambda q, k, v: dense_single(q, k, v, causal=causal, mask=mask), *a, weights),
@@ -116,7 +117,7 @@ def test_bad_lengths_and_meshes_raise():
   with pytest.raises(ValueError, match="'seq' axis"):
     seq_parallel.fixed(q, q, q, block_size=5, causal=True, mesh=jax.make_mesh((8,), ("data",)))
   with pytest.raises(ValueError, match="multiple of 8 devices"):
-    seq_parallel.dense(q[:, :30], q[:, :30], q[:, :30], causal=True, mesh=mesh)
+    dense_seq_parallel.dense(q[:, :30], q[:, :30], q[:, :30], causal=True, mesh=mesh)
 
 
 def compiled_hlo(op, shape, mesh):
@@ -142,7 +143,7 @@ def test_collective_bytes_within_span_summary_budget(chunk_blocks):
   # Nothing of the size of K or V crosses devices: the largest collective moves one summary array.
   largest = max(c.operand_bytes * (c.group_size if c.kind == "all-gather" else 1) for c in ops)
   assert largest <= rows * heads * dim * 4
-  dense_text = compiled_hlo(lambda q, k, v: seq_parallel.dense(q, k, v, causal=True, mesh=mesh),
+  dense_text = compiled_hlo(lambda q, k, v: dense_seq_parallel.dense(q, k, v, causal=True, mesh=mesh),
                             (1, length, heads, dim), mesh)
   assert hlo.bytes_per_device(text) * block <= hlo.bytes_per_device(dense_text) * 1.01
 
@@ -221,7 +222,7 @@ def test_train_step_with_seq_axis_matches_single_device():
     return c
 
   sharded = experiment.Experiment(config(2, 4), devices=jax.devices()[:8])
-  assert seq_parallel.seq_size(sharded.mesh) == 4
+  assert sharding.seq_size(sharded.mesh) == 4
   batch = next(iter(experiment.create_dataset(sharded.config, "train", batch_size=8, seed=0)))
   s8, out8 = sharded.train_step(sharded.init_state(), batch)
   single = experiment.Experiment(config(1, 1), devices=jax.devices()[:1])
@@ -240,6 +241,6 @@ def test_fixed_sends_at_most_a_sixteenth_of_dense_at_64k():
   fixed_bytes = hlo.bytes_per_device(compiled_hlo(
       lambda q, k, v: seq_parallel.fixed(q, k, v, block_size=256, causal=True, mesh=mesh), shape, mesh))
   dense_bytes = hlo.bytes_per_device(compiled_hlo(
-      lambda q, k, v: seq_parallel.dense(q, k, v, causal=True, mesh=mesh), shape, mesh))
+      lambda q, k, v: dense_seq_parallel.dense(q, k, v, causal=True, mesh=mesh), shape, mesh))
   assert fixed_bytes <= 4 * (length // 256) * heads * dim * 4
   assert fixed_bytes * 16 <= dense_bytes

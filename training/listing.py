@@ -13,7 +13,8 @@ from training.config_io import ROOT
 def listing() -> str:
   """What a command line can choose: attention names, config files with their first docstring line, and each
   config's arguments (`--config FILE:key=value,flag`)."""
-  from models import ops_registry, registry
+  from core import registry as ops_registry
+  from models import registry
 
   lines = ["attention (--config FILE:attention=NAME):"]
   for name in registry.names():
