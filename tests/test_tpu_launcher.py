@@ -195,6 +195,9 @@ try:
         f.write(str(step))
       os.replace(ckpt + ".tmp", ckpt)
     run.heartbeat(step)
+    if mode == "sigterm" and step == 3 and start == 0:  # as train.py on SIGTERM: checkpoint, record, exit 0
+      run.preempted(step, "SIGTERM")
+      sys.exit(0)
     if mode == "preempt" and step == 3 and start == 0 and worker == 0:
       with open(os.path.join(world, "state.tmp"), "w") as f:
         f.write("SUSPENDED")
@@ -320,6 +323,15 @@ def test_preempted_slice_is_recreated_and_training_resumes(world):
   assert "queued resource t1: SUSPENDED" in proc.stdout and "restart 1" in proc.stdout
   assert w.verbs() == ["create", "train", "delete", "create", "train", "delete"] and w.gone()
   assert w.record("started")["step"] == 3 and w.record("finished")["step"] == 6  # resumed, not restarted
+
+
+def test_sigterm_on_a_slice_that_stays_active_starts_training_again(world):
+  w = world(mode="sigterm")
+  proc = w.launch("--delete_after")
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  assert "train.py stopped (SIGTERM) at step 3 on an ACTIVE slice: restart 1" in proc.stdout
+  assert w.verbs() == ["create", "train", "train", "delete"] and w.gone()
+  assert w.record("started")["step"] == 3 and w.record("finished")["step"] == 6
 
 
 def test_ssh_failures_are_retried_never_read_as_an_answer(world):
