@@ -64,8 +64,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.data.name = "synthetic_recall"
   c.data.data_dir = ml_collections.FieldReference(None, field_type=str)
   c.data.seq_len = 512
-  # grain engine: None = "dataset" for batched pipelines, "loader" for self-batching text packing; "loader"
-  # also resumes data-iterator checkpoints written before batched pipelines moved to the dataset engine.
+  # grain engine: None = "dataset" for batched pipelines, "loader" for self-batching text packing. A
+  # data-iterator checkpoint resumes only on the engine that wrote it: "loader" resumes one the loader wrote.
   c.data.engine = ml_collections.FieldReference(None, field_type=str)
   c.data.cache_in_memory = 512  # MB: small splits are read into RAM once (0 = never)
   c.data.cache_dir = ml_collections.FieldReference(None, field_type=str)  # generated splits; None = data_dir

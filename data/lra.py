@@ -351,7 +351,8 @@ def make_source(config: Any, split: str):
     path = _need(os.path.join(lra_root(config), "listops-1000", LISTOPS_FILES[split]), config)
     parens = bool(pipeline.cfg_get(config, "listops_parens", False))
     # Every token takes >= 2 bytes of the file (a character and a space), so the kept uint8 ids of the whole
-    # split take at most half its size (~100 MB for the 96K training rows; ~40 us a record less to serve).
+    # split take at most half its size (~100 MB for the 96K training rows); a kept record skips the line's
+    # parse and encoding on every read (docs/benchmarks.md, "Input pipeline costs").
     cap_mb = float(pipeline.cfg_get(config, "cache_in_memory", 512))
     keep = _KeepListOpsIds(parens) if os.path.getsize(path) / 2 <= cap_mb * 2**20 else None
     source = TsvSource(path, _parse_listops, malformed=Malformed(config), header="Source", keep=keep)

@@ -112,8 +112,9 @@ class VirtualRecords:
 
   For benchmarks on small generated data: a mock split is timed at the size of the real split it stands for,
   so that what scales with the split (the epoch permutation's memory and its once-per-epoch cost, epochs
-  being rarer) is the real one's. (grain's index shuffle, used before `EpochPermutation`, even cost ~50x more
-  per record on a 64-record split than on a real one.)
+  being rarer) is the real one's. (A record order's per-record cost can also depend on the split's size:
+  grain's index shuffle costs far more per record on a tiny split than on a real one; docs/benchmarks.md,
+  "Input pipeline costs".)
   """
 
   def __init__(self, source: Any, size: int):
@@ -137,11 +138,12 @@ class VirtualRecords:
 class InMemorySource:
   """A random-access source of dict records read once into column arrays (`config.data.cache_in_memory`).
 
-  Reading a record through tfds costs ~65 us on the 2-core CPU (ArrayRecord lookup, protobuf decode), more
-  than a small model's step leaves per example; a small split read once (one sequential pass) is then served
-  at the cost of a slice. Columns: equal-shaped arrays and scalars are stacked, `str`/`bytes` are concatenated
-  with offsets; each record is given back with the types the source gave (str stays str, 0-d arrays stay
-  NumPy values), so the per-record functions see the same values and the batches are the same.
+  Reading a record through tfds (an ArrayRecord lookup and a protobuf decode per record) can cost more than a
+  small model's step leaves per example (docs/benchmarks.md, "Input pipeline costs"); a small split read once
+  (one sequential pass) is then served at the cost of a slice. Columns: equal-shaped arrays and scalars are
+  stacked, `str`/`bytes` are concatenated with offsets; each record is given back with the types the source
+  gave (str stays str, 0-d arrays stay NumPy values), so the per-record functions see the same values and the
+  batches are the same.
   """
 
   def __init__(self, source: Any, name: str):
@@ -152,7 +154,7 @@ class InMemorySource:
     self.text: dict[str, tuple[np.ndarray, np.ndarray, bool]] = {}
     self.arrays: dict[str, np.ndarray] = {}
     columns: dict[str, list[Any]] = {k: [] for k in first}
-    for index in range(self.size):  # one pass, ~65 us a record for tfds: ~2 s for imdb_reviews' 25K
+    for index in range(self.size):  # one sequential pass over the split
       record = source[index]
       for key, column in columns.items():
         column.append(record[key])
@@ -263,16 +265,16 @@ class EpochPermutation:
   host's n records, reshuffled per epoch, the same for the same (seed, n).
 
   Why not grain's index shuffle (`MapDataset.shuffle`, `IndexSampler`): it cycle-walks a domain of at least
-  2^16 per record, ~22 us a record on a 1,024-record split (272 us at 64, ~3 us from 65,536 up), most of a
-  small pipeline's cost; a cached permutation costs an array lookup at any size, and a batch of positions is
-  one vectorised lookup.
+  2^16 per record, which is most of a small pipeline's cost; a cached permutation is an array lookup at any
+  size, and a batch of positions is one vectorised lookup (timings: docs/benchmarks.md, "Input pipeline
+  costs").
 
   Memory: one int32 key per record for each of at most `cache_epochs` epochs (the current and the next, so a
   batch or the reading threads crossing an epoch boundary do not recompute it): 4 MB per million records per
-  epoch, held by every grain worker process. Computing an epoch's permutation takes ~20 ns per record at 96K
-  records, once per epoch. Splits above `MAX_STORED` records (the host's share; C4 has 365M training
-  documents, which would be ~1.5 GB per epoch and worker) use grain's index shuffle keyed by (seed + epoch)
-  instead: no memory, ~3 us per record at that size, where it is no longer a pipeline's main cost.
+  epoch, held by every grain worker process. An epoch's permutation is one numpy shuffle, computed once per
+  epoch. Splits above `MAX_STORED` records (the host's share; C4 has 365M training documents, which would be
+  ~1.5 GB per epoch and worker) use grain's index shuffle keyed by (seed + epoch) instead: no memory, and on a
+  domain that large its cycle-walking costs little per record, no longer a pipeline's main cost.
   Thread-safe (grain's reading threads share it); pickled without its cache (worker processes).
   """
 
@@ -477,10 +479,10 @@ def make_loader(
     `ReadBatch` call, turned into an `IterDataset` whose threads prefetch whole batches;
     "loader" (the only choice for self-batching legacy operations): a `grain.DataLoader` with an
     `EpochPermutationSampler`. Both yield the same batches in the same order (the same record order, and
-    RandomMap generators seeded the same way; tests check it); the dataset engine's own cost is ~8 us per
-    record on the (loaded) 2-core CPU where the DataLoader's is ~60 (per-record thread hand-off, a Philox
-    generator per record, per-record statistics; trivial records, batch 8, at 1K and 96K records), which is
-    what keeps small smoke models from waiting for input.
+    RandomMap generators seeded the same way; tests check it); the dataset engine's own cost per record is a
+    fraction of the DataLoader's, which pays a thread hand-off, a Philox generator and statistics per record
+    (docs/benchmarks.md, "Input pipeline costs"), and that is what keeps small smoke models from waiting for
+    input.
     Iterators of both have get_state()/set_state() and are saved by grain.checkpoint (their states are not
     interchangeable: `check_iterator_checkpoint`). `config.data.engine` overrides the default, e.g. "loader"
     to resume a checkpoint written by the loader engine.

@@ -1,8 +1,8 @@
 """Attention whose backward pass recomputes it from its inputs: nothing of the op's intermediates is kept.
 
-For dense attention the kept intermediates are the [batch, heads, L, L] probabilities of every layer (18 GiB
-for the 6-layer benchmark model at L = 8192, batch 1); recomputing costs one extra forward pass of the op
-only.
+For dense attention the kept intermediates are the [batch, heads, L, L] probabilities of every layer, which
+at long lengths outgrow the rest of the step's memory (docs/benchmarks.md, "Training throughput");
+recomputing costs one extra forward pass of the op only.
 
 Why not `jax.checkpoint` / `nnx.remat` (`model.remat`): XLA:CPU removes optimisation barriers before
 scheduling, and its scheduler then hoists every layer's recomputation right after the forward pass, where it

@@ -25,7 +25,7 @@ So:
 - `membership="balanced"` in a decoder is an explicit opt-in, documented as leaking, kept for reproducing the
   paper and for like-for-like timing against lucidrains' peer (the `routing` benchmark row uses it);
 - speed: "nearest" sorts tokens by (centroid, position) and attends over a sliding window of that order
-  (2 * window keys per query instead of window), measured in `docs/benchmarks.md`.
+  (2 * window keys per query instead of window).
 """
 
 from __future__ import annotations
