@@ -97,7 +97,8 @@ def test_missing_data_names_the_expected_path(tmp_path):
   from configs import cifar10
 
   c = cifar10.get_config("smoke")
-  c.data.stand_in = False  # smoke variants otherwise train on a generated stand-in (tests/test_reproduce.py)
+  # smoke variants otherwise train on a generated stand-in (tests/scripts/test_reproduce.py)
+  c.data.stand_in = False
   c.data.data_dir = str(tmp_path / "nowhere")
   with pytest.raises(FileNotFoundError, match=str(tmp_path / "nowhere")):
     experiment.create_dataset(c, "train", batch_size=8, seed=0)

@@ -3,7 +3,7 @@
 Under `simulate` the "auto" ops make the TPU choices (the fused Combiner plans with TPU tiles and layout,
 dense's Pallas TPU flash kernel, YOSO's pallas formulation) and each Pallas call runs its TPU block specs,
 SMEM scalars and compiler params in the interpreter, which models TPU memory spaces and detects races. The
-outputs and gradients equal the XLA path in float32 (tolerances as in test_combiner_pallas.py). The race
+outputs and gradients equal the XLA path in float32 (tolerances as in tests/combiner/test_flash.py). The race
 detector sees the last kernel each run executes (its state lasts from one kernel to the next).
 """
 

@@ -37,7 +37,7 @@ from core import registry as ops_registry  # noqa: E402
 from models.transformer import CAUSAL_TASKS  # noqa: E402
 from scripts import compile_tpu  # noqa: E402  (sets libtpu's environment before it loads)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 GENERATIONS = tuple(compile_tpu.GENERATIONS)  # v4, v5e, v5p, v6e
 BATCH, HEADS = 2, 2
 PLAN_KEYS = ("block_size", "row_length")  # plan parameters an edge case may override

@@ -97,7 +97,7 @@ def test_module_rng_stream_conv_parameter_and_directions():
   assert float(jnp.max(jnp.abs(out - e_att(x, mask, deterministic=True)))) > 1e-4
   with pytest.raises(ValueError, match="conv_kernel_size"):
     registry.build(_tiny_cfg("yoso", conv_kernel_size=4).attention, rngs=nnx.Rngs(0), **kwargs)
-  # Causal: yoso runs (tests/test_yoso_causal.py); YOSO-C and any convolution read future values.
+  # Causal: yoso runs (tests/yoso/test_causal.py); YOSO-C and any convolution read future values.
   causal = dict(kwargs, causal=True)
   c_yoso = registry.build(_tiny_cfg("yoso").attention, rngs=nnx.Rngs(params=0, dropout=1, attention=2),
                           **causal)

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("libtpu")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 
 
 def compile_tpu(*argv: str) -> subprocess.CompletedProcess:

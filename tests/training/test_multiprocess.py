@@ -17,7 +17,7 @@ import pytest
 from runtime import distributed
 from training import checkpoints, experiment
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 STEPS, EVERY = 20, 5
 CONFIG = ["--config", "configs/default.py:smoke", f"--config.train.num_steps={STEPS}",
           f"--config.train.checkpoint_every={EVERY}", "--config.train.log_every=5"]

@@ -18,7 +18,7 @@ from configs import default
 from models import attention, registry
 from training import checkpoints, config_io, experiment, listing, loop
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 
 
 class CallCount(nnx.Variable):

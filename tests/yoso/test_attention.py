@@ -235,7 +235,7 @@ def _grads(fn, q, k, v):
       q, k, v)
 
 
-@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("normalize", [pytest.param(False, marks=pytest.mark.slow), True])  # one fast
 def test_dense_backward_matches_surrogate_exactly(normalize):
   with jax.enable_x64(True):
     q, k, v = _inputs(7, b=2, length=6)
@@ -462,7 +462,10 @@ def test_kernel_operands_split_float32_in_two_bfloat16_parts():
   assert errors["float32"] < 1e-5 < 1e-3 < errors["bfloat16"] < 2e-2, errors
 
 
-@pytest.mark.parametrize("formulation,features", [("onehot", None), ("onehot", 2), ("pallas", None),
+# The fast run keeps one formulation with features; the others run with -m slow.
+@pytest.mark.parametrize("formulation,features", [pytest.param("onehot", None, marks=pytest.mark.slow),
+                                                  pytest.param("onehot", 2, marks=pytest.mark.slow),
+                                                  pytest.param("pallas", None, marks=pytest.mark.slow),
                                                   ("pallas", 2)])
 def test_formulations_agree_on_the_same_draws(formulation, features, monkeypatch):
   # Sorted tables, one-hot matmuls and the fused kernels: the same codes, so the same estimate and gradients
@@ -556,7 +559,7 @@ def test_expected_collision_is_finite_at_parallel_vectors():
 def test_bad_arguments_raise_naming_the_argument():
   q, k, v = _inputs(10, length=4, d=6, dtype=jnp.float32)
   good = dict(rng=jax.random.key(0), num_hashes=2, tau=3)
-  # Only YOSO-C has no causal form (yoso and yoso_e have one: tests/test_yoso_causal.py).
+  # Only YOSO-C has no causal form (yoso and yoso_e have one: tests/yoso/test_causal.py).
   with pytest.raises(ValueError, match="'causal'.*convolution"):
     yoso_c(q, k, v, causal=True, conv_kernel=jnp.ones((3,)), **good)
   with pytest.raises(ValueError, match="'causal'"):

@@ -3,7 +3,8 @@
 Checked against the definition built from the op's own hash codes (an explicit collision matrix with the
 causal mask), for the forward and for every backward (exact per-feature sums through counts and through
 running sums, sketched, dense), plus causality (zero Jacobian on the future, non-finite future values) and
-YOSO-E's causal expectation. Statistical checks follow tests/test_yoso.py (>= 6 measured standard errors).
+YOSO-E's causal expectation. Statistical checks follow tests/yoso/test_attention.py (>= 6 measured standard
+errors).
 """
 
 import jax
@@ -11,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.test_yoso import _grads, _inputs, _key, _reference_yoso_e, _surrogate
+from tests.yoso.test_attention import _grads, _inputs, _key, _reference_yoso_e, _surrogate
 from yoso import hashing
 from yoso.attention import l2_normalize, yoso, yoso_e
 from yoso.backward import sketch_directions
