@@ -113,7 +113,7 @@ _MODE_MODULES = {
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Pure logic (unit-tested in tests/test_scripts.py).
+# Pure logic (unit-tested in tests/scripts/test_benchmark.py).
 
 
 def parse_bool(text: str | bool) -> bool:
