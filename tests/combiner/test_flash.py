@@ -77,15 +77,16 @@ def compare(plan, length, size, causal, pooling, deepsets, seed=0):
 
 
 # (plan, length, size, causal, pooling, deepsets): each plan family once, odd lengths, both directions and
-# poolings, DeepSets pools on two of them.
-FAST_CASES = (
+# poolings, DeepSets pools on two of them. The fast run keeps fixed and sparse_fixed; the three most expensive
+# kernels to compile (vertical, the mixture, logsparse) run with -m slow, as does the sweep below.
+CASES = (
     ("fixed", 13, 4, True, "max", False),
     ("sparse_fixed", 13, 4, False, None, False),
-    ("axial_vertical", 11, 4, True, "mean", True),
-    ("mixture_mean", 11, 3, False, "max", False),
-    ("logsparse", 13, None, False, "max", True),
+    pytest.param("axial_vertical", 11, 4, True, "mean", True, marks=pytest.mark.slow),
+    pytest.param("mixture_mean", 11, 3, False, "max", False, marks=pytest.mark.slow),
+    pytest.param("logsparse", 13, None, False, "max", True, marks=pytest.mark.slow),
 )
-SLOW_CASES = (
+SWEEP_CASES = (
     ("fixed", 21, 5, False, "mean", True),
     ("sparse_fixed", 21, 5, True, None, False),
     ("axial_rowmajor", 11, 4, True, "max", False),
@@ -105,13 +106,13 @@ SLOW_CASES = (
 )
 
 
-@pytest.mark.parametrize("plan,length,size,causal,pooling,deepsets", FAST_CASES)
+@pytest.mark.parametrize("plan,length,size,causal,pooling,deepsets", CASES)
 def test_pallas_equals_xla(plan, length, size, causal, pooling, deepsets):
   compare(plan, length, size, causal, pooling, deepsets)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("plan,length,size,causal,pooling,deepsets", SLOW_CASES)
+@pytest.mark.parametrize("plan,length,size,causal,pooling,deepsets", SWEEP_CASES)
 def test_pallas_equals_xla_sweep(plan, length, size, causal, pooling, deepsets):
   compare(plan, length, size, causal, pooling, deepsets, seed=1)
 
@@ -201,9 +202,14 @@ LOWERING_OPS = {
 TRITON_OK = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
 
 
+# The slowest lowerings (logsparse and the mixture for CUDA, sparse logsparse for TPU) run with -m slow.
+SLOW_LOWERINGS = {("logsparse", "cuda"), ("mixture", "cuda"), ("sparse_logsparse", "tpu")}
+
+
 @pytest.mark.all_platforms
-@pytest.mark.parametrize("platform", ["tpu", "cuda"])
-@pytest.mark.parametrize("name", sorted(LOWERING_OPS))
+@pytest.mark.parametrize("name,platform", [
+    pytest.param(name, platform, marks=pytest.mark.slow if (name, platform) in SLOW_LOWERINGS else ())
+    for name in sorted(LOWERING_OPS) for platform in ("tpu", "cuda")])
 def test_lowers_for_accelerators(name, platform):
   check_lowering(name, platform)
 

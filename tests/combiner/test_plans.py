@@ -23,6 +23,13 @@ from combiner import reference as ref
 
 PLANS = ("fixed", "logsparse", "axial_rowmajor", "axial_vertical", "axial_horizontal", "mixture_mean",
          "mixture_joint")
+
+
+def plans(*slow: str) -> list:
+  """PLANS as test cases, those named marked for the slow run (each test says why next to it)."""
+  return [pytest.param(plan, marks=pytest.mark.slow) if plan in slow else plan for plan in PLANS]
+
+
 HEADS, HEAD_DIM = 2, 3
 # (length, block/row size): every size 1, 2, 3, 4, L appears at two lengths, with non-multiples (3/2, 5/4,
 # 10/4, 17/3). A full cross product would only add compile time: each (length, size) is its own program.
@@ -139,7 +146,8 @@ def check_against_reference(a_op, ref_fn, q, k, mask, *, causal, full_support=Tr
         assert np.all(a[real][allowed[real]] > 0), msg
 
 
-@pytest.mark.parametrize("plan", PLANS)
+# The widest definitions (logsparse's levels, both mixtures, vertical's columns) run with -m slow.
+@pytest.mark.parametrize("plan", plans("logsparse", "mixture_joint", "mixture_mean", "axial_vertical"))
 def test_op_equals_reference(plan):
   """Both directions at every (length, size); mean pooling and pool_q/pool_k at VARIANT_COMBOS."""
   with jax.enable_x64(True):
@@ -236,7 +244,8 @@ def _layer(op, x, params, mask, *, causal):
   return out.reshape(batch, length, HEADS * HEAD_DIM) @ wo
 
 
-@pytest.mark.parametrize("plan", PLANS)
+# Logsparse and the mixtures are the most expensive to compile: they run with -m slow.
+@pytest.mark.parametrize("plan", plans("logsparse", "mixture_joint", "mixture_mean"))
 def test_jacobian_causality_through_a_layer(plan):
   """d out_i / d x_j is exactly zero for j > i (causal) and nonzero for every real j <= i (full attention)."""
   with jax.enable_x64(True):
@@ -258,7 +267,8 @@ def test_jacobian_causality_through_a_layer(plan):
     assert np.all(jac[real][past[real]] > 0), f"{plan}: some real past token has no influence"
 
 
-@pytest.mark.parametrize("plan", PLANS)
+# Logsparse and the joint mixture are the most expensive: they run with -m slow.
+@pytest.mark.parametrize("plan", plans("logsparse", "mixture_joint"))
 def test_gradients_match_finite_differences(plan):
   """check_grads (float64, order 1, rev mode) on causal/max and bidirectional/mean outputs with a key mask."""
   with jax.enable_x64(True):
@@ -279,7 +289,8 @@ def test_gradients_match_finite_differences(plan):
     check_grads(jax.jit(f), (q, k, v), order=1, modes=["rev"], atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize("plan", PLANS)
+# Logsparse and the joint mixture are the most expensive: they run with -m slow.
+@pytest.mark.parametrize("plan", plans("logsparse", "mixture_joint"))
 def test_bfloat16_close_to_float32(plan):
   length, size, batch = 12, 4, 2
   g = np.random.default_rng(19)
@@ -328,7 +339,8 @@ def test_degenerate_plans_equal_dense():
                                    err_msg=f"{plan}({size}) L={length} causal={causal}")
 
 
-@pytest.mark.parametrize("plan", PLANS)
+# Logsparse and the mixtures are the most expensive to compile: they run with -m slow.
+@pytest.mark.parametrize("plan", plans("logsparse", "mixture_joint", "mixture_mean"))
 def test_no_nan_fully_masked_spans_and_huge_logits(plan):
   """Whole masked blocks/rows/columns and q scaled by 100: finite forward and gradient, rows sum to 1."""
   with jax.enable_x64(True):

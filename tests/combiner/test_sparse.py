@@ -1,6 +1,6 @@
 """The sparse baselines (combiner/sparse.py: Fixed, Logsparse, Axial) against the from-definition reference.
 
-Same method as tests/test_combiner_ops.py: one-hot values return the attention matrix, compared in float64
+Same method as tests/combiner/test_plans.py: one-hot values return the attention matrix, compared in float64
 with `combiner.reference.sparse_attention_matrix`; the support must be exactly `reference.sparse_support`.
 """
 
@@ -17,7 +17,7 @@ from jax.test_util import check_grads
 from baselines.dense import dense
 from combiner import reference as ref
 from combiner import sparse
-from tests.test_combiner_ops import (
+from tests.combiner.test_plans import (
   COMBOS,
   HEADS,
   LOGSPARSE_LENGTHS,
@@ -49,7 +49,9 @@ def combos(plan):
   return [(n, None) for n in LOGSPARSE_LENGTHS] if plan == "logsparse" else list(COMBOS)
 
 
-@pytest.mark.parametrize("plan", PLANS)
+# Logsparse (the most levels to compile) runs with -m slow.
+@pytest.mark.parametrize("plan", [pytest.param("logsparse", marks=pytest.mark.slow) if p == "logsparse" else p
+                                  for p in PLANS])
 def test_sparse_op_equals_reference_and_support(plan):
   with jax.enable_x64(True):
     g = np.random.default_rng(zlib.crc32(plan.encode()))
@@ -119,7 +121,9 @@ def test_sparse_padding_invariance_and_causal_jacobian(plan):
           plan, size)[1]), f"{plan} i={i}"
 
 
-@pytest.mark.parametrize("plan", PLANS)
+# Logsparse (the most levels to compile) runs with -m slow.
+@pytest.mark.parametrize("plan", [pytest.param("logsparse", marks=pytest.mark.slow) if p == "logsparse" else p
+                                  for p in PLANS])
 def test_sparse_gradients_bf16_and_huge_logits(plan):
   with jax.enable_x64(True):
     length, size, batch = 8, 3, 2

@@ -41,7 +41,8 @@ def _decode_all(dec, params, q, k, v, prompt: int = 0):
   return run(q, k, v)
 
 
-@pytest.mark.parametrize("mask_self,scale_logits", [(False, True), (True, False)])
+@pytest.mark.parametrize("mask_self,scale_logits", [pytest.param(False, True, marks=pytest.mark.slow),
+                                                    (True, False)])  # one case fast
 def test_routing_step_equals_nearest_forward(mask_self, scale_logits):
   """3 clusters, window 3 over 21 tokens: clusters overflow their rings, prompt of 5 prefilled."""
   length, heads, dim = 21, 2, 8
