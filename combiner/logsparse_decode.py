@@ -1,12 +1,9 @@
 """Cached decoding for Combiner-Logsparse (`combiner.logsparse`) and its sparse counterpart
 (`combiner.sparse.logsparse`).
 
-A `Decoder` (`core.decode`): `init_cache(...)` allocates the per-layer cache, `step(cache, q_t, k_t, v_t,
-position)` attends the query at `position` to everything before it and returns `(out_t, cache)`, and
-`prefill(cache, q, k, v)` fills the cache from a prompt. One step equals row `position` of the plan's causal
-forward pass on the same tokens: the pieces are the same (the joint softmax, the same pooling), only laid out
-for one query. Every span summary a query can read is complete when it is read, and each step writes the
-summaries its token completes, so the per-token cost stays bounded without branching on the position.
+A `core.decode.Decoder` (its docstring gives the protocol) whose step equals row `position` of the plan's
+causal forward pass: the same pieces and pooling laid out for one query. Each step writes the span summaries
+its token completes, so every summary a query reads is complete and the per-token cost stays bounded.
 
 One slot per dyadic level holding the last completed even-indexed block (the only one a query can read at that
 level); a level's summary is computed when its block completes (`lax.cond`), so the amortised cost is

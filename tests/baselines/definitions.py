@@ -14,6 +14,11 @@ def inputs(key, batch=2, length=11, heads=2, head_dim=4, value_dim=3, dtype=jnp.
   return q, k, v, mask
 
 
+def causal_allowed(n, causal):
+  """[n, n] bool: which keys query i may see, by direction alone."""
+  return np.tril(np.ones((n, n), bool)) if causal else np.ones((n, n), bool)
+
+
 def masked_softmax(q, k, v, allowed, mask):
   """Softmax attention in numpy float64 where `allowed[i, j]` (ANDed with the key mask) says i may see j."""
   q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))

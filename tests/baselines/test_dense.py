@@ -9,21 +9,7 @@ import pytest
 
 from baselines.dense import dense
 from core import contract
-
-
-def _reference(q, k, v, causal, mask):
-  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-  b, n, h, d = q.shape
-  out = np.zeros(v.shape)
-  for bi in range(b):
-    for hi in range(h):
-      s = q[bi, :, hi] @ k[bi, :, hi].T / np.sqrt(d)
-      keep = np.asarray(mask[bi])[None, :] & (np.tril(np.ones((n, n), bool)) if causal else True)
-      s = np.where(keep, s, -np.inf)
-      w = np.exp(s - s.max(-1, keepdims=True))
-      w = w / w.sum(-1, keepdims=True)
-      out[bi, :, hi] = w @ v[bi, :, hi]
-  return out
+from tests.baselines import definitions
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -36,7 +22,8 @@ def test_dense_matches_definition(causal, length):
     mask = jax.random.bernoulli(ks[3], 0.7, (2, length)).at[:, 0].set(True)
     out = dense(q, k, v, causal=causal, mask=mask)
     assert out.dtype == jnp.float64
-    np.testing.assert_allclose(out, _reference(q, k, v, causal, mask), rtol=1e-10, atol=1e-12)
+    expected = definitions.masked_softmax(q, k, v, definitions.causal_allowed(length, causal), mask)
+    np.testing.assert_allclose(out, expected, rtol=1e-10, atol=1e-12)
 
 
 def test_dense_rejects_bad_input():
