@@ -188,7 +188,8 @@ def first_line(e: BaseException) -> str:
 
 
 def compile_step(config: Any, sl: Slice) -> Result:
-  """AOT-compiles train.py's step for `sl`; never raises for a config that does not fit or compile."""
+  """AOT-compiles train.py's step for `sl` (one `unservable` passes); never raises for a config that does not
+  fit or compile."""
   import jax
   import jax.numpy as jnp
   from jax.sharding import NamedSharding
@@ -201,10 +202,7 @@ def compile_step(config: Any, sl: Slice) -> Result:
   except ValueError as e:  # make_mesh: the mesh does not fit this many chips, or cannot be built
     return Result(sl, "too big" if "does not fit" in str(e) else "fails", first_line(e))
   mesh = {k: int(v) for k, v in exp.mesh.shape.items()}
-  batch = int(config.train.batch_size)
-  if batch % exp.data_size:
-    return Result(sl, "too big", f"global batch {batch} is not divisible by the {exp.data_size}-way data "
-                  "axis", mesh)
+  batch = int(config.train.batch_size)  # `search` passes only slices whose data axis divides it (unservable)
   state = exp.abstract_state()
   step = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(exp.mesh, P()))
   args = (state["params"], state["rest"], state["opt_state"], exp.abstract_rng_state(), step,

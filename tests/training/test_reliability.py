@@ -14,22 +14,15 @@ import numpy as np
 import pytest
 
 from configs import base, default
+from tests.training.smoke import smoke as smoke_config
 from training import checkpoints, config_io, loop, status
 from training.experiment import Experiment, TrainState, create_dataset
 
 
 def smoke(attention_name="combiner_fixed", **overrides):
-  c = default.get_config(f"smoke,attention={attention_name}")
-  c.train.num_steps = 4
-  c.train.checkpoint_every = 2
-  c.train.eval_batches = 1  # the final evaluation covers 1 of the 2 validation batches
-  for key, value in overrides.items():
-    node = c
-    *parents, leaf = key.split(".")
-    for p in parents:
-      node = node[p]
-    node[leaf] = value
-  return c
+  """4 steps, a checkpoint every 2; the final evaluation covers 1 of the 2 validation batches."""
+  return smoke_config(attention_name, **{"train.num_steps": 4, "train.checkpoint_every": 2,
+                                         "train.eval_batches": 1, **overrides})
 
 
 def strict_json(path):

@@ -14,8 +14,8 @@ import pytest
 from flax import nnx
 
 from baselines.dense import dense
-from configs import default
 from models import attention, registry
+from tests.training.smoke import smoke
 from training import checkpoints, config_io, experiment, listing, loop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
@@ -48,17 +48,6 @@ class FakeStatefulAttention(attention.AttentionBase):
 
 if "fake_stateful" not in registry.MODULES:
   registry.register_module("fake_stateful", FakeStatefulAttention)
-
-
-def smoke(attention_name="combiner_fixed", **overrides):
-  c = default.get_config(f"smoke,attention={attention_name}")
-  for key, value in overrides.items():
-    node = c
-    *parents, leaf = key.split(".")
-    for p in parents:
-      node = node[p]
-    node[leaf] = value
-  return c
 
 
 def _find(tree, name):
