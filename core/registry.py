@@ -37,11 +37,7 @@ def sqrt_pow2(length: int) -> int:
   return 1 << ((max(length, 1).bit_length() - 1 + 1) // 2)
 
 
-def _no_params(length: int) -> dict[str, Any]:
-  return {}
-
-
-def _no_inputs(length: int) -> dict[str, Any]:
+def _nothing(length: int) -> dict[str, Any]:
   return {}
 
 
@@ -51,12 +47,12 @@ class OpSpec:
   fn: Callable[..., Any]
   causal: bool = True  # supports causal=True
   bidirectional: bool = True  # supports causal=False
-  params: Callable[[int], dict[str, Any]] = _no_params  # automatic plan parameters for a length
+  params: Callable[[int], dict[str, Any]] = _nothing  # automatic plan parameters for a length
   description: str = ""
   decode: Any = None  # core.decode.Decoder: the op's cached incremental form (causal ops that have one)
   module: str | None = None  # "package.module:Class" of its Flax module; None = models.attention.OpAttention
   seq_parallel: Callable[..., Any] | None = None  # the sequence-parallel form, if it has one
-  bench_inputs: Callable[..., dict[str, Any]] = _no_inputs  # model-owned arguments as benchmark stand-ins
+  bench_inputs: Callable[..., dict[str, Any]] = _nothing  # model-owned arguments as benchmark stand-ins
 
 
 OPS: dict[str, OpSpec] = {}
