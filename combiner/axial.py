@@ -13,12 +13,12 @@ from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 
+from attention_core import contract
+from attention_core.blocks import from_grid, head_major, num_blocks, to_grid
+from attention_core.combine import Piece, attend, joint_softmax, weighted_sum
 from combiner import common, fused
 from combiner import pooling as pool_ops
 from combiner.fixed import block_direct_piece, block_logits
-from core import contract
-from core.blocks import from_grid, head_major, num_blocks, to_grid
-from core.combine import Piece, attend, joint_softmax, weighted_sum
 
 Array = Any
 DIRECTIONS = ("rowmajor", "vertical", "horizontal")

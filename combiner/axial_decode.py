@@ -1,7 +1,8 @@
 """Cached decoding for Combiner-Axial (`combiner.axial`: rowmajor, vertical, horizontal) and its sparse
 counterpart (`combiner.sparse.axial`), on a grid of rows of length m (`combiner.mixture_decode` reuses it).
 
-A `core.decode.Decoder` (its docstring gives the protocol) whose step equals row `position` of the plan's
+A `attention_core.decode.Decoder` (its docstring gives the protocol) whose step equals row `position` of the
+plan's
 causal forward pass: the same pieces and pooling laid out for one query. Each step writes the span summaries
 its token completes, so every summary a query reads is complete and the per-token cost stays bounded.
 
@@ -21,12 +22,12 @@ from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 
+from attention_core import blocks, contract
+from attention_core.combine import Piece, attend, joint_softmax
+from attention_core.decode import Cache, Token, finish, keys_piece, make_decoder, read, token, write, zeros
 from combiner import pooling as pool_ops
 from combiner.axial import DIRECTIONS
 from combiner.common import span_summary
-from core import blocks, contract
-from core.combine import Piece, attend, joint_softmax
-from core.decode import Cache, Token, finish, keys_piece, make_decoder, read, token, write, zeros
 
 Array = Any
 

@@ -13,12 +13,12 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 import numpy as np
 
+from attention_core import contract
+from attention_core.blocks import head_major, map_chunks
+from attention_core.combine import attend
 from combiner import flash
 from combiner import pooling as pool_ops
 from combiner.pooling import POOLINGS
-from core import contract
-from core.blocks import head_major, map_chunks
-from core.combine import attend
 
 Array = Any
 
@@ -150,7 +150,8 @@ def check_query_chunks(query_chunks: Any, *, op: str) -> int | None:
 
 
 def map_rows(fn: Callable[[Any], Any], per_row: Any, chunks: int) -> Any:
-  """fn(per_row) computed over `chunks` chunks of query rows, one after the other (`core.blocks.map_chunks`).
+  """fn(per_row) computed over `chunks` chunks of query rows, one after the other
+     (`attention_core.blocks.map_chunks`).
 
   per_row: a pytree of arrays [batch or 1, heads or 1, rows, ...] (rows on axis 2); fn maps a chunk to a
   pytree of arrays with the chunk's rows on axis 2. Each chunk's backward recomputes its intermediates.

@@ -9,10 +9,10 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from attention_core.blocks import num_blocks, shift, to_grid
+from attention_core.combine import attend
 from combiner import common
 from combiner import pooling as pool_ops
-from core.blocks import num_blocks, shift, to_grid
-from core.combine import attend
 
 Array = Any
 

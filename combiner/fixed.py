@@ -6,11 +6,11 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from attention_core import contract
+from attention_core.blocks import from_grid, num_blocks, to_grid
+from attention_core.combine import Piece, attend, joint_softmax, weighted_sum
 from combiner import common, flash, fused
 from combiner import pooling as pool_ops
-from core import contract
-from core.blocks import from_grid, num_blocks, to_grid
-from core.combine import Piece, attend, joint_softmax, weighted_sum
 
 Array = Any
 

@@ -1,6 +1,7 @@
 """Cached decoding for Combiner-Fixed (`combiner.fixed`) and its sparse counterpart (`combiner.sparse.fixed`).
 
-A `core.decode.Decoder` (its docstring gives the protocol) whose step equals row `position` of the plan's
+A `attention_core.decode.Decoder` (its docstring gives the protocol) whose step equals row `position` of the
+plan's
 causal forward pass: the same pieces and pooling laid out for one query. Each step writes the span summaries
 its token completes, so every summary a query reads is complete and the per-token cost stays bounded.
 
@@ -18,11 +19,11 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from attention_core import blocks, contract
+from attention_core.combine import joint_softmax
+from attention_core.decode import Cache, finish, keys_piece, make_decoder, token, write, zeros
 from combiner import pooling as pool_ops
 from combiner.common import span_summary
-from core import blocks, contract
-from core.combine import joint_softmax
-from core.decode import Cache, finish, keys_piece, make_decoder, token, write, zeros
 
 Array = Any
 

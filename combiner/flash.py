@@ -43,8 +43,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
-from core import contract, pallas
-from core.blocks import pad_to
+from attention_core import contract, pallas
+from attention_core.blocks import pad_to
 
 Array = Any
 RULES = ("all", "le", "lt", "ne", "range")
@@ -67,7 +67,8 @@ TPU_PARAMS = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "
 
 
 def _pallas_call(platform: str | None, kernel, **kw):
-  """pl.pallas_call lowered per platform (`core.pallas.platform_call`) with this kernel family's params;
+  """pl.pallas_call lowered per platform (`attention_core.pallas.platform_call`) with this kernel family's
+     params;
   `platform`: the one platform the primal was traced for, if any (a custom_vjp's rules are traced outside
   that context, so it rides along as a static argument and each kernel is traced only for it)."""
   return pallas.platform_call(kernel, gpu_params=GPU_PARAMS, tpu_params=TPU_PARAMS, platform=platform, **kw)

@@ -26,10 +26,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from attention_core.blocks import from_grid, head_major, num_blocks, to_grid
 from combiner import common, flash
 from combiner import pooling as pool_ops
 from combiner.dyadic import flipped, level_summaries
-from core.blocks import from_grid, head_major, num_blocks, to_grid
 
 Array = Any
 SPAN_CHUNK = 256  # keys per partial reduction of a long span's in-span expectation

@@ -14,10 +14,10 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from attention_core.blocks import from_grid, to_grid
+from attention_core.combine import Piece, joint_softmax, weighted_sum
 from combiner import common, fused
 from combiner.dyadic import flipped, level_summaries
-from core.blocks import from_grid, to_grid
-from core.combine import Piece, joint_softmax, weighted_sum
 
 Array = Any
 

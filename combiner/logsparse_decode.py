@@ -1,7 +1,8 @@
 """Cached decoding for Combiner-Logsparse (`combiner.logsparse`) and its sparse counterpart
 (`combiner.sparse.logsparse`).
 
-A `core.decode.Decoder` (its docstring gives the protocol) whose step equals row `position` of the plan's
+A `attention_core.decode.Decoder` (its docstring gives the protocol) whose step equals row `position` of the
+plan's
 causal forward pass: the same pieces and pooling laid out for one query. Each step writes the span summaries
 its token completes, so every summary a query reads is complete and the per-token cost stays bounded.
 
@@ -20,12 +21,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from attention_core import contract
+from attention_core.combine import Piece, joint_softmax
+from attention_core.decode import Cache, finish, keys_piece, make_decoder, read, token, write, zeros
 from combiner import pooling as pool_ops
 from combiner.common import span_summary
 from combiner.dyadic import num_levels
-from core import contract
-from core.combine import Piece, joint_softmax
-from core.decode import Cache, finish, keys_piece, make_decoder, read, token, write, zeros
 
 Array = Any
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from attention_core import combine, contract
+from attention_core.blocks import from_grid
+from attention_core.combine import joint_softmax, merge, partial_softmax
 from combiner import common, fused
 from combiner.axial import (
   Grid,
@@ -15,9 +18,6 @@ from combiner.axial import (
   vertical_spans,
   vertical_summaries,
 )
-from core import combine, contract
-from core.blocks import from_grid
-from core.combine import joint_softmax, merge, partial_softmax
 
 Array = Any
 NORMALIZE = ("mean", "joint")

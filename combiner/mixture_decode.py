@@ -1,7 +1,8 @@
 """Cached decoding for Combiner-Mixture (`combiner.mixture`): the vertical and horizontal caches of
 `combiner.axial_decode` together.
 
-A `core.decode.Decoder` (its docstring gives the protocol) whose step equals row `position` of the plan's
+A `attention_core.decode.Decoder` (its docstring gives the protocol) whose step equals row `position` of the
+plan's
 causal forward pass: the same pieces and pooling laid out for one query. Each step writes the span summaries
 its token completes, so every summary a query reads is complete and the per-token cost stays bounded.
 
@@ -11,6 +12,10 @@ value_dim]; `position`: an int32 scalar shared by the batch; out_t: [batch, head
 
 from __future__ import annotations
 
+from attention_core import contract
+from attention_core.combine import joint_softmax, merge, partial_softmax
+from attention_core.combine import normalize as normalize_partial
+from attention_core.decode import finish, make_decoder, token
 from combiner.axial_decode import (
   column_piece,
   grid_init,
@@ -20,10 +25,6 @@ from combiner.axial_decode import (
   vertical_spans,
 )
 from combiner.mixture import NORMALIZE
-from core import contract
-from core.combine import joint_softmax, merge, partial_softmax
-from core.combine import normalize as normalize_partial
-from core.decode import finish, make_decoder, token
 
 
 def mixture_init(batch, heads, max_length, head_dim, value_dim, dtype, *, row_length: int,

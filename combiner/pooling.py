@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from core.blocks import shift
+from attention_core.blocks import shift
 
 Array = Any
 POOLINGS = ("max", "mean")

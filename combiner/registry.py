@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import functools
 
+from attention_core.decode import bind
+from attention_core.registry import OpSpec, register, sqrt_pow2
 from combiner import axial, fixed, logsparse, mixture, seq_parallel, sparse
 from combiner.axial_decode import AXIAL, SPARSE_AXIAL
 from combiner.fixed_decode import FIXED, SPARSE_FIXED
 from combiner.logsparse_decode import LOGSPARSE, SPARSE_LOGSPARSE
 from combiner.mixture_decode import MIXTURE
-from core.decode import bind
-from core.registry import OpSpec, register, sqrt_pow2
 
 
 def _block(length: int) -> dict:

@@ -29,11 +29,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from attention_core import contract
+from attention_core.blocks import to_grid
+from attention_core.combine import Piece, attend, joint_softmax, weighted_sum
 from combiner import common
 from combiner import pooling as pool_ops
-from core import contract
-from core.blocks import to_grid
-from core.combine import Piece, attend, joint_softmax, weighted_sum
 
 Array = Any
 

@@ -5,7 +5,8 @@ needs its own block (local) and, from every other block, only that block's span 
 k̄_r and the in-span value ṽ_r, both computed where the block lives. So the one collective of the forward
 pass is an all-gather of L / block_size summary rows per head (its transpose, a reduce-scatter of their
 gradients, is the one of the backward pass); keys and values never cross devices. `dense` is the usual
-context-parallel baseline to compare against (baselines/dense_seq_parallel.py): it all-gathers K and V.
+context-parallel baseline to compare against (attention_baselines/dense_seq_parallel.py): it all-gathers K
+and V.
 
 Batch is split over the "data" axis and heads over "model" when the mesh has them (and they divide evenly);
 the mesh axes are `Auto` ones, as training/mesh.py makes them.
@@ -24,10 +25,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from attention_core import blocks, contract, sharding
+from attention_core.combine import Piece, joint_softmax
 from combiner.fixed import block_direct_piece, span_summaries
 from combiner.pooling import POOLINGS
-from core import blocks, contract, sharding
-from core.combine import Piece, joint_softmax
 
 Array = Any
 def _slice(x: Array, start: Any, size: int) -> Array:

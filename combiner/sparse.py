@@ -11,13 +11,13 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from attention_core import contract
+from attention_core.blocks import from_grid, num_blocks, to_grid
+from attention_core.combine import Piece, joint_softmax, weighted_sum
 from combiner import common, flash, fused
 from combiner.axial import Grid, Rows, column_piece, row_piece
 from combiner.fixed import block_direct_piece, other_block_valid
 from combiner.logsparse import logsparse_pieces
-from core import contract
-from core.blocks import from_grid, num_blocks, to_grid
-from core.combine import Piece, joint_softmax, weighted_sum
 
 Array = Any
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import ml_collections
 
-from core import registry as op_registry
+from attention_core import registry as op_registry
 
 # Logical parameter axis -> mesh axis (None = replicated). Model parallelism splits heads, MLP and vocabulary.
 SHARDING_RULES = (("embed", None), ("mlp", "model"), ("heads", "model"), ("kv", None), ("vocab", "model"))

@@ -1,4 +1,5 @@
-"""Attention modules: multi-head projections around a pure op registered in `core.registry` (docs/design.md
+"""Attention modules: multi-head projections around a pure op registered in `attention_core.registry`
+   (docs/design.md
 section 3).
 
 `AttentionBase` owns what every attention module shares (q/k/v/output projections with logical axis names,
@@ -20,9 +21,9 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from core import registry as ops_registry
-from core import sharding
-from core.norm import layer_norm
+from attention_core import registry as ops_registry
+from attention_core import sharding
+from attention_core.norm import layer_norm
 from models import layers, recompute
 
 Array = Any
@@ -86,8 +87,8 @@ def check_op_kwargs(spec: ops_registry.OpSpec, names: list[str]) -> None:
 
 def op_function(spec: ops_registry.OpSpec) -> Any:
   """The op itself, or its sequence-parallel form (the registration's `seq_parallel`) when the current mesh
-  (JAX's context mesh, which train steps trace in: `core.sharding.traced_in`, or `jax.set_mesh`) splits
-  the sequence over its "seq" axis. Ops without one run as they are, the partitioner gathering the
+  (JAX's context mesh, which train steps trace in: `attention_core.sharding.traced_in`, or `jax.set_mesh`)
+  splits the sequence over its "seq" axis. Ops without one run as they are, the partitioner gathering the
   sequence."""
   if spec.seq_parallel is not None and sharding.seq_size() > 1:
     return spec.seq_parallel
@@ -190,12 +191,12 @@ class OpAttention(AttentionBase):
     return {}
 
   def op_kinds(self) -> dict[str, str]:
-    """How `core.sharding.attend` splits op arguments it cannot infer (per-head weights: HEADS)."""
+    """How `attention_core.sharding.attend` splits op arguments it cannot infer (per-head weights: HEADS)."""
     return {}
 
   def call_op(self, fn: Any, q: Array, k: Array, v: Array, mask: Array | None, **kwargs: Any) -> Array:
     """fn(q, k, v, causal, mask, **kwargs) on each device's batch rows and heads of the context mesh
-    (`core.sharding`): fused kernels cannot be partitioned."""
+    (`attention_core.sharding`): fused kernels cannot be partitioned."""
     return sharding.attend(fn, q, k, v, mask=mask, kinds=self.op_kinds(), causal=self.causal, **kwargs)
 
   def step_kwargs(self, q: Array, k: Array) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""BigBird attention module: projections + `baselines.bigbird.bigbird` with a random pattern fixed per layer.
+"""BigBird attention module: projections + `attention_baselines.bigbird.bigbird` with a random pattern fixed
+   per layer.
 
 Name `bigbird`. The op draws its random blocks from `params.seed` (a static numpy pattern); this module adds
 the layer index to it, so every layer has its own fixed pattern, as in the paper's implementation.

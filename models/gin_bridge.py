@@ -22,7 +22,7 @@ from typing import Any
 import gin
 import ml_collections
 
-from core import registry as ops_registry
+from attention_core import registry as ops_registry
 from models import attention, registry
 
 GIN_NAME = "attention"

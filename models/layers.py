@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from core.norm import layer_norm
+from attention_core.norm import layer_norm
 
 Array = Any
 Axes = tuple[str | None, ...]

@@ -7,7 +7,7 @@ Each wraps its pure op from `baselines/` and supplies the op arguments that the 
                       not used.
   linformer           `proj_k`, `proj_v`: E, F [proj_dim, seq_len] per layer, shared by the heads, initialised
                       N(0, 1/proj_dim) as in the paper. Field `proj_dim` (None =
-                      `baselines.linformer.PROJ_DIM`, 256).
+                      `attention_baselines.linformer.PROJ_DIM`, 256).
   sinkhorn            `sort_w1`, `sort_b1`, `sort_w2`, `sort_b2`: the sorting network per head (hidden size =
                       head_dim, one output per block of the model's length); `params.block_size` is fixed at
                       construction from `seq_len`.
@@ -26,9 +26,9 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from baselines.linformer import PROJ_DIM as LINFORMER_PROJ_DIM
-from core import registry as ops_registry
-from core import sharding
+from attention_baselines.linformer import PROJ_DIM as LINFORMER_PROJ_DIM
+from attention_core import registry as ops_registry
+from attention_core import sharding
 from models import attention, layers
 
 Array = Any
@@ -39,7 +39,8 @@ class _OwnArgumentsAttention(attention.OpAttention):
 
   OWN: tuple[str, ...] = ()
   FIELDS: tuple[str, ...] = ()
-  PER_HEAD = False  # the OWN arrays have a leading heads axis (split with the heads under core.sharding)
+  PER_HEAD = False  # the OWN arrays have a leading heads axis (split with the heads under
+                    # attention_core.sharding)
 
   def __init__(self, config: ml_collections.ConfigDict, *, features: int, num_heads: int, head_dim: int,
                causal: bool, dtype: Any, rngs: nnx.Rngs):

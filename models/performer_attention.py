@@ -1,4 +1,5 @@
-"""Performer attention module: projections + `baselines.performer.performer`, its random features as state.
+"""Performer attention module: projections + `attention_baselines.performer.performer`, its random features
+   as state.
 
 Name `performer` (`config.model.attention.name`). The features W [num_features, head_dim] are module state
 (`RandomFeatures`, not a parameter: no gradient, saved in checkpoints). Training calls redraw them from the
@@ -20,8 +21,8 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from baselines.performer import orthogonal_features
-from core import registry as ops_registry
+from attention_baselines.performer import orthogonal_features
+from attention_core import registry as ops_registry
 from models import attention
 
 Array = Any

@@ -1,15 +1,15 @@
 """The model side of the attention registry: a config name -> its Flax NNX module class and config fields.
 
-Every attention has one registration, in `core.registry` (written in its package's `registry.py`): op,
-directions, automatic plan parameters, module, decoder, sequence-parallel form and benchmark inputs. This
+Every attention has one registration, in `attention_core.registry` (written in its package's `registry.py`):
+op, directions, automatic plan parameters, module, decoder, sequence-parallel form and benchmark inputs. This
 module reads the module side of it: `OpSpec.module` ("package.module:Class", imported on first use; None =
 `models.attention.OpAttention`), and the config fields the class declares in its `FIELDS` attribute.
 
 Adding an attention mechanism
 =============================
-1. A pure op (docs/design.md) registered with `core.registry.register(OpSpec(...))` in
-   `<your package>/registry.py` (a new package adds its name to `core.registry.OP_PACKAGES`) is usable at once
-   by name through `OpAttention` (projections + op); no module is needed.
+1. A pure op (docs/design.md) registered with `attention_core.registry.register(OpSpec(...))` in
+   `<your package>/registry.py` (a new package adds its name to `attention_core.registry.OP_PACKAGES`) is
+   usable at once by name through `OpAttention` (projections + op); no module is needed.
 2. A mechanism with parameters, state or randomness of its own writes a module in `models/<name>_attention.py`
    (its config fields in the class attribute `FIELDS`) and names it in the registration:
    `OpSpec("routing", ..., module="models.routing_attention:RoutingAttention")`.
@@ -52,7 +52,7 @@ from typing import Any
 
 import ml_collections
 
-from core import registry as ops_registry
+from attention_core import registry as ops_registry
 from models import attention
 
 # Names with a module and no pure op (`register_module`); every other name is a registered op.

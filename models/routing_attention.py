@@ -52,7 +52,7 @@ import ml_collections
 from flax import nnx
 
 import combiner
-from core import registry as ops_registry
+from attention_core import registry as ops_registry
 from models import attention
 from routing import decode, kmeans
 from routing.attention import routed_clusters, routing_attention

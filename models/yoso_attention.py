@@ -33,8 +33,8 @@ import jax
 import ml_collections
 from flax import nnx
 
-from core import registry as ops_registry
-from core import sharding
+from attention_core import registry as ops_registry
+from attention_core import sharding
 from models import attention, layers
 from yoso.conv import depthwise_conv
 
@@ -80,7 +80,7 @@ class YosoAttention(attention.OpAttention):
 
   def op_kinds(self) -> dict[str, str]:
     # The rng is replicated over batch shards (hashes are shared over the batch); a heads shard folds its
-    # index into it, so its heads draw their own hashes (core.sharding).
+    # index into it, so its heads draw their own hashes (attention_core.sharding).
     return {"rng": sharding.RNG, "conv_kernel": sharding.HEADS}
 
   def __call__(self, x: Array, mask: Array | None, *, deterministic: bool) -> Array:

@@ -36,10 +36,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from core import contract
-from core.blocks import neighbours, to_grid
-from core.combine import Piece, joint_softmax, weighted_sum
-from core.norm import layer_norm
+from attention_core import contract
+from attention_core.blocks import neighbours, to_grid
+from attention_core.combine import Piece, joint_softmax, weighted_sum
+from attention_core.norm import layer_norm
 from routing import kmeans
 
 Array = Any
@@ -58,7 +58,7 @@ class RoutingAux(NamedTuple):
 
 
 def _softmax_weights(q: Array, k: Array, valid: Array, scale: float) -> Array:
-  """Normalised attention weights [..., queries, keys] from the shared softmax (`core.combine`)."""
+  """Normalised attention weights [..., queries, keys] from the shared softmax (`attention_core.combine`)."""
   logits = jnp.einsum("...qd,...kd->...qk", q, k) * scale  # [..., queries, keys]
   return joint_softmax([Piece(logits, valid, lambda w: w)])
 

@@ -26,10 +26,10 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from core import contract
-from core.combine import Piece, joint_softmax
-from core.decode import Cache, finish, keys_piece, make_decoder, token, write, zeros
-from core.norm import layer_norm
+from attention_core import contract
+from attention_core.combine import Piece, joint_softmax
+from attention_core.decode import Cache, finish, keys_piece, make_decoder, token, write, zeros
+from attention_core.norm import layer_norm
 from routing import kmeans
 
 Array = Any

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from core.norm import layer_norm
+from attention_core.norm import layer_norm
 
 Array = Any
 

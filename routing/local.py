@@ -11,9 +11,9 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from core import contract
-from core.blocks import neighbours, num_blocks, to_grid
-from core.combine import attend
+from attention_core import contract
+from attention_core.blocks import neighbours, num_blocks, to_grid
+from attention_core.combine import attend
 
 Array = Any
 

@@ -13,9 +13,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from attention_core.registry import OpSpec, register, sqrt_pow2
+
 # Combiner-routed is the Combiner's `routed` plan over routing's clusters: a declared peer dependency.
 from combiner.routed import routed
-from core.registry import OpSpec, register, sqrt_pow2
 from routing import kmeans
 from routing.attention import routed_clusters, routing_attention
 

@@ -7,7 +7,7 @@
     python -m scripts.benchmark --mode train ...          # scripts/benchmark_train.py (models/)
     python -m scripts.benchmark --mode input ...          # scripts/benchmark_input.py (data/)
 
-What is measured (`--mode ops`, the default). For every op in `core.registry` (or `--ops`) and every
+What is measured (`--mode ops`, the default). For every op in `attention_core.registry` (or `--ops`) and every
 length, a fresh worker process (`python -m scripts.benchmark --_worker ...`, printing one JSON line) does:
   1. AOT-compiles `jax.jit(op)` (forward) and `jax.jit(grad of sum(op(q, k, v) * cotangent) w.r.t. q, k, v)`
      (forward+backward) from shapes only, and reads XLA's `memory_analysis()`. If arguments + temporaries +
@@ -32,7 +32,7 @@ every row) and `benchmark_ops.png` (time and memory against L, log-log, one line
 JAX version, device kind, CPU count, date and flags.
 
 Extension points (for the other packages' helpers):
-  * Ops: register a pure op with `core.registry.register(OpSpec(...))` in `<pkg>/registry.py`; it
+  * Ops: register a pure op with `attention_core.registry.register(OpSpec(...))` in `<pkg>/registry.py`; it
     appears here by name. It runs at its automatic plan parameters (`OpSpec.params(length)`); arguments a
     model owns (weights, keys, state) come from `OpSpec.bench_inputs`: the benchmark calls
     `bench_inputs(length)` and additionally passes whichever of the keywords `batch`, `heads`, `head_dim`,
@@ -69,7 +69,9 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from core import registry as ops_registry  # imports no op package until a lookup (core.registry.load)
+from attention_core import (
+  registry as ops_registry,  # imports no op package until a lookup (attention_core.registry.load)
+)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_LENGTHS = tuple(1024 * 2**i for i in range(7))  # 1024 .. 65536
@@ -463,7 +465,8 @@ def median_time(fn: Callable[[], Any], repeats: int, budget_s: float,
 
 
 def op_params(spec: Any, length: int, **shape: Any) -> dict[str, Any]:
-  """The op's automatic plan parameters and benchmark inputs (`core.registry.bench_params`), also passing the
+  """The op's automatic plan parameters and benchmark inputs (`attention_core.registry.bench_params`), also
+     passing the
   keywords among batch/heads/head_dim/dtype their signatures name."""
   return ops_registry.bench_params(spec, length, **shape)
 
@@ -526,7 +529,7 @@ def flash_attention_fn(platform: str, *, causal: bool, dtype: str, length: int, 
       return None, f"{SKIP_NO_FLASH} for {dtype}, L={length} (the TPU kernel: bfloat16/float32, L % 128 == 0)"
     from jax.experimental.pallas.ops.tpu import flash_attention as tpu_flash
 
-    from baselines.dense import tpu_block_sizes
+    from attention_baselines.dense import tpu_block_sizes
 
     def forward(q, k, v):
       qh, kh, vh = (jnp.swapaxes(t, 1, 2) for t in (q, k, v))  # [batch, heads, length, head_dim]

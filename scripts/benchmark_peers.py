@@ -81,7 +81,7 @@ def _routing_transformer(length, batch, heads, head_dim, causal, dtype):
   import torch
   from routing_transformer.routing_transformer import KmeansAttention
 
-  from core.registry import sqrt_pow2
+  from attention_core.registry import sqrt_pow2
 
   torch_dtype = getattr(torch, dtype)
   size = sqrt_pow2(length)
@@ -220,7 +220,7 @@ def _local_attention(length, batch, heads, head_dim, causal, dtype, *, sliding):
   import torch
   from local_attention import LocalAttention
 
-  from core.registry import sqrt_pow2
+  from attention_core.registry import sqrt_pow2
 
   size = sqrt_pow2(length)
   if sliding:  # +-window exactly, like our longformer without global tokens

@@ -108,7 +108,7 @@ def worker(args: argparse.Namespace, name: str, length: int, opts: argparse.Name
   import jax
   import numpy as np
 
-  from core import registry as ops_registry
+  from attention_core import registry as ops_registry
   from scripts import benchmark as bench
   from training import experiment
 

@@ -115,7 +115,7 @@ def check_combiner(args: argparse.Namespace, key: Any) -> list[tuple[str, dict[s
 
 
 def check_dense(args: argparse.Namespace, key: Any) -> list[tuple[str, dict[str, float]]]:
-  from baselines.dense import dense
+  from attention_baselines.dense import dense
 
   results = []
   for causal in (True, False):

@@ -48,7 +48,7 @@ def op_step(name: str, length: int, *, heads: int, head_dim: int, dtype: str, ca
   import jax
   import jax.numpy as jnp
 
-  from core import registry as ops_registry
+  from attention_core import registry as ops_registry
   from scripts.benchmark import op_forward
 
   forward, mode, _ = op_forward(ops_registry.get(name), length, causal=causal, batch=1, heads=heads,

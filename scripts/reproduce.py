@@ -257,7 +257,7 @@ CAUSAL_TASKS = ("lm", "image")  # decoders; the other tasks run bidirectional at
 def unavailable(row: Row) -> str | None:
   """Why the row cannot run yet (its attention is not registered, or has no form for the row's direction), or
   None when it can."""
-  from core import registry as ops_registry
+  from attention_core import registry as ops_registry
   from models import registry
 
   if row.attention not in registry.names():

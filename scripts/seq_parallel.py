@@ -6,7 +6,8 @@ r"""Sequence-parallel attention on simulated CPU devices: communication and memo
 
 For each op it compiles forward + backward (loss = sum of the outputs, gradients for q, k and v) with the
 sequence split over a `seq` mesh axis of `--devices` simulated CPU devices, and prints the bytes each device
-receives over all collectives (`core.hlo`, read from the compiled HLO), the budget 4 x (L / block) x heads x
+receives over all collectives (`attention_core.hlo`, read from the compiled HLO), the budget 4 x (L / block)
+x heads x
 head_dim elements, and XLA's memory analysis (per device and over all devices). Nothing is executed unless
 `--run` is given; then the op runs once and the wall time is printed.
 """
@@ -48,8 +49,8 @@ def main(argv: list[str] | None = None) -> dict:
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
-  from core import hlo, registry
-  from core.registry import sqrt_pow2
+  from attention_core import hlo, registry
+  from attention_core.registry import sqrt_pow2
 
   if len(jax.devices()) < args.devices:
     raise SystemExit(f"needs {args.devices} devices, JAX sees {len(jax.devices())} "

@@ -22,7 +22,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ma
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from core import registry as ops_registry
+from attention_core import registry as ops_registry
 from scripts import compile_tpu  # noqa: F401  (sets libtpu's environment before jax loads)
 
 HEADS, HEAD_DIM = 16, 128

@@ -43,13 +43,14 @@ def decoding_matches_forward():
 
 @pytest.fixture(autouse=True)
 def _traced_for_cpu(request):
-  """Ops traced in a test make their choices for CPU only (`core.contract.traced_for`), as train.py's steps
+  """Ops traced in a test make their choices for CPU only (`attention_core.contract.traced_for`), as
+     train.py's steps
   do for their mesh: one trace instead of one per platform. Tests that lower for another platform (export
   for TPU or CUDA, the per-platform staging itself) are marked `all_platforms`."""
   if request.node.get_closest_marker("all_platforms"):
     yield
     return
-  from core import contract
+  from attention_core import contract
 
   with contract.traced_for("cpu"):
     yield

@@ -1,7 +1,7 @@
 """Dependencies point one way, floor by floor:
 
-    runtime, core  <-  op packages (combiner, routing, yoso, baselines)  <-  models  <-  training  <-
-    entry points (train.py, eval.py, sample.py) and scripts/
+    runtime, attention_core  <-  op packages (combiner, routing, yoso, attention_baselines)  <-  models  <- 
+    training  <- entry points (train.py, eval.py, sample.py) and scripts/
 
 data/ (input pipelines) sits beside models: neither imports the other. configs/ import neither models/ nor
 data/. Op packages import each other only where PEERS declares it. No entry point or script imports an entry
@@ -19,19 +19,19 @@ import pathlib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-OP_PACKAGES = ("combiner", "routing", "yoso", "baselines")
+OP_PACKAGES = ("combiner", "routing", "yoso", "attention_baselines")
 ENTRY_POINTS = ("train", "eval", "sample")  # the root-level .py files run as `python X.py`
 # Op package -> the other op packages it may import. Combiner-routed is the Combiner's `routed` plan over
 # routing's clusters, registered with routing.
 PEERS: dict[str, set[str]] = {pkg: set() for pkg in OP_PACKAGES} | {"routing": {"combiner"}}
-BELOW_MODELS = {"core", *OP_PACKAGES}
+BELOW_MODELS = {"attention_core", *OP_PACKAGES}
 # Folder (or entry point) -> the top-level names of this repository it may import besides itself.
 ALLOWED: dict[str, set[str]] = {
     "runtime": set(),
-    "core": set(),
-    **{pkg: {"core"} | PEERS[pkg] for pkg in OP_PACKAGES},
-    "configs": {"core"},
-    "data": {"core", "runtime"},
+    "attention_core": set(),
+    **{pkg: {"attention_core"} | PEERS[pkg] for pkg in OP_PACKAGES},
+    "configs": {"attention_core"},
+    "data": {"attention_core", "runtime"},
     "models": BELOW_MODELS | {"configs", "runtime"},
     "training": BELOW_MODELS | {"configs", "runtime", "models", "data"},
     "scripts": BELOW_MODELS | {"configs", "runtime", "models", "data", "training"},

@@ -6,8 +6,8 @@
   centroids, updated by the module in the forward pass), optax state and the step. Per-step randomness comes
   from `fold_in(key(seed), step)`, reseeding the modules' "dropout"/"attention" streams, so resume is exact.
 - Steps: `jax.jit` with in/out shardings and donated state, traced with the mesh as JAX's context mesh
-  (`core.sharding.traced_in`): attention ops run per device on its batch rows and heads, and split the
-  sequence over the "seq" axis when it is > 1 (combiner/seq_parallel.py). Batches are sharded over "data".
+  (`attention_core.sharding.traced_in`): attention ops run per device on its batch rows and heads, and split
+  the sequence over the "seq" axis when it is > 1 (combiner/seq_parallel.py). Batches are sharded over "data".
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from core import sharding
+from attention_core import sharding
 from models import metrics as metrics_lib
 from models import transformer
 from training.mesh import make_mesh, state_shardings

@@ -13,7 +13,7 @@ from training.config_io import ROOT
 def listing() -> str:
   """What a command line can choose: attention names, config files with their first docstring line, and each
   config's arguments (`--config FILE:key=value,flag`)."""
-  from core import registry as ops_registry
+  from attention_core import registry as ops_registry
   from models import registry
 
   lines = ["attention (--config FILE:attention=NAME):"]

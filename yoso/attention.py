@@ -31,8 +31,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from core import contract
-from core.combine import weighted_sum
+from attention_core import contract
+from attention_core.combine import weighted_sum
 from yoso import hashing, tables
 from yoso.backward import BACKWARDS, cotangents, sketch_directions, visible
 from yoso.collision import expected_collision

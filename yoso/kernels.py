@@ -44,8 +44,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
-from core import pallas
-from core.blocks import pad_to
+from attention_core import pallas
+from attention_core.blocks import pad_to
 
 Array = Any
 

@@ -7,7 +7,7 @@ only: their depthwise convolution ("same" padding) reads future values.
 import jax
 import jax.numpy as jnp
 
-from core.registry import OpSpec, register
+from attention_core.registry import OpSpec, register
 from yoso.attention import yoso, yoso_c, yoso_e
 
 TAU = 8

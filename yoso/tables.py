@@ -121,7 +121,7 @@ FORMULATIONS = ("auto", "sorted", "onehot", "pallas")
 
 def resolve_formulation(formulation: str, platform: str) -> str:
   """"auto" -> "pallas" on GPU and TPU (one-hot matmuls made on chip, `yoso.kernels`), "sorted" elsewhere
-  (CPU). `yoso.attention.yoso` asks per lowering platform (`core.contract.per_platform`)."""
+  (CPU). `yoso.attention.yoso` asks per lowering platform (`attention_core.contract.per_platform`)."""
   if formulation != "auto":
     return formulation
   return "pallas" if platform in ("gpu", "tpu") else "sorted"

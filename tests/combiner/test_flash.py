@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 import combiner
+from attention_core import contract
 from combiner import flash, sparse
-from core import contract
 
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
 BATCH, HEADS, HEAD_DIM, VALUE_DIM = 2, 2, 8, 5
@@ -239,8 +239,8 @@ def check_lowering(name, platform):
 def test_registry_and_model_config_carry_the_implementation():
   """Ops that take `implementation` are found from their signature; the model passes
   `config.model.attention.implementation` to them and rejects a specific choice for an op without one."""
+  from attention_core import registry as ops_registry
   from configs import base
-  from core import registry as ops_registry
   from models import transformer
 
   for name in ("combiner_fixed", "combiner_logsparse", "combiner_axial_rowmajor", "combiner_axial_vertical",

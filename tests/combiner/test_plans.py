@@ -18,7 +18,7 @@ import pytest
 from jax.test_util import check_grads
 
 import combiner
-from baselines.dense import dense
+from attention_baselines.dense import dense
 from combiner import reference as ref
 
 PLANS = ("fixed", "logsparse", "axial_rowmajor", "axial_vertical", "axial_horizontal", "mixture_mean",

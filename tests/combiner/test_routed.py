@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import combiner
+from attention_core import registry as ops_registry
 from combiner import reference
-from core import registry as ops_registry
 
 
 @functools.partial(jax.jit, static_argnames=("num_clusters", "causal", "pooling"))

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 
-from baselines.dense import dense
+from attention_baselines.dense import dense
 from combiner import reference as ref
 from combiner import sparse
 from tests.combiner.test_plans import (

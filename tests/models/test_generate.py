@@ -1,5 +1,5 @@
 """Cached decoding of whole models equals their forward pass (logits), and sampling from the decoder (op by
-op: tests/core/test_decode.py)."""
+op: tests/attention_core/test_decode.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from core import registry as ops_registry
+from attention_core import registry as ops_registry
 
 
 def test_op_without_decoder_names_it():
@@ -44,7 +44,8 @@ MODEL_CASES = [("dense", {}), ("combiner_fixed", {"block_size": 4}),
                ("bigbird", {"block_size": 1, "num_random_blocks": 1})]
 
 
-# The op-level tests (tests/core/test_decode.py) cover every plan; at model level only the one below runs
+# The op-level tests (tests/attention_core/test_decode.py) cover every plan; at model level only the one
+# below runs
 # fast, the others (each a whole model compiled twice) run with `-m slow`.
 FAST_MODEL_CASES = ("combiner_axial_rowmajor",)
 

@@ -1,4 +1,5 @@
-"""Attention ops under shard_map over the mesh's batch and heads axes (core.sharding): on 8 simulated CPU
+"""Attention ops under shard_map over the mesh's batch and heads axes (attention_core.sharding): on 8
+   simulated CPU
 devices (tests/conftest.py) a model's forward pass and gradients equal the one-device run, and for a TPU
 topology (libtpu, compile only) the fused kernels compile without gathering q, k, v or the output."""
 
@@ -13,8 +14,8 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from attention_core import sharding
 from configs import base
-from core import sharding
 from models import transformer, yoso_attention
 from training import mesh as mesh_lib
 from yoso.attention import yoso

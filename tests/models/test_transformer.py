@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from attention_core import registry as ops_registry
 from configs import base
-from core import registry as ops_registry
 from models import registry, transformer
 
 LENGTH, VOCAB, CLASSES = 16, 13, 3

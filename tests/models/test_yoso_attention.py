@@ -13,8 +13,8 @@ import optax
 import pytest
 from flax import nnx
 
+from attention_core import registry as ops_registry
 from configs import base
-from core import registry as ops_registry
 from data import synthetic
 from models import metrics, registry, transformer
 from yoso.attention import yoso, yoso_c

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from core.norm import layer_norm
+from attention_core.norm import layer_norm
 from routing import kmeans
 from routing.attention import routing_attention
 from routing.local import local_attention

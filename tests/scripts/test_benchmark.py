@@ -297,7 +297,7 @@ def test_worker_prints_one_parsable_json_line_and_skips_over_memory_budget():
 
 @pytest.mark.slow
 def test_tiny_benchmark_run_writes_table_json_and_plot(tmp_path):
-  from core import registry as ops_registry
+  from attention_core import registry as ops_registry
 
   others = [n for n in E2E_CANDIDATES if n in ops_registry.names()][:2]
   assert len(others) == 2, f"need two of {E2E_CANDIDATES} registered, have {ops_registry.names()}"
@@ -361,7 +361,7 @@ def test_flash_reference_per_backend_and_implementation_keyword():
   shape = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
   exported = jax.export.export(jax.jit(fn), platforms=["tpu"])(shape, shape, shape)
   assert "tpu_custom_call" in exported.mlir_module()
-  from baselines.dense import dense, dense_xla
+  from attention_baselines.dense import dense, dense_xla
   assert bm._takes_keyword(dense, "implementation") and not bm._takes_keyword(dense_xla, "implementation")
 
 

@@ -12,8 +12,8 @@ import json
 
 import pytest
 
+from attention_core import contract
 from combiner import flash
-from core import contract
 from scripts import check_kernels, profile_ops, tune_kernels
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from baselines.dense import dense
+from attention_baselines.dense import dense
 from models import attention, registry
 from tests.training.smoke import smoke
 from training import checkpoints, config_io, experiment, listing, loop

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from core import contract
+from attention_core import contract
 from yoso import hashing
 from yoso.attention import l2_normalize, yoso, yoso_c, yoso_e
 from yoso.collision import arccos_poly, expected_collision

@@ -1,0 +1,119 @@
+"""Registers the baselines: their pure ops, modules, decoders and benchmark stand-ins."""
+
+import jax
+import jax.numpy as jnp
+
+from attention_baselines import dense_seq_parallel
+from attention_baselines.bigbird import bigbird
+from attention_baselines.bigbird_decode import BIGBIRD
+from attention_baselines.dense import dense, dense_xla
+from attention_baselines.dense_decode import DENSE
+from attention_baselines.linear import DEFAULT_CHUNK as LINEAR_CHUNK
+from attention_baselines.linear import linear
+from attention_baselines.linear_decode import LINEAR
+from attention_baselines.linformer import PROJ_DIM as LINFORMER_PROJ_DIM
+from attention_baselines.linformer import linformer
+from attention_baselines.local import local
+from attention_baselines.local_decode import LOCAL
+from attention_baselines.longformer import longformer
+from attention_baselines.longformer_decode import LONGFORMER
+from attention_baselines.none import none
+from attention_baselines.nystromformer import nystromformer
+from attention_baselines.performer import DEFAULT_CHUNK as PERFORMER_CHUNK
+from attention_baselines.performer import performer
+from attention_baselines.performer_decode import PERFORMER
+from attention_baselines.reformer import reformer
+from attention_baselines.sinkhorn import sinkhorn
+from attention_baselines.synthesizer import synthesizer_dense, synthesizer_random
+from attention_core.registry import OpSpec, register, sqrt_pow2
+
+register(OpSpec("dense", dense, description="exact softmax attention, O(L^2)",
+                decode=DENSE, seq_parallel=dense_seq_parallel.dense))
+register(OpSpec("dense_xla", dense_xla,
+                description="jax.nn.dot_product_attention (XLA), O(L^2), for comparison"))
+
+
+def _fixed_key(length: int) -> dict:
+  """A fixed key for the benchmark (models own their keys and draw fresh ones)."""
+  return {"rng": jax.random.key(0)}
+
+
+# m = 256 features (the paper's setting), drawn for the benchmark from a fixed key; models own and redraw
+# their features.
+register(OpSpec("performer", performer,
+                params=lambda length: {"num_features": 256, "chunk_size": PERFORMER_CHUNK},
+                bench_inputs=_fixed_key, module="models.performer_attention:PerformerAttention",
+                description="Performer FAVOR+, 256 positive orthogonal random features, O(L*m*d)",
+                decode=PERFORMER))
+register(OpSpec("linear", linear, params=lambda length: {"chunk_size": LINEAR_CHUNK},
+                description="linear transformer, elu+1 features, O(L*d^2)", decode=LINEAR))
+register(OpSpec("local", local, params=lambda length: {"block_size": sqrt_pow2(length)},
+                description="block-local attention (own block), O(L*b*d)", decode=LOCAL))
+register(OpSpec("longformer", longformer,
+                params=lambda length: {"window": sqrt_pow2(length), "global_positions": (0,)},
+                description="Longformer sliding window (w each side) + global tokens, O(L*w*d)",
+                decode=LONGFORMER))
+register(OpSpec("bigbird", bigbird,
+                params=lambda length: {"block_size": min(64, sqrt_pow2(length)), "global_blocks": (0, -1),
+                                       "num_random_blocks": 3},
+                description="BigBird ITC: 3 window + 2 global + 3 random blocks, O(L*8b*d)", decode=BIGBIRD,
+                module="models.bigbird_attention:BigBirdAttention"))
+register(OpSpec("none", none, description="no attention (zeros): the feed-forward-only reference"))
+# Learned or sampled baselines: the registered op takes its weights and keys explicitly; bench_inputs(length)
+# makes fixed stand-ins for the benchmark (their modules own the real ones).
+REFORMER_CHUNK = 64
+LEARNED = "models.learned_baselines_attention"
+
+
+def _normal(seed: int, shape: tuple[int, ...], fan_in: int) -> jax.Array:
+  return jax.random.normal(jax.random.key(seed), shape, jnp.float32) / jnp.sqrt(float(fan_in))
+
+
+def _reformer_params(length: int) -> dict:
+  # reformer-pytorch's setting (bucket_size 64): chunks of 64, as many buckets as chunks, 2 rounds.
+  chunks = -(-length // REFORMER_CHUNK)
+  return {"n_hashes": 2, "chunk_size": REFORMER_CHUNK, "n_buckets": max(2, chunks + chunks % 2)}
+
+
+def _sinkhorn_inputs(length: int, *, head_dim: int = 64) -> dict:
+  blocks = -(-length // sqrt_pow2(length))
+  return {"sort_w1": _normal(3, (1, head_dim, head_dim), head_dim),
+          "sort_b1": jnp.zeros((1, head_dim)), "sort_w2": _normal(4, (1, head_dim, blocks), head_dim),
+          "sort_b2": jnp.zeros((1, blocks))}
+
+
+register(OpSpec(
+    "reformer", reformer, params=_reformer_params, bench_inputs=_fixed_key,
+    module=f"{LEARNED}:ReformerAttention",
+    description="Reformer LSH attention, shared QK, 2 hashes, chunks of 64 (own + previous chunk), "
+                "O(L*n_hashes*chunk*d)"))
+register(OpSpec(
+    "linformer", linformer, causal=False,
+    bench_inputs=lambda length: {
+        "proj_k": _normal(1, (LINFORMER_PROJ_DIM, length), LINFORMER_PROJ_DIM),
+        "proj_v": _normal(2, (LINFORMER_PROJ_DIM, length), LINFORMER_PROJ_DIM)},
+    module=f"{LEARNED}:LinformerAttention",
+    description="Linformer, K and V projected along the length to k=256, O(L*k*d), bidirectional only"))
+register(OpSpec(
+    "sinkhorn", sinkhorn, params=lambda length: {"block_size": sqrt_pow2(length)},
+    bench_inputs=_sinkhorn_inputs, module=f"{LEARNED}:SinkhornAttention",
+    description="sparse Sinkhorn attention, blocks of ~sqrt(L), own block + Sinkhorn-sorted block, "
+                "O(L*block*d + (L/block)^2*block*d)"))
+register(OpSpec(
+    "synthesizer", synthesizer_dense,
+    bench_inputs=lambda length, *, head_dim=64: {"w1": _normal(5, (1, head_dim, head_dim), head_dim),
+                                                 "b1": jnp.zeros((1, head_dim)),
+                                                 "w2": _normal(6, (1, head_dim, length), head_dim),
+                                                 "b2": jnp.zeros((1, length))},
+    module=f"{LEARNED}:SynthesizerAttention",
+    description="dense synthesizer, per-token MLP logits over positions, O(L^2)"))
+register(OpSpec(
+    "synthesizer_random", synthesizer_random,
+    bench_inputs=lambda length: {"logits": _normal(7, (1, length, length), length)},
+    module=f"{LEARNED}:RandomSynthesizerAttention",
+    description="random synthesizer, one [L, L] logits matrix per head, O(L^2)"))
+register(OpSpec(
+    "nystromformer", nystromformer, causal=False,
+    params=lambda length: {"num_landmarks": 64, "pinv_iterations": 6},
+    description="Nystromformer, 64 segment-mean landmarks, 6-step iterative pseudo-inverse, O(L*m*d), "
+                "bidirectional only"))

@@ -1,0 +1,105 @@
+"""The TPU branch of every kernel runs here, in JAX's TPU interpreter
+   (`attention_core.pallas.simulate("tpu")`).
+
+Under `simulate` the "auto" ops make the TPU choices (the fused Combiner plans with TPU tiles and layout,
+dense's Pallas TPU flash kernel, YOSO's pallas formulation) and each Pallas call runs its TPU block specs,
+SMEM scalars and compiler params in the interpreter, which models TPU memory spaces and detects races. The
+outputs and gradients equal the XLA path in float32 (tolerances as in tests/combiner/test_flash.py). The race
+detector sees the last kernel each run executes (its state lasts from one kernel to the next).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import combiner
+from attention_baselines.dense import dense
+from attention_core import pallas
+from yoso.attention import yoso
+
+BATCH, HEADS, HEAD_DIM, VALUE_DIM = 2, 2, 8, 5
+FAST_COMPILE = {"xla_backend_optimization_level": 0}  # interpreted programs compile slowly
+
+
+def inputs(length: int, value_dim: int = VALUE_DIM, seed: int = 0):
+  keys = jax.random.split(jax.random.PRNGKey(seed), 5)
+  q, k = (jax.random.normal(kk, (BATCH, length, HEADS, HEAD_DIM)) for kk in keys[:2])
+  v = jax.random.normal(keys[2], (BATCH, length, HEADS, value_dim))
+  mask = jax.random.bernoulli(keys[3], 0.75, (BATCH, length)).at[:, 0].set(True)
+  return q, k, v, mask, jax.random.normal(keys[4], v.shape)
+
+
+def value_and_grads(fn, q, k, v, cotangent):
+  out, vjp = jax.vjp(fn, q, k, v)
+  return (out, *vjp(cotangent))
+
+
+def compare_simulated(op, length, *, value_dim=VALUE_DIM, atol=2e-5, rtol=2e-5, **kw):
+  """op(..., implementation="auto") run as on a TPU, in the interpreter, against implementation="xla"."""
+  q, k, v, mask, cotangent = inputs(length, value_dim)
+  run = functools.partial(value_and_grads, cotangent=cotangent)
+  with pallas.simulate("tpu", detect_races=True):
+    got = jax.jit(lambda q, k, v: run(lambda *a: op(*a, mask=mask, implementation="auto", **kw), q, k, v),
+                  compiler_options=FAST_COMPILE)(q, k, v)
+    got = jax.block_until_ready(got)
+    assert not pallas.races_found()
+  want = run(lambda *a: op(*a, mask=mask, implementation="xla", **kw), q, k, v)
+  for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=atol, rtol=rtol, err_msg=name)
+
+
+PLANS = {
+    "fixed": functools.partial(combiner.fixed, block_size=4),
+    "logsparse": combiner.logsparse,
+    "axial_vertical": functools.partial(combiner.axial, row_length=4, direction="vertical"),
+    "mixture": functools.partial(combiner.mixture, row_length=3),
+}
+
+
+# (plan, length, causal): ragged lengths (not multiples of the block or row), both directions, a key mask.
+@pytest.mark.parametrize("plan,length,causal", [
+    ("fixed", 13, True),
+    *(pytest.param(*case, marks=pytest.mark.slow) for case in (
+        ("fixed", 13, False), ("logsparse", 13, True), ("logsparse", 13, False), ("axial_vertical", 11, True),
+        ("axial_vertical", 11, False), ("mixture", 11, True), ("mixture", 11, False))),
+])
+def test_combiner_tpu_branch_equals_xla(plan, length, causal):
+  compare_simulated(PLANS[plan], length, causal=causal)
+
+
+@pytest.mark.parametrize("causal", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_dense_tpu_kernel_equals_xla(causal):
+  """JAX's Pallas TPU flash kernel (`attention_baselines.dense._pallas_tpu`): a ragged length padded to its
+     tiles."""
+  compare_simulated(dense, 13, value_dim=HEAD_DIM, causal=causal)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("causal,features,length", [(False, None, 24), (False, 2, 24), (True, None, 24),
+                                                    (False, 2, 300)])
+def test_yoso_pallas_formulation_equals_sorted(causal, features, length, monkeypatch):
+  """YOSO's table kernels (build/read, the sketched tables) and the exact backward's pair sums; at length 300
+  the TPU build walks its rows in three chunks of 128."""
+  from yoso import backward, kernels
+
+  monkeypatch.setattr(backward, "COUNTS_MAX_LENGTH", 0)  # the LSH tables, not the short-sequence counts
+  monkeypatch.setattr(kernels, "BUILD_ROWS", 128)
+  q, k, v, mask, cotangent = inputs(length)
+
+  def run(formulation):
+    def fn(q, k, v):
+      return yoso(q, k, v, rng=jax.random.PRNGKey(5), num_hashes=2, tau=3, mask=mask, causal=causal,
+                  backward_features=features, formulation=formulation)
+    return value_and_grads(fn, q, k, v, cotangent)
+
+  with pallas.simulate("tpu", detect_races=True):
+    got = jax.block_until_ready(jax.jit(lambda: run("auto"), compiler_options=FAST_COMPILE)())
+    assert not pallas.races_found()
+  for name, a, b in zip(("out", "dq", "dk", "dv"), got, run("sorted"), strict=True):
+    scale = float(jnp.max(jnp.abs(b)))
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5 * scale, err_msg=name)
