@@ -16,6 +16,9 @@ state (checkpoints.py), the workdir's config checks (config_io.py), and the loop
   resolved config in `<workdir>/config.json`, final eval metrics in `<workdir>/metrics.json`, and the run's
   state in `<workdir>/status/` (started, heartbeats, then finished, failed or preempted: training/status.py).
   The workdir may be `gs://` (files: runtime/paths.py; arrays: orbax).
+- Before the first step the model's fused attention kernel (on a GPU/TPU, or named in the config) is compiled
+  and compared with the XLA path (training/kernel_check.py): under "auto" a failure trains on the XLA path and
+  says so (log, `<workdir>/status/kernel_check.json`); a kernel named explicitly stops the run (exit 1).
 - Processes: `--multihost` on Cloud TPU pods; elsewhere `--coordinator_address --num_processes --process_id`
   (runtime/distributed.py). Each process feeds its own shard of every global batch.
 """
@@ -31,7 +34,7 @@ import jax
 import ml_collections
 
 from runtime import distributed
-from training import checkpoints, config_io, experiment, listing, loop, status
+from training import checkpoints, config_io, experiment, kernel_check, listing, loop, status
 
 
 def _flags():
@@ -91,7 +94,7 @@ def main(argv: list[str]) -> None:
     if not isinstance(e, config_io.ConfigMismatch):  # the workdir is another run's: nothing is written there
       status.record_failure(workdir, e, enabled=jax.process_index() == 0)
     if not isinstance(e, (loop.TrainingDiverged, loop.NonFiniteEvaluation, config_io.ConfigMismatch,
-                          checkpoints.UnrestorableCheckpoint)):
+                          checkpoints.UnrestorableCheckpoint, kernel_check.KernelCheckFailed)):
       raise
     print(f"ERROR: {e}", file=sys.stderr, flush=True)
     sys.exit(1)

@@ -27,7 +27,7 @@ import numpy as np
 from configs import base as config_base
 from models import metrics as metrics_lib
 from runtime import paths
-from training import config_io
+from training import config_io, kernel_check
 from training import status as run_status
 from training.checkpoints import checkpoint_manager, restore_or_init, save_checkpoint
 from training.experiment import Experiment, create_dataset
@@ -99,7 +99,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, devic
   is_main = jax.process_index() == 0
   if is_main and not config_diff:
     config_io.record_config(workdir, config, {}, 0)  # a new run's config.json, first of all its files
-  exp = Experiment(config, devices=devices)
+  # The model's fused kernel compiled and checked on the device first; under "auto" a failure builds the model
+  # on the XLA path instead (config.json keeps the config as given).
+  exp = Experiment(kernel_check.checked_config(config, workdir, devices=devices, record=is_main),
+                   devices=devices)
   num_steps = int(config.train.num_steps)
   loader = create_dataset(config, "train", batch_size=exp.per_host(int(config.train.batch_size)),
                           seed=int(config.seed))
