@@ -12,10 +12,11 @@ HEAD as a tarball by scp, its commit in the code's COMMIT file; or `--repo_url` 
 (a Python venv with requirements.txt + requirements-tpu.txt and `jax[tpu]` at the pinned jax version, the
 install line jax documents, on `--worker=all`), train (train.py on every worker, detached, log in
 ~/train.log, pid in ~/train.pid; a second `train` while it runs starts nothing), logs, status (the queued
-resource's state and the run's records), run (create, copy, setup, train, then watch), delete. `--dry_run`
-prints every command instead of running it. Commands are argument lists; the remote shell commands quote every
-user-given value with shlex.quote. copy and run refuse a git tree with uncommitted changes (they would not
-be shipped) unless `--allow_dirty`. A multi-host slice needs a `gs://` workdir (every worker writes to it).
+resource's state and the run's records), run (create, copy, setup, a kernel check, train, then watch),
+delete. `--dry_run` prints every command instead of running it. Commands are argument lists; the remote shell
+commands quote every user-given value with shlex.quote. copy and run refuse a git tree with uncommitted
+changes (they would not be shipped) unless `--allow_dirty`. A multi-host slice needs a `gs://` workdir (every
+worker writes to it).
 
 How `run` knows how training went: train.py writes its state to `<workdir>/status/` (training/status.py):
 `started`, a `heartbeat` every minute from the training loop, then `finished`, `failed` or `preempted`.
@@ -35,6 +36,12 @@ worker 0's disk):
 
 `--delete_after` deletes the slice when run ends, however it ends (finished, failed, an error or Ctrl-C in
 the launcher); `--delete_on_failure` deletes it only when training did not finish.
+
+On the slice, before training starts, `run` compares every fused kernel with its XLA path on one chip of
+worker 0 (`python -m scripts.check_kernels`, once per launch; `--skip_kernel_check` skips it). A failure is
+printed as a WARNING with the script's lines and training starts all the same: train.py checks the kernel its
+model uses itself (training/kernel_check.py) and, under implementation="auto", trains on the XLA path when it
+fails (with the kernel named explicitly it stops).
 
 Before create and run make a slice, the config's whole train step is compiled here for the accelerator type
 (`scripts/compile_tpu.py`, with the `--config.*` and gin flags given after `--`): a config that does not fit
@@ -263,6 +270,16 @@ def train_cmds(args: argparse.Namespace) -> list[list[str]]:
                         f"echo \"train.py already runs (pid $pid)\"; else {start}; fi")]
 
 
+# One chip of worker 0 for a process of its own: the slice's other hosts run nothing yet, so the check must
+# not wait for them (the TPU runtime's variables for independent processes on one host).
+ONE_CHIP = "TPU_CHIPS_PER_PROCESS_BOUNDS=1,1,1 TPU_PROCESS_BOUNDS=1,1,1 TPU_VISIBLE_DEVICES=0"
+
+
+def kernel_check_cmd(args: argparse.Namespace) -> list[str]:
+  return ssh_cmd(args, f"cd {REMOTE_DIR} && {ONE_CHIP} {REMOTE_VENV}/bin/python -m scripts.check_kernels",
+                 worker="0")
+
+
 def compile_check_cmd(args: argparse.Namespace) -> list[str]:
   """scripts/compile_tpu.py for --config on --accelerator, with the train flags after `--` it understands."""
   config, colon, arg = args.config.partition(":")
@@ -435,8 +452,37 @@ def start(args: argparse.Namespace, run: Runner, commit: str | None) -> bool:
   if not create(args, run):
     return False
   perform(args, run, copy_cmds(args, commit) + setup_cmds(args))
+  kernel_check(args, run)
   start_training(args, run)
   return True
+
+
+def kernel_check(args: argparse.Namespace, run: Runner) -> None:
+  """scripts/check_kernels.py on one chip of worker 0, the first time a slice is up in this launch. Its
+  failure is a warning (train.py decides for its own kernel); ssh's own failure (255) is retried."""
+  if args.skip_kernel_check or getattr(args, "kernels_checked", False):
+    return
+  args.kernels_checked = True
+  cmd = kernel_check_cmd(args)
+  if run.dry_run:
+    run(cmd)
+    return
+  wait = args.backoff_s
+  for attempt in range(args.retries + 1):
+    r = run(cmd, timeout=args.kernel_check_timeout_s)
+    if r.code != 255:
+      break
+    if attempt == args.retries:
+      raise LauncherError(f"the kernel check's ssh failed {attempt + 1} times ({r.last_error()})")
+    print(f"kernel check: ssh exit 255 ({r.last_error()}); retry {attempt + 1}/{args.retries} in {wait:g}s",
+          flush=True)
+    time.sleep(wait)
+    wait *= 2
+  if r.code:
+    print(f"WARNING: the fused kernels failed their check on {args.accelerator} (scripts/check_kernels.py, "
+          f"exit {r.code}: {r.last_error() if r.code == 124 else 'its lines above'}); training starts: "
+          "train.py checks the kernel its model uses and, under implementation=auto, trains on the XLA path "
+          "when it fails", flush=True)
 
 
 def start_training(args: argparse.Namespace, run: Runner) -> None:
@@ -779,6 +825,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   p.add_argument("--dry_run", action="store_true", help="print every command instead of running it")
   p.add_argument("--skip_compile_check", action="store_true",
                  help="create the slice without first compiling the config's train step for it here")
+  p.add_argument("--skip_kernel_check", action="store_true",
+                 help="run: do not run scripts/check_kernels.py on worker 0 before training")
+  p.add_argument("--kernel_check_timeout_s", type=float, default=1800,
+                 help="run: time limit of the kernel check on worker 0 (a timeout is a warning)")
   p.epilog = "Everything after `--` goes to train.py, e.g. -- --config.seed=1"
   argv = list(sys.argv[1:] if argv is None else argv)
   cut = argv.index("--") if "--" in argv else len(argv)

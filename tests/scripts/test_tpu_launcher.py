@@ -155,6 +155,12 @@ from training import status
 
 world, worker, home = os.environ["FAKE_WORLD"], int(os.environ["FAKE_WORKER"]), os.environ["HOME"]
 argv = sys.argv[1:]
+if argv == ["-m", "scripts.check_kernels"]:  # the kernel check: on one chip of its own, passing or failing
+  kernels = json.load(open(os.path.join(world, "scenario.json"))).get("kernels", "pass")
+  print(f"device: tpu on worker {worker}, chips {os.environ.get('TPU_VISIBLE_DEVICES')} of process bounds "
+        f"{os.environ.get('TPU_PROCESS_BOUNDS')}")
+  print("ok   combiner_fixed causal=True max" if kernels == "pass" else "FAIL combiner_fixed causal=True max")
+  sys.exit(0 if kernels == "pass" else 1)
 assert argv[:2] == ["train.py", "--multihost"] and "--noprogress" in argv, argv
 workdir = argv[argv.index("--workdir") + 1]
 if workdir.startswith("gs://"):
@@ -227,14 +233,14 @@ class World:
     self.scenario = {"workers": 2, "steps": 6, "heartbeat_s": 0.05, "mode": "finish", **scenario}
     (root / "scenario.json").write_text(json.dumps(self.scenario))
 
-  def launch(self, *argv, workdir="gs://bucket/run", accelerator="v4-16", timeout=60):
+  def launch(self, *argv, workdir="gs://bucket/run", accelerator="v4-16", timeout=60, kernel_check=False):
     env = dict(os.environ, FAKE_WORLD=str(self.root),
                PATH=f"{self.root / 'bin'}{os.pathsep}{os.environ['PATH']}")
     cmd = [sys.executable, "-m", "scripts.tpu", "run", "--name", "t1", "--zone", "us-central2-b",
            "--accelerator", accelerator, "--spot", "--config", "configs/default.py:smoke",
            "--workdir", workdir, "--skip_compile_check", "--allow_dirty", "--poll_s", "0.1",
            "--stall_s", "5", "--grace_s", "0.3", "--retries", "4", "--backoff_s", "0.02",
-           "--query_timeout_s", "20", *argv]
+           "--query_timeout_s", "20", *([] if kernel_check else ["--skip_kernel_check"]), *argv]
     t = time.time()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, text=True, capture_output=True, timeout=timeout)
     self.seconds = time.time() - t
@@ -251,6 +257,8 @@ class World:
         out.append(c[3])
       elif c[:4] == ["compute", "tpus", "tpu-vm", "ssh"] and "setsid nohup" in c[-1]:
         out.append("train")
+      elif c[:4] == ["compute", "tpus", "tpu-vm", "ssh"] and "scripts.check_kernels" in c[-1]:
+        out.append("check_kernels")
     return out
 
   def record(self, name, workdir="bucket/run"):
@@ -355,6 +363,21 @@ def test_persistent_ssh_failure_stops_the_launcher_and_deletes_the_slice(world):
   assert w.verbs()[-1] == "delete" and w.gone()
 
 
+def test_kernels_are_checked_on_worker_0_before_training(world):
+  """A failing check is a warning with its lines, and training starts (train.py decides for its kernel); after
+  a preemption the recreated slice is not checked again."""
+  w = world(kernels="fail", mode="preempt")
+  proc = w.launch("--delete_after", kernel_check=True)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  assert w.verbs() == ["create", "check_kernels", "train", "delete", "create", "train", "delete"]
+  check = next(c for c in w.calls() if "scripts.check_kernels" in c[-1])
+  assert "--worker=0" in check
+  assert "device: tpu on worker 0, chips 0 of process bounds 1,1,1" in proc.stdout
+  assert "FAIL combiner_fixed" in proc.stdout
+  assert "WARNING: the fused kernels failed their check on v4-16" in proc.stdout
+  assert "training finished at step 6" in proc.stdout
+
+
 def test_without_deletion_the_slice_stays(world):
   w = world()
   proc = w.launch()  # no deletion asked: the slice stays
@@ -382,6 +405,11 @@ def test_dry_run_commands_and_quoting(capsys):
   train = next(a for a in argv if a[:5] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh"]
                and "nohup" in a[-1])
   assert "--worker=all" in train
+  check = next(i for i, a in enumerate(argv) if "scripts.check_kernels" in a[-1])
+  assert argv[check][-3:] == ["--worker=0", "--command",
+                              "cd ~/combiner && TPU_CHIPS_PER_PROCESS_BOUNDS=1,1,1 TPU_PROCESS_BOUNDS=1,1,1 "
+                              "TPU_VISIBLE_DEVICES=0 ~/venv/bin/python -m scripts.check_kernels"]
+  assert check < argv.index(train)  # before training starts
   remote = shlex.split(train[-1].split("setsid nohup ", 1)[1].split(" >> ")[0])
   assert remote == ["~/venv/bin/python", "train.py", "--multihost", "--config", "configs/c4.py",
                     "--workdir", "gs://bucket/c4", "--noprogress", "--config.seed=1",
