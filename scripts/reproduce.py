@@ -312,11 +312,12 @@ def train_argv(row: Row, scale: str, wd: str, seed: int = 0) -> list[str]:
   return argv
 
 
-def tpu_argv(row: Row, scale: str, wd: str, seed: int, tpu_args: str) -> list[str]:
-  """`python -m scripts.tpu run` for the row (train.py's own flags after `--`)."""
+def tpu_argv(row: Row, scale: str, wd: str, seed: int, tpu_args: str, allow_dirty: bool = False) -> list[str]:
+  """`python -m scripts.tpu run` for the row (train.py's own flags after `--`); allow_dirty: ship the git
+  HEAD although the tree has uncommitted changes (scripts.tpu refuses it otherwise)."""
   name = re.sub(r"[^a-z0-9-]+", "-", f"{row.table}-{row.id}-{seed}")[:60].strip("-")
   argv = [sys.executable, "-m", "scripts.tpu", "run", "--name", name, *shlex.split(tpu_args),
-          "--config", config_string(row, scale), "--workdir", wd]
+          *(["--allow_dirty"] if allow_dirty else []), "--config", config_string(row, scale), "--workdir", wd]
   extra = [*row.overrides] + ([f"--config.seed={seed}"] if seed else [])
   return argv + (["--", *extra] if extra else [])
 
@@ -416,7 +417,7 @@ def _worker(job: _Job, progress: bool) -> bool:  # a process of the --jobs pool
 
 def run_rows(selected: list[Row], scale: str, root: str, *, seeds: int = 1, launcher: str = "local",
              tpu_args: str = "", dry_run: bool = False, progress: bool = True, in_process: bool = False,
-             jobs: int = 1) -> list[str]:
+             jobs: int = 1, allow_dirty: bool = False) -> list[str]:
   """Runs the implemented rows; returns the labels of the failed ones.
 
   Rows whose command is the same as another row's at this scale (e.g. the 6- and 12-layer rows of one
@@ -445,7 +446,7 @@ def run_rows(selected: list[Row], scale: str, root: str, *, seeds: int = 1, laun
       source.setdefault(key, wd)
       continue
     if launcher == "tpu":
-      argv = tpu_argv(row, scale, wd, seed, tpu_args)
+      argv = tpu_argv(row, scale, wd, seed, tpu_args, allow_dirty)
     else:
       argv = [sys.executable, *train_argv(row, scale, wd, seed)] + ([] if progress else ["--noprogress"])
     job = _Job(row, scale, seed, wd, argv, head)
@@ -655,6 +656,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   p.add_argument("--seeds", type=int, default=1, help="runs per row, seeds 0..N-1 (mean and std collected)")
   p.add_argument("--launcher", choices=("local", "tpu"), default="local")
   p.add_argument("--tpu_args", default="", help="scripts.tpu arguments for --launcher tpu (--zone, ...)")
+  p.add_argument("--allow_dirty", action="store_true",
+                 help="--launcher tpu: ship the git HEAD although the tree has uncommitted changes (they are "
+                      "not shipped; scripts.tpu refuses such a tree otherwise)")
   p.add_argument("--workdir_root", default=os.path.join("workdirs", "reproduce"))
   p.add_argument("--dry_run", action="store_true", help="print the commands --run would run")
   p.add_argument("--noprogress", action="store_true", help="no progress bar in train.py")
@@ -687,7 +691,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     failed = run_rows(chosen, args.scale, args.workdir_root, seeds=args.seeds, launcher=args.launcher,
                       tpu_args=args.tpu_args, dry_run=args.dry_run, progress=not args.noprogress,
                       in_process=args.in_process == "yes" or (args.in_process == "auto" and smoke),
-                      jobs=args.jobs or (min(2, os.cpu_count() or 1) if smoke else 1))
+                      jobs=args.jobs or (min(2, os.cpu_count() or 1) if smoke else 1),
+                      allow_dirty=args.allow_dirty)
     if failed:
       print(f"{len(failed)} row(s) failed: " + "; ".join(failed), flush=True)
       status = 1
