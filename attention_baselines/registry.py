@@ -17,7 +17,12 @@ from attention_baselines.local import local
 from attention_baselines.local_decode import LOCAL
 from attention_baselines.longformer import longformer
 from attention_baselines.longformer_decode import LONGFORMER
+from attention_baselines.moba import auto_params as moba_params
+from attention_baselines.moba import moba
+from attention_baselines.moba_decode import MOBA
 from attention_baselines.none import none
+from attention_baselines.nsa import auto_params as nsa_params
+from attention_baselines.nsa import nsa
 from attention_baselines.nystromformer import nystromformer
 from attention_baselines.performer import DEFAULT_CHUNK as PERFORMER_CHUNK
 from attention_baselines.performer import performer
@@ -117,3 +122,26 @@ register(OpSpec(
     params=lambda length: {"num_landmarks": 64, "pinv_iterations": 6},
     description="Nystromformer, 64 segment-mean landmarks, 6-step iterative pseudo-inverse, O(L*m*d), "
                 "bidirectional only"))
+
+
+def _nsa_inputs(length: int, *, head_dim: int = 64) -> dict:
+  """Stand-ins for the compression MLPs (hidden size head_dim, shared by the heads); the gates stay 1/3."""
+  size = nsa_params(length)["compress_block"]
+  out = {}
+  for side, seed in (("key", 8), ("value", 12)):
+    out.update({f"cmp_{side}_pos": _normal(seed, (1, size, head_dim), head_dim),
+                f"cmp_{side}_w1": _normal(seed + 1, (1, size * head_dim, head_dim), size * head_dim),
+                f"cmp_{side}_b1": jnp.zeros((1, head_dim)),
+                f"cmp_{side}_w2": _normal(seed + 2, (1, head_dim, head_dim), head_dim)})
+  return out
+
+
+register(OpSpec(
+    "nsa", nsa, bidirectional=False, params=nsa_params, bench_inputs=_nsa_inputs,
+    module="models.nsa_attention:NSAAttention",
+    description="Native Sparse Attention: gated compressed (l=32, stride 16), top-16 selected (64-token "
+                "blocks) and sliding-window (512) branches, causal, O(L*(L/16 + n*64 + 512)*d)"))
+register(OpSpec(
+    "moba", moba, params=moba_params, decode=MOBA,
+    description="MoBA: own block + top-k blocks by mean-pooled key score (k=3, B=min(512, L/16)), one "
+                "softmax, O(L*k*B*d)"))

@@ -35,6 +35,7 @@ OP_CASES = [
     ("longformer", {"window": 3, "global_positions": (0, 7, -2)}),
     ("longformer", {"window": 4, "global_positions": ()}),
     ("bigbird", {"block_size": 3, "global_blocks": (0, -2), "num_random_blocks": 2, "seed": 3}),
+    ("moba", {"block_size": 3, "top_k": 2}),
 ]
 
 

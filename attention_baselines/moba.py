@@ -1,0 +1,84 @@
+"""MoBA, Mixture of Block Attention (Lu et al., Moonshot AI, 2025): each query attends exactly to a few key
+blocks chosen by a parameter-free gate, causal or bidirectional.
+
+Positions are cut into blocks of B = `block_size` (docs/design.md section 5, "NSA and MoBA"). Query i
+scores block b by s(q_i, kbar_b), kbar_b the mean of the block's real keys (a block without one is never
+scored). It keeps its own block b(i) = i // B always and the best `top_k - 1` others (causal: among the blocks
+before its own, so no future block is ever chosen; ties go to the lower block), and runs one softmax over the
+real keys of the chosen blocks (causal: keys j <= i, so its own block is causal inside). Cost
+O(L * top_k * B * d) plus the O(L * L/B * d) gate; the chosen blocks are gathered per query over chunks of
+queries (`attention_baselines.selection`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+
+from attention_baselines.common import from_rows
+from attention_baselines.selection import choose, chosen_piece, num_query_chunks, pad_length, rows_and_mask
+from attention_core import contract
+from attention_core.blocks import map_chunks, num_blocks
+from attention_core.combine import flag_nonfinite, joint_softmax
+from attention_core.registry import sqrt_pow2
+
+Array = Any
+
+
+def auto_params(length: int) -> dict[str, int]:
+  """The paper's B = 512, top-k = 3 (its 8K-token setting, 81% sparse) from L = 8192 on; shorter sequences
+  keep that sparsity with B = L/16 (a power of two, at least sqrt(L))."""
+  sixteenth = 1 << (max(1, -(-length // 16)) - 1).bit_length()  # L/16 rounded up to a power of two
+  return {"block_size": min(512, max(sqrt_pow2(length), sixteenth)), "top_k": 3}
+
+
+def moba(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None, block_size: int = 512,
+         top_k: int = 3, query_chunks: int | None = None) -> Array:
+  """Mixture of Block Attention (module docstring).
+
+  q, k: [batch, length, heads, head_dim]; v: [batch, length, heads, value_dim]; mask: [batch, length] bool.
+  top_k: blocks per query, its own included. query_chunks: queries run in this many sequential chunks (None =
+  automatic, ~64 MB of gathered keys each). Returns [batch, length, heads, value_dim] in v's dtype.
+  """
+  op = "moba"
+  q, k, v, mask = contract.check_qkv(q, k, v, mask, op=op, keep_none=True)
+  causal = contract.check_bool(causal, name="causal", op=op)
+  size = contract.check_positive_int(block_size, name="block_size", op=op)
+  count = contract.check_positive_int(top_k, name="top_k", op=op)
+  batch, length, heads, head_dim = q.shape
+  value_dim = v.shape[-1]
+  ct = contract.softmax_dtype(q.dtype, k.dtype, v.dtype)
+  scale = contract.logit_scale(head_dim)
+  size = min(size, length)
+  nb = num_blocks(length, size)
+  padded = nb * size
+  count = min(count, nb)
+  qh, kh, vh, real = rows_and_mask(q, k, v, mask, ct)
+  rows = qh.shape[0]
+  kb = pad_length(kh, padded).reshape(rows, nb, size, head_dim)
+  vb = flag_nonfinite(pad_length(vh, padded)).reshape(rows, nb, size, value_dim + 1)
+  rb = pad_length(real, padded, False).reshape(rows, nb, size)
+  filled = jnp.sum(rb, axis=-1)  # [rows, nb] real keys per block
+  kbar = jnp.sum(kb, axis=2) / jnp.maximum(filled, 1)[..., None].astype(ct)  # masked keys are zeros
+  blocks = jnp.arange(nb)
+
+  def attend_chunk(tree: tuple[Array, Array]) -> Array:
+    qc, qpos = tree  # [rows, Q, d] (scaled), [1, Q]
+    scores = jnp.einsum("gqd,gnd->gqn", qc, kbar)  # [rows, Q, nb]
+    own = (qpos // size)[..., None]  # [1, Q, 1]
+    visible = (filled > 0)[:, None, :]
+    if causal:
+      visible = visible & (blocks < own)
+    visible = visible | (blocks == own)
+    forced = jnp.broadcast_to((blocks == own).astype(jnp.int32), scores.shape)
+    index, chosen = choose(scores, jnp.broadcast_to(visible, scores.shape), forced, count)
+    return joint_softmax([chosen_piece(qc, kb, vb, rb, index, chosen, qpos, causal, 1.0)])
+
+  n_chunks = query_chunks if query_chunks is not None else num_query_chunks(
+      rows, padded, count * size * (head_dim + value_dim + 2) + nb)
+  n_chunks = contract.check_positive_int(n_chunks, name="query_chunks", op=op)
+  qp = pad_length(qh * scale, padded)
+  qpos = jnp.arange(padded, dtype=jnp.int32)[None, :]
+  out = map_chunks(attend_chunk, (qp, qpos), n_chunks, axis=1)  # [rows, padded, e]
+  return from_rows(out[:, :length], batch, v.dtype)

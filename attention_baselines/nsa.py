@@ -1,0 +1,205 @@
+"""Native Sparse Attention (NSA; Yuan et al., DeepSeek, 2025, arXiv 2502.11089), causal.
+
+Three branches, each with its own softmax over its own keys, summed with gates (docs/design.md section 5,
+"NSA and MoBA"). Positions are 0-based; query i, scale 1/sqrt(d):
+  * compression: compressed block c covers positions [c*s, c*s + l) (l = `compress_block`, stride
+    s = `compress_stride`); its key and value are phi_k, phi_v of the block's keys and values (masked keys as
+    zeros; a block without a real key is dropped). Query i sees block c once it is complete: c*s + l - 1 <= i.
+    phi is the mean of the block's real keys, or with weights (the model's `models.nsa_attention`) a per-head
+    MLP `relu(flatten(x + pos) @ w1 + b1) @ w2` with an intra-block position encoding `pos` [l, dim].
+  * selection: the compression softmax weights p_i[c] score the selection blocks of l' = `select_block`
+    positions: block b gets sum_c p_i[c] * (number of stride-s chunks that block c and block b share), the
+    paper's eq. 9. Query i keeps the `num_selected` best blocks among b <= i // l', always including its
+    own block, the block before it and the first block (in that order of priority; ties go to the lower
+    block), and attends exactly to their keys j <= i.
+  * sliding window: the keys j with i - w < j <= i (w = `window`).
+  out_i = g_i^cmp o_i^cmp + g_i^slc o_i^slc + g_i^win o_i^win with gates [batch, length, heads, 3] in that
+order (the model's sigmoid gates); without gates every branch weighs 1/3, so the rows sum to one.
+
+Selection is per query and per head (the model has no grouped keys to share it over). Cost per query: L/s
+compressed logits + n * l' selected + w window keys, O(L * (L/s + n*l' + w) * d); the selected blocks are
+gathered per query over chunks of queries (`attention_baselines.selection`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from attention_baselines.common import from_rows, to_rows
+from attention_baselines.selection import (
+  choose,
+  chosen_piece,
+  num_query_chunks,
+  pad_length,
+  rows_and_mask,
+)
+from attention_core import contract
+from attention_core.blocks import map_chunks, num_blocks
+from attention_core.combine import Piece, flag_nonfinite, flagged_sum, joint_softmax
+from attention_core.registry import sqrt_pow2
+
+Array = Any
+MLP_PARTS = ("pos", "w1", "b1", "w2")  # the compression MLP's arrays, for keys and for values
+BRANCHES = 3  # gates: compression, selection, sliding window
+
+
+def auto_params(length: int) -> dict[str, int]:
+  """The paper's l = 32, s = 16, l' = 64, n = 16, w = 512 from L = 4096 on; shorter sequences keep its ratios
+  (l' ~ sqrt(L) as a power of two, l = l'/2, s = l/2, w = 8 l')."""
+  select = min(64, sqrt_pow2(length))
+  compress = max(1, select // 2)
+  return {"compress_block": compress, "compress_stride": max(1, compress // 2), "select_block": select,
+          "num_selected": 16, "window": 8 * select}
+
+
+def _mlp(op: str, prefix: str, arrays: tuple[Any, ...], heads: int, block: int, dim: int
+         ) -> tuple[Array, ...] | None:
+  """The compression MLP's arrays (pos [H, l, dim], w1 [H, l*dim, hidden], b1 [H, hidden], w2 [H, hidden,
+  dim]; H = heads or 1), checked; None when none is given (mean pooling)."""
+  names = [f"{prefix}_{p}" for p in MLP_PARTS]
+  if all(a is None for a in arrays):
+    return None
+  for name, a in zip(names, arrays, strict=True):
+    if a is None:
+      raise ValueError(f"{op}: argument {name!r} is missing: give all of {names} or none (mean pooling)")
+  pos, w1, b1, w2 = (jnp.asarray(a) for a in arrays)
+  hidden = w1.shape[-1] if w1.ndim == 3 else -1
+  want = {names[0]: (block, dim), names[1]: (block * dim, hidden), names[2]: (hidden,),
+          names[3]: (hidden, dim)}
+  for name, a in zip(names, (pos, w1, b1, w2), strict=True):
+    if a.ndim != len(want[name]) + 1 or a.shape[0] not in (1, heads) or tuple(a.shape[1:]) != want[name]:
+      raise ValueError(f"{op}: argument {name!r} must have shape [heads or 1, *{want[name]}] "
+                       f"(heads = {heads}, compress_block = {block}), got {tuple(a.shape)}")
+  return pos, w1, b1, w2
+
+
+def _compress(x: Array, real: Array, mlp: tuple[Array, ...] | None, batch: int, dtype: Any) -> Array:
+  """x [rows, blocks, l, dim], real [rows, blocks, l] -> one vector per block [rows, blocks, dim_out]."""
+  if mlp is None:
+    count = jnp.sum(real, axis=-1)[..., None]
+    return jnp.sum(jnp.where(real[..., None], x, 0.0), axis=2) / jnp.maximum(count, 1).astype(dtype)
+  pos, w1, b1, w2 = (a.astype(dtype) for a in mlp)
+  rows, blocks, size, dim = x.shape
+  shape = (batch, rows // batch, blocks, size, dim)
+  x = jnp.where(real.reshape(shape[:-1])[..., None], x.reshape(shape) + pos[None, :, None], 0.0)
+  h = jnp.einsum("bhcx,hxy->bhcy", x.reshape(*shape[:3], size * dim), jnp.broadcast_to(
+      w1, (shape[1], *w1.shape[1:]))) + b1[None, :, None]
+  out = jnp.einsum("bhcy,hyz->bhcz", jax.nn.relu(h), jnp.broadcast_to(w2, (shape[1], *w2.shape[1:])))
+  return out.reshape(rows, blocks, -1)
+
+
+def nsa(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None, compress_block: int = 32,
+        compress_stride: int = 16, select_block: int = 64, num_selected: int = 16, window: int = 512,
+        gates: Array | None = None, cmp_key_pos: Array | None = None, cmp_key_w1: Array | None = None,
+        cmp_key_b1: Array | None = None, cmp_key_w2: Array | None = None, cmp_value_pos: Array | None = None,
+        cmp_value_w1: Array | None = None, cmp_value_b1: Array | None = None,
+        cmp_value_w2: Array | None = None, query_chunks: int | None = None) -> Array:
+  """Native Sparse Attention: gated compression, selection and sliding-window branches (module docstring).
+
+  q, k: [batch, length, heads, head_dim]; v: [batch, length, heads, value_dim]; mask: [batch, length] bool.
+  gates: None (1/3 each) or [batch, length, heads, 3] (compression, selection, window).
+  cmp_key_*, cmp_value_*: the compression MLPs (all four arrays of a side, or none: mean pooling).
+  query_chunks: queries run in this many sequential chunks (None = automatic, ~64 MB of gathered keys each).
+  Returns [batch, length, heads, value_dim] in v's dtype.
+  """
+  op = "nsa"
+  q, k, v, mask = contract.check_qkv(q, k, v, mask, op=op, keep_none=True)
+  causal = contract.check_bool(causal, name="causal", op=op)
+  if not causal:
+    raise ValueError(f"{op}: argument 'causal' must be True: NSA is defined for decoders")
+  size = contract.check_positive_int(compress_block, name="compress_block", op=op)
+  stride = contract.check_positive_int(compress_stride, name="compress_stride", op=op)
+  sel = contract.check_positive_int(select_block, name="select_block", op=op)
+  count = contract.check_positive_int(num_selected, name="num_selected", op=op)
+  width = contract.check_positive_int(window, name="window", op=op)
+  if size % stride or sel % stride:
+    raise ValueError(f"{op}: argument 'compress_stride' ({stride}) must divide compress_block ({size}) and "
+                     f"select_block ({sel})")
+  batch, length, heads, head_dim = q.shape
+  value_dim = v.shape[-1]
+  key_mlp = _mlp(op, "cmp_key", (cmp_key_pos, cmp_key_w1, cmp_key_b1, cmp_key_w2), heads, size, head_dim)
+  value_mlp = _mlp(op, "cmp_value", (cmp_value_pos, cmp_value_w1, cmp_value_b1, cmp_value_w2), heads, size,
+                   value_dim)
+  if gates is not None:
+    gates = jnp.asarray(gates)
+    if gates.shape != (batch, length, heads, BRANCHES):
+      raise ValueError(f"{op}: argument 'gates' must have shape [batch, length, heads, 3] = "
+                       f"{(batch, length, heads, BRANCHES)}, got {tuple(gates.shape)}")
+  ct = contract.softmax_dtype(q.dtype, k.dtype, v.dtype)
+  scale = contract.logit_scale(head_dim)
+
+  nb = num_blocks(length, sel)
+  padded = nb * sel  # whole selection blocks, hence whole chunks of `stride`
+  chunks, per_block = padded // stride, size // stride
+  count = min(count, nb)
+  width = min(width, padded)
+  qh, kh, vh, real = rows_and_mask(q, k, v, mask, ct)  # [rows, length, dim], real [rows, length]
+  rows = qh.shape[0]
+  kp, vp, realp = pad_length(kh, padded), pad_length(vh, padded), pad_length(real, padded, False)
+
+  def blocks_of(x: Array, fill: Any = 0) -> Array:  # [rows, padded, D] -> [rows, chunks, l, D]
+    xc = pad_length(x, padded + (per_block - 1) * stride, fill)
+    xc = xc.reshape(rows, chunks + per_block - 1, stride, -1)
+    return jnp.concatenate([xc[:, t:t + chunks] for t in range(per_block)], axis=2)
+
+  rblk = blocks_of(realp[..., None], False)[..., 0]  # [rows, chunks, l]
+  ckeys = _compress(blocks_of(kp), rblk, key_mlp, batch, ct)  # [rows, C, d], C = chunks
+  cvalues = flag_nonfinite(_compress(blocks_of(vp), rblk, value_mlp, batch, ct))  # [rows, C, e + 1]
+  cvalid = jnp.any(rblk, axis=-1)  # [rows, C]
+  cend = jnp.arange(chunks) * stride + size - 1  # [C]: the last position of each compressed block
+  kb = kp.reshape(rows, nb, sel, head_dim)
+  vb = flag_nonfinite(vp).reshape(rows, nb, sel, value_dim + 1)
+  rb = realp.reshape(rows, nb, sel)
+
+  n_chunks = query_chunks if query_chunks is not None else num_query_chunks(
+      rows, padded, count * sel * (head_dim + value_dim + 2) + chunks)
+  n_chunks = contract.check_positive_int(n_chunks, name="query_chunks", op=op)
+  q_size = -(-padded // n_chunks)
+  # The window's keys for a chunk starting at p: positions [p - width + 1, p + q_size), one slice.
+  kw = jnp.pad(kp, ((0, 0), (width - 1, q_size), (0, 0)))
+  vw = jnp.pad(flag_nonfinite(vp), ((0, 0), (width - 1, q_size), (0, 0)))
+  rw = jnp.pad(realp, ((0, 0), (width - 1, q_size)), constant_values=False)
+  blocks = jnp.arange(nb)
+
+  def attend_chunk(tree: tuple[Array, ...]) -> Array:
+    qc, qpos, gc = tree  # [rows, Q, d], [1, Q], [rows, Q, 3]
+    i = qpos[..., None]  # [1, Q, 1]
+    # Compression: one softmax over the complete compressed blocks.
+    clogits = jnp.einsum("gqd,gcd->gqc", qc, ckeys)
+    cvis = cvalid[:, None, :] & (cend <= i)  # [rows, Q, C]
+    masked = jnp.where(cvis, clogits, -jnp.inf)
+    top = jax.lax.stop_gradient(jnp.max(masked, axis=-1, keepdims=True))
+    w = jnp.exp(masked - jnp.where(jnp.isfinite(top), top, 0.0))
+    den = jnp.sum(w, axis=-1, keepdims=True)
+    p = w / jnp.where(den > 0, den, 1.0)  # [rows, Q, C]
+    o_cmp = flagged_sum("gqc,gce->gqe", p, cvalues)
+    # Selection: compressed scores -> stride chunks -> selection blocks (paper eq. 9), then the top blocks.
+    ps = jnp.pad(jax.lax.stop_gradient(p), ((0, 0), (0, 0), (per_block - 1, 0)))
+    chunk_scores = sum(ps[:, :, per_block - 1 - t:per_block - 1 - t + chunks] for t in range(per_block))
+    scores = chunk_scores.reshape(rows, -1, nb, sel // stride).sum(-1)  # [rows, Q, nb]
+    own = i // sel  # [1, Q, 1]
+    forced = jnp.where(blocks == own, 3, jnp.where(blocks == own - 1, 2, jnp.where(blocks == 0, 1, 0)))
+    visible = jnp.broadcast_to(blocks <= own, scores.shape)
+    index, chosen = choose(scores, visible, jnp.broadcast_to(forced, scores.shape), count)
+    o_slc = joint_softmax([chosen_piece(qc, kb, vb, rb, index, chosen, qpos, True, 1.0)])
+    # Sliding window: keys i - width < j <= i, one slice of the padded keys per chunk.
+    start = qpos[0, 0]
+    span = q_size + width - 1
+    kwin = jax.lax.dynamic_slice_in_dim(kw, start, span, axis=1)  # [rows, span, d]
+    vwin = jax.lax.dynamic_slice_in_dim(vw, start, span, axis=1)
+    rwin = jax.lax.dynamic_slice_in_dim(rw, start, span, axis=1)
+    jpos = start - (width - 1) + jnp.arange(span)  # [span]
+    wvis = rwin[:, None, :] & (jpos <= i) & (jpos > i - width)  # [rows, Q, span]
+    wlogits = jnp.einsum("gqd,gkd->gqk", qc, kwin)
+    o_win = joint_softmax([Piece(wlogits, wvis, lambda w: flagged_sum("gqk,gke->gqe", w, vwin))])
+    return gc[..., 0:1] * o_cmp + gc[..., 1:2] * o_slc + gc[..., 2:3] * o_win
+
+  qp = pad_length(qh * scale, padded)
+  gp = (jnp.full((rows, padded, BRANCHES), 1.0 / BRANCHES, ct) if gates is None
+        else pad_length(to_rows(gates, ct), padded))
+  qpos = jnp.arange(padded, dtype=jnp.int32)[None, :]
+  out = map_chunks(attend_chunk, (qp, qpos, gp), n_chunks, axis=1)  # [rows, padded, e]
+  return from_rows(out[:, :length], batch, v.dtype)
