@@ -19,7 +19,8 @@ state (checkpoints.py), the workdir's config checks (config_io.py), and the loop
 - Before the first step the model's fused attention kernel (on a GPU/TPU, or named in the config) is compiled
   and compared with the XLA path (training/kernel_check.py): under "auto" a failure trains on the XLA path and
   says so (log, `<workdir>/status/kernel_check.json`); a kernel named explicitly stops the run (exit 1).
-- Processes: `--multihost` on Cloud TPU pods; elsewhere `--coordinator_address --num_processes --process_id`
+- Processes: `--multihost` on Cloud TPU pods and under SLURM (scripts/slurm.py writes the sbatch script);
+  elsewhere `--coordinator_address --num_processes --process_id`
   (runtime/distributed.py). Each process feeds its own shard of every global batch.
 """
 

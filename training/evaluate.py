@@ -14,7 +14,7 @@ from typing import Any
 import jax
 
 from runtime import paths
-from training import checkpoints, config_io
+from training import checkpoints, config_io, kernel_check
 from training.experiment import Experiment
 
 
@@ -35,7 +35,9 @@ def restore_workdir(workdir: str, *, step: int | None = None,
     cfg = config_io.load_config(workdir, s)  # the config this checkpoint was trained with
     key = cfg.to_json_best_effort(sort_keys=True)
     if key not in experiments:
-      experiments[key] = Experiment(cfg, devices=devices)
+      # The fused kernel checked as train.py checks it: under "auto" a failure evaluates on the XLA path.
+      experiments[key] = Experiment(kernel_check.checked_config(cfg, workdir, devices=devices, record=False),
+                                    devices=devices)
     exp = experiments[key]
     return exp, checkpoints.restore_checkpoint(mgr, exp, None, s)
 

@@ -272,7 +272,8 @@ def checked_config(config: ml_collections.ConfigDict, workdir: str, *, devices: 
                    record: bool = True) -> ml_collections.ConfigDict:
   """The config to build the model from: `config` itself when its fused kernel passes (or none runs), a copy
   on the XLA path when the kernel failed under "auto"; raises KernelCheckFailed when a kernel named
-  explicitly failed. record: write `<workdir>/status/kernel_check.json` and print (process 0)."""
+  explicitly failed. Process 0 prints the outcome. record: write `<workdir>/status/kernel_check.json`
+  (train.py's process 0; eval.py and sample.py check again and record nothing)."""
   from attention_core import contract
   from training import config_io, status
 
@@ -294,17 +295,19 @@ def checked_config(config: ml_collections.ConfigDict, workdir: str, *, devices: 
     config_io.write_json(path, {"time": time.time(), "op": choice.op, "field": choice.field,
                                 "requested": choice.requested, "used": used, "platform": platform,
                                 "device_kind": (devices or jax.devices())[0].device_kind, **result})
+  say = jax.process_index() == 0
   if ok:
-    if record:
+    if say:
       done = result.get("skipped") or (f"compiled at {where} and matches the XLA path "
                                        f"({result.get('seconds', 0):.0f} s)")
       print(f"kernel check: {what} {done}", flush=True)
     return config
   field = f"model.attention.{choice.field}"
   if choice.explicit:
-    raise KernelCheckFailed(f"kernel check: {what} failed at {where}: {result['reason']}; training not "
-                            f"started (--config.{field}=auto falls back to the XLA path on failure)")
-  if record:
-    print(f"WARNING: kernel check: {what} failed at {where}: {result['reason']}; training on the XLA path "
-          f"({field}={choice.xla}), recorded in {path}", file=sys.stderr, flush=True)
+    raise KernelCheckFailed(f"kernel check: {what} failed at {where}: {result['reason']}; not started "
+                            f"(--config.{field}=auto falls back to the XLA path on failure)")
+  if say:
+    recorded = f", recorded in {path}" if record else ""
+    print(f"WARNING: kernel check: {what} failed at {where}: {result['reason']}; the model runs on the XLA "
+          f"path ({field}={choice.xla}){recorded}", file=sys.stderr, flush=True)
   return with_choice(config, choice.field, choice.xla)

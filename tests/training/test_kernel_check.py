@@ -11,7 +11,7 @@ import jax
 import pytest
 
 from tests.training.smoke import smoke
-from training import config_io, kernel_check, loop
+from training import config_io, evaluate, kernel_check, loop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 INJECTED = "Mosaic failed to compile the flash kernel (injected)"
@@ -55,7 +55,8 @@ def test_injected_failure_under_auto_trains_on_xla_and_resumes(tmp_path, monkeyp
   warning = [line for line in err if line.startswith("WARNING: kernel check")]
   assert len(warning) == 1 and warning[0].startswith(
       "WARNING: kernel check: combiner_fixed implementation=auto on cpu failed at [8, 64, 2, 16] float32: "
-      f"InjectedKernelFailure: {INJECTED}; training on the XLA path (model.attention.implementation=xla)")
+      f"InjectedKernelFailure: {INJECTED}; the model runs on the XLA path "
+      f"(model.attention.implementation=xla), recorded in {workdir}/status/kernel_check.json")
   record = _record(workdir)
   assert (record["requested"], record["used"], record["ok"]) == ("auto", "xla", False)
   assert record["reason"] == f"InjectedKernelFailure: {INJECTED}"
@@ -68,6 +69,10 @@ def test_injected_failure_under_auto_trains_on_xla_and_resumes(tmp_path, monkeyp
   assert again["start_step"] == 2 and again["experiment"].config.model.attention.implementation == "xla"
   assert again["metrics"]["loss"] == pytest.approx(result["metrics"]["loss"], rel=1e-6)
   assert _record(workdir)["used"] == "xla" and _record(workdir)["time"] > record["time"]
+  # eval.py (and sample.py) restore through the same check, and record nothing.
+  last = _record(workdir)
+  metrics = evaluate.evaluate_workdir(str(workdir), devices=jax.devices()[:1])
+  assert metrics["loss"] == pytest.approx(result["metrics"]["loss"], rel=1e-6) and _record(workdir) == last
 
 
 @pytest.mark.slow
@@ -79,7 +84,7 @@ def test_injected_failure_of_a_named_kernel_stops_with_one_line(tmp_path):
   assert "Traceback" not in proc.stderr and len([line for line in err if line.startswith("ERROR")]) == 1
   assert err[-1].startswith("ERROR: kernel check: combiner_fixed implementation=pallas on cpu failed at "
                             "[8, 64, 2, 16] float32: InjectedKernelFailure: " + INJECTED)
-  assert "training not started" in err[-1]
+  assert "not started (--config.model.attention.implementation=auto falls back" in err[-1]
   record = _record(workdir)
   assert (record["requested"], record["used"], record["ok"]) == ("pallas", None, False)
   failed = json.loads((workdir / "status" / "failed.json").read_text())
