@@ -11,6 +11,9 @@ for `dense` (implementation="flash" against "xla" on the same bfloat16 inputs up
 L2 error ||got - want|| / ||want|| of the output and of the gradients of sum(out * cotangent), and exits 1
 when any is above its tolerance or not finite. Tolerances allow the accelerator's reduced-precision matmul
 inputs (TF32 for float32, bfloat16), which put errors near 1e-3; a wrong index or mask gives errors near 1.
+`python -m scripts.tpu run` runs it on one chip of worker 0 before training; train.py itself checks the
+kernel its model uses, at the model's shapes, and under implementation="auto" falls back to the XLA path when
+it fails (training/kernel_check.py).
 """
 
 from __future__ import annotations
