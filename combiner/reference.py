@@ -163,6 +163,11 @@ def plan_sets(plan: str, length: int, i: int, *, causal: bool, mask: Array | Non
   if not 0 <= i < length:
     raise ValueError(f"reference: query index {i} outside [0, {length})")
   real = _real(length, mask)
+  if plan == "routed" and "cluster_ids" in params and "num_clusters" in params:
+    # Masked tokens form a cluster of their own after the real ones: the partition of real tokens never
+    # depends on padded content.
+    ids = np.where(real, np.asarray(params["cluster_ids"]), params["num_clusters"])
+    params = dict(params, cluster_ids=ids)
   direct, spans = _raw_sets(plan, length, i, bool(causal), params)
   direct = sorted(j for j in direct if real[j])
   spans = [sorted(j for j in span if real[j]) for span in spans]

@@ -69,11 +69,13 @@ class _Slots(NamedTuple):
 def _partition(ids: Array, mask: Array, num_clusters: int) -> _Slots:
   """Ranks tokens in (cluster, position) order and cuts that order into chunks of w = ceil(L / num_clusters).
 
-  ids: [b, h, L] cluster ids; mask: [b, L]."""
+  ids: [b, h, L] cluster ids; mask: [b, L]. Masked tokens rank after every real one (as if in a cluster of
+  their own, `num_clusters`), so the chunks of real tokens do not depend on what padded positions hold."""
   batch, heads, length = ids.shape
   w = -(-length // num_clusters)
   chunks = -(-length // w)  # may be < num_clusters when w does not divide evenly
   slots = chunks * w
+  ids = jnp.where(mask[:, None, :], ids, num_clusters)  # [b, h, L]
   rank = jnp.argsort(jnp.argsort(ids, axis=-1, stable=True), axis=-1).astype(jnp.int32)  # [b, h, L]
   chunk = rank // w  # [b, h, L]
   order = jnp.argsort(chunk, axis=-1, stable=True).astype(jnp.int32)  # [b, h, L]: slot -> position

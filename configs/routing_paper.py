@@ -13,7 +13,7 @@ only), ...
 
 Membership: these are decoders, so the routing heads use the exactly causal "nearest" membership by default.
 The paper's balanced top-k membership leaks future tokens into a decoder's likelihood (see
-`routing/attention.py`); to run it as published anyway: `--config.model.attention.membership=balanced`.
+`routing/attention.py`); to run it as published anyway: `--config.model.attention.membership=balanced_leaky`.
 """
 
 from __future__ import annotations

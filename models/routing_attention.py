@@ -34,10 +34,10 @@ Config fields (`config.model.attention`), besides `name`, `params`, `dropout_rat
                        query and key together and needs no sharing)
   scale_logits, mask_self  see `routing.attention` (defaults True, False)
   membership           None (default: "nearest" in decoders with shared QK, exactly causal; "balanced"
-                       otherwise), "nearest" (nearest centroid, the window most recent cluster-mates) or
-                       "balanced" (the paper: top-window tokens per centroid; in a decoder it leaks the future
-                       through the discrete membership, an explicit opt-in); see the `routing.attention`
-                       module docstring
+                       in encoders), "nearest" (nearest centroid, the window most recent cluster-mates),
+                       "balanced" (the paper: top-window tokens per centroid; encoders only) or
+                       "balanced_leaky" (the same in a decoder, where it leaks the future through the
+                       discrete membership: an explicit opt-in); see the `routing.attention` module docstring
   ema_decay            0.999
   centroid_seed        seed of the centroids' initial values (default 0; layers offset it by their index)
 """

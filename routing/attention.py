@@ -22,8 +22,10 @@ So:
 - `membership=None` (default) resolves to "nearest" when `causal and share_qk` (exactly causal: a token's
   cluster is its own nearest centroid and it attends to the `window` most recent cluster-mates) and to
   "balanced" otherwise (bidirectional models have nothing to leak; without shared QK "nearest" is undefined);
-- `membership="balanced"` in a decoder is an explicit opt-in, documented as leaking, kept for reproducing the
-  paper and for like-for-like timing against lucidrains' peer (the `routing` benchmark row uses it);
+- `membership="balanced"` in a decoder is refused with an error naming "nearest"; the paper's leaking decoder
+  stays available as the explicit `membership="balanced_leaky"` (the same top-k), for reproducing the paper
+  and for like-for-like timing against lucidrains' peer. A causal call without shared QK has no exactly causal
+  membership and is refused the same way;
 - speed: "nearest" sorts tokens by (centroid, position) and attends over a sliding window of that order
   (2 * window keys per query instead of window).
 """
@@ -134,7 +136,7 @@ def _shared_cluster_attention_bwd(scale: float, res: tuple, g: Array) -> tuple:
 _shared_cluster_attention.defvjp(_shared_cluster_attention_fwd, _shared_cluster_attention_bwd)
 
 
-MEMBERSHIPS = ("balanced", "nearest")
+MEMBERSHIPS = ("balanced", "nearest", "balanced_leaky")
 
 
 def _nearest_window(qn: Array, v: Array, assign: Array, mask: Array, *, window: int, causal: bool,
@@ -200,9 +202,11 @@ def routing_attention(q: Array, k: Array, v: Array, *, centroids: Array, window:
 
   membership: None (default) = "nearest" when `causal and share_qk`, else "balanced" (see the module
   docstring).
-    "balanced" (the paper): top-`window` tokens per centroid. In a decoder this leaks the future
-    through a discrete channel: whether an earlier token makes a centroid's top-`window` depends on later
-    tokens' scores, so out_i can change when a later token changes (its Jacobian is still exactly zero).
+    "balanced" (the paper): top-`window` tokens per centroid; bidirectional only. In a decoder it would leak
+    the future through a discrete channel: whether an earlier token makes a centroid's top-`window` depends
+    on later tokens' scores, so out_i can change when a later token changes (its Jacobian is still exactly
+    zero). "balanced_leaky": the same top-k, also accepted when causal, leak included (the paper as
+    published).
     "nearest": every token joins only its nearest centroid and attends to its `window` most recent
     cluster-mates (itself included; bidirectional: `window - 1` on each side), found by sorting tokens by
     (centroid, position) and attending within a sliding window of that order. The set depends on tokens <= i
@@ -221,6 +225,12 @@ def routing_attention(q: Array, k: Array, v: Array, *, centroids: Array, window:
   membership = contract.check_choice(membership, name="membership", allowed=MEMBERSHIPS, op=op)
   if membership == "nearest" and not share_qk:
     raise ValueError(f"{op}: argument 'membership'='nearest' needs share_qk=True (one cluster per token)")
+  if membership == "balanced" and causal:
+    raise ValueError(f"{op}: argument 'membership'='balanced' is not causal (later tokens decide which "
+                     f"earlier ones make a centroid's top-window); use membership='nearest' with "
+                     f"share_qk=True, or 'balanced_leaky' to run the paper's leaking decoder knowingly")
+  if membership == "balanced_leaky":
+    membership = "balanced"
   batch, length, heads, head_dim = q.shape
   if not hasattr(centroids, "shape") or len(centroids.shape) != 3 or centroids.shape[0] != heads \
       or centroids.shape[2] != head_dim:

@@ -2,7 +2,7 @@
 
 The registered functions return only the output. Their k-means centroids come from a fixed key (a stand-in for
 trained state, same for every call), with the benchmark's setting clusters = window = sqrt(L) rounded up to a
-power of two, shared QK and (routing) the paper's balanced membership, as the lucidrains peer. Models use the
+power of two, shared QK and the op's default membership (exactly causal in decoders). Models use the
 modules named in the registrations, which own and update the centroids instead.
 """
 
@@ -30,14 +30,14 @@ def _centroids(q: Array, clusters: int) -> Array:
 
 
 def routing_op(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None, num_clusters: int,
-               window: int, membership: str | None = "balanced") -> Array:
+               window: int, membership: str | None = None) -> Array:
   """Routing attention with shared QK and fixed centroids; q, k: [batch, length, heads, head_dim] -> out.
 
-  membership: "balanced" here (the paper's and lucidrains' top-k per centroid), so that the benchmark row is
-  like-for-like with the `routing_transformer` peer; like the peer it leaks the future in a decoder (see
-  `routing.attention`). None = the op's own default ("nearest" when causal), as the `routing` model module
-  uses. It is not among the registered `params` on purpose: configs pre-fill every registered param as a plan
-  parameter, while the model module takes `membership` as a module field.
+  membership: None = the op's own default ("nearest" when causal, exactly causal; the paper's balanced top-k
+  when bidirectional), as the `routing` model module uses; "balanced_leaky" is the paper's top-k in a decoder
+  too, as lucidrains' `routing_transformer` peer (it leaks the future, see `routing.attention`). It is not
+  among the registered `params` on purpose: configs pre-fill every registered param as a plan parameter,
+  while the model module takes `membership` as a module field.
   """
   out, _ = routing_attention(q, k, v, centroids=_centroids(q, num_clusters), window=window, causal=causal,
                              mask=mask, share_qk=True, membership=membership)
@@ -57,8 +57,8 @@ def combiner_routed_op(q: Array, k: Array, v: Array, *, causal: bool, mask: Arra
 register(OpSpec("routing", routing_op,
                 params=lambda length: {"num_clusters": sqrt_pow2(length), "window": sqrt_pow2(length)},
                 module="models.routing_attention:RoutingAttention",
-                description="Routing Transformer attention: balanced spherical k-means clusters (top-k per "
-                            "centroid, as the lucidrains peer), O(L^1.5 d)"))
+                description="Routing Transformer attention: spherical k-means clusters (balanced top-k per "
+                            "centroid; nearest centroid in decoders), O(L^1.5 d)"))
 register(OpSpec("combiner_routed", combiner_routed_op,
                 params=lambda length: {"num_clusters": sqrt_pow2(length)},
                 module="models.routing_attention:RoutedCombinerAttention",

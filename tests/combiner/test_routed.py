@@ -102,6 +102,22 @@ def test_padding_invariance_gradients_and_bf16():
   assert all(bool(jnp.isfinite(g).all()) for g in grads)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_padded_cluster_ids_and_content_change_no_real_output(causal):
+  """Padded positions rank after every real token, so real outputs are the same whatever the padding holds:
+  other cluster ids, huge values, NaN (the routing module computes padded tokens' ids from their content)."""
+  q, k, v, ids, mask = (x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x
+                        for x in _inputs(11, 2, 16, 2, 8, 8, 4))
+  pad = ~mask[:, :, None, None]
+  out = _routed(q, k, v, ids, mask, num_clusters=4, causal=causal)
+  for seed, fill in [(2, 50.0), (3, jnp.nan)]:
+    other_ids = jnp.where(pad[..., 0], jax.random.randint(jax.random.key(seed), ids.shape, 0, 4), ids)
+    noisy = [jnp.where(pad, fill * jax.random.normal(jax.random.key(seed + i), x.shape), x)
+             for i, x in enumerate((q, k, v))]
+    out2 = _routed(*noisy, other_ids, mask, num_clusters=4, causal=causal)
+    np.testing.assert_array_equal(_real(out2, mask), _real(out, mask))
+
+
 def test_causal_jacobian_exact_zeros():
   with jax.enable_x64(True):
     n = 9

@@ -199,7 +199,21 @@ def test_decoder_default_is_exactly_causal_and_balanced_opt_in_leaks():
   still leaks through which tokens make a centroid's top-`window`; the module's decoder default does not."""
   x = _x(batch=1)
   x2 = x.at[:, 8:].set(3.0 * jax.random.normal(jax.random.key(7), x[:, 8:].shape))
-  for membership, leaks in [(None, False), ("balanced", True)]:
+  for membership, leaks in [(None, False), ("balanced_leaky", True)]:
     m = _build("routing", routing_heads=HEADS, membership=membership)
     a, b = m(x, None, deterministic=True)[:, :8], m(x2, None, deterministic=True)[:, :8]
     assert (float(jnp.max(jnp.abs(a - b))) > 1e-4) == leaks, membership
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_routed_combiner_real_outputs_ignore_padded_content(causal):
+  """The module computes every token's cluster from its content; padded tokens must not move the partition:
+  random values or NaN at masked positions leave the real positions' outputs unchanged."""
+  m = _build("combiner_routed", causal=causal)
+  x = _x()
+  mask = jnp.arange(LENGTH)[None, :] < jnp.array([[LENGTH - 5], [LENGTH - 9]])  # [2, L]
+  out = m(x, mask, deterministic=True)
+  for fill in (40.0, jnp.nan):
+    x2 = jnp.where(mask[..., None], x, fill * jax.random.normal(jax.random.key(3), x.shape))
+    out2 = m(x2, mask, deterministic=True)
+    np.testing.assert_array_equal(np.where(mask[..., None], out2, 0.0), np.where(mask[..., None], out, 0.0))

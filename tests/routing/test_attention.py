@@ -17,7 +17,7 @@ from routing.local import local_attention
 @functools.partial(jax.jit, static_argnames=("window", "causal", "share_qk", "scale_logits", "mask_self",
                                              "membership"))
 def _routing(q, k, v, mu, mask, *, window, causal, share_qk=True, scale_logits=True, mask_self=False,
-             membership="balanced"):
+             membership="balanced_leaky"):
   """Jitted once per option set: eager dispatch compiles every primitive per shape, which is slower here."""
   return routing_attention(q, k, v, centroids=mu, window=window, causal=causal, mask=mask, share_qk=share_qk,
                            scale_logits=scale_logits, mask_self=mask_self, membership=membership)
@@ -299,19 +299,26 @@ def test_nearest_membership_matches_numpy_and_is_exactly_causal(causal):
 
 def test_default_membership_is_exactly_causal_and_the_balanced_opt_in_leaks():
   """The decision documented in `routing.attention`: decoders (causal, shared QK) default to "nearest"; the
-  paper's "balanced" top-k stays an explicit opt-in, and in a decoder it leaks: changing only tokens >= 8
-  moves outputs before 8 (a later token pushes an earlier one out of a centroid's top-`window`)."""
+  paper's top-k stays an explicit opt-in ("balanced_leaky"), and in a decoder it leaks: changing only
+  tokens >= 8 moves outputs before 8 (a later token pushes an earlier one out of a centroid's
+  top-`window`)."""
   with jax.enable_x64(True):
     q, k, v, _, mu = _inputs(5, 2, 16, 2, 4, mask_p=1.0)
     mask = jnp.ones((2, 16), bool)
     for causal, share_qk, want in [(True, True, "nearest"), (False, True, "balanced"),
-                                   (True, False, "balanced")]:
+                                   (False, False, "balanced")]:
       got = _routing(q, k, v, mu, mask, window=4, causal=causal, share_qk=share_qk, membership=None)[0]
       ref = _routing(q, k, v, mu, mask, window=4, causal=causal, share_qk=share_qk, membership=want)[0]
       np.testing.assert_array_equal(got, ref)
+    # A decoder is never given the leaking top-k silently: "balanced" (asked for, or the default without
+    # shared QK) is refused with the way out named.
+    for share_qk, membership in [(True, "balanced"), (False, None), (False, "balanced")]:
+      with pytest.raises(ValueError, match="membership='nearest'"):
+        routing_attention(q, k, v, centroids=mu, window=4, causal=True, mask=mask, share_qk=share_qk,
+                          membership=membership)
     q2 = q.at[:, 8:].set(3.0 * jax.random.normal(jax.random.key(9), q[:, 8:].shape, jnp.float64))
     v2 = v.at[:, 8:].add(5.0)
-    for membership, leaks in [("nearest", False), ("balanced", True)]:
+    for membership, leaks in [("nearest", False), ("balanced_leaky", True)]:
       a = _routing(q, q, v, mu, mask, window=4, causal=True, membership=membership)[0][:, :8]
       b = _routing(q2, q2, v2, mu, mask, window=4, causal=True, membership=membership)[0][:, :8]
       assert (float(jnp.max(jnp.abs(a - b))) > 1e-3) == leaks, membership
