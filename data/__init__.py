@@ -76,7 +76,9 @@ def create_dataset(
 
   shard_index/shard_count default to jax.process_index()/jax.process_count(). shuffle defaults to
   split == "train"; num_epochs defaults to None (repeat forever) for "train" and 1 otherwise. `batch_size` is
-  the per-host batch.
+  the per-host batch. An endless batched stream is global: host `shard_index` reads rows
+  [shard_index * batch_size, (shard_index + 1) * batch_size) of each global batch of
+  batch_size * shard_count examples, the same examples for any host count (data/pipeline.py, `make_loader`).
   """
   if batch_size < 1:
     raise ValueError(f"batch_size must be >= 1, got {batch_size}")

@@ -1,10 +1,17 @@
 """The grain plumbing every dataset shares: sampler, sharding, batching, padding of the last eval batch.
 
 Determinism and resume: every element the loader yields is a function of the record order (a seeded
-permutation of the host's records, a new one each epoch: `EpochPermutation`, the same on both engines) and
-of the record index, so `get_state()` / `set_state()` of the iterator continue with exactly the same
-batches. Per-record randomness (flips, MLM corruption) is seeded from (seed, record index), never from a
+permutation of the records, a new one each epoch: `EpochPermutation`, the same on both engines) and of the
+record's stream position, so `get_state()` / `set_state()` of the iterator continue with exactly the same
+batches. Per-record randomness (flips, MLM corruption) is seeded from (seed, stream position), never from a
 stateful generator.
+
+A batched training stream (endless) is global: one record order over the whole split, global batch s being
+stream positions [s * B, (s + 1) * B), of which each host reads its own contiguous rows (`GlobalRows`). The
+examples of a step are then the same on any number of hosts, and the iterator state (the global batch index)
+is the same on every host, so a run resumes on another host count (`restore_iterator`). Finite splits
+(evaluation) and self-batching pipelines (packed text) read a contiguous shard of records per host
+(`ShardView`) in a per-host order.
 """
 
 from __future__ import annotations
@@ -70,6 +77,43 @@ def default_read_threads() -> int:
 def host_seed(seed: int, shard_index: int) -> int:
   """Decorrelates the hosts' shuffles and per-record randomness (their local indices coincide)."""
   return int(np.random.SeedSequence([seed, shard_index]).generate_state(1)[0])
+
+
+def stream_seed(seed: int) -> int:
+  """The seed of a global stream's record order and per-record randomness: host 0's `host_seed`, so that a
+  one-host run reads the stream (and resumes the checkpoints) it read when every host had its own stream."""
+  return host_seed(seed, 0)
+
+
+class GlobalRows:
+  """Rows [lo, hi) of every global batch of `global_batch` stream positions: the host batch of one host.
+
+  Global batch s holds stream positions [s * global_batch, (s + 1) * global_batch); this host reads positions
+  s * global_batch + [lo, hi), the rows its devices hold of the global batch (training/experiment.py places
+  host batches by `jax.make_array_from_process_local_data`, host `shard_index` of `shard_count` holding rows
+  [shard_index * b, (shard_index + 1) * b), b = global_batch / shard_count).
+  """
+
+  def __init__(self, host_batch: int, shard_index: int, shard_count: int):
+    if host_batch < 1:
+      raise ValueError(f"batch_size must be >= 1, got {host_batch}")
+    self.size, self.global_batch = int(host_batch), int(host_batch) * int(shard_count)
+    self.lo = int(shard_index) * self.size
+
+  def positions(self, batch_index: int) -> np.ndarray:
+    """The stream positions of this host's rows of global batch `batch_index`: [size] int64."""
+    return np.arange(self.size, dtype=np.int64) + (int(batch_index) * self.global_batch + self.lo)
+
+  def position(self, local_index: int) -> int:
+    """Stream position of this host's `local_index`-th record (rows of consecutive batches, in order)."""
+    batch_index, row = divmod(int(local_index), self.size)
+    return batch_index * self.global_batch + self.lo + row
+
+  def whole(self) -> bool:
+    return self.size == self.global_batch
+
+  def __repr__(self) -> str:
+    return f"rows {self.lo}:{self.lo + self.size} of {self.global_batch}"
 
 
 def read_records(source: Any, indices: Sequence[int]) -> list[Any]:
@@ -353,16 +397,21 @@ class EpochPermutation:
 class EpochPermutationSampler:
   """grain.DataLoader sampler (IndexSampler's interface) giving `EpochPermutation`'s order.
 
-  Record index = stream position (the DataLoader runs unsharded: hosts are split by `ShardView`), and the
-  generator of RandomMap operations is Philox keyed by seed + index, as IndexSampler makes it; so the
-  'loader' engine yields the 'dataset' engine's batches.
+  Record index = stream position (the DataLoader runs unsharded: hosts are split by `ShardView`, or, with
+  `rows`, index i is this host's i-th record of a global stream, at `rows.position(i)`), and the generator of
+  RandomMap operations is Philox keyed by seed + stream position, as IndexSampler makes it; so the 'loader'
+  engine yields the 'dataset' engine's batches.
   """
 
-  def __init__(self, num_records: int, *, shuffle: bool, num_epochs: int | None, seed: int):
+  def __init__(self, num_records: int, *, shuffle: bool, num_epochs: int | None, seed: int,
+               rows: GlobalRows | None = None):
     if num_epochs is not None and num_epochs < 1:
       raise ValueError(f"num_epochs must be None (endless) or >= 1, got {num_epochs}")
+    if rows is not None and num_epochs is not None:
+      raise ValueError("rows of a global stream need an endless stream (num_epochs=None)")
     self.order = EpochPermutation(num_records, seed=seed, shuffle=shuffle)
     self.num_epochs, self.seed = num_epochs, int(seed)
+    self.rows = None if rows is None or rows.whole() else rows  # one host's rows: the stream itself
     self.length = sys.maxsize if num_epochs is None else num_epochs * self.order.num_records
 
   def __len__(self) -> int:
@@ -371,17 +420,20 @@ class EpochPermutationSampler:
   def __getitem__(self, index: int) -> grain.RecordMetadata:
     if not 0 <= index < self.length:
       raise IndexError(f"sampler index {index} is outside [0, {self.length})")
-    rng = np.random.Generator(np.random.Philox(key=self.seed + index))
-    return grain.RecordMetadata(index=index, record_key=self.order.key(index), rng=rng)
+    position = index if self.rows is None else self.rows.position(index)
+    rng = np.random.Generator(np.random.Philox(key=self.seed + position))
+    return grain.RecordMetadata(index=index, record_key=self.order.key(position), rng=rng)
 
   def __repr__(self) -> str:  # grain stores it in the iterator state and compares it on restore
+    rows = "" if self.rows is None else f", {self.rows!r}"
     return (f"EpochPermutationSampler(num_records={self.order.num_records}, shuffle={self.order.shuffle}, "
-            f"num_epochs={self.num_epochs}, seed={self.seed})")
+            f"num_epochs={self.num_epochs}, seed={self.seed}{rows})")
 
 
 class KeyBatches(grain.MapDataset):
   """Element b: the record keys of stream positions [b * batch_size, (b + 1) * batch_size) in
-  `EpochPermutation` order, an int array (the last one shorter when the remainder is kept).
+  `EpochPermutation` order, an int array (the last one shorter when the remainder is kept); with `rows`, the
+  keys of this host's rows of global batch b (`GlobalRows`; endless streams).
 
   The 'dataset' engine's record order in one node: grain's range -> shuffle -> repeat -> batch chain made a
   chain of calls per record (its batch reads its parent record by record); this is one vectorised lookup
@@ -390,13 +442,15 @@ class KeyBatches(grain.MapDataset):
   """
 
   def __init__(self, order: EpochPermutation, *, num_epochs: int | None, batch_size: int,
-               drop_remainder: bool):
+               drop_remainder: bool, rows: GlobalRows | None = None):
     super().__init__()
     if batch_size < 1:
       raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if num_epochs is not None and num_epochs < 1:
       raise ValueError(f"num_epochs must be None (endless) or >= 1, got {num_epochs}")
-    self.order, self.batch_size = order, batch_size
+    if rows is not None and (num_epochs is not None or rows.size != batch_size):
+      raise ValueError(f"rows ({rows!r}) need an endless stream and batch_size={rows.size}")
+    self.order, self.batch_size, self.rows = order, batch_size, rows
     self.total = sys.maxsize if num_epochs is None else num_epochs * order.num_records  # stream positions
     drop = drop_remainder or num_epochs is None  # an endless stream has no last batch
     self.length = self.total // batch_size if drop else -(-self.total // batch_size)
@@ -411,6 +465,8 @@ class KeyBatches(grain.MapDataset):
       raise IndexError(f"batch index {index} is outside [0, {self.length})")
     start = index * self.batch_size
     with self._stats.record_self_time():
+      if self.rows is not None:
+        return self.order.keys(self.rows.positions(index))
       return self.order.keys(np.arange(start, min(start + self.batch_size, self.total), dtype=np.int64))
 
   def __str__(self) -> str:
@@ -421,18 +477,19 @@ class ReadBatch:
   """(batch index, record keys) -> batch: reads each `source[key]`, applies the per-record `operations` in
   order and stacks the examples (`PadBatch`).
 
-  Stream position `batch index * batch_size + j` is what grain.DataLoader's sampler
-  (`EpochPermutationSampler`) calls the record index, so RandomMap operations get the generator the
-  DataLoader gives them: Philox keyed by seed + index, one per record, shared by that record's operations
-  in order.
+  Row j's stream position (`batch index * batch_size + j`, or `rows.positions(batch index)[j]` for a host's
+  rows of a global stream) is what grain.DataLoader's sampler (`EpochPermutationSampler`) keys its generator
+  with, so RandomMap operations get the generator the DataLoader gives them: Philox keyed by seed + stream
+  position, one per record, shared by that record's operations in order.
   """
 
-  def __init__(self, source: Any, operations: Sequence[Any], *, seed: int, batch_size: int):
+  def __init__(self, source: Any, operations: Sequence[Any], *, seed: int, batch_size: int,
+               rows: GlobalRows | None = None):
     for op in operations:
       if not isinstance(op, (grain.transforms.Map, grain.transforms.RandomMap)):
         raise TypeError(f"per-record operations must be grain.transforms.Map or RandomMap, got {op!r}")
     self.source, self.operations, self.seed = source, list(operations), seed
-    self.batch_size, self.stack = batch_size, PadBatch(batch_size)
+    self.batch_size, self.stack, self.rows = batch_size, PadBatch(batch_size), rows
 
   def one(self, index: int, element: Any):
     rng = None
@@ -446,7 +503,8 @@ class ReadBatch:
     return element
 
   def __call__(self, batch_index: int, keys: np.ndarray) -> dict[str, np.ndarray]:
-    first = int(batch_index) * self.batch_size
+    first = int(batch_index) * self.batch_size if self.rows is None else self.rows.position(
+        int(batch_index) * self.batch_size)
     elements = read_records(self.source, keys.tolist())
     return self.stack([self.one(first + j, e) for j, e in enumerate(elements)])
 
@@ -465,14 +523,21 @@ def make_loader(
   config: Any,
   engine: str | None = None,
 ) -> grain.IterDataset | grain.DataLoader:
-  """Seeded shuffled record order sharded per host, `operations` per record, then batching.
+  """Seeded shuffled record order, `operations` per record, then batching; `batch_size` is the host batch.
 
-  Training (shuffle, repeat forever) drops ragged remainders so every host sees full batches of equal count;
-  evaluation keeps every record: host shards may differ by one record and the last batch is padded.
-  `batch_size=None` means the operations batch themselves (text packing).
+  Training (an endless stream, `num_epochs=None`) with `batch_size` set is one global stream: an
+  `EpochPermutation` of all the split's records (seed from `stream_seed`), global batch s being stream
+  positions [s * B, (s + 1) * B) for B = batch_size * shard_count, of which host `shard_index` reads rows
+  [shard_index * batch_size, (shard_index + 1) * batch_size) (`GlobalRows`). A step's examples and the
+  iterator state (the global batch index) are the same for any number of hosts; every batch is full.
+  Evaluation (finite) keeps every record: each host reads its contiguous shard (`ShardView`; host shards may
+  differ by one record) in its own order (seed from `host_seed`) and pads its last batch.
+  `batch_size=None` means the operations batch themselves (text packing): an endless stream is then sharded
+  per host as well (equal shards, records beyond an equal split left out of each epoch), so its batches
+  depend on the host count.
 
-  Record order: `EpochPermutation` of the host's records (seed from `host_seed`), a new permutation each
-  epoch, batches running across epoch boundaries; without shuffle, the records in order, epoch after epoch.
+  Record order: a new permutation each epoch, batches running across epoch boundaries; without shuffle, the
+  records in order, epoch after epoch.
 
   engine: "dataset" (the default when `batch_size` is set): a grain `MapDataset` pipeline: `KeyBatches` (the
     record keys of one batch in one lookup), each batch of keys read, transformed and stacked by one
@@ -484,8 +549,9 @@ def make_loader(
     (docs/benchmarks.md, "Input pipeline costs"), and that is what keeps small smoke models from waiting for
     input.
     Iterators of both have get_state()/set_state() and are saved by grain.checkpoint (their states are not
-    interchangeable: `check_iterator_checkpoint`). `config.data.engine` overrides the default, e.g. "loader"
-    to resume a checkpoint written by the loader engine.
+    interchangeable: `check_iterator_checkpoint`; only the dataset engine's resumes on another host count:
+    `restore_iterator`). `config.data.engine` overrides the default, e.g. "loader" to resume a checkpoint
+    written by the loader engine.
 
   Checkpoints written before `EpochPermutation` (grain's index-shuffle order: `IndexSampler`,
   `MapDataset.shuffle`) cannot continue in their order: a DataLoader state names its `IndexSampler`, and
@@ -510,16 +576,21 @@ def make_loader(
   num_records = len(source)
   if num_records == 0:
     raise ValueError(f"split {split!r} of {config.data.name!r} has no records")
-  if drop and num_records % shard_count:
-    log.info("%s/%s: %d records beyond an equal split over %d hosts are left out of each epoch",
-             config.data.name, split, num_records % shard_count, shard_count)
-  # Each host reads a contiguous range of records (grain's own sharding floors every shard to n // hosts even
-  # without drop_remainder, which would lose evaluation records); the sampler then sees only the local range.
-  source = ShardView(source, shard_index, shard_count, equal=drop)
-  if len(source) == 0:
-    raise ValueError(f"split {split!r} of {config.data.name!r} has {num_records} records, fewer than the "
-                     f"{shard_count} hosts")
-  seed = host_seed(seed, shard_index)
+  rows = None
+  if drop and batch_size is not None:  # a global stream: every host reads the same order, its own rows
+    rows = GlobalRows(batch_size, shard_index, shard_count)
+    seed = stream_seed(seed)
+  else:
+    if drop and num_records % shard_count:
+      log.info("%s/%s: %d records beyond an equal split over %d hosts are left out of each epoch",
+               config.data.name, split, num_records % shard_count, shard_count)
+    # Each host reads a contiguous range of records (grain's own sharding floors every shard to n // hosts
+    # even without drop_remainder, which would lose evaluation records); the sampler sees the local range.
+    source = ShardView(source, shard_index, shard_count, equal=drop)
+    if len(source) == 0:
+      raise ValueError(f"split {split!r} of {config.data.name!r} has {num_records} records, fewer than the "
+                       f"{shard_count} hosts")
+    seed = host_seed(seed, shard_index)
   workers = int(cfg_get(config, "worker_count", 0))
   if workers > 0:
     from absl import flags
@@ -531,15 +602,15 @@ def make_loader(
   if engine == "dataset":
     order = EpochPermutation(len(source), seed=seed, shuffle=shuffle)
     # Batches of keys before reading leave grain one call per batch instead of a chain of per-record calls.
-    ds = KeyBatches(order, num_epochs=num_epochs, batch_size=batch_size, drop_remainder=drop)
-    ds = ds.map_with_index(ReadBatch(source, operations, seed=seed, batch_size=batch_size))
+    ds = KeyBatches(order, num_epochs=num_epochs, batch_size=batch_size, drop_remainder=drop, rows=rows)
+    ds = ds.map_with_index(ReadBatch(source, operations, seed=seed, batch_size=batch_size, rows=rows))
     out = ds.to_iter_dataset(grain.ReadOptions(num_threads=threads,
                                                prefetch_buffer_size=max(2, -(-prefetch // batch_size))))
     if workers > 0:
       out = out.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
     return out
   shard_options = grain.sharding.NoSharding()
-  sampler = EpochPermutationSampler(len(source), shuffle=shuffle, num_epochs=num_epochs, seed=seed)
+  sampler = EpochPermutationSampler(len(source), shuffle=shuffle, num_epochs=num_epochs, seed=seed, rows=rows)
   ops = list(operations)
   if batch_size is not None:
     ops.append(grain.transforms.Batch(batch_size=batch_size, drop_remainder=drop,
@@ -579,6 +650,14 @@ def check_iterator_checkpoint(step_dir: str, data_iter: Any, config: Any) -> Non
     return  # not a grain state we know; grain itself reports it
   saved_loader = isinstance(saved, dict) and "last_seen_indices" in saved and "sampler" in saved
   current_loader = not isinstance(data_iter, grain.DatasetIterator)
+  index, count = resolve_shards(None, None)
+  if saved_loader and current_loader and not (data_dir / state_file(index, count)).exists():
+    raise ValueError(
+      f"checkpoint {step_dir} holds per-host data-iterator states of grain.DataLoader ({files[0].name}, ...: "
+      f"engine 'loader', or packed text), written by another number of hosts than this run's {count}; "
+      f"such a state continues only on the host count that wrote it. Resume on that many hosts, or start a "
+      f"fresh workdir (the dataset engine's batched streams resume on any host count)."
+    )
   if saved_loader and str(saved["sampler"]).startswith("IndexSampler("):
     raise ValueError(
       f"checkpoint {step_dir} holds a data-iterator state ({files[0]}) in the record order of grain's "
@@ -596,6 +675,46 @@ def check_iterator_checkpoint(step_dir: str, data_iter: Any, config: Any) -> Non
     f"it. To resume this run exactly (both engines give the same batches), set "
     f"--config.data.engine={'loader' if saved_loader else 'dataset'}; or start a fresh workdir."
   )
+
+
+def state_file(process_index: int, process_count: int) -> str:
+  """The name grain's orbax handler gives a host's data-iterator state in a checkpoint's `data/` item."""
+  return f"process_{process_index}-of-{process_count}.json"
+
+
+def restore_iterator(step_dir: str, data_iter: Any) -> None:
+  """Sets `data_iter` to the state saved in `<step_dir>/data` (after `check_iterator_checkpoint`).
+
+  grain's orbax handler saves one file per host (`state_file`) and restores only the same host's file of the
+  same host count. A dataset-engine state is the global batch index, the same on every host (a batched
+  training stream is global: `make_loader`), so it is read from this host's file when the host count is
+  unchanged, else from the saved hosts' files, which must agree: a run resumes on any host count, continuing
+  the same global stream. A DataLoader state is per host and needs this host's file. Raises
+  (FileNotFoundError, ValueError) when the files are missing, unreadable or disagree.
+  """
+  import json
+
+  from etils import epath  # the checkpoint may live on gs://
+
+  data_dir = epath.Path(step_dir) / "data"
+  own = data_dir / state_file(*resolve_shards(None, None))
+  is_dataset = isinstance(data_iter, grain.DatasetIterator)
+  if own.exists():
+    text = own.read_text()
+    state = json.loads(text) if is_dataset else text.encode()
+  else:
+    files = sorted(data_dir.glob("process_*-of-*.json")) if data_dir.exists() else []
+    if not files or not is_dataset:
+      raise FileNotFoundError(f"no data-iterator state for this host in {data_dir} (found: "
+                              f"{[f.name for f in files]})")
+    states = [json.loads(f.read_text()) for f in files]
+    if any(other != states[0] for other in states[1:]):
+      raise ValueError(f"the hosts' data-iterator states in {data_dir} differ ({files[0].name}: "
+                       f"{states[0]}), so they are not one global stream's position")
+    state = states[0]
+  data_iter.set_state(state)
+  if hasattr(data_iter, "start_prefetch"):
+    data_iter.start_prefetch()
 
 
 class Counter:

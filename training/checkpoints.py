@@ -64,7 +64,6 @@ def restore_checkpoint(mgr: Any, exp: Experiment, data_iter: Any | None,
   Raises UnrestorableCheckpoint naming the step directory when its files do not restore or the restored
   parameters / optimizer state are not finite.
   """
-  import grain
   import orbax.checkpoint as ocp
 
   step = mgr.latest_step() if step is None else step
@@ -74,14 +73,15 @@ def restore_checkpoint(mgr: Any, exp: Experiment, data_iter: Any | None,
   if not jax.tree.leaves(target["rest"]):
     del target["rest"]
   items = {"state": ocp.args.StandardRestore(target), "meta": ocp.args.JsonRestore()}
-  if data_iter is not None:
-    from data import pipeline  # a state of the other input engine: a clear error instead of grain's
-
-    pipeline.check_iterator_checkpoint(paths.join(mgr.directory, str(step)), data_iter, exp.config)
-    items["data"] = grain.checkpoint.CheckpointRestore(data_iter)
   step_dir = paths.join(mgr.directory, str(step))
+  if data_iter is not None:
+    from data import pipeline  # a state of the other input engine or host layout: a clear error
+
+    pipeline.check_iterator_checkpoint(step_dir, data_iter, exp.config)
   try:
     restored = mgr.restore(step, args=ocp.args.Composite(**items))
+    if data_iter is not None:  # not grain's handler, which reads only this host count's files
+      pipeline.restore_iterator(step_dir, data_iter)
     tree = restored["state"]
     check_finite(tree["params"], "parameters")
     check_finite(tree["opt_state"], "optimizer state")

@@ -247,9 +247,8 @@ class Experiment:
     split = split or self.config.eval_split
     if max_batches is None:
       max_batches = int(self.config.train.eval_batches)
-    bs = self.per_host(int(self.config.train.eval_batch_size))
-    loader = create_dataset(self.config, split, batch_size=bs, seed=int(self.config.seed), shuffle=False,
-                            num_epochs=1)
+    loader = create_dataset(self.config, split, **self.host_batch(int(self.config.train.eval_batch_size)),
+                            seed=int(self.config.seed), shuffle=False, num_epochs=1)
     totals: dict[str, float] = {}
     n = 0
     for batch in loader:
@@ -270,11 +269,34 @@ class Experiment:
     return out
 
   def per_host(self, global_batch: int) -> int:
+    """The rows of a global batch this host's devices hold (`host_batch`)."""
+    return self.host_batch(global_batch)["batch_size"]
+
+  def host_batch(self, global_batch: int) -> dict[str, int]:
+    """Which rows of a global batch this host reads, as `create_dataset` arguments: host batch size
+    b (`batch_size`), and `shard_index`/`shard_count` such that the host holds rows
+    [shard_index * b, (shard_index + 1) * b) of the global batch.
+
+    The rows are those of this process's devices under the batch sharding, the host-local batch that
+    `global_batch` (jax.make_array_from_process_local_data) expects; a training stream's global batch s is
+    then its stream positions [s * global_batch, (s + 1) * global_batch) in order, on any host layout
+    (data.pipeline.GlobalRows). Hosts whose devices hold the same rows (a mesh whose "data" axis does not
+    span them) read the same rows.
+    """
     if global_batch % self.data_size:
       raise ValueError(f"batch size {global_batch} is not divisible by the data-parallel mesh size "
                        f"{self.data_size}")
-    if global_batch % jax.process_count():
-      raise ValueError(f"batch size {global_batch} is not divisible by the {jax.process_count()} hosts")
-    return global_batch // jax.process_count()
+    where = self.batch_sharding.addressable_devices_indices_map((global_batch,))  # device -> (row slice,)
+    spans = {index[0].indices(global_batch)[:2] for index in where.values()}
+    lo, hi = min(a for a, _ in spans), max(b for _, b in spans)
+    covered = np.zeros(global_batch, bool)
+    for a, b in spans:
+      covered[a:b] = True
+    size = hi - lo
+    if not covered[lo:hi].all() or global_batch % size or lo % size:
+      raise ValueError(f"this host's devices hold rows {sorted(spans)} of the global batch of "
+                       f"{global_batch}, not one of equal contiguous blocks; the mesh's device order does "
+                       f"not fit the process layout")
+    return {"batch_size": size, "shard_index": lo // size, "shard_count": global_batch // size}
 
 

@@ -104,7 +104,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, devic
   exp = Experiment(kernel_check.checked_config(config, workdir, devices=devices, record=is_main),
                    devices=devices)
   num_steps = int(config.train.num_steps)
-  loader = create_dataset(config, "train", batch_size=exp.per_host(int(config.train.batch_size)),
+  # The host's rows of each global batch: the same global stream on any host layout (data/pipeline.py).
+  loader = create_dataset(config, "train", **exp.host_batch(int(config.train.batch_size)),
                           seed=int(config.seed))
   data_iter = iter(loader)
   mgr = checkpoint_manager(workdir, config)

@@ -3,6 +3,7 @@ sharding."""
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -430,6 +431,62 @@ def test_host_shards_are_disjoint_and_cover_the_split(n, hosts):
     it = iter(loader)
     per_host.append({int(next(it)["inputs"][0, 0]) for _ in range(n // hosts)})
   assert sum(len(s) for s in per_host) == len(set().union(*per_host)) == (n // hosts) * hosts
+
+
+@pytest.mark.parametrize("engine", ["dataset", "loader"])
+def test_training_stream_is_global_on_any_host_count(engine, tmp_path):
+  """Global batch s of an endless stream is stream positions [s * B, (s + 1) * B) of one record order, host h
+  of P reading rows [h * B / P, (h + 1) * B / P): the same examples (and per-record generators) for 1, 2 or
+  4 hosts. The dataset engine's state is the global batch index, equal on every host, and a 2-host
+  checkpoint's states restore a 1-host iterator to the same place in the stream."""
+  n, big, steps = 11, 4, 6  # 6 global batches of 4 run across epochs of 11 records
+  config = _config("numbered")
+
+  def hosts(count):
+    return [iter(pipeline.make_loader(_Numbered(n), [_Noisy()], split="train", batch_size=big // count,
+                                      seed=3, shard_index=h, shard_count=count, shuffle=True, num_epochs=None,
+                                      config=config, engine=engine)) for h in range(count)]
+
+  order = pipeline.EpochPermutation(n, seed=pipeline.stream_seed(3), shuffle=True)
+  want = [order.keys(np.arange(s * big, (s + 1) * big)) for s in range(steps)]  # the index derivation
+  runs = {}
+  for count in (1, 2, 4):
+    its = hosts(count)
+    runs[count] = [np.concatenate([next(it)["inputs"] for it in its]) for _ in range(steps)]
+    for s in range(steps):
+      np.testing.assert_array_equal(runs[count][s][:, 0], want[s])
+      np.testing.assert_array_equal(runs[count][s], runs[1][s])  # the generators' draws too
+  if engine == "loader":
+    return  # a DataLoader state is per host (test_data_loader_state_needs_its_host_count)
+  two = hosts(2)
+  for _ in range(3):
+    for it in two:
+      next(it)
+  step_dir = tmp_path / "7"
+  (step_dir / "data").mkdir(parents=True)
+  for h, it in enumerate(two):
+    assert it.get_state() == {"next_index": 3}
+    (step_dir / "data" / pipeline.state_file(h, 2)).write_text(json.dumps(it.get_state()))
+  one = hosts(1)[0]
+  pipeline.check_iterator_checkpoint(str(step_dir), one, config)
+  pipeline.restore_iterator(str(step_dir), one)
+  for s in range(3, steps):
+    np.testing.assert_array_equal(next(one)["inputs"], runs[1][s])
+  (step_dir / "data" / pipeline.state_file(1, 2)).write_text(json.dumps({"next_index": 2}))
+  with pytest.raises(ValueError, match="differ"):
+    pipeline.restore_iterator(str(step_dir), hosts(1)[0])
+
+
+def test_data_loader_state_needs_its_host_count(tmp_path):
+  config = _config("numbered")
+  it = iter(pipeline.make_loader(_Numbered(7), [_Noisy()], split="train", batch_size=2, seed=0,
+                                 shard_index=1, shard_count=2, shuffle=True, num_epochs=None, config=config,
+                                 engine="loader"))
+  next(it)
+  (tmp_path / "data").mkdir()
+  (tmp_path / "data" / pipeline.state_file(1, 2)).write_bytes(it.get_state())
+  with pytest.raises(ValueError, match="host count that wrote it"):
+    pipeline.check_iterator_checkpoint(str(tmp_path), it, config)  # this process is 1 host, not 2
 
 
 def test_lra_shards_cover_real_reader(lra_dir):

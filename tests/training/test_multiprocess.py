@@ -6,8 +6,6 @@ import hashlib
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import jax
@@ -15,44 +13,13 @@ import numpy as np
 import pytest
 
 from runtime import distributed
+from tests.training.localhost import finish as _finish
+from tests.training.localhost import launch as _launch
 from training import checkpoints, experiment
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 STEPS, EVERY = 20, 5
 CONFIG = ["--config", "configs/default.py:smoke", f"--config.train.num_steps={STEPS}",
           f"--config.train.checkpoint_every={EVERY}", "--config.train.log_every=5"]
-
-
-def _launch(script: str, args: list[str], workdir: str) -> list[subprocess.Popen]:
-  """Starts processes 0 and 1 of `script` on a fresh localhost coordinator port."""
-  import portpicker
-
-  port = portpicker.pick_unused_port()
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
-  procs = []
-  for pid in range(2):
-    cmd = [sys.executable, "-u", script, *args, "--workdir", workdir,
-           f"--coordinator_address=localhost:{port}", "--num_processes=2", f"--process_id={pid}"]
-    log = open(os.path.join(os.path.dirname(workdir), f"{script}.{pid}.{port}.log"), "w")
-    procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env))
-    procs[-1].log_path = log.name
-  return procs
-
-
-def _finish(procs: list[subprocess.Popen], timeout: float = 400) -> list[str]:
-  outputs = []
-  for p in procs:
-    try:
-      p.wait(timeout=timeout)
-    finally:
-      if p.poll() is None:
-        p.kill()
-        p.wait()
-    with open(p.log_path) as f:
-      outputs.append(f.read())
-  for p, out in zip(procs, outputs, strict=True):
-    assert p.returncode == 0, out[-4000:]
-  return outputs
 
 
 def _saved_steps(workdir: str) -> list[int]:

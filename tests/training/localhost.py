@@ -1,0 +1,43 @@
+"""Training entry points run as several JAX processes on localhost (jax.distributed, CPU devices): the
+harness of the multi-process tests."""
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
+
+
+def launch(script: str, args: list[str], workdir: str, *, processes: int = 2,
+           devices: int = 2) -> list[subprocess.Popen]:
+  """Starts processes 0 .. processes-1 of `script` (each with `devices` CPU devices) on a fresh localhost
+  coordinator port; each one's output goes to a log file beside `workdir` (`proc.log_path`)."""
+  import portpicker
+
+  port = portpicker.pick_unused_port()
+  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+  procs = []
+  for pid in range(processes):
+    cmd = [sys.executable, "-u", script, *args, "--workdir", workdir,
+           f"--coordinator_address=localhost:{port}", f"--num_processes={processes}", f"--process_id={pid}"]
+    log = open(os.path.join(os.path.dirname(workdir), f"{script}.{pid}.{port}.log"), "w")
+    procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env))
+    procs[-1].log_path = log.name
+  return procs
+
+
+def finish(procs: list[subprocess.Popen], timeout: float = 400) -> list[str]:
+  """Waits for every process (killing what outlives `timeout`), asserts each exited 0, returns their logs."""
+  outputs = []
+  for p in procs:
+    try:
+      p.wait(timeout=timeout)
+    finally:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+    with open(p.log_path) as f:
+      outputs.append(f.read())
+  for p, out in zip(procs, outputs, strict=True):
+    assert p.returncode == 0, out[-4000:]
+  return outputs
