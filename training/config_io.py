@@ -31,6 +31,9 @@ CONFIG = "config.json"
 HISTORY = "config_history.json"
 # Top-level config sections whose change makes a resumed run a different experiment (shapes, task, data).
 GUARDED = ("model", "data")
+LOCK = "lock.json"  # training/lock.py: the run that holds the workdir
+# What a start may leave before config.json exists when it is killed outright: not files of another run.
+START_ENTRIES = (LOCK, "status")
 
 
 class ConfigMismatch(ValueError):
@@ -117,7 +120,7 @@ def check_workdir(workdir: Any, config: ml_collections.ConfigDict, *, allow_chan
   workdir = paths.path(workdir)
   saved = saved_config_dict(workdir)
   if saved is None:
-    if workdir.exists() and any(True for _ in workdir.iterdir()):
+    if workdir.exists() and any(p.name not in START_ENTRIES for p in workdir.iterdir()):
       names = sorted(p.name for p in workdir.iterdir())
       shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
       raise ConfigMismatch(f"--workdir {workdir} is not empty ({shown}) and has no {CONFIG}: it holds files "
@@ -132,6 +135,38 @@ def check_workdir(workdir: Any, config: ml_collections.ConfigDict, *, allow_chan
                          "--allow_config_change to continue this run with the new config (the change is "
                          f"recorded in {HISTORY}).")
   return diff
+
+
+def start_snapshot(workdir: Any) -> dict[str, Any] | None:
+  """What a new run's workdir holds before the start writes anything (None for an existing run's workdir,
+  which has its config.json): `undo_start` removes what the start added if it fails."""
+  workdir = paths.path(workdir)
+  if (workdir / CONFIG).exists():
+    return None
+  existed = workdir.exists()
+  return {"existed": existed, "names": {p.name for p in workdir.iterdir()} if existed else set()}
+
+
+def undo_start(workdir: Any, before: dict[str, Any] | None) -> None:
+  """Leaves a new run's workdir as `start_snapshot` found it after a failed start (a directory the start
+  created goes; entries that were there stay); never raises (the start's own error is the one to report)."""
+  if before is None:
+    return
+  workdir = paths.path(workdir)
+  try:
+    if not workdir.exists():
+      return
+    for entry in workdir.iterdir():
+      if entry.name in before["names"]:
+        continue
+      if entry.is_dir():
+        paths.rmtree(entry)
+      else:
+        entry.unlink(missing_ok=True)
+    if not before["existed"]:
+      workdir.rmdir()
+  except Exception as e:
+    print(f"could not clean up the failed start in {workdir}: {type(e).__name__}: {e}", flush=True)
 
 
 def record_config(workdir: Any, config: ml_collections.ConfigDict, diff: dict[str, tuple[Any, Any]],

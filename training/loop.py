@@ -31,6 +31,7 @@ from training import config_io, kernel_check
 from training import status as run_status
 from training.checkpoints import checkpoint_manager, restore_or_init, save_checkpoint
 from training.experiment import Experiment, create_dataset
+from training.lock import WorkdirLock, acquire_everywhere
 from training.preemption import Preemption
 
 
@@ -95,27 +96,35 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, devic
   workdir = os.fspath(paths.path(workdir))  # local (made absolute) or gs://
   # Before anything is written: a workdir of another run, or a different experiment, is refused.
   config_diff = config_io.check_workdir(workdir, config, allow_change=allow_config_change)
-  paths.makedirs(workdir)
   is_main = jax.process_index() == 0
-  if is_main and not config_diff:
-    config_io.record_config(workdir, config, {}, 0)  # a new run's config.json, first of all its files
-  # The model's fused kernel compiled and checked on the device first; under "auto" a failure builds the model
-  # on the XLA path instead (config.json keeps the config as given).
-  exp = Experiment(kernel_check.checked_config(config, workdir, devices=devices, record=is_main),
-                   devices=devices)
-  num_steps = int(config.train.num_steps)
-  # The host's rows of each global batch: the same global stream on any host layout (data/pipeline.py).
-  loader = create_dataset(config, "train", **exp.host_batch(int(config.train.batch_size)),
-                          seed=int(config.seed))
-  data_iter = iter(loader)
-  mgr = checkpoint_manager(workdir, config)
-  exp.init_rng_state()
-  state = restore_or_init(mgr, exp, data_iter, set_aside=True)
-  if is_main and config_diff:
-    config_io.record_config(workdir, config, config_diff, state.step)
-    if state.step:
-      print(f"config changed when resuming at step {state.step} (recorded in {config_io.HISTORY}): "
-            + ", ".join(sorted(config_diff)), flush=True)
+  # One run per workdir; a new run whose start fails (a bad model field, missing data) leaves the workdir as
+  # it found it, so config.json comes last, once the model, the data and the checkpoints are in place.
+  before = config_io.start_snapshot(workdir) if is_main else None
+  wlock = WorkdirLock(workdir, enabled=is_main, every_s=heartbeat_s)
+  acquire_everywhere(wlock)
+  try:
+    # The model's fused kernel compiled and checked on the device first; under "auto" a failure builds the
+    # model on the XLA path instead (config.json keeps the config as given).
+    exp = Experiment(kernel_check.checked_config(config, workdir, devices=devices, record=is_main),
+                     devices=devices)
+    num_steps = int(config.train.num_steps)
+    # The host's rows of each global batch: the same global stream on any host layout (data/pipeline.py).
+    loader = create_dataset(config, "train", **exp.host_batch(int(config.train.batch_size)),
+                            seed=int(config.seed))
+    data_iter = iter(loader)
+    mgr = checkpoint_manager(workdir, config)
+    exp.init_rng_state()
+    state = restore_or_init(mgr, exp, data_iter, set_aside=True)
+    if is_main:  # a new run's config.json, or an accepted change appended to its history
+      config_io.record_config(workdir, config, config_diff, state.step)
+  except BaseException:
+    if is_main:
+      config_io.undo_start(workdir, before)
+    wlock.release()
+    raise
+  if is_main and config_diff and state.step:
+    print(f"config changed when resuming at step {state.step} (recorded in {config_io.HISTORY}): "
+          + ", ".join(sorted(config_diff)), flush=True)
   start = state.step
   n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
   print(f"task={exp.task} data={config.data.name} attention={config.model.attention.name} "
@@ -160,6 +169,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, devic
                                  f"{where}. Lower the learning rate, enable clipping, or use float32.")
         steps_this_run += 1
         status.heartbeat(state.step)
+        wlock.refresh()
         for k in ("loss", "aux_loss", "grad_norm"):
           acc[k] = acc.get(k, 0.0) + float(out[k])
         for k in ("nll_sum", "weight_sum", "correct_sum"):
@@ -213,6 +223,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, devic
     if writer is not None:
       writer.close()
     mgr.close()  # waits for the checkpoint writes in flight
+    wlock.release()
   bad = sorted(k for k, v in result["metrics"].items() if isinstance(v, float) and not math.isfinite(v))
   if bad:
     e = NonFiniteEvaluation(f"the final evaluation at step {state.step} is not finite ({', '.join(bad)}); "
