@@ -18,8 +18,20 @@ import math
 import os
 import sys
 
-from runtime import distributed
-from training import evaluate, loop
+from runtime import cli, distributed
+
+
+def check_flags(f) -> None:
+  """The flags' domains and the workdir, before anything is restored (UsageError naming the flag)."""
+  cli.workdir_dir("--workdir", f.workdir, must_exist=True)
+  if "://" not in f.workdir:
+    cli.check(os.path.isfile(os.path.join(f.workdir, "config.json")),
+              f"--workdir {f.workdir} has no config.json: not a train.py workdir")
+  if f.max_batches is not None and (f.max_batches == 0 or f.max_batches < -1):
+    raise cli.UsageError(f"--max_batches must be >= 1 or -1 (the whole split), got {f.max_batches}")
+  cli.at_least("--step", f.step, 0)
+  if f.split is not None:
+    cli.check(bool(f.split.strip()), "--split must name a split (e.g. validation, test), got ''")
 
 
 def main(argv: list[str]) -> None:
@@ -28,6 +40,9 @@ def main(argv: list[str]) -> None:
 
   logging.set_verbosity(logging.WARNING)
   f = flags.FLAGS
+  check_flags(f)
+  from training import evaluate, loop
+
   distributed.initialize_from_flags(f)
   m = evaluate.evaluate_workdir(f.workdir, split=f.split, step=f.step, max_batches=f.max_batches)
   print(loop.format_metrics(m), flush=True)
@@ -37,14 +52,17 @@ def main(argv: list[str]) -> None:
     sys.exit(1)
 
 
-if __name__ == "__main__":
-  from absl import app, flags
+def _flags() -> None:
+  from absl import flags
 
-  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   flags.DEFINE_string("workdir", None, "a train.py workdir", required=True)
   flags.DEFINE_string("split", None, "split to evaluate (default: the config's eval_split)")
   flags.DEFINE_integer("step", None, "checkpoint step (default: the latest)")
   flags.DEFINE_integer("max_batches", None, "evaluate at most this many batches (-1 = the whole split; "
                        "default: config.train.eval_batches, as train.py's evaluations)")
   distributed.define_flags()  # --multihost, --coordinator_address, --num_processes, --process_id
-  app.run(main)
+
+
+if __name__ == "__main__":
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  cli.run_absl(main, _flags)

@@ -9,6 +9,7 @@ n batches. A latest checkpoint that does not restore is reported and the newest 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -47,20 +48,34 @@ def restore_workdir(workdir: str, *, step: int | None = None,
   return exp, state, mgr
 
 
+class MetricsNotWritten(OSError):
+  """The evaluation ran (its metrics were reported) but its JSON could not be written."""
+
+
 def evaluate_workdir(workdir: str, *, split: str | None = None, step: int | None = None,
-                     max_batches: int | None = None, devices: list | None = None) -> dict[str, Any]:
+                     max_batches: int | None = None, devices: list | None = None,
+                     report: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
   """Restores `step` (default: the newest that restores) from `workdir` and evaluates `split` (default
-  config.eval_split) over `max_batches` batches (default config.train.eval_batches, as train.py; -1 = all)."""
+  config.eval_split) over `max_batches` batches (default config.train.eval_batches, as train.py; -1 = all).
+
+  report: called with the metrics before they are written, so a result that cannot be written (a read-only
+  workdir) is not lost: the write failure then raises MetricsNotWritten, after the report."""
   exp, state, mgr = restore_workdir(workdir, step=step, devices=devices)
+  mgr.close()
   config = exp.config
   split = split or config.eval_split
   metrics = exp.evaluate(state, split, max_batches)
   metrics.update(step=state.step, split=split, attention=str(config.model.attention.name),
                  data=str(config.data.name))
+  if report is not None:
+    report(metrics)
   if jax.process_index() == 0:
     part = "" if metrics["whole_split"] else f"_{metrics['num_batches']}batches"
     path = paths.join(workdir, f"eval_{split}_{state.step}{part}.json")
-    config_io.write_json(path, metrics)
+    try:
+      config_io.write_json(path, metrics)
+    except OSError as e:
+      raise MetricsNotWritten(f"the metrics above could not be written to {path}: "
+                              f"{e.strerror or type(e).__name__}") from e
     metrics["path"] = path
-  mgr.close()
   return metrics
