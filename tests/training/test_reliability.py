@@ -264,3 +264,21 @@ def test_eval_agrees_with_train_by_default_and_keeps_each_file(trained, tmp_path
   assert whole["path"] != m["path"]
   assert strict_json(m["path"])["num_batches"] == 1 and strict_json(whole["path"])["num_batches"] == 2
   assert loop.format_metrics(m).count("num_examples=8") == 1
+
+
+def test_eval_on_a_workdir_it_cannot_write_reports_its_metrics_first(trained, tmp_path):
+  from training import evaluate as eval_lib
+
+  workdir = copy_of(trained, tmp_path)
+  split = smoke().eval_split
+  os.chmod(workdir, 0o555)
+  if os.access(workdir, os.W_OK):  # root writes anyway: the file's own name is taken instead
+    os.chmod(workdir, 0o755)
+    os.mkdir(os.path.join(workdir, f"eval_{split}_4_1batches.json"))
+  reported = []
+  try:
+    with pytest.raises(eval_lib.MetricsNotWritten, match=rf"written to .*eval_{split}_4_1batches"):
+      eval_lib.evaluate_workdir(workdir, report=reported.append)
+  finally:
+    os.chmod(workdir, 0o755)
+  assert len(reported) == 1 and reported[0]["step"] == 4 and math.isfinite(reported[0]["loss"])
