@@ -55,7 +55,7 @@ def auto_params(length: int) -> dict[str, int]:
           "num_selected": 16, "window": 8 * select}
 
 
-def _mlp(op: str, prefix: str, arrays: tuple[Any, ...], heads: int, block: int, dim: int
+def check_mlp(op: str, prefix: str, arrays: tuple[Any, ...], heads: int, block: int, dim: int
          ) -> tuple[Array, ...] | None:
   """The compression MLP's arrays (pos [H, l, dim], w1 [H, l*dim, hidden], b1 [H, hidden], w2 [H, hidden,
   dim]; H = heads or 1), checked; None when none is given (mean pooling)."""
@@ -120,9 +120,10 @@ def nsa(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None
                      f"select_block ({sel})")
   batch, length, heads, head_dim = q.shape
   value_dim = v.shape[-1]
-  key_mlp = _mlp(op, "cmp_key", (cmp_key_pos, cmp_key_w1, cmp_key_b1, cmp_key_w2), heads, size, head_dim)
-  value_mlp = _mlp(op, "cmp_value", (cmp_value_pos, cmp_value_w1, cmp_value_b1, cmp_value_w2), heads, size,
-                   value_dim)
+  key_mlp = check_mlp(op, "cmp_key", (cmp_key_pos, cmp_key_w1, cmp_key_b1, cmp_key_w2), heads, size,
+                      head_dim)
+  value_mlp = check_mlp(op, "cmp_value", (cmp_value_pos, cmp_value_w1, cmp_value_b1, cmp_value_w2), heads,
+                        size, value_dim)
   if gates is not None:
     gates = jnp.asarray(gates)
     if gates.shape != (batch, length, heads, BRANCHES):
@@ -131,14 +132,37 @@ def nsa(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None
   ct = contract.softmax_dtype(q.dtype, k.dtype, v.dtype)
   scale = contract.logit_scale(head_dim)
 
-  nb = num_blocks(length, sel)
-  padded = nb * sel  # whole selection blocks, hence whole chunks of `stride`
-  chunks, per_block = padded // stride, size // stride
-  count = min(count, nb)
-  width = min(width, padded)
   qh, kh, vh, real = rows_and_mask(q, k, v, mask, ct)  # [rows, length, dim], real [rows, length]
-  rows = qh.shape[0]
-  kp, vp, realp = pad_length(kh, padded), pad_length(vh, padded), pad_length(real, padded, False)
+  padded = num_blocks(length, sel) * sel  # whole selection blocks, hence whole chunks of `stride`
+  gp = (jnp.full((qh.shape[0], length, BRANCHES), 1.0 / BRANCHES, ct) if gates is None
+        else to_rows(gates, ct))
+  n_chunks = query_chunks if query_chunks is not None else num_query_chunks(
+      qh.shape[0], padded, min(count, padded // sel) * sel * (head_dim + value_dim + 2) + padded // stride)
+  n_chunks = contract.check_positive_int(n_chunks, name="query_chunks", op=op)
+  out = attend_rows(pad_length(qh * scale, padded), jnp.arange(padded, dtype=jnp.int32),
+                    pad_length(gp, padded), pad_length(kh, padded), pad_length(vh, padded),
+                    pad_length(real, padded, False), batch=batch, compress_block=size, compress_stride=stride,
+                    select_block=sel, num_selected=count, window=width, key_mlp=key_mlp,
+                    value_mlp=value_mlp, query_chunks=n_chunks)
+  return from_rows(out[:, :length], batch, v.dtype)
+
+
+def attend_rows(qs: Array, qpos: Array, gates: Array, kp: Array, vp: Array, realp: Array, *, batch: int,
+                compress_block: int, compress_stride: int, select_block: int, num_selected: int, window: int,
+                key_mlp: tuple[Array, ...] | None, value_mlp: tuple[Array, ...] | None,
+                query_chunks: int) -> Array:
+  """NSA for the queries qs [rows, Q, d] (scaled, at positions qpos [Q], increasing and consecutive within
+  each of `query_chunks` chunks; gates [rows, Q, 3]) over keys kp [rows, P, d], values vp [rows, P, e] and key
+  mask realp [rows, P], P a whole number of selection blocks, masked keys already zero, all in the softmax
+  dtype; rows = batch x heads. Arguments checked by `nsa`. Returns [rows, Q, e]."""
+  size, stride, sel = compress_block, compress_stride, select_block
+  rows, padded, head_dim = kp.shape
+  value_dim = vp.shape[-1]
+  nb = padded // sel
+  chunks, per_block = padded // stride, size // stride
+  count = min(num_selected, nb)
+  width = min(window, padded)
+  ct = kp.dtype
 
   def blocks_of(x: Array, fill: Any = 0) -> Array:  # [rows, padded, D] -> [rows, chunks, l, D]
     xc = pad_length(x, padded + (per_block - 1) * stride, fill)
@@ -154,10 +178,7 @@ def nsa(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None
   vb = flag_nonfinite(vp).reshape(rows, nb, sel, value_dim + 1)
   rb = realp.reshape(rows, nb, sel)
 
-  n_chunks = query_chunks if query_chunks is not None else num_query_chunks(
-      rows, padded, count * sel * (head_dim + value_dim + 2) + chunks)
-  n_chunks = contract.check_positive_int(n_chunks, name="query_chunks", op=op)
-  q_size = -(-padded // n_chunks)
+  q_size = -(-qs.shape[1] // query_chunks)
   # The window's keys for a chunk starting at p: positions [p - width + 1, p + q_size), one slice.
   kw = jnp.pad(kp, ((0, 0), (width - 1, q_size), (0, 0)))
   vw = jnp.pad(flag_nonfinite(vp), ((0, 0), (width - 1, q_size), (0, 0)))
@@ -197,9 +218,4 @@ def nsa(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None
     o_win = joint_softmax([Piece(wlogits, wvis, lambda w: flagged_sum("gqk,gke->gqe", w, vwin))])
     return gc[..., 0:1] * o_cmp + gc[..., 1:2] * o_slc + gc[..., 2:3] * o_win
 
-  qp = pad_length(qh * scale, padded)
-  gp = (jnp.full((rows, padded, BRANCHES), 1.0 / BRANCHES, ct) if gates is None
-        else pad_length(to_rows(gates, ct), padded))
-  qpos = jnp.arange(padded, dtype=jnp.int32)[None, :]
-  out = map_chunks(attend_chunk, (qp, qpos, gp), n_chunks, axis=1)  # [rows, padded, e]
-  return from_rows(out[:, :length], batch, v.dtype)
+  return map_chunks(attend_chunk, (qs, qpos[None, :], gates), query_chunks, axis=1)  # [rows, Q, e]

@@ -23,6 +23,7 @@ from attention_baselines.moba_decode import MOBA
 from attention_baselines.none import none
 from attention_baselines.nsa import auto_params as nsa_params
 from attention_baselines.nsa import nsa
+from attention_baselines.nsa_decode import NSA
 from attention_baselines.nystromformer import nystromformer
 from attention_baselines.performer import DEFAULT_CHUNK as PERFORMER_CHUNK
 from attention_baselines.performer import performer
@@ -137,7 +138,7 @@ def _nsa_inputs(length: int, *, head_dim: int = 64) -> dict:
 
 
 register(OpSpec(
-    "nsa", nsa, bidirectional=False, params=nsa_params, bench_inputs=_nsa_inputs,
+    "nsa", nsa, bidirectional=False, params=nsa_params, bench_inputs=_nsa_inputs, decode=NSA,
     module="models.nsa_attention:NSAAttention",
     description="Native Sparse Attention: gated compressed (l=32, stride 16), top-16 selected (64-token "
                 "blocks) and sliding-window (512) branches, causal, O(L*(L/16 + n*64 + 512)*d)"))

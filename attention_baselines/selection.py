@@ -65,7 +65,10 @@ def choose(scores: Array, valid: Array, forced: Array, count: int) -> tuple[Arra
 def gather_blocks(x: Array, index: Array) -> Array:
   """x [rows, blocks, size, dim], index [rows, queries, count] -> [rows, queries, count * size, dim]."""
   rows, queries, count = index.shape
-  out = jax.vmap(lambda xb, ib: xb[ib])(x, index)  # [rows, queries, count, size, dim]
+  blocks = x.shape[1]
+  # One gather of whole blocks along one axis (contiguous slices), not a batched gather per row.
+  flat = (index + (jnp.arange(rows, dtype=index.dtype) * blocks)[:, None, None]).reshape(-1)
+  out = jnp.take(x.reshape(rows * blocks, *x.shape[2:]), flat, axis=0, mode="clip")
   return out.reshape(rows, queries, count * x.shape[2], x.shape[3])
 
 

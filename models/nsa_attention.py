@@ -88,3 +88,22 @@ class NSAAttention(attention.OpAttention):
     else:
       o = self.call_op(spec.fn, q, k, v, mask, **params, **arrays)  # [batch, length, heads, head_dim]
     return self.output(o, deterministic=deterministic)  # [batch, length, features]
+
+  # Cached decoding: the decoder (attention_baselines/nsa_decode.py) takes the token's gates and the MLPs.
+  def decode_step(self, x: Array, cache: attention.LayerCache, position: Array
+                  ) -> tuple[Array, attention.LayerCache]:
+    decoder, params = self._decoding(cache.max_length)
+    q, k, v = self.project(x)  # [batch, 1, heads, head_dim]
+    gates = jax.nn.sigmoid(self.gate(x))[:, 0]  # [batch, heads, 3]
+    o, state = decoder.step(cache.state, q[:, 0], k[:, 0], v[:, 0], position, **params, gates=gates,
+                            **self.weights())
+    return self.out(o[:, None]), attention.LayerCache(state, cache.max_length)  # [batch, 1, features]
+
+  def prefill(self, x: Array, cache: attention.LayerCache) -> tuple[Array, attention.LayerCache]:
+    decoder, params = self._decoding(cache.max_length)
+    q, k, v = self.project(x)  # [batch, prompt_length, heads, head_dim]
+    gates = jax.nn.sigmoid(self.gate(x))
+    o = sharding.attend(ops_registry.get(self.op_name).fn, q, k, v, kinds=self.op_kinds(), causal=True,
+                        **params, gates=gates, **self.weights())
+    state = decoder.prefill(cache.state, q, k, v, **params)
+    return self.out(o), attention.LayerCache(state, cache.max_length)  # [batch, prompt_length, features]

@@ -36,6 +36,7 @@ OP_CASES = [
     ("longformer", {"window": 4, "global_positions": ()}),
     ("bigbird", {"block_size": 3, "global_blocks": (0, -2), "num_random_blocks": 2, "seed": 3}),
     ("moba", {"block_size": 3, "top_k": 2}),
+    ("nsa", {"compress_block": 4, "compress_stride": 2, "select_block": 4, "num_selected": 2, "window": 3}),
 ]
 
 

@@ -41,7 +41,10 @@ MODEL_CASES = [("dense", {}), ("combiner_fixed", {"block_size": 4}),
                ("sparse_axial", {"row_length": 4}), ("sparse_logsparse", {}), ("linear", {"chunk_size": 4}),
                ("performer", {"num_features": 16, "chunk_size": 4}), ("local", {"block_size": 4}),
                ("longformer", {"window": 3, "global_positions": (0, 7, -3)}),
-               ("bigbird", {"block_size": 1, "num_random_blocks": 1}), ("moba", {"block_size": 4, "top_k": 2})]
+               ("bigbird", {"block_size": 1, "num_random_blocks": 1}),
+               ("moba", {"block_size": 4, "top_k": 2}),
+               ("nsa", {"compress_block": 4, "compress_stride": 2, "select_block": 4, "num_selected": 2,
+                        "window": 3})]
 
 
 # The op-level tests (tests/attention_core/test_decode.py) cover every plan; at model level only the one
