@@ -22,7 +22,21 @@ from __future__ import annotations
 import os
 import sys
 
-from training import sample
+from runtime import cli
+
+
+def check_flags(f) -> None:
+  """The flags' domains and the workdir, before anything is restored (UsageError naming the flag)."""
+  cli.workdir_dir("--workdir", f.workdir, must_exist=True)
+  if "://" not in f.workdir:
+    cli.check(os.path.isfile(os.path.join(f.workdir, "config.json")),
+              f"--workdir {f.workdir} has no config.json: not a train.py workdir")
+  cli.at_least("--num_samples", f.num_samples, 1)
+  cli.at_least("--temperature", f.temperature, 0, " (0 = greedy)")
+  cli.at_least("--top_k", f.top_k, 0, " (0 = all tokens)")
+  cli.probability("--top_p", f.top_p)
+  cli.at_least("--step", f.step, 0)
+  cli.at_least("--prompt_len", f.prompt_len, 0)
 
 
 def main(argv: list[str]) -> None:
@@ -31,14 +45,16 @@ def main(argv: list[str]) -> None:
 
   logging.set_verbosity(logging.WARNING)
   f = flags.FLAGS
+  check_flags(f)
+  from training import sample
+
   sample.run(f.workdir, num_samples=f.num_samples, temperature=f.temperature, top_k=f.top_k, top_p=f.top_p,
              seed=f.seed, step=f.step, prompt=f.prompt, prompt_len=f.prompt_len)
 
 
-if __name__ == "__main__":
-  from absl import app, flags
+def _flags() -> None:
+  from absl import flags
 
-  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   flags.DEFINE_string("workdir", None, "a train.py workdir", required=True)
   flags.DEFINE_integer("num_samples", 8, "sequences to sample")
   flags.DEFINE_float("temperature", 1.0, "softmax temperature (0 = greedy)")
@@ -48,4 +64,8 @@ if __name__ == "__main__":
   flags.DEFINE_integer("step", None, "checkpoint step (default: the latest)")
   flags.DEFINE_string("prompt", "", "language tasks: the text every sample continues")
   flags.DEFINE_integer("prompt_len", 0, "image tasks: keep this many sub-pixels of validation images")
-  app.run(main)
+
+
+if __name__ == "__main__":
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  cli.run_absl(main, _flags)

@@ -31,11 +31,10 @@ import sys
 import time
 from typing import Any
 
-import jax
 import ml_collections
 
-from runtime import distributed
-from training import checkpoints, config_io, experiment, kernel_check, listing, loop, status
+from runtime import cli, distributed
+from training import command_line, config_io
 
 
 def _flags():
@@ -69,17 +68,21 @@ def main(argv: list[str]) -> None:
   from absl import flags as absl_flags
   from absl import logging
 
-  from models import gin_bridge
-
   logging.set_verbosity(logging.WARNING)  # orbax and grain log every save at INFO
   flags = absl_flags.FLAGS
   if flags.list:
+    from training import listing
+
     print(listing.listing())
     return
+  cli.workdir_dir("--workdir", flags.workdir, must_exist=False)
+  cli.positive("--heartbeat_s", flags.heartbeat_s)
+  config = command_line.checked_config(flags)  # before any model is built or anything written
+  import jax
+
+  from training import checkpoints, experiment, kernel_check, loop, status
+
   distributed.initialize_from_flags(flags)
-  config = flags.config
-  with config.unlocked():
-    gin_bridge.apply(config, flags.gin_file, flags.gin_bindings)
   workdir = flags.workdir
   if workdir is None:
     name = os.path.splitext(os.path.basename(config_io.config_path_of(flags)))[0]
@@ -104,7 +107,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-  from absl import app
-
-  _flags()
-  app.run(main)
+  cli.run_absl(main, _flags)

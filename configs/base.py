@@ -7,12 +7,14 @@ e.g. `attention=combiner_axial_vertical,layers=6,smoke`; an unknown key is an er
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable
 from typing import Any
 
 import ml_collections
 
 from attention_core import registry as op_registry
+from runtime.cli import UsageError
 
 # Logical parameter axis -> mesh axis (None = replicated). Model parallelism splits heads, MLP and vocabulary.
 SHARDING_RULES = (("embed", None), ("mlp", "model"), ("heads", "model"), ("kv", None), ("vocab", "model"))
@@ -171,7 +173,7 @@ COMMON_KEYS: dict[str, tuple[Callable, Callable]] = {
 }
 
 
-class UnknownConfigArgument(ValueError):
+class UnknownConfigArgument(UsageError):
   """A config argument no key or flag of the config names; carries the valid ones (`train.py --list`)."""
 
   def __init__(self, message: str, keys: list[str], flags: list[str]):
@@ -207,23 +209,100 @@ def parse_arg(arg: str | None, extra: tuple[str, ...] = (), flags: tuple[str, ..
   return values, given
 
 
-def validate(c: ml_collections.ConfigDict) -> None:
-  """Clear errors for config values that would otherwise fail after compiling or silently do nothing."""
+def _number(path: str, value: Any, kind: type = int) -> None:
+  ok = isinstance(value, (int, float) if kind is float else int) and not isinstance(value, bool)
+  if not ok:
+    raise UsageError(f"{path} must be {'a number' if kind is float else 'an int'}, got {value!r}")
+
+
+def validate(c: ml_collections.ConfigDict, attention_names: Any = None) -> None:
+  """Refuses, naming the field and its domain, config values that would otherwise fail after compiling or
+  silently train something else (UsageError). `attention_names`: the names `model.attention.name` may take
+  (models/registry.py knows them; the entry points pass them)."""
+  def at_least(path: str, value: Any, low: int, note: str = "") -> None:
+    _number(path, value)
+    if value < low:
+      raise UsageError(f"{path} must be >= {low}{note}, got {value}")
+
+  def in_range(path: str, value: Any, low: float, high: float, closed: str) -> None:
+    _number(path, value, float)
+    ok = (low <= value if closed[0] == "[" else low < value) and (value <= high if closed[1] == "]"
+                                                                     else value < high)
+    if not ok:
+      raise UsageError(f"{path} must be in {closed[0]}{low}, {high}{closed[1]}, got {value}")
+
+  def one_of(path: str, value: Any, allowed: Any) -> None:
+    if value not in allowed:
+      raise UsageError(f"{path} must be one of {sorted(allowed)}, got {value!r}")
+
   t = c.train
   for name in ("num_steps", "log_every", "eval_every", "checkpoint_every", "batch_size", "eval_batch_size",
                "keep_checkpoints", "eval_batches"):
-    if isinstance(t[name], bool) or not isinstance(t[name], int):
-      raise ValueError(f"config.train.{name} must be an int, got {t[name]!r}")
+    _number(f"config.train.{name}", t[name])
   for name in ("log_every", "checkpoint_every", "batch_size", "eval_batch_size", "keep_checkpoints"):
-    if t[name] < 1:
-      raise ValueError(f"config.train.{name} must be >= 1, got {t[name]}")
-  if t.num_steps < 0:
-    raise ValueError(f"config.train.num_steps must be >= 0 (0 = evaluate the initial or restored state), "
-                     f"got {t.num_steps}")
-  if t.eval_every < 0:
-    raise ValueError(f"config.train.eval_every must be >= 0 (0 = only at the end), got {t.eval_every}")
+    at_least(f"config.train.{name}", t[name], 1)
+  at_least("config.train.num_steps", t.num_steps, 0, " (0 = evaluate the initial or restored state)")
+  at_least("config.train.eval_every", t.eval_every, 0, " (0 = only at the end)")
   if t.eval_batches == 0 or t.eval_batches < -1:
-    raise ValueError(f"config.train.eval_batches must be >= 1 or -1 (the whole split), got {t.eval_batches}")
+    raise UsageError(f"config.train.eval_batches must be >= 1 or -1 (the whole split), got {t.eval_batches}")
+
+  m = c.model
+  for name in ("num_layers", "features", "num_heads", "mlp_dim"):
+    at_least(f"config.model.{name}", m[name], 1)
+  if m.head_dim is not None:
+    at_least("config.model.head_dim", m.head_dim, 1)
+  elif m.features // m.num_heads < 1:
+    raise UsageError(f"config.model.features ({m.features}) must be >= config.model.num_heads "
+                     f"({m.num_heads}) when config.model.head_dim is None (head_dim = features // num_heads)")
+  at_least("config.model.max_len", m.max_len, 0, " (0 = the data's seq_len)")
+  in_range("config.model.dropout_rate", m.dropout_rate, 0, 1, "[)")
+  one_of("config.model.remat", m.remat, ("none", "full", "minimal"))
+  one_of("config.model.dtype", m.dtype, ("float32", "bfloat16", "float16", "float64"))
+  att = m.attention
+  if attention_names is not None:
+    names = sorted(attention_names)
+    if att.name not in names:
+      close = difflib.get_close_matches(str(att.name), names, n=1)
+      raise UsageError(f"config.model.attention.name {att.name!r} is not an attention"
+                       + (f" (did you mean {close[0]!r}?)" if close else "") + f"; valid: {names}")
+  if att.dropout_rate is not None:
+    in_range("config.model.attention.dropout_rate", att.dropout_rate, 0, 1, "[)")
+  if att.routing_heads is not None:
+    at_least("config.model.attention.routing_heads", att.routing_heads, 0, " (0 = every head local)")
+  if att.proj_dim is not None:
+    at_least("config.model.attention.proj_dim", att.proj_dim, 1)
+  for key, value in att.params.items():
+    if key.endswith(("_size", "_length", "_block", "_stride", "num_hashes", "num_features", "num_clusters",
+                     "num_landmarks", "n_hashes", "n_buckets"))\
+        and isinstance(value, int) and not isinstance(value, bool):
+      at_least(f"config.model.attention.params.{key}", value, 1)
+
+  at_least("config.data.seq_len", c.data.seq_len, 1)
+  at_least("config.data.cache_in_memory", c.data.cache_in_memory, 0, " (MB; 0 = never)")
+
+  o = c.optimizer
+  one_of("config.optimizer.name", o.name, ("adam", "adamw", "adafactor"))
+  one_of("config.optimizer.schedule", o.schedule, ("cosine", "rsqrt", "constant"))
+  _number("config.optimizer.lr", o.lr, float)
+  if not o.lr > 0:
+    raise UsageError(f"config.optimizer.lr must be > 0, got {o.lr}")
+  in_range("config.optimizer.b1", o.b1, 0, 1, "[)")
+  in_range("config.optimizer.b2", o.b2, 0, 1, "[)")
+  _number("config.optimizer.eps", o.eps, float)
+  if not o.eps > 0:
+    raise UsageError(f"config.optimizer.eps must be > 0, got {o.eps}")
+  for name in ("weight_decay", "clip_norm"):
+    _number(f"config.optimizer.{name}", o[name], float)
+    if o[name] < 0:
+      raise UsageError(f"config.optimizer.{name} must be >= 0, got {o[name]}")
+  at_least("config.optimizer.warmup_steps", o.warmup_steps, 0)
+  in_range("config.optimizer.end_lr_ratio", o.end_lr_ratio, 0, 1, "[]")
+  in_range("config.aux_loss_weight", c.aux_loss_weight, 0, float("inf"), "[)")
+
+  for name in ("seq", "model"):
+    at_least(f"config.mesh.{name}", c.mesh[name], 1)
+  if c.mesh.data != -1:
+    at_least("config.mesh.data", c.mesh.data, 1, " or -1 (all devices the other axes leave)")
 
 
 def apply_common(c: ml_collections.ConfigDict, values: dict[str, str]) -> None:
@@ -231,7 +310,13 @@ def apply_common(c: ml_collections.ConfigDict, values: dict[str, str]) -> None:
   for key, value in values.items():
     if key in COMMON_KEYS:
       setter, convert = COMMON_KEYS[key]
-      setter(c, convert(value))
+      try:
+        converted = convert(value)
+      except ValueError:
+        kind = {int: "an int", float: "a number", _auto_or_int: "an int or 'auto'", _bool: "true or false"}
+        raise UsageError(f"config argument {key}={value!r}: {key} must be "
+                         f"{kind.get(convert, 'a valid value')}") from None
+      setter(c, converted)
   fill_auto_params(c)
 
 

@@ -72,6 +72,7 @@ from typing import Any
 from attention_core import (
   registry as ops_registry,  # imports no op package until a lookup (attention_core.registry.load)
 )
+from runtime import cli
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_LENGTHS = tuple(1024 * 2**i for i in range(7))  # 1024 .. 65536
@@ -827,8 +828,8 @@ def run_delegated_mode(args: argparse.Namespace) -> Any:
 
 
 def build_parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(prog="python -m scripts.benchmark", description=__doc__.split("\n\n")[0],
-                                   formatter_class=argparse.RawDescriptionHelpFormatter, add_help=False)
+  parser = cli.ArgumentParser(prog="python -m scripts.benchmark", description=__doc__.split("\n\n")[0],
+                              formatter_class=argparse.RawDescriptionHelpFormatter, add_help=False)
   parser.add_argument("-h", "--help", action="store_true",
                       help="show this help (with --mode M: also M's flags)")
   parser.add_argument("--mode", choices=("ops", *_MODE_MODULES), default="ops")
@@ -893,8 +894,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   for flag in ("batch", "heads", "head_dim", "repeats"):
     if getattr(args, flag) is not None and getattr(args, flag) < 1:
       parser.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
-  if args.memory_budget_gb is not None and args.memory_budget_gb <= 0:
-    parser.error(f"--memory_budget_gb must be > 0, got {args.memory_budget_gb}")
+  for flag in ("memory_budget_gb", "time_budget_s", "worker_timeout_s"):
+    if getattr(args, flag) is not None and not getattr(args, flag) > 0:
+      parser.error(f"--{flag} must be > 0, got {getattr(args, flag)}")
   if args.mode != "input" and args.repeats is None:
     args.repeats = 3
   if args.help:

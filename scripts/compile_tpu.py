@@ -423,7 +423,8 @@ def main(argv: list[str]) -> None:
   from absl import flags as absl_flags
   from absl import logging
 
-  from models import gin_bridge
+  from runtime import cli
+  from training import command_line
 
   logging.set_verbosity(logging.ERROR)
   flags = absl_flags.FLAGS
@@ -435,15 +436,14 @@ def main(argv: list[str]) -> None:
     return
   if flags.docs:
     sys.exit(write_docs(flags.docs))
+  cli.at_least("--num_slices", flags.num_slices, 1)
   if not flags.topology:
-    fail(f"--topology is required: one of {allowed()}", 2)
+    raise cli.UsageError(f"--topology is required: one of {allowed()}")
   try:
     gen, sizes = parse_topology(flags.topology, flags.num_slices)
   except BadTopology as e:
-    fail(str(e), 2)
-  config = flags.config
-  with config.unlocked():
-    gin_bridge.apply(config, flags.gin_file, flags.gin_bindings)
+    raise cli.UsageError(str(e)) from None
+  config = command_line.checked_config(flags)
   label = flags["config"].config_filename
   r, skipped = search(config, gen, sizes, flags.num_slices)
   batch = int(config.train.batch_size)
@@ -460,7 +460,6 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-  from absl import app
+  from runtime import cli
 
-  _flags()
-  app.run(main)
+  cli.run_absl(main, _flags)

@@ -48,7 +48,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # `python scripts/reproduce.py` as well as `python -m scripts.reproduce`
   sys.path.insert(0, ROOT)
 
-from runtime import paths  # noqa: E402
+from runtime import cli, paths  # noqa: E402
 
 SCALES = ("smoke", "cpu", "paper")
 RUN_INFO = "reproduce.json"  # written into each row's workdir after its run: what ran, where, with what
@@ -633,19 +633,25 @@ def to_csv(records: list[dict[str, Any]]) -> str:
 def select(table: str, rows: Sequence[str] | None) -> list[Row]:
   all_tables = tables()
   if table != "all" and table not in all_tables:
-    raise SystemExit(f"--table must be 'all' or one of {list(all_tables)}, got {table!r}")
-  chosen = [r for t, rs in all_tables.items() if table in ("all", t) for r in rs]
+    raise cli.UsageError(f"--table must be 'all' or one of {list(all_tables)}, got {table!r}")
+  chosen = chosen_all = [r for t, rs in all_tables.items() if table in ("all", t) for r in rs]
   if rows:
     want = set(rows)
     chosen = [r for r in chosen if r.id in want or r.label in want]
     if not chosen:
-      raise SystemExit(f"no row of {table!r} matches --rows {sorted(want)}")
+      raise cli.UsageError(f"no row of {table!r} matches --rows {sorted(want)}; rows: "
+                           f"{sorted(r.id for r in chosen_all)}")
   return chosen
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  p = argparse.ArgumentParser(prog="python -m scripts.reproduce", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  """Bad flags: one `ERROR:` line on stderr, exit 2 (runtime/cli.py)."""
+  return cli.run(_main, argv)
+
+
+def _main(argv: Sequence[str] | None = None) -> int:
+  p = cli.ArgumentParser(prog="python -m scripts.reproduce", description=__doc__,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--table", required=True, help=f"'all' or one of {list(tables())}")
   p.add_argument("--rows", nargs="*", default=None, help="row ids or labels (default: all of the table)")
   p.add_argument("--list", action="store_true", help="print the rows and their train.py commands")
@@ -669,10 +675,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                  help="local runs: train in this process (auto: yes at smoke scale, where starting an "
                       "interpreter and JAX per row would cost more than the run)")
   args = p.parse_args(argv)
-  if args.seeds < 1:
-    raise SystemExit("--seeds must be >= 1")
+  cli.at_least("--seeds", args.seeds, 1)
+  cli.at_least("--jobs", args.jobs, 0, " (0: automatic)")
   if args.launcher == "tpu" and not paths.is_uri(args.workdir_root) and not args.dry_run:
-    raise SystemExit("--launcher tpu needs a gs:// --workdir_root (every TPU worker writes there)")
+    raise cli.UsageError("--launcher tpu needs a gs:// --workdir_root (every TPU worker writes there)")
   chosen = select(args.table, args.rows)
   if not (args.list or args.run or args.collect or args.plot):
     args.list = True

@@ -52,6 +52,7 @@ prints it; v2 and v3 slices are not checked (compile_tpu.py models v4, v5e, v5p 
 from __future__ import annotations
 
 import argparse
+import atexit
 import dataclasses
 import json
 import math
@@ -69,6 +70,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if __package__ in (None, ""):  # run as a file: the repository root is the import root
   sys.path.insert(0, ROOT)
 
+from runtime import cli  # noqa: E402 (one-line user errors, exit 2)
 from training import status as run_status  # noqa: E402 (no jax: the records' names and paths)
 
 REMOTE_DIR = "~/combiner"  # code on every worker
@@ -117,11 +119,11 @@ def accelerator_type(name: str) -> str:
   """`v5e-16` -> `v5litepod-16`; checks the `<generation>-<cores or chips>` form."""
   m = re.fullmatch(r"(v\d+[a-z]*)-(\d+)", name)
   if not m:
-    raise ValueError(f"--accelerator must look like v4-8 or v5e-16, got {name!r}")
+    raise cli.UsageError(f"--accelerator must look like v4-8 or v5e-16, got {name!r}")
   gen = ALIASES.get(m.group(1), m.group(1))
   if gen not in GENERATIONS:
     known = sorted(GENERATIONS) + sorted(ALIASES)
-    raise ValueError(f"--accelerator generation {m.group(1)!r} is not one of {known}")
+    raise cli.UsageError(f"--accelerator generation {m.group(1)!r} is not one of {known}")
   return f"{gen}-{m.group(2)}"
 
 
@@ -221,7 +223,7 @@ def git(*argv: str) -> str:
 def shipped_commit(args: argparse.Namespace) -> str:
   """The commit `copy` ships; refuses uncommitted changes to HEAD (they would not be shipped)."""
   ref = args.ref or "HEAD"
-  sha = git("rev-parse", "--verify", f"{ref}^{{commit}}").strip()
+  sha = git("rev-parse", "--verify", "--end-of-options", f"{ref}^{{commit}}").strip()
   if args.ref is None and not args.allow_dirty:
     changed = [line[3:] for line in git("status", "--porcelain").splitlines() if line.strip()]
     if changed:
@@ -229,6 +231,14 @@ def shipped_commit(args: argparse.Namespace) -> str:
                           f"that the slice would not get: commit them, or pass --allow_dirty to ship "
                           f"HEAD ({sha[:12]}) without them")
   return sha
+
+
+def _temporary_file(suffix: str) -> str:
+  """A new file of this process under the system's temporary directory, removed when the launcher exits."""
+  fd, path = tempfile.mkstemp(prefix="scripts-tpu-", suffix=suffix)
+  os.close(fd)
+  atexit.register(lambda: os.path.exists(path) and os.remove(path))
+  return path
 
 
 def copy_cmds(args: argparse.Namespace, commit: str | None = None) -> list[list[str]]:
@@ -239,8 +249,8 @@ def copy_cmds(args: argparse.Namespace, commit: str | None = None) -> list[list[
     clone = f"rm -rf {REMOTE_DIR} && git clone -q {shlex.quote(args.repo_url)} {REMOTE_DIR}"
     return [ssh_cmd(args, clone + ref)]
   commit = commit or args.ref or "HEAD"
-  tarball = os.path.join(tempfile.gettempdir(), f"{args.name}-{os.getpid()}-code.tar.gz")
-  return [["git", "-C", ROOT, "archive", "--format=tar.gz", "-o", tarball, commit],
+  tarball = _temporary_file("-code.tar.gz")
+  return [["git", "-C", ROOT, "archive", "--format=tar.gz", "-o", tarball, "--end-of-options", commit],
           scp_cmd(args, tarball, "~/code.tar.gz"),
           ssh_cmd(args, f"rm -rf {REMOTE_DIR} && mkdir -p {REMOTE_DIR}"
                         f" && tar xzf ~/code.tar.gz -C {REMOTE_DIR}"
@@ -257,7 +267,8 @@ def train_cmds(args: argparse.Namespace) -> list[list[str]]:
   """train.py --multihost on every worker, detached (nohup, setsid), output appended to ~/train.log, pid in
   ~/train.pid; nothing is started where it already runs (an ssh retried after a dropped connection)."""
   if not args.config or not args.workdir:
-    raise ValueError("train needs --config and --workdir (a gs:// path: every worker must see the same one)")
+    raise cli.UsageError("train needs --config and --workdir (a gs:// path: every worker must see the same "
+                         "one)")
   argv = ["train.py", "--multihost", "--config", args.config, "--workdir", args.workdir, "--noprogress",
           *args.train_args]
   run = f"{REMOTE_VENV}/bin/python " + " ".join(shlex.quote(a) for a in argv)
@@ -701,7 +712,7 @@ def run_command(args: argparse.Namespace, run: Runner) -> int:
 
 def check_workdir(args: argparse.Namespace) -> None:
   if args.accelerator and args.workdir and not is_gcs(args.workdir) and hosts(args.accelerator) > 1:
-    raise ValueError(f"--workdir must be a gs:// path on {args.accelerator} ({hosts(args.accelerator)} "
+    raise cli.UsageError(f"--workdir must be a gs:// path on {args.accelerator} ({hosts(args.accelerator)} "
                      f"hosts): every worker writes to it")
 
 
@@ -741,6 +752,12 @@ def show_status(args: argparse.Namespace, run: Runner) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+  """Bad flags and values: one `ERROR:` line on stderr, exit 2 (runtime/cli.py); a failed gcloud/git command
+  or training run: one `error:` line, exit 1."""
+  return cli.run(_main, argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
   args = parse_args(argv)
   run = Runner(args.dry_run)
   try:
@@ -749,7 +766,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if e.lines:
       print("\n".join(e.lines), flush=True)
     raise SystemExit(f"error: {e}") from None
-  except (ValueError, LauncherError) as e:  # bad flag values name the flag; gcloud errors say which
+  except cli.UsageError:
+    raise
+  except (ValueError, LauncherError) as e:  # gcloud and git errors say which
     raise SystemExit(f"error: {e}") from None
   except KeyboardInterrupt:
     raise SystemExit("interrupted") from None
@@ -760,7 +779,7 @@ def dispatch(args: argparse.Namespace, run: Runner) -> int:
     accelerator_type(args.accelerator)
   cmd = args.command
   if cmd in ("create", "run") and not args.accelerator:
-    raise ValueError(f"{cmd} needs --accelerator (e.g. v4-8, v5e-16)")
+    raise cli.UsageError(f"{cmd} needs --accelerator (e.g. v4-8, v5e-16)")
   if cmd == "create":
     compile_check(args, run)
     if not create(args, run):
@@ -784,8 +803,8 @@ def dispatch(args: argparse.Namespace, run: Runner) -> int:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(prog="python -m scripts.tpu", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = cli.ArgumentParser(prog="python -m scripts.tpu", description=__doc__,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("command", choices=["create", "setup", "copy", "train", "logs", "status", "run", "delete"])
   p.add_argument("--name", required=True, help="queued-resource and TPU VM name")
   p.add_argument("--zone", required=True, help="e.g. us-central2-b (v4), us-west4-a (v5e)")
@@ -834,7 +853,30 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   cut = argv.index("--") if "--" in argv else len(argv)
   args = p.parse_args(argv[:cut])
   args.train_args = argv[cut + 1:]
+  check_args(args)
   return args
+
+
+# GCP resource names (queued resources, TPU VMs): a lowercase letter, then lowercase letters, digits and
+# hyphens, at most 63 characters, not ending in a hyphen.
+RESOURCE_NAME = re.compile(r"[a-z](?:[-a-z0-9]{0,61}[a-z0-9])?")
+
+
+def check_args(args: argparse.Namespace) -> None:
+  """Refuses (UsageError, naming the flag) values outside their domains and values that gcloud or git would
+  read as options; every value reaches gcloud and git as its own argument, never through a shell."""
+  if not RESOURCE_NAME.fullmatch(args.name):
+    raise cli.UsageError(f"--name {args.name!r} is not a GCP resource name: a lowercase letter first, then "
+                         "lowercase letters, digits and hyphens, at most 63 characters, no hyphen at the end")
+  for flag in ("zone", "project", "runtime", "accelerator", "ref", "config", "workdir", "python", "repo_url"):
+    value = getattr(args, flag)
+    if value is not None and (not value or value.startswith("-")):
+      raise cli.UsageError(f"--{flag} {value!r} must not be empty or start with '-' (it would be read as an "
+                           "option)")
+  for flag in ("poll_s", "stall_s", "query_timeout_s", "kernel_check_timeout_s"):
+    cli.positive(f"--{flag}", getattr(args, flag))
+  for flag in ("grace_s", "backoff_s", "retries", "max_restarts"):
+    cli.at_least(f"--{flag}", getattr(args, flag), 0)
 
 
 if __name__ == "__main__":

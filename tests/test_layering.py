@@ -30,7 +30,7 @@ ALLOWED: dict[str, set[str]] = {
     "runtime": set(),
     "attention_core": set(),
     **{pkg: {"attention_core"} | PEERS[pkg] for pkg in OP_PACKAGES},
-    "configs": {"attention_core"},
+    "configs": {"attention_core", "runtime"},
     "data": {"attention_core", "runtime"},
     "models": BELOW_MODELS | {"configs", "runtime"},
     "training": BELOW_MODELS | {"configs", "runtime", "models", "data"},

@@ -433,9 +433,12 @@ def test_accelerator_names(name, gcloud_type, runtime, hosts):
 
 def test_clear_one_line_refusals(capsys):
   def refused(*argv):
+    capsys.readouterr()
     with pytest.raises(SystemExit) as e:
       tpu.main(list(argv))
-    return str(e.value.code)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1, err
+    return err.strip()
 
   assert "v4-8 or v5e-16" in refused("create", "--name", "n", "--zone", "z", "--accelerator", "tpu8",
                                      "--dry_run")
@@ -443,9 +446,34 @@ def test_clear_one_line_refusals(capsys):
                                              "--dry_run")
   assert refused("run", "--name", "n", "--zone", "z", "--accelerator", "v5e-16", "--config", "c",
                  "--workdir", "runs/x", "--dry_run") == (
-                     "error: --workdir must be a gs:// path on v5e-16 (4 hosts): every worker writes to it")
+                     "ERROR: --workdir must be a gs:// path on v5e-16 (4 hosts): every worker writes to it")
   cmds = dry_run(capsys, "create", "--name", "n", "--zone", "z", "--accelerator", "v6e-8", "--reserved")
   assert cmds[0].endswith("--accelerator-type v6e-8 --runtime-version v2-alpha-tpuv6e --reserved")
+
+
+@pytest.mark.parametrize("flag,value", [
+    ("--name", "--project=evil-proj"), ("--name", "../../root/.ssh/x"), ("--name", "a" * 64),
+    ("--name", "ends-"), ("--name", "9lives"), ("--ref", "--output=/tmp/x"), ("--project", "-x"),
+    ("--poll_s", "-5"), ("--max_restarts", "-1"), ("--retries", "-1"), ("--stall_s", "0")])
+def test_names_refs_and_numbers_outside_their_domains_are_refused(capsys, flag, value):
+  argv = ["copy", "--name", "n", "--zone", "z", "--dry_run", "--allow_dirty"]
+  argv = [*argv[:1], *argv[3:]] if flag == "--name" else argv
+  capsys.readouterr()
+  with pytest.raises(SystemExit) as e:
+    tpu.main([*argv, f"{flag}={value}"])
+  err = capsys.readouterr().err
+  assert e.value.code == 2 and err.count("\n") == 1 and err.startswith(f"ERROR: {flag}"), err
+
+
+def test_the_code_tarball_is_a_temporary_file_and_git_reads_no_option(capsys):
+  import tempfile
+
+  name = "a" * 63  # the longest valid name
+  cmds = dry_run(capsys, "copy", "--name", name, "--zone", "z", "--allow_dirty")
+  archive = shlex.split(next(c for c in cmds if " archive " in c))
+  tarball = archive[archive.index("-o") + 1]
+  assert os.path.dirname(tarball) == tempfile.gettempdir() and name not in tarball
+  assert archive[-2] == "--end-of-options" and len(archive[-1]) == 40  # the shipped commit
 
 
 def test_a_dirty_git_tree_is_refused_in_one_line(tmp_path):
@@ -453,7 +481,7 @@ def test_a_dirty_git_tree_is_refused_in_one_line(tmp_path):
   --allow_dirty ships HEAD."""
   repo = tmp_path / "repo"
   for rel in ("scripts/__init__.py", "scripts/tpu.py", "training/__init__.py", "training/status.py",
-              "requirements.txt"):
+              "runtime/__init__.py", "runtime/cli.py", "requirements.txt"):
     (repo / rel).parent.mkdir(parents=True, exist_ok=True)
     shutil.copy(os.path.join(ROOT, rel), repo / rel)
   git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@example.com"]

@@ -1,0 +1,75 @@
+"""runtime/cli.py in process: a user error is one `ERROR:` line and exit 2, an internal error keeps its
+traceback, `--debug` / LSA_DEBUG=1 re-raise user errors; the domain checks name the flag."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from runtime import cli
+
+
+def _raise(e: BaseException):
+  raise e
+
+
+def test_a_user_error_is_one_line_and_exit_2(capsys, monkeypatch):
+  monkeypatch.setattr(sys, "argv", ["prog"])
+  monkeypatch.delenv(cli.DEBUG_ENV, raising=False)
+  with pytest.raises(SystemExit) as e:
+    cli.run(_raise, cli.UsageError("--top_p must be in (0, 1],\n got 2.0"))
+  assert e.value.code == 2
+  assert capsys.readouterr().err == "ERROR: --top_p must be in (0, 1], got 2.0\n"
+
+
+def test_internal_errors_keep_their_traceback_and_debug_shows_user_errors(monkeypatch):
+  monkeypatch.setattr(sys, "argv", ["prog"])
+  monkeypatch.delenv(cli.DEBUG_ENV, raising=False)
+  with pytest.raises(ZeroDivisionError):
+    cli.run(_raise, ZeroDivisionError("a bug"))
+  with pytest.raises(ValueError, match="a bug"):  # a plain ValueError is not a user error
+    cli.run(_raise, ValueError("a bug"))
+  monkeypatch.setenv(cli.DEBUG_ENV, "1")
+  with pytest.raises(cli.UsageError):
+    cli.run(_raise, cli.UsageError("--x must be >= 1"))
+  monkeypatch.delenv(cli.DEBUG_ENV)
+  monkeypatch.setattr(sys, "argv", ["prog", "--debug"])
+  with pytest.raises(cli.UsageError):
+    cli.run(_raise, cli.UsageError("--x must be >= 1"))
+
+
+def test_the_innermost_usage_error_wins():
+  """ml_collections re-raises a config file's error as the same type with a traceback in the text."""
+  try:
+    try:
+      raise cli.UsageError("config argument layers='x': layers must be an int")
+    except cli.UsageError as inner:
+      raise cli.UsageError("Error whilst parsing config file:\n\nTraceback ...") from inner
+  except cli.UsageError as e:
+    assert cli.user_error(e) == "config argument layers='x': layers must be an int"
+
+
+@pytest.mark.parametrize("check,args,match", [
+    (cli.at_least, ("--num_samples", -1, 1), "--num_samples must be >= 1, got -1"),
+    (cli.positive, ("--poll_s", -5.0), "--poll_s must be > 0, got -5.0"),
+    (cli.probability, ("--top_p", 2.0), r"--top_p must be in \(0, 1\], got 2.0"),
+    (cli.probability, ("--top_p", 0.0), r"--top_p must be in \(0, 1\]"),
+    (cli.one_of, ("--mode", "opz", ["ops", "train"]), "did you mean 'ops'"),
+])
+def test_domain_checks_name_the_flag(check, args, match):
+  with pytest.raises(cli.UsageError, match=match):
+    check(*args)
+  if check is not cli.one_of:
+    check(args[0], None, *args[2:])  # an unset optional flag passes
+
+
+def test_argument_parser_errors_are_one_line(capsys, monkeypatch):
+  monkeypatch.setattr(sys, "argv", ["prog"])
+  p = cli.ArgumentParser(prog="prog")
+  p.add_argument("--n", type=int)
+  with pytest.raises(SystemExit) as e:
+    p.parse_args(["--n", "x"])
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and err.startswith("ERROR: argument --n: invalid int value")
