@@ -10,12 +10,14 @@ resizes every image (nearest) to a smaller grid, e.g. the 8x8 images of the smok
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
 
 from data import pipeline
 from data.info import DatasetInfo
+from runtime import cli, paths
 
 # name -> (tfds name, image shape, {our split: tfds split}, known record counts)
 SPECS: dict[str, tuple[str, tuple[int, int, int], dict[str, str], dict[str, int]]] = {
@@ -38,15 +40,39 @@ def tfds_split(table: dict[str, str], split: str) -> str:
   return table[base] + sep + rest
 
 
+class UnreadableData(OSError, cli.UsageError):
+  """Dataset files that are there but cannot be read (damaged, truncated, not tfds's): the message names the
+  directory and how to prepare it again."""
+
+
+def _prepared_versions(tfds_name: str, data_dir: str | None) -> list[Any]:
+  """The version directories of a prepared tfds dataset (those holding dataset_info.json)."""
+  root = data_dir or os.environ.get("TFDS_DATA_DIR") or "~/tensorflow_datasets"
+  try:
+    base = paths.path(os.path.expanduser(root)) / tfds_name
+    return sorted(p.parent for p in base.glob("*/dataset_info.json")) if base.exists() else []
+  except Exception:  # an unreachable bucket: reported as missing, with tfds's error as the cause
+    return []
+
+
 def tfds_source(tfds_name: str, split: str, data_dir: str | None, dataset: str):
-  """`tfds.data_source` (ArrayRecord, random access, no TensorFlow), with an actionable error when missing."""
+  """`tfds.data_source` (ArrayRecord, random access, no TensorFlow), with an actionable error when missing
+  (FileNotFoundError) or there but unreadable (UnreadableData)."""
   import tensorflow_datasets as tfds
 
   try:
     return tfds.data_source(tfds_name, split=split, data_dir=data_dir, download=False)
   except Exception as e:  # tfds raises several types (AssertionError, FileNotFoundError, DatasetNotFound...)
+    what = f"tfds dataset {tfds_name} (split {split})"
+    versions = _prepared_versions(tfds_name, data_dir)
+    if versions:
+      reason = " ".join(str(e).split())[:300]
+      raise UnreadableData(
+        f"{what} for {dataset!r} is at {versions[-1]} but cannot be read ({type(e).__name__}: {reason}); its "
+        f"files are damaged or incomplete: delete {versions[-1]} and prepare it again with: python -m "
+        f"data.prepare {dataset} --data_dir {data_dir or 'DIR'}") from e
     where = f"{data_dir or '~/tensorflow_datasets'}/{tfds_name}"
-    raise pipeline.missing(where, dataset, data_dir, what=f"tfds dataset {tfds_name} (split {split})") from e
+    raise pipeline.missing(where, dataset, data_dir, what=what) from e
 
 
 def fit_image(image: np.ndarray, shape: tuple[int, int, int]) -> np.ndarray:

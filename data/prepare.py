@@ -12,13 +12,18 @@
 
 It first prints what it will do, how large and how long (rough figures for one workstation), and any manual
 step, then runs, then verifies every split's record count against the published size (exit status 1 on a
-mismatch, 2 when a manual step is still missing). TFDS builds and the Beam builders (wiki40b, c4) need the
-extras in requirements-prepare.txt (TensorFlow, Apache Beam); training and evaluation never do.
+mismatch, 2 when a manual step is still missing). The LRA archive has no published checksum: its sha256 is
+recorded in `lra_release.gz.sha256` once it is unpacked whole and checked against the archive on every later
+run (`--lra_sha256 HEX` also checks it against a value you trust before unpacking). TFDS builds and the Beam
+builders (wiki40b, c4) need the extras in requirements-prepare.txt (TensorFlow, Apache Beam); training and
+evaluation never do.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import hashlib
 import logging
 import os
 import sys
@@ -185,27 +190,88 @@ def train_spm(name: str, data_dir: str, *, vocab_size: int, docs: int, seed: int
   return path
 
 
-def unpack_lra(data_dir: str) -> str | None:
-  """Unpacks {data_dir}/lra_release.gz when the tree is not there yet; returns the LRA root or None."""
+# The LRA release publishes no checksum of lra_release.gz, so none is built in: the archive's sha256 is
+# recorded next to it once it has been unpacked whole (`<archive>.sha256`, the `sha256sum -c` format), and
+# every later prepare run checks the archive against that record; `--lra_sha256` checks it against a value
+# the user trusts before anything is unpacked.
+LRA_ARCHIVE = "lra_release.gz"
+
+
+class ArchiveMismatch(ValueError):
+  """An archive whose sha256 is not the one expected or recorded."""
+
+
+@functools.lru_cache(maxsize=8)
+def _sha256(path: str, size: int, mtime_ns: int) -> str:
+  del size, mtime_ns  # the cache key: a rewritten file is hashed again
+  h = hashlib.sha256()
+  with open(path, "rb") as f:
+    for chunk in iter(lambda: f.read(1 << 22), b""):
+      h.update(chunk)
+  return h.hexdigest()
+
+
+def file_sha256(path: str) -> str:
+  st = os.stat(path)
+  return _sha256(path, st.st_size, st.st_mtime_ns)
+
+
+def recorded_sha256(archive: str) -> str | None:
+  record = archive + ".sha256"
+  if not os.path.exists(record):
+    return None
+  with open(record) as f:
+    return (f.read().split() or [""])[0].lower()
+
+
+def check_lra_archive(archive: str, expected: str | None = None) -> str:
+  """The archive's sha256; ArchiveMismatch when it differs from `expected` or from the one recorded when
+  the tree was unpacked."""
+  digest = file_sha256(archive)
+  if expected and digest != expected.strip().lower():
+    raise ArchiveMismatch(f"{archive} has sha256 {digest}, not the expected {expected.strip().lower()} "
+                          "(--lra_sha256): a damaged or different download; download it again")
+  recorded = recorded_sha256(archive)
+  if recorded and digest != recorded:
+    raise ArchiveMismatch(f"{archive} has sha256 {digest}, but the LRA tree in {os.path.dirname(archive)} "
+                          f"was unpacked from one with sha256 {recorded} ({archive}.sha256): a damaged copy "
+                          f"or a different download. Delete the tree and {archive}.sha256 to unpack this "
+                          "one, or restore the archive")
+  return digest
+
+
+def unpack_lra(data_dir: str, expected_sha256: str | None = None) -> str | None:
+  """Unpacks {data_dir}/lra_release.gz when the tree is not there yet, after checking its sha256 (see
+  LRA_ARCHIVE); returns the LRA root or None. ArchiveMismatch for an archive that fails the check."""
   from data import lra
 
   config = _config("lra_listops", data_dir)
   root = lra.lra_root(config)
+  archive = os.path.join(data_dir, LRA_ARCHIVE)
   if os.path.isdir(os.path.join(root, "listops-1000")):
+    if os.path.exists(archive):
+      check_lra_archive(archive, expected_sha256)
+      if recorded_sha256(archive) is None:
+        print(f"note: {root} has no record of a finished unpack ({archive}.sha256): if an unpack was "
+              f"interrupted, delete {root} and run this again", flush=True)
     return root
-  archive = os.path.join(data_dir, "lra_release.gz")
   if not os.path.exists(archive):
     return None
-  print(f"unpacking {archive} into {data_dir} ...", flush=True)
+  digest = check_lra_archive(archive, expected_sha256)
+  print(f"unpacking {archive} (sha256 {digest}) into {data_dir} ...", flush=True)
   with tarfile.open(archive, "r:gz") as tar:
     tar.extractall(data_dir, filter="data")
   root = lra.lra_root(config)
-  return root if os.path.isdir(os.path.join(root, "listops-1000")) else None
+  if not os.path.isdir(os.path.join(root, "listops-1000")):
+    return None
+  with open(archive + ".sha256", "w") as f:  # written once the whole archive is unpacked
+    f.write(f"{digest}  {LRA_ARCHIVE}\n")
+  return root
 
 
 def prepare(name: str, data_dir: str, *, skip_build: bool = False, vocab_size: int = 32000,
             spm_docs: int = 1_000_000, beam_flags: list[str] | None = None, seed: int = 0,
-            listops_fields: dict[str, Any] | None = None) -> int:
+            listops_fields: dict[str, Any] | None = None, lra_sha256: str | None = None) -> int:
   """Runs the steps for `name`; returns the exit status (0 ok, 1 verification failed, 2 manual step missing).
 
   listops_fields: `config.data` fields of listops_synthetic (split sizes `num_<split>`, lengths); training
@@ -233,7 +299,7 @@ def prepare(name: str, data_dir: str, *, skip_build: bool = False, vocab_size: i
   if name == "lra":
     status = 0
     for task in LRA_TASKS:
-      status = max(status, prepare(task, data_dir, skip_build=skip_build, seed=seed))
+      status = max(status, prepare(task, data_dir, skip_build=skip_build, seed=seed, lra_sha256=lra_sha256))
     return status
   if name in images.SPECS and not skip_build:
     build_tfds(images.SPECS[name][0], data_dir)
@@ -246,9 +312,13 @@ def prepare(name: str, data_dir: str, *, skip_build: bool = False, vocab_size: i
   elif name in ("lra_text", "lra_image") and not skip_build:
     build_tfds("imdb_reviews/plain_text" if name == "lra_text" else "cifar10", data_dir)
   elif name in ("lra_listops", "lra_retrieval", "lra_pathfinder"):
-    if unpack_lra(data_dir) is None:
-      print(f"MANUAL STEP MISSING: {PLAN['lra'][2].format(data_dir=data_dir)}")
-      return 2
+    try:
+      if unpack_lra(data_dir, lra_sha256) is None:
+        print(f"MANUAL STEP MISSING: {PLAN['lra'][2].format(data_dir=data_dir)}")
+        return 2
+    except ArchiveMismatch as e:
+      print(f"ERROR: {e}", file=sys.stderr, flush=True)
+      return 1
   ok = verify(name, data_dir)
   print(f"{name}: {'verified' if ok else 'VERIFICATION FAILED'} in {time.time() - start:.0f} s")
   return 0 if ok else 1
@@ -267,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
                       help="training documents sampled for SentencePiece")
   parser.add_argument("--beam_flags", default=None, help="Beam pipeline flags, space-separated (wiki40b, c4)")
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--lra_sha256", default=None,
+                      help=f"LRA tasks: the sha256 {LRA_ARCHIVE} must have (checked before unpacking)")
   listops = parser.add_argument_group("listops_synthetic sizes (defaults: the published process)")
   for split in ("train", "validation", "test"):
     listops.add_argument(f"--num_{split}", type=int, default=None, help=f"examples in the {split} split")
@@ -278,12 +350,15 @@ def main(argv: list[str] | None = None) -> int:
   for key, value in listops_fields.items():
     if value < 1:
       parser.error(f"--{key} must be >= 1, got {value}")
+  if args.lra_sha256 is not None and len(args.lra_sha256.strip()) != 64 or any(
+      c not in "0123456789abcdef" for c in (args.lra_sha256 or "").strip().lower()):
+    parser.error(f"--lra_sha256 must be 64 hexadecimal digits, got {args.lra_sha256!r}")
   if listops_fields and args.dataset != "listops_synthetic":
     parser.error(f"--{next(iter(listops_fields))} applies to listops_synthetic only")
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
   return prepare(args.dataset, args.data_dir, skip_build=args.skip_build, vocab_size=args.vocab_size,
                  spm_docs=args.spm_docs, beam_flags=args.beam_flags.split() if args.beam_flags else None,
-                 seed=args.seed, listops_fields=listops_fields)
+                 seed=args.seed, listops_fields=listops_fields, lra_sha256=args.lra_sha256)
 
 
 if __name__ == "__main__":

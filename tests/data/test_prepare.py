@@ -83,3 +83,36 @@ def test_imagenet64_archives_are_served_from_the_manual_directory(tmp_path):
   paths = builder._split_generators(_RealManager())
   assert paths == [str(tmp_path / "train_64x64.tar"), str(tmp_path / "valid_64x64.tar")]
   assert calls == [f"iter:{tmp_path / 'train_64x64.tar'}"]
+
+
+def _lra_archive(tmp_path):
+  src = tmp_path / "src"
+  testing.write_lra(str(src), seed=1, num_examples=8)
+  dest = tmp_path / "dest"
+  dest.mkdir()
+  with tarfile.open(dest / "lra_release.gz", "w:gz") as tar:
+    tar.add(src / "lra_release", arcname="lra_release")
+  return dest
+
+
+def test_lra_archive_checksum_is_recorded_and_checked(tmp_path, capsys):
+  """No published checksum: the unpack records the archive's sha256; a later run with a different archive
+  (damaged or another download) is refused naming both; --lra_sha256 is checked before unpacking."""
+  import hashlib
+
+  dest = _lra_archive(tmp_path)
+  archive = dest / "lra_release.gz"
+  digest = hashlib.sha256(archive.read_bytes()).hexdigest()
+  assert prepare.main(["lra_listops", "--data_dir", str(dest), "--lra_sha256", "0" * 64]) == 1
+  assert "not the expected" in capsys.readouterr().err and not (dest / "lra_release").exists()
+  assert prepare.main(["lra_listops", "--data_dir", str(dest), "--lra_sha256", digest]) == 1  # fixture sizes
+  assert (dest / "lra_release.gz.sha256").read_text() == f"{digest}  lra_release.gz\n"
+  capsys.readouterr()
+  data = bytearray(archive.read_bytes())
+  data[len(data) // 2] ^= 1
+  archive.write_bytes(bytes(data))
+  assert prepare.prepare("lra_listops", str(dest)) == 1
+  err = capsys.readouterr().err
+  assert digest in err and "was unpacked from one with sha256" in err
+  with pytest.raises(SystemExit):
+    prepare.main(["lra_listops", "--data_dir", str(dest), "--lra_sha256", "xyz"])
