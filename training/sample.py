@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from runtime.cli import UsageError
 from training.evaluate import restore_workdir
 from training.experiment import create_dataset
 
@@ -110,7 +111,8 @@ def run(workdir: str, *, num_samples: int = 8, temperature: float = 1.0, top_k: 
   exp, model, step = restore_model(workdir, step)
   info = exp.info
   if info.task not in ("lm", "image"):
-    raise ValueError(f"sampling needs a causal task (lm or image), the workdir's task is {info.task!r}")
+    raise UsageError(f"--workdir {workdir}: sampling needs a causal task (lm or image), the workdir's task "
+                     f"is {info.task!r}")
   kw = dict(temperature=temperature, top_k=top_k, top_p=top_p)
   if info.name == "synthetic_recall":
     out = sample_recall(exp, model, num_samples=num_samples, seed=seed, **kw)
@@ -122,6 +124,8 @@ def run(workdir: str, *, num_samples: int = 8, temperature: float = 1.0, top_k: 
   key = jax.random.key(seed)
   length = info.seq_len
   if info.task == "image":
+    if prompt_len >= length:
+      raise UsageError(f"--prompt_len must be < the sequence length {length} (sub-pixels), got {prompt_len}")
     head = np.zeros((num_samples, 0), np.int32)
     if prompt_len:
       head = np.stack([r["inputs"][:prompt_len] for r in _validation_records(exp, num_samples)])
