@@ -15,7 +15,8 @@ from runtime import cli
 
 def checked_config(flags: Any) -> ml_collections.ConfigDict:
   """flags.config with flags.gin_file / flags.gin_bindings applied, validated (UsageError)."""
-  config = flags.config  # a config file that failed to load says so here, before jax is imported
+  config = flags.config
+  config.keys()  # a config file that failed to load raises here (on first use), before jax is imported
   from configs import base
   from models import gin_bridge, registry
 
