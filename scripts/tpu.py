@@ -14,9 +14,11 @@ install line jax documents, on `--worker=all`), train (train.py on every worker,
 ~/train.log, pid in ~/train.pid; a second `train` while it runs starts nothing), logs, status (the queued
 resource's state and the run's records), run (create, copy, setup, a kernel check, train, then watch),
 delete. `--dry_run` prints every command instead of running it. Commands are argument lists; the remote shell
-commands quote every user-given value with shlex.quote. copy and run refuse a git tree with uncommitted
-changes (they would not be shipped) unless `--allow_dirty`. A multi-host slice needs a `gs://` workdir (every
-worker writes to it).
+commands quote every user-given value with shlex.quote; `--name` must be a GCP resource name, no value may
+start with '-' (it would be read as an option), git reads the revision after `--end-of-options`, and the code
+tarball is a `tempfile` file. A bad flag is one `ERROR:` line, exit 2. copy and run refuse a git tree with
+uncommitted changes (they would not be shipped) unless `--allow_dirty`. A multi-host slice needs a `gs://`
+workdir (every worker writes to it).
 
 How `run` knows how training went: train.py writes its state to `<workdir>/status/` (training/status.py):
 `started`, a `heartbeat` every minute from the training loop, then `finished`, `failed` or `preempted`.
