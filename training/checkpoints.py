@@ -1,6 +1,13 @@
 """Checkpoints: orbax `CheckpointManager` in `<workdir>/checkpoints` with the grain data-iterator state, and
 the newest step that restores.
 
+Saves are asynchronous: `save_checkpoint` returns once the arrays are copied off the devices and the
+data-iterator state is written (the iterator may advance right after), and orbax writes the arrays in a
+background thread while training goes on. A step appears under its number only when all its files are written
+(orbax writes into a temporary directory and renames it), so an interrupted write leaves the previous steps as
+they were. The next save, a restore, `wait_until_finished` and `close` wait for the write in flight; the loop
+waits before it reports a stop and before it returns.
+
 A step that does not restore (missing or damaged files, a corrupt data-iterator state, non-finite parameters
 or optimizer state) is reported with its directory, and the newest step that restores is used. Training moves
 such a step into `<workdir>/unrestorable_checkpoints/` (nothing is deleted), so that the step can be trained
@@ -29,13 +36,37 @@ class UnrestorableCheckpoint(RuntimeError):
 # Save and restore one step
 
 
-def checkpoint_manager(workdir: str, config: ml_collections.ConfigDict, *, read_only: bool = False) -> Any:
+def _manager_class() -> type:
+  """orbax's CheckpointManager, except that it never asks JAX's preemption sync point itself.
+
+  The training loop asks it once per step boundary (training/preemption.py). orbax also asks it, with the
+  step being saved, when it finalizes a save in its background thread; that call would set JAX's step counter
+  back to an older step, and an agreement computed right then could name a step this process has passed."""
+  global _MANAGER
+  if _MANAGER is None:
+    import orbax.checkpoint as ocp
+
+    class CheckpointManager(ocp.CheckpointManager):
+      def reached_preemption(self, step: int) -> bool:
+        return False
+
+    _MANAGER = CheckpointManager
+  return _MANAGER
+
+
+_MANAGER = None
+
+
+def checkpoint_manager(workdir: str, config: ml_collections.ConfigDict, *, read_only: bool = False,
+                       asynchronous: bool = True) -> Any:
+  """The workdir's checkpoint manager; saves are asynchronous unless `asynchronous=False`."""
   import orbax.checkpoint as ocp
 
   options = ocp.CheckpointManagerOptions(max_to_keep=int(config.train.keep_checkpoints), create=not read_only,
-                                         read_only=read_only, enable_async_checkpointing=False)
-  return ocp.CheckpointManager(paths.path(workdir) / "checkpoints", options=options,
-                               item_names=("state", "data", "meta"))
+                                         read_only=read_only,
+                                         enable_async_checkpointing=asynchronous and not read_only)
+  return _manager_class()(paths.path(workdir) / "checkpoints", options=options,
+                          item_names=("state", "data", "meta"))
 
 
 def _state_tree(state: TrainState) -> dict[str, Any]:
@@ -45,7 +76,11 @@ def _state_tree(state: TrainState) -> dict[str, Any]:
   return tree
 
 
-def save_checkpoint(mgr: Any, state: TrainState, data_iter: Any | None) -> None:
+def save_checkpoint(mgr: Any, state: TrainState, data_iter: Any | None, *, wait: bool = False) -> None:
+  """Starts saving `state` (and the data iterator's position) as step `state.step`, in every process.
+
+  Returns when the state may change: the arrays are copied off the devices and the iterator state is written;
+  the arrays are written in the background (with `wait`, this returns once the step is complete)."""
   import grain
   import orbax.checkpoint as ocp
 
@@ -54,7 +89,8 @@ def save_checkpoint(mgr: Any, state: TrainState, data_iter: Any | None) -> None:
   if data_iter is not None:
     items["data"] = grain.checkpoint.CheckpointSave(data_iter)
   mgr.save(state.step, args=ocp.args.Composite(**items), force=True)
-  mgr.wait_until_finished()
+  if wait:
+    mgr.wait_until_finished()
 
 
 def restore_checkpoint(mgr: Any, exp: Experiment, data_iter: Any | None,

@@ -3,9 +3,12 @@
 - Checkpoints every `train.checkpoint_every` steps (the last `train.keep_checkpoints` kept, atomic, saved
   before the evaluation of the same step) with the data-iterator state; rerunning with the same workdir
   resumes from the newest checkpoint that restores with finite values, after checking the config against the
-  run's (training/config_io.py). SIGTERM (preemption) saves a checkpoint and returns. A NaN/Inf loss or
-  gradient stops the run with a clear message; the last good checkpoint stays (the bad step is never applied
-  nor saved). A non-finite final evaluation raises after its metrics are written.
+  run's (training/config_io.py). Checkpoints are written in the background while training goes on
+  (training/checkpoints.py); the loop waits for the write in flight before it reports a stop or returns.
+  SIGTERM (preemption) to any process stops every process at the same step (training/preemption.py), which
+  each saves before returning. A NaN/Inf loss or gradient stops the run with a clear message; the last good
+  checkpoint stays (the bad step is never applied nor saved). A non-finite final evaluation raises after its
+  metrics are written.
 - Output: a tqdm bar (step, loss, steps/s, ETA), metric lines on stdout, TensorBoard summaries in
   `<workdir>/tensorboard` (tensorboardX), the resolved config in `<workdir>/config.json`, final eval metrics
   in `<workdir>/metrics.json`, and the run's state for a watcher in `<workdir>/status/` (training/status.py:
@@ -66,6 +69,19 @@ def _fingerprint(batch: dict[str, np.ndarray]) -> str:
     h.update(k.encode())
     h.update(np.ascontiguousarray(batch[k]).tobytes())
   return h.hexdigest()[:16]
+
+
+def _close(mgr: Any) -> None:
+  """Closes the checkpoint manager, which waits for the write in flight. When an exception is already on its
+  way out (a diverged loss, a failed evaluation), a failure of that write is reported, not raised over it."""
+  failing = sys.exc_info()[0] is not None
+  try:
+    mgr.close()
+  except Exception as e:
+    if not failing:
+      raise
+    print(f"WARNING: the checkpoint write in flight failed too: {type(e).__name__}: {e}", file=sys.stderr,
+          flush=True)
 
 
 def summary_writer(logdir: str) -> Any:
@@ -153,7 +169,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, devic
   result: dict[str, Any] = {"step": start, "start_step": start, "preempted": False, "metrics": {},
                             "state": state, "experiment": exp}
   try:  # the bar, the summary writer and the checkpoint manager close once, however the run ends
-    with Preemption() as preempt:
+    with Preemption(start) as preempt:
       while state.step < num_steps:
         batch = next(data_iter)
         if batch_log is not None:
@@ -188,13 +204,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, devic
           _say(bar, f"step {state.step}: " + " ".join(f"{k}={v:.4g}" for k, v in line.items()))
           log_scalars("train", line, state.step)
           acc, acc_n, t_last = {}, 0, now
-        # The checkpoint comes first: an evaluation that fails must not lose the step it evaluates.
+        # The checkpoint comes first: an evaluation that fails must not lose the step it evaluates (its write
+        # goes on in the background, and an exception waits for it in `finally`).
         stop = stop_after is not None and steps_this_run >= stop_after
-        if preempt.requested or stop or state.step % ckpt_every == 0 or state.step == num_steps:
+        preempted = preempt.reached(state.step)  # every boundary, every process: the same answer everywhere
+        if preempted or stop or state.step % ckpt_every == 0 or state.step == num_steps:
           save_checkpoint(mgr, state, data_iter)
           last_saved = state.step
-        if preempt.requested or stop:
-          why = "SIGTERM" if preempt.requested else f"stop_after={stop_after}"
+        if preempted or stop:
+          mgr.wait_until_finished()  # the step is on disk before the run says it stopped
+          why = preempt.reason() if preempted else f"stop_after={stop_after}"
           _say(bar, f"{why}: saved checkpoint at step {state.step} in {mgr.directory}; rerun to resume")
           result.update(step=state.step, preempted=True, state=state)
           status.preempted(state.step, why)
@@ -214,6 +233,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, devic
                 state.step)
     if is_main:
       config_io.write_json(paths.join(workdir, "metrics.json"), eval_metrics)
+    mgr.wait_until_finished()  # the final write (it overlapped the evaluation); its errors fail the run
     result.update(step=state.step, metrics=eval_metrics, state=state)
   except BaseException as e:
     status.failed(e, step=state.step)
@@ -222,7 +242,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, devic
     bar.close()
     if writer is not None:
       writer.close()
-    mgr.close()  # waits for the checkpoint writes in flight
+    _close(mgr)  # waits for the checkpoint write in flight
     wlock.release()
   bad = sorted(k for k, v in result["metrics"].items() if isinstance(v, float) and not math.isfinite(v))
   if bad:

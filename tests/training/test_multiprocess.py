@@ -1,10 +1,12 @@
 """Two JAX processes on localhost (2 CPU devices each) train like one process with 4 devices (to float
-rounding), resume bit-exactly after SIGKILL, and shard the data disjointly; eval.py runs the same way. Plus
-the flag checks."""
+rounding), resume bit-exactly after SIGKILL, and shard the data disjointly; eval.py runs the same way. SIGTERM
+to one of them stops both at the same step, saved, with exit 0, and the resumed run ends as the uninterrupted
+one. Plus the flag checks."""
 
 import hashlib
 import json
 import os
+import re
 import signal
 import time
 
@@ -20,6 +22,14 @@ from training import checkpoints, experiment
 STEPS, EVERY = 20, 5
 CONFIG = ["--config", "configs/default.py:smoke", f"--config.train.num_steps={STEPS}",
           f"--config.train.checkpoint_every={EVERY}", "--config.train.log_every=5"]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+  """An uninterrupted two-process run: the reference every interrupted run must end equal to."""
+  workdir = str(tmp_path_factory.mktemp("straight") / "run")
+  _finish(_launch("train.py", [*CONFIG, "--noprogress"], workdir))
+  return workdir
 
 
 def _saved_steps(workdir: str) -> list[int]:
@@ -50,7 +60,7 @@ def _rel(a, b) -> float:
 
 
 @pytest.mark.slow
-def test_two_processes_equal_one_and_resume_after_sigkill(tmp_path):
+def test_two_processes_equal_one_and_resume_after_sigkill(tmp_path, straight):
   workdir = str(tmp_path / "run")
   # 1. Two processes train; SIGKILL both as soon as the first checkpoint is complete (mid-run).
   procs = _launch("train.py", [*CONFIG, "--noprogress"], workdir)
@@ -77,8 +87,6 @@ def test_two_processes_equal_one_and_resume_after_sigkill(tmp_path):
 
   # 3. Resume is exact: an uninterrupted two-process run ends with bitwise the same state (every parameter,
   # the key bias included, and the optimizer moments).
-  straight = str(tmp_path / "straight")
-  _finish(_launch("train.py", [*CONFIG, "--noprogress"], straight))
   config = _config()
   exp = experiment.Experiment(config, devices=jax.devices()[:4])
   states = []
@@ -128,6 +136,45 @@ def test_two_processes_equal_one_and_resume_after_sigkill(tmp_path):
   two = json.load(open(os.path.join(workdir, f"eval_{config.eval_split}_{STEPS}.json")))
   for k in ("loss", "accuracy"):
     assert abs(two[k] - one[k]) <= 1e-5 * max(1.0, abs(one[k])), (k, two[k], one[k])
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_process_stops_both_at_the_same_step(tmp_path, straight):
+  workdir = str(tmp_path / "run")
+  # 1. Two processes train; process 1 alone gets SIGTERM once it trains (its step-5 metrics line).
+  procs = _launch("train.py", [*CONFIG, "--noprogress"], workdir)
+  deadline = time.time() + 400
+  try:
+    while time.time() < deadline and all(p.poll() is None for p in procs):
+      with open(procs[1].log_path) as f:
+        if "\nstep 5:" in f.read():
+          break
+      time.sleep(0.01)
+    procs[1].send_signal(signal.SIGTERM)
+  except BaseException:
+    for p in procs:
+      p.kill()
+    raise
+  outputs = _finish(procs)  # both exit 0
+  # 2. Both saved the same step, which process 0's status record names, and neither evaluated.
+  saved = [re.findall(r"SIGTERM .*: saved checkpoint at step (\d+)", out) for out in outputs]
+  assert all(len(s) == 1 for s in saved), [out[-3000:] for out in outputs]
+  step = int(saved[0][0])
+  assert saved[1] == saved[0] and 5 <= step < STEPS, saved
+  with open(os.path.join(workdir, "status", "preempted.json")) as f:
+    record = json.load(f)
+  assert record["step"] == step and record["reason"].startswith("SIGTERM"), record
+  assert max(_saved_steps(workdir)) == step
+  assert not os.path.exists(os.path.join(workdir, "metrics.json"))
+  # 3. Rerun: both resume from that step, finish, and end with the uninterrupted run's final metrics.
+  outputs = _finish(_launch("train.py", [*CONFIG, "--noprogress"], workdir))
+  assert all(f"at step {step}" in out for out in outputs), outputs[0][-3000:]
+  metrics = []
+  for wd in (workdir, straight):
+    with open(os.path.join(wd, "metrics.json")) as f:
+      metrics.append({k: v for k, v in json.load(f).items() if k != "start_step"})
+  assert metrics[0] == metrics[1] and metrics[0]["step"] == STEPS, metrics
+  assert os.path.exists(os.path.join(workdir, "status", "finished.json"))
 
 
 def test_distributed_flags_checked_and_optional():
