@@ -1,5 +1,6 @@
 """scripts/reproduce.py: every table row's config builds, the row fixes hold, results are collected; the slow
-test runs the smoke form of every implemented row through the runner."""
+tests lower the smoke form of every implemented row's train and evaluation steps, and run the runner end to
+end on a representative row of each kind."""
 
 from __future__ import annotations
 
@@ -150,18 +151,170 @@ def test_metric_units():
   assert reproduce.metric_value("perplexity", {}) is None
 
 
+# ------------------------------------------------------------------------------------------------------------
+# Every row at smoke scale. Training all ~180 distinct rows took 24 minutes of the slow CI run; what that
+# proved is checked here in two parts, at a fraction of the cost:
+# - each row's program: the row's smoke config builds its model, and its real jitted train and evaluation
+#   steps trace and lower (no compile) on the shapes of the batches its data pipeline yields (one
+#   parametrized case per distinct command; `test_every_row_step_lowers`);
+# - the runner end to end (`test_smoke_runner_end_to_end`): `--table all --run --collect` trains, evaluates
+#   and collects the REPRESENTATIVE rows, which cover every config file, model task, config argument and
+#   override of the rows (asserted by `test_representative_rows_cover_every_kind`), while every other row's
+#   workdir already holds metrics, as in a resumed sweep: they are skipped as finished and collected.
+# What training every row added beyond these is tested where it belongs: each attention's numerics in each
+# kind of model (finite loss and gradients, causality) by tests/models/test_transformer.py's
+# test_every_attention_forward_backward and test_every_attention_every_task, training and evaluating on each
+# data pipeline by tests/configs/test_configs.py::test_config_smoke_run_and_eval.
+
+
+def _smoke_command(row):
+  return tuple(reproduce.train_argv(row, "smoke", ""))
+
+
+_FIRST: dict[tuple[str, ...], reproduce.Row] = {}
+for _r in IMPLEMENTED:
+  _FIRST.setdefault(_smoke_command(_r), _r)
+DISTINCT_SMOKE = list(_FIRST.values())  # the first row of each distinct smoke command
+
+# (table, label) of the rows the end-to-end test trains. Routing Table 4's two rows have the same smoke
+# command (smoke drops `routing_heads`): the runner trains it once and copies the metrics.
+REPRESENTATIVE = (
+    ("combiner-1", "cifar10 Combiner-Fixed 6L"),  # image
+    ("combiner-3", "Combiner-DeepSets-Max-8k"),  # lm, deepsets, pooling
+    ("combiner-5", "listops Sinkhorn Trans."),  # classify
+    ("combiner-5", "retrieval Reformer"),  # dual encoder
+    ("combiner-6", "Combiner-Routing-2k"),  # mlm
+    ("routing-4", "Routing Transformer"), ("routing-4", "Local Transformer (24 layers, 16 heads)"),
+    ("yoso-3", "pathfinder *YOSO-16"),  # an override, yoso_paper
+    ("pystdlib", "yoso"),
+)
+
+
+def _representative():
+  by_key = {(r.table, r.label): r for r in IMPLEMENTED}
+  return [by_key[k] for k in REPRESENTATIVE]
+
+
+def _data_key(config) -> str:
+  return json.dumps(config.data.to_dict(), sort_keys=True, default=str)
+
+
+def _kind(row):
+  """What makes a row's program other than its attention: config file, model task, the config arguments it
+  sets (`task`, `yoso_paper`, `deepsets`, `pooling`, ...) and the fields it overrides."""
+  c = reproduce.build_config(row, "smoke")
+  path, _, args = reproduce.config_string(row, "smoke").partition(":")
+  flags = {a.partition("=")[0] for a in args.split(",") if a} - {"attention"}
+  return path, data.dataset_info(c).task, flags, {o.partition("=")[0] for o in row.overrides}
+
+
+def test_representative_rows_cover_every_kind():
+  reps = _representative()
+  assert len(reps) == len(REPRESENTATIVE) and len(set(reps)) == len(reps)
+  kinds = [_kind(r) for r in IMPLEMENTED]
+  covered = [_kind(r) for r in reps]
+  for i, what in enumerate(("config file", "task")):
+    missing = {k[i] for k in kinds} - {k[i] for k in covered}
+    assert not missing, f"no representative row has the {what} {missing}: add one to REPRESENTATIVE"
+  for i, what in ((2, "config argument"), (3, "override")):
+    missing = set().union(*(k[i] for k in kinds)) - set().union(*(k[i] for k in covered))
+    assert not missing, f"no representative row has the {what} {missing}: add one to REPRESENTATIVE"
+  assert len({_smoke_command(r) for r in reps}) == len(reps) - 1, "one pair with the same command (copied)"
+  others = {_smoke_command(r) for r in IMPLEMENTED if r not in reps}
+  assert not others & {_smoke_command(r) for r in reps}  # they are trained, not copied from a finished row
+  assert {_smoke_command(r) for r in IMPLEMENTED} == {_smoke_command(r) for r in DISTINCT_SMOKE}
+
+
+_BATCHES: dict[str, tuple[dict, dict]] = {}  # data config -> (train batch, eval batch), this process's cache
+
+
+def _batch_shapes(config, exp):
+  """The shapes and dtypes of the first train batch and first evaluation batch the row's pipeline yields,
+  as global arrays sharded like train.py's."""
+  key = _data_key(config) + f"/{config.train.batch_size}/{config.train.eval_batch_size}/{config.eval_split}"
+  if key not in _BATCHES:
+    seed, train_bs = int(config.seed), exp.per_host(int(config.train.batch_size))
+    train = next(iter(data.create_dataset(config, "train", batch_size=train_bs, seed=seed)))
+    eval_bs = exp.per_host(int(config.train.eval_batch_size))  # as Experiment.evaluate reads the split
+    evaluation = next(iter(data.create_dataset(config, config.eval_split, batch_size=eval_bs, seed=seed,
+                                               shuffle=False, num_epochs=1)))
+    _BATCHES[key] = ({k: (v.shape, v.dtype) for k, v in train.items()},
+                     {k: (v.shape, v.dtype) for k, v in evaluation.items()})
+  import jax
+
+  return tuple({k: jax.ShapeDtypeStruct(shape, dtype, sharding=exp.batch_sharding)
+                for k, (shape, dtype) in b.items()} for b in _BATCHES[key])
+
+
 @pytest.mark.slow
-def test_smoke_every_row(tmp_path, capsys):
-  """The runner end to end at smoke scale, as a user runs it: every implemented row of every table trains,
-  evaluates offline (stand-in data where the real data is missing) and is collected."""
+@pytest.mark.parametrize("row", DISTINCT_SMOKE, ids=lambda r: f"{r.table}/{r.id}")
+def test_every_row_step_lowers(row):
+  """The row's smoke config builds train.py's Experiment, and its jitted train step and evaluation step trace
+  and lower with the abstract sharded state and the shapes of the row's own data: every implemented row
+  (each distinct command once) would run."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from training.experiment import Experiment
+
+  config = reproduce.build_config(row, "smoke")
+  exp = Experiment(config)
+  train_batch, eval_batch = _batch_shapes(config, exp)
+  state = exp.abstract_state()
+  rng = exp.abstract_rng_state()
+  step = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(exp.mesh, P()))
+  traced = exp.jitted_train_step().trace(state["params"], state["rest"], state["opt_state"], rng, step,
+                                         train_batch)
+  params, rest, opt_state, out = traced.out_info
+  shapes = lambda tree: jax.tree.map(lambda a: (a.shape, a.dtype), tree)  # noqa: E731
+  assert shapes(params) == shapes(state["params"]) and shapes(rest) == shapes(state["rest"])
+  assert shapes(opt_state) == shapes(state["opt_state"])
+  assert all(out[k].shape == () for k in ("loss", "task_loss", "grad_norm", "finite")), out
+  traced.lower()
+  evaluated = exp._build_eval_step().trace(state["params"], state["rest"], rng, eval_batch)
+  assert "examples" in evaluated.out_info and all(v.shape == () for v in evaluated.out_info.values())
+  evaluated.lower()
+
+
+@pytest.mark.slow
+def test_smoke_runner_end_to_end(tmp_path, capsys):
+  """`--table all --scale smoke --run --collect` as a user runs it, resuming a sweep in which every row but
+  the representative ones has finished: those train (in-process, side by side), evaluate offline on the
+  stand-in data and write their metrics; the identical command is trained once; every implemented row is
+  collected from its metrics, the others are reported as not implemented."""
   root = str(tmp_path / "r")
+  reps = _representative()
+  seeded = {}
+  for i, r in enumerate(IMPLEMENTED):
+    if r in reps:
+      continue
+    value = seeded[r] = 1.0 + i / 1000  # a row's own number, to find it in the collection
+    wd = reproduce.workdir(r, "smoke", root)
+    os.makedirs(wd)
+    with open(os.path.join(wd, "metrics.json"), "w") as f:
+      json.dump({"loss": value * math.log(2.0), "accuracy": value / 100, "perplexity": value,
+                 "bits_per_dim": value, "step": 4}, f)
   status = reproduce.main(["--table", "all", "--scale", "smoke", "--run", "--collect", "--noprogress",
                            "--workdir_root", root])
   out = capsys.readouterr().out
   assert status == 0, out[-3000:]
+  assert out.count("finished already") == len(seeded)
+  assert out.count("the same command as") == 1, out[-3000:]
   records = reproduce.collect(ROWS, "smoke", root)
   assert [r["row"] for r in records if r["status"] != "ok"] == [r.label for r in ROWS if r not in IMPLEMENTED]
   assert len(IMPLEMENTED) > 150
+  by_label = {(rec["table"], rec["row"]): rec for rec in records}
+  for r, value in seeded.items():
+    assert by_label[(r.table, r.label)]["ours"] == pytest.approx(value), r
+  for r in reps:  # trained to the smoke config's last step, evaluated, its command recorded
+    rec = by_label[(r.table, r.label)]
+    assert rec["steps"] == reproduce.build_config(r, "smoke").train.num_steps, rec
+    assert math.isfinite(rec["ours"]), rec
+    with open(os.path.join(reproduce.workdir(r, "smoke", root), reproduce.RUN_INFO)) as f:
+      info = json.load(f)
+    assert info["row"] == r.label and ("same_as" in info or "--config" in info["command"]), info
   with open(os.path.join(root, "results-all-smoke.md")) as f:
     assert f.read().count("| ok") == len(IMPLEMENTED)
 
