@@ -8,14 +8,16 @@ background thread while training goes on. A step appears under its number only w
 they were. The next save, a restore, `wait_until_finished` and `close` wait for the write in flight; the loop
 waits before it reports a stop and before it returns.
 
-A step that does not restore (missing or damaged files, a corrupt data-iterator state, non-finite parameters
-or optimizer state) is reported with its directory, and the newest step that restores is used. Training moves
-such a step into `<workdir>/unrestorable_checkpoints/` (nothing is deleted), so that the step can be trained
-and saved again.
+Each step records a checksum of every array (training/integrity.py), verified on restore. A step that does
+not restore (missing or damaged files, a corrupt data-iterator state, arrays whose bits changed after the
+write, non-finite parameters or optimizer state) is reported with its directory, and the newest step that
+restores is used. Training moves such a step into `<workdir>/unrestorable_checkpoints/` (nothing is
+deleted), so that the step can be trained and saved again.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -23,6 +25,7 @@ import jax
 import ml_collections
 
 from runtime import paths
+from training import integrity
 from training.experiment import Experiment, TrainState
 
 UNRESTORABLE = "unrestorable_checkpoints"
@@ -69,7 +72,7 @@ def checkpoint_manager(workdir: str, config: ml_collections.ConfigDict, *, read_
                           item_names=("state", "data", "meta"))
 
 
-def _state_tree(state: TrainState) -> dict[str, Any]:
+def state_tree(state: TrainState) -> dict[str, Any]:
   tree = {"params": state.params, "opt_state": state.opt_state}
   if jax.tree.leaves(state.rest):  # orbax refuses empty subtrees
     tree["rest"] = state.rest
@@ -84,8 +87,9 @@ def save_checkpoint(mgr: Any, state: TrainState, data_iter: Any | None, *, wait:
   import grain
   import orbax.checkpoint as ocp
 
-  items = {"state": ocp.args.StandardSave(_state_tree(state)),
-           "meta": ocp.args.JsonSave({"step": state.step})}
+  tree = state_tree(state)
+  items = {"state": ocp.args.StandardSave(tree),
+           "meta": ocp.args.JsonSave({"step": state.step, "checksums": integrity.checksums(tree)})}
   if data_iter is not None:
     items["data"] = grain.checkpoint.CheckpointSave(data_iter)
   mgr.save(state.step, args=ocp.args.Composite(**items), force=True)
@@ -119,6 +123,7 @@ def restore_checkpoint(mgr: Any, exp: Experiment, data_iter: Any | None,
     if data_iter is not None:  # not grain's handler, which reads only this host count's files
       pipeline.restore_iterator(step_dir, data_iter)
     tree = restored["state"]
+    integrity.verify(tree, restored["meta"].get("checksums"))  # bits changed after the write
     check_finite(tree["params"], "parameters")
     check_finite(tree["opt_state"], "optimizer state")
     restored_step = int(restored["meta"]["step"])
@@ -150,6 +155,7 @@ def restore_newest(steps: Iterable[int], restore: Callable[[int], Any], director
   Raises UnrestorableCheckpoint when none restores. `directory` is the checkpoints directory (for the
   message)."""
   failures = []
+  _quiet_abandoned_reads()
   for step in sorted(steps, reverse=True):
     try:
       result = restore(step)
@@ -162,6 +168,23 @@ def restore_newest(steps: Iterable[int], restore: Callable[[int], Any], director
       say(f"resuming from step {step}, the newest checkpoint that restores")
     return result
   raise UnrestorableCheckpoint(f"no checkpoint in {directory} restores:\n  " + "\n  ".join(failures))
+
+
+def _quiet_abandoned_reads() -> None:
+  """A restore that fails part-way leaves reads in flight whose completions, arriving after orbax's event loop
+  closed, raise "Event loop is closed" in callbacks nobody awaits: Python would print one traceback per read
+  (dozens per damaged step) after the one-line report. Those, and only those, are dropped."""
+  previous = sys.unraisablehook
+  if getattr(previous, "quiet_abandoned_reads", False):
+    return
+
+  def hook(unraisable: Any) -> None:
+    if isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed":
+      return
+    previous(unraisable)
+
+  hook.quiet_abandoned_reads = True
+  sys.unraisablehook = hook
 
 
 def move_aside(checkpoints: Any, step: int) -> str:
