@@ -5,14 +5,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tests.baselines.definitions import (
+
+from attention_baselines.bigbird import bigbird, block_pattern
+from attention_baselines.dense import dense
+from tests.attention_baselines.definitions import (
   causal_tril,
   inputs,
   masked_softmax,
 )
-
-from attention_baselines.bigbird import bigbird, block_pattern
-from attention_baselines.dense import dense
 
 
 def _bigbird_allowed(length, block, allowed_blocks):

@@ -9,13 +9,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tests.baselines.definitions import (
-  L,
-  inputs,
-  inputs_at,
-  sinkhorn_params,
-  synth_params,
-)
 
 from attention_baselines.linformer import linformer
 from attention_baselines.nystromformer import nystromformer
@@ -24,6 +17,13 @@ from attention_baselines.reformer import reformer
 from attention_baselines.sinkhorn import sinkhorn
 from attention_baselines.synthesizer import synthesizer_dense, synthesizer_random
 from attention_core import registry as ops_registry
+from tests.attention_baselines.definitions import (
+  L,
+  inputs,
+  inputs_at,
+  sinkhorn_params,
+  synth_params,
+)
 
 # -- Performer, linear, local, Longformer, BigBird, none --------------------------------------------------
 

@@ -6,10 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tests.baselines import definitions
 
 from attention_baselines.dense import dense
 from attention_core import contract
+from tests.attention_baselines import definitions
 
 
 @pytest.mark.parametrize("causal", [True, False])

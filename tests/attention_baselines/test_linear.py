@@ -5,9 +5,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tests.baselines.definitions import inputs, kernel_attention
 
 from attention_baselines.linear import elu_feature_map, exclusive_prefix_sum, linear
+from tests.attention_baselines.definitions import inputs, kernel_attention
 
 
 def _elu_plus_one(x):

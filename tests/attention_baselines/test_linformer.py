@@ -4,9 +4,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tests.baselines.definitions import L, inputs_at, run_jit, softmax_rows
 
 from attention_baselines.linformer import linformer
+from tests.attention_baselines.definitions import L, inputs_at, run_jit, softmax_rows
 
 
 def linformer_reference(q, k, v, mask, e, f):

@@ -3,10 +3,10 @@
 import jax
 import numpy as np
 import pytest
-from tests.baselines.definitions import causal_tril, inputs, masked_softmax
 
 from attention_baselines.dense import dense
 from attention_baselines.local import local
+from tests.attention_baselines.definitions import causal_tril, inputs, masked_softmax
 
 
 @pytest.mark.parametrize("causal", [True, False])

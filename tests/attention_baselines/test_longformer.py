@@ -5,14 +5,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tests.baselines.definitions import (
+
+from attention_baselines.dense import dense
+from attention_baselines.longformer import longformer
+from tests.attention_baselines.definitions import (
   causal_tril,
   inputs,
   masked_softmax,
 )
-
-from attention_baselines.dense import dense
-from attention_baselines.longformer import longformer
 
 
 def _longformer_allowed(length, window, glob, causal):

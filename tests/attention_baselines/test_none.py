@@ -2,9 +2,9 @@
 
 import jax.numpy as jnp
 import numpy as np
-from tests.baselines.definitions import inputs
 
 from attention_baselines.none import none
+from tests.attention_baselines.definitions import inputs
 
 
 def test_none_is_zero():

@@ -3,10 +3,10 @@
 import jax
 import numpy as np
 import pytest
-from tests.baselines.definitions import L, close_on_real, inputs_at, run_jit, softmax_rows
 
 from attention_baselines.dense import dense
 from attention_baselines.nystromformer import nystromformer
+from tests.attention_baselines.definitions import L, close_on_real, inputs_at, run_jit, softmax_rows
 
 
 def nystrom_reference(q, k, v, mask, m, iters):

@@ -7,13 +7,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tests.baselines.definitions import (
-  inputs,
-  kernel_attention,
-)
 
 from attention_baselines.dense import dense
 from attention_baselines.performer import orthogonal_features, performer, softmax_kernel_features
+from tests.attention_baselines.definitions import (
+  inputs,
+  kernel_attention,
+)
 
 
 @pytest.mark.parametrize("causal", [True, False])

@@ -5,7 +5,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tests.baselines.definitions import (
+
+from attention_baselines.reformer import reformer, rotations
+from tests.attention_baselines.definitions import (
   B,
   D,
   H,
@@ -15,8 +17,6 @@ from tests.baselines.definitions import (
   run_jit,
   softmax_rows,
 )
-
-from attention_baselines.reformer import reformer, rotations
 
 
 def reformer_reference(q, v, mask, rng, causal, n_hashes, n_buckets, chunk):

@@ -3,7 +3,9 @@
 import jax
 import numpy as np
 import pytest
-from tests.baselines.definitions import (
+
+from attention_baselines.sinkhorn import sinkhorn
+from tests.attention_baselines.definitions import (
   H,
   L,
   close_on_real,
@@ -12,8 +14,6 @@ from tests.baselines.definitions import (
   sinkhorn_params,
   softmax_rows,
 )
-
-from attention_baselines.sinkhorn import sinkhorn
 
 
 def sinkhorn_reference(q, k, v, mask, causal, p):

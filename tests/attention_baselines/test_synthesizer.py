@@ -3,9 +3,17 @@
 import jax
 import numpy as np
 import pytest
-from tests.baselines.definitions import H, L, close_on_real, inputs_at, run_jit, softmax_rows, synth_params
 
 from attention_baselines.synthesizer import synthesizer_dense, synthesizer_random
+from tests.attention_baselines.definitions import (
+  H,
+  L,
+  close_on_real,
+  inputs_at,
+  run_jit,
+  softmax_rows,
+  synth_params,
+)
 
 
 def synthesizer_reference(q, v, mask, causal, logits_fn):

@@ -84,7 +84,8 @@ def test_second_run_on_a_busy_workdir_is_refused_and_the_first_is_unaffected(tmp
          "--config.train.num_steps=60", "--config.train.log_every=20", "--config.train.checkpoint_every=30"]
   first = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   deadline = time.time() + 300
-  while not os.path.exists(os.path.join(wd, "config.json")) and first.poll() is None and time.time() < deadline:
+  while (not os.path.exists(os.path.join(wd, "config.json")) and first.poll() is None
+         and time.time() < deadline):
     time.sleep(0.2)
   second = subprocess.run(cmd[:-3] + ["--config.optimizer.lr=0.02"], cwd=ROOT, capture_output=True, text=True)
   out, err = first.communicate(timeout=600)
