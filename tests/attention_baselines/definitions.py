@@ -105,3 +105,15 @@ def synth_params(length, seed=11, hidden=6):
                w2=jax.random.normal(ks[2], (1, hidden, length + 2), jnp.float64),
                b2=jax.random.normal(ks[3], (H, length + 2), jnp.float64)),
           dict(logits=jax.random.normal(ks[4], (H, length + 1, length + 1), jnp.float64)))
+
+
+def assert_masked_nonfinite_inert(fn, k, v, mask):
+  """fn(k, v) with NaN keys and Inf values at masked positions equals fn on the clean inputs, and its
+  gradients are finite and zero at the masked positions. mask: [batch, length] bool, True = real."""
+  bad = ~mask[:, :, None, None]
+  kn, vn = jnp.where(bad, jnp.nan, k), jnp.where(bad, jnp.inf, v)
+  np.testing.assert_allclose(fn(kn, vn), fn(k, v), rtol=1e-6, atol=1e-6)
+  grads = jax.jit(jax.grad(lambda k, v: jnp.sum(fn(k, v) ** 2), argnums=(0, 1)))(kn, vn)
+  for g in grads:
+    g = np.asarray(g)
+    assert np.all(np.isfinite(g)) and not np.any(g[~np.asarray(mask)])
