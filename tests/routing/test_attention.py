@@ -336,6 +336,6 @@ def test_gradients_match_finite_differences(share_qk):
     @jax.jit
     def f(q, k, v):
       return routing_attention(q, k, v, centroids=mu, window=4, causal=True, mask=mask, share_qk=share_qk,
-                               mask_self=True, membership="balanced")[0]
+                               mask_self=True, membership="balanced_leaky")[0]
 
     check_grads(f, (q, k, v), order=1, modes=["rev"], eps=1e-6, atol=1e-6, rtol=1e-6)
