@@ -28,6 +28,8 @@ import grain
 import numpy as np
 from grain._src.python.experimental.index_shuffle.python import index_shuffle_module
 
+from runtime import cli
+
 log = logging.getLogger("data")
 
 TRAIN_SPLITS = ("train",)
@@ -58,10 +60,10 @@ def resolve_shards(shard_index: int | None, shard_count: int | None) -> tuple[in
 def missing(path: str, dataset: str, data_dir: str | None, what: str = "dataset") -> FileNotFoundError:
   """The error for data that is not there: names the path and the command that makes it."""
   dd = data_dir or "DIR"
-  return FileNotFoundError(
+  return cli.mark_usage(FileNotFoundError(
     f"{what} for {dataset!r} not found at {path}; "
     f"prepare it with: python -m data.prepare {dataset} --data_dir {dd}"
-  )
+  ))
 
 
 def default_read_threads() -> int:

@@ -32,6 +32,13 @@ class UsageError(ValueError):
   """A bad command line: the message names the flag or config field and the allowed values."""
 
 
+def mark_usage(e: BaseException) -> BaseException:
+  """Marks an error of another type (a FileNotFoundError for data that is not there) as the user's to fix:
+  reported as one line like a UsageError, while callers still catch it by its own type."""
+  e.usage_error = True
+  return e
+
+
 def debug() -> bool:
   """True when `--debug` is on the command line or LSA_DEBUG is set (not "0"): show user tracebacks."""
   args = sys.argv[1:sys.argv.index("--")] if "--" in sys.argv else sys.argv[1:]
@@ -156,7 +163,7 @@ def _config_file_message(e: BaseException) -> str | None:
 def user_error(e: BaseException) -> str | None:
   """The one-line message when `e` is a user error, else None."""
   chain = list(_chain(e))
-  usage = [x for x in chain if isinstance(x, UsageError)]
+  usage = [x for x in chain if isinstance(x, UsageError) or getattr(x, "usage_error", False)]
   if usage:  # the innermost: ml_collections re-raises a config file's error with its traceback in the text
     return str(usage[-1])
   for x in chain:

@@ -14,7 +14,7 @@ from typing import Any
 
 import jax
 
-from runtime import paths
+from runtime import cli, paths
 from training import checkpoints, config_io, kernel_check
 from training.experiment import Experiment
 
@@ -27,9 +27,11 @@ def restore_workdir(workdir: str, *, step: int | None = None,
   mgr = checkpoints.checkpoint_manager(workdir, config, read_only=True)
   available = list(mgr.all_steps())
   if not available:
-    raise FileNotFoundError(f"no checkpoint in {paths.join(workdir, 'checkpoints')}")
+    raise cli.mark_usage(FileNotFoundError(f"--workdir {workdir}: no checkpoint in "
+                                           f"{paths.join(workdir, 'checkpoints')}"))
   if step is not None and step not in available:
-    raise ValueError(f"no checkpoint for step {step} in {workdir}; available steps: {sorted(available)}")
+    raise cli.UsageError(f"--step {step}: no checkpoint for step {step} in {workdir}; available steps: "
+                         f"{sorted(available)}")
   experiments: dict[str, Any] = {}
 
   def restore(s: int) -> Any:

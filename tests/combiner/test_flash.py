@@ -203,7 +203,8 @@ TRITON_OK = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
 
 
 # The slowest lowerings (logsparse and the mixture for CUDA, sparse logsparse for TPU) run with -m slow.
-SLOW_LOWERINGS = {("logsparse", "cuda"), ("mixture", "cuda"), ("sparse_logsparse", "tpu")}
+SLOW_LOWERINGS = {("logsparse", "cuda"), ("mixture", "cuda"), ("sparse_logsparse", "tpu"),
+                  ("logsparse", "tpu")}
 
 
 @pytest.mark.all_platforms

@@ -205,7 +205,7 @@ def test_decoder_default_is_exactly_causal_and_balanced_opt_in_leaks():
     assert (float(jnp.max(jnp.abs(a - b))) > 1e-4) == leaks, membership
 
 
-@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("causal", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_routed_combiner_real_outputs_ignore_padded_content(causal):
   """The module computes every token's cluster from its content; padded tokens must not move the partition:
   random values or NaN at masked positions leave the real positions' outputs unchanged."""

@@ -125,6 +125,7 @@ def test_yoso_heads_shards_draw_their_own_hashes():
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_axes_that_do_not_divide_stay_unsplit():
   mesh = cpu_mesh(4, 2)
   assert sharding.split_axes(mesh.abstract_mesh, 8, 8) == (("data",), "model")

@@ -71,6 +71,7 @@ def test_accelerator_types_map_to_topologies():
       ct.parse_topology(bad)
 
 
+@pytest.mark.slow
 def test_tpu_memory_reports_temporaries_against_splash():
   """scripts/tpu_memory.py: one short length, Splash and Combiner-Fixed, ratios against Splash in the op
   contract's layout; a bad --topology is one line and exit 2."""

@@ -156,6 +156,7 @@ def test_resume_after_sigterm_is_exact_and_eval_reads_it(tmp_path):
   assert os.listdir(tmp_path / "resumed" / "tensorboard")
 
 
+@pytest.mark.slow
 def test_nan_stops_and_keeps_last_good_checkpoint(tmp_path, monkeypatch):
   config = smoke("combiner_fixed", **{"train.num_steps": 6, "train.checkpoint_every": 2})
   build = experiment.Experiment._build_train_step

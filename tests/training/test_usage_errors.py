@@ -100,6 +100,8 @@ SLOW = [
     (["train.py", "--config", SMOKE, "--heartbeat_s=0"], "--heartbeat_s"),
     (["-m", "scripts.compile_tpu", "--config", f"{SMOKE},heads=0", "--topology", "v5e-1"],
      "config.model.num_heads"),
+    (["train.py", "--config", "configs/lra.py:task=listops,smoke", "--config.data.stand_in=False",
+      "--config.data.data_dir={missing}", "--workdir", "{w}2"], "prepare it with"),
 ]
 
 

@@ -466,7 +466,7 @@ def test_kernel_operands_split_float32_in_two_bfloat16_parts():
 @pytest.mark.parametrize("formulation,features", [pytest.param("onehot", None, marks=pytest.mark.slow),
                                                   pytest.param("onehot", 2, marks=pytest.mark.slow),
                                                   pytest.param("pallas", None, marks=pytest.mark.slow),
-                                                  ("pallas", 2)])
+                                                  pytest.param("pallas", 2, marks=pytest.mark.slow)])
 def test_formulations_agree_on_the_same_draws(formulation, features, monkeypatch):
   # Sorted tables, one-hot matmuls and the fused kernels: the same codes, so the same estimate and gradients
   # up to float32 rounding (float32 operands go to the matmuls as two bfloat16 parts: relative error near
