@@ -136,6 +136,7 @@ def _train(model, task: str, batch, steps: int) -> list[float]:
   return losses
 
 
+@pytest.mark.slow  # test_tiny_causal_yoso_lm_trains is the fast one
 def test_tiny_yoso_model_trains_on_recall_records():
   vocab = _recall_records(0)[2]
   mask_id = vocab  # one extra input id
