@@ -85,8 +85,6 @@ def test_injected_failure_of_a_named_kernel_stops_with_one_line(tmp_path):
   assert err[-1].startswith("ERROR: kernel check: combiner_fixed implementation=pallas on cpu failed at "
                             "[8, 64, 2, 16] float32: InjectedKernelFailure: " + INJECTED)
   assert "not started (--config.model.attention.implementation=auto falls back" in err[-1]
-  record = _record(workdir)
-  assert (record["requested"], record["used"], record["ok"]) == ("pallas", None, False)
-  failed = json.loads((workdir / "status" / "failed.json").read_text())
-  assert failed["error"].startswith("KernelCheckFailed: kernel check: combiner_fixed")
-  assert not (workdir / "checkpoints").exists()
+  # A new run that fails to start leaves the workdir as it found it (here: absent), records included; the
+  # reason is the one line above (a watcher reads it in the log).
+  assert not workdir.exists()
