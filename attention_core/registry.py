@@ -28,6 +28,8 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+from attention_core import contract
+
 # The op packages whose `registry` modules register attentions (a new package adds its name here).
 OP_PACKAGES = ("attention_baselines", "combiner", "routing", "yoso")
 
@@ -86,6 +88,70 @@ def get(name: str) -> OpSpec:
 def takes_implementation(spec: OpSpec) -> bool:
   """Whether the op takes `implementation` ("auto" | "xla" | an accelerated kernel), from its signature."""
   return "implementation" in inspect.signature(spec.fn).parameters
+
+
+# The arguments that choose an op's fused path: argument -> (the XLA value the fused values are checked
+# against, allowed values that are XLA formulations rather than kernels, whether the causal form runs the
+# kernels). YOSO's causal form is sorted running sums on every backend (yoso.attention), so its kernels are
+# bidirectional only.
+FUSED_ARGUMENTS = {"implementation": ("xla", (), True),
+                   "formulation": ("sorted", ("onehot",), False)}
+ALL_PLATFORMS = ("cpu", "gpu", "tpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedPath:
+  """How an op's accelerated paths are chosen and checked (`fused_path`)."""
+  argument: str  # "implementation" or "formulation"
+  reference: str  # the XLA value every other value must equal
+  values: tuple[str, ...]  # every allowed value but "auto" and the reference
+  kernels: tuple[str, ...]  # those of `values` that run fused kernels (Pallas, Mosaic, Triton, cuDNN)
+  causal: bool  # whether the causal form runs them
+  platforms: dict[str, tuple[str, ...]]  # value -> the platforms it runs on (CPU: interpret mode)
+
+  def values_on(self, platform: str) -> tuple[str, ...]:
+    return tuple(v for v in self.values if platform in self.platforms.get(v, ALL_PLATFORMS))
+
+
+def fused_path(spec: OpSpec) -> FusedPath | None:
+  """The op's accelerated paths, or None when it has none. Read from the op: the argument among
+  FUSED_ARGUMENTS its signature takes, the allowed values its module declares (`IMPLEMENTATIONS`,
+  `FORMULATIONS`; attention_core.contract's by default, or a module it imports), and per value the platforms
+  it runs on (`IMPLEMENTATION_PLATFORMS` / `FORMULATION_PLATFORMS`, default every platform). So a new op
+  with a kernel is checked and compiled by the tools without being named in them."""
+  parameters = inspect.signature(spec.fn).parameters
+  module = importlib.import_module(getattr(spec.fn, "func", spec.fn).__module__)  # partial plans
+  for argument, (reference, not_kernels, causal) in FUSED_ARGUMENTS.items():
+    if argument not in parameters:
+      continue
+    allowed = _declared(module, argument.upper() + "S", argument)
+    values = tuple(v for v in allowed if v not in ("auto", reference))
+    platforms = _declared(module, argument.upper() + "_PLATFORMS", None) or {}
+    return FusedPath(argument, reference, values, tuple(v for v in values if v not in not_kernels), causal,
+                     dict(platforms))
+  return None
+
+
+def _declared(module: Any, attribute: str, argument: str | None) -> Any:
+  """`attribute` of the op's module, else of a module it imports (yoso.tables' FORMULATIONS), else
+  attention_core.contract's IMPLEMENTATIONS for `implementation`; None when nothing declares it and
+  `argument` is None."""
+  if hasattr(module, attribute):
+    return getattr(module, attribute)
+  for value in vars(module).values():
+    if inspect.ismodule(value) and value.__name__.split(".")[0] == module.__name__.split(".")[0] \
+        and hasattr(value, attribute):
+      return getattr(value, attribute)
+  if argument == "implementation":
+    return contract.IMPLEMENTATIONS
+  if argument is None:
+    return None
+  raise ValueError(f"{module.__name__}: no allowed values of {argument!r} found ({attribute})")
+
+
+def fused_ops() -> dict[str, FusedPath]:
+  """{name: FusedPath} of every registered op with an accelerated path."""
+  return {name: path for name in names() if (path := fused_path(OPS[name])) is not None}
 
 
 def names() -> list[str]:

@@ -1,25 +1,28 @@
 """The fused accelerator paths equal the XLA paths they replace, on this machine's accelerator.
 
-    python -m scripts.check_kernels [--length 1000] [--dtype float32]
+    python -m scripts.check_kernels [--length 1000] [--dtype float32] [--only combiner,dense]
 
 The test suite checks the Pallas kernels in interpret mode on CPU; this script runs the same comparisons
 compiled for the attached GPU (Triton) or TPU (Mosaic), where tile shapes, lowering rules and the hardware's
-matmul precision differ. For every Combiner plan and sparse counterpart (implementation="pallas" against
-"xla", with a random key mask, both directions, max/mean pooling, DeepSets pools and value_dim != head_dim),
-for `dense` (implementation="flash" against "xla" on the same bfloat16 inputs upcast to float32) and for YOSO
-(formulation="onehot" and the fused "pallas" kernels against "sorted", same hashes) it prints the relative
-L2 error ||got - want|| / ||want|| of the output and of the gradients of sum(out * cotangent), and exits 1
-when any is above its tolerance or not finite. Tolerances allow the accelerator's reduced-precision matmul
-inputs (TF32 for float32, bfloat16), which put errors near 1e-3; a wrong index or mask gives errors near 1.
-`python -m scripts.tpu run` runs it on one chip of worker 0 before training; train.py itself checks the
-kernel its model uses, at the model's shapes, and under implementation="auto" falls back to the XLA path when
-it fails (training/kernel_check.py).
+matmul precision differ. For every registered op with a fused path (`attention_core.registry.fused_path`: the
+Combiner plans and sparse counterparts' implementation="pallas", dense's "flash" (bfloat16 inputs against
+"xla" on float32 copies), the Splash baselines' "splash", YOSO's formulation="onehot" and "pallas" against
+"sorted" with the same hashes), each value that runs on this platform against the op's XLA value, in every
+direction it runs fused, with a random key mask, max/mean pooling, DeepSets pools and value_dim != head_dim
+across the cases where the op takes them, it prints the relative L2 error ||got - want|| / ||want|| of the
+output and of the gradients of sum(out * cotangent), and exits 1 when any is above its tolerance or not
+finite. Tolerances allow the accelerator's reduced-precision matmul inputs (TF32 for float32, bfloat16), which
+put errors near 1e-3; a wrong index or mask gives errors near 1. `python -m scripts.tpu run` runs it on one
+chip of worker 0 before training; train.py itself checks the kernel its model uses, at the model's shapes, and
+under implementation="auto" falls back to the XLA path when it fails (training/kernel_check.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
+import inspect
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -29,7 +32,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from attention_core import registry
+
 TOLERANCE = {"float32": 1e-2, "bfloat16": 5e-2}
+# Fused values that take half-precision inputs only (cuDNN flash): run in bfloat16 against the reference on
+# float32 copies of the same inputs.
+HALF_PRECISION_ONLY = ("flash",)
 
 
 def _relative_error(got: Any, want: Any) -> float:
@@ -61,100 +69,86 @@ def _errors(fn_got: Callable[..., Any], fn_want: Callable[..., Any], args: Seque
   return {name: _relative_error(a, b) for name, a, b in zip(("out", *names), got, want, strict=True)}
 
 
-def combiner_cases(length: int) -> list[tuple[str, Callable[..., Any], dict[str, Any]]]:
-  """(name, op, keywords) for every Combiner plan and sparse counterpart; block/row 32 (odd tail at 1000)."""
-  import combiner
-  from combiner import sparse
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """One comparison: op `name` with `argument=value` against `argument=reference`."""
+  name: str
+  argument: str
+  value: str
+  reference: str
+  causal: bool
+  pooling: str | None = None  # the op's `pooling`, when it takes one
+  deepsets: bool = False  # differentiated DeepSets pools (pool_q, pool_k), when it takes them
+  half_value_dim: bool = False  # value_dim = head_dim / 2
 
-  size = 32
-  plans = [
-      ("combiner_fixed", functools.partial(combiner.fixed, block_size=size)),
-      ("combiner_logsparse", combiner.logsparse),
-      ("combiner_axial_rowmajor", functools.partial(combiner.axial, row_length=size, direction="rowmajor")),
-      ("combiner_axial_vertical", functools.partial(combiner.axial, row_length=size, direction="vertical")),
-      ("combiner_axial_horizontal",
-       functools.partial(combiner.axial, row_length=size, direction="horizontal")),
-      ("combiner_mixture", functools.partial(combiner.mixture, row_length=size)),
-      ("combiner_mixture_joint", functools.partial(combiner.mixture, row_length=size, normalize="joint")),
-  ]
-  sparse_plans = [
-      ("sparse_fixed", functools.partial(sparse.fixed, block_size=size)),
-      ("sparse_axial", functools.partial(sparse.axial, row_length=size)),
-      ("sparse_logsparse", sparse.logsparse),
-  ]
-  cases = []
-  for i, (name, fn) in enumerate(plans):
-    for causal in (True, False):
-      pooling = ("max", "mean")[(i + causal) % 2]
-      cases.append((f"{name} causal={causal} {pooling}", fn,
-                    {"causal": causal, "pooling": pooling, "deepsets": i % 3 == causal}))
-  for name, fn in sparse_plans:
-    for causal in (True, False):
-      cases.append((f"{name} causal={causal}", fn, {"causal": causal}))
-  return cases
+  @property
+  def label(self) -> str:
+    parts = [self.name, self.value, "vs", self.reference, f"causal={self.causal}"]
+    parts += [self.pooling] if self.pooling else []
+    parts += ["deepsets"] if self.deepsets else []
+    parts += ["e=d/2"] if self.half_value_dim else []
+    return " ".join(parts)
 
 
-def check_combiner(args: argparse.Namespace, key: Any) -> list[tuple[str, dict[str, float]]]:
-  dtype = jnp.dtype(args.dtype)
-  results = []
-  for name, fn, kw in combiner_cases(args.length):
-    key, sub, pools_key = jax.random.split(key, 3)
-    value_dim = args.head_dim // 2 if "axial" in name else args.head_dim
-    q, k, v, cot, mask = _inputs(sub, 2, args.length, 2, args.head_dim, value_dim, dtype)
-    kw = dict(kw)
-    deepsets = kw.pop("deepsets", False)
-    pools = ([jax.random.normal(kk, q.shape, dtype) for kk in jax.random.split(pools_key)]
-             if deepsets else [])
-
-    def op(implementation, q, k, v, *pools, fn=fn, kw=kw, mask=mask):
-      extra = dict(zip(("pool_q", "pool_k"), pools, strict=False))
-      return fn(q, k, v, mask=mask, implementation=implementation, **kw, **extra)
-
-    names = ("dq", "dk", "dv") + (("dpool_q", "dpool_k") if deepsets else ())
-    results.append((name + (" deepsets" if deepsets else ""),
-                    _errors(functools.partial(op, "pallas"), functools.partial(op, "xla"),
-                            (q, k, v, *pools), cot, names)))
-  return results
+def select(only: str | None) -> list[str]:
+  """The registered ops with a fused path that `--only` names (an op's name, else a prefix of names such as
+  "combiner", "sparse"); all of them for None. ValueError naming a word that matches nothing."""
+  fused = sorted(registry.fused_ops())
+  if only is None:
+    return fused
+  chosen = set()
+  for word in (w.strip() for w in only.split(",") if w.strip()):
+    matches = [word] if word in fused else [n for n in fused if n.startswith(word + "_")]
+    if not matches:
+      raise ValueError(f"--only: {word!r} names no op with a fused path; choose from {fused} or a prefix "
+                       "such as combiner, sparse, yoso")
+    chosen.update(matches)
+  return sorted(chosen)
 
 
-def check_dense(args: argparse.Namespace, key: Any) -> list[tuple[str, dict[str, float]]]:
-  from attention_baselines.dense import dense
-
-  results = []
-  for causal in (True, False):
-    key, sub = jax.random.split(key)
-    q, k, v, cot, mask = _inputs(sub, 2, args.length, 2, args.head_dim, args.head_dim, jnp.bfloat16)
-
-    def got(q, k, v, causal=causal, mask=mask):
-      return dense(q, k, v, causal=causal, mask=mask, implementation="flash").astype(jnp.float32)
-
-    def want(q, k, v, causal=causal, mask=mask):
-      f32 = [t.astype(jnp.float32) for t in (q, k, v)]
-      return dense(*f32, causal=causal, mask=mask, implementation="xla")
-
-    results.append((f"dense flash causal={causal} (bfloat16)",
-                    _errors(got, want, (q, k, v), cot.astype(jnp.float32), ("dq", "dk", "dv"))))
-  return results
+def cases(names: Sequence[str], platform: str) -> list[Case]:
+  """Every accelerated value on `platform` of each op, in each direction it runs fused, varying the pooling
+  (max / mean), DeepSets pools and value_dim != head_dim across cases where the op takes them."""
+  out = []
+  for name in names:
+    spec, path = registry.get(name), registry.fused_path(registry.get(name))
+    parameters = inspect.signature(spec.fn).parameters
+    directions = ([True] if spec.causal and path.causal else []) + ([False] if spec.bidirectional else [])
+    for value in path.values_on(platform):
+      for causal in directions:
+        i = len(out)
+        out.append(Case(name, path.argument, value, path.reference, causal,
+                        pooling=("max", "mean")[i % 2] if "pooling" in parameters else None,
+                        deepsets="pool_q" in parameters and i % 3 == 0,
+                        half_value_dim=value not in HALF_PRECISION_ONLY and i % 2 == 1))
+  return out
 
 
-def check_yoso(args: argparse.Namespace, key: Any) -> list[tuple[str, dict[str, float]]]:
-  from yoso.attention import yoso
+def check(case: Case, args: argparse.Namespace, key: Any) -> dict[str, float]:
+  """Relative errors of the fused value against the reference for one case (random inputs, a key mask)."""
+  spec = registry.get(case.name)
+  half = case.value in HALF_PRECISION_ONLY  # run in bfloat16, compared with the reference on float32 copies
+  dtype = jnp.bfloat16 if half else jnp.dtype(args.dtype)
+  value_dim = args.head_dim // 2 if case.half_value_dim else args.head_dim
+  key, sub, pools_key = jax.random.split(key, 3)
+  q, k, v, cot, mask = _inputs(sub, 2, args.length, 2, args.head_dim, value_dim, dtype)
+  params = registry.bench_params(spec, args.length, batch=2, heads=2, head_dim=args.head_dim,
+                                 dtype=str(jnp.dtype(dtype)))
+  if case.pooling is not None:
+    params["pooling"] = case.pooling
+  pools = [jax.random.normal(kk, q.shape, dtype) for kk in jax.random.split(pools_key)] if case.deepsets \
+      else []
 
-  results = []
-  for backward_features in (None, 1):
-    key, sub, rng = jax.random.split(key, 3)
-    q, k, v, cot, mask = _inputs(sub, 2, args.length, 2, args.head_dim, args.head_dim, jnp.float32)
+  def op(value, q, k, v, *pools):
+    if value == case.reference and half:
+      q, k, v, *pools = (t.astype(jnp.float32) for t in (q, k, v, *pools))
+    extra = dict(zip(("pool_q", "pool_k"), pools, strict=False))
+    out = spec.fn(q, k, v, causal=case.causal, mask=mask, **{case.argument: value}, **params, **extra)
+    return out.astype(jnp.float32) if half else out
 
-    def op(formulation, q, k, v, rng=rng, mask=mask, backward_features=backward_features):
-      return yoso(q, k, v, rng=rng, num_hashes=8, tau=6, mask=mask, formulation=formulation,
-                  backward_features=backward_features)
-
-    label = "yoso" if backward_features is None else "yoso_sketch"
-    for formulation in ("onehot", "pallas"):
-      results.append((f"{label} {formulation} vs sorted",
-                      _errors(functools.partial(op, formulation), functools.partial(op, "sorted"),
-                              (q, k, v), cot, ("dq", "dk", "dv"))))
-  return results
+  names = ("dq", "dk", "dv") + (("dpool_q", "dpool_k") if case.deepsets else ())
+  return _errors(functools.partial(op, case.value), functools.partial(op, case.reference), (q, k, v, *pools),
+                 cot.astype(jnp.float32) if half else cot, names)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -162,36 +156,36 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--length", type=int, default=1000)
   parser.add_argument("--head_dim", type=int, default=64)
   parser.add_argument("--dtype", default="float32", choices=sorted(TOLERANCE))
-  parser.add_argument("--only", default="combiner,dense,yoso", help="comma list of: combiner, dense, yoso")
+  parser.add_argument("--only", default=None,
+                      help="comma list of registered ops or name prefixes (combiner, sparse, dense, yoso); "
+                           "default: every op with a fused path")
   parser.add_argument("--seed", type=int, default=0)
   args = parser.parse_args(argv)
+  try:
+    names = select(args.only)
+  except ValueError as err:
+    parser.error(str(err))
   device = jax.local_devices()[0]
   print(f"device: {device.platform} ({device.device_kind}), jax {jax.__version__}, L={args.length}, "
         f"{args.dtype}", flush=True)
-  checks = {"combiner": check_combiner, "dense": check_dense, "yoso": check_yoso}
-  only = [name.strip() for name in args.only.split(",") if name.strip()]
-  unknown = sorted(set(only) - set(checks))
-  if unknown:
-    parser.error(f"argument --only: unknown {unknown}; choose from {sorted(checks)}")
   tolerance = TOLERANCE[args.dtype]
   failed = 0
   key = jax.random.key(args.seed)
-  for name in only:
+  start = time.perf_counter()
+  for case in cases(names, device.platform):
     key, sub = jax.random.split(key)
-    start = time.perf_counter()
     try:
-      results = checks[name](args, sub)
+      errors = check(case, args, sub)
     except Exception as err:  # report and go on: one broken lowering should not hide the others
-      print(f"{name}: ERROR {type(err).__name__}: {str(err)[:2000]}", flush=True)
+      print(f"ERROR {case.label}: {type(err).__name__}: {str(err)[:2000]}", flush=True)
       failed += 1
       continue
-    for case, errors in results:
-      worst = max(errors.values())
-      ok = worst <= tolerance
-      failed += not ok
-      detail = " ".join(f"{k}={v:.1e}" for k, v in errors.items())
-      print(f"{'ok  ' if ok else 'FAIL'} {case:48s} {detail}", flush=True)
-    print(f"  ({name}: {time.perf_counter() - start:.0f} s)", flush=True)
+    worst = max(errors.values())
+    ok = worst <= tolerance
+    failed += not ok
+    detail = " ".join(f"{k}={v:.1e}" for k, v in errors.items())
+    print(f"{'ok  ' if ok else 'FAIL'} {case.label:56s} {detail}", flush=True)
+  print(f"  ({time.perf_counter() - start:.0f} s)", flush=True)
   print(f"{failed} failed" if failed else f"all passed (tolerance {tolerance:.0e})")
   return 1 if failed else 0
 

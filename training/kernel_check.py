@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import inspect
 import os
 import sys
 import time
@@ -38,6 +37,9 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+
+from attention_core import contract, sharding
+from attention_core import registry as ops_registry
 
 INJECT_ENV = "KERNEL_CHECK_INJECT"
 RECORD = "kernel_check"  # <workdir>/status/kernel_check.json (training/status.py)
@@ -71,23 +73,21 @@ class Choice:
 
 def kernel_choice(config: ml_collections.ConfigDict) -> Choice | None:
   """The model attention's kernel choice, None when its op has none or the config asks for the XLA path."""
-  from attention_core import registry as ops_registry
 
   att = config.model.attention
   name = str(att.get("op", None) or att.name)
   if name not in ops_registry.names():
     return None  # a model-only module (tests)
-  spec = ops_registry.get(name)
-  takes = inspect.signature(spec.fn).parameters
-  if "implementation" in takes:
-    choice = Choice(name, "implementation", str(att.get("implementation", None) or "auto"), "xla")
-  elif "formulation" in takes:
-    params = att.get("params", None) or {}
-    value = params.get("formulation", None) if hasattr(params, "get") else None
-    choice = Choice(name, "params.formulation", str(value if value not in (None, "auto") else "auto"),
-                    "sorted")
-  else:
+  path = ops_registry.fused_path(ops_registry.get(name))
+  if path is None:
     return None
+  if path.argument == "implementation":
+    choice = Choice(name, "implementation", str(att.get("implementation", None) or "auto"), path.reference)
+  else:  # an op parameter: formulation
+    params = att.get("params", None) or {}
+    value = params.get(path.argument, None) if hasattr(params, "get") else None
+    choice = Choice(name, f"params.{path.argument}", str(value if value not in (None, "auto") else "auto"),
+                    path.reference)
   return None if choice.requested == choice.xla else choice
 
 
@@ -148,7 +148,6 @@ class Layer:
     """f(params, rest, x, mask, cot) -> (out, d params, d x) of sum(out * cot), traced for `platform`."""
     from flax import nnx
 
-    from attention_core import contract
 
     graphdef = self.build()[0]
 
@@ -181,8 +180,6 @@ def _inputs(config: ml_collections.ConfigDict, batch: int, length: int, seed: in
 
 def per_device(config: ml_collections.ConfigDict, devices: list | None) -> tuple[int, int, bool]:
   """(batch rows, heads) the op runs on per device, and whether the sequence-parallel form runs instead."""
-  from attention_core import registry as ops_registry
-  from attention_core import sharding
   from training.mesh import make_mesh
 
   mesh = make_mesh(config, devices)
@@ -274,7 +271,6 @@ def checked_config(config: ml_collections.ConfigDict, workdir: str, *, devices: 
   on the XLA path when the kernel failed under "auto"; raises KernelCheckFailed when a kernel named
   explicitly failed. Process 0 prints the outcome. record: write `<workdir>/status/kernel_check.json`
   (train.py's process 0; eval.py and sample.py check again and record nothing)."""
-  from attention_core import contract
   from training import config_io, status
 
   choice = kernel_choice(config)

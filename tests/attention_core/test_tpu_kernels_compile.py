@@ -1,13 +1,13 @@
 """Every fused attention kernel compiles for TPUs, forward and backward, at the shapes the configs train at.
 
 libtpu runs the real TPU compiler (Mosaic included) ahead of time on this CPU host (`scripts.compile_tpu`'s
-compile-only devices), so no TPU is needed. The ops are the registry's ops with an accelerated path (those
-taking `implementation` or `formulation`, FUSED_ARGUMENTS); the shapes are derived from every config in
-configs/ and its variants (flags, LRA tasks, the sequence lengths the docstrings name) as the model resolves
-them: the sequence length, the op's automatic plan parameters `params(L)`, head_dim = features / heads, the
-model dtype and the direction of its task; plus EDGE_CASES. Each (generation, case, op) is one compile of
-jax.grad of the op's sum. The fast run compiles REPRESENTATIVE per op per generation; `-m slow` the grid.
-Skipped where libtpu is not installed (requirements-tpu-compile.txt).
+compile-only devices), so no TPU is needed. The ops are the registry's ops with an accelerated path
+(`attention_core.registry.fused_path`: those taking `implementation` or `formulation`); the shapes are derived
+from every config in configs/ and its variants (flags, LRA tasks, the sequence lengths the docstrings name) as
+the model resolves them: the sequence length, the op's automatic plan parameters `params(L)`, head_dim =
+features / heads, the model dtype and the direction of its task; plus EDGE_CASES. Each (generation, case, op)
+is one compile of jax.grad of the op's sum. The fast run compiles REPRESENTATIVE per op per generation; `-m
+slow` the grid. Skipped where libtpu is not installed (requirements-tpu-compile.txt).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import importlib
 import inspect
 import os
 import re
-import sys
 
 import pytest
 
@@ -31,8 +30,8 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import data  # noqa: E402
-from attention_core import contract, sharding  # noqa: E402
 from attention_core import registry as ops_registry  # noqa: E402
+from attention_core import sharding  # noqa: E402
 from configs import base as config_base  # noqa: E402
 from models.transformer import CAUSAL_TASKS  # noqa: E402
 from scripts import compile_tpu  # noqa: E402  (sets libtpu's environment before it loads)
@@ -43,45 +42,10 @@ BATCH, HEADS = 2, 2
 PLAN_KEYS = ("block_size", "row_length")  # plan parameters an edge case may override
 KERNEL_MARKER = "tpu_custom_call"  # a Mosaic kernel in the lowered program
 
-# The arguments that select an op's fused kernels: argument -> (its accelerated values are those the op
-# allows besides these defaults, whether the causal form runs the kernels). YOSO's causal form is sorted
-# running sums on every backend (yoso.attention), so its kernels are compiled bidirectional only.
-FUSED_ARGUMENTS = {"implementation": (("auto", "xla"), True),
-                   "formulation": (("auto", "sorted", "onehot"), False)}
-
-
-def fused_arguments(spec: ops_registry.OpSpec) -> tuple[dict[str, str], bool] | None:
-  """({argument: accelerated value}, whether its causal form has kernels) for an op with a fused path, else
-  None. The allowed values are the op module's IMPLEMENTATIONS / FORMULATIONS (attention_core.contract's by
-  default)."""
-  fn = getattr(spec.fn, "func", spec.fn)  # functools.partial plans
-  parameters = inspect.signature(spec.fn).parameters
-  module = sys.modules[fn.__module__]
-  for argument, (defaults, causal) in FUSED_ARGUMENTS.items():
-    if argument not in parameters:
-      continue
-    allowed = getattr(module, argument.upper() + "S", None)
-    if allowed is None:
-      allowed = _submodule_choices(module, argument)
-    value = next(v for v in allowed if v not in defaults)
-    return {argument: value}, causal
-  return None
-
-
-def _submodule_choices(module, argument: str) -> tuple[str, ...]:
-  """The allowed values of `argument` where the op's own module does not define them:
-     attention_core.contract's
-  IMPLEMENTATIONS, or the FORMULATIONS of a module the op's module imports (yoso.tables)."""
-  if argument == "implementation":
-    return contract.IMPLEMENTATIONS
-  for value in vars(module).values():
-    if inspect.ismodule(value) and hasattr(value, argument.upper() + "S"):
-      return getattr(value, argument.upper() + "S")
-  raise AssertionError(f"{module.__name__}: no allowed values of {argument!r} found")
-
-
-FUSED = {name: args for name in ops_registry.names()
-         if (args := fused_arguments(ops_registry.get(name))) is not None}
+# {op: ({argument: the kernel value compiled}, whether its causal form runs kernels)} from the registrations
+# (attention_core.registry.fused_path): a new op with a kernel is compiled here without being named.
+FUSED = {name: ({path.argument: path.kernels[0]}, path.causal)
+         for name, path in ops_registry.fused_ops().items() if path.kernels}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,6 +7,8 @@ disagreement, the profiler sums only device events, the tuner restores nothing i
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import gzip
 import json
 
@@ -19,40 +21,59 @@ from scripts import check_kernels, profile_ops, tune_kernels
 
 @pytest.mark.slow
 def test_check_kernels_passes_when_formulations_agree(capsys):
-  assert check_kernels.main(["--length", "40", "--head_dim", "8", "--only", "yoso"]) == 0
+  assert check_kernels.main(["--length", "40", "--head_dim", "8", "--only", "yoso,yoso_sketch"]) == 0
   out = capsys.readouterr().out
   assert "yoso onehot vs sorted" in out and "yoso_sketch pallas vs sorted" in out and "all passed" in out
 
 
 @pytest.mark.slow
 def test_check_kernels_fails_on_a_planted_disagreement(monkeypatch, capsys):
-  from yoso import attention
+  """An op whose fused formulation drifts by 5% (registered in place of YOSO's) fails the check."""
+  from attention_core import registry
 
-  real = attention.yoso
+  spec = registry.get("yoso")
 
-  def off_by_a_little(*args, formulation, **kw):  # the fused side drifts by 5%
-    out = real(*args, formulation=formulation, **kw)
+  @functools.wraps(spec.fn)  # keeps the op's module, so its declared formulations are found
+  def off_by_a_little(*args, formulation, **kw):
+    out = spec.fn(*args, formulation=formulation, **kw)
     return out * 1.05 if formulation == "pallas" else out
 
-  monkeypatch.setattr(attention, "yoso", off_by_a_little)
+  monkeypatch.setitem(registry.OPS, "yoso", dataclasses.replace(spec, fn=off_by_a_little))
   assert check_kernels.main(["--length", "40", "--head_dim", "8", "--only", "yoso"]) == 1
-  assert "FAIL" in capsys.readouterr().out
+  out = capsys.readouterr().out
+  assert "FAIL yoso pallas vs sorted" in out and "ok   yoso onehot vs sorted" in out
 
 
-def test_check_kernels_rejects_unknown_groups():
+def test_check_kernels_rejects_unknown_names(capsys):
   with pytest.raises(SystemExit):
     check_kernels.main(["--only", "combiner,nonsense"])
+  assert "nonsense" in capsys.readouterr().err
 
 
-def test_check_kernels_covers_every_plan_in_both_directions():
-  names = [name for name, _, _ in check_kernels.combiner_cases(1000)]
-  plans = {name.split()[0] for name in names}
-  assert plans == {"combiner_fixed", "combiner_logsparse", "combiner_axial_rowmajor",
-                   "combiner_axial_vertical", "combiner_axial_horizontal", "combiner_mixture",
-                   "combiner_mixture_joint", "sparse_fixed", "sparse_axial", "sparse_logsparse"}
-  assert sum("causal=True" in n for n in names) == sum("causal=False" in n for n in names) == len(plans)
-  kws = [kw for _, _, kw in check_kernels.combiner_cases(1000)]
-  assert {kw.get("pooling") for kw in kws} >= {"max", "mean"} and any(kw.get("deepsets") for kw in kws)
+def test_check_kernels_covers_every_fused_op_in_both_directions():
+  """The cases come from the registrations: every op with a fused path, each direction it runs fused, with
+  max and mean pooling, DeepSets pools and value_dim != head_dim among them; a value that runs only on
+  other platforms is left out."""
+  from attention_core import registry
+
+  fused = registry.fused_ops()
+  names = check_kernels.select(None)
+  assert set(names) == set(fused) >= {"combiner_fixed", "combiner_logsparse", "combiner_axial_rowmajor",
+                                      "combiner_axial_vertical", "combiner_axial_horizontal",
+                                      "combiner_mixture", "combiner_mixture_joint", "sparse_fixed",
+                                      "sparse_axial", "sparse_logsparse", "dense", "yoso"}
+  assert check_kernels.select("sparse") == ["sparse_axial", "sparse_fixed", "sparse_logsparse"]
+  cases = check_kernels.cases(names, "gpu")
+  for name in names:
+    spec, path = registry.get(name), fused[name]
+    mine = [c for c in cases if c.name == name]
+    directions = {c.causal for c in mine}
+    assert directions == ({True} if spec.causal and path.causal else set()) | (
+        {False} if spec.bidirectional else set()) or not path.values_on("gpu"), name
+  combiner = [c for c in cases if c.name.startswith("combiner_")]
+  assert {c.pooling for c in combiner} == {"max", "mean"} and any(c.deepsets for c in combiner)
+  assert any(c.half_value_dim for c in combiner) and all(c.value == "pallas" for c in combiner)
+  assert all(not c.half_value_dim for c in cases if c.value == "flash")
 
 
 def test_profile_sums_device_events_only(tmp_path):
