@@ -9,8 +9,9 @@ stateful generator.
 A batched training stream (endless) is global: one record order over the whole split, global batch s being
 stream positions [s * B, (s + 1) * B), of which each host reads its own contiguous rows (`GlobalRows`). The
 examples of a step are then the same on any number of hosts, and the iterator state (the global batch index)
-is the same on every host, so a run resumes on another host count (`restore_iterator`). Finite splits
-(evaluation) and self-batching pipelines (packed text) read a contiguous shard of records per host
+is the same on every host, so a run resumes on another host count (`restore_iterator`). Self-batching
+pipelines (packed text) make their training stream global the same way: every host packs the same global
+batches and keeps its rows (data.text). Finite splits (evaluation) read a contiguous shard of records per host
 (`ShardView`) in a per-host order.
 """
 
@@ -535,8 +536,9 @@ def make_loader(
   Evaluation (finite) keeps every record: each host reads its contiguous shard (`ShardView`; host shards may
   differ by one record) in its own order (seed from `host_seed`) and pads its last batch.
   `batch_size=None` means the operations batch themselves (text packing): an endless stream is then sharded
-  per host as well (equal shards, records beyond an equal split left out of each epoch), so its batches
-  depend on the host count.
+  per host as well (equal shards, records beyond an equal split left out of each epoch); data.text asks for
+  shard 0 of 1 on every host and keeps each host's rows of the packed global batch, so that its stream does
+  not depend on the host count.
 
   Record order: a new permutation each epoch, batches running across epoch boundaries; without shuffle, the
   records in order, epoch after epoch.
@@ -653,7 +655,8 @@ def check_iterator_checkpoint(step_dir: str, data_iter: Any, config: Any) -> Non
   saved_loader = isinstance(saved, dict) and "last_seen_indices" in saved and "sampler" in saved
   current_loader = not isinstance(data_iter, grain.DatasetIterator)
   index, count = resolve_shards(None, None)
-  if saved_loader and current_loader and not (data_dir / state_file(index, count)).exists():
+  if saved_loader and current_loader and not (data_dir / state_file(index, count)).exists() \
+      and not _agree(files):
     raise ValueError(
       f"checkpoint {step_dir} holds per-host data-iterator states of grain.DataLoader ({files[0].name}, ...: "
       f"engine 'loader', or packed text), written by another number of hosts than this run's {count}; "
@@ -679,6 +682,18 @@ def check_iterator_checkpoint(step_dir: str, data_iter: Any, config: Any) -> Non
   )
 
 
+def _agree(files: Sequence[Any]) -> bool:
+  """Whether the saved hosts' iterator states (grain JSON files `state_file`) are every host's and one state:
+  a global stream's position."""
+  import json
+
+  counts = {f.name.rpartition("-of-")[2].removesuffix(".json") for f in files}
+  if len(counts) != 1 or len(files) != int(counts.pop() or 0):
+    return False
+  states = [json.loads(f.read_text()) for f in files]
+  return all(other == states[0] for other in states[1:])
+
+
 def state_file(process_index: int, process_count: int) -> str:
   """The name grain's orbax handler gives a host's data-iterator state in a checkpoint's `data/` item."""
   return f"process_{process_index}-of-{process_count}.json"
@@ -691,8 +706,10 @@ def restore_iterator(step_dir: str, data_iter: Any) -> None:
   same host count. A dataset-engine state is the global batch index, the same on every host (a batched
   training stream is global: `make_loader`), so it is read from this host's file when the host count is
   unchanged, else from the saved hosts' files, which must agree: a run resumes on any host count, continuing
-  the same global stream. A DataLoader state is per host and needs this host's file. Raises
-  (FileNotFoundError, ValueError) when the files are missing, unreadable or disagree.
+  the same global stream. A DataLoader state is per host; where every host read the same global stream
+  (packed text) the saved hosts' states are identical and any host count continues from them, otherwise it
+  needs this host's file. Raises (FileNotFoundError, ValueError) when the files are missing, unreadable or
+  disagree.
   """
   import json
 
@@ -706,14 +723,13 @@ def restore_iterator(step_dir: str, data_iter: Any) -> None:
     state = json.loads(text) if is_dataset else text.encode()
   else:
     files = sorted(data_dir.glob("process_*-of-*.json")) if data_dir.exists() else []
-    if not files or not is_dataset:
-      raise FileNotFoundError(f"no data-iterator state for this host in {data_dir} (found: "
-                              f"{[f.name for f in files]})")
-    states = [json.loads(f.read_text()) for f in files]
-    if any(other != states[0] for other in states[1:]):
+    if not files:
+      raise FileNotFoundError(f"no data-iterator state for this host in {data_dir} (found: none)")
+    if not _agree(files):
       raise ValueError(f"the hosts' data-iterator states in {data_dir} differ ({files[0].name}: "
-                       f"{states[0]}), so they are not one global stream's position")
-    state = states[0]
+                       f"{files[0].read_text()[:200]}), so they are not one global stream's position")
+    text = files[0].read_text()
+    state = json.loads(text) if is_dataset else text.encode()
   data_iter.set_state(state)
   if hasattr(data_iter, "start_prefetch"):
     data_iter.start_prefetch()

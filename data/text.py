@@ -6,7 +6,8 @@ Storage: the TFDS-prepared ArrayRecord directory `{data_dir}/wiki40b/en/1.3.0` /
 TensorFlow-free install. Tokenizer: `config.data.spm_model`, default `{data_dir}/spm/<name>.model` (32K
 pieces, trained by data.prepare from the training split; special ids in data.tokenizer).
 
-Each document becomes `[bos] + pieces + [eos]`. Packing (per host, per batch, in the sampler's order):
+Each document becomes `[bos] + pieces + [eos]`. Packing (per global batch, in the sampler's order; see
+`create_dataset` for how hosts share a training stream):
   lm (wiki40b): documents are laid end to end across the B rows of a batch of length L; a document that
     reaches the end of a row continues in the next row. segment_ids number the document pieces of each row 1,
     2, ...; weights are 1 on every real position except the first position of each segment, which would
@@ -217,8 +218,27 @@ class PackBatches:
       yield self._finish(inputs, segs, metadata)
 
 
+class KeepRows(grain.transforms.Map):
+  """A packed global batch -> this host's rows of it (`pipeline.GlobalRows`)."""
+
+  def __init__(self, rows: pipeline.GlobalRows):
+    self.rows = rows
+
+  def map(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    lo = self.rows.lo
+    return {k: v[lo:lo + self.rows.size] for k, v in batch.items()}
+
+
 def create_dataset(config: Any, split: str, *, batch_size: int, seed: int, shard_index=None, shard_count=None,
                    shuffle=None, num_epochs=None):
+  """Packed batches of `batch_size` rows (the host batch).
+
+  A training stream (endless) is global: every host reads the same record order and packs the same global
+  batches of batch_size * shard_count rows, keeping its own rows (`KeepRows`), so a step's examples and the
+  iterator state do not depend on the number of hosts and a run resumes on any host count. Each host
+  tokenizes every document of the global batch (packing is sequential over documents, so a host's rows
+  cannot be packed without the rows before them). Finite splits (evaluation) are sharded per host.
+  """
   info = dataset_info(config)
   shard_index, shard_count = pipeline.resolve_shards(shard_index, shard_count)
   source = text_source(config, split)
@@ -226,13 +246,20 @@ def create_dataset(config: Any, split: str, *, batch_size: int, seed: int, shard
   if not paths.exists(model):
     raise pipeline.missing(model, config.data.name, pipeline.cfg_get(config, "data_dir"),
                            what="SentencePiece model")
+  stream = num_epochs is None and split.partition("[")[0] in pipeline.TRAIN_SPLITS
+  rows = pipeline.GlobalRows(batch_size, shard_index, shard_count) if stream else None
+  pack_size, pack_seed = (rows.global_batch, pipeline.stream_seed(seed)) if stream else (
+      batch_size, pipeline.host_seed(seed, shard_index))
   ops = [
     Tokenize(model, info.vocab_size, max_chars=16 * info.seq_len if info.task == "mlm" else None),
-    PackBatches(batch_size=batch_size, seq_len=info.seq_len, task=info.task, max_segments=info.max_segments,
-                vocab_size=info.vocab_size, seed=pipeline.host_seed(seed, shard_index),
+    PackBatches(batch_size=pack_size, seq_len=info.seq_len, task=info.task, max_segments=info.max_segments,
+                vocab_size=info.vocab_size, seed=pack_seed,
                 mlm_rate=float(pipeline.cfg_get(config, "mlm_rate", 0.15))),
   ]
+  if stream and not rows.whole():
+    ops.append(KeepRows(rows))
   return pipeline.make_loader(
-    source, ops, split=split.partition("[")[0], batch_size=None, seed=seed, shard_index=shard_index,
-    shard_count=shard_count, shuffle=shuffle, num_epochs=num_epochs, config=config,
+    source, ops, split=split.partition("[")[0], batch_size=None, seed=seed,
+    shard_index=0 if stream else shard_index, shard_count=1 if stream else shard_count,
+    shuffle=shuffle, num_epochs=num_epochs, config=config,
   )
