@@ -65,7 +65,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -382,15 +382,16 @@ class Runner:
 
 
 def call(args: argparse.Namespace, run: Runner, cmd: Sequence[str], *, answers: Sequence[str] = (),
-         quiet: bool = False, timeout: float | None = None) -> Result:
+         quiet: bool = False, timeout: float | None = None,
+         is_answer: Callable[[Result], bool] | None = None) -> Result:
   """Runs `cmd`; a failure (ssh's own 255, a gcloud error, a timeout, a remote command that failed) is
   retried `--retries` times with doubling waits, unless its stderr holds one of `answers` (e.g. NOT_FOUND:
-  a real answer, returned). A failure that persists raises LauncherError; a failure is never returned as
-  an answer."""
+  a real answer, returned) or `is_answer(result)` says it is one (e.g. a remote program's own exit status).
+  A failure that persists raises LauncherError; a failure is never returned as an answer."""
   wait = args.backoff_s
   for attempt in range(args.retries + 1):
     r = run(cmd, quiet=quiet, timeout=timeout)
-    if r.code == 0 or any(a in r.err for a in answers):
+    if r.code == 0 or any(a in r.err for a in answers) or (is_answer is not None and is_answer(r)):
       return r
     what = " ".join(cmd[1:5]) if cmd[0] == "gcloud" else cmd[0]
     if attempt == args.retries:
@@ -480,17 +481,8 @@ def kernel_check(args: argparse.Namespace, run: Runner) -> None:
   if run.dry_run:
     run(cmd)
     return
-  wait = args.backoff_s
-  for attempt in range(args.retries + 1):
-    r = run(cmd, timeout=args.kernel_check_timeout_s)
-    if r.code != 255:
-      break
-    if attempt == args.retries:
-      raise LauncherError(f"the kernel check's ssh failed {attempt + 1} times ({r.last_error()})")
-    print(f"kernel check: ssh exit 255 ({r.last_error()}); retry {attempt + 1}/{args.retries} in {wait:g}s",
-          flush=True)
-    time.sleep(wait)
-    wait *= 2
+  # Any exit but ssh's own 255 is the check's answer (a failed check is a warning, not retried).
+  r = call(args, run, cmd, timeout=args.kernel_check_timeout_s, is_answer=lambda r: r.code != 255)
   if r.code:
     print(f"WARNING: the fused kernels failed their check on {args.accelerator} (scripts/check_kernels.py, "
           f"exit {r.code}: {r.last_error() if r.code == 124 else 'its lines above'}); training starts: "
