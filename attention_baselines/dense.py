@@ -1,6 +1,6 @@
 """Exact softmax attention under the op contract: the baseline every table row is compared against.
 
-On GPU and TPU `dense` runs a fused flash kernel (cuDNN, or JAX's Pallas TPU kernel) that never writes the
+On GPU and TPU `dense` runs a fused flash kernel (cuDNN, or Splash attention on TPU) that never writes the
 [L, L] logits; on CPU, and wherever the fused kernels do not apply, the XLA einsum path.
 """
 
@@ -11,6 +11,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from attention_baselines import splash
 from attention_core import contract
 from attention_core.combine import attend
 
@@ -18,8 +19,8 @@ Array = Any
 
 
 IMPLEMENTATIONS = ("auto", "xla", "flash")
-FUSED_DTYPES = {"gpu": ("bfloat16", "float16"), "tpu": ("bfloat16", "float32")}
-TPU_BLOCK = 128  # the TPU kernel's sequence tiles; lengths are padded to a multiple (masked padding keys)
+FUSED_DTYPES = {"gpu": ("bfloat16", "float16"), "tpu": splash.DTYPES}
+TPU_BLOCK = 128  # JAX's legacy TPU flash kernel (the benchmark's TPU baseline): its smallest tile
 TPU_MAX_BLOCK = 512
 _MASK_COORDS = 8  # cuDNN head dims come in multiples of 8: the key-mask coordinate is padded to 8
 
@@ -35,7 +36,7 @@ def _gpu_max_head_dim() -> int:
 
 def fused_kernel(platform: str, dtypes: tuple[Any, ...], head_dim: int, value_dim: int, *, masked: bool,
                  max_head_dim: int = 128) -> tuple[str | None, str]:
-  """(kernel, reason): which fused kernel serves these inputs on `platform` ("cudnn", "pallas_tpu" or None)
+  """(kernel, reason): which fused kernel serves these inputs on `platform` ("cudnn", "splash" or None)
   and, when none does, why. dtypes: those of q, k, v; masked: whether a key mask is given (cuDNN carries it
   as one more head coordinate, so it needs head_dim + 8 <= max_head_dim)."""
   names = {jnp.dtype(d).name for d in dtypes}
@@ -44,10 +45,10 @@ def fused_kernel(platform: str, dtypes: tuple[Any, ...], head_dim: int, value_di
   if len(names) != 1 or next(iter(names)) not in FUSED_DTYPES[platform]:
     return None, (f"the {platform} kernel takes q, k, v all of one dtype in {FUSED_DTYPES[platform]}, "
                   f"got {sorted(names)}")
-  if value_dim != head_dim:
-    return None, f"the fused kernels need value_dim == head_dim, got {value_dim} and {head_dim}"
   if platform == "tpu":
-    return "pallas_tpu", ""
+    return "splash", ""
+  if value_dim != head_dim:
+    return None, f"cuDNN needs value_dim == head_dim, got {value_dim} and {head_dim}"
   need = head_dim + (_MASK_COORDS if masked else 0)
   if head_dim % 8 or need > max_head_dim:
     extra = " + 8 (key mask)" if masked else ""
@@ -97,9 +98,10 @@ def dense(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = No
   Returns [batch, length, heads, value_dim] in v's dtype; rows with no visible key are zeros.
   implementation: "xla" writes the [L, L] float32 logits (O(L^2) memory; the CPU path); "flash" runs the
   backend's fused kernel, which never writes them: cuDNN flash attention on GPU (bfloat16/float16 inputs; the
-  softmax statistics stay float32 inside the kernel) or JAX's Pallas TPU flash kernel on TPU (bfloat16 or
-  float32 inputs, float32 statistics); it raises ValueError where no fused kernel applies (CPU, float64,
-  value_dim != head_dim, head dims cuDNN does not take; see `fused_kernel`). "auto" is "flash" where it
+  softmax statistics stay float32 inside the kernel) or Splash attention on TPU (`attention_baselines.splash`:
+  bfloat16 or float32 inputs, float32 statistics, causal tiles above the diagonal skipped); it raises
+  ValueError where no fused kernel applies (CPU, float64, on GPU value_dim != head_dim and head dims cuDNN
+  does not take; see `fused_kernel`). "auto" is "flash" where it
   applies and "xla" elsewhere, chosen per lowering platform (`contract.per_platform`), so models pick up the
   fused kernel with no configuration, also in a program compiled for TPU from a CPU host.
   """
@@ -116,8 +118,8 @@ def dense(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = No
                        f"use 'auto' or 'xla'")
   if kernel == "cudnn":
     out = _cudnn(q, k, v, mask if masked else None, causal)
-  elif kernel == "pallas_tpu":
-    out = _pallas_tpu(q, k, v, mask if masked else None, causal)
+  elif kernel == "splash":
+    return _splash(q, k, v, mask if masked else None, causal)
   else:
     return _xla(q, k, v, mask, causal).astype(v.dtype)
   return jnp.where(_any_visible(mask, causal)[:, :, None, None], out, 0).astype(v.dtype)
@@ -175,8 +177,9 @@ def _cudnn(q: Array, k: Array, v: Array, mask: Array | None, causal: bool) -> Ar
 
 
 def tpu_block_sizes(length: int) -> Any:
-  """The TPU kernel's tiles for a length that is a multiple of TPU_BLOCK: the largest power of two up to
-  TPU_MAX_BLOCK that divides it, forward and backward."""
+  """The tiles of JAX's legacy Pallas TPU flash kernel (`jax.experimental.pallas.ops.tpu.flash_attention`,
+  the benchmark's TPU flash baseline) for a length that is a multiple of TPU_BLOCK: the largest power of two
+  up to TPU_MAX_BLOCK that divides it, forward and backward."""
   from jax.experimental.pallas.ops.tpu import flash_attention as tpu_flash  # on use: only TPU runs need it
 
   block = TPU_BLOCK
@@ -187,27 +190,11 @@ def tpu_block_sizes(length: int) -> Any:
                               block_q_dkv=block, block_k_major_dq=block, block_k_dq=block, block_q_dq=block)
 
 
-def _pallas_tpu(q: Array, k: Array, v: Array, mask: Array | None, causal: bool) -> Array:
-  """JAX's Pallas TPU flash kernel (`jax.experimental.pallas.ops.tpu.flash_attention`), [b, L, h, d] in and
-  out. The key mask is its segment ids (every query in segment 1, real keys 1, masked keys 0); lengths are
-  padded to a multiple of TPU_BLOCK with masked keys, and the padded queries dropped. Masked keys' k and v are
-  zeroed first (a select), so NaN or Inf there cannot reach any output."""
-  from jax.experimental.pallas.ops.tpu import flash_attention as tpu_flash  # on use: only TPU runs need it
-
-  batch, length = q.shape[:2]
-  padded = -(-length // TPU_BLOCK) * TPU_BLOCK
-  segments = None
-  if mask is not None or padded != length:
-    keep = jnp.ones((batch, length), bool) if mask is None else mask
-    k, v = (jnp.where(keep[:, :, None, None], t, 0) for t in (k, v))
-    keep = jnp.pad(keep, ((0, 0), (0, padded - length)))  # [batch, padded]
-    segments = tpu_flash.SegmentIds(q=jnp.ones((batch, padded), jnp.int32), kv=keep.astype(jnp.int32))
-  pad = [(0, 0), (0, padded - length), (0, 0), (0, 0)]
-  qh, kh, vh = (jnp.swapaxes(jnp.pad(t, pad), 1, 2) for t in (q, k, v))  # [batch, heads, padded, head_dim]
-  out = tpu_flash.flash_attention(qh, kh, vh, segment_ids=segments, causal=causal,
-                                  sm_scale=contract.logit_scale(q.shape[-1]),
-                                  block_sizes=tpu_block_sizes(padded))
-  return jnp.swapaxes(out, 1, 2)[:, :length]  # [batch, length, heads, head_dim]
+def _splash(q: Array, k: Array, v: Array, mask: Array | None, causal: bool) -> Array:
+  """Splash attention on TPU (`attention_baselines.splash`), [b, L, h, d] in and out: the causal pattern (its
+  tiles above the diagonal skipped) or every key, the key mask as segment ids; masked and non-finite keys
+  are selected away, rows with no visible key are zeros, as on the XLA path."""
+  return splash.attention(q, k, v, mask, splash.Pattern(causal=causal))
 
 
 def dense_xla(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None) -> Array:

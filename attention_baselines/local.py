@@ -2,6 +2,8 @@
 
 Positions are cut into non-overlapping blocks of `block_size`; each query attends only within its own block
 (causal: its block up to itself). O(L * block_size * d). A ragged last block is padded with masked keys.
+On TPU the blocks are a static Splash mask (`attention_baselines.splash`): the kernel visits the diagonal
+tiles only.
 """
 
 from __future__ import annotations
@@ -10,21 +12,26 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from attention_baselines import splash
 from attention_baselines.common import block_mask, map_row_blocks, map_row_chunks, select_real
 from attention_core import contract
 from attention_core.blocks import num_blocks, to_grid
 from attention_core.combine import attend_zeros_hidden, flag_nonfinite, unflag
 
 Array = Any
+IMPLEMENTATIONS = splash.IMPLEMENTATIONS
 
 
+@contract.per_platform_op(splash.choice)
 def local(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None,
-          block_size: int = 128, row_chunks: int | None = None) -> Array:
+          block_size: int = 128, row_chunks: int | None = None, implementation: str = "auto") -> Array:
   """Softmax attention inside each block of `block_size` positions.
 
   q, k: [batch, length, heads, head_dim]; v: [batch, length, heads, value_dim]; mask: [batch, length] bool.
   row_chunks: rows of batch x heads run in this many chunks, one after the other
-    (`attention_baselines.common.num_row_chunks`; None = automatic).
+    (`attention_baselines.common.num_row_chunks`; None = automatic; the XLA path's).
+  implementation: "xla" (einsums over the blocks), "splash" (Splash attention, TPU only: bfloat16 or float32)
+    or "auto": Splash where it applies, chosen per lowering platform (`contract.per_platform`).
   Returns [batch, length, heads, value_dim] in v's dtype.
   """
   op = "local"
@@ -33,6 +40,8 @@ def local(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = No
   size = contract.check_positive_int(block_size, name="block_size", op=op)
   batch, length, heads, head_dim = q.shape
   size = min(size, length)
+  if splash.runs(q, k, v, splash.Pattern(causal=causal, block=size), implementation, op=op):
+    return splash.attention(q, k, v, mask, splash.Pattern(causal=causal, block=size))
   n = num_blocks(length, size)
   ct = contract.softmax_dtype(q.dtype, k.dtype, v.dtype)
   scale = contract.logit_scale(head_dim)

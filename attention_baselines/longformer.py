@@ -9,7 +9,9 @@ neighbouring key blocks (causal: own and previous), so the cost is O(L * window 
 exists. Global keys
 form a second piece of the same softmax (excluded from the band so none is counted twice); the few global rows
 are computed densely and written over the band's rows. (The paper's separate projections for global attention
-are a model choice, not part of this op.)
+are a model choice, not part of this op.) On TPU the whole pattern, band and global tokens (at most
+`splash.MAX_GLOBALS` of them), is one static Splash mask (`attention_baselines.splash`): the kernel visits the
+band's tiles and the global rows and columns only.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from attention_baselines import splash
 from attention_baselines.common import (
   block_mask,
   map_row_blocks,
@@ -65,22 +68,34 @@ def dense_rows(q_rows: Array, k: Array, v: Array, rows: np.ndarray, key_valid: A
   return attend(logits, valid, v, "gqk,gkd->gqd")
 
 
+IMPLEMENTATIONS = splash.IMPLEMENTATIONS
+
+
+@contract.per_platform_op(splash.choice)
 def longformer(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None, window: int = 128,
-               global_positions: Any = (0,), row_chunks: int | None = None) -> Array:
+               global_positions: Any = (0,), row_chunks: int | None = None,
+               implementation: str = "auto") -> Array:
   """Sliding-window attention with global tokens.
 
   q, k: [batch, length, heads, head_dim]; v: [batch, length, heads, value_dim]; mask: [batch, length] bool.
   window: keys on each side (causal: before) a query sees; global_positions: ints, may be empty.
   row_chunks: rows of batch x heads run in this many chunks, one after the other
-    (`attention_baselines.common.num_row_chunks`; None = automatic).
+    (`attention_baselines.common.num_row_chunks`; None = automatic; the XLA path's).
+  implementation: "xla" (einsums over neighbouring blocks), "splash" (Splash attention, TPU only: bfloat16 or
+    float32, at most `splash.MAX_GLOBALS` global positions) or "auto": Splash where it applies, chosen per
+    lowering platform (`contract.per_platform`).
   Returns [batch, length, heads, value_dim] in v's dtype.
   """
   op = "longformer"
+  masked = mask is not None
   q, k, v, mask = contract.check_qkv(q, k, v, mask, op=op)
   causal = contract.check_bool(causal, name="causal", op=op)
   window = contract.check_positive_int(window, name="window", op=op)
   batch, length, heads, head_dim = q.shape
   glob = global_indices(global_positions, length, op=op)
+  pattern = splash.Pattern(causal=causal, window=window, global_positions=tuple(int(g) for g in glob))
+  if splash.runs(q, k, v, pattern, implementation, op=op):
+    return splash.attention(q, k, v, mask if masked else None, pattern)
   ct = contract.softmax_dtype(q.dtype, k.dtype, v.dtype)
   scale = contract.logit_scale(head_dim)
 

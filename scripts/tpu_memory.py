@@ -1,12 +1,17 @@
 """Device memory of attention forward+backward on a TPU, from the real TPU compiler run ahead of time here.
 
     python -m scripts.tpu_memory --lengths 16384,65536 --ops splash,splash_contract,combiner_fixed
+    python -m scripts.tpu_memory --lengths 16384 --ops dense,flash_legacy,sparse_fixed,sparse_fixed_splash
 
 Compiles jax.vjp of each op (bfloat16, batch 1, 16 heads, head_dim 128, causal, the cotangent an input as in
 training) for one chip of `--topology` with libtpu and prints the temporaries XLA allocates
 (`memory_analysis().temp_size_in_bytes`) and their ratio to Splash attention's in the op contract's layout
 ("splash_contract": [batch, L, heads, d] transposed to Splash's [heads, L, d]); "splash" is Splash on its own
-layout. Block/row sizes are sqrt(L) rounded to a power of two, as the benchmark's.
+layout. A registered op runs its TPU kernel ("pallas", or "auto" for the ops whose TPU kernel is Splash:
+`dense`, `local`, `longformer`); "flash_legacy" is JAX's older Pallas TPU flash kernel in the contract's
+layout (the benchmark's TPU flash baseline), "sparse_fixed_splash" the `sparse_fixed` pattern (own block plus
+the summary positions j mod s = s - 1) as a Splash mask. Block/row sizes are sqrt(L) rounded to a power of
+two, as the benchmark's; other plan parameters are the op's automatic ones.
 """
 
 from __future__ import annotations
@@ -22,6 +27,9 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ma
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from attention_baselines import dense as dense_module
+from attention_baselines import splash as splash_op
+from attention_core import contract
 from attention_core import registry as ops_registry
 from scripts import compile_tpu  # noqa: F401  (sets libtpu's environment before jax loads)
 
@@ -33,21 +41,70 @@ def _splash(length: int):
   return splash.make_splash_mha(mask, head_shards=1, q_seq_shards=1)
 
 
+class _SummaryMask(masks._ComputableMask):  # noqa: SLF001  (Splash's own masks subclass it)
+  """Sparse Transformer "fixed" (causal): own block of `block` plus the positions j mod block = block - 1."""
+
+  def __init__(self, length: int, block: int):
+    self.block = block
+
+    def allows(q_ids, kv_ids):
+      div = (lambda x: x // block) if isinstance(q_ids, np.ndarray) else (lambda x: jax.lax.div(x, block))
+      own = div(q_ids) == div(kv_ids)
+      summary = kv_ids - div(kv_ids) * block == block - 1
+      return (q_ids >= kv_ids) & (own | summary)
+
+    super().__init__(shape=(length, length), mask_function=allows)
+
+  def __eq__(self, other):
+    return isinstance(other, _SummaryMask) and (self.shape, self.block) == (other.shape, other.block)
+
+  def __hash__(self):
+    return hash((type(self), self.shape, self.block))
+
+
+def _contract_layout(kernel):
+  """A Splash kernel on [heads, L, d] as (q, k, v) [1, L, heads, d] -> [1, L, heads, d], q scaled first."""
+  heads_first = lambda x: jnp.swapaxes(x[0], 0, 1)  # noqa: E731  [1, L, h, d] -> [h, L, d]
+  scale = (1 / np.sqrt(HEAD_DIM)).astype(np.float32)
+  return lambda q, k, v: jnp.swapaxes(kernel(heads_first(q) * scale.astype(q.dtype), heads_first(k),
+                                             heads_first(v)), 0, 1)[None]
+
+
+def _implementation(spec) -> str:
+  """The value of the op's `implementation` that runs its TPU kernel when lowered for TPU."""
+  module = sys.modules[getattr(spec.fn, "func", spec.fn).__module__]
+  allowed = getattr(module, "IMPLEMENTATIONS", contract.IMPLEMENTATIONS)
+  return "pallas" if "pallas" in allowed else "auto"
+
+
 def op_fn(name: str, length: int):
   """(q, k, v) -> out in the op's layout, and that layout's shape."""
+  block = 1 << round(np.log2(np.sqrt(length)))
   if name == "splash":
     return _splash(length), (HEADS, length, HEAD_DIM)
+  shape = (1, length, HEADS, HEAD_DIM)
   if name == "splash_contract":
-    kernel = _splash(length)
-    heads_first = lambda x: jnp.swapaxes(x[0], 0, 1)  # noqa: E731  [1, L, h, d] -> [h, L, d]
-    scale = (1 / np.sqrt(HEAD_DIM)).astype(np.float32)
-    return (lambda q, k, v: jnp.swapaxes(kernel(heads_first(q) * scale.astype(q.dtype), heads_first(k),
-                                                heads_first(v)), 0, 1)[None]), (1, length, HEADS, HEAD_DIM)
+    return _contract_layout(_splash(length)), shape
+  if name == "sparse_fixed_splash":
+    tile = splash_op.tile(length, splash_op.Pattern(causal=True))  # summaries are in every tile: the widest
+    sizes = splash.BlockSizes(tile, tile, tile, tile, tile, tile, tile, tile)
+    mask = masks.MultiHeadMask([_SummaryMask(length, block)] * HEADS)
+    kernel = splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1)
+    return _contract_layout(kernel), shape
+  if name == "flash_legacy":
+    from jax.experimental.pallas.ops.tpu import flash_attention as tpu_flash
+
+    def legacy(q, k, v):
+      qh, kh, vh = (jnp.swapaxes(t, 1, 2) for t in (q, k, v))  # [1, heads, L, d]
+      out = tpu_flash.flash_attention(qh, kh, vh, causal=True, sm_scale=HEAD_DIM**-0.5,
+                                      block_sizes=dense_module.tpu_block_sizes(length))
+      return jnp.swapaxes(out, 1, 2)  # [1, L, heads, d]
+    return legacy, shape
   spec = ops_registry.get(name)
-  block = 1 << round(np.log2(np.sqrt(length)))
-  params = {k: block for k in ("block_size", "row_length") if k in spec.params(length)}
-  return (lambda q, k, v: spec.fn(q, k, v, causal=True, implementation="pallas", **params)), \
-      (1, length, HEADS, HEAD_DIM)
+  params = {k: v for k, v in spec.params(length).items() if not hasattr(v, "shape")}  # plan parameters
+  params.update({k: block for k in ("block_size", "row_length") if k in params})
+  implementation = _implementation(spec)
+  return (lambda q, k, v: spec.fn(q, k, v, causal=True, implementation=implementation, **params)), shape
 
 
 def temp_bytes(name: str, length: int, device) -> int:

@@ -50,7 +50,7 @@ def test_dense_xla_matches_dense(causal):
 
 # The fused paths. Their kernels need an accelerator, so on CPU the tests check (a) which path each backend,
 # dtype and shape gets, (b) the cuDNN path's key-mask coordinate through jax.nn.dot_product_attention's XLA
-# implementation, (c) the TPU path through the Pallas kernel in interpret mode, and (d) that both lower for
+# implementation, (c) the TPU path through Splash attention in interpret mode, and (d) that both lower for
 # their platform (jax.export), forward and forward+backward.
 
 
@@ -67,15 +67,16 @@ def test_fused_kernel_dispatch():
   bf16, f32, f64 = jnp.bfloat16, jnp.float32, jnp.float64
   assert fused_kernel("gpu", (bf16,) * 3, 64, 64, masked=True) == ("cudnn", "")
   assert fused_kernel("gpu", (jnp.float16,) * 3, 64, 64, masked=False)[0] == "cudnn"
-  assert fused_kernel("tpu", (bf16,) * 3, 64, 64, masked=True) == ("pallas_tpu", "")
-  assert fused_kernel("tpu", (f32,) * 3, 64, 64, masked=False)[0] == "pallas_tpu"
+  assert fused_kernel("tpu", (bf16,) * 3, 64, 64, masked=True) == ("splash", "")
+  assert fused_kernel("tpu", (f32,) * 3, 64, 64, masked=False)[0] == "splash"
+  assert fused_kernel("tpu", (bf16,) * 3, 64, 32, masked=False)[0] == "splash"  # value_dim != head_dim
   for platform, dtypes, d, e, masked in [
       ("cpu", (bf16,) * 3, 64, 64, False),  # no fused kernel on CPU
       ("gpu", (f32,) * 3, 64, 64, False),  # cuDNN takes 16-bit inputs only
       ("gpu", (bf16, bf16, f32), 64, 64, False),  # mixed dtypes
       ("tpu", (f64,) * 3, 64, 64, False),
       ("gpu", (bf16,) * 3, 64, 32, False),  # value_dim != head_dim
-      ("tpu", (bf16,) * 3, 64, 32, False),
+      ("tpu", (jnp.float16,) * 3, 64, 64, False),  # Mosaic does not load float16
       ("gpu", (bf16,) * 3, 60, 60, False),  # not a multiple of 8
       ("gpu", (bf16,) * 3, 128, 128, True),  # 128 + the mask coordinate > 128 before Hopper
   ]:
@@ -86,7 +87,7 @@ def test_fused_kernel_dispatch():
 
 @pytest.mark.parametrize("platform, dtype, value_dim, expected", [
     ("cpu", jnp.bfloat16, 8, "xla"), ("gpu", jnp.bfloat16, 8, "cudnn"), ("gpu", jnp.float32, 8, "xla"),
-    ("tpu", jnp.float32, 8, "pallas_tpu"), ("tpu", jnp.bfloat16, 16, "xla")])
+    ("tpu", jnp.float32, 8, "splash"), ("tpu", jnp.float16, 8, "xla")])
 def test_dense_auto_picks_the_backend_kernel(monkeypatch, platform, dtype, value_dim, expected):
   from attention_baselines import dense as dense_module
 
@@ -100,7 +101,7 @@ def test_dense_auto_picks_the_backend_kernel(monkeypatch, platform, dtype, value
       return real(q, k, v, *rest) if name == "_xla" else jnp.zeros(v.shape, v.dtype)
     return fn
 
-  for name in ("_xla", "_cudnn", "_pallas_tpu"):
+  for name in ("_xla", "_cudnn", "_splash"):
     monkeypatch.setattr(dense_module, name, spy(name))
   monkeypatch.setattr(contract, "backend", lambda: platform)
   monkeypatch.setattr(dense_module, "_cudnn_available", lambda: True)  # as on a GPU host
@@ -144,7 +145,7 @@ def test_cudnn_mask_coordinate_is_exact(monkeypatch, causal):
 @pytest.mark.all_platforms
 @pytest.mark.slow
 def test_pallas_tpu_path_in_interpret_mode(monkeypatch):
-  # JAX's TPU flash kernel, interpreted on CPU: forward and gradients equal the XLA path with a key mask, a
+  # Splash attention, interpreted on CPU: forward and gradients equal the XLA path with a key mask, a
   # length that is not a multiple of the kernel's tile (padded with masked keys), a query with no visible key.
   from jax.experimental.pallas import tpu as pltpu
 

@@ -2,7 +2,7 @@
    (`attention_core.pallas.simulate("tpu")`).
 
 Under `simulate` the "auto" ops make the TPU choices (the fused Combiner plans with TPU tiles and layout,
-dense's Pallas TPU flash kernel, YOSO's pallas formulation) and each Pallas call runs its TPU block specs,
+dense's Splash attention, YOSO's pallas formulation) and each Pallas call runs its TPU block specs,
 SMEM scalars and compiler params in the interpreter, which models TPU memory spaces and detects races. The
 outputs and gradients equal the XLA path in float32 (tolerances as in tests/combiner/test_flash.py). The race
 detector sees the last kernel each run executes (its state lasts from one kernel to the next).
@@ -74,7 +74,7 @@ def test_combiner_tpu_branch_equals_xla(plan, length, causal):
 
 @pytest.mark.parametrize("causal", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_dense_tpu_kernel_equals_xla(causal):
-  """JAX's Pallas TPU flash kernel (`attention_baselines.dense._pallas_tpu`): a ragged length padded to its
+  """Splash attention (`attention_baselines.splash`, dense's TPU kernel): a ragged length padded to its
      tiles."""
   compare_simulated(dense, 13, value_dim=HEAD_DIM, causal=causal)
 
