@@ -4,6 +4,9 @@ import jax
 import jax.numpy as jnp
 
 from attention_baselines import dense_seq_parallel
+from attention_baselines.adaptive_span import adaptive_span
+from attention_baselines.adaptive_span import auto_params as adaptive_span_params
+from attention_baselines.adaptive_span_decode import ADAPTIVE_SPAN
 from attention_baselines.bigbird import bigbird
 from attention_baselines.bigbird_decode import BIGBIRD
 from attention_baselines.dense import dense, dense_xla
@@ -146,3 +149,16 @@ register(OpSpec(
     "moba", moba, params=moba_params, decode=MOBA,
     description="MoBA: own block + top-k blocks by mean-pooled key score (k=3, B=min(512, L/16)), one "
                 "softmax, O(L*k*B*d)"))
+
+
+def _adaptive_span_inputs(length: int) -> dict:
+  """A stand-in span shared by the heads (the model learns one per head): 256 tokens, a quarter of shorter
+  sequences."""
+  return {"spans": jnp.full((1,), float(min(256, max(1, length // 4))), jnp.float32)}
+
+
+register(OpSpec(
+    "adaptive_span", adaptive_span, params=adaptive_span_params, bench_inputs=_adaptive_span_inputs,
+    decode=ADAPTIVE_SPAN, module="models.adaptive_span_attention:AdaptiveSpanAttention",
+    description="adaptive attention span: a learned soft span per head (R=32), key blocks beyond the "
+                "largest span skipped, O(L*(max z + R)*d)"))

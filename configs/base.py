@@ -52,6 +52,10 @@ def attention_config(name: str = "combiner_fixed") -> ml_collections.ConfigDict:
   att.implementation = "auto"
   # Linformer: the projected length k of E, F (None = 256).
   att.proj_dim = ml_collections.FieldReference(None, field_type=int)
+  # Adaptive span: each head's initial span as a fraction of params.max_span (None = 0, the paper's code) and
+  # the L1 coefficient per token of span added to the loss (None = 2e-6, the paper's).
+  att.span_init = ml_collections.FieldReference(None, field_type=float)
+  att.span_loss = ml_collections.FieldReference(None, field_type=float)
   return att
 
 

@@ -39,7 +39,9 @@ Non-gradient state: a module may own `nnx.Variable` subclasses that are not `nnx
   (`self.centroids.value = ...`) when called with `deterministic=False` only. That state is replicated (or
   sharded by its `out_sharding` logical axes) and saved in checkpoints with the parameters.
 Auxiliary losses: `self.sow(nnx.Intermediate, "aux_loss", value)` with a scalar `value`; the train step adds
-  `config.aux_loss_weight * sum(all sown aux_loss values)` to the loss and logs it as `aux_loss`.
+  `config.aux_loss_weight * sum(all sown aux_loss values)` to the loss and logs it as `aux_loss`. A penalty
+  that carries its own weight (a module config field, e.g. adaptive spans' L1) is sown as `"loss_term"`
+  instead and added to the loss as it is.
 gin: `configurable_fields(name)` lists the constructor fields gin may bind for ablations (see
   `models.gin_bridge`).
 """

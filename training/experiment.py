@@ -181,7 +181,10 @@ class Experiment:
         sown = nnx.pop(model, nnx.Intermediate)
         aux = sum((jnp.sum(jnp.asarray(v)) for path, v in jax.tree_util.tree_leaves_with_path(sown)
                    if "aux_loss" in jax.tree_util.keystr(path)), jnp.zeros((), jnp.float32))
-        total = loss + aux_w * aux
+        # `loss_term`: a penalty its module has already weighted (adaptive spans' L1), added as it is.
+        terms = sum((jnp.sum(jnp.asarray(v)) for path, v in jax.tree_util.tree_leaves_with_path(sown)
+                     if "loss_term" in jax.tree_util.keystr(path)), jnp.zeros((), jnp.float32))
+        total = loss + aux_w * aux + terms
         new_rest = nnx.state(model, REST)
         return total, (loss, aux, sums, new_rest)
 

@@ -1,0 +1,271 @@
+"""Adaptive attention span (Sukhbaatar et al., 2019, arXiv 1905.07799): softmax attention whose weights are
+multiplied, per head, by a soft mask of the query-key distance before they are normalised.
+
+Positions are 0-based, s_ij = q_i . k_j / sqrt(d), x = i - j (causal: keys j <= i) or |i - j|
+(bidirectional); head h has a span z_h in [0, max_span] (tokens, real-valued) and
+
+  m_z(x) = clamp((R + z - x) / R, 0, 1),    a_ij = m_z(x_ij) exp(s_ij) / sum_k m_z(x_ik) exp(s_ik)
+
+with R = `ramp` (the paper's 32). Masked keys are dropped; keys with m_z(x) = 0 (x >= z + R) get weight
+exactly zero and gradient exactly zero, also with respect to z. The spans are model parameters
+(`models.adaptive_span_attention` owns them and their L1 penalty); the op takes them as `spans` [heads] in
+tokens.
+
+Compute is skipped beyond the largest current span: queries and keys are cut into blocks of `block_size`,
+and the forward and backward passes (one `jax.custom_vjp`) each loop with `lax.while_loop` over key-block
+offsets t (query block b meets key block b - t, and b + t when bidirectional), for t < T =
+ceil((max_h z_h + R + block_size - 1) / block_size): the offsets whose nearest query-key pair is closer than
+max z + R. The trip count T is computed from the spans at run time, so a layer costs
+O(L * (max z + R + block) * d) whatever `max_span` is; `max_span` bounds T statically (and the decoder's
+window) and clamps z. Blocks beyond T are never read: a NaN there stays out of every output and gradient.
+Inside the loop softmax runs online as in flash attention (running max, rescaled sums); the backward
+recomputes each block's weights from the saved log-sum-exp.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from attention_core import contract
+from attention_core.blocks import head_major, num_blocks, pad_to
+from attention_core.combine import flag_nonfinite, unflag
+
+Array = Any
+OP = "adaptive_span"
+RAMP = 32  # the paper's R
+BLOCK = 64  # block size of the loop over key blocks (CPU: fewest wasted keys for spans of a few hundred)
+
+
+def auto_params(length: int) -> dict[str, int]:
+  """The whole sequence as the bound (max_span = L), the paper's ramp R = 32, blocks of 64 (fewer for
+  short sequences)."""
+  return {"max_span": max(1, length), "ramp": RAMP,
+          "block_size": min(BLOCK, 1 << max(0, (max(length, 1) - 1).bit_length()))}
+
+
+def check_spans(spans: Any, heads: int, *, op: str = OP) -> Array:
+  """`spans` as an array [heads] (a scalar or [1] is shared by every head)."""
+  if not hasattr(spans, "shape") and not isinstance(spans, (int, float)):
+    raise TypeError(f"{op}: argument 'spans' must be an array [heads] of spans in tokens, got "
+                    f"{type(spans).__name__}")
+  z = jnp.asarray(spans)
+  if not jnp.issubdtype(z.dtype, jnp.floating):
+    z = z.astype(jnp.float32)
+  z = z.reshape(-1) if z.ndim <= 1 else z
+  if z.ndim != 1 or z.shape[0] not in (1, heads):
+    raise ValueError(f"{op}: argument 'spans' must have shape [heads] = [{heads}] or [1], got "
+                     f"{tuple(jnp.shape(spans))}")
+  return jnp.broadcast_to(z, (heads,))
+
+
+def check_ramp(ramp: Any, *, op: str = OP) -> float:
+  if isinstance(ramp, bool) or not isinstance(ramp, (int, float)) or not ramp > 0:
+    raise ValueError(f"{op}: argument 'ramp' must be a positive number (the soft mask's width R), "
+                     f"got {ramp!r}")
+  return float(ramp)
+
+
+def check_max_span(max_span: Any, *, op: str = OP) -> int:
+  if isinstance(max_span, bool) or not isinstance(max_span, (int, float)) or not max_span >= 0 \
+      or int(max_span) != max_span:
+    raise ValueError(f"{op}: argument 'max_span' must be a non-negative integer (the largest span in "
+                     f"tokens), got {max_span!r}")
+  return int(max_span)
+
+
+def soft_mask(distance: Array, spans: Array, ramp: float) -> Array:
+  """m_z(x) = clamp((R + z - x) / R, 0, 1): distance [...] and spans broadcastable to it."""
+  return jnp.clip((ramp + spans - distance) / ramp, 0.0, 1.0)
+
+
+def window(max_span: int, ramp: float) -> int:
+  """The number of keys a query can see at most, itself included: distances x < max_span + R."""
+  return int(math.ceil(max_span + ramp))
+
+
+def adaptive_span(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None, spans: Array,
+                  max_span: int, ramp: float = RAMP, block_size: int = BLOCK) -> Array:
+  """Softmax attention with a learned soft span per head (see the module docstring).
+
+  q, k: [batch, length, heads, head_dim]; v: [batch, length, heads, value_dim]; mask: [batch, length] bool.
+  spans: [heads] (or [1]) spans z in tokens, clamped to [0, max_span]; differentiable.
+  max_span: static bound on the spans (the loop's static trip-count bound). ramp: R > 0.
+  block_size: queries and keys per block of the loop.
+  Returns [batch, length, heads, value_dim] in v's dtype.
+  """
+  q, k, v, mask = contract.check_qkv(q, k, v, mask, op=OP)
+  causal = contract.check_bool(causal, name="causal", op=OP)
+  size = contract.check_positive_int(block_size, name="block_size", op=OP)
+  ramp = check_ramp(ramp)
+  max_span = check_max_span(max_span)
+  batch, length, heads, head_dim = q.shape
+  ct = contract.softmax_dtype(q.dtype, k.dtype, v.dtype)
+  z = jnp.clip(check_spans(spans, heads).astype(ct), 0.0, float(max_span))  # [heads]
+  size = min(size, length)
+  n = num_blocks(length, size)
+  # Static bound on the offsets: the largest span's T (at most every block).
+  bound = min(n, -(-(window(max_span, ramp) + size - 1) // size))
+  plan = (causal, ramp, size, n, bound, length)
+  qh, kh, vh = (head_major(x).astype(ct) for x in (q, k, v))  # [batch, heads, length, dim]
+  qh = qh * contract.logit_scale(head_dim)
+  out = _span_attention(plan, qh, kh, vh, mask, z)  # [batch, heads, length, value_dim]
+  return jnp.swapaxes(out, 1, 2).astype(v.dtype)  # [batch, length, heads, value_dim]
+
+
+def _trip_count(z: Array, plan: tuple) -> Array:
+  """T = ceil((max z + R + block - 1) / block), in [1, bound]: the key-block offsets that can reach a key
+  closer than max z + R to some query of the block."""
+  _, ramp, size, _, bound, _ = plan
+  reach = (jnp.max(z) + ramp + size - 1) / size
+  return jnp.clip(jnp.ceil(reach).astype(jnp.int32), 1, bound)
+
+
+def _blocks(x: Array, n: int, size: int, pad: tuple[int, int]) -> Array:
+  """[batch, heads, length, dim] -> [batch, heads, pad[0] + n + pad[1], size, dim], zeros outside."""
+  x = pad_to(x, n * size, axis=2)
+  x = x.reshape(*x.shape[:2], n, size, x.shape[-1])
+  return jnp.pad(x, ((0, 0), (0, 0), pad, (0, 0), (0, 0)))
+
+
+def _layout(plan: tuple, k: Array, v: Array, mask: Array) -> dict[str, Array]:
+  """Keys, values and key mask cut into blocks with `bound - 1` empty blocks on the side(s) offsets reach:
+  k [batch, heads, P + n (+ P), size, head_dim]; v the same with value_dim + 1 (`flag_nonfinite`); real
+  [batch, P + n (+ P), size]."""
+  causal, _, size, n, bound, _ = plan
+  pad = (bound - 1, 0 if causal else bound - 1)
+  real = _blocks(mask[:, None, :, None], n, size, pad)[:, 0, ..., 0]  # [batch, P + n (+ P), size]
+  kk = jnp.where(mask[:, None, :, None], k, 0.0)  # masked keys selected to zero (NaN there stays out)
+  vv = flag_nonfinite(jnp.where(mask[:, None, :, None], v, 0.0))  # [batch, heads, length, value_dim + 1]
+  return {"k": _blocks(kk, n, size, pad), "v": _blocks(vv, n, size, pad), "real": real}
+
+
+def _offset(plan: tuple, u: Array) -> Array:
+  """Loop index u -> key-block offset t (causal: t = u; bidirectional: t = u - (bound - 1))."""
+  return u if plan[0] else u - (plan[4] - 1)
+
+
+def _step_count(plan: tuple, t_count: Array) -> tuple[Array, Array]:
+  """(first loop index, end loop index) of the offsets |t| < T."""
+  causal, _, _, _, bound, _ = plan
+  if causal:
+    return jnp.int32(0), t_count
+  return bound - t_count, bound - 1 + t_count
+
+
+def _block_weights(plan: tuple, t: Array, real: Array, z: Array) -> tuple[Array, Array]:
+  """For offset t: (valid [batch, heads, n, size, size], soft mask m [heads, size, size]) of every query
+  block b against key block b - t (real [batch, n, size]: its keys' mask); valid = real key, causal order,
+  m > 0."""
+  causal, ramp, size, _, _, _ = plan
+  dist = t * size + jnp.arange(size)[:, None] - jnp.arange(size)[None, :]  # i - j: [size, size]
+  x = dist if causal else jnp.abs(dist)
+  m = soft_mask(x.astype(z.dtype), z[:, None, None], ramp)  # [heads, size, size]
+  valid = real[:, None, :, None, :] & (m > 0)[None, :, None]  # [batch, heads, n, size, size]
+  if causal:
+    valid = valid & (dist >= 0)
+  return valid, m
+
+
+def _slice(x: Array, plan: tuple, t: Array, axis: int) -> Array:
+  """The n key blocks b - t of a padded block array (start P - t on `axis`)."""
+  start = plan[4] - 1 - t
+  return lax.dynamic_slice_in_dim(x, start, plan[3], axis=axis)
+
+
+def _forward(plan: tuple, q: Array, k: Array, v: Array, mask: Array, z: Array) -> tuple[Array, Array]:
+  """q [batch, heads, length, head_dim] (scaled) -> (out [batch, heads, length, value_dim], lse [batch, heads,
+  n, size]); online softmax over the key-block offsets |t| < T."""
+  _, _, size, n, _, length = plan
+  lay = _layout(plan, k, v, mask)
+  qb = _blocks(q, n, size, (0, 0))  # [batch, heads, n, size, head_dim]
+  batch, heads = q.shape[:2]
+  dv = lay["v"].shape[-1]
+  start, end = _step_count(plan, _trip_count(z, plan))
+
+  def body(u, carry):
+    acc, row_max, denom = carry
+    t = _offset(plan, u)
+    kb, vb = _slice(lay["k"], plan, t, 2), _slice(lay["v"], plan, t, 2)  # [batch, heads, n, size, dim]
+    valid, m = _block_weights(plan, t, _slice(lay["real"], plan, t, 1), z)
+    s = jnp.einsum("bhnqd,bhnkd->bhnqk", qb, kb)  # [batch, heads, n, size, size]
+    s = jnp.where(valid, s, -jnp.inf)
+    new_max = jnp.maximum(row_max, jnp.max(s, axis=-1))  # [batch, heads, n, size]
+    safe = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
+    keep = jnp.where(jnp.isfinite(row_max), jnp.exp(row_max - safe), 0.0)  # rescales the earlier sums
+    p = m[None, :, None] * jnp.exp(s - safe[..., None])  # exactly 0 where invalid (exp(-inf))
+    acc = acc * keep[..., None] + jnp.einsum("bhnqk,bhnkd->bhnqd", p, vb)
+    return acc, new_max, denom * keep + jnp.sum(p, axis=-1)
+
+  rows = (batch, heads, n, size)
+  init = (jnp.zeros((*rows, dv), q.dtype), jnp.full(rows, -jnp.inf, q.dtype), jnp.zeros(rows, q.dtype))
+  acc, row_max, denom = lax.fori_loop(start, end, body, init)
+  out = unflag(acc / jnp.where(denom > 0, denom, 1.0)[..., None])  # [batch, heads, n, size, value_dim]
+  lse = jnp.where(denom > 0, jnp.where(jnp.isfinite(row_max), row_max, 0.0) + jnp.log(
+      jnp.where(denom > 0, denom, 1.0)), jnp.inf)  # inf: a row with no key (padding) gets no weight
+  return out.reshape(batch, heads, n * size, -1)[:, :, :length], lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _span_attention(plan: tuple, q: Array, k: Array, v: Array, mask: Array, z: Array) -> Array:
+  return _forward(plan, q, k, v, mask, z)[0]
+
+
+def _span_attention_fwd(plan, q, k, v, mask, z):
+  out, lse = _forward(plan, q, k, v, mask, z)
+  return out, (q, k, v, mask, z, out, lse)
+
+
+def _span_attention_bwd(plan, saved, d_out):
+  """Flash-attention backward over the same offsets: with a_ij = m_ij exp(s_ij - lse_i) and
+  g_ij = dout_i . v_j - dout_i . out_i, ds_ij = a_ij g_ij, and dm_ij = exp(s_ij - lse_i) g_ij, which reaches
+  z_h as dm/dz = 1/R where 0 < m < 1."""
+  q, k, v, mask, z, out, lse = saved
+  causal, ramp, size, n, bound, length = plan
+  batch, heads = q.shape[:2]
+  lay = _layout(plan, k, v, mask)
+  vfin = lay["v"][..., :-1]  # non-finite values selected to 0: [batch, heads, P + n (+ P), size, value_dim]
+  kfin = jnp.where(jnp.isfinite(lay["k"]), lay["k"], 0.0)
+  qb = _blocks(q, n, size, (0, 0))  # [batch, heads, n, size, head_dim]
+  dob = _blocks(d_out, n, size, (0, 0))  # [batch, heads, n, size, value_dim]
+  delta = jnp.sum(dob * _blocks(jnp.where(jnp.isfinite(out), out, 0.0), n, size, (0, 0)), axis=-1)
+  start, end = _step_count(plan, _trip_count(z, plan))
+
+  def body(u, carry):
+    dq, dk, dv, dz = carry
+    t = _offset(plan, u)
+    kb, vb = _slice(kfin, plan, t, 2), _slice(vfin, plan, t, 2)  # [batch, heads, n, size, dim]
+    valid, m = _block_weights(plan, t, _slice(lay["real"], plan, t, 1), z)
+    s = jnp.einsum("bhnqd,bhnkd->bhnqk", qb, kb)  # [batch, heads, n, size, size]
+    a = jnp.where(valid, m[None, :, None] * jnp.exp(jnp.where(valid, s, -jnp.inf) - lse[..., None]), 0.0)
+    g = jnp.einsum("bhnqd,bhnkd->bhnqk", dob, vb) - delta[..., None]
+    ds = jnp.where(valid, a * g, 0.0)  # [batch, heads, n, size, size]
+    dq = dq + jnp.einsum("bhnqk,bhnkd->bhnqd", ds, kb)
+    start_k = bound - 1 - t
+    dk_t = jnp.einsum("bhnqk,bhnqd->bhnkd", ds, qb)
+    dv_t = jnp.einsum("bhnqk,bhnqd->bhnkd", a, dob)
+    dk = lax.dynamic_update_slice_in_dim(dk, lax.dynamic_slice_in_dim(dk, start_k, n, 2) + dk_t, start_k, 2)
+    dv = lax.dynamic_update_slice_in_dim(dv, lax.dynamic_slice_in_dim(dv, start_k, n, 2) + dv_t, start_k, 2)
+    # dL/dm = e^s / Z * g = ds / m where m > 0; dm/dz = 1/R inside the ramp (0 < m < 1), else 0.
+    per_m = jnp.where((m > 0) & (m < 1), 1.0 / jnp.where(m > 0, m, 1.0), 0.0) / ramp  # [heads, size, size]
+    dz = dz + jnp.einsum("bhnqk,hqk->h", ds, per_m)
+    return dq, dk, dv, dz
+
+  init = (jnp.zeros_like(qb), jnp.zeros(lay["k"].shape, q.dtype), jnp.zeros(vfin.shape, q.dtype),
+          jnp.zeros((heads,), z.dtype))
+  dq, dk, dv, dz = lax.fori_loop(start, end, body, init)
+
+  def unblock(x):  # [batch, heads, P + n (+ P), size, dim] -> [batch, heads, length, dim]
+    x = lax.slice_in_dim(x, bound - 1, bound - 1 + n, axis=2)
+    return x.reshape(batch, heads, n * size, -1)[:, :, :length]
+
+  dq = dq.reshape(batch, heads, n * size, -1)[:, :, :length]
+  return dq, unblock(dk), unblock(dv), None, dz
+
+
+_span_attention.defvjp(_span_attention_fwd, _span_attention_bwd)

@@ -1,0 +1,99 @@
+"""Adaptive-span attention module: projections + `attention_baselines.adaptive_span` with a learned span
+per head and its L1 penalty (Sukhbaatar et al., 2019).
+
+Name `adaptive_span` (decoders and encoders). The module owns per layer
+  span_ratio   [heads] the spans as a fraction of `max_span`, z_h = max_span * clamp(span_ratio_h, 0, 1)
+               (the paper's parameterisation), initialised at `span_init` (default 0, as the paper's code:
+               every head starts at the ramp R and grows where distant keys help).
+The clamp passes a gradient outside [0, 1] only when it points back inside (a projected step, as the paper's
+clamp after each update), so a span pushed to 0 by the penalty can grow again.
+
+The loss: `span_loss * mean_h z_h` per layer (the paper's lambda / M * sum_h z_h, lambda ~ 2e-6 per token of
+span), sown as a `loss_term` that the train step adds to the loss as it is (models/registry.py).
+
+`max_span` (plan parameter, "auto" = the model's sequence length) and `ramp` are fixed at construction from
+`seq_len`, so a span in tokens is the same at every length the module is called with (decoding included).
+Config fields besides `name`, `params`, `dropout_rate`: `seq_len` (filled in by `models.registry.build`),
+`span_init`, `span_loss`, `recompute`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax import nnx
+
+from attention_core import registry as ops_registry
+from attention_core import sharding
+from models import attention, layers
+
+Array = Any
+SPAN_LOSS = 2e-6  # the paper's lambda, per token of span
+
+
+@jax.custom_vjp
+def clamp_ratio(x: Array) -> Array:
+  """clip(x, 0, 1) whose gradient outside [0, 1] passes only when a descent step moves x back inside."""
+  return jnp.clip(x, 0.0, 1.0)
+
+
+def _clamp_fwd(x: Array) -> tuple[Array, Array]:
+  return jnp.clip(x, 0.0, 1.0), x
+
+
+def _clamp_bwd(x: Array, g: Array) -> tuple[Array]:
+  inward = ((x >= 0.0) & (x <= 1.0)) | ((x < 0.0) & (g < 0.0)) | ((x > 1.0) & (g > 0.0))
+  return (jnp.where(inward, g, 0.0),)
+
+
+clamp_ratio.defvjp(_clamp_fwd, _clamp_bwd)
+
+
+def _number(config: ml_collections.ConfigDict, name: str, default: float, low: float, high: float) -> float:
+  value = config.get(name, None)
+  value = default if value is None else value
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+    raise ValueError(f"attention 'adaptive_span': {name} must be a number in [{low}, {high}], got {value!r}")
+  return float(value)
+
+
+class AdaptiveSpanAttention(attention.OpAttention):
+  """Projections + adaptive-span attention with module-owned spans and their L1 penalty."""
+
+  FIELDS = ("seq_len", "span_init", "span_loss", "recompute")
+
+  def __init__(self, config: ml_collections.ConfigDict, *, features: int, num_heads: int, head_dim: int,
+               causal: bool, dtype: Any, rngs: nnx.Rngs):
+    super().__init__(config, features=features, num_heads=num_heads, head_dim=head_dim, causal=causal,
+                     dtype=dtype, rngs=rngs)
+    seq_len = config.get("seq_len", None)
+    if not seq_len:
+      raise ValueError("attention 'adaptive_span': 'seq_len' (the model's sequence length) is needed to fix "
+                       "max_span; build the module through models.registry.build(..., seq_len=L)")
+    plan = attention.resolve_plan_params(ops_registry.get(self.op_name), self.plan_params, int(seq_len))
+    self.plan_params.update(max_span=int(plan["max_span"]), ramp=plan["ramp"])
+    self.max_span = int(plan["max_span"])
+    init = _number(config, "span_init", 0.0, 0.0, 1.0)
+    self.span_loss = _number(config, "span_loss", SPAN_LOSS, 0.0, float("inf"))
+    self.span_ratio = layers.param(rngs, lambda key, shape, dtype: jnp.full(shape, init, dtype),
+                                   (num_heads,), ("heads",))
+
+  def spans(self) -> Array:
+    """The current spans in tokens: [heads]."""
+    return self.max_span * clamp_ratio(self.span_ratio[...].astype(jnp.float32))
+
+  def __call__(self, x: Array, mask: Array | None, *, deterministic: bool) -> Array:
+    self.sow(nnx.Intermediate, "loss_term", self.span_loss * jnp.mean(self.spans()))
+    return super().__call__(x, mask, deterministic=deterministic)  # [batch, length, features]
+
+  def op_kwargs(self, q: Array, k: Array) -> dict[str, Any]:
+    return {"spans": self.spans()}  # [heads]
+
+  def op_kinds(self) -> dict[str, str]:
+    return {"spans": sharding.HEADS}
+
+  def step_kwargs(self, q: Array, k: Array) -> dict[str, Any]:
+    return {"spans": self.spans()}  # per head, not per token
