@@ -6,7 +6,8 @@ k̄_r and the in-span value ṽ_r, both computed where the block lives. So the o
 pass is an all-gather of L / block_size summary rows per head (its transpose, a reduce-scatter of their
 gradients, is the one of the backward pass); keys and values never cross devices. `dense` is the usual
 context-parallel baseline to compare against (attention_baselines/dense_seq_parallel.py): it all-gathers K
-and V.
+and V. `sparse_fixed` is the same program with each block's summary position (its last key and value) for its
+summary. The other plans' forms: combiner/seq_parallel_logsparse.py and combiner/seq_parallel_axial.py.
 
 Batch is split over the "data" axis and heads over "model" when the mesh has them (and they divide evenly);
 the mesh axes are `Auto` ones, as training/mesh.py makes them.
@@ -77,7 +78,7 @@ class _Plan(NamedTuple):
 
   size: int  # block size
   causal: bool
-  pooling: str
+  pooling: str | None  # None: sparse Fixed (each block's last position stands for it)
   axis: str  # the sequence mesh axis
   chunk: int  # positions per loop step (a whole number of blocks)
   scale: float
@@ -95,6 +96,10 @@ def _summaries(plan: _Plan, q: Array, k: Array, v: Array, m: Array, *pooled: Arr
   """
   given = dict(zip(plan.pools, pooled, strict=True))
   kb = _blocks(plan, k)
+  if plan.pooling is None:  # sparse: each block's summary position, its last (masked keys zeroed)
+    last = blocks.to_grid(m, m.shape[1] // plan.size, plan.size, 1)[:, None, :, -1]  # [batch, 1, n]
+    k_sum, v_sum = (jnp.where(last[..., None], t[:, :, :, -1], 0) for t in (kb, _blocks(plan, v)))
+    return k_sum, last, v_sum  # [batch, heads, n, dim], [batch, 1, n], [batch, heads, n, value_dim]
   pkb = _blocks(plan, given["pool_k"]) if "pool_k" in given else kb
   mb = blocks.to_grid(m, m.shape[1] // plan.size, plan.size, 1)[:, None]  # [batch, 1, n, size]
   return span_summaries(_blocks(plan, given.get("pool_q", q)), pkb, kb, _blocks(plan, v), mb, plan.scale,
@@ -212,9 +217,27 @@ def fixed(q: Array, k: Array, v: Array, *, block_size: int, causal: bool, mask: 
   (devices along `axis`) x block_size. chunk_blocks: blocks per step of the local computation (None = all).
   """
   op = "combiner.seq_parallel.fixed"
+  contract.check_choice(pooling, name="pooling", allowed=POOLINGS, op=op)
+  return _run(op, q, k, v, block_size=block_size, causal=causal, mask=mask, pooling=pooling, pool_q=pool_q,
+              pool_k=pool_k, mesh=mesh, axis=axis, chunk_blocks=chunk_blocks)
+
+
+def sparse_fixed(q: Array, k: Array, v: Array, *, block_size: int, causal: bool, mask: Array | None = None,
+                 mesh: Any = None, axis: str = sharding.SEQ_AXIS, chunk_blocks: int | None = None) -> Array:
+  """Sparse Transformer "fixed" with the sequence split over mesh axis `axis`; equals `combiner.sparse.fixed`.
+
+  The same program as `fixed` with each block's summary position (its last key and value) in place of the
+  pooled summary: the one collective is the all-gather of those L / block_size rows.
+  """
+  return _run("combiner.seq_parallel.sparse_fixed", q, k, v, block_size=block_size, causal=causal, mask=mask,
+              pooling=None, pool_q=None, pool_k=None, mesh=mesh, axis=axis, chunk_blocks=chunk_blocks)
+
+
+def _run(op: str, q: Array, k: Array, v: Array, *, block_size: int, causal: bool, mask: Array | None,
+         pooling: str | None, pool_q: Array | None, pool_k: Array | None, mesh: Any, axis: str,
+         chunk_blocks: int | None) -> Array:
   q, k, v, mask = contract.check_qkv(q, k, v, mask, op=op)
   contract.check_bool(causal, name="causal", op=op)
-  contract.check_choice(pooling, name="pooling", allowed=POOLINGS, op=op)
   size = contract.check_positive_int(block_size, name="block_size", op=op)
   if chunk_blocks is not None:
     chunk_blocks = contract.check_positive_int(chunk_blocks, name="chunk_blocks", op=op)
