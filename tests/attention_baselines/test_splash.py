@@ -227,10 +227,9 @@ def _compile_for_v5e(name, causal, length, head_dim, dtype=jnp.bfloat16):
 # tests/attention_core/test_tpu_kernels_compile.py compiles dense, local and longformer at one shape)
 @pytest.mark.parametrize("name,causal,length,head_dim,dtype", [
     ("dense", True, 1000, 64, jnp.bfloat16),
-    ("dense", False, 2048, 128, jnp.bfloat16),
+    ("dense", False, 1024, 128, jnp.bfloat16),
     ("dense", True, 640, 80, jnp.float32),  # a head dim that is no multiple of 128 lanes
     ("local", True, 2048, 64, jnp.bfloat16),
-    ("local", False, 1000, 64, jnp.bfloat16),
     ("longformer", True, 2048, 64, jnp.bfloat16),
     ("longformer", False, 1000, 128, jnp.float32),
 ])
