@@ -4,7 +4,7 @@ r"""Trains an experiment config: jit over a named device mesh, orbax checkpoints
     python train.py --config configs/cifar10.py:attention=combiner_axial_vertical --workdir workdirs/c10 \
         --config.optimizer.lr=3e-4 --gin_bindings "attention.deepsets = True"
 
-Flags parse here; the work is in training/: the mesh (data, seq, model) from `config.mesh` and parameter
+Flags parse here; the work is in training/: the mesh (data, fsdp, seq, model) from `config.mesh` and parameter
 shardings (mesh.py), the model and its jitted steps (experiment.py), orbax checkpoints with the data-iterator
 state (checkpoints.py), the workdir's config checks (config_io.py), and the loop (loop.py).
 

@@ -202,7 +202,14 @@ def seq_specs(mesh: Any, axis: str, batch: int, heads: int) -> tuple[P, P]:
     n = dict(mesh.shape).get(name, 1)
     return name if name != axis and n > 1 and size % n == 0 else None
 
-  b, h = split("data", batch), split("model", heads)
+  batch_axes, parts = [], 1
+  for name in BATCH_AXES:  # the batch over every data-parallel axis that divides it, as split_axes does
+    n = dict(mesh.shape).get(name, 1)
+    if name != axis and n > 1 and batch % (parts * n) == 0:
+      batch_axes.append(name)
+      parts *= n
+  b = batch_axes[0] if len(batch_axes) == 1 else (tuple(batch_axes) or None)
+  h = split("model", heads)
   return P(b, axis, h, None), P(b, axis)
 
 

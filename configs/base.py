@@ -16,8 +16,9 @@ import ml_collections
 from attention_core import registry as op_registry
 from runtime.cli import UsageError
 
-# Logical parameter axis -> mesh axis (None = replicated). Model parallelism splits heads, MLP and vocabulary.
-SHARDING_RULES = (("embed", None), ("mlp", "model"), ("heads", "model"), ("kv", None), ("vocab", "model"))
+# Logical parameter axis -> mesh axis (None = replicated). FSDP splits the model width of every weight (and
+# its optimizer moments) over the "fsdp" axis; model parallelism splits heads, MLP and vocabulary.
+SHARDING_RULES = (("embed", "fsdp"), ("mlp", "model"), ("heads", "model"), ("kv", None), ("vocab", "model"))
 
 
 def attention_config(name: str = "combiner_fixed") -> ml_collections.ConfigDict:
@@ -117,7 +118,11 @@ def base_config() -> ml_collections.ConfigDict:
   c.train.keep_checkpoints = 3
 
   c.mesh = ml_collections.ConfigDict()
-  c.mesh.data = -1  # -1 = all devices not used by the other axes
+  # -1 = the devices the other axes leave (training/mesh.py: seq/model take them first, then fsdp, then data).
+  # The batch is split over data x fsdp; fsdp devices also split parameters and optimizer state (FSDP), so by
+  # default every data-parallel device holds 1/n of them; fsdp = 1: plain data parallelism (whole copies).
+  c.mesh.data = -1
+  c.mesh.fsdp = -1
   c.mesh.seq = 1  # sequence parallelism: each sequence split over this many devices (combiner_fixed, dense)
   c.mesh.model = 1
   c.sharding_rules = SHARDING_RULES
@@ -305,8 +310,9 @@ def validate(c: ml_collections.ConfigDict, attention_names: Any = None) -> None:
 
   for name in ("seq", "model"):
     at_least(f"config.mesh.{name}", c.mesh[name], 1)
-  if c.mesh.data != -1:
-    at_least("config.mesh.data", c.mesh.data, 1, " or -1 (all devices the other axes leave)")
+  for name in ("data", "fsdp"):
+    if c.mesh[name] != -1:
+      at_least(f"config.mesh.{name}", c.mesh[name], 1, " or -1 (the devices the other axes leave)")
 
 
 def apply_common(c: ml_collections.ConfigDict, values: dict[str, str]) -> None:

@@ -20,9 +20,9 @@ inside Pallas kernels.
 --topology takes a Cloud TPU accelerator type (v4-32, v5e-16 = v5litepod-16, v5p-128, v6e-8: v4 and v5p
 names count TensorCores, two per chip, v5e and v6e names count chips), or a generation alone (v5e): then the
 smallest slice of it that the step fits is searched. `--num_slices N` compiles for N such slices (multislice,
-the data axis spans them). Exit status: 0 when the step compiles and fits, 2 when it does not fit in HBM or a
-flag is wrong (one line naming it), 1 when the compiler fails (one line: the config, the topology and the
-compiler's first error line). scripts/tpu.py runs this check before it creates a slice.
+the data-parallel axes span them). Exit status: 0 when the step compiles and fits, 2 when it does not fit in
+HBM or a flag is wrong (one line naming it), 1 when the compiler fails (one line: the config, the topology and
+the compiler's first error line). scripts/tpu.py runs this check before it creates a slice.
 """
 
 from __future__ import annotations
@@ -202,7 +202,7 @@ def compile_step(config: Any, sl: Slice) -> Result:
   except ValueError as e:  # make_mesh: the mesh does not fit this many chips, or cannot be built
     return Result(sl, "too big" if "does not fit" in str(e) else "fails", first_line(e))
   mesh = {k: int(v) for k, v in exp.mesh.shape.items()}
-  batch = int(config.train.batch_size)  # `search` passes only slices whose data axis divides it (unservable)
+  batch = int(config.train.batch_size)  # `search` passes only slices whose data x fsdp axes divide it
   state = exp.abstract_state()
   step = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(exp.mesh, P()))
   args = (state["params"], state["rest"], state["opt_state"], exp.abstract_rng_state(), step,
@@ -232,8 +232,8 @@ def compile_step(config: Any, sl: Slice) -> Result:
 def search(config: Any, gen: Generation, sizes: list[int], num_slices: int) -> tuple[Result, list[Result]]:
   """The smallest of `sizes` (chips, ascending) the step fits or fails to compile on, and the smaller slices
   compiled on the way that it does not fit; when it fits none, the largest. Slices whose mesh the config
-  cannot build, or whose data axis does not divide the global batch, are passed over without compiling; the
-  others are bisected (a step's HBM per chip does not grow with the slice), so a search compiles about
+  cannot build, or whose data x fsdp axes do not divide the global batch, are passed over without compiling;
+  the others are bisected (a step's HBM per chip does not grow with the slice), so a search compiles about
   log2(len(sizes)) times."""
   candidates, refused = [], None
   for chips in sizes:
@@ -263,12 +263,13 @@ def unservable(config: Any, sl: Slice) -> str | None:
   from training import mesh as mesh_lib
 
   try:
-    data = mesh_lib.mesh_sizes(config, sl.chips * sl.num_slices)[mesh_lib.AXES.index("data")]
+    sizes = dict(zip(mesh_lib.AXES, mesh_lib.mesh_sizes(config, sl.chips * sl.num_slices), strict=True))
   except ValueError as e:
     return first_line(e)
   batch = int(config.train.batch_size)
+  data = sizes["data"] * sizes["fsdp"]
   if batch % data:
-    return f"global batch {batch} is not divisible by the {data}-way data axis"
+    return f"global batch {batch} is not divisible by the {data}-way data-parallel axes (data x fsdp)"
   return None
 
 
@@ -347,7 +348,7 @@ for each generation, searching the smallest slice the step fits (`--topology v5e
 what that slice's chips need (arguments, temporaries, outputs, code) against their HBM. The step time is a
 roofline estimate, max(FLOPs / peak bf16 FLOP/s, bytes accessed / HBM bandwidth), per chip: a lower bound,
 since XLA's cost analysis counts a loop body once and does not see inside Pallas kernels. Slices are
-searched up to the largest the config's global batch can split over (the mesh's data axis must divide it).
+searched up to the largest the config's global batch can split over (the mesh's data x fsdp must divide it).
 Check one config and slice before creating it: `python -m scripts.compile_tpu --config configs/X.py
 --topology v5e-16` (scripts/tpu.py does so itself).
 

@@ -7,7 +7,9 @@
   from `fold_in(key(seed), step)`, reseeding the modules' "dropout"/"attention" streams, so resume is exact.
 - Steps: `jax.jit` with in/out shardings and donated state, traced with the mesh as JAX's context mesh
   (`attention_core.sharding.traced_in`): attention ops run per device on its batch rows and heads, and split
-  the sequence over the "seq" axis when it is > 1 (combiner/seq_parallel.py). Batches are sharded over "data".
+  the sequence over the "seq" axis when it is > 1 (combiner/seq_parallel.py). Batches are sharded over
+  ("data", "fsdp"); parameters and optimizer moments over "fsdp" by the rules (FSDP, training/mesh.py), and
+  the partitioner gathers each layer's weights for its compute.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 from attention_core import sharding
 from models import metrics as metrics_lib
 from models import transformer
-from training.mesh import make_mesh, state_shardings
+from training.mesh import BATCH_AXES, data_parallel_size, make_mesh, state_shardings
 from training.optimizer import make_optimizer
 
 REST = nnx.Not(nnx.Any(nnx.Param, nnx.RngState))  # non-gradient module state carried through the step
@@ -93,8 +95,9 @@ class Experiment:
     self.tx, self.schedule = make_optimizer(config)
     abs_opt = jax.eval_shape(self.tx.init, abs_params)
     self.opt_shardings = self._opt_shardings(abs_opt, abs_params)
-    self.batch_sharding = NamedSharding(self.mesh, P("data"))
-    self.data_size = self.mesh.shape["data"]
+    self.compute_shardings = self._gathered(self.param_shardings), self._gathered(self.rest_shardings)
+    self.batch_sharding = NamedSharding(self.mesh, P(BATCH_AXES))
+    self.data_size = data_parallel_size(self.mesh)
     self._train_step = None
     self._eval_step = None
 
@@ -107,6 +110,23 @@ class Experiment:
           is_leaf=lambda x: isinstance(x, nnx.Variable))
     except (ValueError, TypeError):  # a state optax cannot map: replicate (correct, less memory-efficient)
       return jax.tree.map(lambda _: self.replicated, abs_opt)
+
+  def _gathered(self, shardings: Any) -> Any:
+    """The parameters' shardings for compute: FSDP's "fsdp" axis removed (None when there is none, so the
+    step is unchanged). Gathering them in the step lets the partitioner keep activations split over the
+    batch: with a weight split along its contraction (embed) dimension it would otherwise move activations."""
+    if dict(self.mesh.shape).get("fsdp", 1) == 1:
+      return None
+
+    def drop(spec):
+      def one(axes):
+        kept = tuple(a for a in (axes if isinstance(axes, tuple) else (axes,)) if a not in (None, "fsdp"))
+        return kept[0] if len(kept) == 1 else (kept or None)
+
+      return P(*(one(axes) for axes in spec))
+
+    return jax.tree.map(lambda sh: NamedSharding(self.mesh, drop(sh.spec)), shardings,
+                        is_leaf=lambda x: isinstance(x, NamedSharding))
 
   # -- state -------------------------------------------------------------------------------------------------
 
@@ -154,13 +174,23 @@ class Experiment:
   # -- batches -----------------------------------------------------------------------------------------------
 
   def global_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-    """Host-local NumPy batch -> global jax.Arrays sharded over the "data" mesh axis."""
+    """Host-local NumPy batch -> global jax.Arrays sharded over the data-parallel mesh axes."""
     return {k: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(v))
             for k, v in batch.items()}
 
   # -- steps -------------------------------------------------------------------------------------------------
 
+  def _for_compute(self, params: Any, rest: Any) -> tuple[Any, Any]:
+    """(params, rest) as the step computes with them: under FSDP gathered over "fsdp" (the partitioner
+    all-gathers each weight for its uses and reduce-scatters its gradient), else as they are."""
+    params_sh, rest_sh = self.compute_shardings
+    if params_sh is not None:
+      params = jax.lax.with_sharding_constraint(params, params_sh)
+      rest = jax.lax.with_sharding_constraint(rest, rest_sh)
+    return params, rest
+
   def _model(self, params: Any, rng: Any, rest: Any, key: jax.Array) -> nnx.Module:
+    params, rest = self._for_compute(params, rest)
     model = nnx.merge(self.graphdef, params, rng, rest, copy=True)  # fresh variables in this trace
     k_drop, k_att = jax.random.split(key)
     nnx.reseed(model, dropout=k_drop, attention=k_att)
@@ -283,8 +313,8 @@ class Experiment:
     The rows are those of this process's devices under the batch sharding, the host-local batch that
     `global_batch` (jax.make_array_from_process_local_data) expects; a training stream's global batch s is
     then its stream positions [s * global_batch, (s + 1) * global_batch) in order, on any host layout
-    (data.pipeline.GlobalRows). Hosts whose devices hold the same rows (a mesh whose "data" axis does not
-    span them) read the same rows.
+    (data.pipeline.GlobalRows). Hosts whose devices hold the same rows (a mesh whose data-parallel axes do
+    not span them) read the same rows.
     """
     if global_batch % self.data_size:
       raise ValueError(f"batch size {global_batch} is not divisible by the data-parallel mesh size "

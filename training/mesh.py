@@ -1,4 +1,11 @@
-"""The device mesh (data, seq, model) and the shardings of parameters by logical-axis rules."""
+"""The device mesh (data, fsdp, seq, model) and the shardings of parameters by logical-axis rules.
+
+Data parallelism runs over two axes: the batch is split over ("data", "fsdp") together; parameters and
+optimizer state are split over "fsdp" along their "embed" dimension (`configs/base.py: SHARDING_RULES`, the
+MaxText rule) and XLA's SPMD partitioner gathers each layer's weights where they are used and reduce-scatters
+their gradients (fully sharded data parallelism). On "data" devices hold whole copies. By default every
+data-parallel device is an fsdp one; `config.mesh.fsdp=1` gives plain data parallelism.
+"""
 
 from __future__ import annotations
 
@@ -11,37 +18,58 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-AXES = ("data", "seq", "model")
+from attention_core.sharding import BATCH_AXES  # the batch is split over (data, fsdp)
+
+AXES = ("data", "fsdp", "seq", "model")
+# Which axis set to -1 takes the devices the others leave, first to last; any later -1 gets one device.
+AUTO_ORDER = ("seq", "model", "fsdp", "data")
 
 
 def make_mesh(config: ml_collections.ConfigDict, devices: list | None = None) -> jax.sharding.Mesh:
-  """Mesh (data, seq, model) from `config.mesh`; at most one size may be -1 (the devices the others leave)."""
+  """Mesh (data, fsdp, seq, model) from `config.mesh` (sizes as `mesh_sizes` resolves them)."""
   devices = list(devices if devices is not None else jax.devices())
-  auto = (jax.sharding.AxisType.Auto,) * 3
+  auto = (jax.sharding.AxisType.Auto,) * len(AXES)
   return jax.make_mesh(mesh_sizes(config, len(devices)), AXES, axis_types=auto, devices=devices)
 
 
 def mesh_sizes(config: ml_collections.ConfigDict, n: int) -> tuple[int, ...]:
-  """The (data, seq, model) sizes `config.mesh` gives on n devices; ValueError when it does not fit them."""
-  sizes = [int(config.mesh.get(name, 1)) for name in AXES]
-  if sizes.count(-1) > 1:
-    raise ValueError("config.mesh: at most one of data/seq/model may be -1")
-  if -1 in sizes:
-    sizes[sizes.index(-1)] = n // max(1, -math.prod(sizes))
-  if min(sizes) < 1 or math.prod(sizes) != n:
-    given = {name: config.mesh.get(name, 1) for name in AXES}
+  """The (data, fsdp, seq, model) sizes `config.mesh` gives on n devices; ValueError when it does not fit.
+
+  -1 means the devices the other axes leave. When several axes are -1 the first of seq/model, then fsdp, then
+  data takes them and the others get one device: data = fsdp = -1 (the defaults) puts every data-parallel
+  device on fsdp, fsdp = 1 on data. A config without an fsdp field (written before the axis existed) has
+  fsdp = 1, its old mesh.
+  """
+  given = {name: config.mesh.get(name, 1) for name in AXES}
+  sizes = {name: int(value) for name, value in given.items()}
+  if sizes["seq"] == -1 and sizes["model"] == -1:
+    raise ValueError("config.mesh: at most one of seq/model may be -1")
+  auto = [name for name in AUTO_ORDER if sizes[name] == -1]
+  for name in auto[1:]:
+    sizes[name] = 1
+  if auto:
+    sizes[auto[0]] = n // max(1, -math.prod(sizes.values()))
+  if min(sizes.values()) < 1 or math.prod(sizes.values()) != n:
     raise ValueError(f"config.mesh {given} does not fit the {n} devices")
-  return tuple(sizes)
+  return tuple(sizes[name] for name in AXES)
+
+
+def data_parallel_size(mesh: jax.sharding.Mesh) -> int:
+  """Devices the batch is split over (data x fsdp)."""
+  return math.prod(int(dict(mesh.shape).get(name, 1)) for name in BATCH_AXES)
 
 
 def logical_to_mesh(spec: Any, shape: tuple[int, ...], rules: dict[str, Any], mesh: jax.sharding.Mesh) -> P:
-  """Maps logical axis names to mesh axes; a dimension the mesh axis does not divide stays replicated."""
+  """Maps logical axis names to mesh axes; a dimension the mesh axis does not divide stays replicated, and so
+  does one whose mesh axis has a single device or is not in the mesh (a one-device mesh gives replicated
+  specs throughout)."""
   names = tuple(spec) if spec is not None else ()
+  sizes = dict(mesh.shape)
   out = []
   used = set()
   for dim, name in zip(shape, names + (None,) * (len(shape) - len(names)), strict=True):
     axis = rules.get(name) if name is not None else None
-    if axis is not None and (axis in used or dim % mesh.shape[axis] != 0):
+    if axis is not None and (axis in used or sizes.get(axis, 1) == 1 or dim % sizes[axis] != 0):
       axis = None
     if axis is not None:
       used.add(axis)
@@ -59,3 +87,16 @@ def state_shardings(abstract_state: Any, rules: dict[str, Any], mesh: jax.shardi
     return x.replace(sharding) if isinstance(x, nnx.Variable) else sharding
 
   return jax.tree.map(one, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def per_device_bytes(tree: Any) -> int:
+  """Bytes the fullest device holds of a tree of arrays or ShapeDtypeStructs with shardings (nothing is
+  allocated: read from the shardings)."""
+  totals: dict[Any, int] = {}
+  for leaf in jax.tree.leaves(tree):
+    sharding = leaf.sharding
+    shard = sharding.shard_shape(tuple(leaf.shape))
+    nbytes = math.prod(shard) * leaf.dtype.itemsize
+    for device in sharding.device_set:
+      totals[device] = totals.get(device, 0) + nbytes
+  return max(totals.values(), default=0)

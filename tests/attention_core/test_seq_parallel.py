@@ -170,9 +170,9 @@ def test_make_mesh_seq_axis():
 
   config = default.get_config("smoke")
   config.mesh.data, config.mesh.seq, config.mesh.model = -1, 4, 1
-  assert dict(mesh_lib.make_mesh(config).shape) == {"data": 2, "seq": 4, "model": 1}
+  assert dict(mesh_lib.make_mesh(config).shape) == {"data": 1, "fsdp": 2, "seq": 4, "model": 1}
   config.mesh.data, config.mesh.seq = 2, -1
-  assert dict(mesh_lib.make_mesh(config).shape) == {"data": 2, "seq": 4, "model": 1}
+  assert dict(mesh_lib.make_mesh(config).shape) == {"data": 2, "fsdp": 1, "seq": 4, "model": 1}
   config.mesh.seq = 3
   with pytest.raises(ValueError, match="does not fit the 8 devices"):
     mesh_lib.make_mesh(config)

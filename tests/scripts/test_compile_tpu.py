@@ -25,7 +25,7 @@ def lines(text: str) -> list[str]:
 def test_smoke_config_compiles_and_prints_the_table():
   out = compile_tpu("--config", "configs/default.py:smoke", "--topology", "v5e-1")
   assert out.returncode == 0, out.stderr
-  head = "configs/default.py:smoke on v5e-1 (1 chip, topology v5e:1x1, mesh data=1 seq=1 model=1"
+  head = "configs/default.py:smoke on v5e-1 (1 chip, topology v5e:1x1, mesh data=1 fsdp=1 seq=1 model=1"
   assert head in out.stdout
   for row in ("HBM: arguments", "HBM: temporaries", "HBM: outputs", "step FLOPs", "step bytes accessed"):
     assert row in out.stdout

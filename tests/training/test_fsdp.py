@@ -1,0 +1,211 @@
+"""FSDP: the mesh's "fsdp" axis splits parameters and optimizer state; the batch is split over data x fsdp.
+
+The mesh sizes a config resolves to, one-line errors for bad values, the per-device bytes of the paper-scale
+LM's state (from its shardings, nothing allocated), training steps on 8 simulated devices against one device
+(and a checkpoint written under FSDP resumed on one device), and the TPU compiler's per-chip argument bytes
+with and without FSDP (libtpu, ahead of time)."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import base, default, wiki40b
+from runtime.cli import UsageError
+from training import checkpoints, experiment
+from training import mesh as mesh_lib
+
+
+def sizes(n, **mesh):
+  c = default.get_config("smoke")
+  for name, value in mesh.items():
+    c.mesh[name] = value
+  return dict(zip(mesh_lib.AXES, mesh_lib.mesh_sizes(c, n), strict=True))
+
+
+def test_mesh_sizes_put_data_parallel_devices_on_fsdp_by_default():
+  assert sizes(8) == {"data": 1, "fsdp": 8, "seq": 1, "model": 1}
+  assert sizes(1) == {"data": 1, "fsdp": 1, "seq": 1, "model": 1}
+  assert sizes(8, fsdp=1) == {"data": 8, "fsdp": 1, "seq": 1, "model": 1}  # the switch: plain data parallel
+  assert sizes(8, data=2) == {"data": 2, "fsdp": 4, "seq": 1, "model": 1}  # hybrid: 2 groups of 4
+  assert sizes(8, fsdp=4) == {"data": 2, "fsdp": 4, "seq": 1, "model": 1}
+  assert sizes(8, seq=4) == {"data": 1, "fsdp": 2, "seq": 4, "model": 1}
+  assert sizes(8, data=2, seq=-1) == {"data": 2, "fsdp": 1, "seq": 4, "model": 1}
+  assert sizes(8, data=4, model=2) == {"data": 4, "fsdp": 1, "seq": 1, "model": 2}
+  with pytest.raises(ValueError, match="does not fit the 8 devices"):
+    sizes(8, fsdp=3)
+  # A config written before the fsdp axis existed (no mesh.fsdp) keeps its plain data-parallel mesh.
+  old = default.get_config("smoke")
+  del old.mesh["fsdp"]
+  assert mesh_lib.mesh_sizes(old, 8) == (8, 1, 1, 1)
+
+
+@pytest.mark.parametrize("field,value", [("fsdp", 0), ("fsdp", -2), ("data", 0)])
+def test_bad_mesh_value_is_one_line_naming_the_field(field, value):
+  c = default.get_config("smoke")
+  c.mesh[field] = value
+  with pytest.raises(UsageError) as e:
+    base.validate(c)
+  assert str(e.value).startswith(f"config.mesh.{field} must be ") and "\n" not in str(e.value)
+
+
+def paper_lm(fsdp):
+  """The paper-scale LM: 12 layers, width 1024 (16 heads, MLP 4096), SentencePiece 32K, on 8 devices."""
+  c = wiki40b.get_config("features=1024,heads=16,mlp_dim=4096")
+  c.mesh.fsdp = fsdp
+  return experiment.Experiment(c, devices=jax.devices()[:8])
+
+
+def test_paper_lm_state_per_device_is_an_eighth_under_fsdp():
+  """Parameters + Adam moments: <= 1.3 x total / 8 per device with FSDP, the whole of it without."""
+  for fsdp, low, high in ((1, 1, 1), (-1, 0, 1.3 / 8)):
+    exp = paper_lm(fsdp)
+    state = exp.abstract_state()
+    tree = {"params": state["params"], "opt_state": state["opt_state"]}
+    total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+    assert total > 2.5e9  # ~218M parameters, and two Adam moments, in float32
+    assert low * total <= mesh_lib.per_device_bytes(tree) <= high * total, fsdp
+  # Every matrix is split along its width: the token embedding, an MLP weight, the output head.
+  params = exp.param_shardings
+  assert params["encoder"]["embed"]["embedding"].get_value().spec == jax.sharding.PartitionSpec(None, "fsdp")
+  assert params["encoder"]["blocks"][0]["mlp"]["down"]["kernel"].get_value().spec[1] == "fsdp"
+  assert params["head"]["kernel"].get_value().spec[0] == "fsdp"
+
+
+def test_sequence_parallel_ops_split_the_batch_over_fsdp():
+  """With seq = 4 the default mesh has fsdp = 2: the sequence-parallel ops split their batch over it too."""
+  from attention_core import sharding
+
+  c = default.get_config("smoke")
+  c.mesh.seq = 4
+  mesh = mesh_lib.make_mesh(c, jax.devices()[:8])
+  assert sharding.seq_specs(mesh, "seq", 4, 2)[0] == jax.sharding.PartitionSpec("fsdp", "seq", None, None)
+  assert sharding.seq_specs(mesh, "seq", 3, 2)[0] == jax.sharding.PartitionSpec(None, "seq", None, None)
+
+
+def test_one_device_is_unchanged():
+  """On one device every array is replicated as before: the mesh's axes all have one device."""
+  exp = experiment.Experiment(default.get_config("smoke"), devices=jax.devices()[:1])
+  state = exp.abstract_state()
+  assert all(all(a is None for a in x.sharding.spec) for x in jax.tree.leaves(state))
+  assert exp.compute_shardings == (None, None) and exp.data_size == 1
+
+
+def run(exp, batches, state=None):
+  state = exp.init_state() if state is None else state
+  losses = []
+  for batch in batches:
+    state, out = exp.train_step(state, batch)
+    losses.append(float(out["loss"]))
+  return state, losses
+
+
+def compiled_step(exp, batch):
+  """The experiment's train step compiled for abstract arguments of `batch`'s shapes."""
+  state = exp.abstract_state()
+  step = jax.ShapeDtypeStruct((), jnp.int32, sharding=exp.replicated)
+  shapes = {k: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype, sharding=exp.batch_sharding)
+            for k, v in batch.items()}
+  return exp.jitted_train_step().lower(state["params"], state["rest"], state["opt_state"],
+                                       exp.abstract_rng_state(), step, shapes).compile()
+
+
+@pytest.mark.slow  # two train-step compiles, ~15 s; the fast run builds the paper LM's shardings above
+def test_fsdp_step_matches_one_device():
+  """One step of a tiny model on 8 devices under FSDP equals one device's; its parameters and Adam moments
+  are split 8 ways, and the compiled step's per-device arguments are about an eighth (XLA:CPU's memory
+  analysis; the 1.3 leaves room for the replicated biases and rng state)."""
+  config = default.get_config("smoke,attention=dense,layers=1")
+  batch = next(iter(experiment.create_dataset(config, "train", batch_size=8, seed=0)))
+  results = {}
+  for n in (8, 1):
+    exp = experiment.Experiment(config, devices=jax.devices()[:n])
+    compiled = compiled_step(exp, batch)
+    state = exp.init_state()
+    step = jax.device_put(jnp.int32(0), exp.replicated)
+    params, _, opt_state, out = compiled(state.params, state.rest, state.opt_state, exp.rng_state, step,
+                                         exp.global_batch(batch))
+    args_bytes = compiled.memory_analysis().argument_size_in_bytes
+    results[n] = (exp, params, opt_state, float(out["loss"]), args_bytes)
+  (exp8, params8, opt8, loss8, args8), (_, params1, _, loss1, args1) = results[8], results[1]
+  assert dict(exp8.mesh.shape) == {"data": 1, "fsdp": 8, "seq": 1, "model": 1}
+  np.testing.assert_allclose(loss8, loss1, rtol=1e-5)
+  leaves8 = jax.tree_util.tree_leaves_with_path(params8)
+  for (path, a), b in zip(leaves8, jax.tree.leaves(params1), strict=True):
+    if "['key']['bias']" not in jax.tree_util.keystr(path):  # softmax ignores it: its gradient is roundoff
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-6)
+  up = params8["encoder"]["blocks"][0]["mlp"]["up"]["kernel"].get_value()
+  assert up.sharding.spec == jax.sharding.PartitionSpec("fsdp", None)
+  assert up.addressable_shards[0].data.shape == (up.shape[0] // 8, up.shape[1])
+  moments = [x for x in jax.tree.leaves(opt8) if x.shape == up.shape]
+  assert len(moments) == 2 and all(x.sharding.spec == up.sharding.spec for x in moments)
+  assert args8 <= 1.3 * args1 / 8, (args8, args1)
+
+
+@pytest.mark.slow
+def test_twenty_fsdp_steps_match_one_device_and_resume_there(tmp_path):
+  """20 steps of the smoke Combiner LM on an 8-device FSDP mesh give one device's losses; a checkpoint
+  written under FSDP after 10 steps restores on one device and continues with the same losses."""
+  config = default.get_config("smoke,attention=combiner_fixed")
+  sharded = experiment.Experiment(config, devices=jax.devices()[:8])
+  single = experiment.Experiment(default.get_config("smoke,attention=combiner_fixed"),
+                                 devices=jax.devices()[:1])
+  assert sharded.mesh.shape["fsdp"] == 8
+  stream = iter(experiment.create_dataset(config, "train", batch_size=8, seed=0))
+  batches = [next(stream) for _ in range(20)]
+  s8, losses8 = run(sharded, batches[:10])
+  _, losses1 = run(single, batches)
+  np.testing.assert_allclose(losses8, losses1[:10], rtol=1e-5)
+  mgr = checkpoints.checkpoint_manager(str(tmp_path), config)
+  checkpoints.save_checkpoint(mgr, s8, None, wait=True)
+  restored = checkpoints.restore_checkpoint(mgr, single, None)
+  assert restored.step == 10
+  _, resumed = run(single, batches[10:], restored)
+  np.testing.assert_allclose(resumed, losses1[10:], rtol=1e-5)
+  _, rest8 = run(sharded, batches[10:], s8)
+  np.testing.assert_allclose(rest8, losses1[10:], rtol=1e-5)
+
+
+@pytest.fixture
+def tpu_slice():
+  """A compile-only v5e:2x4 slice (8 chips) from libtpu's topology description."""
+  pytest.importorskip("libtpu")
+  for name, value in (("ALLOW_MULTIPLE_LIBTPU_LOAD", "1"), ("TPU_WORKER_HOSTNAMES", "localhost"),
+                      ("TPU_HOST_BOUNDS", "1,1,1")):
+    os.environ.setdefault(name, value)
+  from scripts import compile_tpu
+
+  gen, _ = compile_tpu.parse_topology("v5e-8")
+  sl = compile_tpu.Slice(gen, 8)
+  assert sl.topology_name == "v5e:2x4"
+  return compile_tpu, sl
+
+
+def test_tpu_slices_are_served_by_data_x_fsdp(tpu_slice):
+  """scripts/compile_tpu passes over a slice whose data x fsdp axes do not divide the global batch."""
+  compile_tpu, sl = tpu_slice
+  config = default.get_config("smoke")
+  assert compile_tpu.unservable(config, sl) is None  # batch 8 over fsdp = 8
+  config.train.batch_size = 12
+  assert "8-way data-parallel axes (data x fsdp)" in compile_tpu.unservable(config, sl)
+  config.mesh.data, config.mesh.model = 2, 4  # fsdp = 1: the batch over data = 2 alone
+  assert compile_tpu.unservable(config, sl) is None
+
+
+@pytest.mark.slow
+def test_tpu_fsdp_step_compiles_with_smaller_arguments(tpu_slice):
+  """The TPU compiler compiles the FSDP train step for v5e:2x4; its per-chip arguments (parameters, Adam
+  moments, the batch) are under 1.3 / 8 of the plain data-parallel step's. Width 1024, so that a chip's
+  share of a weight (128 columns) fills the TPU's 128 lanes: narrower shares are padded to them."""
+  compile_tpu, sl = tpu_slice
+  results = {}
+  for fsdp in (-1, 1):
+    config = default.get_config("smoke,features=1024,mlp_dim=2048,heads=8")
+    config.mesh.fsdp = fsdp
+    r = compile_tpu.compile_step(config, sl)
+    assert r.status == "fits", r.message
+    results[fsdp] = r
+  assert results[-1].mesh == {"data": 1, "fsdp": 8, "seq": 1, "model": 1}
+  assert results[-1].memory["arguments"] <= 1.3 * results[1].memory["arguments"] / 8
