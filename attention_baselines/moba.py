@@ -7,7 +7,7 @@ scored). It keeps its own block b(i) = i // B always and the best `top_k - 1` ot
 before its own, so no future block is ever chosen; ties go to the lower block), and runs one softmax over the
 real keys of the chosen blocks (causal: keys j <= i, so its own block is causal inside). Cost
 O(L * top_k * B * d) plus the O(L * L/B * d) gate; the chosen blocks are gathered per query over chunks of
-queries (`attention_baselines.selection`).
+queries (`attention_core.selection`).
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from typing import Any
 import jax.numpy as jnp
 
 from attention_baselines.common import from_rows
-from attention_baselines.selection import choose, chosen_piece, num_query_chunks, pad_length, rows_and_mask
 from attention_core import contract
 from attention_core.blocks import map_chunks, num_blocks
 from attention_core.combine import flag_nonfinite, joint_softmax
 from attention_core.registry import sqrt_pow2
+from attention_core.selection import choose, chosen_piece, num_query_chunks, pad_length, rows_and_mask
 
 Array = Any
 

@@ -9,10 +9,10 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from attention_baselines.selection import choose
 from attention_core import contract
 from attention_core.blocks import num_blocks
 from attention_core.decode import Cache, attend_cached, finish, make_decoder, token, write, zeros
+from attention_core.selection import choose
 
 Array = Any
 

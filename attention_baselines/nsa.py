@@ -18,7 +18,7 @@ order (the model's sigmoid gates); without gates every branch weighs 1/3, so the
 
 Selection is per query and per head (the model has no grouped keys to share it over). Cost per query: L/s
 compressed logits + n * l' selected + w window keys, O(L * (L/s + n*l' + w) * d); the selected blocks are
-gathered per query over chunks of queries (`attention_baselines.selection`).
+gathered per query over chunks of queries (`attention_core.selection`).
 """
 
 from __future__ import annotations
@@ -29,17 +29,17 @@ import jax
 import jax.numpy as jnp
 
 from attention_baselines.common import from_rows, to_rows
-from attention_baselines.selection import (
+from attention_core import contract
+from attention_core.blocks import map_chunks, num_blocks
+from attention_core.combine import Piece, flag_nonfinite, flagged_sum, joint_softmax
+from attention_core.registry import sqrt_pow2
+from attention_core.selection import (
   choose,
   chosen_piece,
   num_query_chunks,
   pad_length,
   rows_and_mask,
 )
-from attention_core import contract
-from attention_core.blocks import map_chunks, num_blocks
-from attention_core.combine import Piece, flag_nonfinite, flagged_sum, joint_softmax
-from attention_core.registry import sqrt_pow2
 
 Array = Any
 MLP_PARTS = ("pos", "w1", "b1", "w2")  # the compression MLP's arrays, for keys and for values

@@ -1,5 +1,5 @@
-"""What the block-selecting ops (NSA, MoBA) share: rows layout, key blocks, per-query block choice and the
-attention over each query's chosen blocks.
+"""What the block-selecting ops (NSA, MoBA, Combiner-Fixed with selected spans) share: rows layout, key
+blocks, per-query block choice and the attention over each query's chosen blocks.
 
 Both ops choose, for every query, a few key blocks by a score and attend exactly to the tokens of those
 blocks. The choice differs per query, so the chosen blocks are gathered per query, over chunks of queries
@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from attention_baselines.common import to_rows
+from attention_core.blocks import head_major
 from attention_core.combine import Piece, unflag
 
 Array = Any
@@ -28,7 +28,7 @@ def rows_and_mask(q: Array, k: Array, v: Array, mask: Array | None, dtype: Any
   for None), and masked keys and values selected to zero (NaN or Inf there reaches nothing)."""
   batch, length, heads, _ = q.shape
   real = jnp.ones((batch * heads, length), bool) if mask is None else jnp.repeat(mask, heads, axis=0)
-  qh, kh, vh = (to_rows(x, dtype) for x in (q, k, v))
+  qh, kh, vh = (head_major(x.astype(dtype)).reshape(batch * heads, length, x.shape[-1]) for x in (q, k, v))
   kh, vh = (jnp.where(real[:, :, None], x, 0.0) for x in (kh, vh))
   return qh, kh, vh, real
 

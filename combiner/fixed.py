@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from attention_core import contract
 from attention_core.blocks import from_grid, num_blocks, to_grid
 from attention_core.combine import Piece, attend, joint_softmax, weighted_sum
-from combiner import common, flash, fused
+from combiner import common, flash, fused, selected
 from combiner import pooling as pool_ops
 
 Array = Any
@@ -57,18 +57,30 @@ def span_summaries(pqb: Array, pkb: Array, kb: Array, vb: Array, mb: Array, scal
 @common.per_platform
 def fixed(q: Array, k: Array, v: Array, *, block_size: int, causal: bool, mask: Array | None = None,
           pooling: str = "max", pool_q: Array | None = None, pool_k: Array | None = None,
-          implementation: str = "auto") -> Array:
+          implementation: str = "auto", select: int = 0, query_chunks: int | None = None) -> Array:
   """Combiner-Fixed. q, k: [batch, length, heads, head_dim]; v: [batch, length, heads, value_dim].
 
   D_i = own block ∩ Ω_i; spans = every other block ∩ Ω_i (causal: the blocks before b(i)). Cost
   O(L·(s + L/s)·d), i.e. O(L·sqrt(L)·d) at s ~ sqrt(L).
   implementation: "xla" (einsums), "pallas" (the fused kernel of `combiner.flash`),
   "auto" (pallas on GPU/TPU).
+  select: beyond the paper, each query's `select` best spans by summary logit are attended exactly in place
+  of their summaries (`combiner.selected`; XLA only, its queries in `query_chunks` chunks, None = automatic).
   """
   op = "combiner.fixed"
+  select = select and contract.check_positive_int(select, name="select", op=op)  # 0: the paper's plan
+  if select and implementation == "pallas":
+    raise ValueError(f"{op}: select={select} runs on the XLA path only; use implementation='auto' or 'xla'")
   x = common.prepare(q, k, v, mask, op=op, causal=causal, pooling=pooling, pool_q=pool_q, pool_k=pool_k,
-                     implementation=implementation, heads_last=flash.packs_heads())
+                     implementation=None if select else implementation,
+                     heads_last=False if select else flash.packs_heads())
   size = contract.check_positive_int(block_size, name="block_size", op=op)
+  if select:
+    length = x.q.shape[2]
+    blocks = num_blocks(length, size)
+    grids = (to_grid(t, blocks, size, 2) for t in (x.pool_q, x.pool_k, x.k, x.v))
+    summaries = span_summaries(*grids, to_grid(x.mask, blocks, size, 1)[:, None], x.scale, pooling)
+    return common.finish(selected.fixed_selected(x, size, causal, select, *summaries, query_chunks), x)
   if x.kernel_dtype is not None:
     return fused.fixed(x, size, causal, pooling)
   length = x.q.shape[2]
@@ -83,3 +95,16 @@ def fixed(q: Array, k: Array, v: Array, *, block_size: int, causal: bool, mask: 
   spans = Piece(logits, valid, lambda w: weighted_sum("bhnqr,bhrd->bhnqd", w, v_tilde))
   out = joint_softmax([direct, spans])  # [batch, heads, blocks, size, value_dim]
   return common.finish(from_grid(out, length, 2), x)
+
+
+SELECT = 4  # spans per query attended exactly by default (`combiner_fixed_select`)
+
+
+def fixed_select(q: Array, k: Array, v: Array, *, block_size: int, causal: bool, mask: Array | None = None,
+                 pooling: str = "max", pool_q: Array | None = None, pool_k: Array | None = None,
+                 select: int = SELECT, query_chunks: int | None = None) -> Array:
+  """`fixed(..., select=select)` on its XLA path, as its own registered attention: Combiner-Fixed whose
+  `select` best spans per query are attended exactly. q, k: [batch, length, heads, head_dim]; v: [...,
+  value_dim] -> [batch, length, heads, value_dim]."""
+  return fixed(q, k, v, block_size=block_size, causal=causal, mask=mask, pooling=pooling, pool_q=pool_q,
+               pool_k=pool_k, implementation="xla", select=select, query_chunks=query_chunks)

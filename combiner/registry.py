@@ -10,6 +10,7 @@ from combiner import axial, fixed, logsparse, mixture, seq_parallel, sparse
 from combiner import seq_parallel_axial as sp_axial
 from combiner import seq_parallel_logsparse as sp_logsparse
 from combiner.axial_decode import AXIAL, SPARSE_AXIAL
+from combiner.fixed import SELECT, fixed_select
 from combiner.fixed_decode import FIXED, SPARSE_FIXED
 from combiner.logsparse_decode import LOGSPARSE, SPARSE_LOGSPARSE
 from combiner.mixture_decode import MIXTURE
@@ -17,6 +18,10 @@ from combiner.mixture_decode import MIXTURE
 
 def _block(length: int) -> dict:
   return {"block_size": sqrt_pow2(length)}
+
+
+def _block_select(length: int) -> dict:
+  return {"block_size": sqrt_pow2(length), "select": SELECT}
 
 
 def _row(length: int) -> dict:
@@ -27,6 +32,8 @@ COMBINER = "models.attention:CombinerAttention"  # the module with DeepSets pool
 
 register(OpSpec("combiner_fixed", fixed, params=_block, description="Combiner-Fixed, O(L sqrt L)",
                 decode=FIXED, module=COMBINER, seq_parallel=seq_parallel.fixed))
+register(OpSpec("combiner_fixed_select", fixed_select, params=_block_select, module=COMBINER,
+                description=f"Combiner-Fixed, each query's top-{SELECT} spans exact (NSA-style selection)"))
 register(OpSpec("combiner_logsparse", logsparse, description="Combiner-Logsparse, O(L log L)",
                 decode=LOGSPARSE, module=COMBINER, seq_parallel=sp_logsparse.logsparse))
 for _direction in ("rowmajor", "vertical", "horizontal"):

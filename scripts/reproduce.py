@@ -234,7 +234,8 @@ def _yoso_tables() -> dict[str, list[Row]]:
 
 PYSTDLIB_ROWS = ("dense", "sparse_fixed", "combiner_fixed", "sparse_axial", "combiner_axial_vertical",
                  "combiner_axial_horizontal", "combiner_axial_rowmajor", "combiner_mixture",
-                 "sparse_logsparse", "combiner_logsparse", "routing", "yoso")
+                 "sparse_logsparse", "combiner_logsparse", "routing", "yoso", "nsa", "moba",
+                 "combiner_fixed_select")
 
 
 def _pystdlib_table() -> dict[str, list[Row]]:
