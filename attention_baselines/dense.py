@@ -19,6 +19,7 @@ Array = Any
 
 
 IMPLEMENTATIONS = ("auto", "xla", "flash")
+IMPLEMENTATION_PLATFORMS = {"flash": ("gpu", "tpu")}  # where "flash" runs (registry.fused_path)
 FUSED_DTYPES = {"gpu": ("bfloat16", "float16"), "tpu": splash.DTYPES}
 TPU_BLOCK = 128  # JAX's legacy TPU flash kernel (the benchmark's TPU baseline): its smallest tile
 TPU_MAX_BLOCK = 512
