@@ -9,8 +9,11 @@ from attention_baselines.adaptive_span import auto_params as adaptive_span_param
 from attention_baselines.adaptive_span_decode import ADAPTIVE_SPAN
 from attention_baselines.bigbird import bigbird
 from attention_baselines.bigbird_decode import BIGBIRD
+from attention_baselines.blockbert import blockbert
 from attention_baselines.dense import dense, dense_xla
 from attention_baselines.dense_decode import DENSE
+from attention_baselines.etc import auto_params as etc_params
+from attention_baselines.etc import etc
 from attention_baselines.linear import DEFAULT_CHUNK as LINEAR_CHUNK
 from attention_baselines.linear import linear
 from attention_baselines.linear_decode import LINEAR
@@ -162,3 +165,22 @@ register(OpSpec(
     decode=ADAPTIVE_SPAN, module="models.adaptive_span_attention:AdaptiveSpanAttention",
     description="adaptive attention span: a learned soft span per head (R=32), key blocks beyond the "
                 "largest span skipped, O(L*(max z + R)*d)"))
+
+
+register(OpSpec(
+    "blockbert", blockbert, causal=False, params=lambda length: {"num_blocks": 2},
+    module="models.blockbert_attention:BlockBERTAttention",
+    description="BlockBERT: n = 2 blocks, each head attends from block a to block a + s_h mod n (most heads "
+                "s = 0, about one in six shifted), O(L*(L/n)*d), bidirectional only"))
+
+
+def _etc_inputs(length: int) -> dict:
+  """A stand-in relative-bias table shared by the heads (the model learns one per head)."""
+  return {"rel_bias": _normal(13, (1, 2 * etc_params(length)["max_distance"] + 3), 1)}
+
+
+register(OpSpec(
+    "etc", etc, causal=False, params=etc_params, bench_inputs=_etc_inputs,
+    module="models.etc_attention:ETCAttention",
+    description="ETC global-local: l2l radius 84 + l2g to one global token per 32 tokens, relative position "
+                "biases (k=12), O(L*(2r + L/32)*d), bidirectional only"))

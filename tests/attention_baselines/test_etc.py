@@ -1,0 +1,121 @@
+"""ETC global-local attention: the four pieces against their definition in float64 (relative position
+biases, ragged segments and blocks, hard and full g2l), the full-radius case as dense attention over
+[long; global] keys, the segment-mean global tokens, and the argument checks."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attention_baselines.etc import etc, segment_means
+from tests.attention_baselines.definitions import inputs, masked_softmax
+
+
+def _softmax_rows(logits, keep, values):
+  logits = np.where(keep, logits, -np.inf)
+  m = np.max(logits, axis=-1, keepdims=True)
+  w = np.where(keep, np.exp(logits - np.where(np.isfinite(m), m, 0.0)), 0.0)
+  den = w.sum(-1, keepdims=True)
+  return (w / np.where(den > 0, den, 1.0)) @ values
+
+
+def _reference(q, k, v, mask, gq, gk, gv, s, r, kd, bias, hard):
+  """Both outputs from the definition: per (batch, head), the [L + g] graph's two softmaxes."""
+  q, k, v, gq, gk, gv, bias = (np.asarray(x, np.float64) for x in (q, k, v, gq, gk, gv, bias))
+  mask = np.asarray(mask)
+  b, length, h, d = q.shape
+  g = gk.shape[1]
+  seg = np.arange(length) // s
+  rel = lambda delta: np.clip(delta, -kd, kd) + kd  # noqa: E731
+  pos, tpos = np.arange(length), np.arange(g)
+  long_out, global_out = np.zeros(v.shape), np.zeros(gv.shape)
+  for bi in range(b):
+    seg_real = np.array([mask[bi][seg == t].any() for t in range(g)])
+    for hi in range(h):
+      bh = bias[hi if bias.shape[0] > 1 else 0]
+      keys = np.concatenate([k[bi, :, hi], gk[bi, :, hi]])
+      vals = np.concatenate([v[bi, :, hi], gv[bi, :, hi]])
+      own = seg[:, None] == tpos[None, :]  # [L, g]
+      lb = np.concatenate([bh[rel(pos[None, :] - pos[:, None])],
+                           np.where(own, bh[2 * kd + 2], bh[2 * kd + 1])], axis=1)
+      lkeep = np.concatenate([(np.abs(pos[None, :] - pos[:, None]) <= r) & mask[bi][None, :],
+                              np.broadcast_to(seg_real[None, :], (length, g))], axis=1)
+      long_out[bi, :, hi] = _softmax_rows(q[bi, :, hi] @ keys.T / np.sqrt(d) + lb, lkeep, vals)
+      gb = np.concatenate([bh[rel(tpos[None, :] - tpos[:, None])], np.where(own.T, bh[2 * kd + 2],
+                                                                            bh[2 * kd + 1])], axis=1)
+      gkeep = np.concatenate([np.broadcast_to(seg_real[None, :], (g, g)),
+                              (own.T if hard else np.ones((g, length), bool)) & mask[bi][None, :]],
+                             axis=1)
+      gkeys = np.concatenate([gk[bi, :, hi], k[bi, :, hi]])
+      gvals = np.concatenate([gv[bi, :, hi], v[bi, :, hi]])
+      global_out[bi, :, hi] = _softmax_rows(gq[bi, :, hi] @ gkeys.T / np.sqrt(d) + gb, gkeep, gvals)
+  return long_out, global_out
+
+
+def _globals(seed, q, v, g):
+  b, _, h, d = q.shape
+  ks = jax.random.split(jax.random.key(seed), 3)
+  return (jax.random.normal(ks[0], (b, g, h, d), q.dtype), jax.random.normal(ks[1], (b, g, h, d), q.dtype),
+          jax.random.normal(ks[2], (b, g, h, v.shape[-1]), q.dtype))
+
+
+# (length, segment_length, radius, max_distance, hard_g2l); ragged segments and l2l blocks
+# One case runs fast; full g2l and radius 0 run with the slow tests.
+@pytest.mark.parametrize("length,s,r,kd,hard", [
+    (13, 4, 2, 3, True),
+    pytest.param(11, 3, 3, 1, False, marks=pytest.mark.slow),
+    pytest.param(9, 2, 0, 2, True, marks=pytest.mark.slow)])
+def test_etc_matches_definition(length, s, r, kd, hard):
+  with jax.enable_x64(True):
+    q, k, v, mask = inputs(length + s, length=length, heads=2)
+    mask = mask.at[1, :s].set(False)  # a segment without a real token: its global token is masked
+    g = -(-length // s)
+    gq, gk, gv = _globals(length, q, v, g)
+    bias = jax.random.normal(jax.random.key(5), (2, 2 * kd + 3), jnp.float64)
+    run = jax.jit(lambda q, k, v, m, gq, gk, gv, b: etc(
+        q, k, v, causal=False, mask=m, segment_length=s, radius=r, max_distance=kd, rel_bias=b,
+        global_q=gq, global_k=gk, global_v=gv, hard_g2l=hard, return_global=True))
+    long_out, global_out = run(q, k, v, mask, gq, gk, gv, bias)
+    want_long, want_global = _reference(q, k, v, mask, gq, gk, gv, s, r, kd, bias, hard)
+    real = np.asarray(mask)[:, :, None, None]  # padded query rows are don't-care
+    np.testing.assert_allclose(np.where(real, long_out, 0), np.where(real, want_long, 0), rtol=1e-10,
+                               atol=1e-12)
+    seg_real = np.array([[np.asarray(mask)[b, t * s:(t + 1) * s].any() for t in range(g)] for b in range(2)])
+    np.testing.assert_allclose(np.where(seg_real[:, :, None, None], global_out, 0),
+                               np.where(seg_real[:, :, None, None], want_global, 0), rtol=1e-10, atol=1e-12)
+
+
+def test_etc_full_radius_is_dense_attention_over_long_and_global_keys():
+  """r >= L, no bias, no global inputs: each long token's output is one softmax over every real long key and
+  every global key (l2l + l2g), i.e. dense attention on the concatenated keys, whose global keys and values
+  are the segments' masked means."""
+  with jax.enable_x64(True):
+    length, s = 10, 3
+    q, k, v, mask = inputs(7, length=length)
+    mask = mask.at[:, ::3].set(True)  # every segment keeps a real token
+    out = jax.jit(lambda q, k, v, m: etc(q, k, v, causal=False, mask=m, segment_length=s, radius=length,
+                                         max_distance=2))(q, k, v, mask)
+    real = np.asarray(mask)
+    means = [np.stack([x[b, t:t + s][real[b, t:t + s]].mean(0) for t in range(0, length, s)])
+             for x in (np.asarray(k), np.asarray(v)) for b in range(2)]
+    gk, gv = np.stack(means[:2]), np.stack(means[2:])  # [batch, 4, heads, dim]
+    keys, vals = np.concatenate([k, gk], axis=1), np.concatenate([v, gv], axis=1)
+    qq = np.concatenate([q, np.zeros_like(gk)], axis=1)
+    allowed = np.ones((length + 4, length + 4), bool)
+    want = masked_softmax(qq, keys, vals, allowed, np.concatenate([real, np.ones((2, 4), bool)], axis=1))
+    np.testing.assert_allclose(out, want[:, :length], rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(segment_means(k, mask, s), gk, rtol=1e-12)
+
+
+def test_etc_rejects_bad_arguments():
+  q = k = v = jnp.zeros((2, 8, 2, 4))  # the checks fail before any compute
+  with pytest.raises(ValueError, match="causal"):
+    etc(q, k, v, causal=True)
+  with pytest.raises(ValueError, match="segment_length"):
+    etc(q, k, v, causal=False, segment_length=0)
+  with pytest.raises(ValueError, match="radius"):
+    etc(q, k, v, causal=False, radius=-1)
+  with pytest.raises(ValueError, match="rel_bias"):
+    etc(q, k, v, causal=False, max_distance=2, rel_bias=jnp.zeros((2, 5)))
+  with pytest.raises(ValueError, match="global_k"):
+    etc(q, k, v, causal=False, segment_length=4, global_k=jnp.zeros((2, 3, 2, 4)))
