@@ -153,6 +153,23 @@ def test_pattern_is_the_xla_ops_attention_pattern(pattern):
   np.testing.assert_array_equal(np.asarray(pattern.reaches(flags))[:, :, 0].T, allowed)
 
 
+def test_splash_reads_each_tile_of_the_pattern_exactly():
+  # The mask Splash preprocesses on the host (which tiles to skip, which to compute), answered from the key
+  # ranges for empty and full tiles, equals the pattern evaluated everywhere, tile by tile.
+  length, size = 512, 128
+  ids = np.arange(length)
+  for pattern in (splash.Pattern(causal=True), splash.Pattern(causal=True, block=96),
+                  splash.Pattern(causal=False, block=256), splash.Pattern(causal=True, window=100),
+                  splash.Pattern(causal=False, window=40, global_positions=(3, 300)),
+                  splash.Pattern(causal=True, window=40, global_positions=(0, 200))):
+    mask = splash._PatternMask(pattern, length)  # noqa: SLF001
+    full = pattern.allows(ids[:, None], ids[None, :])
+    for q0 in range(0, length, size):
+      for k0 in range(0, length, size):
+        tile = mask[q0:q0 + size, k0:k0 + size]
+        np.testing.assert_array_equal(tile, full[q0:q0 + size, k0:k0 + size], err_msg=f"{pattern} {q0} {k0}")
+
+
 def test_what_splash_serves_and_the_reason_otherwise(monkeypatch):
   x = {dtype: jnp.ones((1, 16, 1, 8), dtype) for dtype in (jnp.float32, jnp.bfloat16, jnp.float16)}
   causal = splash.Pattern(causal=True)
