@@ -57,6 +57,9 @@ def attention_config(name: str = "combiner_fixed") -> ml_collections.ConfigDict:
   # the L1 coefficient per token of span added to the loss (None = 2e-6, the paper's).
   att.span_init = ml_collections.FieldReference(None, field_type=float)
   att.span_loss = ml_collections.FieldReference(None, field_type=float)
+  # BlockBERT: one block shift per head, head h attending from block a to block (a + shifts[h]) mod
+  # params.num_blocks (None = the paper's mix: about one head in six shifted, the rest block-diagonal).
+  att.shifts = ml_collections.FieldReference(None, field_type=tuple)
   return att
 
 

@@ -73,3 +73,37 @@ def test_blockbert_rejects_bad_arguments():
     blockbert(q, k, v, causal=False, shifts=(0, 1, 1))
   with pytest.raises(ValueError, match="shifts"):
     blockbert(q, k, v, causal=False, shifts=jnp.zeros((2,), jnp.float32))
+
+
+@pytest.mark.slow
+def test_blockbert_module_passes_its_configured_shifts():
+  """The module's `shifts` field reaches the op (as a per-head array); a wrong count is a config error."""
+  from flax import nnx
+
+  from configs import base
+  from models import registry
+
+  cfg = base.attention_config("blockbert")
+  cfg.shifts = (1, 0)
+  cfg.params.num_blocks = 3
+  m = registry.build(cfg, features=8, num_heads=2, head_dim=4, causal=False, dtype=jnp.float32,
+                     rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(0), (2, 10, 8))
+  mask = jnp.ones((2, 10), bool).at[1, 7:].set(False)
+  q, k, v = m.project(x)
+  want = m.out(blockbert(q, k, v, causal=False, mask=mask, num_blocks=3, shifts=(1, 0)))
+  np.testing.assert_allclose(m(x, mask, deterministic=True), want, rtol=1e-5, atol=1e-6)
+  cfg.shifts = (0, 1, 1)
+  with pytest.raises(ValueError, match="shifts"):
+    registry.build(cfg, features=8, num_heads=2, head_dim=4, causal=False, dtype=jnp.float32,
+                   rngs=nnx.Rngs(0))
+
+
+@pytest.mark.slow
+def test_blockbert_masked_keys_get_no_gradient():
+  q, k, v, mask = inputs(2, length=10, heads=3, dtype=jnp.float32)
+  bad = ~mask[:, :, None, None]
+  fn = lambda k, v: jnp.sum(blockbert(q, k, v, causal=False, mask=mask, num_blocks=3) ** 2)  # noqa: E731
+  for g in jax.grad(fn, argnums=(0, 1))(jnp.where(bad, jnp.nan, k), jnp.where(bad, jnp.inf, v)):
+    assert np.all(np.isfinite(np.asarray(g)))
+    assert not np.any(np.asarray(g)[np.asarray(bad[..., 0, 0])])

@@ -119,3 +119,43 @@ def test_etc_rejects_bad_arguments():
     etc(q, k, v, causal=False, max_distance=2, rel_bias=jnp.zeros((2, 5)))
   with pytest.raises(ValueError, match="global_k"):
     etc(q, k, v, causal=False, segment_length=4, global_k=jnp.zeros((2, 3, 2, 4)))
+
+
+@pytest.mark.slow
+def test_etc_module_attends_to_its_projected_segment_summaries():
+  """The module's global keys and values are its own projections of the segments' masked mean inputs, and
+  its bias table (zeros at first) reaches the op."""
+  from flax import nnx
+
+  from configs import base
+  from models import registry
+
+  cfg = base.attention_config("etc")
+  cfg.params.update(segment_length=3, radius=2, max_distance=2)
+  m = registry.build(cfg, features=8, num_heads=2, head_dim=4, causal=False, dtype=jnp.float32,
+                     rngs=nnx.Rngs(0))
+  assert m.rel_bias[...].shape == (2, 7)
+  m.rel_bias[...] = jax.random.normal(jax.random.key(1), (2, 7))
+  x = jax.random.normal(jax.random.key(0), (2, 10, 8))
+  mask = jnp.ones((2, 10), bool).at[1, 7:].set(False)
+  q, k, v = m.project(x)
+  summary = segment_means(x, mask, 3)  # [batch, 4, features]
+  want = m.out(etc(q, k, v, causal=False, mask=mask, segment_length=3, radius=2, max_distance=2,
+                   rel_bias=m.rel_bias[...], global_k=m.global_key(summary),
+                   global_v=m.global_value(summary)))
+  np.testing.assert_allclose(m(x, mask, deterministic=True), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_etc_masked_keys_get_no_gradient():
+  q, k, v, mask = inputs(2, length=10, dtype=jnp.float32)
+  bad = ~mask[:, :, None, None]
+
+  def fn(k, v):
+    long_out, global_out = etc(q, k, v, causal=False, mask=mask, segment_length=3, radius=2, max_distance=2,
+                               hard_g2l=False, return_global=True)
+    return jnp.sum(long_out ** 2) + jnp.sum(global_out ** 2)
+
+  for g in jax.grad(fn, argnums=(0, 1))(jnp.where(bad, jnp.nan, k), jnp.where(bad, jnp.inf, v)):
+    assert np.all(np.isfinite(np.asarray(g)))
+    assert not np.any(np.asarray(g)[np.asarray(bad[..., 0, 0])])
