@@ -224,6 +224,7 @@ def attention(q: Array, k: Array, v: Array, mask: Array | None, pattern: Pattern
 
 
 IMPLEMENTATIONS = ("auto", "xla", "splash")  # of the ops whose fused path is Splash alone (local, longformer)
+IMPLEMENTATION_PLATFORMS = {"splash": ("tpu",)}  # where "splash" runs (registry.fused_path)
 
 
 def choice(q: Array, k: Array, v: Array, *, implementation: Any = "auto", **_: Any) -> Any:

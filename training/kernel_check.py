@@ -1,10 +1,10 @@
 """The model's fused attention kernel checked on the device before the first training step.
 
 On a GPU or TPU `implementation="auto"` runs fused kernels (Pallas: Triton on GPU, Mosaic on TPU): the
-Combiner plans' block-sparse flash kernel (combiner/flash.py), dense's cuDNN / Pallas TPU flash kernel and
-YOSO's bucket-table kernels (yoso/kernels.py, chosen by `params.formulation`). A kernel that does not compile
-there would kill every worker at the first jit. `checked_config` runs before the experiment is built
-(training/loop.py):
+Combiner plans' block-sparse flash kernel (combiner/flash.py), dense's cuDNN / Splash kernel (on TPU local's
+and Longformer's too) and YOSO's bucket-table kernels (yoso/kernels.py, chosen by `params.formulation`). A
+kernel that does not compile there would kill every worker at the first jit. `checked_config` runs before the
+experiment is built (training/loop.py):
 
 1. it compiles the model's attention layer (projections and op, forward and backward) with the kernel, at
    the shapes each device runs it at (batch rows over the data axes, heads over "model"; `sharding.attend`)

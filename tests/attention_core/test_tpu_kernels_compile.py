@@ -159,9 +159,9 @@ FAST_GENERATION = "v5e"  # the fast run compiles the representative case here
 SLOW_GENERATIONS = ("v4",)  # `-m slow` also here (the least VMEM); the others with the grid, `-m tpu_grid`
 # Compiled with `-m slow` only: logsparse takes about a minute; the others repeat a kernel family the fast
 # run compiles already (mixture and the horizontal plan: the axial kernels; the `_c` YOSO variants: YOSO's
-# tables).
+# tables; local and longformer: dense's Splash kernel with another mask).
 SLOW_TO_COMPILE = ("combiner_logsparse", "sparse_logsparse", "combiner_mixture", "combiner_mixture_joint",
-                   "combiner_axial_horizontal", "yoso_c", "yoso_sketch_c")
+                   "combiner_axial_horizontal", "yoso_c", "yoso_sketch_c", "local", "longformer")
 
 
 def grid_params() -> list:

@@ -30,15 +30,16 @@ def _record(workdir):
 
 def test_where_auto_means_xla_nothing_runs(tmp_path, monkeypatch):
   monkeypatch.delenv(kernel_check.INJECT_ENV, raising=False)
-  for name in ("combiner_fixed", "dense", "yoso", "local"):
+  for name in ("combiner_fixed", "dense", "yoso", "local", "performer"):
     config = smoke(name)
     assert kernel_check.checked_config(config, str(tmp_path)) is config  # CPU: "auto" is the XLA path
   assert not (tmp_path / "status").exists()
-  choices = {name: kernel_check.kernel_choice(smoke(name)) for name in ("combiner_fixed", "dense", "yoso")}
+  names = ("combiner_fixed", "dense", "yoso", "local")
+  choices = {name: kernel_check.kernel_choice(smoke(name)) for name in names}
   assert [(c.field, c.requested, c.xla) for c in choices.values()] == [
       ("implementation", "auto", "xla"), ("implementation", "auto", "xla"),
-      ("params.formulation", "auto", "sorted")]
-  assert kernel_check.kernel_choice(smoke("local")) is None
+      ("params.formulation", "auto", "sorted"), ("implementation", "auto", "xla")]
+  assert kernel_check.kernel_choice(smoke("performer")) is None  # no fused path
   assert kernel_check.kernel_choice(kernel_check.with_choice(smoke(), "implementation", "xla")) is None
   fallback = kernel_check.with_choice(smoke("yoso"), "params.formulation", "sorted")
   assert fallback.model.attention.params.formulation == "sorted"
