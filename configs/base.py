@@ -119,6 +119,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.train.eval_batches = -1  # batches per evaluation; -1 = the whole split
   c.train.checkpoint_every = 1000
   c.train.keep_checkpoints = 3
+  # (start, stop): a jax.profiler trace of the steps from step start to step stop in <workdir>/profile (open
+  # it in TensorBoard's profile tab or Perfetto); None = off. Step 0 of a run includes the compilation.
+  c.train.profile_steps = ml_collections.FieldReference(None, field_type=tuple)
 
   c.mesh = ml_collections.ConfigDict()
   # -1 = the devices the other axes leave (training/mesh.py: seq/model take them first, then fsdp, then data).
@@ -257,6 +260,13 @@ def validate(c: ml_collections.ConfigDict, attention_names: Any = None) -> None:
   at_least("config.train.eval_every", t.eval_every, 0, " (0 = only at the end)")
   if t.eval_batches == 0 or t.eval_batches < -1:
     raise UsageError(f"config.train.eval_batches must be >= 1 or -1 (the whole split), got {t.eval_batches}")
+  profile = t.get("profile_steps", None)
+  if profile is not None and not (
+      isinstance(profile, (tuple, list)) and len(profile) == 2
+      and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in profile)
+      and profile[0] < profile[1]):
+    raise UsageError(f"config.train.profile_steps must be None (off) or (start, stop), ints with "
+                     f"0 <= start < stop, got {profile!r}")
 
   m = c.model
   for name in ("num_layers", "features", "num_heads", "mlp_dim"):
