@@ -8,7 +8,7 @@ import pytest
 
 from attention_baselines.blockbert import blockbert, default_shifts
 from attention_baselines.local import local
-from tests.attention_baselines.definitions import inputs, masked_softmax
+from tests.attention_baselines.definitions import masked_softmax
 
 
 def _allowed(length, n, shift):
@@ -32,7 +32,10 @@ def _reference(q, k, v, mask, n, shifts):
     pytest.param(13, 4, (3, 0, 5), marks=pytest.mark.slow)])
 def test_blockbert_matches_definition(length, n, shifts):
   with jax.enable_x64(True):
-    q, k, v, mask = inputs(length + n, length=length, heads=3)
+    rng = np.random.default_rng(length + n)  # numpy inputs: no random-number programs to compile
+    q, k, v = (rng.normal(size=(2, length, 3, dim)) for dim in (4, 4, 3))
+    mask = rng.random((2, length)) < 0.75
+    mask[:, 0] = True
     # the fast case passes the shifts as a traced per-head array (the module's, also under a heads-split
     # mesh), the others as a static tuple
     traced = length == 11
@@ -45,13 +48,17 @@ def test_blockbert_matches_definition(length, n, shifts):
 @pytest.mark.slow  # head 0 of the fast definition case is block-diagonal already
 def test_blockbert_identity_is_block_diagonal():
   with jax.enable_x64(True):
-    q, k, v, mask = inputs(3, length=12, heads=2)
-    out = blockbert(q, k, v, causal=False, mask=mask, num_blocks=3, shifts=(0, 0))
-    np.testing.assert_allclose(out, local(q, k, v, causal=False, mask=mask, block_size=4,
-                                          implementation="xla"), rtol=1e-10, atol=1e-12)
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.normal(size=(2, 12, 2, 4)) for _ in range(3))
+    mask = rng.random((2, 12)) < 0.75
+    mask[:, 0] = True
+    out, block_local, no_mask = jax.jit(lambda q, k, v, m: (
+        blockbert(q, k, v, causal=False, mask=m, num_blocks=3, shifts=(0, 0)),
+        local(q, k, v, causal=False, mask=m, block_size=4, implementation="xla"),
+        blockbert(q, k, v, causal=False, num_blocks=3, shifts=(0, 1))))(q, k, v, mask)
+    np.testing.assert_allclose(out, block_local, rtol=1e-10, atol=1e-12)
     # no mask: every key real
-    np.testing.assert_allclose(blockbert(q, k, v, causal=False, num_blocks=3, shifts=(0, 1)),
-                               _reference(q, k, v, np.ones((2, 12), bool), 3, (0, 1)), rtol=1e-10,
+    np.testing.assert_allclose(no_mask, _reference(q, k, v, np.ones((2, 12), bool), 3, (0, 1)), rtol=1e-10,
                                atol=1e-12)
 
 
@@ -88,11 +95,18 @@ def test_blockbert_module_passes_its_configured_shifts():
   cfg.params.num_blocks = 3
   m = registry.build(cfg, features=8, num_heads=2, head_dim=4, causal=False, dtype=jnp.float32,
                      rngs=nnx.Rngs(0))
-  x = jax.random.normal(jax.random.key(0), (2, 10, 8))
-  mask = jnp.ones((2, 10), bool).at[1, 7:].set(False)
-  q, k, v = m.project(x)
-  want = m.out(blockbert(q, k, v, causal=False, mask=mask, num_blocks=3, shifts=(1, 0)))
-  np.testing.assert_allclose(m(x, mask, deterministic=True), want, rtol=1e-5, atol=1e-6)
+  x = np.random.default_rng(0).normal(size=(2, 10, 8)).astype(np.float32)
+  mask = np.ones((2, 10), bool)
+  mask[1, 7:] = False
+
+  @nnx.jit
+  def both(m, x, mask):
+    q, k, v = m.project(x)
+    return m(x, mask, deterministic=True), m.out(blockbert(q, k, v, causal=False, mask=mask, num_blocks=3,
+                                                           shifts=(1, 0)))
+
+  got, want = both(m, x, mask)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
   cfg.shifts = (0, 1, 1)
   with pytest.raises(ValueError, match="shifts"):
     registry.build(cfg, features=8, num_heads=2, head_dim=4, causal=False, dtype=jnp.float32,
@@ -101,9 +115,12 @@ def test_blockbert_module_passes_its_configured_shifts():
 
 @pytest.mark.slow
 def test_blockbert_masked_keys_get_no_gradient():
-  q, k, v, mask = inputs(2, length=10, heads=3, dtype=jnp.float32)
+  rng = np.random.default_rng(2)
+  q, k, v = (rng.normal(size=(2, 10, 3, 4)).astype(np.float32) for _ in range(3))
+  mask = rng.random((2, 10)) < 0.75
+  mask[:, 0] = True
   bad = ~mask[:, :, None, None]
   fn = lambda k, v: jnp.sum(blockbert(q, k, v, causal=False, mask=mask, num_blocks=3) ** 2)  # noqa: E731
-  for g in jax.grad(fn, argnums=(0, 1))(jnp.where(bad, jnp.nan, k), jnp.where(bad, jnp.inf, v)):
+  for g in jax.jit(jax.grad(fn, argnums=(0, 1)))(np.where(bad, np.nan, k), np.where(bad, np.inf, v)):
     assert np.all(np.isfinite(np.asarray(g)))
-    assert not np.any(np.asarray(g)[np.asarray(bad[..., 0, 0])])
+    assert not np.any(np.asarray(g)[bad[..., 0, 0]])

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from attention_baselines.etc import etc, segment_means
-from tests.attention_baselines.definitions import inputs, masked_softmax
+from tests.attention_baselines.definitions import masked_softmax
 
 
 def _softmax_rows(logits, keep, values):
@@ -52,14 +52,17 @@ def _reference(q, k, v, mask, gq, gk, gv, s, r, kd, bias, hard):
   return long_out, global_out
 
 
-def _globals(seed, q, v, g):
-  b, _, h, d = q.shape
-  ks = jax.random.split(jax.random.key(seed), 3)
-  return (jax.random.normal(ks[0], (b, g, h, d), q.dtype), jax.random.normal(ks[1], (b, g, h, d), q.dtype),
-          jax.random.normal(ks[2], (b, g, h, v.shape[-1]), q.dtype))
+def _inputs(seed, length, g, heads=2):
+  """Long q, k [2, L, heads, 4], v [.., 3], a key mask (position 0 real), and global q, k, v for g
+  tokens: numpy float64 (no random-number programs to compile)."""
+  rng = np.random.default_rng(seed)
+  q, k, gq, gk = (rng.normal(size=(2, n, heads, 4)) for n in (length, length, g, g))
+  v, gv = (rng.normal(size=(2, n, heads, 3)) for n in (length, g))
+  mask = rng.random((2, length)) < 0.75
+  mask[:, 0] = True
+  return q, k, v, mask, gq, gk, gv
 
 
-# (length, segment_length, radius, max_distance, hard_g2l); ragged segments and l2l blocks
 # One case runs fast; full g2l and radius 0 run with the slow tests.
 @pytest.mark.parametrize("length,s,r,kd,hard", [
     (13, 4, 2, 3, True),
@@ -67,11 +70,10 @@ def _globals(seed, q, v, g):
     pytest.param(9, 2, 0, 2, True, marks=pytest.mark.slow)])
 def test_etc_matches_definition(length, s, r, kd, hard):
   with jax.enable_x64(True):
-    q, k, v, mask = inputs(length + s, length=length, heads=2)
-    mask = mask.at[1, :s].set(False)  # a segment without a real token: its global token is masked
     g = -(-length // s)
-    gq, gk, gv = _globals(length, q, v, g)
-    bias = jax.random.normal(jax.random.key(5), (2, 2 * kd + 3), jnp.float64)
+    q, k, v, mask, gq, gk, gv = _inputs(length + s, length, g)
+    mask[1, :s] = False  # a segment without a real token: its global token is masked
+    bias = np.random.default_rng(5).normal(size=(2, 2 * kd + 3))
     run = jax.jit(lambda q, k, v, m, gq, gk, gv, b: etc(
         q, k, v, causal=False, mask=m, segment_length=s, radius=r, max_distance=kd, rel_bias=b,
         global_q=gq, global_k=gk, global_v=gv, hard_g2l=hard, return_global=True))
@@ -91,10 +93,11 @@ def test_etc_full_radius_is_dense_attention_over_long_and_global_keys():
   are the segments' masked means."""
   with jax.enable_x64(True):
     length, s = 10, 3
-    q, k, v, mask = inputs(7, length=length)
-    mask = mask.at[:, ::3].set(True)  # every segment keeps a real token
-    out = jax.jit(lambda q, k, v, m: etc(q, k, v, causal=False, mask=m, segment_length=s, radius=length,
-                                         max_distance=2))(q, k, v, mask)
+    q, k, v, mask, _, _, _ = _inputs(7, length, 0)
+    mask[:, ::3] = True  # every segment keeps a real token
+    out, got_means = jax.jit(lambda q, k, v, m: (
+        etc(q, k, v, causal=False, mask=m, segment_length=s, radius=length, max_distance=2),
+        segment_means(k, m, s)))(q, k, v, mask)
     real = np.asarray(mask)
     means = [np.stack([x[b, t:t + s][real[b, t:t + s]].mean(0) for t in range(0, length, s)])
              for x in (np.asarray(k), np.asarray(v)) for b in range(2)]
@@ -104,7 +107,7 @@ def test_etc_full_radius_is_dense_attention_over_long_and_global_keys():
     allowed = np.ones((length + 4, length + 4), bool)
     want = masked_softmax(qq, keys, vals, allowed, np.concatenate([real, np.ones((2, 4), bool)], axis=1))
     np.testing.assert_allclose(out, want[:, :length], rtol=1e-10, atol=1e-12)
-    np.testing.assert_allclose(segment_means(k, mask, s), gk, rtol=1e-12)
+    np.testing.assert_allclose(got_means, gk, rtol=1e-12)
 
 
 def test_etc_rejects_bad_arguments():
@@ -135,20 +138,28 @@ def test_etc_module_attends_to_its_projected_segment_summaries():
   m = registry.build(cfg, features=8, num_heads=2, head_dim=4, causal=False, dtype=jnp.float32,
                      rngs=nnx.Rngs(0))
   assert m.rel_bias[...].shape == (2, 7)
-  m.rel_bias[...] = jax.random.normal(jax.random.key(1), (2, 7))
-  x = jax.random.normal(jax.random.key(0), (2, 10, 8))
-  mask = jnp.ones((2, 10), bool).at[1, 7:].set(False)
-  q, k, v = m.project(x)
-  summary = segment_means(x, mask, 3)  # [batch, 4, features]
-  want = m.out(etc(q, k, v, causal=False, mask=mask, segment_length=3, radius=2, max_distance=2,
-                   rel_bias=m.rel_bias[...], global_k=m.global_key(summary),
-                   global_v=m.global_value(summary)))
-  np.testing.assert_allclose(m(x, mask, deterministic=True), want, rtol=1e-5, atol=1e-6)
+  m.rel_bias[...] = jnp.asarray(np.random.default_rng(1).normal(size=(2, 7)), jnp.float32)
+  x = np.random.default_rng(0).normal(size=(2, 10, 8)).astype(np.float32)
+  mask = np.ones((2, 10), bool)
+  mask[1, 7:] = False
+
+  @nnx.jit
+  def both(m, x, mask):
+    q, k, v = m.project(x)
+    summary = segment_means(x, mask, 3)  # [batch, 4, features]
+    want = m.out(etc(q, k, v, causal=False, mask=mask, segment_length=3, radius=2, max_distance=2,
+                     rel_bias=m.rel_bias[...], global_k=m.global_key(summary),
+                     global_v=m.global_value(summary)))
+    return m(x, mask, deterministic=True), want
+
+  got, want = both(m, x, mask)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow
 def test_etc_masked_keys_get_no_gradient():
-  q, k, v, mask = inputs(2, length=10, dtype=jnp.float32)
+  q, k, v, mask, _, _, _ = (np.asarray(x, np.float32) if x.dtype == np.float64 else x
+                            for x in _inputs(2, 10, 0))
   bad = ~mask[:, :, None, None]
 
   def fn(k, v):
@@ -156,6 +167,6 @@ def test_etc_masked_keys_get_no_gradient():
                                hard_g2l=False, return_global=True)
     return jnp.sum(long_out ** 2) + jnp.sum(global_out ** 2)
 
-  for g in jax.grad(fn, argnums=(0, 1))(jnp.where(bad, jnp.nan, k), jnp.where(bad, jnp.inf, v)):
+  for g in jax.jit(jax.grad(fn, argnums=(0, 1)))(np.where(bad, np.nan, k), np.where(bad, np.inf, v)):
     assert np.all(np.isfinite(np.asarray(g)))
-    assert not np.any(np.asarray(g)[np.asarray(bad[..., 0, 0])])
+    assert not np.any(np.asarray(g)[bad[..., 0, 0]])
