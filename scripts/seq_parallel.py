@@ -1,15 +1,17 @@
 r"""Sequence-parallel attention on simulated CPU devices: communication and memory from the compiled program.
 
     python -m scripts.seq_parallel --length 65536            # collective bytes: combiner_fixed vs dense
+    python -m scripts.seq_parallel --length 131072 --ops all # every op with a sequence-parallel form
     python -m scripts.seq_parallel --length 1048576 --ops combiner_fixed --dtype bfloat16 --chunk_blocks 1 \
         --run                                                # memory analysis, then one forward+backward
 
 For each op it compiles forward + backward (loss = sum of the outputs, gradients for q, k and v) with the
-sequence split over a `seq` mesh axis of `--devices` simulated CPU devices, and prints the bytes each device
-receives over all collectives (`attention_core.hlo`, read from the compiled HLO), the budget 4 x (L / block)
-x heads x
-head_dim elements, and XLA's memory analysis (per device and over all devices). Nothing is executed unless
-`--run` is given; then the op runs once and the wall time is printed.
+sequence split over a `seq` mesh axis of `--devices` simulated CPU devices (the op's registered
+sequence-parallel form at its automatic plan parameters for L), and prints the bytes each device receives over
+all collectives (`attention_core.hlo`, read from the compiled HLO), their ratio to dense's K/V all-gather when
+dense is among the ops, the budget 4 x (L / block) x heads x head_dim elements, and XLA's memory analysis (per
+device and over all devices). Nothing is executed unless `--run` is given; then the op runs once and the wall
+time is printed.
 """
 
 from __future__ import annotations
@@ -27,10 +29,12 @@ def _parse(argv: list[str]) -> argparse.Namespace:
   p.add_argument("--heads", type=int, default=8)
   p.add_argument("--head_dim", type=int, default=64)
   p.add_argument("--block_size", type=int, default=0, help="0 = sqrt(L) rounded to a power of two")
-  p.add_argument("--chunk_blocks", type=int, default=0, help="query blocks per step on each device (0 = all)")
+  p.add_argument("--chunk_blocks", type=int, default=0,
+                 help="combiner_fixed, sparse_fixed: query blocks per step on each device (0 = all)")
   p.add_argument("--devices", type=int, default=8)
   p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-  p.add_argument("--ops", default="combiner_fixed,dense", help="comma-separated: combiner_fixed, dense")
+  p.add_argument("--ops", default="combiner_fixed,dense",
+                 help="comma-separated registry names with a sequence-parallel form, or 'all' (dense first)")
   p.add_argument("--causal", type=int, default=1)
   p.add_argument("--run", action="store_true", help="execute forward+backward once (after the analysis)")
   p.add_argument("--max_gib", type=float, default=10.0,
@@ -69,14 +73,19 @@ def main(argv: list[str] | None = None) -> dict:
         f"causal={bool(args.causal)}")
   print(f"budget 4 x (L/block) x heads x head_dim x batch = {budget / 2**20:.3f} MiB per device")
   results = {}
-  for name in args.ops.split(","):
-    kw = dict(causal=bool(args.causal), mesh=mesh)
-    if name == "combiner_fixed":
-      kw.update(block_size=block, chunk_blocks=args.chunk_blocks or None)
-    op = registry.get(name).seq_parallel
+  with_form = [n for n in registry.names() if registry.get(n).seq_parallel is not None]
+  names = ["dense"] + [n for n in with_form if n != "dense"] if args.ops == "all" else args.ops.split(",")
+  for name in names:
+    spec = registry.get(name)
+    op = spec.seq_parallel
     if op is None:
-      raise SystemExit(f"attention op {name!r} has no sequence-parallel form; ops with one: "
-                       f"{[n for n in registry.names() if registry.get(n).seq_parallel is not None]}")
+      raise SystemExit(f"attention op {name!r} has no sequence-parallel form; ops with one: {with_form}")
+    params = spec.params(length)
+    if "block_size" in params:
+      params["block_size"] = block
+    if args.chunk_blocks and name in ("combiner_fixed", "sparse_fixed"):
+      params["chunk_blocks"] = args.chunk_blocks
+    kw = dict(causal=bool(args.causal), mesh=mesh, **params)
 
     def loss(q, k, v, op=op, kw=kw):
       return jnp.sum(op(q, k, v, **kw), dtype=jnp.float32)
@@ -91,12 +100,14 @@ def main(argv: list[str] | None = None) -> dict:
                   - mem.alias_size_in_bytes)
     total = per_device * args.devices
     results[name] = {"collective_bytes": traffic["total"], "per_device_bytes": per_device,
-                     "total_bytes": total}
+                     "total_bytes": total, "params": params}
     kinds = ", ".join(f"{k} {v / 2**20:.3f}" for k, v in traffic.items() if k != "total")
-    print(f"{name:15s} collectives {traffic['total'] / 2**20:10.3f} MiB per device ({kinds}); "
-          f"{traffic['total'] / budget:.3f} x budget; memory per device: "
+    vs_dense = (f"{traffic['total'] / results['dense']['collective_bytes']:.4f} x dense; "
+                if "dense" in results and name != "dense" else "")
+    print(f"{name:25s} {params} collectives {traffic['total'] / 2**20:10.3f} MiB per device ({kinds}); "
+          f"{vs_dense}{traffic['total'] / budget:.3f} x budget; memory per device: "
           f"args {mem.argument_size_in_bytes / 2**30:.2f} + out {mem.output_size_in_bytes / 2**30:.2f} "
-          f"+ temp {mem.temp_size_in_bytes / 2**30:.2f} GiB, "
+          f"+ temp {mem.temp_size_in_bytes / 2**30:.2f} = {per_device / 2**30:.2f} GiB, "
           f"{total / 2**30:.2f} GiB over {args.devices} devices; compile {compile_s:.1f} s", flush=True)
     if args.run:
       if total / 2**30 >= args.max_gib:
@@ -113,9 +124,11 @@ def main(argv: list[str] | None = None) -> dict:
       results[name]["run_s"] = run_s
       print(f"{name}: forward+backward ran in {run_s:.1f} s, loss {float(value):.6g}, finite={finite}",
             flush=True)
-  if "combiner_fixed" in results and "dense" in results:
-    ratio = results["combiner_fixed"]["collective_bytes"] / results["dense"]["collective_bytes"]
-    print(f"combiner_fixed / dense collective bytes per device: {ratio:.5f} (1/{1 / ratio:.1f})")
+  if "dense" in results:
+    for name, r in results.items():
+      if name != "dense":
+        ratio = r["collective_bytes"] / results["dense"]["collective_bytes"]
+        print(f"{name} / dense collective bytes per device: {ratio:.5f} (1/{1 / ratio:.1f})")
   return results
 
 
