@@ -512,8 +512,8 @@ def flash_attention_fn(platform: str, *, causal: bool, dtype: str, length: int, 
                        ) -> tuple[Callable[..., Any] | None, str]:
   """(forward, "") for the backend's raw fused attention kernel, or (None, skip reason).
 
-  GPU: `jax.nn.dot_product_attention(..., implementation="cudnn")` (bfloat16/float16); TPU: JAX's Pallas TPU
-  flash kernel (`jax.experimental.pallas.ops.tpu.flash_attention`, the tiles `dense` uses; lengths a multiple
+  GPU: `jax.nn.dot_product_attention(..., implementation="cudnn")` (bfloat16/float16); TPU: Splash attention
+  with a causal or full mask (`attention_baselines.splash.kernel`, the tiles `dense` uses; lengths a multiple
   of 128). q, k, v: [batch, length, heads, head_dim]; no key mask, as for the ops.
   """
   import jax
@@ -527,16 +527,15 @@ def flash_attention_fn(platform: str, *, causal: bool, dtype: str, length: int, 
     return cudnn, ""
   if platform == "tpu":
     if dtype not in ("bfloat16", "float32") or length % 128:
-      return None, f"{SKIP_NO_FLASH} for {dtype}, L={length} (the TPU kernel: bfloat16/float32, L % 128 == 0)"
-    from jax.experimental.pallas.ops.tpu import flash_attention as tpu_flash
-
-    from attention_baselines.dense import tpu_block_sizes
+      return None, f"{SKIP_NO_FLASH} for {dtype}, L={length} (Splash: bfloat16/float32, L % 128 == 0)"
+    from attention_baselines import splash
 
     def forward(q, k, v):
+      heads = q.shape[2]
+      run = splash.kernel(splash.Pattern(causal=causal), length, heads)
+      q = q * jnp.asarray(head_dim**-0.5, q.dtype)  # Splash has no logit scale of its own
       qh, kh, vh = (jnp.swapaxes(t, 1, 2) for t in (q, k, v))  # [batch, heads, length, head_dim]
-      out = tpu_flash.flash_attention(qh, kh, vh, causal=causal, sm_scale=head_dim**-0.5,
-                                      block_sizes=tpu_block_sizes(length))
-      return jnp.swapaxes(out, 1, 2)  # [batch, length, heads, head_dim]
+      return jnp.swapaxes(jax.vmap(run)(qh, kh, vh), 1, 2)  # [batch, length, heads, head_dim]
     return forward, ""
   return None, f"{SKIP_NO_FLASH} on {platform}"
 
