@@ -74,6 +74,7 @@ class _Layouts:
     return jax.lax.all_to_all(t, self.axis, 2, 3, tiled=True)
 
   def partial_to_rows(self, p: Partial) -> Partial:
+    """A partial softmax of the column layout's queries, brought to the queries' own devices."""
     return Partial(*(self.to_rows(t) for t in p))
 
   def cols(self, *, keys: bool = True, pooled: bool = False) -> Grid:
@@ -97,6 +98,8 @@ class _Layouts:
 
 
 def _rowmajor(lay: _Layouts, causal: bool, pooling: str, span_key_fn: Callable | None) -> Array:
+  """Axial rowmajor: output [batch, heads, local rows, m, value_dim]; the own row here, the spans (one per
+  other row, valued per column) in the column layout."""
   g = lay.rows
   sums = rowmajor_summaries(g, pooling, span_key_fn, g.chunks(None, ""))
   # The spans' keys are one row per grid row (all-gathered); their values are per column (all-to-all).
@@ -107,7 +110,7 @@ def _rowmajor(lay: _Layouts, causal: bool, pooling: str, span_key_fn: Callable |
   return normalize(merge([own, lay.partial_to_rows(partial_softmax([spans]))]))
 
 
-def _vertical_pieces(lay: _Layouts, gc: Grid, causal: bool, pooling: str) -> Piece:
+def _vertical_piece(lay: _Layouts, gc: Grid, causal: bool, pooling: str) -> Piece:
   """The vertical span piece of the local queries (row layout); its summaries come from the column layout.
 
   Split of `combiner.axial.vertical_spans`: k̄[r, e], q̄[r, e] pool column e's rows s < r (causal) or s != r,
@@ -141,12 +144,12 @@ def _grid_plan(lay: _Layouts, plan: str, causal: bool, pooling: str, normalize_k
   if plan == "sparse":
     return normalize(merge([partial_softmax([row]), lay.partial_to_rows(partial_softmax([column]))]))
   if plan == "vertical":
-    local = partial_softmax([row, _vertical_pieces(lay, gc, causal, pooling)])
+    local = partial_softmax([row, _vertical_piece(lay, gc, causal, pooling)])
     return normalize(merge([local, lay.partial_to_rows(partial_softmax([column]))]))
   if plan == "horizontal":
     far = partial_softmax([column, _horizontal_piece(lay, gc, causal, pooling)])
     return normalize(merge([partial_softmax([row]), lay.partial_to_rows(far)]))
-  vertical = partial_softmax([_vertical_pieces(lay, gc, causal, pooling)])
+  vertical = partial_softmax([_vertical_piece(lay, gc, causal, pooling)])
   horizontal = _horizontal_piece(lay, gc, causal, pooling)
   if normalize_kind == "joint":
     far = lay.partial_to_rows(partial_softmax([column, horizontal]))
