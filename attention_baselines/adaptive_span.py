@@ -134,11 +134,10 @@ def _blocks(x: Array, n: int, size: int, pad: tuple[int, int]) -> Array:
 
 
 def _layout(plan: tuple, k: Array, v: Array, mask: Array) -> dict[str, Array]:
-  """Keys, values and key mask cut into blocks with `bound - 1` empty blocks on the side(s) offsets reach:
-  k [batch, heads, P + n (+ P), size, head_dim]; v the same with value_dim + 1 (`flag_nonfinite`); real
-  [batch, P + n (+ P), size]."""
-  causal, _, size, n, bound, _ = plan
-  pad = (bound - 1, 0 if causal else bound - 1)
+  """Keys, values and key mask cut into blocks: k [batch, heads, n, size, head_dim]; v the same with
+  value_dim + 1 (`flag_nonfinite`); real [batch, n, size]."""
+  _, _, size, n, _, _ = plan
+  pad = (0, 0)
   real = _blocks(mask[:, None, :, None], n, size, pad)[:, 0, ..., 0]  # [batch, P + n (+ P), size]
   kk = jnp.where(mask[:, None, :, None], k, 0.0)  # masked keys selected to zero (NaN there stays out)
   vv = flag_nonfinite(jnp.where(mask[:, None, :, None], v, 0.0))  # [batch, heads, length, value_dim + 1]
@@ -173,9 +172,16 @@ def _block_weights(plan: tuple, t: Array, real: Array, z: Array) -> tuple[Array,
 
 
 def _slice(x: Array, plan: tuple, t: Array, axis: int) -> Array:
-  """The n key blocks b - t of a padded block array (start P - t on `axis`)."""
-  start = plan[4] - 1 - t
-  return lax.dynamic_slice_in_dim(x, start, plan[3], axis=axis)
+  """Block b of the result holds block (b - t) mod n of x (`axis`: the blocks); the wrapped ones are not
+  keys of block b (`_real_at`)."""
+  del plan
+  return jnp.roll(x, t, axis=axis)
+
+
+def _real_at(plan: tuple, t: Array, real: Array) -> Array:
+  """The key mask of key blocks b - t, [batch, n, size], False where b - t is outside [0, n)."""
+  b = jnp.arange(plan[3]) - t
+  return _slice(real, plan, t, 1) & ((b >= 0) & (b < plan[3]))[None, :, None]
 
 
 def _forward(plan: tuple, q: Array, k: Array, v: Array, mask: Array, z: Array) -> tuple[Array, Array]:
@@ -192,7 +198,7 @@ def _forward(plan: tuple, q: Array, k: Array, v: Array, mask: Array, z: Array) -
     acc, row_max, denom = carry
     t = _offset(plan, u)
     kb, vb = _slice(lay["k"], plan, t, 2), _slice(lay["v"], plan, t, 2)  # [batch, heads, n, size, dim]
-    valid, m = _block_weights(plan, t, _slice(lay["real"], plan, t, 1), z)
+    valid, m = _block_weights(plan, t, _real_at(plan, t, lay["real"]), z)
     s = jnp.einsum("bhnqd,bhnkd->bhnqk", qb, kb)  # [batch, heads, n, size, size]
     s = jnp.where(valid, s, -jnp.inf)
     new_max = jnp.maximum(row_max, jnp.max(s, axis=-1))  # [batch, heads, n, size]
@@ -229,7 +235,7 @@ def _span_attention_bwd(plan, saved, d_out):
   causal, ramp, size, n, bound, length = plan
   batch, heads = q.shape[:2]
   lay = _layout(plan, k, v, mask)
-  vfin = lay["v"][..., :-1]  # non-finite values selected to 0: [batch, heads, P + n (+ P), size, value_dim]
+  vfin = lay["v"][..., :-1]  # non-finite values selected to 0: [batch, heads, n, size, value_dim]
   kfin = jnp.where(jnp.isfinite(lay["k"]), lay["k"], 0.0)
   qb = _blocks(q, n, size, (0, 0))  # [batch, heads, n, size, head_dim]
   dob = _blocks(d_out, n, size, (0, 0))  # [batch, heads, n, size, value_dim]
@@ -240,17 +246,15 @@ def _span_attention_bwd(plan, saved, d_out):
     dq, dk, dv, dz = carry
     t = _offset(plan, u)
     kb, vb = _slice(kfin, plan, t, 2), _slice(vfin, plan, t, 2)  # [batch, heads, n, size, dim]
-    valid, m = _block_weights(plan, t, _slice(lay["real"], plan, t, 1), z)
+    valid, m = _block_weights(plan, t, _real_at(plan, t, lay["real"]), z)
     s = jnp.einsum("bhnqd,bhnkd->bhnqk", qb, kb)  # [batch, heads, n, size, size]
     a = jnp.where(valid, m[None, :, None] * jnp.exp(jnp.where(valid, s, -jnp.inf) - lse[..., None]), 0.0)
     g = jnp.einsum("bhnqd,bhnkd->bhnqk", dob, vb) - delta[..., None]
     ds = jnp.where(valid, a * g, 0.0)  # [batch, heads, n, size, size]
     dq = dq + jnp.einsum("bhnqk,bhnkd->bhnqd", ds, kb)
-    start_k = bound - 1 - t
-    dk_t = jnp.einsum("bhnqk,bhnqd->bhnkd", ds, qb)
-    dv_t = jnp.einsum("bhnqk,bhnqd->bhnkd", a, dob)
-    dk = lax.dynamic_update_slice_in_dim(dk, lax.dynamic_slice_in_dim(dk, start_k, n, 2) + dk_t, start_k, 2)
-    dv = lax.dynamic_update_slice_in_dim(dv, lax.dynamic_slice_in_dim(dv, start_k, n, 2) + dv_t, start_k, 2)
+    # key block b - t's share, rolled back to its place (wrapped blocks carry zeros: no valid pair)
+    dk = dk + _slice(jnp.einsum("bhnqk,bhnqd->bhnkd", ds, qb), plan, -t, 2)
+    dv = dv + _slice(jnp.einsum("bhnqk,bhnqd->bhnkd", a, dob), plan, -t, 2)
     # dL/dm = e^s / Z * g = ds / m where m > 0; dm/dz = 1/R inside the ramp (0 < m < 1), else 0.
     per_m = jnp.where((m > 0) & (m < 1), 1.0 / jnp.where(m > 0, m, 1.0), 0.0) / ramp  # [heads, size, size]
     dz = dz + jnp.einsum("bhnqk,hqk->h", ds, per_m)
@@ -260,8 +264,7 @@ def _span_attention_bwd(plan, saved, d_out):
           jnp.zeros((heads,), z.dtype))
   dq, dk, dv, dz = lax.fori_loop(start, end, body, init)
 
-  def unblock(x):  # [batch, heads, P + n (+ P), size, dim] -> [batch, heads, length, dim]
-    x = lax.slice_in_dim(x, bound - 1, bound - 1 + n, axis=2)
+  def unblock(x):  # [batch, heads, n, size, dim] -> [batch, heads, length, dim]
     return x.reshape(batch, heads, n * size, -1)[:, :, :length]
 
   dq = dq.reshape(batch, heads, n * size, -1)[:, :, :length]
