@@ -61,9 +61,11 @@ Array = Any
 class _Layouts:
   """The local row grid and, built on demand, the column grid of one device; the all-to-alls between them."""
 
-  def __init__(self, x: common.Inputs, row_length: int, axis: str, pools: tuple[str, ...]):
+  def __init__(self, x: common.Inputs, row_length: int, axis: str, pools: tuple[str, ...],
+               query_chunks: int | None, op: str):
     self.x, self.axis, self.pools = x, axis, pools
     self.rows = Grid(x, row_length)  # [batch, heads, local rows, row_length, dim]
+    self.chunks = self.rows.chunks(query_chunks, op)  # chunks of local rows for the per-row summaries
 
   def to_cols(self, t: Array) -> Array:
     """[batch, heads, local rows, cols, ...] -> [batch, heads, rows, local cols, ...] (one all-to-all)."""
@@ -101,7 +103,7 @@ def _rowmajor(lay: _Layouts, causal: bool, pooling: str, span_key_fn: Callable |
   """Axial rowmajor: output [batch, heads, local rows, m, value_dim]; the own row here, the spans (one per
   other row, valued per column) in the column layout."""
   g = lay.rows
-  sums = rowmajor_summaries(g, pooling, span_key_fn, g.chunks(None, ""))
+  sums = rowmajor_summaries(g, pooling, span_key_fn, lay.chunks)
   # The spans' keys are one row per grid row (all-gathered); their values are per column (all-to-all).
   k_all, ne_all = (jax.lax.all_gather(t, lay.axis, axis=2, tiled=True) for t in (sums.k_bar, sums.nonempty))
   gc = lay.cols(keys=False)
@@ -130,7 +132,7 @@ def _vertical_piece(lay: _Layouts, gc: Grid, causal: bool, pooling: str) -> Piec
 def _horizontal_piece(lay: _Layouts, gc: Grid, causal: bool, pooling: str) -> Piece:
   """The horizontal span piece in the column layout: per-row summaries made locally, moved per column."""
   g = lay.rows
-  sums = horizontal_summaries(g, pooling, g.chunks(None, ""))  # [b, h, local rows, m, .]
+  sums = horizontal_summaries(g, pooling, lay.chunks)  # [b, h, local rows, m, .]
   return horizontal_spans(gc, gc.query_rows(), causal, HorizontalSummaries(*(lay.to_cols(t) for t in sums)))
 
 
@@ -161,12 +163,12 @@ def _grid_plan(lay: _Layouts, plan: str, causal: bool, pooling: str, normalize_k
 
 
 def _local(plan: str, op: str, row_length: int, causal: bool, pooling: str, normalize_kind: str, axis: str,
-           pools: tuple[str, ...], span_key_fn: Callable | None, q: Array, k: Array, v: Array, mask: Array,
-           *pooled: Array) -> Array:
+           pools: tuple[str, ...], span_key_fn: Callable | None, query_chunks: int | None, q: Array, k: Array,
+           v: Array, mask: Array, *pooled: Array) -> Array:
   """One device's run [batch, local_length, heads, dim] -> its output, same layout."""
   given = dict(zip(pools, pooled, strict=True))
   x = common.prepare(q, k, v, mask, op=op, causal=causal, pooling=pooling, **given)
-  lay = _Layouts(x, row_length, axis, pools)
+  lay = _Layouts(x, row_length, axis, pools, query_chunks, op)
   if plan == "rowmajor":
     out = _rowmajor(lay, causal, pooling, span_key_fn)
   else:
@@ -176,7 +178,8 @@ def _local(plan: str, op: str, row_length: int, causal: bool, pooling: str, norm
 
 def _run(plan: str, op: str, q: Array, k: Array, v: Array, *, row_length: int, causal: bool,
          mask: Array | None, pooling: str, pool_q: Array | None, pool_k: Array | None,
-         span_key_fn: Callable | None, normalize_kind: str, mesh: Any, axis: str) -> Array:
+         span_key_fn: Callable | None, normalize_kind: str, mesh: Any, axis: str,
+         query_chunks: int | None) -> Array:
   q, k, v, mask = contract.check_qkv(q, k, v, mask, op=op)
   contract.check_bool(causal, name="causal", op=op)
   contract.check_choice(pooling, name="pooling", allowed=POOLINGS, op=op)
@@ -195,19 +198,20 @@ def _run(plan: str, op: str, q: Array, k: Array, v: Array, *, row_length: int, c
                        f"got {getattr(x, 'shape', type(x).__name__)}")
   spec, mspec = sharding.seq_specs(mesh, axis, batch, heads)
   local = functools.partial(_local, plan, op, m, bool(causal), pooling, normalize_kind, axis, tuple(pools),
-                            span_key_fn)
+                            span_key_fn, common.check_query_chunks(query_chunks, op=op))
   return jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 3 + (mspec,) + (spec,) * len(pools),
                        out_specs=spec)(q, k, v, mask, *pools.values())
 
 
 def axial(q: Array, k: Array, v: Array, *, row_length: int, direction: str, causal: bool,
           mask: Array | None = None, pooling: str = "max", pool_q: Array | None = None,
-          pool_k: Array | None = None, span_key_fn: Callable[[Array], Array] | None = None, mesh: Any = None,
-          axis: str = sharding.SEQ_AXIS) -> Array:
+          pool_k: Array | None = None, span_key_fn: Callable[[Array], Array] | None = None,
+          query_chunks: int | None = None, mesh: Any = None, axis: str = sharding.SEQ_AXIS) -> Array:
   """Combiner-Axial with the sequence split over mesh axis `axis`; equals `combiner.axial` (same arguments).
 
   q, k: [batch, length, heads, head_dim]; v: [batch, length, heads, value_dim]; length must be a multiple of
-  (devices along `axis`) x row_length, and row_length a multiple of the devices.
+  (devices along `axis`) x row_length, and row_length a multiple of the devices. query_chunks: chunks of each
+  device's rows for the per-row span summaries (None: as the op chooses for the local grid).
   """
   op = "combiner.seq_parallel_axial.axial"
   contract.check_choice(direction, name="direction", allowed=DIRECTIONS, op=op)
@@ -216,24 +220,26 @@ def axial(q: Array, k: Array, v: Array, *, row_length: int, direction: str, caus
                      f"got {direction!r}")
   return _run(direction, op, q, k, v, row_length=row_length, causal=causal, mask=mask, pooling=pooling,
               pool_q=pool_q, pool_k=pool_k, span_key_fn=span_key_fn, normalize_kind="mean", mesh=mesh,
-              axis=axis)
+              axis=axis, query_chunks=query_chunks)
 
 
 def mixture(q: Array, k: Array, v: Array, *, row_length: int, causal: bool, mask: Array | None = None,
             pooling: str = "max", normalize: str = "mean", pool_q: Array | None = None,
-            pool_k: Array | None = None, mesh: Any = None, axis: str = sharding.SEQ_AXIS) -> Array:
+            pool_k: Array | None = None, query_chunks: int | None = None, mesh: Any = None,
+            axis: str = sharding.SEQ_AXIS) -> Array:
   """Combiner-Mixture with the sequence split over mesh axis `axis`; equals `combiner.mixture` (same
   arguments; lengths as for `axial`)."""
   op = "combiner.seq_parallel_axial.mixture"
   contract.check_choice(normalize, name="normalize", allowed=NORMALIZE, op=op)
   return _run("mixture", op, q, k, v, row_length=row_length, causal=causal, mask=mask, pooling=pooling,
-              pool_q=pool_q, pool_k=pool_k, span_key_fn=None, normalize_kind=normalize, mesh=mesh, axis=axis)
+              pool_q=pool_q, pool_k=pool_k, span_key_fn=None, normalize_kind=normalize, mesh=mesh, axis=axis,
+              query_chunks=query_chunks)
 
 
 def sparse_axial(q: Array, k: Array, v: Array, *, row_length: int, causal: bool, mask: Array | None = None,
-                 mesh: Any = None, axis: str = sharding.SEQ_AXIS) -> Array:
+                 query_chunks: int | None = None, mesh: Any = None, axis: str = sharding.SEQ_AXIS) -> Array:
   """Sparse axial attention with the sequence split over mesh axis `axis`; equals `combiner.sparse.axial`
   (same arguments; lengths as for `axial`)."""
   return _run("sparse", "combiner.seq_parallel_axial.sparse_axial", q, k, v, row_length=row_length,
               causal=causal, mask=mask, pooling="max", pool_q=None, pool_k=None, span_key_fn=None,
-              normalize_kind="mean", mesh=mesh, axis=axis)
+              normalize_kind="mean", mesh=mesh, axis=axis, query_chunks=query_chunks)
