@@ -145,6 +145,7 @@ def test_the_loop_runs_only_over_offsets_within_the_largest_span():
       assert want * block - (block - 1) >= zmax + ramp > (want - 1) * block - (block - 1)
 
 
+@pytest.mark.slow  # fast sibling: tests/attention_core/test_decode.py steps the decoder at its automatic plan
 def test_decoding_from_the_ring_equals_the_forward_pass():
   """A ring of ceil(max_span + R) = 12 slots, fewer than the 19 tokens: prefill 7, then step."""
   q, k, v, _ = inputs(5, batch=2, length=19, heads=2, head_dim=4, value_dim=3, dtype=jnp.float32)
