@@ -9,8 +9,8 @@ context-parallel baseline to compare against (attention_baselines/dense_seq_para
 and V. `sparse_fixed` is the same program with each block's summary position (its last key and value) for its
 summary. The other plans' forms: combiner/seq_parallel_logsparse.py and combiner/seq_parallel_axial.py.
 
-Batch is split over the "data" axis and heads over "model" when the mesh has them (and they divide evenly);
-the mesh axes are `Auto` ones, as training/mesh.py makes them.
+Batch is split over the "data" and "fsdp" axes and heads over "model" when the mesh has them (and they divide
+evenly); the mesh axes are `Auto` ones, as training/mesh.py makes them.
 `chunk_blocks` processes the local blocks a few at a time in a loop, forward and backward (an explicit
 `custom_vjp` that recomputes each chunk and writes its gradients in place), so the live logits are
 chunk x block x (block + L / block) per head instead of the whole local run's: what makes very long sequences

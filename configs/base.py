@@ -129,7 +129,7 @@ def base_config() -> ml_collections.ConfigDict:
   # default every data-parallel device holds 1/n of them; fsdp = 1: plain data parallelism (whole copies).
   c.mesh.data = -1
   c.mesh.fsdp = -1
-  c.mesh.seq = 1  # sequence parallelism: each sequence split over this many devices (combiner_fixed, dense)
+  c.mesh.seq = 1  # sequence parallelism: each sequence split over this many devices (ops with that form)
   c.mesh.model = 1
   c.sharding_rules = SHARDING_RULES
   return c
