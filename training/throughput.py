@@ -108,12 +108,22 @@ def _sub_jaxprs(eqn: Any) -> list[jex.ClosedJaxpr]:
   return found
 
 
-def _xla_flops(closed: jex.ClosedJaxpr) -> float:
-  args = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars]
-  cost = jax.jit(jex.jaxpr_as_fun(closed)).lower(*args).cost_analysis()
+def _first(cost: Any) -> dict[str, float]:
   if isinstance(cost, (list, tuple)):  # older JAX: one dict per program
     cost = cost[0] if cost else {}
-  return float((cost or {}).get("flops", 0.0))
+  return cost or {}
+
+
+def _xla_flops(closed: jex.ClosedJaxpr) -> float:
+  args = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars]
+  lowered = jax.jit(jex.jaxpr_as_fun(closed)).lower(*args)
+  try:
+    cost = _first(lowered.cost_analysis())
+  except NotImplementedError:  # PJRT plugins (GPU) have no cost analysis before compilation
+    cost = {}
+  if "flops" not in cost:  # read from the compiled program instead (the GPU plugin answers there)
+    cost = _first(lowered.compile().cost_analysis())
+  return float(cost.get("flops", 0.0))
 
 
 def _loop_extra(closed: jex.ClosedJaxpr) -> float:
