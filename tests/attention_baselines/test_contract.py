@@ -57,10 +57,11 @@ def test_causal_outputs_do_not_depend_on_the_future(name):
 
 
 # BigBird's, Longformer's and linear's compiles (a gradient each) are the slowest: they run with the slow
-# tests, as does causal Performer; local, none and bidirectional Performer run fast.
+# tests, as do causal Performer and causal local; bidirectional local, none and bidirectional Performer run
+# fast.
 @pytest.mark.parametrize("name,causal", [
     pytest.param(name, causal, marks=pytest.mark.slow if name in ("bigbird", "linear", "longformer")
-                 or (name, causal) == ("performer", True) else ())
+                 or (name, causal) in (("performer", True), ("local", True)) else ())
     for name in sorted(OPS) for causal in (True, False)])
 def test_masked_keys_holding_nan_change_nothing(name, causal):
   fn = functools.partial(ops_registry.get(name).fn, causal=causal, **OPS[name])
@@ -135,7 +136,8 @@ def _op(name, length):
   }[name]
 
 
-@pytest.mark.parametrize("name", SIZED_OPS)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "linformer" else n
+                                  for n in SIZED_OPS])  # linformer's compile is the slowest: -m slow
 def test_nan_in_masked_positions_changes_nothing(name):
   with jax.enable_x64(True):
     q, k, v, _ = inputs_at(L, 6)

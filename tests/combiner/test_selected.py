@@ -86,7 +86,8 @@ def test_matches_the_definition_forward_and_gradients(causal, pooling, select):
     np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-11)
 
 
-@pytest.mark.parametrize("causal", [pytest.param(True, marks=pytest.mark.slow), False])
+@pytest.mark.slow
+@pytest.mark.parametrize("causal", [True, False])
 def test_zero_is_combiner_fixed_and_every_span_is_dense(causal):
   q, k, v, mask = _inputs(seed=11, batch=2, length=37)
   plain = fixed(q, k, v, block_size=8, causal=causal, mask=mask, implementation="xla")

@@ -256,7 +256,7 @@ def test_dense_backward_matches_surrogate_exactly(normalize):
       np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("features", [None, 1, 3])
+@pytest.mark.parametrize("features", [None, 1, pytest.param(3, marks=pytest.mark.slow)])
 def test_sampled_backward_is_unbiased_for_surrogate_gradient(features):
   # The forward's codes are re-used; dV is exact in expectation, dQ/dK too (features=1, 3: unbiased sketches
   # through the segment-sum and the chunked implementation).
