@@ -105,8 +105,8 @@ def test_no_mask_equals_an_all_real_mask(name, causal):
       np.testing.assert_allclose(g, w, rtol=1e-11, atol=1e-13)
 
 
-# BigBird and Performer at their automatic parameters are the slowest to compile: they run with -m slow.
-@pytest.mark.parametrize("name", _ops({"bigbird", "performer"}))
+# BigBird, Performer and Longformer at their automatic parameters are the slowest to compile: -m slow.
+@pytest.mark.parametrize("name", _ops({"bigbird", "longformer", "performer"}))
 def test_registered_ops_run_at_their_automatic_parameters(name):
   spec = ops_registry.get(name)
   q, k, v, mask = inputs(4, batch=1, length=37, head_dim=8, dtype=jnp.bfloat16)

@@ -118,7 +118,7 @@ def test_dense_auto_picks_the_backend_kernel(monkeypatch, platform, dtype, value
     dense_module.dense(q, k, v, causal=True, implementation="pallas")
 
 
-@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("causal", [pytest.param(True, marks=pytest.mark.slow), False])
 def test_cudnn_mask_coordinate_is_exact(monkeypatch, causal):
   # The cuDNN path's arguments, run by jax.nn.dot_product_attention's XLA implementation: the extra key-mask
   # coordinate must reproduce the masked softmax, and NaN in masked keys must not leak.

@@ -320,6 +320,7 @@ def _dense_cases(length):
   return cases
 
 
+@pytest.mark.slow  # each plan's reference equality runs fast (test_op_equals_reference)
 def test_degenerate_plans_equal_dense():
   with jax.enable_x64(True):
     g = np.random.default_rng(23)

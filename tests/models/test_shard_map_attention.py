@@ -107,6 +107,7 @@ def test_model_equals_single_device(name, data, model, monkeypatch):
   assert_close(got, loss_and_grads(net, ids))
 
 
+@pytest.mark.slow
 def test_yoso_heads_shards_draw_their_own_hashes():
   """With heads split over "model", shard j's heads run yoso with fold_in(key, j): the op equals that
   definition run shard by shard on one device; batch shards share the key (hashes are shared over the
