@@ -158,11 +158,12 @@ def _params(name: str, case: Case) -> dict:
 FAST_GENERATION = "v5e"  # the fast run compiles the representative case here
 SLOW_GENERATIONS = ("v4",)  # `-m slow` also here (the least VMEM); the others with the grid, `-m tpu_grid`
 # Compiled with `-m slow` only: logsparse takes about a minute; the others repeat a kernel family the fast
-# run compiles already (mixture and the horizontal plan: the axial kernels; the sketched and `_c` YOSO
-# variants: YOSO's tables; local and longformer: dense's Splash kernel with another mask).
+# run compiles already (mixture, the vertical and the horizontal plans: the axial kernels of rowmajor; the
+# sketched and `_c` YOSO variants: YOSO's tables; local and longformer: dense's Splash kernel with another
+# mask).
 SLOW_TO_COMPILE = ("combiner_logsparse", "sparse_logsparse", "combiner_mixture", "combiner_mixture_joint",
-                   "combiner_axial_horizontal", "yoso_c", "yoso_sketch", "yoso_sketch_c", "local",
-                   "longformer")
+                   "combiner_axial_horizontal", "combiner_axial_vertical", "yoso_c", "yoso_sketch",
+                   "yoso_sketch_c", "local", "longformer")
 
 
 def grid_params() -> list:

@@ -297,6 +297,7 @@ def test_nearest_membership_matches_numpy_and_is_exactly_causal(causal):
     routing_attention(q, q, v, centroids=mu, window=3, causal=causal, share_qk=False, membership="nearest")
 
 
+@pytest.mark.slow
 def test_default_membership_is_exactly_causal_and_the_balanced_opt_in_leaks():
   """The decision documented in `routing.attention`: decoders (causal, shared QK) default to "nearest"; the
   paper's top-k stays an explicit opt-in ("balanced_leaky"), and in a decoder it leaks: changing only
