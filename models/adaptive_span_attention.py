@@ -69,11 +69,8 @@ class AdaptiveSpanAttention(attention.OpAttention):
                causal: bool, dtype: Any, rngs: nnx.Rngs):
     super().__init__(config, features=features, num_heads=num_heads, head_dim=head_dim, causal=causal,
                      dtype=dtype, rngs=rngs)
-    seq_len = config.get("seq_len", None)
-    if not seq_len:
-      raise ValueError("attention 'adaptive_span': 'seq_len' (the model's sequence length) is needed to fix "
-                       "max_span; build the module through models.registry.build(..., seq_len=L)")
-    plan = attention.resolve_plan_params(ops_registry.get(self.op_name), self.plan_params, int(seq_len))
+    seq_len = self.seq_len(config, "fix max_span")
+    plan = attention.resolve_plan_params(ops_registry.get(self.op_name), self.plan_params, seq_len)
     self.plan_params.update(max_span=int(plan["max_span"]), ramp=plan["ramp"])
     self.max_span = int(plan["max_span"])
     init = _number(config, "span_init", 0.0, 0.0, 1.0)

@@ -186,6 +186,15 @@ class OpAttention(AttentionBase):
     # Recompute the op in the backward pass instead of keeping its intermediates (models.recompute).
     self.recompute = bool(config.get("recompute", None) or False)
 
+  def seq_len(self, config: ml_collections.ConfigDict, need: str = "shape its parameters") -> int:
+    """The model's sequence length (`config.seq_len`, filled in by models.registry.build), for modules whose
+    parameters or plan depend on it; a clear error naming what it is `need`ed for when it is missing."""
+    seq_len = config.get("seq_len", None)
+    if not seq_len:
+      raise ValueError(f"attention {self.op_name!r}: 'seq_len' (the model's sequence length) is needed to "
+                       f"{need}; build the module through models.registry.build(..., seq_len=L)")
+    return int(seq_len)
+
   def op_kwargs(self, q: Array, k: Array) -> dict[str, Any]:
     """Extra keyword arguments for the op (subclasses add model-level options)."""
     return {}

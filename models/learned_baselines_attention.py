@@ -49,13 +49,6 @@ class _OwnArgumentsAttention(attention.OpAttention):
     for key in self.OWN:
       self.plan_params.pop(key, None)
 
-  def seq_len(self, config: ml_collections.ConfigDict) -> int:
-    seq_len = config.get("seq_len", None)
-    if not seq_len:
-      raise ValueError(f"attention {self.op_name!r}: 'seq_len' (the model's sequence length) is needed to "
-                       "shape its parameters; build the module through models.registry.build(..., seq_len=L)")
-    return int(seq_len)
-
   def own_arguments(self, length: int) -> dict[str, Any]:
     raise NotImplementedError
 

@@ -44,12 +44,9 @@ class NSAAttention(attention.OpAttention):
                causal: bool, dtype: Any, rngs: nnx.Rngs):
     super().__init__(config, features=features, num_heads=num_heads, head_dim=head_dim, causal=causal,
                      dtype=dtype, rngs=rngs)
-    seq_len = config.get("seq_len", None)
-    if not seq_len:
-      raise ValueError("attention 'nsa': 'seq_len' (the model's sequence length) is needed to shape the "
-                       "compression MLPs; build the module through models.registry.build(..., seq_len=L)")
+    seq_len = self.seq_len(config, "shape the compression MLPs")
     spec = ops_registry.get(self.op_name)
-    plan = attention.resolve_plan_params(spec, self.plan_params, int(seq_len))
+    plan = attention.resolve_plan_params(spec, self.plan_params, seq_len)
     self.plan_params.update({key: int(plan[key]) for key in PLAN})
     size = self.plan_params["compress_block"]
     hidden = head_dim
