@@ -39,10 +39,8 @@ from training import command_line, config_io
 
 def _flags():
   from absl import flags
-  from ml_collections import config_flags
 
-  config_flags.DEFINE_config_file("config", config_io.DEFAULT_CONFIG, "experiment config file (path[:arg])",
-                                  lock_config=True)
+  command_line.define_config_flag(config_io.DEFAULT_CONFIG)
   flags.DEFINE_string("workdir", None, "checkpoints, summaries and config; default workdirs/<config>-<time>")
   flags.DEFINE_multi_string("gin_file", [], "gin files binding attention constructor fields (ablations)")
   flags.DEFINE_multi_string("gin_bindings", [], "gin bindings, e.g. 'attention.deepsets = True'")

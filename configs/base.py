@@ -22,44 +22,24 @@ SHARDING_RULES = (("embed", "fsdp"), ("mlp", "model"), ("heads", "model"), ("kv"
 
 
 def attention_config(name: str = "combiner_fixed") -> ml_collections.ConfigDict:
-  """`config.model.attention`: the module registry name, plan parameters and module options.
+  """`config.model.attention`: the attention's registry name, its plan parameters and its module's options.
 
   params: plan parameters passed to the op ("auto" = the op's own choice for the sequence length, its
     registration's `params(L)`, resolved where the model is built); type-unsafe so that "auto" can be
     replaced by an int from the command line.
-  Module options default to None = the module's default; gin may bind only fields left at None / "auto".
+  Module options: each module declares the fields it reads (its `FIELDS`; `train.py --list` shows them). A
+  config holds only those it sets, e.g. `att.deepsets = True`; `--config.model.attention.FIELD=VALUE` and gin
+  set the others; absent or None = the module's default. The entry points check every field against the
+  chosen module's declaration before anything is built.
   """
   att = ml_collections.ConfigDict()
   att.name = name
   att.params = ml_collections.ConfigDict(type_safe=False)
   # Dropout on the attention output per head (the ops are fused: no weights to drop).
   att.dropout_rate = ml_collections.FieldReference(None, field_type=float)
-  # Combiner: relu(Dense(q)) / relu(Dense(k)) pooled into the span abstractions (paper Table 3).
-  att.deepsets = ml_collections.FieldReference(None, field_type=bool)
-  # Combiner axial rowmajor: a learned row-summary span key (per head, from the pooled key), an approximation
-  # of the released code's per-column key (docs/design.md section 4).
-  att.learned_span_key = ml_collections.FieldReference(None, field_type=bool)
-  # Ops from the op registry: recompute the op in the backward pass instead of keeping its intermediates
-  # (dense: the [heads, L, L] probabilities); exact same gradients, one extra op forward (models.recompute).
-  att.recompute = ml_collections.FieldReference(None, field_type=bool)
-  # Routing: heads that route per routing layer (None = half of them; the rest attend locally), the routing
-  # layers (layer indices, negative from the top; None = every layer), and the cluster membership (None = the
-  # module's default: "nearest" in decoders, exactly causal; "balanced" = the paper's top-k, see routing/).
-  att.routing_heads = ml_collections.FieldReference(None, field_type=int)
-  att.routing_layers = ml_collections.FieldReference(None, field_type=tuple)
-  att.membership = ml_collections.FieldReference(None, field_type=str)
   # Ops that take `implementation` (Combiner plans): "auto" (fused Pallas kernels on GPU/TPU, XLA on CPU),
   # "xla" or the op's accelerated one ("pallas"); passed only to ops whose signature accepts it.
   att.implementation = "auto"
-  # Linformer: the projected length k of E, F (None = 256).
-  att.proj_dim = ml_collections.FieldReference(None, field_type=int)
-  # Adaptive span: each head's initial span as a fraction of params.max_span (None = 0, the paper's code) and
-  # the L1 coefficient per token of span added to the loss (None = 2e-6, the paper's).
-  att.span_init = ml_collections.FieldReference(None, field_type=float)
-  att.span_loss = ml_collections.FieldReference(None, field_type=float)
-  # BlockBERT: one block shift per head, head h attending from block a to block (a + shifts[h]) mod
-  # params.num_blocks (None = the paper's mix: about one head in six shifted, the rest block-diagonal).
-  att.shifts = ml_collections.FieldReference(None, field_type=tuple)
   return att
 
 
@@ -289,10 +269,6 @@ def validate(c: ml_collections.ConfigDict, attention_names: Any = None) -> None:
                        + (f" (did you mean {close[0]!r}?)" if close else "") + f"; valid: {names}")
   if att.dropout_rate is not None:
     in_range("config.model.attention.dropout_rate", att.dropout_rate, 0, 1, "[)")
-  if att.routing_heads is not None:
-    at_least("config.model.attention.routing_heads", att.routing_heads, 0, " (0 = every head local)")
-  if att.proj_dim is not None:
-    at_least("config.model.attention.proj_dim", att.proj_dim, 1)
   for key, value in att.params.items():
     if key.endswith(("_size", "_length", "_block", "_stride", "num_hashes", "num_features", "num_clusters",
                      "num_landmarks", "n_hashes", "n_buckets"))\
@@ -360,7 +336,7 @@ def route_every_head(c: ml_collections.ConfigDict) -> None:
   one architecture, without the Routing Transformer's local heads: Section 5), unless the config chose a
   layout."""
   att = c.model.attention
-  if str(att.name) == "routing" and att.routing_heads is None:
+  if str(att.name) == "routing" and att.get("routing_heads") is None:
     att.routing_heads = int(c.model.num_heads)
 
 

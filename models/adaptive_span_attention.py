@@ -63,7 +63,14 @@ def _number(config: ml_collections.ConfigDict, name: str, default: float, low: f
 class AdaptiveSpanAttention(attention.OpAttention):
   """Projections + adaptive-span attention with module-owned spans and their L1 penalty."""
 
-  FIELDS = ("seq_len", "span_init", "span_loss", "recompute")
+  FIELDS = {
+    "seq_len": attention.SEQ_LEN,
+    "span_init": attention.Field(float, "each head's initial span as a fraction of params.max_span (None = 0, "
+                                 "the paper's code)", minimum=0),
+    "span_loss": attention.Field(float, "L1 coefficient per token of span added to the loss (None = 2e-6, the "
+                                 "paper's)", minimum=0),
+    "recompute": attention.RECOMPUTE,
+  }
 
   def __init__(self, config: ml_collections.ConfigDict, *, features: int, num_heads: int, head_dim: int,
                causal: bool, dtype: Any, rngs: nnx.Rngs):

@@ -11,6 +11,7 @@ The constructor signature and call convention are documented in `models/registry
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from typing import Any
@@ -31,6 +32,25 @@ AUTO = "auto"
 
 # Fields of `config.model.attention` every module understands; plan parameters live in `params`.
 COMMON_FIELDS = ("name", "params", "dropout_rate", "implementation")
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+  """A `config.model.attention` field a module reads, declared in the module's `FIELDS` {name: Field}.
+
+  A config holds only the fields it sets; absent or None means the module's default. The entry points check
+  a set value against `kind` (int is accepted for float, a list for tuple) and `minimum` before building
+  (models.registry.check_fields), so a bad value is a one-line error naming the field."""
+  kind: type  # bool | int | float | str | tuple
+  help: str
+  minimum: float | None = None
+
+
+# Fields several modules read.
+RECOMPUTE = Field(bool, "recompute the op in the backward pass instead of keeping its intermediates "
+                  "(models.recompute): same gradients, one extra op forward")
+SEQ_LEN = Field(int, "the model's sequence length; filled in by models.registry.build when unset "
+                "(state shaped at construction)", minimum=1)
 
 
 # Keyword-only op arguments that are not plan parameters (the contract's own and the model's inputs).
@@ -154,7 +174,7 @@ class AttentionBase(nnx.Module):
 class OpAttention(AttentionBase):
   """Any registered pure op, chosen by `config.name`, with plan parameters `config.params`."""
 
-  FIELDS: tuple[str, ...] = ("recompute",)  # config fields beyond COMMON_FIELDS (models.registry)
+  FIELDS: dict[str, Field] = {"recompute": RECOMPUTE}  # config fields beyond COMMON_FIELDS
 
   def __init__(self, config: ml_collections.ConfigDict, *, features: int, num_heads: int, head_dim: int,
                causal: bool, dtype: Any, rngs: nnx.Rngs):
@@ -329,7 +349,12 @@ class CombinerAttention(OpAttention):
   config.learned_span_key: axial rowmajor only; span keys pass through `SpanKey`.
   """
 
-  FIELDS = ("deepsets", "recompute", "learned_span_key")
+  FIELDS = {
+    "deepsets": Field(bool, "pool relu(Dense(q)) / relu(Dense(k)) into the span abstractions (paper Table 3)"),
+    "recompute": RECOMPUTE,
+    "learned_span_key": Field(bool, "axial rowmajor: a learned row-summary span key per head, from the pooled "
+                              "key (an approximation of the released code's per-column key)"),
+  }
 
   def __init__(self, config: ml_collections.ConfigDict, *, features: int, num_heads: int, head_dim: int,
                causal: bool, dtype: Any, rngs: nnx.Rngs):

@@ -29,7 +29,12 @@ Array = Any
 class BlockBERTAttention(attention.OpAttention):
   """OpAttention whose per-head block shifts come from the `shifts` field (default: the paper's mix)."""
 
-  FIELDS = ("shifts", "recompute")
+  FIELDS = {
+    "shifts": attention.Field(tuple, "one block shift per head: head h attends from block a to block "
+                              "(a + shifts[h]) mod params.num_blocks (None = the paper's mix, about one head in "
+                              "six shifted, the rest block-diagonal)"),
+    "recompute": attention.RECOMPUTE,
+  }
 
   def __init__(self, config: ml_collections.ConfigDict, *, features: int, num_heads: int, head_dim: int,
                causal: bool, dtype: Any, rngs: nnx.Rngs):

@@ -35,7 +35,7 @@ Array = Any
 class ETCAttention(attention.OpAttention):
   """Projections + ETC attention: global keys and values from segment means, learned relative biases."""
 
-  FIELDS = ("recompute",)
+  FIELDS = {"recompute": attention.RECOMPUTE}
 
   def __init__(self, config: ml_collections.ConfigDict, *, features: int, num_heads: int, head_dim: int,
                causal: bool, dtype: Any, rngs: nnx.Rngs):

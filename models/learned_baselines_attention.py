@@ -38,7 +38,7 @@ class _OwnArgumentsAttention(attention.OpAttention):
   """An op whose listed arguments (`OWN`) the module supplies itself instead of the registry's stand-ins."""
 
   OWN: tuple[str, ...] = ()
-  FIELDS: tuple[str, ...] = ()
+  FIELDS: dict[str, attention.Field] = {}
   PER_HEAD = False  # the OWN arrays have a leading heads axis (split with the heads under
                     # attention_core.sharding)
 
@@ -77,7 +77,8 @@ class ReformerAttention(_OwnArgumentsAttention):
 
 class LinformerAttention(_OwnArgumentsAttention):
   OWN = ("proj_k", "proj_v")
-  FIELDS = ("seq_len", "proj_dim")
+  FIELDS = {"seq_len": attention.SEQ_LEN,
+            "proj_dim": attention.Field(int, "the projected length k of E, F (None = 256)", minimum=1)}
 
   def __init__(self, config: ml_collections.ConfigDict, *, rngs: nnx.Rngs, **kwargs: Any):
     super().__init__(config, rngs=rngs, **kwargs)
@@ -107,7 +108,7 @@ def _mlp(rngs: nnx.Rngs, heads: int, d_in: int, hidden: int, d_out: int) -> tupl
 
 class SinkhornAttention(_OwnArgumentsAttention):
   OWN = ("sort_w1", "sort_b1", "sort_w2", "sort_b2")
-  FIELDS = ("seq_len",)
+  FIELDS = {"seq_len": attention.SEQ_LEN}
   PER_HEAD = True
 
   def __init__(self, config: ml_collections.ConfigDict, *, num_heads: int, head_dim: int, rngs: nnx.Rngs,
@@ -126,7 +127,7 @@ class SinkhornAttention(_OwnArgumentsAttention):
 
 class SynthesizerAttention(_OwnArgumentsAttention):
   OWN = ("w1", "b1", "w2", "b2")
-  FIELDS = ("seq_len",)
+  FIELDS = {"seq_len": attention.SEQ_LEN}
   PER_HEAD = True
 
   def __init__(self, config: ml_collections.ConfigDict, *, num_heads: int, head_dim: int, rngs: nnx.Rngs,
@@ -140,7 +141,7 @@ class SynthesizerAttention(_OwnArgumentsAttention):
 
 class RandomSynthesizerAttention(_OwnArgumentsAttention):
   OWN = ("logits",)
-  FIELDS = ("seq_len",)
+  FIELDS = {"seq_len": attention.SEQ_LEN}
   PER_HEAD = True
 
   def __init__(self, config: ml_collections.ConfigDict, *, num_heads: int, rngs: nnx.Rngs, **kwargs: Any):

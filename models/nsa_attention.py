@@ -38,7 +38,7 @@ PLAN = ("compress_block", "compress_stride", "select_block", "num_selected", "wi
 class NSAAttention(attention.OpAttention):
   """Projections + NSA with module-owned compression MLPs, intra-block position encodings and gates."""
 
-  FIELDS = ("seq_len", "recompute")
+  FIELDS = {"seq_len": attention.SEQ_LEN, "recompute": attention.RECOMPUTE}
 
   def __init__(self, config: ml_collections.ConfigDict, *, features: int, num_heads: int, head_dim: int,
                causal: bool, dtype: Any, rngs: nnx.Rngs):

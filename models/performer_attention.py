@@ -40,7 +40,9 @@ class RedrawStep(nnx.Variable):
 class PerformerAttention(attention.OpAttention):
   """Projections + FAVOR+ attention with module-owned random features."""
 
-  FIELDS = ("redraw_every", "recompute")
+  FIELDS = {"redraw_every": attention.Field(int, "redraw the random features every this many training calls "
+                                           "(0 = never)", minimum=0),
+            "recompute": attention.RECOMPUTE}
 
   def __init__(self, config: ml_collections.ConfigDict, *, features: int, num_heads: int, head_dim: int,
                causal: bool, dtype: Any, rngs: nnx.Rngs):

@@ -11,7 +11,8 @@ Adding an attention mechanism
    `<your package>/registry.py` (a new package adds its name to `attention_core.registry.OP_PACKAGES`) is
    usable at once by name through `OpAttention` (projections + op); no module is needed.
 2. A mechanism with parameters, state or randomness of its own writes a module in `models/<name>_attention.py`
-   (its config fields in the class attribute `FIELDS`) and names it in the registration:
+   (its config fields in the class attribute `FIELDS`, {name: models.attention.Field(kind, help, minimum)})
+   and names it in the registration:
    `OpSpec("routing", ..., module="models.routing_attention:RoutingAttention")`.
    `register_module(name, cls)` maps a name with no pure op to a module (model-only attentions, tests).
 
@@ -20,7 +21,8 @@ The module contract
     cls(config_attention, *, features, num_heads, head_dim, causal, dtype, rngs)
     module(x, mask, *, deterministic) -> y
   config_attention: the `config.model.attention` ConfigDict (`name`, `params` = plan parameters with
-    "auto" = the op's `params(L)`, `dropout_rate`, plus the module's own fields); x: [batch, length, features]
+    "auto" = the op's `params(L)`, `dropout_rate`, plus those of the module's own fields the config sets:
+    read them with `config.get(field)`, absent or None = the module's default); x: [batch, length, features]
     in `dtype`;
   mask: None or [batch, length] bool (True = real token); y: [batch, length, features]. Subclassing
   `models.attention.AttentionBase` gives the q/k/v/output projections with logical axis names.
@@ -91,23 +93,37 @@ def get_module(name: str) -> type:
   raise ValueError(f"unknown attention {name!r}; valid names: {names()}")
 
 
-def module_fields(cls: type) -> tuple[str, ...]:
-  """The extra `config.model.attention` fields (beyond attention.COMMON_FIELDS) a module class reads."""
-  return tuple(getattr(cls, "FIELDS", ()))
+def module_fields(cls: type) -> dict[str, attention.Field]:
+  """The extra `config.model.attention` fields (beyond attention.COMMON_FIELDS) a module class reads, as it
+  declares them in `cls.FIELDS` ({name: attention.Field})."""
+  return dict(getattr(cls, "FIELDS", {}))
 
 
 def configurable_fields(name: str) -> tuple[str, ...]:
   """The `config.model.attention` fields the module for `name` reads (common ones first)."""
-  return tuple(f for f in attention.COMMON_FIELDS if f != "name") + module_fields(get_module(name))
+  return tuple(f for f in attention.COMMON_FIELDS if f != "name") + tuple(module_fields(get_module(name)))
+
+
+_KINDS = {bool: "a bool", int: "an int", float: "a number", str: "a string", tuple: "a tuple"}
+
+
+def _is_kind(value: Any, kind: type) -> bool:
+  if kind is bool:
+    return isinstance(value, bool)
+  if kind in (int, float):
+    return isinstance(value, (int, float) if kind is float else int) and not isinstance(value, bool)
+  return isinstance(value, (tuple, list) if kind is tuple else kind)
 
 
 def check_fields(config_attention: Any) -> None:
-  """Unknown fields, and options set for a module that does not read them, are config errors."""
+  """Unknown fields, options set for a module that does not read them, and values outside a field's
+  declaration (its kind and minimum) are config errors (ValueError naming the field)."""
   name = str(config_attention.name)
   known = set(attention.COMMON_FIELDS) | {"op"}
   for other in names():  # every field some registered module reads
     known |= set(module_fields(get_module(other)))
   own = set(configurable_fields(name)) | {"name", "op"}
+  declared = module_fields(get_module(name)) if name in names() else {}
   for key in config_attention.keys():
     if key not in known:
       raise ValueError(f"config.model.attention has unknown field {key!r}; valid fields: {sorted(known)}")
@@ -115,6 +131,15 @@ def check_fields(config_attention: Any) -> None:
     if key not in own and value not in (None, False):
       raise ValueError(f"config.model.attention.{key}={value!r}: attention {name!r} does not read it; "
                        f"its fields: {sorted(own)}")
+    field = declared.get(key)
+    if field is None or value is None or attention.is_auto(value):
+      continue
+    if not _is_kind(value, field.kind):
+      raise ValueError(f"config.model.attention.{key} must be {_KINDS.get(field.kind, field.kind.__name__)} "
+                       f"or None ({field.help}), got {value!r}")
+    if field.minimum is not None and field.kind in (int, float) and value < field.minimum:
+      raise ValueError(f"config.model.attention.{key} must be >= {field.minimum:g} ({field.help}), "
+                       f"got {value!r}")
 
 
 def build(config_attention: Any, *, layer: int | None = None, num_layers: int | None = None,

@@ -118,6 +118,17 @@ def _int_or_auto(value: Any, auto: int, name: str) -> int:
   return value
 
 
+# The config fields of the centroid state (both routing modules).
+CENTROID_FIELDS = {
+  "ema_decay": attention.Field(float, "decay of the centroids' moving average (None = 0.999)", minimum=0),
+  "centroid_seed": attention.Field(int, "seed of the centroids' initialisation, plus the layer index "
+                                   "(None = 0)"),
+  "max_clusters": attention.Field(int, "rows of the centroid table (None = a power of two near sqrt of the "
+                                  "sequence length)", minimum=1),
+  "seq_len": attention.SEQ_LEN,
+}
+
+
 class _CentroidMixin:
   """Centroid state, its EMA update and the commitment loss, shared by both modules."""
 
@@ -142,8 +153,18 @@ class _CentroidMixin:
 class RoutingAttention(attention.AttentionBase, _CentroidMixin):
   """Local heads + routing heads in one layer (Roy et al., section 5)."""
 
-  FIELDS = ("routing_heads", "routing_layers", "share_qk", "scale_logits", "mask_self", "membership",
-            "ema_decay", "centroid_seed", "max_clusters", "seq_len")
+  FIELDS = {
+    "routing_heads": attention.Field(int, "heads that route in a routing layer (None = half; the rest attend "
+                                     "locally; 0 = every head local)", minimum=0),
+    "routing_layers": attention.Field(tuple, "the routing layers, indices, negative from the top (None = every "
+                                      "layer)"),
+    "share_qk": attention.Field(bool, "shared query/key projection (None = in decoders, as the paper)"),
+    "scale_logits": attention.Field(bool, "scale logits by 1/sqrt(head_dim) (None = True)"),
+    "mask_self": attention.Field(bool, "a token never attends to itself (None = False)"),
+    "membership": attention.Field(str, "cluster membership (None = 'nearest' in decoders, exactly causal; "
+                                  "'balanced' = the paper's top-k, see routing/)"),
+    **CENTROID_FIELDS,
+  }
 
   def __init__(self, config: ml_collections.ConfigDict, *, features: int, num_heads: int, head_dim: int,
                causal: bool, dtype: Any, rngs: nnx.Rngs, layer: int | None = None,
@@ -277,7 +298,7 @@ class RoutedCombinerAttention(attention.AttentionBase, _CentroidMixin):
   """Combiner-learnable: clusters = nearest k-means centroid of each layer-normed query (and key), per
   head."""
 
-  FIELDS = ("ema_decay", "centroid_seed", "max_clusters", "seq_len")
+  FIELDS = CENTROID_FIELDS
 
   def __init__(self, config: ml_collections.ConfigDict, *, features: int, num_heads: int, head_dim: int,
                causal: bool, dtype: Any, rngs: nnx.Rngs, layer: int | None = None,

@@ -46,7 +46,8 @@ class YosoAttention(attention.OpAttention):
   """Projections + a YOSO op (+ the YOSO-C convolution of V). The op's signature says what the module owns:
   a hash key (`rng`: sampled ops) and the YOSO-C kernel (`conv_kernel`)."""
 
-  FIELDS = ("conv_kernel_size",)
+  FIELDS = {"conv_kernel_size": attention.Field(
+    int, "YOSO-C: the odd kernel size of the depthwise convolution over V (None = 33)", minimum=1)}
 
   def __init__(self, config: ml_collections.ConfigDict, *, features: int, num_heads: int, head_dim: int,
                causal: bool, dtype: Any, rngs: nnx.Rngs):

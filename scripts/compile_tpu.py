@@ -397,12 +397,10 @@ def write_docs(path: str, configs: tuple[str, ...] = DOC_CONFIGS) -> int:
 
 def _flags():
   from absl import flags
-  from ml_collections import config_flags
 
-  from training import config_io
+  from training import command_line, config_io
 
-  config_flags.DEFINE_config_file("config", config_io.DEFAULT_CONFIG, "experiment config file (path[:arg])",
-                                  lock_config=True)
+  command_line.define_config_flag(config_io.DEFAULT_CONFIG)
   flags.DEFINE_multi_string("gin_file", [], "gin files binding attention constructor fields (as train.py)")
   flags.DEFINE_multi_string("gin_bindings", [], "gin bindings, e.g. 'attention.deepsets = True'")
   flags.DEFINE_string("topology", None, "Cloud TPU accelerator type (v4-32, v5e-16, v5p-128, v6e-8) or a "

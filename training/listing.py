@@ -16,10 +16,13 @@ def listing() -> str:
   from attention_core import registry as ops_registry
   from models import registry
 
-  lines = ["attention (--config FILE:attention=NAME):"]
+  lines = ["attention (--config FILE:attention=NAME; its fields as --config.model.attention.FIELD=VALUE):"]
   for name in registry.names():
     spec = ops_registry.OPS.get(name)
     lines.append(f"  {name:<28} {spec.description if spec else ''}".rstrip())
+    fields = registry.module_fields(registry.get_module(name))
+    if fields:
+      lines.append(f"  {'':<28} fields: {', '.join(fields)}")
   lines.append("configs (--config FILE[:ARGS]; any field also as --config.FIELD=VALUE):")
   for path in sorted(glob.glob(os.path.join(ROOT, "configs", "*.py"))):
     module = importlib.import_module(f"configs.{os.path.splitext(os.path.basename(path))[0]}")

@@ -6,11 +6,11 @@ import importlib
 import jax
 import pytest
 from absl import flags
-from ml_collections import config_flags
 
 from configs import base, default, lra
 from models import gin_bridge, registry
-from training import config_io, experiment, loop
+from runtime import cli
+from training import command_line, config_io, experiment, loop
 
 CONFIG_FILES = ("default", "cifar10", "imagenet64", "wiki40b", "c4", "lra")
 VARIANTS = [(f, "") for f in CONFIG_FILES] + [(f, "smoke") for f in CONFIG_FILES if f != "lra"] + [
@@ -68,21 +68,39 @@ def test_unknown_attention_name_lists_valid_names():
     experiment.Experiment(c, devices=jax.devices()[:1])
 
 
-def test_unknown_config_field_is_an_error():
-  # config_flags reads the command line when the flag is defined (as train.py does at import).
-  bad = ["train.py", "--config=configs/default.py", "--config.model.num_layerz=3"]
+def _command_line(argv: list[str]) -> flags.FlagValues:
+  """The flags train.py defines for its config, parsed from `argv` (config_flags reads the command line when
+  the flag is defined, as train.py does at import)."""
   fv = flags.FlagValues()
-  config_flags.DEFINE_config_file("config", "configs/default.py", flag_values=fv, lock_config=True,
-                                  sys_argv=bad)
-  with pytest.raises(Exception, match="num_layerz"):
-    fv(bad)
-  good = ["train.py", "--config=configs/default.py", "--config.model.num_layers=3",
-          "--config.model.attention.params.block_size=16"]
-  fv2 = flags.FlagValues()
-  config_flags.DEFINE_config_file("config", "configs/default.py", flag_values=fv2, lock_config=True,
-                                  sys_argv=good)
-  fv2(good)
-  assert fv2.config.model.num_layers == 3 and int(fv2.config.model.attention.params.block_size) == 16
+  command_line.define_config_flag("configs/default.py", flag_values=fv, sys_argv=argv)
+  flags.DEFINE_multi_string("gin_file", [], "", flag_values=fv)
+  flags.DEFINE_multi_string("gin_bindings", [], "", flag_values=fv)
+  fv(argv)
+  return fv
+
+
+def test_unknown_config_field_is_an_error():
+  bad = _command_line(["train.py", "--config=configs/default.py", "--config.model.num_layerz=3"])
+  with pytest.raises(cli.UsageError, match=r"--config.model.num_layerz: .*did you mean --config.model.num_layers"):
+    command_line.checked_config(bad)
+  good = _command_line(["train.py", "--config=configs/default.py", "--config.model.num_layers=3",
+                        "--config.model.attention.params.block_size=16"])
+  c = command_line.checked_config(good)
+  assert c.model.num_layers == 3 and int(c.model.attention.params.block_size) == 16
+
+
+def test_module_fields_from_the_command_line():
+  """A config holds only the module fields it sets; the command line may set any field of the chosen module
+  and is checked against the module's declaration (kind, minimum, which module reads it)."""
+  base = ["train.py", "--config=configs/default.py:attention=adaptive_span"]
+  c = command_line.checked_config(_command_line(base + ["--config.model.attention.span_init=0.5"]))
+  assert c.model.attention.span_init == 0.5 and "span_loss" not in c.model.attention
+  for arg, message in [("span_init=-1", r"span_init must be >= 0"),
+                       ("span_init=fast", r"span_init must be a number"),
+                       ("deepsets=True", r"'adaptive_span' does not read it"),
+                       ("span_inti=0.5", r"unknown field 'span_inti'")]:
+    with pytest.raises(cli.UsageError, match=message):
+      command_line.checked_config(_command_line(base + [f"--config.model.attention.{arg}"]))
 
 
 def test_unknown_attention_field_lists_valid_fields():

@@ -60,7 +60,7 @@ def test_row_fixes():
   assert main.model.dropout_rate == 0.25 and main.train.num_steps == 1_200_000
   text = wiki40b.get_config("attention=routing")
   assert text.model.attention.routing_heads == text.model.num_heads  # no local heads in the comparison
-  assert cifar10.get_config("").model.attention.membership is None  # a regular field
+  assert cifar10.get_config("").model.attention.get("membership") is None  # unset: the module's default
   assert routing_paper.split_flag("smoke,window=8") == ("smoke,window=8", None)
 
 
