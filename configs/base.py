@@ -59,6 +59,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.data.engine = ml_collections.FieldReference(None, field_type=str)
   c.data.cache_in_memory = 512  # MB: small splits are read into RAM once (0 = never)
   c.data.cache_dir = ml_collections.FieldReference(None, field_type=str)  # generated splits; None = data_dir
+  c.data.ordered = False  # LM streams in the Transformer-XL order: row i continues row i (data.ordered)
   # When the data is not there, train on the generated stand-in of `data.testing.mock_data` (set by `smoke`;
   # real runs stop with the "prepare it with ..." message instead).
   c.data.stand_in = False
@@ -71,12 +72,20 @@ def base_config() -> ml_collections.ConfigDict:
   c.model.mlp_dim = 512
   c.model.dropout_rate = 0.0
   c.model.dtype = "float32"  # "bfloat16": activations/matmuls in bf16, softmax and parameters in float32
-  c.model.position_embedding = "learned"  # "learned" | "factorized" (images: rows + columns + channels)
+  # "learned" | "factorized" (images: rows + columns + channels) | "none" (attentions with relative positions)
+  c.model.position_embedding = "learned"
   c.model.image_shape = ml_collections.FieldReference(None, field_type=tuple)
   c.model.max_len = 0  # position table length; 0 = the data's seq_len
   c.model.classifier_pool = "CLS"  # "CLS" (first position) | "MEAN" (padding-aware)
   c.model.remat = "none"  # "full" | "minimal": recompute each block (or its attention core) in the backward
   c.model.attention = attention_config()
+  # Segment recurrence (Transformer-XL, lm only): each block keeps its inputs at the last mem_len positions of
+  # the previous batches' rows (no gradient) as extra keys for the same rows of the next batch, so the
+  # attention's module must take a `memory`, and the data should be ordered (row i of batch s + 1 continues
+  # row i of batch s; a row's "reset" clears its memory). 0 = no memory (nothing carried, nothing saved).
+  c.model.mem_len = 0
+  # The memory length in evaluation (None = mem_len): the papers evaluate with a longer one.
+  c.model.eval_mem_len = ml_collections.FieldReference(None, field_type=int)
 
   c.optimizer = ml_collections.ConfigDict()
   c.optimizer.name = "adam"  # "adam" | "adamw" | "adafactor"
@@ -257,6 +266,12 @@ def validate(c: ml_collections.ConfigDict, attention_names: Any = None) -> None:
     raise UsageError(f"config.model.features ({m.features}) must be >= config.model.num_heads "
                      f"({m.num_heads}) when config.model.head_dim is None (head_dim = features // num_heads)")
   at_least("config.model.max_len", m.max_len, 0, " (0 = the data's seq_len)")
+  at_least("config.model.mem_len", m.get("mem_len", 0), 0, " (0 = no memory)")
+  if m.get("eval_mem_len", None) is not None:
+    at_least("config.model.eval_mem_len", m.eval_mem_len, 1, " or None (= config.model.mem_len)")
+    if not m.get("mem_len", 0):
+      raise UsageError(f"config.model.eval_mem_len={m.eval_mem_len} needs config.model.mem_len > 0 (a model "
+                       "trained with segment recurrence)")
   in_range("config.model.dropout_rate", m.dropout_rate, 0, 1, "[)")
   one_of("config.model.remat", m.remat, ("none", "full", "minimal"))
   one_of("config.model.dtype", m.dtype, ("float32", "bfloat16", "float16", "float64"))

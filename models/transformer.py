@@ -9,10 +9,18 @@
 
 The attention module is built from `config.attention` by `models.registry`; every parameter carries logical
 axes.
+
+Segment recurrence (Transformer-XL, Dai et al. 2019), `lm` only: with `model.mem_len` > 0 the LM call takes
+the memory of the previous segments (`Transformer.init_memory`) and returns the updated one. Each block keeps
+the last M of its own inputs (the residual stream entering it, no gradient) with their validity; its
+attention module receives them, layer-normed like the segment, as `memory` / `memory_mask`. The memory also
+carries the previous segment's last token, which the next segment reads at its first position instead of
+BOS, so that two segments with memory read the same inputs as their concatenation.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import jax
@@ -66,12 +74,25 @@ class Block(nnx.Module):
                                     head_dim=cfg.get("head_dim", None) or f // cfg.num_heads, causal=causal,
                                     dtype=dtype, rngs=rngs, layer=layer, num_layers=cfg.num_layers,
                                     seq_len=seq_len)
+    # Segment recurrence: the module reads a memory when its `__call__` names one (read once, here).
+    self.takes_memory = "memory" in inspect.signature(type(self.attention).__call__).parameters
+    mem_len = int(cfg.get("mem_len", 0) or 0)
+    if mem_len > 0 and not self.takes_memory:
+      raise ValueError(f"config.model.mem_len={mem_len} needs an attention whose module takes a memory; "
+                       f"attention {cfg.attention.name!r} ({type(self.attention).__name__}) takes none")
     self.norm2 = layers.LayerNorm(f, dtype=dtype, rngs=rngs)
     self.mlp = Mlp(f, cfg.mlp_dim, dropout_rate=cfg.dropout_rate, dtype=dtype, rngs=rngs)
     self.dropout = nnx.Dropout(cfg.dropout_rate, rngs=rngs)
 
-  def __call__(self, x: Array, mask: Array | None, *, deterministic: bool) -> Array:
-    h = self.attention(self.norm1(x), mask, deterministic=deterministic)
+  def __call__(self, x: Array, mask: Array | None, *, deterministic: bool, memory: Array | None = None,
+               memory_mask: Array | None = None) -> Array:
+    """memory: None, or this block's inputs of the previous segments [batch, M, features] with memory_mask
+    [batch, M] (True = valid); normed here like x, so the module sees LN(concat(memory, x))."""
+    if memory is None:
+      h = self.attention(self.norm1(x), mask, deterministic=deterministic)
+    else:
+      h = self.attention(self.norm1(x), mask, deterministic=deterministic, memory=self.norm1(memory),
+                         memory_mask=memory_mask)  # [batch, length, features]
     x = x + self.dropout(h, deterministic=deterministic)
     h = self.mlp(self.norm2(x), deterministic=deterministic)
     return x + self.dropout(h, deterministic=deterministic)  # [batch, length, features]
@@ -89,7 +110,8 @@ class Block(nnx.Module):
 
 class PositionEmbedding(nnx.Module):
   """Learned [max_len, features] table, or factorised over an image's (height, width, channels) grid:
-  pos(i) = row[r] + col[c] + channel[ch] for raster order with channels innermost."""
+  pos(i) = row[r] + col[c] + channel[ch] for raster order with channels innermost; "none" adds nothing (for
+  attentions that carry positions themselves, e.g. relative ones)."""
 
   def __init__(self, cfg: ml_collections.ConfigDict, seq_len: int, *, dtype: Any, rngs: nnx.Rngs):
     self.kind = cfg.get("position_embedding", "learned")
@@ -106,8 +128,8 @@ class PositionEmbedding(nnx.Module):
       self.rows = layers.param(rngs, init, (h, f), (None, "embed"))
       self.cols = layers.param(rngs, init, (w, f), (None, "embed"))
       self.channels = layers.param(rngs, init, (c, f), (None, "embed"))
-    else:
-      raise ValueError(f"model.position_embedding must be one of ['learned', 'factorized'], "
+    elif self.kind != "none":
+      raise ValueError(f"model.position_embedding must be one of ['learned', 'factorized', 'none'], "
                        f"got {self.kind!r}")
     self.dtype = dtype
 
@@ -138,6 +160,7 @@ class Encoder(nnx.Module):
                dtype: Any, rngs: nnx.Rngs):
     self.embed = layers.Embed(vocab_size, cfg.features, dtype=dtype, rngs=rngs)
     self.pos = PositionEmbedding(cfg, seq_len, dtype=dtype, rngs=rngs)
+    self.positions = self.pos.kind != "none"
     self.dropout = nnx.Dropout(cfg.dropout_rate, rngs=rngs)
     self.blocks = nnx.List([Block(cfg, causal=causal, dtype=dtype, rngs=rngs, layer=i, seq_len=seq_len)
                             for i in range(cfg.num_layers)])
@@ -146,9 +169,16 @@ class Encoder(nnx.Module):
     if self.remat not in REMAT:
       raise ValueError(f"model.remat must be one of {list(REMAT)}, got {self.remat!r}")
 
-  def __call__(self, ids: Array, mask: Array | None, *, deterministic: bool) -> Array:
-    x = self.embed(ids) + self.pos(ids.shape[1])[None]  # [batch, length, features]
+  def __call__(self, ids: Array, mask: Array | None, *, deterministic: bool,
+               memory: list[dict[str, Array]] | None = None) -> Array | tuple[Array, list[dict[str, Array]]]:
+    """memory: None, or per block {"hidden": [batch, M, features], "valid": [batch, M]}; then returns the
+    normed features and the updated memory (the last M of concat(memory, the block's input), no gradient)."""
+    x = self.embed(ids)  # [batch, length, features]
+    if self.positions:
+      x = x + self.pos(ids.shape[1])[None]
     x = self.dropout(x, deterministic=deterministic)
+    if memory is not None:
+      return self._with_memory(x, mask, memory, deterministic)
     for block in self.blocks:
       if self.remat != "none":
         x = _REMATTED_BLOCK[self.remat](block, x, mask, deterministic)
@@ -156,14 +186,34 @@ class Encoder(nnx.Module):
         x = block(x, mask, deterministic=deterministic)
     return self.norm(x)  # [batch, length, features]
 
+  def _with_memory(self, x: Array, mask: Array | None, memory: list[dict[str, Array]],
+                   deterministic: bool) -> tuple[Array, list[dict[str, Array]]]:
+    if len(memory) != len(self.blocks):
+      raise ValueError(f"memory has {len(memory)} layers, the model {len(self.blocks)}")
+    if mask is None:
+      mask = jnp.ones(x.shape[:2], bool)
+    new = []
+    for block, mem in zip(self.blocks, memory, strict=True):
+      hidden, valid = mem["hidden"], mem["valid"]  # [batch, M, features], [batch, M]
+      m = hidden.shape[1]
+      both = jnp.concatenate([hidden, x.astype(hidden.dtype)], axis=1)  # [batch, M + length, features]
+      both_valid = jnp.concatenate([valid, mask.astype(bool)], axis=1)  # [batch, M + length]
+      keep = both.shape[1] - m  # the first position kept
+      new.append({"hidden": jax.lax.stop_gradient(both[:, keep:]), "valid": both_valid[:, keep:]})
+      if self.remat != "none":
+        x = _REMATTED_MEMORY_BLOCK[self.remat](block, x, mask, hidden, valid, deterministic)
+      else:
+        x = block(x, mask, deterministic=deterministic, memory=hidden, memory_mask=valid)
+    return self.norm(x), new  # [batch, length, features]
 
   def decode(self, ids: Array, caches: list[Any], position: Array | None = None) -> tuple[Array, list[Any]]:
     """ids [batch, 1] at `position` (or a prompt [batch, P] at [0, P) when position is None) -> normed
     features [batch, length, features] and the updated per-layer caches."""
-    if position is None:
-      x = self.embed(ids) + self.pos(ids.shape[1])[None]  # [batch, P, features]
-    else:
-      x = self.embed(ids) + self.pos.at(position)[None, None]  # [batch, 1, features]
+    x = self.embed(ids)  # [batch, P or 1, features]
+    if self.positions and position is None:
+      x = x + self.pos(ids.shape[1])[None]
+    elif self.positions:
+      x = x + self.pos.at(position)[None, None]
     new = []
     for block, cache in zip(self.blocks, caches, strict=True):
       x, cache = block.decode(x, cache, position)
@@ -184,6 +234,18 @@ _REMATTED_BLOCK = {
 }
 
 
+def _memory_block_call(block: Block, x: Array, mask: Array | None, memory: Array, memory_mask: Array,
+                       deterministic: bool) -> Array:
+  return block(x, mask, deterministic=deterministic, memory=memory, memory_mask=memory_mask)
+
+
+_REMATTED_MEMORY_BLOCK = {
+    "full": nnx.remat(_memory_block_call, static_argnums=(5,)),
+    "minimal": nnx.remat(_memory_block_call, static_argnums=(5,),
+                         policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable),
+}
+
+
 class Transformer(nnx.Module):
   """The model for `task` (one of TASKS). `__call__(batch, *, deterministic)` returns float32 logits:
   [batch, length, vocab] for lm/image/mlm, [batch, num_classes] for classify/retrieval."""
@@ -193,7 +255,7 @@ class Transformer(nnx.Module):
                rngs: nnx.Rngs):
     if task not in TASKS:
       raise ValueError(f"task must be one of {TASKS}, got {task!r}")
-    self.task, self.vocab_size = task, vocab_size
+    self.task, self.vocab_size, self.features = task, vocab_size, cfg.features
     dtype = dtype_of(cfg.get("dtype", "float32"))
     self.dtype = dtype
     causal = task in CAUSAL_TASKS
@@ -203,6 +265,10 @@ class Transformer(nnx.Module):
       input_vocab_size = vocab_size + 1
     if causal and self.bos_id >= input_vocab_size:
       raise ValueError(f"bos_id={self.bos_id} needs input_vocab_size > bos_id, got {input_vocab_size}")
+    self.mem_len = int(cfg.get("mem_len", 0) or 0)
+    if self.mem_len > 0 and task != "lm":
+      raise ValueError(f"config.model.mem_len={self.mem_len}: segment recurrence is for task 'lm', "
+                       f"not {task!r}")
     self.encoder = Encoder(cfg, vocab_size=input_vocab_size, seq_len=seq_len, causal=causal, dtype=dtype,
                            rngs=rngs)
     f = cfg.features
@@ -228,7 +294,12 @@ class Transformer(nnx.Module):
     m = mask.astype(x.dtype)[..., None]  # [batch, length, 1]
     return (x * m).sum(1) / jnp.maximum(m.sum(1), 1.0)  # [batch, features]
 
-  def __call__(self, batch: dict[str, Array], *, deterministic: bool) -> Array:
+  def __call__(self, batch: dict[str, Array], *, deterministic: bool,
+               memory: dict[str, Any] | None = None) -> Array | tuple[Array, dict[str, Any]]:
+    """memory (lm): None, or the previous segments' memory (`init_memory`); then returns (logits, the
+    memory after this segment)."""
+    if memory is not None:
+      return self._lm_with_memory(batch, memory, deterministic)
     if self.task in CAUSAL_TASKS:
       ids, mask = batch["inputs"], batch.get("mask")
       if mask is None:
@@ -252,6 +323,33 @@ class Transformer(nnx.Module):
       v = self._pooled(batch["inputs2"], batch["mask2"], deterministic=deterministic)
       pooled = jnp.concatenate([u, v, u * v, u - v], axis=-1)  # [batch, 4 * features]
     return self.head(jax.nn.relu(self.hidden(pooled))).astype(jnp.float32)  # [batch, num_classes]
+
+  # Segment recurrence (lm). The memory: {"layers": per block {"hidden": [batch, M, features] (its inputs),
+  # "valid": [batch, M] bool}, "token": [batch] int32 (the previous segment's last input id),
+  # "token_valid": [batch] bool}. M is the memory's own length: evaluation may pass a longer one.
+  def init_memory(self, batch: int, mem_len: int) -> dict[str, Any]:
+    """An empty (all invalid) memory of `mem_len` positions for `batch` rows."""
+    if self.task != "lm":
+      raise ValueError(f"segment recurrence is for task 'lm', not {self.task!r}")
+    layer = lambda: {"hidden": jnp.zeros((batch, mem_len, self.features), self.dtype),  # noqa: E731
+                     "valid": jnp.zeros((batch, mem_len), bool)}
+    return {"layers": [layer() for _ in self.encoder.blocks], "token": jnp.zeros((batch,), jnp.int32),
+            "token_valid": jnp.zeros((batch,), bool)}
+
+  def _lm_with_memory(self, batch: dict[str, Array], memory: dict[str, Any],
+                      deterministic: bool) -> tuple[Array, dict[str, Any]]:
+    if self.task != "lm":
+      raise ValueError(f"segment recurrence is for task 'lm', not {self.task!r}")
+    ids, mask = batch["inputs"], batch.get("mask")
+    if mask is None:
+      mask = jnp.ones(ids.shape, bool)
+    # The first position reads the previous segment's last token (BOS after a reset or at the start).
+    first = jnp.where(memory["token_valid"], memory["token"].astype(ids.dtype), self.bos_id)  # [batch]
+    shifted = jnp.concatenate([first[:, None], ids[:, :-1]], axis=1)  # [batch, length]
+    shifted_mask = jnp.concatenate([jnp.ones_like(mask[:, :1]), mask[:, :-1]], axis=1)
+    x, layers_ = self.encoder(shifted, shifted_mask, deterministic=deterministic, memory=memory["layers"])
+    new = {"layers": layers_, "token": ids[:, -1].astype(jnp.int32), "token_valid": mask[:, -1].astype(bool)}
+    return self.head(x).astype(jnp.float32), new  # [batch, length, vocab]
 
 
   # Cached autoregressive decoding (lm / image). Position t reads the token at t - 1 (BOS at t = 0) and its
@@ -279,6 +377,17 @@ class Transformer(nnx.Module):
     ids = jnp.concatenate([bos, prompt.astype(jnp.int32)], axis=1)  # [batch, P + 1]
     x, cache = self.encoder.decode(ids, cache)
     return self.head(x).astype(jnp.float32), cache
+
+
+def reset_memory(memory: dict[str, Any], reset: Array) -> dict[str, Any]:
+  """`memory` with the rows where reset [batch] is True emptied (a row that starts a new stream)."""
+  keep = jnp.logical_not(reset.astype(bool))  # [batch]
+
+  def clear(a: Array) -> Array:
+    where = keep.reshape(keep.shape + (1,) * (a.ndim - 1))
+    return jnp.where(where, a, jnp.zeros((), a.dtype))
+
+  return jax.tree.map(clear, memory)
 
 
 def build_model(cfg: ml_collections.ConfigDict, *, task: str, vocab_size: int, seq_len: int,
