@@ -59,7 +59,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.data.engine = ml_collections.FieldReference(None, field_type=str)
   c.data.cache_in_memory = 512  # MB: small splits are read into RAM once (0 = never)
   c.data.cache_dir = ml_collections.FieldReference(None, field_type=str)  # generated splits; None = data_dir
-  c.data.ordered = False  # LM streams in the Transformer-XL order: row i continues row i (data.ordered)
+  c.data.ordered = False  # Transformer-XL order: each row continues the last batch's row (LM; data.ordered)
   # When the data is not there, train on the generated stand-in of `data.testing.mock_data` (set by `smoke`;
   # real runs stop with the "prepare it with ..." message instead).
   c.data.stand_in = False
