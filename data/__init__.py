@@ -31,7 +31,8 @@ default 512: small splits of lra_text, lra_image, lra_listops and the listops_sy
 images: random_flip; text: spm_model, vocab_size (32000), tfds_version, max_segments, mlm_rate; LRA: lra_dir,
 skip_malformed, listops_parens, difficulty, resolution; listops_synthetic: min_length, max_length, max_depth,
 max_args, op_p, num_train/num_validation/num_test, data_seed, cache_dir (default data_dir; each split
-generated once there); stand_in (bool: when the data is missing, read the generated stand-in of
+generated once there); ordered (bool: the Transformer-XL order of an LM token stream,
+data.ordered); stand_in (bool: when the data is missing, read the generated stand-in of
 `data.testing.mock_data` instead, saying so in one line; the `smoke` variants set it). Offline stand-ins for
 every dataset: `data.testing.mock_data`; preparation of the real ones: `python -m data.prepare`.
 """
@@ -85,13 +86,22 @@ def create_dataset(
   kw = dict(batch_size=batch_size, seed=seed, shard_index=shard_index, shard_count=shard_count,
             shuffle=shuffle, num_epochs=num_epochs)
   try:
-    return _module(config).create_dataset(config, split, **kw)
+    return _create(config, split, kw)
   except FileNotFoundError as e:
     if not _wants_stand_in(config):
       raise
     missing = e
   with _stand_in(config, missing) as stand_in_config:
-    return _module(config).create_dataset(stand_in_config, split, **kw)
+    return _create(stand_in_config, split, kw)
+
+
+def _create(config: Any, split: str, kw: dict[str, Any]):
+  """The dataset's own pipeline, or with `config.data.ordered` its ordered LM stream (data.ordered)."""
+  from data import ordered
+
+  if ordered.enabled(config):
+    return ordered.create_dataset(config, split, **kw)
+  return _module(config).create_dataset(config, split, **kw)
 
 
 def dataset_info(config: Any) -> DatasetInfo:

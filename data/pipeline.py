@@ -652,6 +652,9 @@ def check_iterator_checkpoint(step_dir: str, data_iter: Any, config: Any) -> Non
     saved = json.loads(files[0].read_text())
   except ValueError:
     return  # not a grain state we know; grain itself reports it
+  from data import ordered  # imported here: data.ordered builds on this module
+
+  ordered.check_checkpoint(step_dir, saved, data_iter)  # an ordered stream's state fits only its own layout
   saved_loader = isinstance(saved, dict) and "last_seen_indices" in saved and "sampler" in saved
   current_loader = not isinstance(data_iter, grain.DatasetIterator)
   index, count = resolve_shards(None, None)
