@@ -45,13 +45,18 @@ import numpy as np
 
 from data import pipeline, pystdlib, text
 from data.info import DATASETS
-from runtime import paths
+from runtime import cli, paths
 
 log = logging.getLogger("data")
 
 ORDERED_KEY = "ordered_layout"  # marks an ordered stream's iterator state
 CACHE_VERSION = 1
 _TOKENS: dict[str, np.ndarray] = {}  # cache path -> token stream, once per process
+
+
+def _refuse(message: str) -> ValueError:
+  """A ValueError the command line reports as one line (the user's to fix: a setting or the workdir)."""
+  return cli.mark_usage(ValueError(message))
 
 
 def enabled(config: Any) -> bool:
@@ -68,8 +73,8 @@ def check_supported(config: Any) -> None:
   """A one-line ValueError naming the field when `config.data.name` is not a causal LM stream."""
   name = config.data.name
   if name not in lm_streams():
-    raise ValueError(f"config.data.ordered=True needs a causal LM token stream ({', '.join(lm_streams())}); "
-                     f"config.data.name={name!r} is not one")
+    raise _refuse(f"config.data.ordered=True needs a causal LM token stream ({', '.join(lm_streams())}); "
+                  f"config.data.name={name!r} is not one")
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -130,9 +135,9 @@ class Streams:
     self.steps = max(0, (self.stream_len - 1) // self.seq_len)  # a segment also needs its next token
     self.layout = {**layout, "tokens": int(len(tokens)), "streams": self.streams, "seq_len": self.seq_len}
     if self.steps < 1:
-      raise ValueError(f"{layout['dataset']}/{layout['split']}: {len(tokens)} tokens make {self.streams} "
-                       f"streams of {self.stream_len}, shorter than one segment of seq_len={self.seq_len} "
-                       f"plus its next token; use a smaller batch or seq_len")
+      raise _refuse(f"{layout['dataset']}/{layout['split']}: {len(tokens)} tokens make {self.streams} "
+                    f"streams of {self.stream_len}, shorter than one segment of seq_len={self.seq_len} "
+                    f"plus its next token; use a smaller batch or seq_len")
 
   def batch(self, step: int, lo: int, size: int) -> dict[str, np.ndarray]:
     """Rows [lo, lo + size) of global step `step` (any epoch)."""
@@ -179,12 +184,12 @@ class OrderedIterator(grain.DatasetIterator):
   def check_state(self, state: Any, where: str = "data-iterator state") -> None:
     """Raises a one-line ValueError unless `state` is a position in this iterator's stream layout."""
     if not isinstance(state, dict) or ORDERED_KEY not in state:
-      raise ValueError(f"{where} is a shuffled pipeline's position ({str(state)[:80]}), not an ordered "
-                       f"stream's; resume it with config.data.ordered=False, or start a fresh workdir")
+      raise _refuse(f"{where} is a shuffled pipeline's position ({str(state)[:80]}), not an ordered "
+                    f"stream's; resume it with config.data.ordered=False, or start a fresh workdir")
     if state[ORDERED_KEY] != self.streams.layout:
-      raise ValueError(f"{where} is for the ordered stream layout ({_describe(state[ORDERED_KEY])}), but "
-                       f"this run reads ({_describe(self.streams.layout)}); it resumes only with the same "
-                       f"dataset, split, global batch and config.data.seq_len, else start a fresh workdir")
+      raise _refuse(f"{where} is for the ordered stream layout ({_describe(state[ORDERED_KEY])}), but "
+                    f"this run reads ({_describe(self.streams.layout)}); it resumes only with the same "
+                    f"dataset, split, global batch and config.data.seq_len, else start a fresh workdir")
 
   def set_state(self, state: dict[str, Any]) -> None:
     self.check_state(state)
@@ -238,5 +243,5 @@ def check_checkpoint(step_dir: str, saved: Any, data_iter: Any) -> None:
   if isinstance(data_iter, OrderedIterator):
     data_iter.check_state(saved, where)
   elif isinstance(saved, dict) and ORDERED_KEY in saved:
-    raise ValueError(f"{where} is an ordered stream's position ({_describe(saved[ORDERED_KEY])}); resume it "
-                     f"with config.data.ordered=True, or start a fresh workdir")
+    raise _refuse(f"{where} is an ordered stream's position ({_describe(saved[ORDERED_KEY])}); resume it "
+                  f"with config.data.ordered=True, or start a fresh workdir")
