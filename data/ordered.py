@@ -24,7 +24,7 @@ the same rows on any process count. Evaluation reads its split in the same order
 The iterator state is {"step": global step, ORDERED_KEY: the stream layout}, the same in every process's file,
 so grain's checkpoint handler saves it with the train state and `data.pipeline.restore_iterator` resumes it on
 any process count; a state of another layout (dataset, split, token count, streams, seq_len) or of a shuffled
-pipeline is refused with a one-line error (`check_state`, `check_checkpoint`).
+pipeline is refused with a one-line error (`check_state`, before a restore `check_saved_state`).
 
 Text token streams are tokenized once per split and kept as `tokens.npy` (uint16 for vocabularies up to
 65536) under `{cache_dir or data_dir}/ordered_tokens/<name>/<split>-<key>` (the key hashes the SentencePiece
@@ -49,7 +49,7 @@ from runtime import cli, paths
 
 log = logging.getLogger("data")
 
-ORDERED_KEY = "ordered_layout"  # marks an ordered stream's iterator state
+ORDERED_KEY = pipeline.ORDERED_KEY  # marks an ordered stream's iterator state
 CACHE_VERSION = 1
 _TOKENS: dict[str, np.ndarray] = {}  # cache path -> token stream, once per process
 
@@ -191,6 +191,10 @@ class OrderedIterator(grain.DatasetIterator):
                     f"this run reads ({_describe(self.streams.layout)}); it resumes only with the same "
                     f"dataset, split, global batch and config.data.seq_len, else start a fresh workdir")
 
+  def check_saved_state(self, saved: Any, step_dir: str) -> None:
+    """`pipeline.check_iterator_checkpoint`'s check before a restore: `saved` is one process's JSON state."""
+    self.check_state(saved, f"checkpoint {step_dir}'s data-iterator state")
+
   def set_state(self, state: dict[str, Any]) -> None:
     self.check_state(state)
     self.step = int(state["step"])
@@ -234,14 +238,3 @@ def create_dataset(config: Any, split: str, *, batch_size: int, seed: int, shard
   streams = Streams(tokens, streams=rows.global_batch, seq_len=info.seq_len, bos_id=info.bos_id,
                     layout={"dataset": config.data.name, "split": split})
   return OrderedDataset(streams, rows.lo, rows.size, num_epochs)
-
-
-def check_checkpoint(step_dir: str, saved: Any, data_iter: Any) -> None:
-  """The ordered side of `pipeline.check_iterator_checkpoint`: a one-line ValueError when the saved state
-  (`saved`, one process's JSON) and `data_iter` are not the same kind of stream, or not the same layout."""
-  where = f"checkpoint {step_dir}'s data-iterator state"
-  if isinstance(data_iter, OrderedIterator):
-    data_iter.check_state(saved, where)
-  elif isinstance(saved, dict) and ORDERED_KEY in saved:
-    raise _refuse(f"{where} is an ordered stream's position ({_describe(saved[ORDERED_KEY])}); resume it "
-                  f"with config.data.ordered=True, or start a fresh workdir")

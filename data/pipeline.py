@@ -34,6 +34,7 @@ from runtime import cli
 log = logging.getLogger("data")
 
 TRAIN_SPLITS = ("train",)
+ORDERED_KEY = "ordered_layout"  # marks the iterator state of an ordered LM stream (data.ordered)
 
 
 def cfg_get(config: Any, key: str, default: Any = None) -> Any:
@@ -652,9 +653,13 @@ def check_iterator_checkpoint(step_dir: str, data_iter: Any, config: Any) -> Non
     saved = json.loads(files[0].read_text())
   except ValueError:
     return  # not a grain state we know; grain itself reports it
-  from data import ordered  # imported here: data.ordered builds on this module
-
-  ordered.check_checkpoint(step_dir, saved, data_iter)  # an ordered stream's state fits only its own layout
+  check = getattr(data_iter, "check_saved_state", None)  # an ordered stream's state fits only its own layout
+  if check is not None:
+    check(saved, step_dir)
+  elif isinstance(saved, dict) and ORDERED_KEY in saved:
+    raise cli.mark_usage(ValueError(f"checkpoint {step_dir} holds an ordered stream's position "
+                                    f"({saved[ORDERED_KEY]}); resume it with config.data.ordered=True, or "
+                                    f"start a fresh workdir"))
   saved_loader = isinstance(saved, dict) and "last_seen_indices" in saved and "sampler" in saved
   current_loader = not isinstance(data_iter, grain.DatasetIterator)
   index, count = resolve_shards(None, None)
