@@ -272,3 +272,69 @@ def _nystrom_attention(length, batch, heads, head_dim, causal, dtype):
     torch.autograd.grad((attn(x) * cot).sum(), (x,))
 
   return fwd, fwdbwd
+
+
+@register_peer("nsa_pytorch", counterparts=("nsa",))
+def _nsa_pytorch(length, batch, heads, head_dim, causal, dtype):
+  """lucidrains' `native-sparse-attention-pytorch` SparseAttention (its CPU path: einsums and gathers), at our
+  `nsa` op's automatic parameters for this length (`attention_baselines.nsa.auto_params`: compression block l,
+  stride s, selection block l', top n, window w). The package has no attention-only entry point, so the module
+  is timed with its own projections, pre-norm, rotary embedding and gate network replaced: the input carries
+  q, k, v side by side (identity `to_qkv`, no output projection, no RMSNorm, no rotation) and the three gates
+  are constants sigmoid(-ln 2) = 1/3, as our op without gates. What the package cannot express exactly, and
+  the closest setting taken: its selection adds each query's own block to the top blocks, so it selects
+  n - 1 blocks (n in all, as ours, whose n include the own, previous and first blocks); its sliding window is
+  `local-attention`'s exact window of w (keys i - w <= j <= i: w + 1 keys against our w); it has one learned
+  compressed memory key-value (its minimum) before the L/s compressed blocks; its compression MLP is ours
+  (flatten(x + pos) -> l*d x d -> relu -> d x d, shared by the heads; expand factor 1/l) but its block
+  scores are the mean of the compressed scores over each selection block, not eq. 9's overlap counts. Causal
+  only, like our `nsa`."""
+  if not causal:
+    raise ValueError("nsa_pytorch: our `nsa` is causal only (causal=False has no counterpart)")
+  import math
+
+  import torch
+  from native_sparse_attention_pytorch import SparseAttention
+
+  from attention_baselines.nsa import auto_params
+
+  p = auto_params(length)
+  torch_dtype = getattr(torch, dtype)
+  inner = heads * head_dim
+
+  class ThirdGates(torch.nn.Module):
+    """Gate logits -ln 2 for every (token, head, branch): sigmoid gives 1/3."""
+
+    def forward(self, x):  # x: [batch, length, 3 * inner] -> [batch, length, 3 * heads]
+      return x.new_full((*x.shape[:-1], 3 * heads), -math.log(2.0))
+
+  class NoRotary(torch.nn.Module):
+    """Our op has no position rotation: q and k pass unchanged."""
+
+    def rotate_queries_with_cached_keys(self, q, k):
+      return q, k
+
+  attn = SparseAttention(
+      dim=3 * inner, dim_head=head_dim, heads=heads, sliding_window_size=p["window"],
+      compress_block_size=p["compress_block"], compress_block_sliding_stride=p["compress_stride"],
+      selection_block_size=p["select_block"], num_selected_blocks=max(p["num_selected"] - 1, 0), causal=True,
+      norm=False, num_compressed_mem_kv=1, compress_mlp_expand_factor=1.0 / p["compress_block"],
+      strategy_combine_mlp=ThirdGates())
+  attn.to_qkv = attn.combine_heads = torch.nn.Identity()
+  attn.rotary_emb = NoRotary()
+  attn = attn.to(torch_dtype).eval()
+  gen = torch.Generator().manual_seed(0)
+  with torch.no_grad():  # random intra-block positions, as our benchmark's compression inputs (package's: 0)
+    for pos in (attn.k_intrablock_positions, attn.v_intrablock_positions):
+      pos.copy_(torch.randn(pos.shape, generator=gen, dtype=torch_dtype) / math.sqrt(head_dim))
+  x = torch.randn(batch, length, 3 * inner, generator=gen, dtype=torch_dtype, requires_grad=True)
+  cot = torch.randn(batch, length, inner, generator=gen, dtype=torch_dtype)
+
+  def fwd():
+    with torch.no_grad():
+      attn(x)
+
+  def fwdbwd():
+    torch.autograd.grad((attn(x) * cot).sum(), (x,))
+
+  return fwd, fwdbwd
