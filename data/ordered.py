@@ -60,6 +60,7 @@ def _refuse(message: str) -> ValueError:
 
 
 def enabled(config: Any) -> bool:
+  """Whether `config.data.ordered` asks for the ordered stream."""
   return bool(pipeline.cfg_get(config, "ordered", False))
 
 
@@ -90,9 +91,9 @@ def _text_tokens(config: Any, split: str) -> np.ndarray:
   if not paths.exists(model):
     raise pipeline.missing(model, config.data.name, pipeline.cfg_get(config, "data_dir"),
                            what="SentencePiece model")
-  spec = {"version": CACHE_VERSION, "dataset": config.data.name, "prepared": os.path.basename(
-      text.prepared_dir(config)), "split": split, "records": len(source), "vocab_size": info.vocab_size,
-          "spm": hashlib.sha256(paths.path(model).read_bytes()).hexdigest()}
+  spec = {"version": CACHE_VERSION, "dataset": config.data.name, "split": split, "records": len(source),
+          "prepared": os.path.basename(text.prepared_dir(config)), "vocab_size": info.vocab_size,
+          "spm": hashlib.sha256(paths.path(model).read_bytes()).hexdigest()}  # what the tokens depend on
   key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
   root = pipeline.cfg_get(config, "cache_dir") or text.data_dir(config)
   safe_split = re.sub(r"[^A-Za-z0-9_.-]", "_", split)  # "train[:10%]" -> "train__10__"
