@@ -37,6 +37,8 @@ from attention_baselines.performer_decode import PERFORMER
 from attention_baselines.reformer import reformer
 from attention_baselines.sinkhorn import sinkhorn
 from attention_baselines.synthesizer import synthesizer_dense, synthesizer_random
+from attention_baselines.transformer_xl import transformer_xl
+from attention_baselines.transformer_xl_decode import TRANSFORMER_XL
 from attention_core.registry import OpSpec, register, sqrt_pow2
 
 register(OpSpec("dense", dense, description="exact softmax attention, O(L^2)",
@@ -184,3 +186,17 @@ register(OpSpec(
     module="models.etc_attention:ETCAttention",
     description="ETC global-local: l2l radius 84 + l2g to one global token per 32 tokens, relative position "
                 "biases (k=12), O(L*(2r + L/32)*d), bidirectional only"))
+
+
+def _transformer_xl_inputs(length: int, *, heads: int = 1, head_dim: int = 64) -> dict:
+  """Stand-ins for the projected relative embeddings r [length, heads, head_dim] (distance d in row d) and
+  the biases u, v [heads, head_dim] (the model projects sinusoids and learns the biases)."""
+  return {"r": _normal(14, (length, heads, head_dim), head_dim),
+          "u": _normal(15, (heads, head_dim), head_dim), "v_bias": _normal(16, (heads, head_dim), head_dim)}
+
+
+register(OpSpec(
+    "transformer_xl", transformer_xl, bidirectional=False, params=lambda length: {"clamp_len": -1},
+    bench_inputs=_transformer_xl_inputs, decode=TRANSFORMER_XL,
+    module="models.transformer_xl_attention:TransformerXLAttention",
+    description="Transformer-XL relative positional attention (4 terms, u, v), O(L*(M+L)*d)"))

@@ -79,7 +79,7 @@ SLOW_FORWARD_BACKWARD = frozenset({
     "combiner_fixed_select", "combiner_logsparse", "combiner_mixture", "combiner_mixture_joint",
     "combiner_routed", "dense_xla", "longformer", "nsa", "nystromformer", "performer", "reformer",
     "routing", "sinkhorn", "sparse_axial", "sparse_logsparse", "synthesizer", "synthesizer_random",
-    "yoso_c", "yoso_e", "yoso_sketch", "yoso_sketch_c"})
+    "transformer_xl", "yoso_c", "yoso_e", "yoso_sketch", "yoso_sketch_c"})
 
 
 @pytest.mark.parametrize("name,task", _cases(_first_supported, SLOW_FORWARD_BACKWARD))
