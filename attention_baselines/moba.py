@@ -6,8 +6,10 @@ scores block b by s(q_i, kbar_b), kbar_b the mean of the block's real keys (a bl
 scored). It keeps its own block b(i) = i // B always and the best `top_k - 1` others (causal: among the blocks
 before its own, so no future block is ever chosen; ties go to the lower block), and runs one softmax over the
 real keys of the chosen blocks (causal: keys j <= i, so its own block is causal inside). Cost
-O(L * top_k * B * d) plus the O(L * L/B * d) gate; the chosen blocks are gathered per query over chunks of
-queries (`attention_core.selection`).
+O(L * top_k * B * d) plus the O(L * L/B * d) gate. implementation="xla" gathers the chosen blocks per query
+over chunks of queries (`attention_core.selection`); "pallas" runs the fused kernel of
+`attention_core.selection_flash` on the same choice (the gate stays in XLA), which reads each query tile's
+chosen blocks in place; "auto" takes it on GPU and TPU (per lowering platform) and XLA on CPU.
 """
 
 from __future__ import annotations
@@ -17,13 +19,14 @@ from typing import Any
 import jax.numpy as jnp
 
 from attention_baselines.common import from_rows
-from attention_core import contract
+from attention_core import contract, selection_flash
 from attention_core.blocks import map_chunks, num_blocks
 from attention_core.combine import flag_nonfinite, joint_softmax
 from attention_core.registry import sqrt_pow2
 from attention_core.selection import choose, chosen_piece, num_query_chunks, pad_length, rows_and_mask
 
 Array = Any
+IMPLEMENTATIONS = ("auto", "xla", "pallas")  # "pallas": attention_core.selection_flash (registry.fused_path)
 
 
 def auto_params(length: int) -> dict[str, int]:
@@ -33,19 +36,48 @@ def auto_params(length: int) -> dict[str, int]:
   return {"block_size": min(512, max(sqrt_pow2(length), sixteenth)), "top_k": 3}
 
 
+def _resolve(implementation: Any, q: Any, k: Any, v: Any, block_size: Any) -> Any:
+  """The implementation "auto" means where the op is traced (`contract.backend`): the kernel on GPU, and on
+  TPU where its whole-row blocks fit VMEM (`selection_flash.fits_vmem`); XLA elsewhere. Other values (and bad
+  arguments, which `moba` rejects) are returned as they are."""
+  if implementation != "auto":
+    return implementation
+  chosen = contract.resolve_implementation("auto", IMPLEMENTATIONS, op="moba")
+  shaped = all(hasattr(x, "dtype") and len(getattr(x, "shape", ())) == 4 for x in (q, k, v))
+  if chosen == "pallas" and contract.backend() == "tpu" and shaped and isinstance(block_size, int):
+    length = q.shape[1]
+    itemsize = jnp.dtype(jnp.result_type(q.dtype, k.dtype, v.dtype)).itemsize
+    block = max(1, min(block_size, length))
+    if not selection_flash.fits_vmem(length, q.shape[-1], v.shape[-1], itemsize, block):
+      return "xla"
+  return chosen
+
+
+def _choice(q: Any, k: Any, v: Any, *, implementation: Any = "auto", block_size: Any = 512, **_: Any) -> Any:
+  """What `moba` traces per platform (the key of `contract.per_platform_op`)."""
+  chosen = _resolve(implementation, q, k, v, block_size)
+  return (chosen, selection_flash.tile_caps()) if chosen == "pallas" else chosen
+
+
+@contract.per_platform_op(_choice)
 def moba(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None, block_size: int = 512,
-         top_k: int = 3, query_chunks: int | None = None) -> Array:
+         top_k: int = 3, query_chunks: int | None = None, implementation: str = "auto") -> Array:
   """Mixture of Block Attention (module docstring).
 
   q, k: [batch, length, heads, head_dim]; v: [batch, length, heads, value_dim]; mask: [batch, length] bool.
   top_k: blocks per query, its own included. query_chunks: queries run in this many sequential chunks (None =
-  automatic, ~64 MB of gathered keys each). Returns [batch, length, heads, value_dim] in v's dtype.
+  automatic, ~64 MB of gathered keys each; with the kernel, chunks of the gate's scores).
+  implementation: "xla" | "pallas" | "auto" (module docstring). Returns [batch, length, heads, value_dim] in
+  v's dtype.
   """
   op = "moba"
   q, k, v, mask = contract.check_qkv(q, k, v, mask, op=op, keep_none=True)
   causal = contract.check_bool(causal, name="causal", op=op)
   size = contract.check_positive_int(block_size, name="block_size", op=op)
   count = contract.check_positive_int(top_k, name="top_k", op=op)
+  contract.check_implementation(implementation, IMPLEMENTATIONS, op=op)
+  if _resolve(implementation, q, k, v, size) == "pallas":
+    return _moba_pallas(q, k, v, mask, causal=causal, size=size, count=count, query_chunks=query_chunks)
   batch, length, heads, head_dim = q.shape
   value_dim = v.shape[-1]
   ct = contract.softmax_dtype(q.dtype, k.dtype, v.dtype)
@@ -82,3 +114,44 @@ def moba(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = Non
   qpos = jnp.arange(padded, dtype=jnp.int32)[None, :]
   out = map_chunks(attend_chunk, (qp, qpos), n_chunks, axis=1)  # [rows, padded, e]
   return from_rows(out[:, :length], batch, v.dtype)
+
+
+def _moba_pallas(q: Array, k: Array, v: Array, mask: Array | None, *, causal: bool, size: int, count: int,
+                 query_chunks: int | None) -> Array:
+  """`moba` through `attention_core.selection_flash`: the same gate and choice in the softmax dtype (XLA),
+  then the kernel over each query's chosen blocks, in the inputs' dtype (bfloat16 stays bfloat16)."""
+  op = "moba"
+  batch, length, heads, head_dim = q.shape
+  ct = contract.softmax_dtype(q.dtype, k.dtype, v.dtype)
+  scale = contract.logit_scale(head_dim)
+  size = min(size, length)
+  nb = num_blocks(length, size)
+  padded = nb * size
+  count = min(count, nb)
+  qh, kh, vh, real = rows_and_mask(q, k, v, mask, jnp.result_type(q.dtype, k.dtype, v.dtype))
+  rows = qh.shape[0]
+  kp, vp, rp = pad_length(kh, padded), pad_length(vh, padded), pad_length(real, padded, False)
+  rb = rp.reshape(rows, nb, size)
+  filled = jnp.sum(rb, axis=-1)  # [rows, nb] real keys per block
+  kbar = jnp.sum(kp.astype(ct).reshape(rows, nb, size, head_dim), axis=2) / jnp.maximum(filled, 1)[
+      ..., None].astype(ct)  # [rows, nb, d], masked keys are zeros
+  blocks = jnp.arange(nb)
+
+  def choose_chunk(tree: tuple[Array, Array]) -> Array:
+    qc, qpos = tree  # [rows, Q, d] (scaled), [1, Q]
+    scores = jnp.einsum("gqd,gnd->gqn", qc, kbar)  # [rows, Q, nb]
+    own = (qpos // size)[..., None]  # [1, Q, 1]
+    visible = (filled > 0)[:, None, :]
+    if causal:
+      visible = visible & (blocks < own)
+    visible = visible | (blocks == own)
+    forced = jnp.broadcast_to((blocks == own).astype(jnp.int32), scores.shape)
+    index, chosen = choose(scores, jnp.broadcast_to(visible, scores.shape), forced, count)
+    return jnp.where(chosen, index, -1)  # [rows, Q, count]
+
+  n_chunks = query_chunks if query_chunks is not None else num_query_chunks(rows, padded, nb)
+  n_chunks = contract.check_positive_int(n_chunks, name="query_chunks", op=op)
+  qpos = jnp.arange(length, dtype=jnp.int32)[None, :]
+  ids = map_chunks(choose_chunk, (qh.astype(ct) * scale, qpos), n_chunks, axis=1)  # [rows, length, count]
+  out = selection_flash.attend(qh, kp, vp, rp, ids, block=size, causal=causal, scale=scale)  # [rows, L, e]
+  return from_rows(out, batch, v.dtype)

@@ -1,0 +1,435 @@
+"""A flash-attention kernel (Pallas) over per-query selected key blocks: MoBA's chosen blocks, NSA's selected
+blocks and its sliding window, without gathering any key per query.
+
+Keys are cut into blocks of B positions (block b = positions [b·B, (b+1)·B)). Every query i attends to the
+keys of its own set of blocks: `ids` [rows, P, K] lists them per query (-1 = unused slot), or, with `ids`
+None, every block, narrowed by structural rules only (`causal`: j <= i; `window` w: j > i - w). The kernel
+runs one online softmax per query over exactly its set (valid keys, rules applied), so the output equals the
+XLA path's gather-and-softmax (`attention_core.selection.chosen_piece`).
+
+Forward: grid (rows, query tiles). A query tile of `tile_q` queries reads only the union of the blocks its
+queries chose: an int32 list per query tile, [count, block ids ascending, padding] (computed in XLA; in SMEM
+on TPU, a plain int ref read in-kernel on GPU), looped over with a dynamic trip count. Per block, a query's
+mask is whether the block is among its own ids (a compare against its K ids: the selection bitmask without a
+per-slot layout, the same in the transposed backward, which knows the block but not its slot). A block is
+read as `sub` key tiles of `tile_k` keys: each block is padded to whole tiles (its padded keys invalid), and
+keys, values and key codes sit in [rows, tiles, tile_k, dim] arrays, so every dynamic index falls on a leading
+axis (Mosaic places no dynamic lane or sublane offsets here; Triton loads power-of-two tiles).
+
+Backward (custom_vjp, recomputation from the saved log-sum-exp as in FlashAttention-2): a dq kernel with the
+forward's grid and lists; a dk/dv kernel with grid (rows, key tiles) looping over the transposed lists, for
+each key block the query tiles that read it (XLA again), on transposed tiles ([keys, queries]) so the
+per-query statistics and ids stay rows with queries on lanes. No atomics.
+
+Non-finite handling as `combiner.flash`: key and value tiles have non-finite entries selected to 0 before any
+product, a per-key code marks keys that had any, and a query that sees such a key gets NaN (as the XLA path)
+while one behind a mask, a rule or an unchosen block is inert. Matmuls take the input dtype and accumulate in
+float32 (float64 stays float64, interpret mode).
+
+Blocks: on TPU the whole row's keys and values (forward) or queries and output cotangents (dk/dv) are one
+VMEM block per row, read at the listed tiles: `fits_vmem` says whether a shape fits, and "auto" callers fall
+back to XLA where it does not. GPUs read the same refs from HBM, tile by tile. `lax.platform_dependent`
+picks Triton on GPU, Mosaic on TPU and interpret mode on CPU (`attention_core.pallas.platform_call`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as pltriton
+
+from attention_core import contract, pallas
+from attention_core.blocks import pad_to
+
+Array = Any
+TILE_CAPS = (128, 128)  # (query, key) tile caps on TPU (128 lanes) and in interpret mode
+GPU_TILE_CAPS = (64, 64)  # on GPUs, as combiner.flash
+MIN_TILE = 16
+VALID, NONFINITE = 1.0, 2.0  # key codes; 0 marks an invalid key
+# Whole-row VMEM blocks on TPU (double-buffered by the pipeline) must stay within this many bytes; the default
+# scoped VMEM is 16 MiB on v4 and v5e.
+VMEM_BUDGET = 12 << 20
+
+GPU_PARAMS = pltriton.CompilerParams(num_warps=4, num_stages=2)
+TPU_PARAMS = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel"))
+
+
+class Plan(NamedTuple):
+  """The static part of a call."""
+
+  block: int  # B, positions per selection block
+  tile_k: int  # keys per key tile (a power of two)
+  sub: int  # key tiles per block (the block padded to sub * tile_k)
+  tile_q: int  # queries per query tile (a power of two)
+  causal: bool  # key j visible to query i only when j <= i
+  window: int  # > 0: key j visible only when j > i - window
+  scale: float
+  ids: bool  # per-query block ids given (else every listed block)
+
+
+def tile_caps() -> tuple[int, int]:
+  """(query tile cap, key tile cap) for the platform being traced for."""
+  backend = contract.backend()
+  return GPU_TILE_CAPS if backend in contract.ACCELERATOR_BACKENDS and backend != "tpu" else TILE_CAPS
+
+
+def _tile(n: int, cap: int) -> int:
+  t = MIN_TILE
+  while t < n and t < cap:
+    t *= 2
+  return t
+
+
+def _pow2(n: int) -> int:
+  return 1 << max(0, (n - 1).bit_length())
+
+
+def tiles(length: int, block: int) -> tuple[int, int]:
+  """(tile_q, tile_k) for `length` queries over blocks of `block` keys: query tiles no longer than a block
+  where possible (a tile spanning several blocks reads the union of their choices)."""
+  cap_q, cap_k = tile_caps()
+  return _tile(min(block, length), cap_q), _tile(block, cap_k)
+
+
+def fits_vmem(length: int, head_dim: int, value_dim: int, itemsize: int, block: int) -> bool:
+  """Whether the TPU kernels' whole-row blocks (keys and values, or queries and output cotangents, with lanes
+  padded to 128 and double-buffered) fit `VMEM_BUDGET` at this length."""
+  tile_q, tile_k = tiles(length, block)
+  keys = -(-length // block) * (-(-block // tile_k) * tile_k)
+  queries = -(-length // tile_q) * tile_q
+  lanes = lambda w: -(-_pow2(w) // 128) * 128  # noqa: E731
+  rows = max(keys, queries)
+  return 2 * rows * (lanes(head_dim) + lanes(value_dim)) * itemsize + 4 * rows * 8 * 4 <= VMEM_BUDGET
+
+
+def _div(a: Any, b: int) -> Any:
+  """a // b for non-negative ints (jnp's floor division lowers through `sign`, which Mosaic cannot place)."""
+  return a // b if isinstance(a, int) else lax.div(a, jnp.int32(b))
+
+
+def _finite(x: Array) -> Array:
+  """x with non-finite entries selected to 0 (a key or value behind a mask meets zero weights in products)."""
+  return jnp.where(jnp.isfinite(x.astype(jnp.float32)), x, jnp.zeros_like(x))
+
+
+def _stats_dtype(x: Array) -> Any:
+  return jnp.float64 if x.dtype == jnp.float64 else jnp.float32
+
+
+def _rules(plan: Plan, qpos: Array, kpos: Array) -> Array | None:
+  """Structural visibility of keys at kpos for queries at qpos (broadcasting), None when there is no rule."""
+  ok = None
+  if plan.causal:
+    ok = kpos <= qpos
+  if plan.window:
+    inside = kpos > qpos - plan.window
+    ok = inside if ok is None else ok & inside
+  return ok
+
+
+def _hit(ids: Array, b: Array, axis: int) -> Array:
+  """Which queries chose block b: ids [tile_q, K] (axis 1) or [K, tile_q] (axis 0) -> keepdims bool."""
+  return jnp.max(jnp.where(ids == b, 1.0, 0.0), axis=axis, keepdims=True) > 0
+
+
+def _tiles_of_block(plan: Plan, b: Array, qmax: Any, body, carry):
+  """carry after body(j, carry) for the key tiles j of block b; causal rules stop after the last tile a query
+  up to qmax can see."""
+  if plan.sub == 1:
+    return body(0, carry)
+  num = plan.sub
+  if plan.causal:
+    num = jnp.minimum(num, _div(jnp.maximum(qmax - b * plan.block, 0), plan.tile_k) + 1)
+  return lax.fori_loop(0, num, body, carry)
+
+
+def _fwd_kernel(lists_ref, q_ref, k_ref, v_ref, code_ref, *refs, plan: Plan):
+  ids_ref = refs[0] if plan.ids else None
+  o_ref, lse_ref = refs[-2:]
+  t = pl.program_id(1)
+  tq, tk = plan.tile_q, plan.tile_k
+  q = q_ref[...]  # [tq, d]
+  st = _stats_dtype(q)
+  qpos = t * tq + lax.broadcasted_iota(jnp.int32, (tq, 1), 0)
+  qmax = t * tq + tq - 1
+  ids = ids_ref[...] if plan.ids else None  # [tq, K]
+
+  def block(s, carry):
+    b = lists_ref[1 + s]
+    hit = _hit(ids, b, 1) if ids is not None else None  # [tq, 1]
+
+    def tile(j, carry):
+      m, den, acc = carry
+      kt = b * plan.sub + j
+      k, v, code = k_ref[kt], _finite(v_ref[kt]), code_ref[kt]  # [tk, d], [tk, e], [1, tk]
+      s = pallas.dot(q, k, trans_b=True).astype(st) * plan.scale  # [tq, tk]
+      kpos = b * plan.block + j * tk + lax.broadcasted_iota(jnp.int32, (1, tk), 1)
+      ok = code > 0
+      rule = _rules(plan, qpos, kpos)
+      ok = ok if rule is None else ok & rule
+      ok = ok if hit is None else ok & hit
+      # A visible key that held a NaN or Inf gets logit +inf: its query's max, weights and output turn NaN.
+      s = jnp.where(ok, jnp.where(code > VALID, jnp.inf, s), -jnp.inf)
+      m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+      m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+      p = jnp.exp(s - m_safe)  # exactly 0 where invisible
+      alpha = jnp.exp(m - m_safe)
+      den = alpha * den + jnp.sum(p, axis=1, keepdims=True)
+      acc = alpha * acc + pallas.dot(p.astype(v.dtype), v).astype(st)
+      return m_new, den, acc
+
+    return _tiles_of_block(plan, b, qmax, tile, carry)
+
+  init = (jnp.full((tq, 1), -jnp.inf, st), jnp.zeros((tq, 1), st), jnp.zeros(o_ref.shape, st))
+  m, den, acc = lax.fori_loop(0, lists_ref[0], block, init)
+  nonempty = den > 0
+  safe = jnp.where(nonempty, den, 1.0)
+  o_ref[...] = (acc / safe).astype(o_ref.dtype)
+  lse_ref[...] = jnp.where(nonempty, m + jnp.log(safe), -jnp.inf).T.astype(lse_ref.dtype)  # [1, tq]
+
+
+def _dq_kernel(lists_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, code_ref, *refs, plan: Plan):
+  ids_ref = refs[0] if plan.ids else None
+  (dq_ref,) = refs[-1:]
+  t = pl.program_id(1)
+  tq, tk = plan.tile_q, plan.tile_k
+  q, do = q_ref[...], do_ref[...]  # [tq, d], [tq, e]
+  st = _stats_dtype(q)
+  lse, delta = lse_ref[...].T, delta_ref[...].T  # [tq, 1]
+  lse = jnp.where(lse == -jnp.inf, 0.0, lse)
+  qpos = t * tq + lax.broadcasted_iota(jnp.int32, (tq, 1), 0)
+  qmax = t * tq + tq - 1
+  ids = ids_ref[...] if plan.ids else None
+
+  def block(s, dq):
+    b = lists_ref[1 + s]
+    hit = _hit(ids, b, 1) if ids is not None else None
+
+    def tile(j, dq):
+      kt = b * plan.sub + j
+      k, v, code = _finite(k_ref[kt]), _finite(v_ref[kt]), code_ref[kt]
+      s = pallas.dot(q, k, trans_b=True).astype(st) * plan.scale
+      kpos = b * plan.block + j * tk + lax.broadcasted_iota(jnp.int32, (1, tk), 1)
+      ok = code > 0
+      rule = _rules(plan, qpos, kpos)
+      ok = ok if rule is None else ok & rule
+      ok = ok if hit is None else ok & hit
+      p = jnp.where(ok, jnp.exp(jnp.where(ok, s, 0.0) - lse), 0.0)  # [tq, tk]
+      dp = pallas.dot(do, v, trans_b=True).astype(st)
+      ds = p * (dp - delta)
+      return dq + pallas.dot(ds.astype(k.dtype), k).astype(st) * plan.scale
+
+    return _tiles_of_block(plan, b, qmax, tile, dq)
+
+  dq = lax.fori_loop(0, lists_ref[0], block, jnp.zeros(dq_ref.shape, st))
+  dq_ref[...] = dq.astype(dq_ref.dtype)
+
+
+def _dkv_kernel(lists_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, code_ref, *refs, plan: Plan):
+  """dk, dv of one key tile from the query tiles its block's transposed list names, on [keys, queries]
+  tiles (per-query rows broadcast over keys)."""
+  ids_ref = refs[0] if plan.ids else None
+  dk_ref, dv_ref = refs[-2:]
+  kt = pl.program_id(1)
+  tq, tk = plan.tile_q, plan.tile_k
+  b = _div(kt, plan.sub)
+  j = kt - b * plan.sub
+  k, v, code = k_ref[...], _finite(v_ref[...]), code_ref[...]  # [tk, d], [tk, e], [tk, 1]
+  st = _stats_dtype(k)
+  kpos = b * plan.block + j * tk + lax.broadcasted_iota(jnp.int32, (tk, 1), 0)
+
+  def body(i, carry):
+    dk, dv = carry
+    t = lists_ref[1 + i]
+    q, do = q_ref[t], do_ref[t]  # [tq, d], [tq, e]
+    lse, delta = lse_ref[t], delta_ref[t]  # [1, tq]
+    lse = jnp.where(lse == -jnp.inf, 0.0, lse)
+    qpos = t * tq + lax.broadcasted_iota(jnp.int32, (1, tq), 1)
+    s = pallas.dot(k, q, trans_b=True).astype(st) * plan.scale  # [tk, tq]
+    ok = code > 0
+    rule = _rules(plan, qpos, kpos)
+    ok = ok if rule is None else ok & rule
+    if ids_ref is not None:
+      ok = ok & _hit(ids_ref[t], b, 0)  # ids [K, tq] -> [1, tq]
+    p = jnp.where(ok, jnp.exp(jnp.where(ok, s, 0.0) - lse), 0.0)  # [tk, tq]
+    dv = dv + pallas.dot(p.astype(do.dtype), do).astype(st)
+    dp = pallas.dot(v, do, trans_b=True).astype(st)
+    ds = p * (dp - delta)
+    dk = dk + pallas.dot(ds.astype(q.dtype), q).astype(st) * plan.scale
+    return dk, dv
+
+  zeros = (jnp.zeros(dk_ref.shape, st), jnp.zeros(dv_ref.shape, st))
+  dk, dv = lax.fori_loop(0, lists_ref[0], body, zeros)
+  dk_ref[...] = dk.astype(dk_ref.dtype)
+  dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _call(platform: str | None, kernel, grid, in_specs, list_spec, **kw):
+  """pallas_call per platform; the list (first input) is a VMEM/global block off TPU and an SMEM block on
+  TPU (its scalars are loop bounds and indices)."""
+  smem = pl.BlockSpec(list_spec.block_shape, list_spec.index_map, memory_space=pltpu.SMEM)
+  return pallas.platform_call(kernel, gpu_params=GPU_PARAMS, tpu_params=TPU_PARAMS, platform=platform,
+                              grid=grid, in_specs=[list_spec, *in_specs],
+                              tpu_kw={"in_specs": [smem, *in_specs]}, **kw)
+
+
+def _whole(x: Array) -> pl.BlockSpec:
+  """Every tile of row r: [rows, n, a, b] -> [n, a, b]."""
+  return pl.BlockSpec((None, *x.shape[1:]), lambda r, t: (r, 0, 0, 0))
+
+
+def _one(x: Array) -> pl.BlockSpec:
+  """Tile t of row r: [rows, n, a, b] -> [a, b]."""
+  return pl.BlockSpec((None, None, *x.shape[2:]), lambda r, t: (r, t, 0, 0))
+
+
+class _Aux(NamedTuple):  # the non-differentiable kernel inputs
+  code: Array  # [rows, key tiles, 1, tile_k] float32 key codes
+  code_t: Array  # [rows, key tiles, tile_k, 1] the same, as columns (dk/dv)
+  lists: Array  # [rows, query tiles, W] int32: count, then block ids
+  lists_t: Array  # [rows, blocks, W'] int32: count, then query tiles
+  ids: Array | None  # [rows, query tiles, tile_q, K] int32 per-query block ids, -1 unused
+  ids_t: Array | None  # [rows, query tiles, K, tile_q] the same, queries on lanes (dk/dv)
+
+
+def _zero_cotangent(x: Array | None) -> Any:
+  if x is None:
+    return None
+  if jnp.issubdtype(x.dtype, jnp.floating):
+    return jnp.zeros_like(x)
+  return np.zeros(x.shape, jax.dtypes.float0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _flash(platform: str | None, plan: Plan, q: Array, k: Array, v: Array, aux: _Aux) -> tuple[Array, Array]:
+  return _flash_fwd(platform, plan, q, k, v, aux)[0]
+
+
+def _flash_fwd(platform, plan, q, k, v, aux):
+  rows, nt, tq, _ = q.shape
+  e = v.shape[-1]
+  ids_specs = [_one(aux.ids)] if plan.ids else []
+  ids_args = [aux.ids] if plan.ids else []
+  o, lse = _call(
+      platform, functools.partial(_fwd_kernel, plan=plan), (rows, nt),
+      [_one(q), _whole(k), _whole(v), _whole(aux.code), *ids_specs],
+      pl.BlockSpec((None, None, aux.lists.shape[-1]), lambda r, t: (r, t, 0)),
+      out_specs=[pl.BlockSpec((None, None, tq, e), lambda r, t: (r, t, 0, 0)),
+                 pl.BlockSpec((None, None, 1, tq), lambda r, t: (r, t, 0, 0))],
+      out_shape=[jax.ShapeDtypeStruct((rows, nt, tq, e), q.dtype),
+                 jax.ShapeDtypeStruct((rows, nt, 1, tq), _stats_dtype(q))],
+      name="selection_flash_fwd",
+  )(aux.lists, q, k, v, aux.code, *ids_args)
+  return o, (q, k, v, aux, o, lse)
+
+
+def _flash_bwd(platform, plan, res, do):
+  q, k, v, aux, o, lse = res
+  rows, nt, tq, _ = q.shape
+  nk = k.shape[1]
+  st = _stats_dtype(q)
+  delta = jnp.sum(do.astype(st) * o.astype(st), axis=-1)[:, :, None, :]  # [rows, nt, 1, tq]
+  do = do.astype(q.dtype)
+  ids_specs = [_one(aux.ids)] if plan.ids else []
+  ids_args = [aux.ids] if plan.ids else []
+  dq = _call(
+      platform, functools.partial(_dq_kernel, plan=plan), (rows, nt),
+      [_one(q), _one(do), _one(lse), _one(delta), _whole(k), _whole(v), _whole(aux.code), *ids_specs],
+      pl.BlockSpec((None, None, aux.lists.shape[-1]), lambda r, t: (r, t, 0)),
+      out_specs=_one(q), out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), name="selection_flash_dq",
+  )(aux.lists, q, do, lse, delta, k, v, aux.code, *ids_args)
+  sub = plan.sub
+  idst_specs = [_whole(aux.ids_t)] if plan.ids else []
+  idst_args = [aux.ids_t] if plan.ids else []
+  dk, dv = _call(
+      platform, functools.partial(_dkv_kernel, plan=plan), (rows, nk),
+      [_whole(q), _whole(do), _whole(lse), _whole(delta), _one(k), _one(v), _one(aux.code_t), *idst_specs],
+      pl.BlockSpec((None, None, aux.lists_t.shape[-1]), lambda r, t: (r, _div(t, sub), 0)),
+      out_specs=[_one(k), _one(v)],
+      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+      name="selection_flash_dkv",
+  )(aux.lists_t, q, do, lse, delta, k, v, aux.code_t, *idst_args)
+  return dq, dk, dv, jax.tree.map(_zero_cotangent, aux, is_leaf=lambda x: x is None)
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def _lists(member: Array, most: int) -> Array:
+  """member [rows, n, m] bool -> [rows, n, W] int32: the count, then the members ascending (at most `most`),
+  W a power of two (Triton's block sizes); slots past the count are never read."""
+  m = member.shape[-1]
+  index = jnp.arange(m, dtype=jnp.int32)
+  order = jnp.argsort(jnp.where(member, index, m + index), axis=-1)[..., :min(most, m)].astype(jnp.int32)
+  count = jnp.sum(member, axis=-1, dtype=jnp.int32)[..., None]
+  out = jnp.concatenate([count, order], axis=-1)
+  return pad_to(out, _pow2(out.shape[-1]), 2)
+
+
+def attend(q: Array, k: Array, v: Array, real: Array, ids: Array | None, *, block: int, causal: bool,
+           window: int = 0, scale: float) -> Array:
+  """Each query's softmax over the valid keys of its blocks.
+
+  q [rows, P, d]: query i at position i; k [rows, N, d], v [rows, N, e], real [rows, N] bool key mask, N a
+  whole number of blocks of `block` keys; ids [rows, P, K] int32: the blocks each query attends (-1 =
+  unused), or None: every block. causal: keys j <= i only; window > 0: keys j > i - window only. scale: the
+  logit scale. Returns [rows, P, e] in q's dtype (queries with no visible key get 0); differentiable in q,
+  k and v.
+  """
+  rows, length, d = q.shape
+  n, e = k.shape[1], v.shape[-1]
+  if n % block:
+    raise ValueError(f"selection_flash.attend: {n} keys are not whole blocks of {block}")
+  nb = n // block
+  tq, tk = tiles(length, block)
+  sub = -(-block // tk)
+  nt = -(-length // tq)
+  dp, ep = _pow2(d), _pow2(e)
+  plan = Plan(block, tk, sub, tq, bool(causal), int(window), float(scale), ids is not None)
+
+  def key_tiles(x: Array) -> Array:  # [rows, N, w] -> [rows, nb * sub, tk, w]
+    x = pad_to(x.reshape(rows, nb, block, x.shape[-1]), sub * tk, 2)
+    return x.reshape(rows, nb * sub, tk, x.shape[-1])
+
+  finite = jnp.all(jnp.isfinite(k), axis=-1) & jnp.all(jnp.isfinite(v), axis=-1)
+  code = jnp.where(real, jnp.where(finite, VALID, NONFINITE), 0.0).astype(jnp.float32)  # [rows, N]
+  code = key_tiles(code[..., None])  # [rows, nb * sub, tk, 1]
+  qt = pad_to(pad_to(q, nt * tq, 1), dp, 2).reshape(rows, nt, tq, dp)
+  kt = key_tiles(pad_to(k.astype(q.dtype), dp, 2))
+  vt = key_tiles(pad_to(v.astype(q.dtype), ep, 2))
+
+  tile_of = jnp.arange(nt * tq, dtype=jnp.int32) // tq
+  if ids is not None:
+    count = ids.shape[-1]
+    idp = pad_to(pad_to(ids.astype(jnp.int32), nt * tq, 1, -1), _pow2(count), 2, -1)  # [rows, nt * tq, K]
+    # The union of each query tile's choices: a scatter of its queries' ids (-1 lands in a dropped column).
+    member = jnp.zeros((rows, nt, nb + 1), bool).at[
+        jnp.arange(rows)[:, None, None], tile_of[None, :, None], jnp.where(idp >= 0, idp, nb)].set(True)
+    member = member[..., :nb]
+    most = min(nb, tq * count)
+    ids4 = idp.reshape(rows, nt, tq, -1)
+    aux_ids, aux_ids_t = ids4, jnp.swapaxes(ids4, 2, 3)
+  else:  # every block a rule lets some query of the tile see
+    first = np.arange(nt) * tq  # [nt] the tile's first and last query
+    last = first + tq - 1
+    starts = np.arange(nb) * block  # [nb]
+    ends = starts + block - 1
+    seen = np.ones((nt, nb), bool)
+    if causal:
+      seen &= starts[None, :] <= last[:, None]
+    if window:
+      seen &= ends[None, :] > first[:, None] - window
+    member = jnp.broadcast_to(jnp.asarray(seen), (rows, nt, nb))
+    most = int(seen.sum(-1).max(initial=1))
+    aux_ids = aux_ids_t = None
+  aux = _Aux(jnp.swapaxes(code, 2, 3), code, _lists(member, most), _lists(jnp.swapaxes(member, 1, 2), nt),
+             aux_ids, aux_ids_t)
+  out = _flash(contract.traced_platform(), plan, qt, kt, vt, aux)  # [rows, nt, tq, ep]
+  return out.reshape(rows, nt * tq, ep)[:, :length, :e]
