@@ -86,7 +86,7 @@ def _lm(**fields):
 def test_tiny_lm_trains_and_every_weight_learns():
   """A decoder LM on sequences that repeat with period 3 (the next token is the one 3 back): the loss falls,
   and W_{k,R}, u and v receive gradient."""
-  model = _lm(recompute=True)
+  model = _lm()
   opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
 
   @nnx.jit
