@@ -135,3 +135,22 @@ def test_model_on_a_mesh_equals_single_device():
   net = transformer.build_model(cfg, task=task, vocab_size=11, seq_len=shard.LENGTH)
   ids = jax.random.randint(jax.random.key(1), (shard.BATCH, shard.LENGTH), 0, 11)
   shard.assert_close(shard.loss_and_grads(net, ids, shard.cpu_mesh(4, 2)), shard.loss_and_grads(net, ids))
+
+
+@pytest.mark.slow
+def test_recompute_gives_the_same_loss_and_gradients():
+  g = np.random.default_rng(3)
+  x = jnp.asarray(g.normal(size=(2, 5, FEATURES)), jnp.float32)
+  memory = jnp.asarray(g.normal(size=(2, 3, FEATURES)), jnp.float32)
+  mask = jnp.asarray([[True] * 5, [True] * 4 + [False]])
+  results = []
+  for fields in ({}, {"recompute": True}):
+    graphdef, params, rest = nnx.split(_module(**fields), nnx.Param, ...)
+
+    def loss(params, graphdef=graphdef, rest=rest):
+      m = nnx.merge(graphdef, params, rest)
+      return jnp.sum(m(x, mask, deterministic=True, memory=memory) ** 2)
+
+    results.append(jax.jit(jax.value_and_grad(loss))(params))
+  for a, b in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1]), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
