@@ -150,7 +150,7 @@ def _tiles_of_block(plan: Plan, b: Array, qmax: Any, body, carry):
   return lax.fori_loop(0, num, body, carry)
 
 
-def _fwd_kernel(lists_ref, q_ref, k_ref, v_ref, code_ref, *refs, plan: Plan):
+def _fwd_kernel(lists_ref, q_ref, k_ref, v_ref, code_ref, *refs, plan: Plan, width: int):
   ids_ref = refs[0] if plan.ids else None
   o_ref, lse_ref = refs[-2:]
   t = pl.program_id(1)
@@ -160,9 +160,10 @@ def _fwd_kernel(lists_ref, q_ref, k_ref, v_ref, code_ref, *refs, plan: Plan):
   qpos = t * tq + lax.broadcasted_iota(jnp.int32, (tq, 1), 0)
   qmax = t * tq + tq - 1
   ids = ids_ref[...] if plan.ids else None  # [tq, K]
+  entry = _entries(lists_ref, t, width)
 
   def block(s, carry):
-    b = lists_ref[1 + s]
+    b = entry(1 + s)
     hit = _hit(ids, b, 1) if ids is not None else None  # [tq, 1]
 
     def tile(j, carry):
@@ -188,14 +189,15 @@ def _fwd_kernel(lists_ref, q_ref, k_ref, v_ref, code_ref, *refs, plan: Plan):
     return _tiles_of_block(plan, b, qmax, tile, carry)
 
   init = (jnp.full((tq, 1), -jnp.inf, st), jnp.zeros((tq, 1), st), jnp.zeros(o_ref.shape, st))
-  m, den, acc = lax.fori_loop(0, lists_ref[0], block, init)
+  m, den, acc = lax.fori_loop(0, entry(0), block, init)
   nonempty = den > 0
   safe = jnp.where(nonempty, den, 1.0)
   o_ref[...] = (acc / safe).astype(o_ref.dtype)
   lse_ref[...] = jnp.where(nonempty, m + jnp.log(safe), -jnp.inf).T.astype(lse_ref.dtype)  # [1, tq]
 
 
-def _dq_kernel(lists_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, code_ref, *refs, plan: Plan):
+def _dq_kernel(lists_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, code_ref, *refs, plan: Plan,
+               width: int):
   ids_ref = refs[0] if plan.ids else None
   (dq_ref,) = refs[-1:]
   t = pl.program_id(1)
@@ -207,9 +209,10 @@ def _dq_kernel(lists_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, code_
   qpos = t * tq + lax.broadcasted_iota(jnp.int32, (tq, 1), 0)
   qmax = t * tq + tq - 1
   ids = ids_ref[...] if plan.ids else None
+  entry = _entries(lists_ref, t, width)
 
   def block(s, dq):
-    b = lists_ref[1 + s]
+    b = entry(1 + s)
     hit = _hit(ids, b, 1) if ids is not None else None
 
     def tile(j, dq):
@@ -228,11 +231,12 @@ def _dq_kernel(lists_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, code_
 
     return _tiles_of_block(plan, b, qmax, tile, dq)
 
-  dq = lax.fori_loop(0, lists_ref[0], block, jnp.zeros(dq_ref.shape, st))
+  dq = lax.fori_loop(0, entry(0), block, jnp.zeros(dq_ref.shape, st))
   dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
-def _dkv_kernel(lists_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, code_ref, *refs, plan: Plan):
+def _dkv_kernel(lists_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, code_ref, *refs, plan: Plan,
+                width: int):
   """dk, dv of one key tile from the query tiles its block's transposed list names, on [keys, queries]
   tiles (per-query rows broadcast over keys)."""
   ids_ref = refs[0] if plan.ids else None
@@ -244,10 +248,11 @@ def _dkv_kernel(lists_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, code
   k, v, code = k_ref[...], _finite(v_ref[...]), code_ref[...]  # [tk, d], [tk, e], [tk, 1]
   st = _stats_dtype(k)
   kpos = b * plan.block + j * tk + lax.broadcasted_iota(jnp.int32, (tk, 1), 0)
+  entry = _entries(lists_ref, b, width)
 
   def body(i, carry):
     dk, dv = carry
-    t = lists_ref[1 + i]
+    t = entry(1 + i)
     q, do = q_ref[t], do_ref[t]  # [tq, d], [tq, e]
     lse, delta = lse_ref[t], delta_ref[t]  # [1, tq]
     lse = jnp.where(lse == -jnp.inf, 0.0, lse)
@@ -266,17 +271,27 @@ def _dkv_kernel(lists_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, code
     return dk, dv
 
   zeros = (jnp.zeros(dk_ref.shape, st), jnp.zeros(dv_ref.shape, st))
-  dk, dv = lax.fori_loop(0, lists_ref[0], body, zeros)
+  dk, dv = lax.fori_loop(0, entry(0), body, zeros)
   dk_ref[...] = dk.astype(dk_ref.dtype)
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _call(platform: str | None, kernel, grid, in_specs, list_spec, **kw):
-  """pallas_call per platform; the list (first input) is a VMEM/global block off TPU and an SMEM block on
-  TPU (its scalars are loop bounds and indices)."""
-  smem = pl.BlockSpec(list_spec.block_shape, list_spec.index_map, memory_space=pltpu.SMEM)
+def _entries(lists_ref, index: Array, width: int):
+  """Entry s of list `index` (a query tile's or a key block's): lists_ref holds the whole row's lists (TPU,
+  [1, n * width]) or that list alone (GPU and interpret mode, [1, width])."""
+  base = index * width if lists_ref.shape[-1] > width else 0
+  return lambda s: lists_ref[0, base + s]
+
+
+def _call(platform: str | None, kernel, grid, in_specs, lists: Array, width: int, which, **kw):
+  """pallas_call per platform with `lists` [rows, 1, n * width] first: on TPU the whole row's lists as one
+  SMEM block (Mosaic wants a block's last two dims whole or (8, 128)-aligned; its scalars are loop bounds and
+  indices), elsewhere the list which(r, t) of grid step (r, t) alone (a power-of-two block for Triton)."""
+  kernel = functools.partial(kernel, width=width)
+  tile = pl.BlockSpec((None, 1, width), lambda r, t: (r, 0, which(r, t)))
+  smem = pl.BlockSpec((None, 1, lists.shape[-1]), lambda r, t: (r, 0, 0), memory_space=pltpu.SMEM)
   return pallas.platform_call(kernel, gpu_params=GPU_PARAMS, tpu_params=TPU_PARAMS, platform=platform,
-                              grid=grid, in_specs=[list_spec, *in_specs],
+                              grid=grid, in_specs=[tile, *in_specs],
                               tpu_kw={"in_specs": [smem, *in_specs]}, **kw)
 
 
@@ -293,8 +308,8 @@ def _one(x: Array) -> pl.BlockSpec:
 class _Aux(NamedTuple):  # the non-differentiable kernel inputs
   code: Array  # [rows, key tiles, 1, tile_k] float32 key codes
   code_t: Array  # [rows, key tiles, tile_k, 1] the same, as columns (dk/dv)
-  lists: Array  # [rows, query tiles, W] int32: count, then block ids
-  lists_t: Array  # [rows, blocks, W'] int32: count, then query tiles
+  lists: Array  # [rows, 1, query tiles * W] int32: per query tile its count, then block ids
+  lists_t: Array  # [rows, 1, blocks * W'] int32: per key block its count, then query tiles
   ids: Array | None  # [rows, query tiles, tile_q, K] int32 per-query block ids, -1 unused
   ids_t: Array | None  # [rows, query tiles, K, tile_q] the same, queries on lanes (dk/dv)
 
@@ -319,8 +334,8 @@ def _flash_fwd(platform, plan, q, k, v, aux):
   ids_args = [aux.ids] if plan.ids else []
   o, lse = _call(
       platform, functools.partial(_fwd_kernel, plan=plan), (rows, nt),
-      [_one(q), _whole(k), _whole(v), _whole(aux.code), *ids_specs],
-      pl.BlockSpec((None, None, aux.lists.shape[-1]), lambda r, t: (r, t, 0)),
+      [_one(q), _whole(k), _whole(v), _whole(aux.code), *ids_specs], aux.lists, _width(aux.lists, nt),
+      lambda r, t: t,
       out_specs=[pl.BlockSpec((None, None, tq, e), lambda r, t: (r, t, 0, 0)),
                  pl.BlockSpec((None, None, 1, tq), lambda r, t: (r, t, 0, 0))],
       out_shape=[jax.ShapeDtypeStruct((rows, nt, tq, e), q.dtype),
@@ -342,7 +357,7 @@ def _flash_bwd(platform, plan, res, do):
   dq = _call(
       platform, functools.partial(_dq_kernel, plan=plan), (rows, nt),
       [_one(q), _one(do), _one(lse), _one(delta), _whole(k), _whole(v), _whole(aux.code), *ids_specs],
-      pl.BlockSpec((None, None, aux.lists.shape[-1]), lambda r, t: (r, t, 0)),
+      aux.lists, _width(aux.lists, nt), lambda r, t: t,
       out_specs=_one(q), out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), name="selection_flash_dq",
   )(aux.lists, q, do, lse, delta, k, v, aux.code, *ids_args)
   sub = plan.sub
@@ -351,7 +366,7 @@ def _flash_bwd(platform, plan, res, do):
   dk, dv = _call(
       platform, functools.partial(_dkv_kernel, plan=plan), (rows, nk),
       [_whole(q), _whole(do), _whole(lse), _whole(delta), _one(k), _one(v), _one(aux.code_t), *idst_specs],
-      pl.BlockSpec((None, None, aux.lists_t.shape[-1]), lambda r, t: (r, _div(t, sub), 0)),
+      aux.lists_t, _width(aux.lists_t, nk // sub), lambda r, t: _div(t, sub),
       out_specs=[_one(k), _one(v)],
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
       name="selection_flash_dkv",
@@ -363,14 +378,20 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
 def _lists(member: Array, most: int) -> Array:
-  """member [rows, n, m] bool -> [rows, n, W] int32: the count, then the members ascending (at most `most`),
-  W a power of two (Triton's block sizes); slots past the count are never read."""
+  """member [rows, n, m] bool -> [rows, 1, n * W] int32, list after list: the count, then the members
+  ascending (at most `most`), W a power of two (Triton's block sizes); slots past the count are never read."""
   m = member.shape[-1]
   index = jnp.arange(m, dtype=jnp.int32)
   order = jnp.argsort(jnp.where(member, index, m + index), axis=-1)[..., :min(most, m)].astype(jnp.int32)
   count = jnp.sum(member, axis=-1, dtype=jnp.int32)[..., None]
   out = jnp.concatenate([count, order], axis=-1)
-  return pad_to(out, _pow2(out.shape[-1]), 2)
+  out = pad_to(out, _pow2(out.shape[-1]), 2)
+  return out.reshape(out.shape[0], 1, -1)  # [rows, 1, n * W]
+
+
+def _width(lists: Array, n: int) -> int:
+  """The width W of each of the n lists in lists [rows, 1, n * W]."""
+  return lists.shape[-1] // n
 
 
 def attend(q: Array, k: Array, v: Array, real: Array, ids: Array | None, *, block: int, causal: bool,
