@@ -1,7 +1,8 @@
 """The Transformer-XL module: with and without memory its output is the op called with its weights (r from
 W_{k,R} applied to the sinusoids, u, v), its parameters carry logical axes and receive gradient, it needs a
-causal model, and a tiny decoder LM with it trains; slow: cached decoding of a whole model and a sharded mesh
-equal the forward pass and one device."""
+causal model, and a tiny decoder LM with it trains; slow: segment recurrence through a whole model equals one
+pass over the sequence, cached decoding equals the forward pass, a sharded mesh equals one device, recompute
+changes no gradient."""
 
 from __future__ import annotations
 
@@ -154,3 +155,31 @@ def test_recompute_gives_the_same_loss_and_gradients():
     results.append(jax.jit(jax.value_and_grad(loss))(params))
   for a, b in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1]), strict=True):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow  # fast: the module with a memory against the op, the op against its definition
+def test_segments_with_memory_equal_the_whole_sequence():
+  """Segment recurrence (`model.mem_len`): three segments of 4 through 2 layers with a memory of 8 (every
+  earlier position) give the logits of one pass over the 12 tokens, as relative positions do not depend on
+  where a segment starts (no absolute position embedding)."""
+  cfg = base.base_config().model
+  cfg.num_layers, cfg.features, cfg.num_heads, cfg.mlp_dim = 2, 16, 2, 32
+  cfg.position_embedding, cfg.mem_len = "none", 8
+  cfg.attention = base.attention_config("transformer_xl")
+  model = transformer.build_model(cfg, task="lm", vocab_size=11, seq_len=4)
+  for block in model.encoder.blocks:
+    block.attention.u[...] = 0.5 * jnp.ones_like(block.attention.u[...])
+    block.attention.v_bias[...] = -0.5 * jnp.ones_like(block.attention.v_bias[...])
+  tokens = jax.random.randint(jax.random.key(4), (2, 12), 0, 11)
+
+  @nnx.jit
+  def run(model, tokens):
+    memory = model.init_memory(2, 8)
+    out = []
+    for s in range(3):
+      logits, memory = model({"inputs": tokens[:, 4 * s:4 * (s + 1)]}, deterministic=True, memory=memory)
+      out.append(logits)
+    return jnp.concatenate(out, axis=1), model({"inputs": tokens}, deterministic=True)
+
+  segments, whole = run(model, tokens)
+  np.testing.assert_allclose(segments, whole, rtol=1e-4, atol=1e-5)
