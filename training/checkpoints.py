@@ -8,6 +8,9 @@ background thread while training goes on. A step appears under its number only w
 they were. The next save, a restore, `wait_until_finished` and `close` wait for the write in flight; the loop
 waits before it reports a stop and before it returns.
 
+With segment recurrence (`config.model.mem_len` > 0) the state includes the model's memory, so that a resumed
+run reads the memory the interrupted one would have read; without it nothing changes.
+
 Each step records a checksum of every array (training/integrity.py), verified on restore. A step that does
 not restore (missing or damaged files, a corrupt data-iterator state, arrays whose bits changed after the
 write, non-finite parameters or optimizer state) is reported with its directory, and the newest step that
@@ -76,6 +79,8 @@ def state_tree(state: TrainState) -> dict[str, Any]:
   tree = {"params": state.params, "opt_state": state.opt_state}
   if jax.tree.leaves(state.rest):  # orbax refuses empty subtrees
     tree["rest"] = state.rest
+  if state.memory is not None:  # segment recurrence: the memory the next step reads (training/recurrence.py)
+    tree["memory"] = state.memory
   return tree
 
 
@@ -133,7 +138,7 @@ def restore_checkpoint(mgr: Any, exp: Experiment, data_iter: Any | None,
   if not hasattr(exp, "rng_state"):
     exp.init_rng_state()
   rest = tree["rest"] if "rest" in tree else exp.empty_rest
-  return TrainState(tree["params"], rest, tree["opt_state"], restored_step)
+  return TrainState(tree["params"], rest, tree["opt_state"], restored_step, tree.get("memory"))
 
 
 # -----------------------------------------------------------------------------------------------------------

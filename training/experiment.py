@@ -10,6 +10,8 @@
   the sequence over the "seq" axis when it is > 1 (combiner/seq_parallel.py). Batches are sharded over
   ("data", "fsdp"); parameters and optimizer moments over "fsdp" by the rules (FSDP, training/mesh.py), and
   the partitioner gathers each layer's weights for its compute.
+- Segment recurrence (`config.model.mem_len` > 0): the state also carries the model's memory, which the steps
+  take and return (training/recurrence.py).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from jax.sharding import PartitionSpec as P
 from attention_core import sharding
 from models import metrics as metrics_lib
 from models import transformer
+from training import recurrence
 from training.mesh import BATCH_AXES, data_parallel_size, make_mesh, state_shardings
 from training.optimizer import make_optimizer
 
@@ -63,6 +66,7 @@ class TrainState:
   rest: Any  # nnx.State of the other module variables (not RngState)
   opt_state: Any
   step: int
+  memory: Any = None  # segment recurrence: the model's memory after the last step (None without)
 
 
 class Experiment:
@@ -86,6 +90,8 @@ class Experiment:
 
     self._build = build
     abstract = nnx.eval_shape(build)
+    self.abstract_model = abstract  # shapes only: what does not need parameters (the memory's layout)
+    self.mem_len, self.eval_mem_len = recurrence.lengths(model_cfg)
     self.graphdef, abs_params, abs_rng, abs_rest = nnx.split(abstract, nnx.Param, nnx.RngState, ...)
     self.empty_rest = abs_rest if not jax.tree.leaves(abs_rest) else None
     self.param_shardings = state_shardings(abs_params, self.rules, self.mesh)
@@ -143,7 +149,11 @@ class Experiment:
                                                      self.rest_shardings))()
     self.rng_state = rng
     opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(params)
-    return TrainState(params, rest, opt_state, 0)
+    memory = None
+    if self.mem_len:
+      memory = recurrence.empty(self.abstract_model, self.mesh, int(self.config.train.batch_size),
+                                self.mem_len)
+    return TrainState(params, rest, opt_state, 0, memory)
 
   def init_rng_state(self) -> None:
     """The model's rng-stream state alone (the checkpoint holds parameters, not streams), sharded."""
@@ -167,9 +177,13 @@ class Experiment:
 
     abs_params, abs_rest = jax.eval_shape(init)
     abs_opt = jax.eval_shape(self.tx.init, abs_params)
-    return {"params": with_sharding(abs_params, self.param_shardings),
-            "rest": with_sharding(abs_rest, self.rest_shardings),
-            "opt_state": with_sharding(abs_opt, self.opt_shardings)}
+    out = {"params": with_sharding(abs_params, self.param_shardings),
+           "rest": with_sharding(abs_rest, self.rest_shardings),
+           "opt_state": with_sharding(abs_opt, self.opt_shardings)}
+    if self.mem_len:
+      out["memory"] = recurrence.abstract(self.abstract_model, self.mesh, int(self.config.train.batch_size),
+                                          self.mem_len)
+    return out
 
   # -- batches -----------------------------------------------------------------------------------------------
 
@@ -201,12 +215,15 @@ class Experiment:
     base_key = jax.random.key(int(self.config.seed))
     tx, schedule = self.tx, self.schedule
 
-    def train_step(params, rest, opt_state, rng, step, batch):
+    def step_with(params, rest, opt_state, rng, step, batch, memory):
       key = jax.random.fold_in(base_key, step)
 
       def loss_fn(params):
         model = self._model(params, rng, rest, key)
-        logits = model(batch, deterministic=False)
+        if memory is None:
+          logits, new_memory = model(batch, deterministic=False), None
+        else:
+          logits, new_memory = model(batch, deterministic=False, memory=memory)
         loss, sums = metrics_lib.loss_and_sums(task, logits, batch)
         sown = nnx.pop(model, nnx.Intermediate)
         aux = sum((jnp.sum(jnp.asarray(v)) for path, v in jax.tree_util.tree_leaves_with_path(sown)
@@ -216,9 +233,10 @@ class Experiment:
                      if "loss_term" in jax.tree_util.keystr(path)), jnp.zeros((), jnp.float32))
         total = loss + aux_w * aux + terms
         new_rest = nnx.state(model, REST)
-        return total, (loss, aux, sums, new_rest)
+        return total, (loss, aux, sums, new_rest, new_memory)
 
-      (total, (loss, aux, sums, new_rest)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+      (total, (loss, aux, sums, new_rest, new_memory)), grads = jax.value_and_grad(loss_fn,
+                                                                                   has_aux=True)(params)
       grad_norm = optax.global_norm(grads)
       finite = jnp.isfinite(total) & jnp.isfinite(grad_norm)
       updates, new_opt = tx.update(grads, opt_state, params)
@@ -227,20 +245,30 @@ class Experiment:
       keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
       out = {"loss": total, "task_loss": loss, "aux_loss": aux, "grad_norm": grad_norm, "lr": schedule(step),
              "finite": finite, **sums}
-      return keep(new_params, params), keep(new_rest, rest), keep(new_opt, opt_state), out
+      new = keep(new_params, params), keep(new_rest, rest), keep(new_opt, opt_state), out
+      return new if memory is None else new + (keep(new_memory, memory),)
 
-    batch_sh = self.batch_sharding
+    def train_step(params, rest, opt_state, rng, step, batch):
+      return step_with(params, rest, opt_state, rng, step, batch, None)
+
+    def train_step_with_memory(params, rest, opt_state, rng, step, batch, memory):
+      return step_with(params, rest, opt_state, rng, step, batch, recurrence.before_step(memory, batch))
+
+    in_sh = (self.param_shardings, self.rest_shardings, self.opt_shardings, self.rng_shardings,
+             self.replicated, self.batch_sharding)
+    out_sh = (self.param_shardings, self.rest_shardings, self.opt_shardings, self.replicated)
     # Traced with the mesh in JAX's context: attention ops run on each device's batch rows and heads.
-    return jax.jit(
-        sharding.traced_in(self.mesh, train_step),
-        in_shardings=(self.param_shardings, self.rest_shardings, self.opt_shardings, self.rng_shardings,
-                      self.replicated, batch_sh),
-        out_shardings=(self.param_shardings, self.rest_shardings, self.opt_shardings, self.replicated),
-        donate_argnums=(0, 1, 2))
+    if self.mem_len:  # the memory goes in last and comes out last
+      mem_sh = recurrence.sharding(self.mesh)
+      return jax.jit(sharding.traced_in(self.mesh, train_step_with_memory), in_shardings=in_sh + (mem_sh,),
+                     out_shardings=out_sh + (mem_sh,), donate_argnums=(0, 1, 2, 6))
+    return jax.jit(sharding.traced_in(self.mesh, train_step), in_shardings=in_sh, out_shardings=out_sh,
+                   donate_argnums=(0, 1, 2))
 
   def jitted_train_step(self) -> Callable:
     """The jitted, donated step (params, rest, opt_state, rng, step, batch) -> (params, rest, opt_state, out),
-    built once; `scripts.compile_tpu` lowers it ahead of time."""
+    built once; `scripts.compile_tpu` lowers it ahead of time. With segment recurrence it also takes the
+    memory last and returns the new one last."""
     if self._train_step is None:
       self._train_step = self._build_train_step()
     return self._train_step
@@ -253,25 +281,38 @@ class Experiment:
 
   def train_step(self, state: TrainState, batch: dict[str, np.ndarray]) -> tuple[TrainState, dict[str, Any]]:
     step = self.jitted_train_step()
-    params, rest, opt, out = step(state.params, state.rest, state.opt_state, self.rng_state,
-                                  jnp.asarray(state.step, jnp.int32), self.global_batch(batch))
-    return TrainState(params, rest, opt, state.step + 1), out
+    args = (state.params, state.rest, state.opt_state, self.rng_state, jnp.asarray(state.step, jnp.int32),
+            self.global_batch(batch))
+    if not self.mem_len:
+      params, rest, opt, out = step(*args)
+      return TrainState(params, rest, opt, state.step + 1), out
+    recurrence.check_batch(state.memory, args[-1])
+    params, rest, opt, out, memory = step(*args, state.memory)
+    return TrainState(params, rest, opt, state.step + 1, memory), out
 
   def _build_eval_step(self) -> Callable:
     task = self.task
     eval_key = jax.random.key(int(self.config.eval_seed))
 
-    def eval_step(params, rest, rng, batch):
+    def eval_step(params, rest, rng, batch, memory=None):
       model = self._model(params, rng, rest, eval_key)  # fixed seed: evaluation is deterministic
-      logits = model(batch, deterministic=True)
+      if memory is None:
+        logits = model(batch, deterministic=True)
+      else:
+        logits, memory = model(batch, deterministic=True, memory=recurrence.before_step(memory, batch))
       _, sums = metrics_lib.loss_and_sums(task, logits, batch)
       first = next(iter(batch.values()))
       valid = batch["valid"] if "valid" in batch else jnp.ones(first.shape[:1], bool)  # [batch]
-      return {**sums, "examples": jnp.sum(valid.astype(jnp.int32))}
+      sums = {**sums, "examples": jnp.sum(valid.astype(jnp.int32))}
+      return sums if memory is None else (sums, memory)
 
-    return jax.jit(sharding.traced_in(self.mesh, eval_step),
-                   in_shardings=(self.param_shardings, self.rest_shardings, self.rng_shardings,
-                                 self.batch_sharding), out_shardings=self.replicated)
+    in_sh = (self.param_shardings, self.rest_shardings, self.rng_shardings, self.batch_sharding)
+    if self.eval_mem_len:  # (params, rest, rng, batch, memory) -> (sums, memory)
+      mem_sh = recurrence.sharding(self.mesh)
+      return jax.jit(sharding.traced_in(self.mesh, eval_step), in_shardings=in_sh + (mem_sh,),
+                     out_shardings=(self.replicated, mem_sh), donate_argnums=(4,))
+    return jax.jit(sharding.traced_in(self.mesh, eval_step), in_shardings=in_sh,
+                   out_shardings=self.replicated)
 
   def evaluate(self, state: TrainState, split: str | None = None, max_batches: int | None = None) -> dict:
     """Metrics over `split` (default config.eval_split), at most `max_batches` batches (-1/None = all)."""
@@ -284,11 +325,19 @@ class Experiment:
                             seed=int(self.config.seed), shuffle=False, num_epochs=1)
     totals: dict[str, float] = {}
     n = 0
+    memory = None  # segment recurrence: empty at the start of every pass, carried over its batches in order
+    if self.eval_mem_len:
+      memory = recurrence.empty(self.abstract_model, self.mesh, int(self.config.train.eval_batch_size),
+                                self.eval_mem_len)
     for batch in loader:
       if 0 <= max_batches <= n:
         break
-      sums = jax.device_get(self._eval_step(state.params, state.rest, self.rng_state,
-                                            self.global_batch(batch)))
+      args = (state.params, state.rest, self.rng_state, self.global_batch(batch))
+      if memory is None:
+        sums = jax.device_get(self._eval_step(*args))
+      else:
+        sums, memory = self._eval_step(*args, memory)
+        sums = jax.device_get(sums)
       for k, v in sums.items():
         totals[k] = totals.get(k, 0.0) + float(v)
       n += 1
