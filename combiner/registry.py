@@ -14,6 +14,7 @@ from combiner.fixed import SELECT, fixed_select
 from combiner.fixed_decode import FIXED, SPARSE_FIXED
 from combiner.logsparse_decode import LOGSPARSE, SPARSE_LOGSPARSE
 from combiner.mixture_decode import MIXTURE
+from combiner.selected_decode import SELECTED
 
 
 def _block(length: int) -> dict:
@@ -32,7 +33,7 @@ COMBINER = "models.attention:CombinerAttention"  # the module with DeepSets pool
 
 register(OpSpec("combiner_fixed", fixed, params=_block, description="Combiner-Fixed, O(L sqrt L)",
                 decode=FIXED, module=COMBINER, seq_parallel=seq_parallel.fixed))
-register(OpSpec("combiner_fixed_select", fixed_select, params=_block_select, module=COMBINER,
+register(OpSpec("combiner_fixed_select", fixed_select, params=_block_select, module=COMBINER, decode=SELECTED,
                 description=f"Combiner-Fixed, each query's top-{SELECT} spans exact (NSA-style selection)"))
 register(OpSpec("combiner_logsparse", logsparse, description="Combiner-Logsparse, O(L log L)",
                 decode=LOGSPARSE, module=COMBINER, seq_parallel=sp_logsparse.logsparse))

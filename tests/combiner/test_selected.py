@@ -9,6 +9,8 @@ import pytest
 
 from attention_baselines.dense import dense
 from combiner import fixed
+from combiner.fixed import fixed_select
+from combiner.selected_decode import SELECTED
 
 
 @pytest.fixture(autouse=True)
@@ -126,3 +128,30 @@ def test_bad_select_is_one_clear_error():
     fixed(q, k, v, block_size=4, causal=True, select=-1)
   with pytest.raises(ValueError, match="XLA path only"):
     fixed(q, k, v, block_size=4, causal=True, select=2, implementation="pallas")
+
+
+@pytest.mark.parametrize("select,pooling,prompt", [(1, "mean", 6), (3, "max", 4)], ids=["one", "every-block"])
+def test_decoder_equals_the_op_at_every_step(select, pooling, prompt):
+  """Cached decoding (a prompt mid-block or at a block boundary, then one step per token, the spans chosen
+  again for each token) equals the op's causal rows in float64; 3 blocks, so select=3 chooses every one."""
+  q, k, v, _ = _inputs(seed=17 + select, length=11)
+  pq, pk = (jax.random.normal(jax.random.key(s), q.shape, jnp.float64) for s in (21, 22))  # DeepSets-style
+  params = dict(block_size=4, select=select, pooling=pooling)
+
+  @jax.jit
+  def run(q, k, v, pq, pk):
+    full = fixed_select(q, k, v, causal=True, pool_q=pq, pool_k=pk, **params)  # [batch, length, heads, e]
+    cache = SELECTED.init_cache(1, 2, 11, 4, 3, q.dtype, **params)
+    cache = SELECTED.prefill(cache, *(x[:, :prompt] for x in (q, k, v)), pool_q=pq[:, :prompt],
+                             pool_k=pk[:, :prompt], **params)
+
+    def body(cache, t):
+      q_t, k_t, v_t, pq_t, pk_t = (jax.lax.dynamic_index_in_dim(x, t, 1, False) for x in (q, k, v, pq, pk))
+      out, cache = SELECTED.step(cache, q_t, k_t, v_t, t, pool_q=pq_t, pool_k=pk_t, **params)
+      return cache, out
+
+    _, outs = jax.lax.scan(body, cache, jnp.arange(prompt, 11))
+    return full, jnp.swapaxes(outs, 0, 1)
+
+  full, stepped = run(q, k, v, pq, pk)
+  np.testing.assert_allclose(stepped, full[:, prompt:], rtol=1e-12, atol=1e-12)
