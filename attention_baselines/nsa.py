@@ -17,8 +17,10 @@ Three branches, each with its own softmax over its own keys, summed with gates (
 order (the model's sigmoid gates); without gates every branch weighs 1/3, so the rows sum to one.
 
 Selection is per query and per head (the model has no grouped keys to share it over). Cost per query: L/s
-compressed logits + n * l' selected + w window keys, O(L * (L/s + n*l' + w) * d); the selected blocks are
-gathered per query over chunks of queries (`attention_core.selection`).
+compressed logits + n * l' selected + w window keys, O(L * (L/s + n*l' + w) * d). implementation="xla"
+gathers the selected blocks per query over chunks of queries (`attention_core.selection`); "pallas" runs the
+selection and window branches in the fused kernel of `attention_core.selection_flash` (the compression
+branch and the block choice stay in XLA); "auto" takes it on GPU and TPU (per lowering platform), XLA on CPU.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from attention_baselines.common import from_rows, to_rows
-from attention_core import contract
+from attention_core import contract, selection_flash
 from attention_core.blocks import map_chunks, num_blocks
 from attention_core.combine import Piece, flag_nonfinite, flagged_sum, joint_softmax
 from attention_core.registry import sqrt_pow2
@@ -44,6 +46,7 @@ from attention_core.selection import (
 Array = Any
 MLP_PARTS = ("pos", "w1", "b1", "w2")  # the compression MLP's arrays, for keys and for values
 BRANCHES = 3  # gates: compression, selection, sliding window
+IMPLEMENTATIONS = ("auto", "xla", "pallas")  # "pallas": attention_core.selection_flash (registry.fused_path)
 
 
 def auto_params(length: int) -> dict[str, int]:
@@ -91,18 +94,42 @@ def _compress(x: Array, real: Array, mlp: tuple[Array, ...] | None, batch: int, 
   return out.reshape(rows, blocks, -1)
 
 
+def _resolve(implementation: Any, q: Any, k: Any, v: Any, select_block: Any) -> Any:
+  """The implementation "auto" means where the op is traced (`contract.backend`): the kernel on GPU, and on
+  TPU where its whole-row blocks fit VMEM (`selection_flash.fits_vmem`); XLA elsewhere. Other values (and bad
+  arguments, which `nsa` rejects) are returned as they are."""
+  if implementation != "auto":
+    return implementation
+  chosen = contract.resolve_implementation("auto", IMPLEMENTATIONS, op="nsa")
+  shaped = all(hasattr(x, "dtype") and len(getattr(x, "shape", ())) == 4 for x in (q, k, v))
+  if chosen == "pallas" and contract.backend() == "tpu" and shaped and isinstance(select_block, int):
+    itemsize = jnp.dtype(jnp.result_type(q.dtype, k.dtype, v.dtype)).itemsize
+    if not selection_flash.fits_vmem(q.shape[1], q.shape[-1], v.shape[-1], itemsize, max(1, select_block)):
+      return "xla"
+  return chosen
+
+
+def _choice(q: Any, k: Any, v: Any, *, implementation: Any = "auto", select_block: Any = 64, **_: Any) -> Any:
+  """What `nsa` traces per platform (the key of `contract.per_platform_op`)."""
+  chosen = _resolve(implementation, q, k, v, select_block)
+  return (chosen, selection_flash.tile_caps()) if chosen == "pallas" else chosen
+
+
+@contract.per_platform_op(_choice)
 def nsa(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None, compress_block: int = 32,
         compress_stride: int = 16, select_block: int = 64, num_selected: int = 16, window: int = 512,
         gates: Array | None = None, cmp_key_pos: Array | None = None, cmp_key_w1: Array | None = None,
         cmp_key_b1: Array | None = None, cmp_key_w2: Array | None = None, cmp_value_pos: Array | None = None,
         cmp_value_w1: Array | None = None, cmp_value_b1: Array | None = None,
-        cmp_value_w2: Array | None = None, query_chunks: int | None = None) -> Array:
+        cmp_value_w2: Array | None = None, query_chunks: int | None = None,
+        implementation: str = "auto") -> Array:
   """Native Sparse Attention: gated compression, selection and sliding-window branches (module docstring).
 
   q, k: [batch, length, heads, head_dim]; v: [batch, length, heads, value_dim]; mask: [batch, length] bool.
   gates: None (1/3 each) or [batch, length, heads, 3] (compression, selection, window).
   cmp_key_*, cmp_value_*: the compression MLPs (all four arrays of a side, or none: mean pooling).
   query_chunks: queries run in this many sequential chunks (None = automatic, ~64 MB of gathered keys each).
+  implementation: "xla" | "pallas" | "auto" (module docstring).
   Returns [batch, length, heads, value_dim] in v's dtype.
   """
   op = "nsa"
@@ -115,6 +142,8 @@ def nsa(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None
   sel = contract.check_positive_int(select_block, name="select_block", op=op)
   count = contract.check_positive_int(num_selected, name="num_selected", op=op)
   width = contract.check_positive_int(window, name="window", op=op)
+  contract.check_implementation(implementation, IMPLEMENTATIONS, op=op)
+  fused = _resolve(implementation, q, k, v, sel) == "pallas"
   if size % stride or sel % stride:
     raise ValueError(f"{op}: argument 'compress_stride' ({stride}) must divide compress_block ({size}) and "
                      f"select_block ({sel})")
@@ -143,18 +172,21 @@ def nsa(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None
                     pad_length(gp, padded), pad_length(kh, padded), pad_length(vh, padded),
                     pad_length(real, padded, False), batch=batch, compress_block=size, compress_stride=stride,
                     select_block=sel, num_selected=count, window=width, key_mlp=key_mlp,
-                    value_mlp=value_mlp, query_chunks=n_chunks)
+                    value_mlp=value_mlp, query_chunks=n_chunks,
+                    kernel_dtype=jnp.result_type(q.dtype, k.dtype, v.dtype) if fused else None)
   return from_rows(out[:, :length], batch, v.dtype)
 
 
 def attend_rows(qs: Array, qpos: Array, gates: Array, kp: Array, vp: Array, realp: Array, *, batch: int,
                 compress_block: int, compress_stride: int, select_block: int, num_selected: int, window: int,
                 key_mlp: tuple[Array, ...] | None, value_mlp: tuple[Array, ...] | None,
-                query_chunks: int) -> Array:
+                query_chunks: int, kernel_dtype: Any = None) -> Array:
   """NSA for the queries qs [rows, Q, d] (scaled, at positions qpos [Q], increasing and consecutive within
   each of `query_chunks` chunks; gates [rows, Q, 3]) over keys kp [rows, P, d], values vp [rows, P, e] and key
   mask realp [rows, P], P a whole number of selection blocks, masked keys already zero, all in the softmax
-  dtype; rows = batch x heads. Arguments checked by `nsa`. Returns [rows, Q, e]."""
+  dtype; rows = batch x heads. Arguments checked by `nsa`. kernel_dtype: None for the XLA path, else the
+  selection and window branches run in `attention_core.selection_flash` on inputs of that dtype, for queries
+  at positions 0..P-1 (qpos = arange(P)). Returns [rows, Q, e]."""
   size, stride, sel = compress_block, compress_stride, select_block
   rows, padded, head_dim = kp.shape
   value_dim = vp.shape[-1]
@@ -205,6 +237,8 @@ def attend_rows(qs: Array, qpos: Array, gates: Array, kp: Array, vp: Array, real
     forced = jnp.where(blocks == own, 3, jnp.where(blocks == own - 1, 2, jnp.where(blocks == 0, 1, 0)))
     visible = jnp.broadcast_to(blocks <= own, scores.shape)
     index, chosen = choose(scores, visible, jnp.broadcast_to(forced, scores.shape), count)
+    if kernel_dtype is not None:  # the kernels' ids per query (-1: slot left over)
+      return gc[..., 0:1] * o_cmp, jnp.where(chosen, index, -1)
     o_slc = joint_softmax([chosen_piece(qc, kb, vb, rb, index, chosen, qpos, True, 1.0)])
     # Sliding window: keys i - width < j <= i, one slice of the padded keys per chunk.
     start = qpos[0, 0]
@@ -218,4 +252,10 @@ def attend_rows(qs: Array, qpos: Array, gates: Array, kp: Array, vp: Array, real
     o_win = joint_softmax([Piece(wlogits, wvis, lambda w: flagged_sum("gqk,gke->gqe", w, vwin))])
     return gc[..., 0:1] * o_cmp + gc[..., 1:2] * o_slc + gc[..., 2:3] * o_win
 
-  return map_chunks(attend_chunk, (qs, qpos[None, :], gates), query_chunks, axis=1)  # [rows, Q, e]
+  if kernel_dtype is None:
+    return map_chunks(attend_chunk, (qs, qpos[None, :], gates), query_chunks, axis=1)  # [rows, Q, e]
+  o_cmp, ids = map_chunks(attend_chunk, (qs, qpos[None, :], gates), query_chunks, axis=1)  # [rows, P, ...]
+  qk, kk, vk = (x.astype(kernel_dtype) for x in (qs, kp, vp))  # qs is scaled already
+  o_slc = selection_flash.attend(qk, kk, vk, realp, ids, block=sel, causal=True, scale=1.0)
+  o_win = selection_flash.attend(qk, kk, vk, realp, None, block=sel, causal=True, window=width, scale=1.0)
+  return o_cmp + gates[..., 1:2] * o_slc.astype(ct) + gates[..., 2:3] * o_win.astype(ct)

@@ -1,0 +1,238 @@
+"""The selected-blocks kernel (attention_core/selection_flash.py) in interpret mode on CPU.
+
+Against a from-definition float64 softmax over each query's set (its chosen blocks, or every block, with the
+causal and window rules and the key mask): outputs and gradients, several query tiles, several key tiles per
+block (tile caps shrunk to 16), a ragged last block. MoBA's and NSA's implementation="pallas" against their
+XLA paths and numpy definitions (float64; MoBA in both directions, NSA with gates and compression MLPs), with
+NaN/Inf behind masks inert, no future dependence (Jacobian), the "auto" choice made per platform, and the
+kernels' lowering for CUDA (Triton); the TPU compile is the registry's test
+(tests/attention_core/test_tpu_kernels_compile.py -k "moba or nsa").
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attention_baselines import moba as moba_module
+from attention_baselines.moba import moba
+from attention_baselines.nsa import nsa
+from attention_core import contract, selection_flash
+from tests.attention_baselines.definitions import assert_masked_nonfinite_inert, inputs
+from tests.attention_baselines.test_moba import reference as moba_reference
+from tests.attention_baselines.test_nsa import PLAN as NSA_PLAN
+from tests.attention_baselines.test_nsa import _mlps as nsa_mlps
+from tests.attention_baselines.test_nsa import reference as nsa_reference
+
+TRITON_OK = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+
+
+def definition(q, k, v, real, ids, *, block, causal, window, scale):
+  """Softmax of query i over the keys j of its set: real[j], j's block among ids[i] (every block for None),
+  j <= i when causal, j > i - window when window > 0. q [rows, P, d], k [rows, N, d]: jnp float64, so that
+  its gradients are the definition's too."""
+  n, length = k.shape[1], q.shape[1]
+  kpos, qpos = jnp.arange(n), jnp.arange(length)[:, None]
+  ok = real[:, None, :]
+  if causal:
+    ok = ok & (kpos <= qpos)
+  if window:
+    ok = ok & (kpos > qpos - window)
+  if ids is not None:
+    ok = ok & jnp.any(ids[..., None] == (kpos // block), axis=-2)  # [rows, P, N]
+  s = jnp.where(ok, jnp.einsum("rqd,rkd->rqk", q, k) * scale, -jnp.inf)
+  top = jnp.max(s, axis=-1, keepdims=True)
+  w = jnp.where(ok, jnp.exp(s - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)
+  den = jnp.sum(w, axis=-1, keepdims=True)
+  return jnp.einsum("rqk,rke->rqe", w / jnp.where(den > 0, den, 1.0), v)
+
+
+def _random_case(seed, *, rows, length, block, causal, chosen):
+  g = np.random.default_rng(seed)
+  nb = -(-length // block)
+  n = nb * block
+  q = jnp.asarray(g.normal(size=(rows, length, 5)))
+  k = jnp.asarray(g.normal(size=(rows, n, 5)))
+  v = jnp.asarray(g.normal(size=(rows, n, 6)))
+  real = jnp.asarray((g.random((rows, n)) < 0.8) & (np.arange(n) < length))
+  ids = None
+  if chosen:  # random choices (-1 = unused slot), the own block always among them, causal: none after it
+    own = np.arange(length) // block
+    ids = g.integers(-1, nb, size=(rows, length, chosen))
+    if causal:
+      ids = np.where(ids > own[None, :, None], -1, ids)
+    ids[:, :, 0] = own
+    ids = jnp.asarray(ids, jnp.int32)
+  return q, k, v, real, ids
+
+
+# (causal, window, chosen blocks per query or 0 = every block, block). Tile caps of 16 give several query
+# tiles and, for blocks over 16 keys, several key tiles per block, with its ragged padding.
+KERNEL_CASES = [(True, 0, 3, 3), (False, 0, 2, 5), (True, 0, 3, 20), (False, 0, 2, 40), (True, 7, 0, 4),
+                (True, 9, 0, 20), (False, 0, 0, 8)]
+
+
+@pytest.mark.slow  # ~5 s a case in interpret mode on a loaded 2-core machine
+@pytest.mark.parametrize("causal,window,chosen,block", KERNEL_CASES)
+def test_kernel_equals_the_definition_in_float64(monkeypatch, causal, window, chosen, block):
+  monkeypatch.setattr(selection_flash, "TILE_CAPS", (16, 16))
+  with jax.enable_x64(True):
+    q, k, v, real, ids = _random_case(block + 10 * chosen, rows=3, length=37, block=block, causal=causal,
+                                      chosen=chosen)
+    plan = dict(block=block, causal=causal, window=window, scale=0.4)
+
+    def both(q, k, v, cot):
+      got = selection_flash.attend(q, k, v, real, ids, **plan)
+      want = definition(q, k, v, real, ids, **plan)
+      grads = [jax.grad(lambda *a, f=f: jnp.sum(f(*a) * cot), argnums=(0, 1, 2))(q, k, v) for f in (
+          lambda q, k, v: selection_flash.attend(q, k, v, real, ids, **plan),
+          lambda q, k, v: definition(q, k, v, real, ids, **plan))]
+      return got, want, grads
+
+    cot = jnp.asarray(np.random.default_rng(1).normal(size=(3, 37, 6)))
+    got, want, (g_got, g_want) = jax.jit(both)(q, k, v, cot)
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-13)
+    for a, b in zip(g_got, g_want, strict=True):
+      np.testing.assert_allclose(a, b, rtol=1e-11, atol=1e-12)
+
+
+def _fwd_and_grads(implementation, causal, block_size=3, top_k=2):
+  """jit of (out, d sum(out * cot) / d(q, k, v)) of moba with `implementation`."""
+  def run(q, k, v, mask, cot):
+    f = lambda q, k, v: moba(q, k, v, causal=causal, mask=mask, block_size=block_size,  # noqa: E731
+                             top_k=top_k, implementation=implementation)
+    out, vjp = jax.vjp(f, q, k, v)
+    return out, vjp(cot)
+  return jax.jit(run)
+
+
+def test_moba_kernel_equals_xla_and_nan_behind_masks_is_inert():
+  """float32, causal, masked keys: outputs and gradients equal the XLA path's; NaN keys and Inf values at
+  masked positions change no output and get no gradient."""
+  q, k, v, mask = inputs(3, length=13, dtype=jnp.float32)
+  cot = jax.random.normal(jax.random.key(4), v.shape, jnp.float32)
+  kernel = _fwd_and_grads("pallas", True)
+  got, g_got = kernel(q, k, v, mask, cot)
+  want, g_want = _fwd_and_grads("xla", True)(q, k, v, mask, cot)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  for a, b in zip(g_got, g_want, strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+  bad = ~mask[:, :, None, None]
+  poisoned, g_poisoned = kernel(q, jnp.where(bad, jnp.nan, k), jnp.where(bad, jnp.inf, v), mask, cot)
+  np.testing.assert_allclose(poisoned, got, rtol=1e-6, atol=1e-6)
+  for a, b in zip(g_poisoned, g_got, strict=True):
+    assert np.all(np.isfinite(a))
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  assert not np.any(np.asarray(g_poisoned[1])[~np.asarray(mask)])
+
+
+@pytest.mark.slow  # two directions, each the kernel's and the XLA path's compiles
+@pytest.mark.parametrize("causal,block_size,top_k", [(True, 3, 2), (False, 4, 2), (True, 5, 3)])
+def test_moba_kernel_equals_xla_and_definition_in_float64(causal, block_size, top_k):
+  with jax.enable_x64(True):
+    q, k, v, mask = inputs(5 + block_size, length=13)
+    cot = jax.random.normal(jax.random.key(6), v.shape, jnp.float64)
+    got, g_got = _fwd_and_grads("pallas", causal, block_size, top_k)(q, k, v, mask, cot)
+    want, g_want = _fwd_and_grads("xla", causal, block_size, top_k)(q, k, v, mask, cot)
+    np.testing.assert_allclose(got, moba_reference(q, k, v, mask, causal=causal, block_size=block_size,
+                                                   top_k=top_k), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-13)
+    for a, b in zip(g_got, g_want, strict=True):
+      np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.slow
+def test_moba_kernel_has_no_future_dependence():
+  with jax.enable_x64(True):
+    q, k, v, mask = inputs(9, batch=1, length=12)
+    fn = lambda q, k, v: moba(q, k, v, causal=True, mask=mask, block_size=3, top_k=2,  # noqa: E731
+                              implementation="pallas")
+    jac = jax.jit(jax.jacrev(fn, argnums=(0, 1, 2)))(q, k, v)
+    future = np.triu(np.ones((12, 12), bool), 1)
+    for j in jac:  # [B, L, H, E, B, L, H, D]
+      block = np.abs(np.asarray(j)).sum(axis=(0, 2, 3, 4, 6, 7))
+      assert np.all(block[future] == 0.0)
+
+
+@pytest.mark.slow
+def test_moba_kernel_masked_nonfinite_inert_bidirectional():
+  q, k, v, mask = inputs(10, length=12, dtype=jnp.float32)
+  fn = jax.jit(lambda k, v: moba(q, k, v, causal=False, mask=mask, block_size=3, top_k=2,
+                                 implementation="pallas"))
+  assert_masked_nonfinite_inert(fn, k, v, mask)
+
+
+def test_auto_chooses_per_platform():
+  """"auto": the kernel on GPU and TPU, XLA on CPU; on TPU XLA where the whole-row blocks exceed VMEM."""
+  spec = jax.ShapeDtypeStruct((1, 2048, 2, 64), jnp.bfloat16)
+  long = jax.ShapeDtypeStruct((1, 1 << 17, 2, 128), jnp.float32)
+  expected = {"cpu": ("xla", "xla"), "gpu": ("pallas", "pallas"), "tpu": ("pallas", "xla")}
+  for platform, (short_choice, long_choice) in expected.items():
+    with contract.traced_for(platform):
+      assert moba_module._resolve("auto", spec, spec, spec, 128) == short_choice, platform
+      assert moba_module._resolve("auto", long, long, long, 512) == long_choice, platform
+      assert moba_module._resolve("xla", spec, spec, spec, 128) == "xla"
+  with pytest.raises(ValueError, match="'implementation'"):
+    moba(*(jnp.zeros((1, 8, 1, 4)),) * 3, causal=True, implementation="flash")
+
+
+@pytest.mark.all_platforms
+@pytest.mark.parametrize("causal", [True, pytest.param(False, marks=pytest.mark.slow)])  # ~2 s each
+def test_moba_kernel_lowers_for_cuda(causal):
+  """Forward and forward+backward exported for CUDA hold the Triton kernels (1 and 3 of them), traced as on a
+  GPU (its tiles) from this CPU host."""
+  fn = lambda q, k, v: moba(q, k, v, causal=causal, block_size=64, top_k=3)  # noqa: E731  ("auto")
+  spec = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
+
+  def fwd_bwd(q, k, v):
+    return jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2))(q, k, v)
+
+  for f, kernels in ((fn, 1), (fwd_bwd, 3)):
+    text = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=TRITON_OK)(
+        spec, spec, spec).mlir_module()
+    assert text.count("xla.gpu.triton") == kernels and "tpu_custom_call" not in text
+
+
+def _nsa_fwd_and_grads(implementation, **kwargs):
+  """jit of (out, d sum(out * cot) / d(q, k, v, gates)) of nsa with `implementation`."""
+  def run(q, k, v, mask, gates, cot):
+    f = lambda q, k, v, g: nsa(q, k, v, causal=True, mask=mask, gates=g, **NSA_PLAN,  # noqa: E731
+                               implementation=implementation, **kwargs)
+    out, vjp = jax.vjp(f, q, k, v, gates)
+    return out, vjp(cot)
+  return jax.jit(run)
+
+
+@pytest.mark.slow  # the kernel's and the XLA path's compiles, with and without the compression MLPs
+@pytest.mark.parametrize("mlps", [False, True])
+def test_nsa_kernel_equals_xla_and_definition_in_float64(mlps):
+  """Selection and window branches through the kernel: outputs and gradients (q, k, v, gates) equal the XLA
+  path's, outputs the numpy definition's."""
+  with jax.enable_x64(True):
+    q, k, v, mask = inputs(12, length=14)
+    gates = jax.random.uniform(jax.random.key(13), (*q.shape[:3], 3), jnp.float64)
+    cot = jax.random.normal(jax.random.key(14), v.shape, jnp.float64)
+    key_mlp, value_mlp, kwargs = nsa_mlps(2, 4, 3) if mlps else (None, None, {})
+    got, g_got = _nsa_fwd_and_grads("pallas", **kwargs)(q, k, v, mask, gates, cot)
+    want, g_want = _nsa_fwd_and_grads("xla", **kwargs)(q, k, v, mask, gates, cot)
+    np.testing.assert_allclose(got, nsa_reference(q, k, v, mask, **NSA_PLAN, gates=gates, key_mlp=key_mlp,
+                                                  value_mlp=value_mlp), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-13)
+    for a, b in zip(g_got, g_want, strict=True):
+      np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.slow
+def test_nsa_kernel_nan_behind_masks_is_inert_and_no_future_dependence():
+  q, k, v, mask = inputs(15, length=12, dtype=jnp.float32)
+  fn = jax.jit(lambda k, v: nsa(q, k, v, causal=True, mask=mask, **NSA_PLAN, implementation="pallas"))
+  assert_masked_nonfinite_inert(fn, k, v, mask)
+  with jax.enable_x64(True):
+    q, k, v, mask = inputs(16, batch=1, length=12)
+    jac = jax.jit(jax.jacrev(lambda q, k, v: nsa(q, k, v, causal=True, mask=mask, **NSA_PLAN,
+                                                 implementation="pallas"), argnums=(0, 1, 2)))(q, k, v)
+    future = np.triu(np.ones((12, 12), bool), 1)
+    for j in jac:  # [B, L, H, E, B, L, H, D]
+      assert np.all(np.abs(np.asarray(j)).sum(axis=(0, 2, 3, 4, 6, 7))[future] == 0.0)
