@@ -55,4 +55,6 @@ DATASETS: dict[str, str] = {
   "listops_synthetic": "data.listops",
   "synthetic_recall": "data.synthetic",
   "pystdlib": "data.pystdlib",
+  "enwik8": "data.characters",
+  "text8": "data.characters",
 }

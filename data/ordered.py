@@ -2,12 +2,13 @@
 memories of earlier segments from one step to the next.
 
 The split's token stream (the tokens and vocabulary of the dataset's shuffled pipeline: pystdlib's bytes,
-wiki40b's `[bos] + pieces + [eos]` per document in source order) is cut into B = global batch contiguous
-streams of n // B tokens each (the remainder dropped, as the paper's code does). Step t of an epoch gives row
-b the segment of stream b at [t * L, t * L + L) (L = config.data.seq_len) as `inputs` and the tokens one to
-the right as `targets`, so the targets of step t end where the inputs of step t + 1 begin. An epoch is the
-(n // B - 1) // L whole segments of each stream (a last partial segment is dropped: every batch has one
-shape); the next epoch starts the streams again, in the same order (nothing is shuffled; `seed` is unused).
+enwik8's bytes and text8's characters in file order, wiki40b's `[bos] + pieces + [eos]` per document in source
+order) is cut into B = global batch contiguous streams of n // B tokens each (the remainder dropped, as the
+paper's code does). Step t of an epoch gives row b the segment of stream b at [t * L, t * L + L)
+(L = config.data.seq_len) as `inputs` and the tokens one to the right as `targets`, so the targets of step t
+end where the inputs of step t + 1 begin. An epoch is the (n // B - 1) // L whole segments of each stream (a
+last partial segment is dropped: every batch has one shape); the next epoch starts the streams again, in the
+same order (nothing is shuffled; `seed` is unused).
 
 Batch (the shuffled LM pipeline's keys and dtypes, plus `targets` and `reset`), per host rows [b, L]:
   inputs int32       the segment; a model without memory reads it right-shifted by BOS and predicts it, as
@@ -15,7 +16,7 @@ Batch (the shuffled LM pipeline's keys and dtypes, plus `targets` and `reset`), 
   targets int32      the next token of each input position (a memory model reads `inputs` unshifted)
   mask bool, weights float32: all real, every token predicted (each token of a stream once per epoch)
   segment_ids int32  documents of the row numbered 1, 2, ... from its first position (a BOS starts the next);
-                     all ones for pystdlib (no BOS in the stream)
+                     all ones for pystdlib, enwik8 and text8 (no BOS in the stream)
   valid bool [b]     always True (no padded rows)
   reset bool [b]     True where the row starts its stream (step 0 of every epoch): drop the memories
 Each process reads rows [shard_index * b, (shard_index + 1) * b) of the global batch of b * shard_count rows,
@@ -43,7 +44,7 @@ from typing import Any
 import grain
 import numpy as np
 
-from data import pipeline, pystdlib, text
+from data import characters, pipeline, pystdlib, text
 from data.info import DATASETS
 from runtime import cli, paths
 
@@ -52,6 +53,7 @@ log = logging.getLogger("data")
 ORDERED_KEY = pipeline.ORDERED_KEY  # marks an ordered stream's iterator state
 CACHE_VERSION = 1
 _TOKENS: dict[str, np.ndarray] = {}  # cache path -> token stream, once per process
+_STREAM_MODULES = {"data.pystdlib": pystdlib, "data.characters": characters}  # besides data.text
 
 
 def _refuse(message: str) -> ValueError:
@@ -65,8 +67,9 @@ def enabled(config: Any) -> bool:
 
 
 def lm_streams() -> list[str]:
-  """The datasets that have a causal LM token stream: pystdlib and the text datasets of task "lm"."""
-  out = [name for name, module in DATASETS.items() if module == "data.pystdlib"]
+  """The datasets that have a causal LM token stream: pystdlib, enwik8, text8 and the text datasets of task
+  "lm"."""
+  out = [name for name, module in DATASETS.items() if module in _STREAM_MODULES]
   return sorted(out + [name for name, spec in text.SPECS.items() if spec["task"] == "lm"])
 
 
@@ -115,10 +118,12 @@ def _text_tokens(config: Any, split: str) -> np.ndarray:
 
 
 def token_stream(config: Any, split: str) -> np.ndarray:
-  """The split's whole token stream: [n] integers in [0, vocab_size) (uint8 bytes for pystdlib)."""
+  """The split's whole token stream: [n] integers in [0, vocab_size) (uint8 for pystdlib, enwik8, text8)."""
   check_supported(config)
   if DATASETS[config.data.name] == "data.pystdlib":
     return pystdlib.split_bytes(pystdlib.stdlib_dir(config), split)
+  if DATASETS[config.data.name] == "data.characters":
+    return characters.split_tokens(config, split)
   return _text_tokens(config, split)
 
 
@@ -229,7 +234,7 @@ def create_dataset(config: Any, split: str, *, batch_size: int, seed: int, shard
   order is the corpus order)."""
   del seed, shuffle
   check_supported(config)
-  module = pystdlib if DATASETS[config.data.name] == "data.pystdlib" else text
+  module = _STREAM_MODULES.get(DATASETS[config.data.name], text)
   info = module.dataset_info(config)  # the same vocabulary and seq_len as the shuffled pipeline
   shard_index, shard_count = pipeline.resolve_shards(shard_index, shard_count)
   rows = pipeline.GlobalRows(batch_size, shard_index, shard_count)

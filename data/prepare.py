@@ -9,6 +9,8 @@
     python -m data.prepare lra_listops --data_dir DIR    # or one LRA task
     python -m data.prepare wiki40b --data_dir DIR --skip_build   # tokenizer + verification only
     python -m data.prepare listops_synthetic --data_dir DIR      # generate the ListOps splits once (all CPUs)
+    python -m data.prepare enwik8 --data_dir DIR         # download enwik8.zip (or place it in DIR), split
+    python -m data.prepare text8 --data_dir DIR          # the same for text8.zip
 
 It first prints what it will do, how large and how long (rough figures for one workstation), and any manual
 step, then runs, then verifies every split's record count against the published size (exit status 1 on a
@@ -29,6 +31,8 @@ import os
 import sys
 import tarfile
 import time
+import urllib.error
+import urllib.request
 from typing import Any
 
 import ml_collections
@@ -63,6 +67,8 @@ PLAN: dict[str, tuple[str, str, str | None]] = {
   ),
   "listops_synthetic": ("nothing to download; ~100 MB of generated token ids (default sizes and lengths)",
                         "~11 CPU-minutes (96K+2K+2K examples at ~7 ms each), spread over every CPU", None),
+  "enwik8": ("~36 MB download (enwik8.zip), 100 MB prepared", "under a minute after the download", None),
+  "text8": ("~31 MB download (text8.zip), 100 MB prepared", "under a minute after the download", None),
 }
 
 
@@ -88,7 +94,7 @@ def describe(name: str, data_dir: str) -> str:
 def split_counts(name: str, data_dir: str, **fields: Any) -> dict[str, int | str]:
   """Records per split as the pipelines read them (an error string where a split cannot be opened)."""
   import data
-  from data import images, lra, text
+  from data import characters, images, lra, text
 
   config = _config(name, data_dir, **fields)
   expected = data.dataset_info(config).split_sizes
@@ -100,6 +106,8 @@ def split_counts(name: str, data_dir: str, **fields: Any) -> dict[str, int | str
         source = images.tfds_source(images.SPECS[name][0], split, data_dir, name)
       elif name in text.SPECS:
         source = text.text_source(config, split)
+      elif name in characters.SPECS:
+        source = characters.WindowSource(config, split, data.dataset_info(config).seq_len)
       elif name in ("lra_text", "lra_image"):
         tfds_name = "imdb_reviews" if name == "lra_text" else "cifar10"
         source = images.tfds_source(tfds_name, split, data_dir, name)
@@ -269,6 +277,49 @@ def unpack_lra(data_dir: str, expected_sha256: str | None = None) -> str | None:
   return root
 
 
+def download(url: str, dest: str) -> None:
+  """`url` -> `dest`, through a partial file renamed when complete (an interrupted download leaves no
+  `dest`). OSError (urllib.error.URLError included) when the URL cannot be read."""
+  part = dest + ".part"
+  print(f"downloading {url} -> {dest} ...", flush=True)
+  with urllib.request.urlopen(url, timeout=60) as response, open(part, "wb") as f:
+    for chunk in iter(lambda: response.read(1 << 20), b""):
+      f.write(chunk)
+  os.replace(part, dest)
+
+
+def prepare_characters(name: str, data_dir: str) -> int | None:
+  """enwik8/text8: `{data_dir}/<name>.zip` (downloaded when absent) -> `{data_dir}/<name>/`; None when the
+  splits are there, else the exit status of a step that could not run (2: the download, 1: a bad archive)."""
+  from data import characters
+
+  spec = characters.SPECS[name]
+  target = os.path.join(data_dir, name)
+  if os.path.isdir(target):
+    print(f"  {target} is already prepared (delete it to prepare it again)", flush=True)
+    return None
+  archive = characters.zip_path(name, data_dir)
+  if not os.path.exists(archive):
+    try:
+      download(spec["url"], archive)
+    except OSError as e:
+      print(f"MANUAL STEP MISSING: could not download {spec['url']} ({e}). Download it by hand, put it at "
+            f"{archive} and re-run this command.", flush=True)
+      return 2
+  try:
+    lengths = characters.prepare_from_zip(name, data_dir)
+  except ValueError as e:
+    print(f"ERROR: {e}", file=sys.stderr, flush=True)
+    return 1
+  total = sum(lengths.values())
+  if total != characters.PUBLISHED_LENGTH:
+    print(f"  note: {archive}'s {spec['member']} has {total} characters, not the published "
+          f"{characters.PUBLISHED_LENGTH}; split in the same proportions", flush=True)
+  for split, n in lengths.items():
+    print(f"  {split}: {n} characters -> {os.path.join(target, split + '.npy')}", flush=True)
+  return None
+
+
 def prepare(name: str, data_dir: str, *, skip_build: bool = False, vocab_size: int = 32000,
             spm_docs: int = 1_000_000, beam_flags: list[str] | None = None, seed: int = 0,
             listops_fields: dict[str, Any] | None = None, lra_sha256: str | None = None) -> int:
@@ -277,7 +328,7 @@ def prepare(name: str, data_dir: str, *, skip_build: bool = False, vocab_size: i
   listops_fields: `config.data` fields of listops_synthetic (split sizes `num_<split>`, lengths); training
   reads the cache only with the same fields, so they are printed as the matching `--config.data.*` flags.
   """
-  from data import images, text
+  from data import characters, images, text
 
   data_dir = os.path.expanduser(data_dir)
   os.makedirs(data_dir, exist_ok=True)
@@ -309,6 +360,10 @@ def prepare(name: str, data_dir: str, *, skip_build: bool = False, vocab_size: i
                  beam_flags=beam_flags or ["--runner=DirectRunner", "--direct_running_mode=multi_processing",
                                            f"--direct_num_workers={os.cpu_count()}"])
     train_spm(name, data_dir, vocab_size=vocab_size, docs=spm_docs, seed=seed)
+  elif name in characters.SPECS:
+    status = prepare_characters(name, data_dir)
+    if status is not None:
+      return status
   elif name in ("lra_text", "lra_image") and not skip_build:
     build_tfds("imdb_reviews/plain_text" if name == "lra_text" else "cifar10", data_dir)
   elif name in ("lra_listops", "lra_retrieval", "lra_pathfinder"):

@@ -8,7 +8,9 @@ TFDS-backed sets (cifar10, imagenet64, lra_text, lra_image) use `tfds.testing.mo
 served through `tfds.data_source` exactly like real data); LRA file sets get small files in the official
 `lra_release/lra_release/...` layout; wiki40b/c4 get a small prepared TFDS ArrayRecord directory plus a
 SentencePiece model (vocabulary `spm_vocab`, at most config.data.vocab_size) trained on the generated text;
-listops_synthetic and synthetic_recall need nothing. All content is generated from `seed`.
+enwik8/text8 get ~400 KB of pseudo-text in their alphabet (Wikipedia-like XML with some UTF-8; a-z and
+space) in the prepared `{data_dir}/<name>/` layout; listops_synthetic and synthetic_recall need nothing. All
+content is generated from `seed`.
 """
 
 from __future__ import annotations
@@ -164,6 +166,43 @@ def write_text(name: str, data_dir: str, *, seed: int = 0, num_examples: int = 2
 
 
 # ------------------------------------------------------------------------------------------------------------
+# enwik8 / text8: pseudo-text in the prepared layout
+
+CHARACTER_STAND_IN = 400_000  # characters: 360K train, 20K validation, 20K test
+
+
+def character_text(name: str, rng: np.random.Generator, size: int) -> bytes:
+  """`size` bytes of deterministic pseudo-text: text8's alphabet (a-z, single spaces), or for enwik8
+  MediaWiki-like XML pages with links and a few multi-byte UTF-8 characters."""
+  lexicon = words(rng, 3000).split(" ")  # Zipf-ish pseudo-words
+  picks = rng.zipf(1.3, size=size // 3) % len(lexicon)  # more words than `size` characters need
+  body = " ".join(lexicon[int(i)] for i in picks)
+  if name == "text8":
+    return body.encode("ascii")[:size]
+  out, start, page, total = [], 0, 0, 0
+  while total < size:
+    length = int(rng.integers(800, 4000))
+    text = body[start:start + length] or body[:length]
+    start += length
+    title = lexicon[int(rng.integers(len(lexicon)))]
+    text = text.replace(" ka", " [[ka").replace("ri ", "ri]] ").replace("me", "m\u00e9")
+    out.append(f"  <page>\n    <title>{title.capitalize()} {page}</title>\n    <id>{page}</id>\n"
+               f"    <text xml:space=\"preserve\">'''{title}''' {text} &quot;\u2013&quot;</text>\n"
+               "  </page>\n".encode())
+    total += len(out[-1])
+    page += 1
+  return b"".join(out)[:size]
+
+
+def write_characters(name: str, data_dir: str, *, seed: int = 0, size: int = CHARACTER_STAND_IN) -> None:
+  """`{data_dir}/<name>/` as `python -m data.prepare` writes it, from `character_text`."""
+  from data import characters
+
+  raw = character_text(name, np.random.default_rng(seed), size)
+  characters.write_splits(name, data_dir, raw, source="data.testing")
+
+
+# ------------------------------------------------------------------------------------------------------------
 
 
 @contextlib.contextmanager
@@ -188,4 +227,6 @@ def mock_data(name: str, tmp_dir: str, *, num_examples: int = 12, seed: int = 0)
     write_lra(data_dir, seed=seed, num_examples=num_examples)
   elif name in ("wiki40b", "c4"):
     write_text(name, data_dir, seed=seed, num_examples=max(num_examples, 12))
+  elif name in ("enwik8", "text8"):
+    write_characters(name, data_dir, seed=seed)
   yield data_dir
