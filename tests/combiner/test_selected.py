@@ -155,3 +155,28 @@ def test_decoder_equals_the_op_at_every_step(select, pooling, prompt):
 
   full, stepped = run(q, k, v, pq, pk)
   np.testing.assert_allclose(stepped, full[:, prompt:], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.slow
+def test_model_decodes_and_samples(decoding_matches_forward):
+  """A causal LM with combiner_fixed_select (DeepSets pooling) decodes from its cache to the forward pass's
+  logits at every position, and greedy sampling picks the forward pass's argmax (float32 model)."""
+  import ml_collections
+
+  from models import transformer
+  from models.generate import Decoder, generate
+
+  with jax.enable_x64(False):
+    cfg = ml_collections.ConfigDict({
+        "num_layers": 2, "features": 16, "num_heads": 2, "mlp_dim": 32, "dropout_rate": 0.0,
+        "dtype": "float32", "position_embedding": "learned",
+        "attention": {"name": "combiner_fixed_select", "params": {"block_size": 4, "select": 2},
+                      "dropout_rate": 0.0, "deepsets": True}})
+    model = transformer.build_model(cfg, task="lm", vocab_size=11, seq_len=20, seed=0)
+    decoding_matches_forward(model, 20)
+    prompt = jnp.array([[1, 2, 3], [4, 5, 6]])
+    greedy = generate(Decoder(model), jax.random.key(0), num_samples=2, length=20, prompt=prompt,
+                      temperature=0)  # [2, 20]
+    np.testing.assert_array_equal(greedy[:, :3], prompt)
+    full = model({"inputs": greedy}, deterministic=True)  # [batch, length, vocab], position t predicts t
+    np.testing.assert_array_equal(greedy[:, 3:], jnp.argmax(full, -1)[:, 3:])
