@@ -183,6 +183,7 @@ def test_memory_gets_no_gradient():
       np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.slow  # ~5 s; the fast run checks a reset in the train step (tests/training/test_recurrence.py)
 def test_reset_empties_a_row_and_invalid_memory_is_ignored():
   with jax.enable_x64(True):
     model = random_model(model_config(layers=2, mem_len=4), seq_len=4, seed=3)
