@@ -5,6 +5,8 @@ empties a row, and configs that cannot carry a memory are one-line errors."""
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -40,12 +42,24 @@ class MemoryDense(attention.AttentionBase):
     return self.output(o, deterministic=deterministic)
 
 
-def register() -> None:
-  if NAME not in registry.MODULES:
+@contextlib.contextmanager
+def registered():
+  """MemoryDense registered as NAME while the block runs: never at import, since the registry-wide sweeps
+  (tests/models/test_transformer.py) collect `registry.names()` and would take it up."""
+  new = NAME not in registry.MODULES
+  if new:
     registry.register_module(NAME, MemoryDense)
+  try:
+    yield
+  finally:
+    if new:
+      registry.MODULES.pop(NAME, None)
 
 
-register()
+@pytest.fixture(autouse=True)
+def memory_module():
+  with registered():
+    yield
 
 
 def model_config(*, layers=1, mem_len=0, dtype="float64", name=NAME):

@@ -20,7 +20,6 @@ SEQ, MEM, BATCH = 16, 24, 8
 
 def config():
   """A tiny LM with the test-only memory attention on the ordered pystdlib byte stream."""
-  model_tests.register()
   c = pystdlib.get_config(f"smoke,attention={model_tests.NAME},seq_len={SEQ},batch_size={BATCH}")
   c.data.ordered = True
   c.model.position_embedding = "none"
@@ -39,7 +38,13 @@ def assert_same(a, b):
     np.testing.assert_array_equal(x, y)
 
 
-def test_memory_in_the_state_reset_and_exact_resume(tmp_path):
+@pytest.fixture
+def memory_module():
+  with model_tests.registered():
+    yield
+
+
+def test_memory_in_the_state_reset_and_exact_resume(tmp_path, memory_module):
   c = config()
   exp = experiment.Experiment(c, devices=jax.devices()[:1])
   it = iter(experiment.create_dataset(c, "train", batch_size=BATCH, seed=0))
