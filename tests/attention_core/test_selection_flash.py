@@ -11,16 +11,19 @@ kernels' lowering for CUDA (Triton); the TPU compile is the registry's test
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from attention_baselines import moba as moba_module
+from attention_baselines import nsa as nsa_module
 from attention_baselines.moba import moba
 from attention_baselines.nsa import nsa
 from attention_core import contract, selection_flash
-from tests.attention_baselines.definitions import assert_masked_nonfinite_inert, inputs
+from tests.attention_baselines.definitions import inputs
 from tests.attention_baselines.test_moba import reference as moba_reference
 from tests.attention_baselines.test_nsa import PLAN as NSA_PLAN
 from tests.attention_baselines.test_nsa import _mlps as nsa_mlps
@@ -70,8 +73,9 @@ def _random_case(seed, *, rows, length, block, causal, chosen):
 
 # (causal, window, chosen blocks per query or 0 = every block, block). Tile caps of 16 give several query
 # tiles and, for blocks over 16 keys, several key tiles per block, with its ragged padding.
-KERNEL_CASES = [(True, 0, 3, 3), (False, 0, 2, 5), (True, 0, 3, 20), (False, 0, 2, 40), (True, 7, 0, 4),
-                (True, 9, 0, 20), (False, 0, 0, 8)]
+# (causal, window, chosen blocks per query or 0 = every block, block). Tile caps of 16 give several query
+# tiles and, for blocks over 16 keys, several key tiles per block, with its ragged padding.
+KERNEL_CASES = [(True, 0, 3, 3), (False, 0, 2, 40), (True, 9, 0, 20), (False, 0, 0, 8)]
 
 
 @pytest.mark.slow  # ~5 s a case in interpret mode on a loaded 2-core machine
@@ -98,8 +102,9 @@ def test_kernel_equals_the_definition_in_float64(monkeypatch, causal, window, ch
       np.testing.assert_allclose(a, b, rtol=1e-11, atol=1e-12)
 
 
-def _fwd_and_grads(implementation, causal, block_size=3, top_k=2):
-  """jit of (out, d sum(out * cot) / d(q, k, v)) of moba with `implementation`."""
+@functools.cache
+def _moba(implementation, causal, block_size=3, top_k=2):
+  """jit of (q, k, v, mask, cot) -> (out, d sum(out * cot) / d(q, k, v)) of moba (compiled once per run)."""
   def run(q, k, v, mask, cot):
     f = lambda q, k, v: moba(q, k, v, causal=causal, mask=mask, block_size=block_size,  # noqa: E731
                              top_k=top_k, implementation=implementation)
@@ -108,60 +113,53 @@ def _fwd_and_grads(implementation, causal, block_size=3, top_k=2):
   return jax.jit(run)
 
 
-def test_moba_kernel_equals_xla_and_nan_behind_masks_is_inert():
-  """float32, causal, masked keys: outputs and gradients equal the XLA path's; NaN keys and Inf values at
-  masked positions change no output and get no gradient."""
+def _close(got, want, rtol, atol):
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_allclose(a, b, rtol=rtol, atol=atol)
+
+
+def check_inert_and_causal(run, q, k, v, mask, cot, causal, *, rtol, atol, extra=()):
+  """run(q, k, v, mask, *extra, cot) -> (out, grads): NaN keys and Inf values at masked positions change no
+  output and get no gradient; causal: for i = 1, 4, 7, ... (inside blocks and at their ends for blocks of
+  2, 3 and 4), outputs up to i ignore NaN keys and values after i, and a cotangent on outputs up to i gives
+  those keys and values no gradient (the Jacobian's blocks above the diagonal are zero)."""
+  clean, g_clean = run(q, k, v, mask, *extra, cot)
+  bad = ~mask[:, :, None, None]
+  out, grads = run(q, jnp.where(bad, jnp.nan, k), jnp.where(bad, jnp.inf, v), mask, *extra, cot)
+  _close((out, grads), (clean, g_clean), rtol, atol)
+  assert not np.any(np.asarray(grads[1])[~np.asarray(mask)]) and not np.any(np.asarray(grads[2])[~np.asarray(
+      mask)])
+  if not causal:
+    return
+  length = q.shape[1]
+  for i in range(1, length - 1, 3):
+    future = (jnp.arange(length) > i)[None, :, None, None]
+    out, _ = run(q, jnp.where(future, jnp.nan, k), jnp.where(future, jnp.nan, v), mask, *extra, cot)
+    np.testing.assert_allclose(out[:, :i + 1], clean[:, :i + 1], rtol=rtol, atol=atol)
+    _, grads = run(q, k, v, mask, *extra, jnp.where(future, 0.0, cot))
+    for g in grads[1:3]:
+      assert not np.any(np.asarray(g)[:, i + 1:]), i
+
+
+def test_moba_kernel_equals_xla_is_inert_behind_masks_and_causal():
+  """float32, causal, masked keys: outputs and gradients equal the XLA path's; NaN/Inf at masked keys and
+  after each query are inert (`check_inert_and_causal`)."""
   q, k, v, mask = inputs(3, length=13, dtype=jnp.float32)
   cot = jax.random.normal(jax.random.key(4), v.shape, jnp.float32)
-  kernel = _fwd_and_grads("pallas", True)
-  got, g_got = kernel(q, k, v, mask, cot)
-  want, g_want = _fwd_and_grads("xla", True)(q, k, v, mask, cot)
-  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-  for a, b in zip(g_got, g_want, strict=True):
-    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
-  bad = ~mask[:, :, None, None]
-  poisoned, g_poisoned = kernel(q, jnp.where(bad, jnp.nan, k), jnp.where(bad, jnp.inf, v), mask, cot)
-  np.testing.assert_allclose(poisoned, got, rtol=1e-6, atol=1e-6)
-  for a, b in zip(g_poisoned, g_got, strict=True):
-    assert np.all(np.isfinite(a))
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-  assert not np.any(np.asarray(g_poisoned[1])[~np.asarray(mask)])
+  _close(_moba("pallas", True)(q, k, v, mask, cot), _moba("xla", True)(q, k, v, mask, cot), 1e-4, 1e-5)
+  check_inert_and_causal(_moba("pallas", True), q, k, v, mask, cot, True, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.slow  # two directions, each the kernel's and the XLA path's compiles
-@pytest.mark.parametrize("causal,block_size,top_k", [(True, 3, 2), (False, 4, 2), (True, 5, 3)])
-def test_moba_kernel_equals_xla_and_definition_in_float64(causal, block_size, top_k):
+@pytest.mark.slow  # the kernel's and the XLA path's compiles, ~15 s on a loaded 2-core machine
+def test_moba_kernel_bidirectional_equals_xla_and_definition_in_float64():
   with jax.enable_x64(True):
-    q, k, v, mask = inputs(5 + block_size, length=13)
+    q, k, v, mask = inputs(9, length=13)
     cot = jax.random.normal(jax.random.key(6), v.shape, jnp.float64)
-    got, g_got = _fwd_and_grads("pallas", causal, block_size, top_k)(q, k, v, mask, cot)
-    want, g_want = _fwd_and_grads("xla", causal, block_size, top_k)(q, k, v, mask, cot)
-    np.testing.assert_allclose(got, moba_reference(q, k, v, mask, causal=causal, block_size=block_size,
-                                                   top_k=top_k), rtol=1e-10, atol=1e-12)
-    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-13)
-    for a, b in zip(g_got, g_want, strict=True):
-      np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
-
-
-@pytest.mark.slow
-def test_moba_kernel_has_no_future_dependence():
-  with jax.enable_x64(True):
-    q, k, v, mask = inputs(9, batch=1, length=12)
-    fn = lambda q, k, v: moba(q, k, v, causal=True, mask=mask, block_size=3, top_k=2,  # noqa: E731
-                              implementation="pallas")
-    jac = jax.jit(jax.jacrev(fn, argnums=(0, 1, 2)))(q, k, v)
-    future = np.triu(np.ones((12, 12), bool), 1)
-    for j in jac:  # [B, L, H, E, B, L, H, D]
-      block = np.abs(np.asarray(j)).sum(axis=(0, 2, 3, 4, 6, 7))
-      assert np.all(block[future] == 0.0)
-
-
-@pytest.mark.slow
-def test_moba_kernel_masked_nonfinite_inert_bidirectional():
-  q, k, v, mask = inputs(10, length=12, dtype=jnp.float32)
-  fn = jax.jit(lambda k, v: moba(q, k, v, causal=False, mask=mask, block_size=3, top_k=2,
-                                 implementation="pallas"))
-  assert_masked_nonfinite_inert(fn, k, v, mask)
+    got = _moba("pallas", False, 4, 2)(q, k, v, mask, cot)
+    np.testing.assert_allclose(got[0], moba_reference(q, k, v, mask, causal=False, block_size=4, top_k=2),
+                               rtol=1e-10, atol=1e-12)
+    _close(got, _moba("xla", False, 4, 2)(q, k, v, mask, cot), 1e-10, 1e-12)
+    check_inert_and_causal(_moba("pallas", False, 4, 2), q, k, v, mask, cot, False, rtol=1e-12, atol=1e-13)
 
 
 def test_auto_chooses_per_platform():
@@ -169,13 +167,15 @@ def test_auto_chooses_per_platform():
   spec = jax.ShapeDtypeStruct((1, 2048, 2, 64), jnp.bfloat16)
   long = jax.ShapeDtypeStruct((1, 1 << 17, 2, 128), jnp.float32)
   expected = {"cpu": ("xla", "xla"), "gpu": ("pallas", "pallas"), "tpu": ("pallas", "xla")}
-  for platform, (short_choice, long_choice) in expected.items():
-    with contract.traced_for(platform):
-      assert moba_module._resolve("auto", spec, spec, spec, 128) == short_choice, platform
-      assert moba_module._resolve("auto", long, long, long, 512) == long_choice, platform
-      assert moba_module._resolve("xla", spec, spec, spec, 128) == "xla"
-  with pytest.raises(ValueError, match="'implementation'"):
-    moba(*(jnp.zeros((1, 8, 1, 4)),) * 3, causal=True, implementation="flash")
+  for module in (moba_module, nsa_module):
+    for platform, (short_choice, long_choice) in expected.items():
+      with contract.traced_for(platform):
+        assert module._resolve("auto", spec, spec, spec, 128) == short_choice, platform
+        assert module._resolve("auto", long, long, long, 512) == long_choice, platform
+        assert module._resolve("xla", spec, spec, spec, 128) == "xla"
+  for op in (moba, nsa):
+    with pytest.raises(ValueError, match="'implementation'"):
+      op(*(jnp.zeros((1, 8, 1, 4)),) * 3, causal=True, implementation="flash")
 
 
 @pytest.mark.all_platforms
@@ -195,8 +195,8 @@ def test_moba_kernel_lowers_for_cuda(causal):
     assert text.count("xla.gpu.triton") == kernels and "tpu_custom_call" not in text
 
 
-def _nsa_fwd_and_grads(implementation, **kwargs):
-  """jit of (out, d sum(out * cot) / d(q, k, v, gates)) of nsa with `implementation`."""
+def _nsa(implementation, **kwargs):
+  """jit of (q, k, v, mask, gates, cot) -> (out, d sum(out * cot) / d(q, k, v, gates)) of nsa."""
   def run(q, k, v, mask, gates, cot):
     f = lambda q, k, v, g: nsa(q, k, v, causal=True, mask=mask, gates=g, **NSA_PLAN,  # noqa: E731
                                implementation=implementation, **kwargs)
@@ -205,34 +205,18 @@ def _nsa_fwd_and_grads(implementation, **kwargs):
   return jax.jit(run)
 
 
-@pytest.mark.slow  # the kernel's and the XLA path's compiles, with and without the compression MLPs
-@pytest.mark.parametrize("mlps", [False, True])
-def test_nsa_kernel_equals_xla_and_definition_in_float64(mlps):
+@pytest.mark.slow  # the kernel's (two calls: selection, window) and the XLA path's compiles, ~30 s loaded
+def test_nsa_kernel_equals_xla_and_definition_in_float64():
   """Selection and window branches through the kernel: outputs and gradients (q, k, v, gates) equal the XLA
-  path's, outputs the numpy definition's."""
+  path's, outputs the numpy definition's (with the compression MLPs); inert behind masks, causal."""
   with jax.enable_x64(True):
     q, k, v, mask = inputs(12, length=14)
     gates = jax.random.uniform(jax.random.key(13), (*q.shape[:3], 3), jnp.float64)
     cot = jax.random.normal(jax.random.key(14), v.shape, jnp.float64)
-    key_mlp, value_mlp, kwargs = nsa_mlps(2, 4, 3) if mlps else (None, None, {})
-    got, g_got = _nsa_fwd_and_grads("pallas", **kwargs)(q, k, v, mask, gates, cot)
-    want, g_want = _nsa_fwd_and_grads("xla", **kwargs)(q, k, v, mask, gates, cot)
-    np.testing.assert_allclose(got, nsa_reference(q, k, v, mask, **NSA_PLAN, gates=gates, key_mlp=key_mlp,
-                                                  value_mlp=value_mlp), rtol=1e-10, atol=1e-12)
-    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-13)
-    for a, b in zip(g_got, g_want, strict=True):
-      np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
-
-
-@pytest.mark.slow
-def test_nsa_kernel_nan_behind_masks_is_inert_and_no_future_dependence():
-  q, k, v, mask = inputs(15, length=12, dtype=jnp.float32)
-  fn = jax.jit(lambda k, v: nsa(q, k, v, causal=True, mask=mask, **NSA_PLAN, implementation="pallas"))
-  assert_masked_nonfinite_inert(fn, k, v, mask)
-  with jax.enable_x64(True):
-    q, k, v, mask = inputs(16, batch=1, length=12)
-    jac = jax.jit(jax.jacrev(lambda q, k, v: nsa(q, k, v, causal=True, mask=mask, **NSA_PLAN,
-                                                 implementation="pallas"), argnums=(0, 1, 2)))(q, k, v)
-    future = np.triu(np.ones((12, 12), bool), 1)
-    for j in jac:  # [B, L, H, E, B, L, H, D]
-      assert np.all(np.abs(np.asarray(j)).sum(axis=(0, 2, 3, 4, 6, 7))[future] == 0.0)
+    key_mlp, value_mlp, kwargs = nsa_mlps(2, 4, 3)
+    kernel = _nsa("pallas", **kwargs)
+    got = kernel(q, k, v, mask, gates, cot)
+    np.testing.assert_allclose(got[0], nsa_reference(q, k, v, mask, **NSA_PLAN, gates=gates, key_mlp=key_mlp,
+                                                     value_mlp=value_mlp), rtol=1e-10, atol=1e-12)
+    _close(got, _nsa("xla", **kwargs)(q, k, v, mask, gates, cot), 1e-10, 1e-12)
+    check_inert_and_causal(kernel, q, k, v, mask, cot, True, rtol=1e-12, atol=1e-13, extra=(gates,))
