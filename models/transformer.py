@@ -29,6 +29,7 @@ import ml_collections
 from flax import nnx
 
 from models import layers, registry
+from runtime import cli
 
 Array = Any
 # The tasks the model has heads for (a dataset names one of them: `data.info.DatasetInfo.task`).
@@ -78,8 +79,9 @@ class Block(nnx.Module):
     self.takes_memory = "memory" in inspect.signature(type(self.attention).__call__).parameters
     mem_len = int(cfg.get("mem_len", 0) or 0)
     if mem_len > 0 and not self.takes_memory:
-      raise ValueError(f"config.model.mem_len={mem_len} needs an attention whose module takes a memory; "
-                       f"attention {cfg.attention.name!r} ({type(self.attention).__name__}) takes none")
+      raise cli.mark_usage(ValueError(
+          f"config.model.mem_len={mem_len} needs an attention whose module takes a memory; attention "
+          f"{cfg.attention.name!r} ({type(self.attention).__name__}) takes none"))
     self.norm2 = layers.LayerNorm(f, dtype=dtype, rngs=rngs)
     self.mlp = Mlp(f, cfg.mlp_dim, dropout_rate=cfg.dropout_rate, dtype=dtype, rngs=rngs)
     self.dropout = nnx.Dropout(cfg.dropout_rate, rngs=rngs)
@@ -267,8 +269,8 @@ class Transformer(nnx.Module):
       raise ValueError(f"bos_id={self.bos_id} needs input_vocab_size > bos_id, got {input_vocab_size}")
     self.mem_len = int(cfg.get("mem_len", 0) or 0)
     if self.mem_len > 0 and task != "lm":
-      raise ValueError(f"config.model.mem_len={self.mem_len}: segment recurrence is for task 'lm', "
-                       f"not {task!r}")
+      raise cli.mark_usage(ValueError(f"config.model.mem_len={self.mem_len}: segment recurrence is for task "
+                                      f"'lm', not {task!r}"))
     self.encoder = Encoder(cfg, vocab_size=input_vocab_size, seq_len=seq_len, causal=causal, dtype=dtype,
                            rngs=rngs)
     f = cfg.features
