@@ -6,7 +6,8 @@ Paper:     the enwik8 base model (the authors' `pytorch/run_enwik8_base.sh`, kim
            dropout 0.1, attention dropout 0.0, Adam lr 2.5e-4 with no warmup and a cosine decay to 0 over
            400,000 steps, gradient clipping 0.25 (its train.py default), batch 22, training segments
            (tgt_len) 512 with mem_len 512; evaluation with mem_len 2100 (segments of 80, clamp_len 820,
-           same_length). Result: 1.06 bpc on enwik8 test (Table 2 of the paper, 41M parameters).
+           same_length). Result: 1.06 bpc on enwik8 test (Table 2 of the paper, 41M parameters; 41.25M
+           here).
 This config: that model and optimisation on the ordered byte stream of `pystdlib` (data/pystdlib.py, no
            enwik8 reader in data/; same 256-byte vocabulary), `data.ordered=True` (row i of each batch
            continues row i of the last; a stream's start clears its row's memory). Differences: this
