@@ -160,10 +160,10 @@ SLOW_GENERATIONS = ("v4",)  # `-m slow` also here (the least VMEM); the others w
 # Compiled with `-m slow` only: logsparse takes about a minute; the others repeat a kernel family the fast
 # run compiles already (mixture, the vertical and the horizontal plans: the axial kernels of rowmajor; the
 # sketched and `_c` YOSO variants: YOSO's tables; local and longformer: dense's Splash kernel with another
-# mask).
+# mask; nsa, ~20 s: moba's selected-blocks kernel, twice).
 SLOW_TO_COMPILE = ("combiner_logsparse", "sparse_logsparse", "combiner_mixture", "combiner_mixture_joint",
                    "combiner_axial_horizontal", "combiner_axial_vertical", "yoso_c", "yoso_sketch",
-                   "yoso_sketch_c", "local", "longformer")
+                   "yoso_sketch_c", "local", "longformer", "nsa")
 
 
 def grid_params() -> list:
