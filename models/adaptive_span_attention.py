@@ -65,10 +65,11 @@ class AdaptiveSpanAttention(attention.OpAttention):
 
   FIELDS = {
     "seq_len": attention.SEQ_LEN,
-    "span_init": attention.Field(float, "each head's initial span as a fraction of params.max_span (None = 0, "
-                                 "the paper's code)", minimum=0),
-    "span_loss": attention.Field(float, "L1 coefficient per token of span added to the loss (None = 2e-6, the "
-                                 "paper's)", minimum=0),
+    "span_init": attention.Field(
+      float, "each head's initial span as a fraction of params.max_span (None = 0, the paper's code)",
+      minimum=0),
+    "span_loss": attention.Field(
+      float, "L1 coefficient per token of span added to the loss (None = 2e-6, the paper's)", minimum=0),
     "recompute": attention.RECOMPUTE,
   }
 

@@ -350,10 +350,10 @@ class CombinerAttention(OpAttention):
   """
 
   FIELDS = {
-    "deepsets": Field(bool, "pool relu(Dense(q)) / relu(Dense(k)) into the span abstractions (paper Table 3)"),
+    "deepsets": Field(bool, "pool relu(Dense(q)) / relu(Dense(k)) into the span abstractions (Table 3)"),
     "recompute": RECOMPUTE,
-    "learned_span_key": Field(bool, "axial rowmajor: a learned row-summary span key per head, from the pooled "
-                              "key (an approximation of the released code's per-column key)"),
+    "learned_span_key": Field(bool, "axial rowmajor: a learned row-summary span key per head, from the "
+                              "pooled key (an approximation of the released code's per-column key)"),
   }
 
   def __init__(self, config: ml_collections.ConfigDict, *, features: int, num_heads: int, head_dim: int,

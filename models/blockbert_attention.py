@@ -30,9 +30,9 @@ class BlockBERTAttention(attention.OpAttention):
   """OpAttention whose per-head block shifts come from the `shifts` field (default: the paper's mix)."""
 
   FIELDS = {
-    "shifts": attention.Field(tuple, "one block shift per head: head h attends from block a to block "
-                              "(a + shifts[h]) mod params.num_blocks (None = the paper's mix, about one head in "
-                              "six shifted, the rest block-diagonal)"),
+    "shifts": attention.Field(
+      tuple, "one block shift per head: head h attends from block a to block (a + shifts[h]) mod "
+      "params.num_blocks (None = the paper's mix, about one head in six shifted, the rest block-diagonal)"),
     "recompute": attention.RECOMPUTE,
   }
 

@@ -156,8 +156,8 @@ class RoutingAttention(attention.AttentionBase, _CentroidMixin):
   FIELDS = {
     "routing_heads": attention.Field(int, "heads that route in a routing layer (None = half; the rest attend "
                                      "locally; 0 = every head local)", minimum=0),
-    "routing_layers": attention.Field(tuple, "the routing layers, indices, negative from the top (None = every "
-                                      "layer)"),
+    "routing_layers": attention.Field(tuple, "the routing layers, indices, negative from the top "
+                                      "(None = every layer)"),
     "share_qk": attention.Field(bool, "shared query/key projection (None = in decoders, as the paper)"),
     "scale_logits": attention.Field(bool, "scale logits by 1/sqrt(head_dim) (None = True)"),
     "mask_self": attention.Field(bool, "a token never attends to itself (None = False)"),

@@ -19,7 +19,6 @@ import ml_collections
 
 from runtime import cli
 
-
 # Overrides may add fields only here: the chosen attention module's own fields (and plan parameters).
 NEW_FIELDS_UNDER = "model.attention."
 

@@ -81,7 +81,8 @@ def _command_line(argv: list[str]) -> flags.FlagValues:
 
 def test_unknown_config_field_is_an_error():
   bad = _command_line(["train.py", "--config=configs/default.py", "--config.model.num_layerz=3"])
-  with pytest.raises(cli.UsageError, match=r"--config.model.num_layerz: .*did you mean --config.model.num_layers"):
+  with pytest.raises(cli.UsageError,
+                     match=r"--config.model.num_layerz: .*did you mean --config.model.num_layers"):
     command_line.checked_config(bad)
   good = _command_line(["train.py", "--config=configs/default.py", "--config.model.num_layers=3",
                         "--config.model.attention.params.block_size=16"])
