@@ -23,6 +23,7 @@ import ml_collections
 import numpy as np
 from etils import epath
 
+from configs import base as config_base
 from runtime import paths
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root, the import root
@@ -90,6 +91,16 @@ def differences(old: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[Any
   return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
 
 
+def _without_new_defaults(diff: dict[str, tuple[Any, Any]], saved: dict[str, Any]
+                          ) -> dict[str, tuple[Any, Any]]:
+  """`diff` less the fields a run's saved config predates (added to configs/base.py since) that the config
+  leaves at their default, the value that keeps the older run's behaviour (e.g. model.mem_len = 0)."""
+  had = set(flatten(saved))
+  defaults = flatten(config_dict(config_base.base_config()))
+  return {k: (old, new) for k, (old, new) in diff.items()
+          if k in had or k not in defaults or new != defaults[k]}
+
+
 def _history(workdir: epath.Path) -> list[dict[str, Any]]:
   path = workdir / HISTORY
   return read_json(path) if path.exists() else []
@@ -126,7 +137,7 @@ def check_workdir(workdir: Any, config: ml_collections.ConfigDict, *, allow_chan
       raise ConfigMismatch(f"--workdir {workdir} is not empty ({shown}) and has no {CONFIG}: it holds files "
                            "of another run, not a train.py workdir. Choose a new or empty directory.")
     return {}
-  diff = differences(saved, config_dict(config))
+  diff = _without_new_defaults(differences(saved, config_dict(config)), saved)
   guarded = {k: v for k, v in diff.items() if k.split(".")[0] in GUARDED}
   if guarded and not allow_change:
     lines = "\n".join(f"  {k}: {old!r} -> {new!r}" for k, (old, new) in guarded.items())

@@ -87,6 +87,19 @@ def test_changed_model_config_is_refused_before_anything_is_written(trained, tmp
   assert config_io.load_config(workdir).model.attention.name == "dense"
 
 
+def test_fields_added_since_a_run_was_saved_resume_at_their_defaults(tmp_path):
+  """A run saved before model.mem_len and data.ordered existed resumes with them at their defaults (the old
+  behaviour); any other value is a change of the model or data like any other."""
+  config = smoke()
+  saved = config_io.config_dict(config)
+  del saved["model"]["mem_len"], saved["data"]["ordered"]
+  config_io.write_json(tmp_path / "config.json", saved)
+  assert config_io.check_workdir(str(tmp_path), config) == {}
+  config.model.mem_len = 8
+  with pytest.raises(config_io.ConfigMismatch, match=r"model\.mem_len: None -> 8"):
+    config_io.check_workdir(str(tmp_path), config)
+
+
 def test_workdir_of_another_run_is_refused(tmp_path):
   foreign = tmp_path / "foreign"
   foreign.mkdir()
