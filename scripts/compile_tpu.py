@@ -205,8 +205,11 @@ def compile_step(config: Any, sl: Slice) -> Result:
   batch = int(config.train.batch_size)  # `search` passes only slices whose data x fsdp axes divide it
   state = exp.abstract_state()
   step = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(exp.mesh, P()))
-  args = (state["params"], state["rest"], state["opt_state"], exp.abstract_rng_state(), step,
-          batch_shapes(exp.task, batch, int(exp.info.seq_len), exp.batch_sharding))
+  shapes = batch_shapes(exp.task, batch, int(exp.info.seq_len), exp.batch_sharding)
+  args = (state["params"], state["rest"], state["opt_state"], exp.abstract_rng_state(), step, shapes)
+  if state.get("memory") is not None:  # segment recurrence: the step also reads and returns the memory
+    shapes["reset"] = jax.ShapeDtypeStruct((batch,), jnp.bool_, sharding=shapes["valid"].sharding)
+    args += (state["memory"],)
   try:
     compiled = exp.jitted_train_step().lower(*args).compile()
   except Exception as e:  # the compiler's error (XlaRuntimeError, Mosaic, ...), reported in one line

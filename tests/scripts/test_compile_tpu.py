@@ -33,6 +33,14 @@ def test_smoke_config_compiles_and_prints_the_table():
   assert "Traceback" not in out.stderr
 
 
+@pytest.mark.slow
+def test_a_config_with_segment_memory_compiles():
+  """A segment-recurrence config's step also reads and returns the memory (and the batch's reset rows)."""
+  out = compile_tpu("--config", "configs/transformer_xl.py:smoke", "--topology", "v5e-1")
+  assert out.returncode == 0, out.stderr
+  assert "HBM: total" in out.stdout and "Traceback" not in out.stderr
+
+
 def test_a_config_that_cannot_fit_exits_2_with_one_line():
   out = compile_tpu("--config", "configs/default.py:smoke", "--topology", "v5e-1",
                     "--config.train.batch_size=4194304")
