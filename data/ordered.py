@@ -11,9 +11,11 @@ last partial segment is dropped: every batch has one shape); the next epoch star
 same order (nothing is shuffled; `seed` is unused).
 
 Batch (the shuffled LM pipeline's keys and dtypes, plus `targets` and `reset`), per host rows [b, L]:
-  inputs int32       the segment; a model without memory reads it right-shifted by BOS and predicts it, as
-                     with the shuffled pipeline
-  targets int32      the next token of each input position (a memory model reads `inputs` unshifted)
+  inputs int32       the segment; the LM reads it right-shifted and predicts it, as with the shuffled
+                     pipeline: by BOS without memory, by the previous segment's last token (kept in the
+                     memory, models/transformer.py) with it, so consecutive segments read what their
+                     concatenation reads
+  targets int32      the next token of each input position (for other consumers; the LM does not read it)
   mask bool, weights float32: all real, every token predicted (each token of a stream once per epoch)
   segment_ids int32  documents of the row numbered 1, 2, ... from its first position (a BOS starts the next);
                      all ones for pystdlib, enwik8 and text8 (no BOS in the stream)
