@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from attention_baselines import transformer_xl
 from attention_core import contract
 from attention_core.blocks import head_major, num_blocks, pad_to
 from attention_core.combine import flag_nonfinite, unflag
@@ -89,107 +90,158 @@ def window(max_span: int, ramp: float) -> int:
   return int(math.ceil(max_span + ramp))
 
 
+def check_inputs(q: Any, k: Any, v: Any, mask: Any) -> tuple[Array, Array, Array, Array]:
+  """q [batch, L, heads, head_dim]; k [batch, M + L, heads, head_dim]; v [batch, M + L, heads, value_dim];
+  mask None or [batch, M + L] -> jax arrays, mask bool (all True for None). M = 0 is the op contract's check
+  as it is; M > 0 (keys longer than the queries) the Transformer-XL op's."""
+  if all(hasattr(x, "shape") and len(x.shape) == 4 for x in (q, k)) and q.shape[1] != k.shape[1]:
+    return transformer_xl.check_inputs(q, k, v, mask, op=OP)
+  return contract.check_qkv(q, k, v, mask, op=OP)
+
+
+class Plan(NamedTuple):
+  """The static layout of one call. Queries: n blocks of `size`. Keys: `lead` zero keys, then the M memory
+  keys and the L segment keys, padded to front + n blocks, so that query block b sits at the position of key
+  block front + b (front = (lead + M) / size)."""
+
+  causal: bool
+  ramp: float
+  size: int
+  n: int  # query blocks
+  bound: int  # static bound on the trip count T
+  length: int  # L
+  front: int  # key blocks before the segment's first (0 without memory)
+  lead: int  # zero keys in front of the memory (0 without memory)
+
+
 def adaptive_span(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None, spans: Array,
                   max_span: int, ramp: float = RAMP, block_size: int = BLOCK) -> Array:
   """Softmax attention with a learned soft span per head (see the module docstring).
 
-  q, k: [batch, length, heads, head_dim]; v: [batch, length, heads, value_dim]; mask: [batch, length] bool.
+  q: [batch, L, heads, head_dim]; k: [batch, M + L, heads, head_dim]; v: [batch, M + L, heads, value_dim]
+  (M >= 0 memory keys first, query i at position M + i; M > 0 needs causal); mask: [batch, M + L] bool.
   spans: [heads] (or [1]) spans z in tokens, clamped to [0, max_span]; differentiable.
   max_span: static bound on the spans (the loop's static trip-count bound). ramp: R > 0.
   block_size: queries and keys per block of the loop.
-  Returns [batch, length, heads, value_dim] in v's dtype.
+  Returns [batch, L, heads, value_dim] in v's dtype.
   """
-  q, k, v, mask = contract.check_qkv(q, k, v, mask, op=OP)
+  q, k, v, mask = check_inputs(q, k, v, mask)
   causal = contract.check_bool(causal, name="causal", op=OP)
   size = contract.check_positive_int(block_size, name="block_size", op=OP)
   ramp = check_ramp(ramp)
   max_span = check_max_span(max_span)
   batch, length, heads, head_dim = q.shape
+  memory = k.shape[1] - length
+  if memory and not causal:
+    raise ValueError(f"{OP}: keys longer than the queries (a memory of {memory} positions) need causal=True")
+  # Memory keys at distance >= window from the first query are out of every span: never passed on.
+  drop = max(0, memory - (window(max_span, ramp) - 1))
+  k, v, mask = k[:, drop:], v[:, drop:], mask[:, drop:]  # [batch, M' + L, ...]
+  memory -= drop
   ct = contract.softmax_dtype(q.dtype, k.dtype, v.dtype)
   z = jnp.clip(check_spans(spans, heads).astype(ct), 0.0, float(max_span))  # [heads]
   size = min(size, length)
   n = num_blocks(length, size)
-  # Static bound on the offsets: the largest span's T (at most every block).
-  bound = min(n, -(-(window(max_span, ramp) + size - 1) // size))
-  plan = (causal, ramp, size, n, bound, length)
-  qh, kh, vh = (head_major(x).astype(ct) for x in (q, k, v))  # [batch, heads, length, dim]
+  lead = -memory % size
+  front = (lead + memory) // size
+  # Static bound on the offsets: the largest span's T (at most every key block).
+  bound = min(front + n, -(-(window(max_span, ramp) + size - 1) // size))
+  plan = Plan(causal, ramp, size, n, bound, length, front, lead)
+  qh, kh, vh = (head_major(x).astype(ct) for x in (q, k, v))  # [batch, heads, L or M' + L, dim]
   qh = qh * contract.logit_scale(head_dim)
-  out = _span_attention(plan, qh, kh, vh, mask, z)  # [batch, heads, length, value_dim]
-  return jnp.swapaxes(out, 1, 2).astype(v.dtype)  # [batch, length, heads, value_dim]
+  out = _span_attention(plan, qh, kh, vh, mask, z)  # [batch, heads, L, value_dim]
+  return jnp.swapaxes(out, 1, 2).astype(v.dtype)  # [batch, L, heads, value_dim]
 
 
 def _trip_count(z: Array, plan: tuple) -> Array:
   """T = ceil((max z + R + block - 1) / block), in [1, bound]: the key-block offsets that can reach a key
-  closer than max z + R to some query of the block."""
-  _, ramp, size, _, bound, _ = plan
+  closer than max z + R to some query of the block (plan: a `Plan`, or its first five fields)."""
+  _, ramp, size, _, bound = plan[:5]
   reach = (jnp.max(z) + ramp + size - 1) / size
   return jnp.clip(jnp.ceil(reach).astype(jnp.int32), 1, bound)
 
 
-def _blocks(x: Array, n: int, size: int, pad: tuple[int, int]) -> Array:
-  """[batch, heads, length, dim] -> [batch, heads, pad[0] + n + pad[1], size, dim], zeros outside."""
+def _blocks(x: Array, n: int, size: int) -> Array:
+  """Queries [batch, heads, L, dim] -> [batch, heads, n, size, dim], zeros after L."""
   x = pad_to(x, n * size, axis=2)
-  x = x.reshape(*x.shape[:2], n, size, x.shape[-1])
-  return jnp.pad(x, ((0, 0), (0, 0), pad, (0, 0), (0, 0)))
+  return x.reshape(*x.shape[:2], n, size, x.shape[-1])
 
 
-def _layout(plan: tuple, k: Array, v: Array, mask: Array) -> dict[str, Array]:
-  """Keys, values and key mask cut into blocks: k [batch, heads, n, size, head_dim]; v the same with
-  value_dim + 1 (`flag_nonfinite`); real [batch, n, size]."""
-  _, _, size, n, _, _ = plan
-  pad = (0, 0)
-  real = _blocks(mask[:, None, :, None], n, size, pad)[:, 0, ..., 0]  # [batch, P + n (+ P), size]
+def _key_blocks(x: Array, plan: Plan) -> Array:
+  """Keys [batch, heads, M + L, dim] -> [batch, heads, front + n, size, dim]: `lead` zeros in front, zeros
+  after the last key."""
+  blocks = plan.front + plan.n
+  x = jnp.pad(x, ((0, 0), (0, 0), (plan.lead, blocks * plan.size - plan.lead - x.shape[2]), (0, 0)))
+  return x.reshape(*x.shape[:2], blocks, plan.size, x.shape[-1])
+
+
+def _unblock_keys(x: Array, plan: Plan) -> Array:
+  """`_key_blocks`' inverse: [batch, heads, front + n, size, dim] -> [batch, heads, M + L, dim]."""
+  x = x.reshape(*x.shape[:2], -1, x.shape[-1])
+  return x[:, :, plan.lead:plan.front * plan.size + plan.length]
+
+
+def _layout(plan: Plan, k: Array, v: Array, mask: Array) -> dict[str, Array]:
+  """Keys, values and key mask cut into blocks: k [batch, heads, front + n, size, head_dim]; v the same with
+  value_dim + 1 (`flag_nonfinite`); real [batch, front + n, size]."""
+  real = _key_blocks(mask[:, None, :, None], plan)[:, 0, ..., 0]  # [batch, front + n, size]
   kk = jnp.where(mask[:, None, :, None], k, 0.0)  # masked keys selected to zero (NaN there stays out)
-  vv = flag_nonfinite(jnp.where(mask[:, None, :, None], v, 0.0))  # [batch, heads, length, value_dim + 1]
-  return {"k": _blocks(kk, n, size, pad), "v": _blocks(vv, n, size, pad), "real": real}
+  vv = flag_nonfinite(jnp.where(mask[:, None, :, None], v, 0.0))  # [batch, heads, M + L, value_dim + 1]
+  return {"k": _key_blocks(kk, plan), "v": _key_blocks(vv, plan), "real": real}
 
 
-def _offset(plan: tuple, u: Array) -> Array:
+def _offset(plan: Plan, u: Array) -> Array:
   """Loop index u -> key-block offset t (causal: t = u; bidirectional: t = u - (bound - 1))."""
-  return u if plan[0] else u - (plan[4] - 1)
+  return u if plan.causal else u - (plan.bound - 1)
 
 
-def _step_count(plan: tuple, t_count: Array) -> tuple[Array, Array]:
+def _step_count(plan: Plan, t_count: Array) -> tuple[Array, Array]:
   """(first loop index, end loop index) of the offsets |t| < T."""
-  causal, _, _, _, bound, _ = plan
-  if causal:
+  if plan.causal:
     return jnp.int32(0), t_count
-  return bound - t_count, bound - 1 + t_count
+  return plan.bound - t_count, plan.bound - 1 + t_count
 
 
-def _block_weights(plan: tuple, t: Array, real: Array, z: Array) -> tuple[Array, Array]:
+def _block_weights(plan: Plan, t: Array, real: Array, z: Array) -> tuple[Array, Array]:
   """For offset t: (valid [batch, heads, n, size, size], soft mask m [heads, size, size]) of every query
   block b against key block b - t (real [batch, n, size]: its keys' mask); valid = real key, causal order,
-  m > 0."""
-  causal, ramp, size, _, _, _ = plan
-  dist = t * size + jnp.arange(size)[:, None] - jnp.arange(size)[None, :]  # i - j: [size, size]
-  x = dist if causal else jnp.abs(dist)
-  m = soft_mask(x.astype(z.dtype), z[:, None, None], ramp)  # [heads, size, size]
+  m > 0. The distance (M + i) - j of a pair is t * size + its rows' difference: the layout aligns blocks."""
+  size = plan.size
+  dist = t * size + jnp.arange(size)[:, None] - jnp.arange(size)[None, :]  # (M + i) - j: [size, size]
+  x = dist if plan.causal else jnp.abs(dist)
+  m = soft_mask(x.astype(z.dtype), z[:, None, None], plan.ramp)  # [heads, size, size]
   valid = real[:, None, :, None, :] & (m > 0)[None, :, None]  # [batch, heads, n, size, size]
-  if causal:
+  if plan.causal:
     valid = valid & (dist >= 0)
   return valid, m
 
 
-def _slice(x: Array, plan: tuple, t: Array, axis: int) -> Array:
-  """Block b of the result holds block (b - t) mod n of x (`axis`: the blocks); the wrapped ones are not
-  keys of block b (`_real_at`)."""
-  del plan
-  return jnp.roll(x, t, axis=axis)
+def _keys_at(x: Array, plan: Plan, t: Array, axis: int) -> Array:
+  """[..., front + n key blocks, ...] -> [..., n, ...]: entry b holds key block (front + b - t) mod
+  (front + n), the one query block b meets at offset t; the wrapped ones are not its keys (`_real_at`)."""
+  x = jnp.roll(x, t, axis=axis)
+  return lax.slice_in_dim(x, plan.front, plan.front + plan.n, axis=axis)
 
 
-def _real_at(plan: tuple, t: Array, real: Array) -> Array:
-  """The key mask of key blocks b - t, [batch, n, size], False where b - t is outside [0, n)."""
-  b = jnp.arange(plan[3]) - t
-  return _slice(real, plan, t, 1) & ((b >= 0) & (b < plan[3]))[None, :, None]
+def _to_keys(x: Array, plan: Plan, t: Array, axis: int) -> Array:
+  """`_keys_at`'s transpose: [..., n, ...] per query block -> [..., front + n, ...] at their key blocks."""
+  pad = [(0, 0)] * x.ndim
+  pad[axis] = (plan.front, 0)
+  return jnp.roll(jnp.pad(x, pad), -t, axis=axis)
 
 
-def _forward(plan: tuple, q: Array, k: Array, v: Array, mask: Array, z: Array) -> tuple[Array, Array]:
-  """q [batch, heads, length, head_dim] (scaled) -> (out [batch, heads, length, value_dim], lse [batch, heads,
-  n, size]); online softmax over the key-block offsets |t| < T."""
-  _, _, size, n, _, length = plan
+def _real_at(plan: Plan, t: Array, real: Array) -> Array:
+  """The key mask of key blocks front + b - t, [batch, n, size], False where that is outside the keys."""
+  b = jnp.arange(plan.n) + plan.front - t
+  return _keys_at(real, plan, t, 1) & ((b >= 0) & (b < plan.front + plan.n))[None, :, None]
+
+
+def _forward(plan: Plan, q: Array, k: Array, v: Array, mask: Array, z: Array) -> tuple[Array, Array]:
+  """q [batch, heads, L, head_dim] (scaled) -> (out [batch, heads, L, value_dim], lse [batch, heads, n,
+  size]); online softmax over the key-block offsets |t| < T."""
+  size, n = plan.size, plan.n
   lay = _layout(plan, k, v, mask)
-  qb = _blocks(q, n, size, (0, 0))  # [batch, heads, n, size, head_dim]
+  qb = _blocks(q, n, size)  # [batch, heads, n, size, head_dim]
   batch, heads = q.shape[:2]
   dv = lay["v"].shape[-1]
   start, end = _step_count(plan, _trip_count(z, plan))
@@ -197,7 +249,7 @@ def _forward(plan: tuple, q: Array, k: Array, v: Array, mask: Array, z: Array) -
   def body(u, carry):
     acc, row_max, denom = carry
     t = _offset(plan, u)
-    kb, vb = _slice(lay["k"], plan, t, 2), _slice(lay["v"], plan, t, 2)  # [batch, heads, n, size, dim]
+    kb, vb = _keys_at(lay["k"], plan, t, 2), _keys_at(lay["v"], plan, t, 2)  # [batch, heads, n, size, dim]
     valid, m = _block_weights(plan, t, _real_at(plan, t, lay["real"]), z)
     s = jnp.einsum("bhnqd,bhnkd->bhnqk", qb, kb)  # [batch, heads, n, size, size]
     s = jnp.where(valid, s, -jnp.inf)
@@ -214,11 +266,11 @@ def _forward(plan: tuple, q: Array, k: Array, v: Array, mask: Array, z: Array) -
   out = unflag(acc / jnp.where(denom > 0, denom, 1.0)[..., None])  # [batch, heads, n, size, value_dim]
   lse = jnp.where(denom > 0, jnp.where(jnp.isfinite(row_max), row_max, 0.0) + jnp.log(
       jnp.where(denom > 0, denom, 1.0)), jnp.inf)  # inf: a row with no key (padding) gets no weight
-  return out.reshape(batch, heads, n * size, -1)[:, :, :length], lse
+  return out.reshape(batch, heads, n * size, -1)[:, :, :plan.length], lse
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _span_attention(plan: tuple, q: Array, k: Array, v: Array, mask: Array, z: Array) -> Array:
+def _span_attention(plan: Plan, q: Array, k: Array, v: Array, mask: Array, z: Array) -> Array:
   return _forward(plan, q, k, v, mask, z)[0]
 
 
@@ -232,29 +284,29 @@ def _span_attention_bwd(plan, saved, d_out):
   g_ij = dout_i . v_j - dout_i . out_i, ds_ij = a_ij g_ij, and dm_ij = exp(s_ij - lse_i) g_ij, which reaches
   z_h as dm/dz = 1/R where 0 < m < 1."""
   q, k, v, mask, z, out, lse = saved
-  causal, ramp, size, n, bound, length = plan
+  size, n, ramp = plan.size, plan.n, plan.ramp
   batch, heads = q.shape[:2]
   lay = _layout(plan, k, v, mask)
-  vfin = lay["v"][..., :-1]  # non-finite values selected to 0: [batch, heads, n, size, value_dim]
+  vfin = lay["v"][..., :-1]  # non-finite values selected to 0: [batch, heads, front + n, size, value_dim]
   kfin = jnp.where(jnp.isfinite(lay["k"]), lay["k"], 0.0)
-  qb = _blocks(q, n, size, (0, 0))  # [batch, heads, n, size, head_dim]
-  dob = _blocks(d_out, n, size, (0, 0))  # [batch, heads, n, size, value_dim]
-  delta = jnp.sum(dob * _blocks(jnp.where(jnp.isfinite(out), out, 0.0), n, size, (0, 0)), axis=-1)
+  qb = _blocks(q, n, size)  # [batch, heads, n, size, head_dim]
+  dob = _blocks(d_out, n, size)  # [batch, heads, n, size, value_dim]
+  delta = jnp.sum(dob * _blocks(jnp.where(jnp.isfinite(out), out, 0.0), n, size), axis=-1)
   start, end = _step_count(plan, _trip_count(z, plan))
 
   def body(u, carry):
     dq, dk, dv, dz = carry
     t = _offset(plan, u)
-    kb, vb = _slice(kfin, plan, t, 2), _slice(vfin, plan, t, 2)  # [batch, heads, n, size, dim]
+    kb, vb = _keys_at(kfin, plan, t, 2), _keys_at(vfin, plan, t, 2)  # [batch, heads, n, size, dim]
     valid, m = _block_weights(plan, t, _real_at(plan, t, lay["real"]), z)
     s = jnp.einsum("bhnqd,bhnkd->bhnqk", qb, kb)  # [batch, heads, n, size, size]
     a = jnp.where(valid, m[None, :, None] * jnp.exp(jnp.where(valid, s, -jnp.inf) - lse[..., None]), 0.0)
     g = jnp.einsum("bhnqd,bhnkd->bhnqk", dob, vb) - delta[..., None]
     ds = jnp.where(valid, a * g, 0.0)  # [batch, heads, n, size, size]
     dq = dq + jnp.einsum("bhnqk,bhnkd->bhnqd", ds, kb)
-    # key block b - t's share, rolled back to its place (wrapped blocks carry zeros: no valid pair)
-    dk = dk + _slice(jnp.einsum("bhnqk,bhnqd->bhnkd", ds, qb), plan, -t, 2)
-    dv = dv + _slice(jnp.einsum("bhnqk,bhnqd->bhnkd", a, dob), plan, -t, 2)
+    # the key blocks' shares, put back in their place (wrapped blocks carry zeros: no valid pair)
+    dk = dk + _to_keys(jnp.einsum("bhnqk,bhnqd->bhnkd", ds, qb), plan, t, 2)
+    dv = dv + _to_keys(jnp.einsum("bhnqk,bhnqd->bhnkd", a, dob), plan, t, 2)
     # dL/dm = e^s / Z * g = ds / m where m > 0; dm/dz = 1/R inside the ramp (0 < m < 1), else 0.
     per_m = jnp.where((m > 0) & (m < 1), 1.0 / jnp.where(m > 0, m, 1.0), 0.0) / ramp  # [heads, size, size]
     dz = dz + jnp.einsum("bhnqk,hqk->h", ds, per_m)
@@ -263,12 +315,8 @@ def _span_attention_bwd(plan, saved, d_out):
   init = (jnp.zeros_like(qb), jnp.zeros(lay["k"].shape, q.dtype), jnp.zeros(vfin.shape, q.dtype),
           jnp.zeros((heads,), z.dtype))
   dq, dk, dv, dz = lax.fori_loop(start, end, body, init)
-
-  def unblock(x):  # [batch, heads, n, size, dim] -> [batch, heads, length, dim]
-    return x.reshape(batch, heads, n * size, -1)[:, :, :length]
-
-  dq = dq.reshape(batch, heads, n * size, -1)[:, :, :length]
-  return dq, unblock(dk), unblock(dv), None, dz
+  dq = dq.reshape(batch, heads, n * size, -1)[:, :, :plan.length]
+  return dq, _unblock_keys(dk, plan), _unblock_keys(dv, plan), None, dz
 
 
 _span_attention.defvjp(_span_attention_fwd, _span_attention_bwd)
