@@ -238,9 +238,22 @@ PYSTDLIB_ROWS = ("dense", "sparse_fixed", "combiner_fixed", "sparse_axial", "com
                  "combiner_fixed_select")
 
 
+# Transformer-XL in the pystdlib table: the same model, optimizer, steps and bytes per step as the other rows,
+# in its own order with a memory. Segments of 512 bytes on 16 streams (16 x 512 = the 4 x 2048 bytes of a step
+# of the other rows), a memory of 1536 so that a query sees up to 2048 bytes as in the other rows, relative
+# positions only. Its validation reads the split as one stream of 256 segments of 512: the same first 131,072
+# bytes of the split that the other rows' 16 x 4 windows of 2048 predict, each segment with the memory of the
+# ones before it (so a byte sees up to 2048 earlier bytes, where a window's byte at p sees p of them).
+PYSTDLIB_XL = ("transformer_xl", None, "transformer_xl", "seq_len=512,batch_size=16",
+               ("--config.data.ordered=true", "--config.model.mem_len=1536",
+                "--config.model.position_embedding=none", "--config.train.eval_batch_size=1",
+                "--config.train.eval_batches=256"),
+               "ordered streams, segments of 512 bytes with a memory of 1536")
+
+
 def _pystdlib_table() -> dict[str, list[Row]]:
   return {"pystdlib": _rows("pystdlib", "bits_per_byte", "configs/pystdlib.py",
-                            [(name, None, name, "") for name in PYSTDLIB_ROWS])}
+                            [(name, None, name, "") for name in PYSTDLIB_ROWS] + [PYSTDLIB_XL])}
 
 
 def tables() -> dict[str, list[Row]]:
@@ -337,7 +350,11 @@ def build_config(row: Row, scale: str) -> Any:
     for p in parents:
       node = node[p]
     current = node.get(leaf, None)
-    if isinstance(current, (int, float)) and not isinstance(current, bool):
+    if isinstance(current, bool):
+      if value.lower() not in ("true", "false"):
+        raise cli.UsageError(f"{flag}: {key} takes true or false")
+      node[leaf] = value.lower() == "true"
+    elif isinstance(current, (int, float)):
       node[leaf] = type(current)(value)
     else:
       node[leaf] = int(value) if value.lstrip("-").isdigit() else value
@@ -594,6 +611,44 @@ def plot_curves(curves_: dict[Row, Curve], out: str) -> None:
   paths.write_bytes(out, buf.getvalue())
 
 
+def memory_rows(selected: list[Row], scale: str) -> list[Row]:
+  """The implemented rows whose model carries a memory of earlier segments (config.model.mem_len > 0)."""
+  return [r for r in selected if implemented(r) and int(build_config(r, scale).model.get("mem_len", 0) or 0)]
+
+
+EVAL_MEM_COLUMNS = ("table", "row", "eval_mem_len", "bits_per_byte", "loss", "step", "split", "batches",
+                    "examples")
+
+
+def eval_memory_sweep(selected: list[Row], scale: str, root: str, lengths: Sequence[int]) -> list[dict]:
+  """Each memory row's latest checkpoint evaluated on its config's eval_split with every evaluation memory
+  length in `lengths` (0 = none), over the batches of train.py's evaluations: one record per (row, length).
+  Rows without a checkpoint are skipped with a line."""
+  from training import evaluate
+
+  out = []
+  for row in memory_rows(selected, scale):
+    wd = workdir(row, scale, root)
+    if not paths.exists(paths.join(wd, "checkpoints")):
+      print(f"{row.table} / {row.label}: no checkpoint in {wd}: not evaluated", flush=True)
+      continue
+    for n in lengths:
+      m = evaluate.evaluate_workdir(wd, eval_mem_len=int(n))
+      bpb = metric_value("bits_per_byte", m)
+      out.append({"table": row.table, "row": row.label, "eval_mem_len": int(n), "bits_per_byte": bpb,
+                  "loss": float(m["loss"]), "step": int(m["step"]), "split": m["split"],
+                  "batches": m["num_batches"], "examples": m["num_examples"]})
+      print(f"{row.table} / {row.label} step {m['step']}: eval_mem_len {n}: {m['split']} "
+            f"{bpb:.4f} bits per byte ({m['num_batches']} batches)", flush=True)
+  return out
+
+
+def eval_memory_markdown(records: list[dict]) -> str:
+  lines = ["| row | step | eval memory | validation bits per byte |", "|---|---|---|---|"]
+  lines += [f"| {r['row']} | {r['step']} | {r['eval_mem_len']} | {r['bits_per_byte']:.4f} |" for r in records]
+  return "\n".join(lines) + "\n"
+
+
 def _fmt(value: Any) -> str:
   if value is None:
     return ""
@@ -659,6 +714,10 @@ def _main(argv: Sequence[str] | None = None) -> int:
   p.add_argument("--run", action="store_true", help="run the implemented rows one after another")
   p.add_argument("--collect", action="store_true", help="write the markdown and CSV result tables")
   p.add_argument("--plot", action="store_true", help="plot the rows' evaluation curves (one panel per table)")
+  p.add_argument("--eval_mem_lens", type=int, nargs="+", default=None, metavar="N",
+                 help="rows whose model carries a memory (config.model.mem_len > 0): evaluate the latest "
+                      "checkpoint with each of these evaluation memory lengths (0 = none) and write "
+                      "eval-memory-<table>-<scale>.{md,csv}")
   p.add_argument("--scale", choices=SCALES, default="smoke")
   p.add_argument("--seeds", type=int, default=1, help="runs per row, seeds 0..N-1 (mean and std collected)")
   p.add_argument("--launcher", choices=("local", "tpu"), default="local")
@@ -681,7 +740,9 @@ def _main(argv: Sequence[str] | None = None) -> int:
   if args.launcher == "tpu" and not paths.is_uri(args.workdir_root) and not args.dry_run:
     raise cli.UsageError("--launcher tpu needs a gs:// --workdir_root (every TPU worker writes there)")
   chosen = select(args.table, args.rows)
-  if not (args.list or args.run or args.collect or args.plot):
+  for n in args.eval_mem_lens or ():
+    cli.at_least("--eval_mem_lens", n, 0, " (0 = no memory)")
+  if not (args.list or args.run or args.collect or args.plot or args.eval_mem_lens):
     args.list = True
   if args.list:
     for r in chosen:
@@ -718,6 +779,20 @@ def _main(argv: Sequence[str] | None = None) -> int:
     if found:
       plot_curves(found, png)
     print(f"plotted {len(found)} rows' evaluation curves" + (f" -> {png}" if found else ""), flush=True)
+  if args.eval_mem_lens:
+    records = eval_memory_sweep(chosen, args.scale, args.workdir_root, args.eval_mem_lens)
+    md = paths.join(args.workdir_root, f"eval-memory-{args.table}-{args.scale}.md")
+    cs = paths.join(args.workdir_root, f"eval-memory-{args.table}-{args.scale}.csv")
+    if records:
+      paths.makedirs(args.workdir_root)
+      paths.write_text(md, eval_memory_markdown(records))
+      buf = io.StringIO()
+      w = csv.DictWriter(buf, fieldnames=EVAL_MEM_COLUMNS, lineterminator="\n")
+      w.writeheader()
+      w.writerows({k: ("" if r[k] is None else r[k]) for k in EVAL_MEM_COLUMNS} for r in records)
+      paths.write_text(cs, buf.getvalue())
+    where = f" -> {md}, {cs}" if records else ""
+    print(f"evaluated {len(records)} (row, memory) pairs{where}", flush=True)
   return status
 
 

@@ -5,6 +5,8 @@ The config is the resolved one train.py saved (`<workdir>/config.json`, with the
 evaluations (`config.train.eval_batches`), so the two agree. The result goes to
 `<workdir>/eval_<split>_<step>.json` for the whole split, `eval_<split>_<step>_<n>batches.json` for the first
 n batches. A latest checkpoint that does not restore is reported and the newest one that does is evaluated.
+`eval_mem_len` evaluates a model trained with segment recurrence with another memory length than its config's
+(0: each segment alone); the file name then ends in `_mem<N>`.
 """
 
 from __future__ import annotations
@@ -19,10 +21,23 @@ from training import checkpoints, config_io, kernel_check
 from training.experiment import Experiment
 
 
-def restore_workdir(workdir: str, *, step: int | None = None,
-                    devices: list | None = None) -> tuple[Any, Any, Any]:
+def with_eval_mem_len(config: Any, eval_mem_len: int) -> Any:
+  """`config` (changed in place) evaluating with a memory of `eval_mem_len` positions (0: none, each segment
+  alone); the model must have been trained with one (config.model.mem_len > 0): its state carries it."""
+  if eval_mem_len < 0:
+    raise cli.UsageError(f"--eval_mem_len must be >= 0 (0 = no memory), got {eval_mem_len}")
+  if not int(config.model.get("mem_len", 0) or 0):
+    raise cli.UsageError(f"--eval_mem_len {eval_mem_len}: the model was trained without segment recurrence "
+                         "(config.model.mem_len = 0)")
+  config.model.eval_mem_len = int(eval_mem_len)  # 0: recurrence.lengths gives no evaluation memory
+  return config
+
+
+def restore_workdir(workdir: str, *, step: int | None = None, devices: list | None = None,
+                    eval_mem_len: int | None = None) -> tuple[Any, Any, Any]:
   """(experiment, train state, open read-only checkpoint manager) for `step` (default: the newest that
-  restores) of `workdir`, with the config that step was trained with."""
+  restores) of `workdir`, with the config that step was trained with (evaluating with a memory of
+  `eval_mem_len` positions when given)."""
   config = config_io.load_config(workdir)
   mgr = checkpoints.checkpoint_manager(workdir, config, read_only=True)
   available = list(mgr.all_steps())
@@ -36,6 +51,8 @@ def restore_workdir(workdir: str, *, step: int | None = None,
 
   def restore(s: int) -> Any:
     cfg = config_io.load_config(workdir, s)  # the config this checkpoint was trained with
+    if eval_mem_len is not None:
+      cfg = with_eval_mem_len(cfg, eval_mem_len)
     key = cfg.to_json_best_effort(sort_keys=True)
     if key not in experiments:
       # The fused kernel checked as train.py checks it: under "auto" a failure evaluates on the XLA path.
@@ -56,23 +73,28 @@ class MetricsNotWritten(OSError):
 
 def evaluate_workdir(workdir: str, *, split: str | None = None, step: int | None = None,
                      max_batches: int | None = None, devices: list | None = None,
-                     report: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+                     report: Callable[[dict[str, Any]], None] | None = None,
+                     eval_mem_len: int | None = None) -> dict[str, Any]:
   """Restores `step` (default: the newest that restores) from `workdir` and evaluates `split` (default
   config.eval_split) over `max_batches` batches (default config.train.eval_batches, as train.py; -1 = all).
 
   report: called with the metrics before they are written, so a result that cannot be written (a read-only
-  workdir) is not lost: the write failure then raises MetricsNotWritten, after the report."""
-  exp, state, mgr = restore_workdir(workdir, step=step, devices=devices)
+  workdir) is not lost: the write failure then raises MetricsNotWritten, after the report. eval_mem_len:
+  the evaluation memory of a model trained with segment recurrence (default its config's; 0 = none)."""
+  exp, state, mgr = restore_workdir(workdir, step=step, devices=devices, eval_mem_len=eval_mem_len)
   mgr.close()
   config = exp.config
   split = split or config.eval_split
   metrics = exp.evaluate(state, split, max_batches)
   metrics.update(step=state.step, split=split, attention=str(config.model.attention.name),
                  data=str(config.data.name))
+  if eval_mem_len is not None:
+    metrics["eval_mem_len"] = int(eval_mem_len)
   if report is not None:
     report(metrics)
   if jax.process_index() == 0:
     part = "" if metrics["whole_split"] else f"_{metrics['num_batches']}batches"
+    part += "" if eval_mem_len is None else f"_mem{eval_mem_len}"
     path = paths.join(workdir, f"eval_{split}_{state.step}{part}.json")
     try:
       config_io.write_json(path, metrics)

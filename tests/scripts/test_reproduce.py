@@ -4,6 +4,7 @@ end on a representative row of each kind."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -16,6 +17,7 @@ import pytest
 import data
 from configs import cifar10, lra, routing_paper, wiki40b
 from models import registry
+from runtime import cli
 from scripts import reproduce
 
 ROWS = [r for rows in reproduce.tables().values() for r in rows]
@@ -27,7 +29,7 @@ def test_rows_are_well_formed():
   assert len(ids) == len(set(ids))
   assert {"combiner-1", "combiner-2", "combiner-3", "combiner-4", "combiner-5", "combiner-6", "routing-1",
           "routing-4", "yoso-3", "pystdlib"} <= set(reproduce.tables())
-  assert [r.attention for r in reproduce.tables()["pystdlib"]] == list(reproduce.PYSTDLIB_ROWS)
+  assert [r.attention for r in reproduce.tables()["pystdlib"]] == [*reproduce.PYSTDLIB_ROWS, "transformer_xl"]
   for r in ROWS:
     assert r.metric in ("bits_per_dim", "perplexity", "accuracy", "bits_per_byte")
     assert r.attention in registry.names() or not reproduce.implemented(r)
@@ -187,6 +189,7 @@ REPRESENTATIVE = (
     ("routing-4", "Routing Transformer"), ("routing-4", "Local Transformer (24 layers, 16 heads)"),
     ("yoso-3", "pathfinder *YOSO-16"),  # an override, yoso_paper
     ("pystdlib", "yoso"),
+    ("pystdlib", "transformer_xl"),  # segment recurrence on the ordered stream; its evaluation memory sweep
 )
 
 
@@ -317,6 +320,49 @@ def test_smoke_runner_end_to_end(tmp_path, capsys):
     assert info["row"] == r.label and ("same_as" in info or "--config" in info["command"]), info
   with open(os.path.join(root, "results-all-smoke.md")) as f:
     assert f.read().count("| ok") == len(IMPLEMENTED)
+
+
+def test_transformer_xl_row_matches_the_table():
+  """The Transformer-XL row has the other pystdlib rows' model, optimizer, steps and bytes per step, a query
+  sees up to as many bytes (segment + memory = window), and its validation covers the same bytes."""
+  rows = {r.attention: r for r in reproduce.tables()["pystdlib"]}
+  xl, dense = (reproduce.build_config(rows[name], "cpu") for name in ("transformer_xl", "dense"))
+  for key in ("num_layers", "features", "num_heads", "mlp_dim", "dropout_rate"):
+    assert xl.model[key] == dense.model[key], key
+  assert xl.optimizer.to_dict() == dense.optimizer.to_dict()
+  assert xl.train.num_steps == dense.train.num_steps and xl.train.eval_every == dense.train.eval_every
+  assert xl.train.batch_size * xl.data.seq_len == dense.train.batch_size * dense.data.seq_len
+  assert xl.model.mem_len + xl.data.seq_len == dense.data.seq_len
+  assert xl.data.ordered is True and xl.model.position_embedding == "none"
+  assert reproduce.memory_rows(list(rows.values()), "cpu") == [rows["transformer_xl"]]
+  # The ordered validation is one stream (eval batch 1): its first segments are the dense row's first windows.
+  assert xl.train.eval_batch_size == 1
+  assert (xl.train.eval_batches * xl.data.seq_len
+          == dense.train.eval_batches * dense.train.eval_batch_size * dense.data.seq_len)
+
+
+def test_bool_override_and_eval_mem_lens_flag(capsys):
+  row = dataclasses.replace(next(r for r in reproduce.tables()["pystdlib"] if r.attention == "dense"),
+                            overrides=("--config.data.ordered=false",))
+  assert reproduce.build_config(row, "cpu").data.ordered is False
+  with pytest.raises(cli.UsageError, match="true or false"):
+    reproduce.build_config(dataclasses.replace(row, overrides=("--config.data.ordered=1",)), "cpu")
+  with pytest.raises(SystemExit) as e:
+    reproduce.main(["--table", "pystdlib", "--eval_mem_lens", "-1"])
+  assert e.value.code == 2
+  assert "--eval_mem_lens must be >= 0" in capsys.readouterr().err
+
+
+def test_eval_mem_len_config():
+  from training import evaluate
+
+  c = reproduce.build_config(next(r for r in reproduce.tables()["pystdlib"] if r.attention == "dense"), "cpu")
+  with pytest.raises(cli.UsageError, match="without segment recurrence"):
+    evaluate.with_eval_mem_len(c, 512)
+  c.model.mem_len = 512
+  with pytest.raises(cli.UsageError, match=">= 0"):
+    evaluate.with_eval_mem_len(c, -1)
+  assert evaluate.with_eval_mem_len(c, 0).model.eval_mem_len == 0
 
 
 def test_config_dict_overrides():
