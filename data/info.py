@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-TASKS = ("lm", "mlm", "image", "classify", "retrieval")
+TASKS = ("lm", "mlm", "image", "classify", "retrieval", "hibert_pretrain", "hibert_summarise")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,4 +57,5 @@ DATASETS: dict[str, str] = {
   "pystdlib": "data.pystdlib",
   "enwik8": "data.characters",
   "text8": "data.characters",
+  "cnn_dailymail": "data.cnn_dailymail",
 }

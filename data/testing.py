@@ -229,4 +229,8 @@ def mock_data(name: str, tmp_dir: str, *, num_examples: int = 12, seed: int = 0)
     write_text(name, data_dir, seed=seed, num_examples=max(num_examples, 12))
   elif name in ("enwik8", "text8"):
     write_characters(name, data_dir, seed=seed)
+  elif name == "cnn_dailymail":
+    from data import cnn_dailymail
+
+    cnn_dailymail.write_stand_in(data_dir, seed=seed, num_examples=max(num_examples, 24))
   yield data_dir

@@ -15,6 +15,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from models import hibert
+
 Array = Any
 
 
@@ -24,6 +26,8 @@ def _xent(logits: Array, labels: Array) -> Array:
 
 
 def loss_and_sums(task: str, logits: Array, batch: dict[str, Array]) -> tuple[Array, dict[str, Array]]:
+  if task in hibert.TASKS:  # `logits`: the HIBERT model's output for its task
+    return hibert.loss_and_sums(task, logits, batch)
   if task in ("lm", "image", "mlm"):
     targets = batch["targets"] if task == "mlm" else batch["inputs"]
     weights = batch.get("weights")
@@ -53,7 +57,7 @@ def summarize(task: str, sums: dict[str, float]) -> dict[str, float]:
   out = {"loss": loss}
   if task == "image":
     out["bits_per_dim"] = loss / math.log(2.0)
-  elif task in ("lm", "mlm"):
+  elif task in ("lm", "mlm", "hibert_pretrain"):
     out["perplexity"] = math.exp(min(loss, 700.0))
   if "correct_sum" in sums:  # classification accuracy; token accuracy at the weighted positions for lm/mlm
     out["accuracy"] = float(sums["correct_sum"]) / n

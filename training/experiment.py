@@ -30,8 +30,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from attention_core import sharding
+from models import hibert, transformer
 from models import metrics as metrics_lib
-from models import transformer
 from training import recurrence
 from training.mesh import BATCH_AXES, data_parallel_size, make_mesh, state_shardings
 from training.optimizer import make_optimizer
@@ -85,8 +85,9 @@ class Experiment:
       model_cfg.image_shape = tuple(self.info.image_shape)
     self.model_cfg = model_cfg
 
-    def build():
-      return transformer.from_info(model_cfg, self.info, seed=int(config.seed))
+    def build():  # HIBERT's tasks have their own model (models/hibert.py)
+      models = hibert if self.task in hibert.TASKS else transformer
+      return models.from_info(model_cfg, self.info, seed=int(config.seed))
 
     self._build = build
     abstract = nnx.eval_shape(build)
