@@ -26,7 +26,7 @@ from attention_core.registry import sqrt_pow2
 from attention_core.selection import choose, chosen_piece, num_query_chunks, pad_length, rows_and_mask
 
 Array = Any
-IMPLEMENTATIONS = ("auto", "xla", "pallas")  # "pallas": attention_core.selection_flash (registry.fused_path)
+IMPLEMENTATIONS = selection_flash.IMPLEMENTATIONS  # "pallas": attention_core.selection_flash
 
 
 def auto_params(length: int) -> dict[str, int]:
@@ -36,27 +36,9 @@ def auto_params(length: int) -> dict[str, int]:
   return {"block_size": min(512, max(sqrt_pow2(length), sixteenth)), "top_k": 3}
 
 
-def _resolve(implementation: Any, q: Any, k: Any, v: Any, block_size: Any) -> Any:
-  """The implementation "auto" means where the op is traced (`contract.backend`): the kernel on GPU, and on
-  TPU where its whole-row blocks fit VMEM (`selection_flash.fits_vmem`); XLA elsewhere. Other values (and bad
-  arguments, which `moba` rejects) are returned as they are."""
-  if implementation != "auto":
-    return implementation
-  chosen = contract.resolve_implementation("auto", IMPLEMENTATIONS, op="moba")
-  shaped = all(hasattr(x, "dtype") and len(getattr(x, "shape", ())) == 4 for x in (q, k, v))
-  if chosen == "pallas" and contract.backend() == "tpu" and shaped and isinstance(block_size, int):
-    length = q.shape[1]
-    itemsize = jnp.dtype(jnp.result_type(q.dtype, k.dtype, v.dtype)).itemsize
-    block = max(1, min(block_size, length))
-    if not selection_flash.fits_vmem(length, q.shape[-1], v.shape[-1], itemsize, block):
-      return "xla"
-  return chosen
-
-
 def _choice(q: Any, k: Any, v: Any, *, implementation: Any = "auto", block_size: Any = 512, **_: Any) -> Any:
   """What `moba` traces per platform (the key of `contract.per_platform_op`)."""
-  chosen = _resolve(implementation, q, k, v, block_size)
-  return (chosen, selection_flash.tile_caps()) if chosen == "pallas" else chosen
+  return selection_flash.per_platform_key(implementation, q, k, v, block_size, op="moba")
 
 
 @contract.per_platform_op(_choice)
@@ -76,7 +58,7 @@ def moba(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = Non
   size = contract.check_positive_int(block_size, name="block_size", op=op)
   count = contract.check_positive_int(top_k, name="top_k", op=op)
   contract.check_implementation(implementation, IMPLEMENTATIONS, op=op)
-  if _resolve(implementation, q, k, v, size) == "pallas":
+  if selection_flash.choose_implementation(implementation, q, k, v, size, op=op, strict=True) == "pallas":
     return _moba_pallas(q, k, v, mask, causal=causal, size=size, count=count, query_chunks=query_chunks)
   batch, length, heads, head_dim = q.shape
   value_dim = v.shape[-1]

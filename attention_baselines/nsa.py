@@ -46,7 +46,7 @@ from attention_core.selection import (
 Array = Any
 MLP_PARTS = ("pos", "w1", "b1", "w2")  # the compression MLP's arrays, for keys and for values
 BRANCHES = 3  # gates: compression, selection, sliding window
-IMPLEMENTATIONS = ("auto", "xla", "pallas")  # "pallas": attention_core.selection_flash (registry.fused_path)
+IMPLEMENTATIONS = selection_flash.IMPLEMENTATIONS  # "pallas": attention_core.selection_flash
 
 
 def auto_params(length: int) -> dict[str, int]:
@@ -94,25 +94,9 @@ def _compress(x: Array, real: Array, mlp: tuple[Array, ...] | None, batch: int, 
   return out.reshape(rows, blocks, -1)
 
 
-def _resolve(implementation: Any, q: Any, k: Any, v: Any, select_block: Any) -> Any:
-  """The implementation "auto" means where the op is traced (`contract.backend`): the kernel on GPU, and on
-  TPU where its whole-row blocks fit VMEM (`selection_flash.fits_vmem`); XLA elsewhere. Other values (and bad
-  arguments, which `nsa` rejects) are returned as they are."""
-  if implementation != "auto":
-    return implementation
-  chosen = contract.resolve_implementation("auto", IMPLEMENTATIONS, op="nsa")
-  shaped = all(hasattr(x, "dtype") and len(getattr(x, "shape", ())) == 4 for x in (q, k, v))
-  if chosen == "pallas" and contract.backend() == "tpu" and shaped and isinstance(select_block, int):
-    itemsize = jnp.dtype(jnp.result_type(q.dtype, k.dtype, v.dtype)).itemsize
-    if not selection_flash.fits_vmem(q.shape[1], q.shape[-1], v.shape[-1], itemsize, max(1, select_block)):
-      return "xla"
-  return chosen
-
-
 def _choice(q: Any, k: Any, v: Any, *, implementation: Any = "auto", select_block: Any = 64, **_: Any) -> Any:
   """What `nsa` traces per platform (the key of `contract.per_platform_op`)."""
-  chosen = _resolve(implementation, q, k, v, select_block)
-  return (chosen, selection_flash.tile_caps()) if chosen == "pallas" else chosen
+  return selection_flash.per_platform_key(implementation, q, k, v, select_block, op="nsa")
 
 
 @contract.per_platform_op(_choice)
@@ -143,7 +127,7 @@ def nsa(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None
   count = contract.check_positive_int(num_selected, name="num_selected", op=op)
   width = contract.check_positive_int(window, name="window", op=op)
   contract.check_implementation(implementation, IMPLEMENTATIONS, op=op)
-  fused = _resolve(implementation, q, k, v, sel) == "pallas"
+  fused = selection_flash.choose_implementation(implementation, q, k, v, sel, op=op, strict=True) == "pallas"
   if size % stride or sel % stride:
     raise ValueError(f"{op}: argument 'compress_stride' ({stride}) must divide compress_block ({size}) and "
                      f"select_block ({sel})")

@@ -109,6 +109,41 @@ def fits_vmem(length: int, head_dim: int, value_dim: int, itemsize: int, block: 
   return 2 * rows * (lanes(head_dim) + lanes(value_dim)) * itemsize + 4 * rows * 8 * 4 <= VMEM_BUDGET
 
 
+IMPLEMENTATIONS = ("auto", "xla", "pallas")  # the ops' `implementation` values (registry.fused_path)
+
+
+def choose_implementation(implementation: Any, q: Any, k: Any, v: Any, block: Any, *, op: str,
+                          strict: bool = False) -> Any:
+  """What an op running its selected blocks here (moba, nsa) runs where it is traced (`contract.backend`):
+  "auto" is the kernel on GPU, and on TPU where its whole-row blocks fit VMEM (`fits_vmem`), else XLA;
+  "pallas" on TPU where they do not fit raises ValueError ("does not apply") when `strict`. Unknown values
+  and bad arguments (which the op rejects in its own words) are returned as they are.
+  q, k, v: [batch, length, heads, dim] arrays (or shape structs); block: the block size the kernel gets."""
+  if implementation not in IMPLEMENTATIONS:
+    return implementation
+  chosen = contract.resolve_implementation(implementation, IMPLEMENTATIONS, op=op)
+  shaped = all(hasattr(x, "dtype") and len(getattr(x, "shape", ())) == 4 for x in (q, k, v))
+  if chosen != "pallas" or contract.backend() != "tpu" or not shaped or not isinstance(block, int):
+    return chosen
+  length = q.shape[1]
+  itemsize = jnp.dtype(jnp.result_type(q.dtype, k.dtype, v.dtype)).itemsize
+  if fits_vmem(length, q.shape[-1], v.shape[-1], itemsize, max(1, min(block, length))):
+    return chosen
+  if implementation == "auto":
+    return "xla"
+  if strict:
+    raise ValueError(f"{op}: argument 'implementation'='pallas' does not apply here: a row's keys and values "
+                     f"at length {length} exceed the TPU kernel's VMEM budget ({VMEM_BUDGET >> 20} MiB); use "
+                     "'auto' or 'xla'")
+  return chosen
+
+
+def per_platform_key(implementation: Any, q: Any, k: Any, v: Any, block: Any, *, op: str) -> Any:
+  """What such an op's trace depends on per platform (the key of `contract.per_platform_op`)."""
+  chosen = choose_implementation(implementation, q, k, v, block, op=op)
+  return (chosen, tile_caps()) if chosen == "pallas" else chosen
+
+
 def _div(a: Any, b: int) -> Any:
   """a // b for non-negative ints (jnp's floor division lowers through `sign`, which Mosaic cannot place)."""
   return a // b if isinstance(a, int) else lax.div(a, jnp.int32(b))

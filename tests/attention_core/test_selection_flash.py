@@ -18,8 +18,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from attention_baselines import moba as moba_module
-from attention_baselines import nsa as nsa_module
 from attention_baselines.moba import moba
 from attention_baselines.nsa import nsa
 from attention_core import contract, selection_flash
@@ -163,16 +161,20 @@ def test_moba_kernel_bidirectional_equals_xla_and_definition_in_float64():
 
 
 def test_auto_chooses_per_platform():
-  """"auto": the kernel on GPU and TPU, XLA on CPU; on TPU XLA where the whole-row blocks exceed VMEM."""
+  """"auto": the kernel on GPU and TPU, XLA on CPU; on TPU XLA where the whole-row blocks exceed VMEM, where
+  an explicit "pallas" does not apply (the TPU compile test skips such cases)."""
   spec = jax.ShapeDtypeStruct((1, 2048, 2, 64), jnp.bfloat16)
   long = jax.ShapeDtypeStruct((1, 1 << 17, 2, 128), jnp.float32)
   expected = {"cpu": ("xla", "xla"), "gpu": ("pallas", "pallas"), "tpu": ("pallas", "xla")}
-  for module in (moba_module, nsa_module):
-    for platform, (short_choice, long_choice) in expected.items():
-      with contract.traced_for(platform):
-        assert module._resolve("auto", spec, spec, spec, 128) == short_choice, platform
-        assert module._resolve("auto", long, long, long, 512) == long_choice, platform
-        assert module._resolve("xla", spec, spec, spec, 128) == "xla"
+  choose = functools.partial(selection_flash.choose_implementation, op="t")
+  for platform, (short_choice, long_choice) in expected.items():
+    with contract.traced_for(platform):
+      assert choose("auto", spec, spec, spec, 128) == short_choice, platform
+      assert choose("auto", long, long, long, 512) == long_choice, platform
+      assert choose("xla", spec, spec, spec, 128) == "xla"
+      assert choose("pallas", long, long, long, 512) == "pallas"
+  with contract.traced_for("tpu"), pytest.raises(ValueError, match="does not apply"):
+    choose("pallas", long, long, long, 512, strict=True)
   for op in (moba, nsa):
     with pytest.raises(ValueError, match="'implementation'"):
       op(*(jnp.zeros((1, 8, 1, 4)),) * 3, causal=True, implementation="flash")
