@@ -200,3 +200,9 @@ register(OpSpec(
     bench_inputs=_transformer_xl_inputs, decode=TRANSFORMER_XL,
     module="models.transformer_xl_attention:TransformerXLAttention",
     description="Transformer-XL relative positional attention (4 terms, u, v), O(L*(M+L)*d)"))
+register(OpSpec(
+    "compressive", transformer_xl, bidirectional=False, params=lambda length: {"clamp_len": -1},
+    bench_inputs=_transformer_xl_inputs, decode=TRANSFORMER_XL,
+    module="models.compressive_attention:CompressiveAttention",
+    description="Compressive Transformer: Transformer-XL attention over [compressed; memory; segment], "
+                "O(L*(n_cm+M+L)*d)"))

@@ -82,6 +82,12 @@ class Block(nnx.Module):
       raise cli.mark_usage(ValueError(
           f"config.model.mem_len={mem_len} needs an attention whose module takes a memory; attention "
           f"{cfg.attention.name!r} ({type(self.attention).__name__}) takes none"))
+    # Compressive memory: the module compresses the memories the FIFO evicts (its `compress`).
+    compressed_mem_len = int(cfg.get("compressed_mem_len", 0) or 0)
+    if compressed_mem_len > 0 and not hasattr(self.attention, "compress"):
+      raise cli.mark_usage(ValueError(
+          f"config.model.compressed_mem_len={compressed_mem_len} needs an attention whose module compresses "
+          f"memories; attention {cfg.attention.name!r} ({type(self.attention).__name__}) does not"))
     self.norm2 = layers.LayerNorm(f, dtype=dtype, rngs=rngs)
     self.mlp = Mlp(f, cfg.mlp_dim, dropout_rate=cfg.dropout_rate, dtype=dtype, rngs=rngs)
     self.dropout = nnx.Dropout(cfg.dropout_rate, rngs=rngs)
@@ -202,6 +208,10 @@ class Encoder(nnx.Module):
       both_valid = jnp.concatenate([valid, mask.astype(bool)], axis=1)  # [batch, M + length]
       keep = both.shape[1] - m  # the first position kept
       new.append({"hidden": jax.lax.stop_gradient(both[:, keep:]), "valid": both_valid[:, keep:]})
+      if "compressed" in mem:  # the block reads [compressed; memory] and compresses what the FIFO evicts
+        new[-1].update(_compress(block, mem, x, mask, both[:, :keep], both_valid[:, :keep], deterministic))
+        hidden = jnp.concatenate([mem["compressed"], hidden], axis=1)  # [batch, n_cm + M, features]
+        valid = jnp.concatenate([mem["compressed_valid"], valid], axis=1)
       if self.remat != "none":
         x = _REMATTED_MEMORY_BLOCK[self.remat](block, x, mask, hidden, valid, deterministic)
       else:
@@ -221,6 +231,22 @@ class Encoder(nnx.Module):
       x, cache = block.decode(x, cache, position)
       new.append(cache)
     return self.norm(x), new
+
+
+def _compress(block: Block, mem: dict[str, Array], x: Array, mask: Array, evicted: Array,
+              evicted_valid: Array, deterministic: bool) -> dict[str, Array]:
+  """The compressed memory after a segment (Compressive Transformer): the module compresses the L evicted
+  states [batch, L, features] (the oldest of [memory; x], no gradient) into [batch, L / c, features],
+  appended to the compressed FIFO [batch, n_cm, features], its oldest dropped."""
+  cm, cm_valid = mem["compressed"], mem["compressed_valid"]  # [batch, n_cm, features], [batch, n_cm]
+  out, out_valid = block.attention.compress(
+      jax.lax.stop_gradient(evicted), evicted_valid, x=x, mask=mask, memory=jnp.concatenate(
+          [cm, mem["hidden"]], axis=1), memory_mask=jnp.concatenate([cm_valid, mem["valid"]], axis=1),
+      evicted_at=cm.shape[1], norm=block.norm1, deterministic=deterministic)
+  both = jnp.concatenate([cm, jax.lax.stop_gradient(out).astype(cm.dtype)], axis=1)
+  both_valid = jnp.concatenate([cm_valid, out_valid], axis=1)
+  n = cm.shape[1]
+  return {"compressed": both[:, both.shape[1] - n:], "compressed_valid": both_valid[:, both.shape[1] - n:]}
 
 
 def _block_call(block: Block, x: Array, mask: Array | None, deterministic: bool) -> Array:
@@ -268,6 +294,7 @@ class Transformer(nnx.Module):
     if causal and self.bos_id >= input_vocab_size:
       raise ValueError(f"bos_id={self.bos_id} needs input_vocab_size > bos_id, got {input_vocab_size}")
     self.mem_len = int(cfg.get("mem_len", 0) or 0)
+    self.compressed_mem_len = int(cfg.get("compressed_mem_len", 0) or 0)
     if self.mem_len > 0 and task != "lm":
       raise cli.mark_usage(ValueError(f"config.model.mem_len={self.mem_len}: segment recurrence is for task "
                                       f"'lm', not {task!r}"))
@@ -327,14 +354,23 @@ class Transformer(nnx.Module):
     return self.head(jax.nn.relu(self.hidden(pooled))).astype(jnp.float32)  # [batch, num_classes]
 
   # Segment recurrence (lm). The memory: {"layers": per block {"hidden": [batch, M, features] (its inputs),
-  # "valid": [batch, M] bool}, "token": [batch] int32 (the previous segment's last input id),
+  # "valid": [batch, M] bool, with compressed_mem_len > 0 also "compressed" [batch, n_cm, features] and
+  # "compressed_valid" [batch, n_cm]}, "token": [batch] int32 (the previous segment's last input id),
   # "token_valid": [batch] bool}. M is the memory's own length: evaluation may pass a longer one.
   def init_memory(self, batch: int, mem_len: int) -> dict[str, Any]:
     """An empty (all invalid) memory of `mem_len` positions for `batch` rows."""
     if self.task != "lm":
       raise ValueError(f"segment recurrence is for task 'lm', not {self.task!r}")
-    layer = lambda: {"hidden": jnp.zeros((batch, mem_len, self.features), self.dtype),  # noqa: E731
-                     "valid": jnp.zeros((batch, mem_len), bool)}
+    n_cm = self.compressed_mem_len  # the compressed memory (Compressive Transformer), when on
+
+    def layer() -> dict[str, Array]:
+      out = {"hidden": jnp.zeros((batch, mem_len, self.features), self.dtype),
+             "valid": jnp.zeros((batch, mem_len), bool)}
+      if n_cm:
+        out.update(compressed=jnp.zeros((batch, n_cm, self.features), self.dtype),
+                   compressed_valid=jnp.zeros((batch, n_cm), bool))
+      return out
+
     return {"layers": [layer() for _ in self.encoder.blocks], "token": jnp.zeros((batch,), jnp.int32),
             "token_valid": jnp.zeros((batch,), bool)}
 
