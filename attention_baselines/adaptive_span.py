@@ -11,6 +11,13 @@ exactly zero and gradient exactly zero, also with respect to z. The spans are mo
 (`models.adaptive_span_attention` owns them and their L1 penalty); the op takes them as `spans` [heads] in
 tokens.
 
+Keys may cover [memory; segment] (Transformer-XL's cache of earlier segments, which the paper trains the spans
+with): k, v and the key mask then hold M = k.shape[1] - q.shape[1] memory positions before the L of the
+segment, query i sits at position M + i, and x = (M + i) - j over the keys j <= M + i (causal only; M = 0 is
+the ordinary op). Memory keys at distance >= ceil(max_span + R) from the first query are dropped before the
+loop; the rest are laid out so that query block b meets, at offset t, the key block t blocks before its own
+position, and the loop below runs over them unchanged.
+
 Compute is skipped beyond the largest current span: queries and keys are cut into blocks of `block_size`,
 and the forward and backward passes (one `jax.custom_vjp`) each loop with `lax.while_loop` over key-block
 offsets t (query block b meets key block b - t, and b + t when bidirectional), for t < T =

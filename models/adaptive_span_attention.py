@@ -13,6 +13,16 @@ span), sown as a `loss_term` that the train step adds to the loss as it is (mode
 
 `max_span` (plan parameter, "auto" = the model's sequence length) and `ramp` are fixed at construction from
 `seq_len`, so a span in tokens is the same at every length the module is called with (decoding included).
+
+Segment recurrence (`config.model.mem_len`, as in the paper's Transformer-XL setting): `memory` [batch, M,
+features] (the block's normed inputs of earlier segments) and `memory_mask` [batch, M] make keys and values
+over concat([memory, x]) and queries from x alone, so query i sits at position M + i and a span reaches back
+into the memory, at most max_span + R tokens (a memory longer than that costs nothing: the op drops what no
+span reaches; set `params.max_span` above the segment length for spans that cover a longer memory). The
+module has no position embedding of its own (the paper's learned relative ones are not implemented): with a
+memory, use `position_embedding="none"` (the causal order and the soft span are then its only sense of
+position) rather than absolute positions that restart at every segment. Cached decoding runs from position 0
+without memory, as the Transformer-XL module's.
 Config fields besides `name`, `params`, `dropout_rate`: `seq_len` (filled in by `models.registry.build`),
 `span_init`, `span_loss`, `recompute`.
 """
@@ -28,7 +38,8 @@ from flax import nnx
 
 from attention_core import registry as ops_registry
 from attention_core import sharding
-from models import attention, layers
+from models import attention, layers, recompute
+from models.transformer_xl_attention import key_mask
 
 Array = Any
 SPAN_LOSS = 2e-6  # the paper's lambda, per token of span
@@ -90,9 +101,30 @@ class AdaptiveSpanAttention(attention.OpAttention):
     """The current spans in tokens: [heads]."""
     return self.max_span * clamp_ratio(self.span_ratio[...].astype(jnp.float32))
 
-  def __call__(self, x: Array, mask: Array | None, *, deterministic: bool) -> Array:
+  def __call__(self, x: Array, mask: Array | None, *, deterministic: bool, memory: Array | None = None,
+               memory_mask: Array | None = None) -> Array:
+    """x: [batch, L, features]; mask: None or [batch, L]; memory: None or [batch, M, features] (earlier
+    segments' hidden states, taken as given: the caller stops their gradient); memory_mask: None or [batch, M]
+    (True = valid). Returns [batch, L, features]."""
     self.sow(nnx.Intermediate, "loss_term", self.span_loss * jnp.mean(self.spans()))
-    return super().__call__(x, mask, deterministic=deterministic)  # [batch, length, features]
+    if memory is None:
+      return super().__call__(x, mask, deterministic=deterministic)  # [batch, length, features]
+    batch, length = x.shape[:2]
+    context = jnp.concatenate([jnp.asarray(memory).astype(x.dtype), x], axis=1)  # [batch, M + L, features]
+    keys = key_mask(mask, memory_mask, batch, length, context.shape[1] - length)  # [batch, M + L] or None
+    q = self.query(x)  # [batch, L, heads, head_dim]
+    k, v = self.key(context), self.value(context)  # [batch, M + L, heads, head_dim]
+    spec = ops_registry.get(self.op_name)
+    params = attention.resolve_plan_params(spec, self.plan_params, length)
+    if self.recompute:
+
+      def op(q, k, v, keys, spans):
+        return self.call_op(spec.fn, q, k, v, keys, **params, spans=spans)
+
+      o = recompute.recompute_in_backward(op, q, k, v, keys, self.spans())
+    else:
+      o = self.call_op(spec.fn, q, k, v, keys, **params, **self.op_kwargs(q, k))  # [batch, L, heads, d]
+    return self.output(o, deterministic=deterministic)  # [batch, L, features]
 
   def op_kwargs(self, q: Array, k: Array) -> dict[str, Any]:
     return {"spans": self.spans()}  # [heads]
