@@ -10,6 +10,8 @@ from attention_baselines.adaptive_span_decode import ADAPTIVE_SPAN
 from attention_baselines.bigbird import bigbird
 from attention_baselines.bigbird_decode import BIGBIRD
 from attention_baselines.blockbert import blockbert
+from attention_baselines.bp_transformer import auto_params as bp_transformer_params
+from attention_baselines.bp_transformer import bp_transformer
 from attention_baselines.dense import dense, dense_xla
 from attention_baselines.dense_decode import DENSE
 from attention_baselines.etc import auto_params as etc_params
@@ -206,3 +208,19 @@ register(OpSpec(
     module="models.compressive_attention:CompressiveAttention",
     description="Compressive Transformer: Transformer-XL attention over [compressed; memory; segment], "
                 "O(L*(n_cm+M+L)*d)"))
+
+
+def _bp_transformer_inputs(length: int, *, head_dim: int = 64) -> dict:
+  """Stand-in relative vectors shared by the heads (the model learns them per head, per layer)."""
+  k, t = bp_transformer_params(length)["context"], max(1, (max(length, 2) - 1).bit_length())  # t = log2 n
+  return {"rel_self": _normal(17, (1, head_dim), head_dim),
+          "rel_left": _normal(18, (1, t, k, head_dim), head_dim),
+          "rel_right": _normal(19, (1, t, k, head_dim), head_dim),
+          "rel_anc": _normal(20, (1, t, head_dim), head_dim)}
+
+
+register(OpSpec(
+    "bp_transformer", bp_transformer, params=bp_transformer_params, bench_inputs=_bp_transformer_inputs,
+    module="models.bp_transformer_attention:BPTransformerAttention",
+    description="BP-Transformer: binary-partition tree, each token reads itself and k = 4 nodes per "
+                "level and side, span nodes their tokens, relative vectors, O(k*L*log(L/k)*d)"))

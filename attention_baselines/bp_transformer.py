@@ -1,0 +1,230 @@
+"""BP-Transformer attention (Ye et al., 2019, "Modelling Long-Range Context via Binary Partitioning").
+
+The graph: the L tokens padded to n = 2^ceil(log2 L) are the leaves of a perfect binary tree whose n - 1 inner
+nodes are span nodes; span node (l, j), level l = 1..log2 n, covers the tokens [j 2^l, (j + 1) 2^l). Node
+order (the op's `graph=True` input and output): the L tokens, then the span nodes level by level from the
+bottom (level 1 first, the root last), each level in position order: (l, j) sits at L + n - n / 2^(l-1) + j.
+
+Edges (who attends to whom), each labelled with a relative position vector added to the key:
+- token i: itself (`r_self`); at each level l = 0..log2 n - 1, the k nodes of that level nearest to i that do
+  not contain i, on the left (a - 1, ..., a - k, with a = i >> l the level-l node holding i; `r_left[l, m]`
+  for the m-th nearest) and, bidirectionally, on the right (a + 1, ..., a + k; `r_right[l, m]`), level 0
+  being the tokens themselves. Left nodes end before i, so the causal form (left only) reads no span that
+  reaches i.
+- span node (l, j): its 2^l tokens (the paper's affiliated edges; `r_anc[l]`), in both forms: a span node is
+  read only by tokens after its span, so reading its own tokens is causal for every token that uses it.
+Masked tokens, and span nodes whose tokens are all masked (padding up to n included), are dropped as keys.
+Logits are `q_a . (k_b + r_ab) / sqrt(d)`, one softmax per node over its edges.
+
+Each token gathers its at most 2k log2 n + 1 neighbours through a static index table (numpy, from n and k);
+span nodes of level l attend to their 2^l tokens as [n / 2^l, 2^l] blocks. O(k n log(n / k) d) for the
+tokens and O(n log n d) for the span nodes; no [n, n] array is ever built.
+
+Without span-node states (`graph=False`, the op contract on L tokens: benchmarks, the op sweeps) a span
+node's query, key and value are the masked means of its tokens'; the model
+(models/bp_transformer_attention.py) carries the span nodes as states updated by every layer and passes
+`graph=True`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from attention_core import contract
+from attention_core.combine import attend_zeros_hidden
+
+Array = Any
+OP = "bp_transformer"
+
+
+def tree_size(length: int) -> int:
+  """n: the tree's leaf count, the smallest power of two >= length."""
+  return 1 << max(0, int(length) - 1).bit_length()
+
+
+def num_span_nodes(length: int) -> int:
+  return tree_size(length) - 1
+
+
+def tokens_in_graph(nodes: int) -> int | None:
+  """The token count L whose graph has `nodes` = L + n(L) - 1 nodes, or None (L -> L + n - 1 is
+  one-to-one)."""
+  n = 1
+  while n <= nodes:
+    length = nodes - n + 1
+    if length >= 1 and tree_size(length) == n:
+      return length
+    n *= 2
+  return None
+
+
+def span_offset(n: int, level: int) -> int:
+  """Where level `level` (>= 1) starts among the n - 1 span nodes (bottom level first)."""
+  return n - (n >> (level - 1))
+
+
+@functools.lru_cache(maxsize=64)
+def token_neighbours(n: int, context: int, causal: bool) -> tuple[np.ndarray, ...]:
+  """Static neighbour table of the n token nodes.
+
+  Returns (index, valid, kind, level, rank), each [n, S], S = 1 + (1 or 2) * context * log2 n: the node index
+  among the 2n nodes [tokens (n); span nodes (n - 1); one zero node], whether the slot holds an edge, and its
+  label: kind 0 self, 1 left, 2 right; the level; the rank m (0 = nearest)."""
+  levels = n.bit_length() - 1
+  sides = (1,) if causal else (1, 2)
+  width = 1 + len(sides) * context * levels
+  index = np.full((n, width), 2 * n - 1, np.int32)
+  valid = np.zeros((n, width), bool)
+  kind, level, rank = (np.zeros((n, width), np.int32) for _ in range(3))
+  i = np.arange(n)
+  index[:, 0], valid[:, 0] = i, True
+  slot = 1
+  for lvl in range(levels):
+    a, count = i >> lvl, n >> lvl
+    base = 0 if lvl == 0 else n + span_offset(n, lvl)
+    for side in sides:
+      for m in range(context):
+        j = a - 1 - m if side == 1 else a + 1 + m
+        ok = (j >= 0) & (j < count)
+        index[:, slot] = np.where(ok, base + j, 2 * n - 1)
+        valid[:, slot], kind[:, slot], level[:, slot], rank[:, slot] = ok, side, lvl, m
+        slot += 1
+  return index, valid, kind, level, rank
+
+
+def relative_table(heads: int, head_dim: int, context: int, rel_self: Array | None, rel_left: Array | None,
+                   rel_right: Array | None, rel_anc: Array | None, dtype: Any) -> tuple[Array | None, int]:
+  """The relative vectors as one table [heads or 1, 1 + 2 T k + T, head_dim] (rows: self, left, right, anc;
+  `label_of` and `anc_label` index it) and T, its number of level rows; (None, 1) when none is given."""
+  given = {n: x for n, x in (("rel_self", rel_self), ("rel_left", rel_left), ("rel_right", rel_right),
+                             ("rel_anc", rel_anc)) if x is not None}
+  if not given:
+    return None, 1
+  given = {n: jnp.asarray(x) for n, x in given.items()}
+  h = heads if any(x.shape[0] == heads for x in given.values()) else 1
+  rows = [x.shape[1] for n, x in given.items() if n != "rel_self" and x.ndim >= 3]
+  t = rows[0] if rows else 1
+  want = {"rel_self": (head_dim,), "rel_left": (t, context, head_dim), "rel_right": (t, context, head_dim),
+          "rel_anc": (t, head_dim)}
+  for name, x in given.items():
+    if x.shape[1:] != want[name] or x.shape[0] not in (1, heads):
+      dims = ", ".join(map(str, want[name]))
+      raise ValueError(f"{OP}: argument {name!r} must have shape [heads or 1, {dims}]"
+                       f" (T level rows shared by the tables, k = context = {context}), got {tuple(x.shape)}")
+  full = {n: jnp.broadcast_to(given[n].astype(dtype), (h, *s)) if n in given else jnp.zeros((h, *s), dtype)
+          for n, s in want.items()}
+  table = jnp.concatenate([full["rel_self"][:, None], full["rel_left"].reshape(h, t * context, head_dim),
+                           full["rel_right"].reshape(h, t * context, head_dim), full["rel_anc"]], axis=1)
+  return table, t  # [h, 1 + 2 T k + T, head_dim]
+
+
+def label_of(kind: np.ndarray, level: np.ndarray, rank: np.ndarray, rows: int, context: int) -> np.ndarray:
+  """Row of `relative_table` for token edges: self 0; left (l, m) 1 + min(l, T-1) k + m; right after the left
+  rows. Levels beyond the table's T rows share its last row."""
+  lvl = np.minimum(level, rows - 1)
+  left = 1 + lvl * context + rank
+  return np.where(kind == 0, 0, np.where(kind == 1, left, left + rows * context)).astype(np.int32)
+
+
+def anc_label(level: int, rows: int, context: int) -> int:
+  """Row of `relative_table` for a span node of level `level` >= 1 reading its tokens."""
+  return 1 + 2 * rows * context + min(level - 1, rows - 1)
+
+
+def _masked_mean(x: Array, real: Array, n: int, level: int) -> Array:
+  """x [b, n, h, d] (zero where not real), real [b, n] -> the level's span means [b, n / 2^l, h, d]."""
+  size = 1 << level
+  total = x.reshape(x.shape[0], n // size, size, *x.shape[2:]).sum(2)
+  count = real.reshape(real.shape[0], n // size, size).sum(2).astype(x.dtype)[:, :, None, None]
+  return total / jnp.maximum(count, 1)
+
+
+def bp_transformer(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None,
+                   context: int = 4, rel_self: Array | None = None, rel_left: Array | None = None,
+                   rel_right: Array | None = None, rel_anc: Array | None = None,
+                   graph: bool = False) -> Array:
+  """BP-Transformer graph attention, causal or bidirectional.
+
+  graph=False: q, k [batch, L, heads, head_dim], v [batch, L, heads, value_dim], mask [batch, L]; span nodes
+    are the masked means of their tokens; returns the tokens' output [batch, L, heads, value_dim].
+  graph=True: q, k, v, mask over the graph's N = L + n - 1 nodes (tokens, then span nodes, module
+    docstring); returns every node's output [batch, N, heads, value_dim].
+  context: k, the nodes per level and side; rel_self [heads or 1, head_dim], rel_left / rel_right
+    [heads or 1, T, k, head_dim], rel_anc [heads or 1, T, head_dim]: relative vectors added to the keys (level
+    l reads row min(l, T - 1); rel_anc's row l - 1 is level l); None = zeros.
+  """
+  causal = contract.check_bool(causal, name="causal", op=OP)
+  graph = contract.check_bool(graph, name="graph", op=OP)
+  context = contract.check_positive_int(context, name="context", op=OP)
+  q, k, v, mask = contract.check_qkv(q, k, v, mask, op=OP)
+  batch, nodes, heads, head_dim = q.shape
+  length = tokens_in_graph(nodes) if graph else nodes
+  if length is None:
+    raise ValueError(f"{OP}: with graph=True the length must be L + n - 1 for L tokens and n = "
+                     f"2^ceil(log2 L) (tokens, then span nodes), got {nodes}")
+  n = tree_size(length)
+  levels = n.bit_length() - 1
+  ct = contract.softmax_dtype(q.dtype, k.dtype, v.dtype)
+  table, rows = relative_table(heads, head_dim, context, rel_self, rel_left, rel_right, rel_anc, ct)
+  scale = contract.logit_scale(head_dim)
+  pad = [(0, 0), (0, n - length), (0, 0), (0, 0)]
+
+  token_real = jnp.pad(mask[:, :length], [(0, 0), (0, n - length)])  # [b, n]
+  span_real = jnp.concatenate(
+      [token_real.reshape(batch, n >> lvl, 1 << lvl).any(-1) for lvl in range(1, levels + 1)]
+      + [jnp.zeros((batch, 0), bool)], axis=1)  # [b, n - 1]
+  if graph:
+    span_real = span_real & mask[:, length:]
+  zero = lambda x, real: jnp.where(real[:, :, None, None], x.astype(ct), 0)  # noqa: E731  masked: inert
+  qt = jnp.pad(q[:, :length].astype(ct), pad)  # [b, n, h, d]
+  kt, vt = (zero(jnp.pad(x[:, :length], pad), token_real) for x in (k, v))  # [b, n, h, dim]
+  if graph:
+    qs = q[:, length:].astype(ct)
+    ks, vs = (zero(x[:, length:], span_real) for x in (k, v))  # [b, n - 1, h, dim]
+  else:
+    means = lambda x: jnp.concatenate(  # noqa: E731
+        [_masked_mean(x, token_real, n, lvl) for lvl in range(1, levels + 1)] + [x[:, :0]], axis=1)
+    ks, vs = means(kt), means(vt)  # [b, n - 1, h, dim]
+
+  # Tokens: gather each one's neighbours among [tokens; span nodes; a zero node].
+  index, valid, kind, level, rank = token_neighbours(n, context, causal)
+  node_k = jnp.concatenate([kt, ks, jnp.zeros_like(kt[:, :1])], axis=1)  # [b, 2n, h, d]
+  node_v = jnp.concatenate([vt, vs, jnp.zeros_like(vt[:, :1])], axis=1)  # [b, 2n, h, dv]
+  node_real = jnp.concatenate([token_real, span_real, jnp.zeros((batch, 1), bool)], axis=1)  # [b, 2n]
+  kg = node_k[:, index]  # [b, n, S, h, d]
+  vg = jnp.moveaxis(node_v[:, index], 3, 1)  # [b, h, n, S, dv]
+  logits = jnp.einsum("bihd,bishd->bhis", qt, kg)  # [b, h, n, S]
+  if table is not None:
+    labels = label_of(kind, level, rank, rows, context)  # [n, S]
+    qr = jnp.einsum("bihd,hld->bhil", qt, table)  # [b, h, n, labels]
+    logits = logits + qr[:, :, np.arange(n)[:, None], labels]
+  keep = (valid[None] & node_real[:, index])[:, None]  # [b, 1, n, S]
+  token_out = attend_zeros_hidden(logits * scale, keep, vg, "bhis,bhisd->bhid")  # [b, h, n, dv]
+  token_out = jnp.moveaxis(token_out, 1, 2)[:, :length]  # [b, L, h, dv]
+  if not graph:
+    return token_out.astype(v.dtype)
+
+  # Span nodes: level l's nodes read their 2^l tokens.
+  outs = []
+  for lvl in range(1, levels + 1):
+    size, count = 1 << lvl, n >> lvl
+    start = span_offset(n, lvl)
+    ql = qs[:, start:start + count]  # [b, count, h, d]
+    kl = kt.reshape(batch, count, size, heads, head_dim)
+    vl = jnp.moveaxis(vt.reshape(batch, count, size, heads, vt.shape[-1]), 3, 1)  # [b, h, count, size, dv]
+    s = jnp.einsum("bjhd,bjthd->bhjt", ql, kl)  # [b, h, count, size]
+    if table is not None:
+      s = s + jnp.einsum("bjhd,hd->bhj", ql, table[:, anc_label(lvl, rows, context)])[..., None]
+    real = token_real.reshape(batch, 1, count, size)
+    outs.append(jnp.moveaxis(attend_zeros_hidden(s * scale, real, vl, "bhjt,bhjtd->bhjd"), 1, 2))
+  span_out = jnp.concatenate(outs + [token_out[:, :0]], axis=1)  # [b, n - 1, h, dv]
+  return jnp.concatenate([token_out, span_out], axis=1).astype(v.dtype)  # [b, L + n - 1, h, dv]
+
+
+def auto_params(length: int) -> dict:
+  """k = 4 context nodes per level and side (the paper's setting for text classification and translation)."""
+  return {"context": 4}
