@@ -27,9 +27,10 @@ while one behind a mask, a rule or an unchosen block is inert. Matmuls take the 
 float32 (float64 stays float64, interpret mode).
 
 Blocks: on TPU the whole row's keys and values (forward) or queries and output cotangents (dk/dv) are one
-VMEM block per row, read at the listed tiles: `fits_vmem` says whether a shape fits, and "auto" callers fall
-back to XLA where it does not. GPUs read the same refs from HBM, tile by tile. `lax.platform_dependent`
-picks Triton on GPU, Mosaic on TPU and interpret mode on CPU (`attention_core.pallas.platform_call`).
+VMEM block per row, read at the listed tiles: `fits_vmem` says whether a shape fits (a budget under v4's 16
+MiB of scoped VMEM), and `choose_implementation` makes the ops' "auto" keep XLA where it does not. GPUs read
+the same refs from HBM, tile by tile. `lax.platform_dependent` picks Triton on GPU, Mosaic on TPU and
+interpret mode on CPU (`attention_core.pallas.platform_call`).
 """
 
 from __future__ import annotations
