@@ -55,6 +55,7 @@ RUN_INFO = "reproduce.json"  # written into each row's workdir after its run: wh
 # Arguments dropped from a row's config string at smoke scale: the smoke variant's own model and length win.
 SMOKE_DROPS = ("layers", "features", "heads", "mlp_dim", "seq_len", "steps", "batch_size", "main",
                "routing_heads", "routing_layers", "window", "clusters")
+SMOKE_OVERRIDE_DROPS = ("train.eval_batch_size", "train.eval_batches")  # row overrides smoke drops
 # cpu scale: config arguments appended to the row's (they win), by config file; minutes on 2 CPU cores.
 _CPU_MODEL = "layers=2,features=128,heads=4,mlp_dim=512,batch_size=8,steps=600"
 CPU_ARGS = {
@@ -314,13 +315,23 @@ def config_string(row: Row, scale: str) -> str:
   return f"{path}:{','.join(items)}" if items else path
 
 
+def overrides(row: Row, scale: str) -> list[str]:
+  """The row's `--config.*` flags at `scale`: smoke drops those of SMOKE_OVERRIDE_DROPS (the smoke variant's
+  evaluation batches win, e.g. over the Transformer-XL row's single stream, which a multi-device mesh cannot
+  split)."""
+  if scale != "smoke":
+    return list(row.overrides)
+  drop = SMOKE_OVERRIDE_DROPS
+  return [o for o in row.overrides if o.removeprefix("--config.").partition("=")[0] not in drop]
+
+
 def workdir(row: Row, scale: str, root: str, seed: int = 0) -> str:
   return paths.join(root, row.table, row.id, scale if seed == 0 else f"{scale}-seed{seed}")
 
 
 def train_argv(row: Row, scale: str, wd: str, seed: int = 0) -> list[str]:
   """train.py's arguments for the row (without the interpreter)."""
-  argv = ["train.py", "--config", config_string(row, scale), "--workdir", wd, *row.overrides]
+  argv = ["train.py", "--config", config_string(row, scale), "--workdir", wd, *overrides(row, scale)]
   if seed:
     argv.append(f"--config.seed={seed}")
   return argv
@@ -332,7 +343,7 @@ def tpu_argv(row: Row, scale: str, wd: str, seed: int, tpu_args: str, allow_dirt
   name = re.sub(r"[^a-z0-9-]+", "-", f"{row.table}-{row.id}-{seed}")[:60].strip("-")
   argv = [sys.executable, "-m", "scripts.tpu", "run", "--name", name, *shlex.split(tpu_args),
           *(["--allow_dirty"] if allow_dirty else []), "--config", config_string(row, scale), "--workdir", wd]
-  extra = [*row.overrides] + ([f"--config.seed={seed}"] if seed else [])
+  extra = [*overrides(row, scale)] + ([f"--config.seed={seed}"] if seed else [])
   return argv + (["--", *extra] if extra else [])
 
 
@@ -343,7 +354,7 @@ def build_config(row: Row, scale: str) -> Any:
   path, _, arg = config_string(row, scale).partition(":")
   module = importlib.import_module(path.removesuffix(".py").replace("/", "."))
   c = module.get_config(arg or None)
-  for flag in row.overrides:
+  for flag in overrides(row, scale):
     key, _, value = flag.removeprefix("--config.").partition("=")
     *parents, leaf = key.split(".")
     node = c

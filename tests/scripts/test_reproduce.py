@@ -337,6 +337,8 @@ def test_transformer_xl_row_matches_the_table():
   assert reproduce.memory_rows(list(rows.values()), "cpu") == [rows["transformer_xl"]]
   # The ordered validation is one stream (eval batch 1): its first segments are the dense row's first windows.
   assert xl.train.eval_batch_size == 1
+  smoke = reproduce.build_config(rows["transformer_xl"], "smoke")  # the smoke variant's evaluation batches
+  assert smoke.train.eval_batch_size == 8 and smoke.train.eval_batches == 2 and smoke.model.mem_len == 1536
   assert (xl.train.eval_batches * xl.data.seq_len
           == dense.train.eval_batches * dense.train.eval_batch_size * dense.data.seq_len)
 
@@ -363,6 +365,29 @@ def test_eval_mem_len_config():
   with pytest.raises(cli.UsageError, match=">= 0"):
     evaluate.with_eval_mem_len(c, -1)
   assert evaluate.with_eval_mem_len(c, 0).model.eval_mem_len == 0
+
+
+@pytest.mark.slow
+def test_eval_memory_sweep(tmp_path, capsys):
+  """The Transformer-XL row at smoke scale trains, then `--eval_mem_lens` evaluates its last checkpoint: with
+  the config's own memory (1536) it repeats train.py's final evaluation exactly, without memory (0) it
+  differs; the table and CSV are written and the per-memory JSON lands in the workdir."""
+  root = str(tmp_path)
+  argv = ["--table", "pystdlib", "--rows", "transformer_xl", "--scale", "smoke", "--workdir_root", root]
+  assert reproduce.main([*argv, "--run", "--noprogress"]) == 0
+  assert reproduce.main([*argv, "--eval_mem_lens", "0", "1536"]) == 0
+  assert "evaluated 2 (row, memory) pairs" in capsys.readouterr().out
+  row = next(r for r in reproduce.tables()["pystdlib"] if r.attention == "transformer_xl")
+  wd = reproduce.workdir(row, "smoke", root)
+  with open(os.path.join(wd, "metrics.json")) as f:
+    final = json.load(f)
+  with open(os.path.join(root, "eval-memory-pystdlib-smoke.csv")) as f:
+    lines = f.read().splitlines()
+  assert lines[0].startswith("table,row,eval_mem_len,bits_per_byte,loss,step")
+  loss = {int(line.split(",")[2]): float(line.split(",")[4]) for line in lines[1:]}
+  assert loss[1536] == pytest.approx(final["loss"], rel=1e-6) and abs(loss[0] - loss[1536]) > 1e-4
+  assert os.path.exists(os.path.join(wd, f"eval_validation_{final['step']}_2batches_mem0.json"))
+  assert "| 1536 |" in (tmp_path / "eval-memory-pystdlib-smoke.md").read_text()
 
 
 def test_config_dict_overrides():
