@@ -229,6 +229,8 @@ class Encoder(nnx.Module):
   def decode(self, ids: Array, caches: list[Any], position: Array | None = None) -> tuple[Array, list[Any]]:
     """ids [batch, 1] at `position` (or a prompt [batch, P] at [0, P) when position is None) -> normed
     features [batch, length, features] and the updated per-layer caches."""
+    if self.graph_nodes is not None:
+      return _decode_graph(self, ids, caches, position)
     x = self.embed(ids)  # [batch, P or 1, features]
     if self.positions and position is None:
       x = x + self.pos(ids.shape[1])[None]
@@ -239,6 +241,30 @@ class Encoder(nnx.Module):
       x, cache = block.decode(x, cache, position)
       new.append(cache)
     return self.norm(x), new
+
+
+def _decode_graph(encoder: Encoder, ids: Array, caches: list[Any],
+                  position: Array | None) -> tuple[Array, list[Any]]:
+  """`Encoder.decode` of a graph attention: the token and the nodes its position completes
+  (`GRAPH_NODES.step`) go through every block together; caches: the blocks', then the nodes' own. A prompt
+  runs one step per token."""
+  if position is None:
+    def body(caches, inputs):
+      out, caches = _decode_graph(encoder, inputs[0][:, None], caches, inputs[1])
+      return caches, out[:, 0]
+
+    caches, out = jax.lax.scan(body, caches, (ids.T, jnp.arange(ids.shape[1], dtype=jnp.int32)))
+    return jnp.moveaxis(out, 0, 1), caches  # [batch, P, features]
+  x = encoder.embed(ids)  # [batch, 1, features]
+  if encoder.positions:
+    x = x + encoder.pos.at(position)[None, None]
+  nodes, node_cache = encoder.graph_nodes.step(x, caches[-1], position)
+  x = jnp.concatenate([x, nodes], axis=1)  # [batch, 1 + nodes, features]
+  new = []
+  for block, cache in zip(encoder.blocks, caches[:-1], strict=True):
+    x, cache = block.decode(x, cache, position)
+    new.append(cache)
+  return encoder.norm(x[:, :1]), new + [node_cache]
 
 
 def _compress(block: Block, mem: dict[str, Array], x: Array, mask: Array, evicted: Array,
@@ -405,7 +431,10 @@ class Transformer(nnx.Module):
     """Empty per-layer caches for `batch` sequences of up to `max_length` tokens."""
     if self.task not in CAUSAL_TASKS:
       raise ValueError(f"cached decoding needs a causal task {CAUSAL_TASKS}, got {self.task!r}")
-    return [block.attention.init_cache(batch, max_length) for block in self.encoder.blocks]
+    caches = [block.attention.init_cache(batch, max_length) for block in self.encoder.blocks]
+    if self.encoder.graph_nodes is not None:  # graph attentions: the nodes' own cache comes last
+      caches.append(self.encoder.graph_nodes.init_cache(batch, max_length))
+    return caches
 
   def decode(self, cache: list[Any], tokens: Array, position: Array) -> tuple[Array, list[Any]]:
     """tokens [batch]: the tokens at position - 1 (ignored at position 0) -> float32 logits [batch, vocab] for

@@ -1,10 +1,12 @@
 """The BP-Transformer in the model: span-node states carried through every block beside the tokens (their
 initial states, the tokens the encoder returns), forward and backward of a two-layer decoder whose first
-layer's span outputs reach the loss, causality through the decoder, padding invariance of the encoder."""
+layer's span outputs reach the loss, causality through the decoder; cached decoding equal to the forward
+pass."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from configs import base
@@ -66,3 +68,21 @@ def test_decoder_forward_backward_carries_span_nodes_and_is_causal():
   assert float(jnp.abs(grads["encoder"]["graph_nodes"]["level"][...]).sum()) > 0
   np.testing.assert_allclose(a[:, :j + 1], b[:, :j + 1], atol=1e-5, rtol=1e-5)  # position t reads t - 1
   assert float(jnp.abs(a[:, j + 1:] - b[:, j + 1:]).max()) > 1e-6
+
+
+@pytest.mark.slow  # three compiles (forward, prefill's scan, a step): ~10 s
+def test_cached_decoding_equals_the_forward_pass():
+  """Prefill of a 3-token prompt, then one step per token: every position's logits equal the forward pass's
+  over max_length = 11 tokens (span nodes completed on the way are cached per layer)."""
+  model = transformer.build_model(_cfg(), task="lm", vocab_size=VOCAB, seq_len=LENGTH)
+  ids = jnp.asarray(np.random.default_rng(3).integers(0, VOCAB, size=(2, LENGTH)), jnp.int32)
+  want = model({"inputs": ids}, deterministic=True)  # [2, L, vocab]
+  graphdef, state = nnx.split(model)
+  prefill = jax.jit(lambda s, c, p: nnx.merge(graphdef, s).prefill(c, p))
+  step = jax.jit(lambda s, c, t, pos: nnx.merge(graphdef, s).decode(c, t, pos))
+  got, cache = prefill(state, model.init_cache(2, LENGTH), ids[:, :3])  # positions 0..3
+  rows = [got]
+  for pos in range(4, LENGTH):
+    logits, cache = step(state, cache, ids[:, pos - 1], pos)
+    rows.append(logits[:, None])
+  np.testing.assert_allclose(jnp.concatenate(rows, 1), want, atol=2e-5, rtol=2e-5)
