@@ -39,6 +39,7 @@ OP_CASES = [
     ("nsa", {"compress_block": 4, "compress_stride": 2, "select_block": 4, "num_selected": 2, "window": 3}),
     # decoding is checked fast in tests/attention_baselines/test_transformer_xl.py (with a clamp)
     pytest.param("transformer_xl", "auto", marks=_SLOW),
+    pytest.param("compressive", "auto", marks=_SLOW),  # the transformer_xl decoder again
     # decoding is checked fast in tests/combiner/test_selected.py (float64, select 1 and every block)
     pytest.param("combiner_fixed_select", "auto", marks=_SLOW),
 ]

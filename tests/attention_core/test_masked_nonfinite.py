@@ -56,7 +56,7 @@ SLOW_OPS = frozenset({
     "combiner_axial_horizontal", "combiner_axial_vertical", "combiner_fixed_select", "combiner_logsparse",
     "combiner_mixture", "combiner_mixture_joint", "combiner_routed", "dense_xla", "performer", "reformer",
     "routing", "sinkhorn", "sparse_logsparse", "synthesizer_random", "yoso", "yoso_sketch",
-    "yoso_sketch_c"})
+    "yoso_sketch_c", "compressive"})  # compressive: the transformer_xl op again
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_OPS else n

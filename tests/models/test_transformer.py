@@ -77,9 +77,10 @@ def _other_supported(name):  # the tasks after the first (test_every_attention_f
 SLOW_FORWARD_BACKWARD = frozenset({
     "adaptive_span", "bigbird", "blockbert", "bp_transformer", "combiner_axial_horizontal",
     "combiner_axial_vertical", "combiner_fixed_select", "combiner_logsparse", "combiner_mixture",
-    "combiner_mixture_joint", "combiner_routed", "dense_xla", "longformer", "nsa", "nystromformer",
-    "performer", "reformer", "routing", "sinkhorn", "sparse_axial", "sparse_logsparse", "synthesizer",
-    "synthesizer_random", "transformer_xl", "yoso_c", "yoso_e", "yoso_sketch", "yoso_sketch_c"})
+    "combiner_mixture_joint", "combiner_routed", "compressive", "dense_xla", "longformer", "nsa",
+    "nystromformer", "performer", "reformer", "routing", "sinkhorn", "sparse_axial", "sparse_logsparse",
+    "synthesizer", "synthesizer_random", "transformer_xl", "yoso_c", "yoso_e", "yoso_sketch",
+    "yoso_sketch_c"})
 
 
 @pytest.mark.parametrize("name,task", _cases(_first_supported, SLOW_FORWARD_BACKWARD))
