@@ -1,18 +1,18 @@
 """HIBERT (Zhang, Wei and Zhou, ACL 2019) on CNN/DailyMail: masked-sentence pretraining, then extractive
 summarisation as sentence labelling (models/hibert.py, data/cnn_dailymail.py).
 
-Command:   python train.py --config configs/hibert.py:pretrain      (masked-sentence prediction)
-           python train.py --config configs/hibert.py:summarise     (oracle sentence labels)
-           python -m training.hibert_rouge --config configs/hibert.py:summarise --workdir W  (ROUGE, top 3)
+Command:   python train.py --config configs/hibert.py:pretrain --workdir P   (masked-sentence prediction)
+           python train.py --config configs/hibert.py:summarise --workdir S \
+             --config.model.hibert.init_from=P                  (oracle sentence labels, P's encoder)
+           python -m scripts.hibert_rouge --workdir S                 (ROUGE-1/2/L of the top 3 sentences)
 Paper:     HIBERT_S: sentence encoder, document encoder and sentence decoder each 6 layers, d 512, 8 heads
            (54.6M parameters); HIBERT_M: 6 layers, d 768, 12 heads. Sentences cut to 50 words, documents to
            30 sentences; 15% of sentences chosen (80% [MASK], 10% kept, 10% a random sentence). Summaries: the
-           top T = 3 sentences. Reported CNN/DailyMail ROUGE-1/2/L: HIBERT_S (in-domain pretraining only)
-           42.10/19.70/38.53, HIBERT_M (open-domain + in-domain) 42.37/19.95/38.83.
+           top T = 3 sentences. Reported CNN/DailyMail ROUGE-1/2/L of HIBERT_M (open-domain pretraining on
+           GIGA-CM, then in-domain): 42.37/19.95/38.83 (HIBERT_S a little below it).
 Here:      HIBERT_S sizes (`medium` for HIBERT_M's), in-domain pretraining on CNN/DailyMail itself,
            learned position tables, ROUGE from the `rouge-score` package (ROUGE-L summary-level: rougeLsum)
            rather than the ROUGE-1.5.5 script, so expect numbers near, not equal to, the paper's.
-           Summarisation here starts from fresh parameters (no loading of a pretraining checkpoint yet).
 Cost:      not measured at paper scale; `smoke` trains offline on the generated stand-in in seconds.
 Variants:  `pretrain` | `summarise` (task), `medium` (HIBERT_M sizes), `smoke`; any attention by name
            (`attention=NAME`, the sentence encoder's; the document encoder and decoder use dense).
@@ -45,6 +45,7 @@ def get_config(arg: str | None = None):
   c.model.hibert = ml_collections.ConfigDict(dict(
       document_layers=6, decoder_layers=6, document_attention="dense", decoder_attention="dense",
       mask_rate=0.15))
+  c.model.hibert.init_from = ml_collections.FieldReference(None, field_type=str)  # a pretraining workdir
   c.optimizer.name = "adam"
   c.optimizer.lr = 1e-4  # the paper's pretraining lr; fine-tuning 2e-5 is not used here
   c.optimizer.schedule = "constant"

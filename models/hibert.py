@@ -31,8 +31,9 @@ from models import layers, registry, transformer
 Array = Any
 TASKS = ("hibert_pretrain", "hibert_summarise")
 # Defaults of `config.model.hibert` (HIBERT_S: every stack 6 layers, d 512, 8 heads).
+# init_from: a pretraining workdir whose encoder a summarisation run starts from (training/hibert_init.py).
 DEFAULTS = dict(document_layers=6, decoder_layers=6, document_attention="dense", decoder_attention="dense",
-                mask_rate=0.15)
+                mask_rate=0.15, init_from=None)
 
 
 def hibert_fields(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
