@@ -15,7 +15,10 @@ the memory of the previous segments (`Transformer.init_memory`) and returns the 
 the last M of its own inputs (the residual stream entering it, no gradient) with their validity; its
 attention module receives them, layer-normed like the segment, as `memory` / `memory_mask`. The memory also
 carries the previous segment's last token, which the next segment reads at its first position instead of
-BOS, so that two segments with memory read the same inputs as their concatenation.
+BOS, so that two segments with memory read the same inputs as their concatenation. With
+`model.compressed_mem_len` > 0 (Compressive Transformer, Rae et al. 2019) each block also keeps a compressed
+memory: its module's `compress` maps the states the FIFO evicts to fewer ones, and the block reads
+[compressed; memory] (models/compressive_attention.py).
 """
 
 from __future__ import annotations
