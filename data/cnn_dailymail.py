@@ -219,16 +219,25 @@ def create_dataset(config: Any, split: str, *, batch_size: int, seed: int, shard
 # The generated stand-in
 
 
+_SYLLABLES = ("ka", "to", "ri", "me", "su", "na", "lo", "pe", "zi", "vu", "ban", "dor", "el", "qui", "stra")
+
+
+def _pseudo_words(rng: np.random.Generator, n: int) -> str:
+  """n pseudo-words of 1-3 syllables, Zipf-distributed (structure for SentencePiece to learn)."""
+  def word() -> str:
+    return "".join(_SYLLABLES[int(rng.zipf(1.5)) % len(_SYLLABLES)] for _ in range(int(rng.integers(1, 4))))
+
+  return " ".join(word() for _ in range(n))
+
+
 def stand_in_records(rng: np.random.Generator, n: int) -> list[dict[str, str]]:
   """n articles of 4-14 pseudo-word sentences; the highlights restate 2-3 of them (one rephrased by dropping
   a word), so the oracle has something to find."""
-  from data import testing
-
   out = []
   for _ in range(n):
     sents = []
     for _ in range(int(rng.integers(4, 15))):
-      body = testing.words(rng, int(rng.integers(4, 12)))
+      body = _pseudo_words(rng, int(rng.integers(4, 12)))
       sents.append(body[:1].upper() + body[1:] + ".")
     picks = sorted(rng.choice(len(sents), size=min(len(sents), int(rng.integers(2, 4))), replace=False))
     summary = [sents[i] for i in picks]

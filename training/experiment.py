@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 from attention_core import sharding
 from models import hibert, transformer
 from models import metrics as metrics_lib
-from training import hibert_init, recurrence
+from training import recurrence
 from training.mesh import BATCH_AXES, data_parallel_size, make_mesh, state_shardings
 from training.optimizer import make_optimizer
 
@@ -148,7 +148,6 @@ class Experiment:
 
     params, rng, rest = jax.jit(init, out_shardings=(self.param_shardings, self.rng_shardings,
                                                      self.rest_shardings))()
-    params = hibert_init.pretrained(self, params)  # HIBERT fine-tuning: the pretrained encoder, if named
     self.rng_state = rng
     opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(params)
     memory = None

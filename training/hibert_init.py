@@ -2,11 +2,13 @@
 `configs/hibert.py:pretrain` workdir; a summarisation run that starts fresh takes the hierarchical encoder's
 parameters (sentence encoder with its embeddings, sentence positions, document encoder) from that workdir's
 newest checkpoint that restores; the classifier starts fresh and the pretraining decoder is dropped. A run
-that resumes from its own checkpoint reads nothing from there.
+that resumes from its own checkpoint (past step 0) reads nothing from there. The loop applies it to the state
+it starts from (training/loop.py); the optimizer's initial state does not depend on the parameters' values.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -38,11 +40,12 @@ def transfer(params: Any, source: Any) -> Any:
   return nnx.from_flat_state(out)
 
 
-def pretrained(exp: Any, params: Any) -> Any:
-  """`params` with the encoder of the `init_from` pretraining run (unchanged without one)."""
+def pretrained(exp: Any, state: Any) -> Any:
+  """The train state `state` of a fresh run (step 0) with the encoder of the `init_from` pretraining run
+  (unchanged without one, or past step 0)."""
   path = init_from(exp)
-  if path is None:
-    return params
+  if path is None or state.step != 0:
+    return state
   if exp.task != "hibert_summarise":
     raise ValueError(f"config.model.hibert.init_from is for task 'hibert_summarise', not {exp.task!r}")
   from training import evaluate
@@ -52,4 +55,5 @@ def pretrained(exp: Any, params: Any) -> Any:
   if pre_exp.task != "hibert_pretrain":
     raise ValueError(f"config.model.hibert.init_from={path!r} is a {pre_exp.task!r} run, not hibert_pretrain")
   print(f"HIBERT encoder from {path} at step {pre_state.step}", flush=True)
-  return jax.device_put(transfer(params, jax.device_get(pre_state.params)), exp.param_shardings)
+  params = jax.device_put(transfer(state.params, jax.device_get(pre_state.params)), exp.param_shardings)
+  return dataclasses.replace(state, params=params)

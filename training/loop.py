@@ -41,7 +41,7 @@ import numpy as np
 from configs import base as config_base
 from models import metrics as metrics_lib
 from runtime import paths
-from training import config_io, kernel_check, throughput
+from training import config_io, hibert_init, kernel_check, throughput
 from training import status as run_status
 from training.checkpoints import checkpoint_manager, restore_or_init, save_checkpoint
 from training.experiment import Experiment, create_dataset
@@ -174,6 +174,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, devic
     mgr = checkpoint_manager(workdir, config)
     exp.init_rng_state()
     state = restore_or_init(mgr, exp, data_iter, set_aside=True)
+    state = hibert_init.pretrained(exp, state)  # HIBERT: a fresh summarisation run takes a pretrained encoder
     if is_main:  # a new run's config.json, or an accepted change appended to its history
       config_io.record_config(workdir, config, config_diff, state.step)
   except BaseException:

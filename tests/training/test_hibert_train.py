@@ -22,7 +22,8 @@ def test_pretrain_then_summarise(tmp_path):
   assert pre["step"] == 4 and math.isfinite(pre["metrics"]["loss"]) and "perplexity" in pre["metrics"]
   config = hibert_config.get_config("summarise,smoke")
   config.model.hibert.init_from = str(tmp_path / "pre")
-  start = Experiment(config).init_state()  # a fresh run's state: the pretrained encoder, a new classifier
+  exp = Experiment(config)
+  start = hibert_init.pretrained(exp, exp.init_state())  # a fresh run: the pretrained encoder, a new head
   flat = lambda state: {p: np.asarray(jax.device_get(v[...])) for p, v in nnx.to_flat_state(state)}  # noqa: E731
   got, want = flat(start.params), flat(pre["state"].params)
   encoder = [p for p in got if p[0] in hibert_init.ENCODER]
