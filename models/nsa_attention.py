@@ -74,6 +74,8 @@ class NSAAttention(attention.OpAttention):
     gates = jax.nn.sigmoid(self.gate(x))  # [batch, length, heads, 3]
     spec = ops_registry.get(self.op_name)
     params = attention.resolve_plan_params(spec, self.plan_params, x.shape[1])
+    if self.implementation is not None:  # the configured kernel choice (the kernel check may pin "xla")
+      params["implementation"] = self.implementation
     arrays = {"gates": gates, **self.weights()}
     if self.recompute:
       names = list(arrays)

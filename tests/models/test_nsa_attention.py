@@ -10,11 +10,12 @@ from flax import nnx
 from attention_baselines.nsa import nsa
 
 
-def _module(causal=True, seq_len=16, **params):
+def _module(causal=True, seq_len=16, implementation="auto", **params):
   from configs import base
   from models import registry
 
   cfg = base.attention_config("nsa")
+  cfg.implementation = implementation
   for key, value in params.items():
     cfg.params[key] = value
   return registry.build(cfg, seq_len=seq_len, features=8, num_heads=2, head_dim=4, causal=causal,
@@ -40,6 +41,18 @@ def test_module_output_is_the_op_with_its_weights_and_gates():
   specs = nnx.get_partition_spec(nnx.state(m, nnx.Param))
   assert tuple(specs["cmp_key_w1"].get_value()) == ("heads", None, None)
   assert tuple(specs["gate"]["kernel"].get_value()) == ("embed", "heads", None)
+
+
+def test_configured_implementation_reaches_the_op():
+  """config.model.attention.implementation picks NSA's kernel (traced only: "pallas" is a pallas_call, "xla"
+  and "auto" on this CPU are not), so the training kernel check's "xla" fallback holds for NSA models."""
+  x = jnp.zeros((1, 16, 8))
+
+  def kernels(implementation):
+    m = _module(implementation=implementation)
+    return str(jax.make_jaxpr(lambda x: m(x, None, deterministic=True))(x)).count("pallas_call")
+
+  assert kernels("pallas") > 0 and kernels("xla") == 0 and kernels("auto") == 0
 
 
 def test_learned_parts_receive_gradient():
