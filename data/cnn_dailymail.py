@@ -111,6 +111,12 @@ def oracle_labels(sentences: list[str], summary: str, max_selected: int = 3) -> 
   return [int(i in chosen) for i in range(len(sentences))]
 
 
+def _missing(message: str) -> FileNotFoundError:
+  from runtime import cli
+
+  return cli.mark_usage(FileNotFoundError(message))
+
+
 def data_dir(config: Any) -> str:
   return os.path.expanduser(pipeline.cfg_get(config, "data_dir", "~/tensorflow_datasets"))
 
@@ -160,7 +166,8 @@ def source(config: Any, split: str) -> Any:
     return JsonLines(stand_in)
   path = os.path.join(data_dir(config), NAME, VERSION)
   if not os.path.exists(os.path.join(path, "dataset_info.json")):
-    raise pipeline.missing(path, NAME, pipeline.cfg_get(config, "data_dir"), what="prepared tfds directory")
+    raise _missing(f"prepared tfds directory for {NAME!r} not found at {path}; build it with: tfds build "
+                   f"{NAME} --file_format=array_record --data_dir {data_dir(config)}")
   import tensorflow_datasets as tfds
 
   return tfds.builder_from_directory(path).as_data_source(SPLITS[split])
@@ -176,8 +183,8 @@ class Documents:
   def __init__(self, config: Any):
     self.model_path = spm_path(config)
     if not os.path.exists(self.model_path):
-      raise pipeline.missing(self.model_path, NAME, pipeline.cfg_get(config, "data_dir"),
-                             what="SentencePiece model")
+      raise _missing(f"SentencePiece model for {NAME!r} not found at {self.model_path}; train one on the "
+                     f"articles with data.tokenizer.train, or name it in config.data.spm_model")
     sp = tokenizer.load(self.model_path)
     tokenizer.check(sp, self.model_path)
     vocab = int(_field(config, "vocab_size"))
