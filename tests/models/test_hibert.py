@@ -145,6 +145,12 @@ def test_shapes_and_padding_inert():
   np.testing.assert_array_equal(outs[1]["weights"] > 0, w)
   np.testing.assert_allclose(outs[1]["logits"][w], outs[0]["logits"][w], atol=1e-5)
   assert w.sum(-1).max() > 0 and np.all(w.sum((1, 2)) > 0)  # every document predicts one sentence
+  # The corruption follows the "dropout" stream: the same key (a step's, or evaluation's) gives the same.
+  nnx.reseed(pre, dropout=jax.random.key(6))
+  first = np.asarray(call(pre, batch)["targets"])
+  nnx.reseed(pre, dropout=jax.random.key(6))
+  np.testing.assert_array_equal(np.asarray(call(pre, batch)["targets"]), first)
+  assert not np.array_equal(np.asarray(call(pre, batch)["targets"]), first)  # the stream moved on
 
 
 def test_decoder_is_causal_and_reads_the_context():
