@@ -47,7 +47,7 @@ def get_config(arg: str | None = None):
       mask_rate=0.15))
   c.model.hibert.init_from = ml_collections.FieldReference(None, field_type=str)  # a pretraining workdir
   c.optimizer.name = "adam"
-  c.optimizer.lr = 1e-4  # the paper's pretraining lr; fine-tuning 2e-5 is not used here
+  c.optimizer.lr = 1e-4  # Adam with warmup; not checked against the paper's optimizer settings
   c.optimizer.schedule = "constant"
   c.optimizer.warmup_steps = 10_000
   c.train.batch_size = 32
