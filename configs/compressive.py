@@ -23,7 +23,7 @@ Variants:  `compression=max_pool|mean_pool|conv|dilated_conv|most_used`, `compre
            `mem_len=...`, `compressed_mem_len=...`, `eval_mem_len=...`, `seq_len=...`, `smoke`.
 """
 
-from configs import base
+from configs import base, transformer_xl
 
 
 def get_config(arg: str | None = None):
@@ -43,22 +43,7 @@ def get_config(arg: str | None = None):
   c.model.compressed_mem_len = 768  # n_cm
   c.model.attention = base.attention_config("compressive")  # its defaults: conv compression, rate c = 3
   c.model.attention.dropout_rate = 0.0
-  c.optimizer.name = "adam"
-  c.optimizer.lr = 2.5e-4
-  c.optimizer.b1 = 0.9
-  c.optimizer.b2 = 0.999
-  c.optimizer.eps = 1e-8
-  c.optimizer.schedule = "cosine"
-  c.optimizer.warmup_steps = 0
-  c.optimizer.end_lr_ratio = 0.0
-  c.optimizer.clip_norm = 0.25
-  c.train.batch_size = 22
-  c.train.eval_batch_size = 22
-  c.train.num_steps = 400_000
-  c.train.log_every = 200
-  c.train.eval_every = 4000
-  c.train.eval_batches = -1
-  c.train.checkpoint_every = 4000
+  transformer_xl.paper_optimisation(c)  # not in the sources at hand: Transformer-XL's
   lengths = ("mem_len", "compressed_mem_len", "eval_mem_len")
   values, flags = base.parse_arg(arg, extra=lengths + ("compression", "compression_rate"))
   if "smoke" in flags:

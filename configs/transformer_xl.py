@@ -44,6 +44,25 @@ def get_config(arg: str | None = None):
   c.model.eval_mem_len = 2100
   c.model.attention = base.attention_config("transformer_xl")
   c.model.attention.dropout_rate = 0.0  # dropatt
+  paper_optimisation(c)
+  values, flags = base.parse_arg(arg, extra=("mem_len", "eval_mem_len"))
+  if "smoke" in flags:
+    base.shrink_for_smoke(c, seq_len=64)
+    c.data.stand_in = False  # always available
+    c.model.head_dim = None
+    c.model.dropout_rate = 0.0
+    c.model.mem_len = 64
+    c.model.eval_mem_len = 128
+    c.optimizer.lr = 1e-3
+  for key in ("mem_len", "eval_mem_len"):
+    if key in values:
+      c.model[key] = int(values.pop(key))
+  base.apply_common(c, values)
+  return c
+
+
+def paper_optimisation(c: ml_collections.ConfigDict) -> None:
+  """The enwik8 base model's optimisation and schedule (the authors' script; see the module docstring)."""
   c.optimizer.name = "adam"
   c.optimizer.lr = 2.5e-4
   c.optimizer.b1 = 0.9
@@ -60,17 +79,3 @@ def get_config(arg: str | None = None):
   c.train.eval_every = 4000
   c.train.eval_batches = -1
   c.train.checkpoint_every = 4000
-  values, flags = base.parse_arg(arg, extra=("mem_len", "eval_mem_len"))
-  if "smoke" in flags:
-    base.shrink_for_smoke(c, seq_len=64)
-    c.data.stand_in = False  # always available
-    c.model.head_dim = None
-    c.model.dropout_rate = 0.0
-    c.model.mem_len = 64
-    c.model.eval_mem_len = 128
-    c.optimizer.lr = 1e-3
-  for key in ("mem_len", "eval_mem_len"):
-    if key in values:
-      c.model[key] = int(values.pop(key))
-  base.apply_common(c, values)
-  return c

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from data import pipeline
+from data import pipeline, pystdlib
 from data.info import DatasetInfo
 from runtime import paths
 
@@ -179,16 +179,6 @@ class WindowSource:
     return f"Characters({self.file}, seq_len={self.seq_len}, records={self.size})"
 
 
-def _example(window: np.ndarray) -> dict[str, np.ndarray]:
-  length = window.shape[0]
-  return {
-    "inputs": window.astype(np.int32),  # [L]
-    "mask": np.ones(length, bool),
-    "weights": np.ones(length, np.float32),
-    "segment_ids": np.ones(length, np.int32),
-  }
-
-
 def dataset_info(config: Any) -> DatasetInfo:
   """Vocabulary of the data ids plus a BOS beyond it; split_sizes are the published files' windows."""
   name = config.data.name
@@ -204,6 +194,6 @@ def create_dataset(config: Any, split: str, *, batch_size: int, seed: int, shard
   seq_len = dataset_info(config).seq_len
   source = WindowSource(config, split, seq_len)
   return pipeline.make_loader(
-    source, [pipeline.Example(_example)], split=split, batch_size=batch_size, seed=seed,
+    source, [pipeline.Example(pystdlib.lm_example)], split=split, batch_size=batch_size, seed=seed,
     shard_index=shard_index, shard_count=shard_count, shuffle=shuffle, num_epochs=num_epochs, config=config,
   )

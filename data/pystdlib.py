@@ -114,7 +114,8 @@ class WindowSource:
     return f"PyStdlib({self.root}, {self.split}, seq_len={self.seq_len}, records={self.size})"
 
 
-def _example(window: np.ndarray) -> dict[str, np.ndarray]:
+def lm_example(window: np.ndarray) -> dict[str, np.ndarray]:
+  """A window of byte ids as the LM batch layout (every position real and predicted)."""
   length = window.shape[0]
   return {
     "inputs": window.astype(np.int32),  # [L]
@@ -135,6 +136,6 @@ def create_dataset(config: Any, split: str, *, batch_size: int, seed: int, shard
   seq_len = dataset_info(config).seq_len
   source = WindowSource(stdlib_dir(config), split, seq_len)
   return pipeline.make_loader(
-    source, [pipeline.Example(_example)], split=split, batch_size=batch_size, seed=seed,
+    source, [pipeline.Example(lm_example)], split=split, batch_size=batch_size, seed=seed,
     shard_index=shard_index, shard_count=shard_count, shuffle=shuffle, num_epochs=num_epochs, config=config,
   )
