@@ -75,18 +75,10 @@ def moba(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = Non
   rb = pad_length(real, padded, False).reshape(rows, nb, size)
   filled = jnp.sum(rb, axis=-1)  # [rows, nb] real keys per block
   kbar = jnp.sum(kb, axis=2) / jnp.maximum(filled, 1)[..., None].astype(ct)  # masked keys are zeros
-  blocks = jnp.arange(nb)
 
   def attend_chunk(tree: tuple[Array, Array]) -> Array:
     qc, qpos = tree  # [rows, Q, d] (scaled), [1, Q]
-    scores = jnp.einsum("gqd,gnd->gqn", qc, kbar)  # [rows, Q, nb]
-    own = (qpos // size)[..., None]  # [1, Q, 1]
-    visible = (filled > 0)[:, None, :]
-    if causal:
-      visible = visible & (blocks < own)
-    visible = visible | (blocks == own)
-    forced = jnp.broadcast_to((blocks == own).astype(jnp.int32), scores.shape)
-    index, chosen = choose(scores, jnp.broadcast_to(visible, scores.shape), forced, count)
+    index, chosen = _gate(qc, qpos, kbar, filled, size=size, causal=causal, count=count)
     return joint_softmax([chosen_piece(qc, kb, vb, rb, index, chosen, qpos, causal, 1.0)])
 
   n_chunks = query_chunks if query_chunks is not None else num_query_chunks(
@@ -96,6 +88,22 @@ def moba(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = Non
   qpos = jnp.arange(padded, dtype=jnp.int32)[None, :]
   out = map_chunks(attend_chunk, (qp, qpos), n_chunks, axis=1)  # [rows, padded, e]
   return from_rows(out[:, :length], batch, v.dtype)
+
+
+def _gate(qc: Array, qpos: Array, kbar: Array, filled: Array, *, size: int, causal: bool, count: int
+          ) -> tuple[Array, Array]:
+  """MoBA's gate for a chunk of queries: each scores the visible blocks by its dot product with their mean
+  key and keeps the top `count`, its own block always (qc [rows, Q, d] scaled, qpos [1, Q], kbar [rows, nb,
+  d], filled [rows, nb] real keys per block) -> (index, chosen) [rows, Q, count], as `selection.choose`."""
+  blocks = jnp.arange(kbar.shape[1])
+  scores = jnp.einsum("gqd,gnd->gqn", qc, kbar)  # [rows, Q, nb]
+  own = (qpos // size)[..., None]  # [1, Q, 1]
+  visible = (filled > 0)[:, None, :]
+  if causal:
+    visible = visible & (blocks < own)
+  visible = visible | (blocks == own)
+  forced = jnp.broadcast_to((blocks == own).astype(jnp.int32), scores.shape)
+  return choose(scores, jnp.broadcast_to(visible, scores.shape), forced, count)
 
 
 def _moba_pallas(q: Array, k: Array, v: Array, mask: Array | None, *, causal: bool, size: int, count: int,
@@ -117,18 +125,10 @@ def _moba_pallas(q: Array, k: Array, v: Array, mask: Array | None, *, causal: bo
   filled = jnp.sum(rb, axis=-1)  # [rows, nb] real keys per block
   kbar = jnp.sum(kp.astype(ct).reshape(rows, nb, size, head_dim), axis=2) / jnp.maximum(filled, 1)[
       ..., None].astype(ct)  # [rows, nb, d], masked keys are zeros
-  blocks = jnp.arange(nb)
 
   def choose_chunk(tree: tuple[Array, Array]) -> Array:
     qc, qpos = tree  # [rows, Q, d] (scaled), [1, Q]
-    scores = jnp.einsum("gqd,gnd->gqn", qc, kbar)  # [rows, Q, nb]
-    own = (qpos // size)[..., None]  # [1, Q, 1]
-    visible = (filled > 0)[:, None, :]
-    if causal:
-      visible = visible & (blocks < own)
-    visible = visible | (blocks == own)
-    forced = jnp.broadcast_to((blocks == own).astype(jnp.int32), scores.shape)
-    index, chosen = choose(scores, jnp.broadcast_to(visible, scores.shape), forced, count)
+    index, chosen = _gate(qc, qpos, kbar, filled, size=size, causal=causal, count=count)
     return jnp.where(chosen, index, -1)  # [rows, Q, count]
 
   n_chunks = query_chunks if query_chunks is not None else num_query_chunks(rows, padded, nb)
