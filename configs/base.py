@@ -90,7 +90,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.model.compressed_mem_len = 0
 
   c.optimizer = ml_collections.ConfigDict()
-  c.optimizer.name = "adam"  # "adam" | "adamw" | "adafactor"
+  c.optimizer.name = "adam"  # "adam" | "adamw" | "adafactor" | "adagrad"
   c.optimizer.lr = 1e-3
   c.optimizer.b1 = 0.9
   c.optimizer.b2 = 0.98
@@ -299,7 +299,7 @@ def validate(c: ml_collections.ConfigDict, attention_names: Any = None) -> None:
   at_least("config.data.cache_in_memory", c.data.cache_in_memory, 0, " (MB; 0 = never)")
 
   o = c.optimizer
-  one_of("config.optimizer.name", o.name, ("adam", "adamw", "adafactor"))
+  one_of("config.optimizer.name", o.name, ("adam", "adamw", "adafactor", "adagrad"))
   one_of("config.optimizer.schedule", o.schedule, ("cosine", "rsqrt", "constant"))
   _number("config.optimizer.lr", o.lr, float)
   if not o.lr > 0:

@@ -39,8 +39,11 @@ def make_optimizer(config: ml_collections.ConfigDict) -> tuple[optax.GradientTra
     tx = optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay)
   elif o.name == "adafactor":
     tx = optax.adafactor(schedule)
+  elif o.name == "adagrad":  # the Adaptive Span paper's (no momentum, accumulators from 0)
+    tx = optax.adagrad(schedule, initial_accumulator_value=0.0, eps=o.eps)
   else:
-    raise ValueError(f"config.optimizer.name must be one of ['adafactor', 'adam', 'adamw'], got {o.name!r}")
+    raise ValueError(f"config.optimizer.name must be one of ['adafactor', 'adagrad', 'adam', 'adamw'], "
+                     f"got {o.name!r}")
   if o.clip_norm and o.clip_norm > 0:
     tx = optax.chain(optax.clip_by_global_norm(o.clip_norm), tx)
   return tx, schedule

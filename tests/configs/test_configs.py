@@ -15,7 +15,9 @@ from training import command_line, config_io, experiment, loop
 CONFIG_FILES = ("default", "cifar10", "imagenet64", "wiki40b", "c4", "lra")
 VARIANTS = [(f, "") for f in CONFIG_FILES] + [(f, "smoke") for f in CONFIG_FILES if f != "lra"] + [
   ("lra", f"task={t}") for t in lra.TASKS + ("listops_synthetic",)] + [
-  ("lra", f"task={t},smoke") for t in lra.TASKS + ("listops_synthetic",)]
+  ("lra", f"task={t},smoke") for t in lra.TASKS + ("listops_synthetic",)] + [
+  ("transformer_xl", ""), ("transformer_xl", "text8,smoke"), ("compressive", ""), ("compressive", "smoke"),
+  ("adaptive_span", ""), ("adaptive_span", "large,text8"), ("adaptive_span", "smoke")]
 
 
 @pytest.mark.parametrize("module,arg", VARIANTS)
