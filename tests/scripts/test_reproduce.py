@@ -260,6 +260,7 @@ def test_every_row_step_lowers(row):
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
+  from training import recurrence
   from training.experiment import Experiment
 
   config = reproduce.build_config(row, "smoke")
@@ -268,16 +269,23 @@ def test_every_row_step_lowers(row):
   state = exp.abstract_state()
   rng = exp.abstract_rng_state()
   step = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(exp.mesh, P()))
+  memory, eval_memory = (), ()  # segment recurrence (mem_len > 0): the steps take the memory last
+  if exp.mem_len:
+    memory = (recurrence.abstract(exp.abstract_model, exp.mesh, int(config.train.batch_size), exp.mem_len),)
+  if exp.eval_mem_len:
+    eval_memory = (recurrence.abstract(exp.abstract_model, exp.mesh, int(config.train.eval_batch_size),
+                                       exp.eval_mem_len),)
   traced = exp.jitted_train_step().trace(state["params"], state["rest"], state["opt_state"], rng, step,
-                                         train_batch)
-  params, rest, opt_state, out = traced.out_info
+                                         train_batch, *memory)
+  params, rest, opt_state, out = traced.out_info[:4]
   shapes = lambda tree: jax.tree.map(lambda a: (a.shape, a.dtype), tree)  # noqa: E731
   assert shapes(params) == shapes(state["params"]) and shapes(rest) == shapes(state["rest"])
   assert shapes(opt_state) == shapes(state["opt_state"])
   assert all(out[k].shape == () for k in ("loss", "task_loss", "grad_norm", "finite")), out
   traced.lower()
-  evaluated = exp._build_eval_step().trace(state["params"], state["rest"], rng, eval_batch)
-  assert "examples" in evaluated.out_info and all(v.shape == () for v in evaluated.out_info.values())
+  evaluated = exp._build_eval_step().trace(state["params"], state["rest"], rng, eval_batch, *eval_memory)
+  sums = evaluated.out_info[0] if eval_memory else evaluated.out_info
+  assert "examples" in sums and all(v.shape == () for v in sums.values())
   evaluated.lower()
 
 
