@@ -16,9 +16,12 @@ Edges (who attends to whom), each labelled with a relative position vector added
 Masked tokens, and span nodes whose tokens are all masked (padding up to n included), are dropped as keys.
 Logits are `q_a . (k_b + r_ab) / sqrt(d)`, one softmax per node over its edges.
 
-Each token gathers its at most 2k log2 n + 1 neighbours through a static index table (numpy, from n and k);
-span nodes of level l attend to their 2^l tokens as [n / 2^l, 2^l] blocks. O(k n log(n / k) d) for the
-tokens and O(n log n d) for the span nodes; no [n, n] array is ever built.
+A token's at most 2k log2 n + 1 edges are one softmax over one piece per level: the 2^l tokens of a level-l
+group share their neighbours (the k nodes of that level on each side), so each level's keys and values are
+shifted per group ([n / 2^l, 2k] nodes), never gathered per token; span nodes of level l attend to their 2^l
+tokens as [n / 2^l, 2^l] blocks. O(k n log n) logits and O(k n d) gathered keys and values for the tokens,
+O(n log n d) for the span nodes; no [n, n] array is ever built. (`token_neighbours` lists the same edges per
+token, for the cached decoder.)
 
 Without span-node states (`graph=False`, the op contract on L tokens: benchmarks, the op sweeps) a span
 node's query, key and value are the masked means of its tokens'; the model
@@ -35,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attention_core import contract
-from attention_core.combine import attend_zeros_hidden
+from attention_core.combine import Piece, attend_zeros_hidden, joint_softmax
 
 Array = Any
 OP = "bp_transformer"
@@ -190,20 +193,45 @@ def bp_transformer(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | 
         [_masked_mean(x, token_real, n, lvl) for lvl in range(1, levels + 1)] + [x[:, :0]], axis=1)
     ks, vs = means(kt), means(vt)  # [b, n - 1, h, dim]
 
-  # Tokens: gather each one's neighbours among [tokens; span nodes; a zero node].
-  index, valid, kind, level, rank = token_neighbours(n, context, causal)
-  node_k = jnp.concatenate([kt, ks, jnp.zeros_like(kt[:, :1])], axis=1)  # [b, 2n, h, d]
-  node_v = jnp.concatenate([vt, vs, jnp.zeros_like(vt[:, :1])], axis=1)  # [b, 2n, h, dv]
-  node_real = jnp.concatenate([token_real, span_real, jnp.zeros((batch, 1), bool)], axis=1)  # [b, 2n]
-  kg = node_k[:, index]  # [b, n, S, h, d]
-  vg = jnp.moveaxis(node_v[:, index], 3, 1)  # [b, h, n, S, dv]
-  logits = jnp.einsum("bihd,bishd->bhis", qt, kg)  # [b, h, n, S]
-  if table is not None:
-    labels = label_of(kind, level, rank, rows, context)  # [n, S]
-    qr = jnp.einsum("bihd,hld->bhil", qt, table)  # [b, h, n, labels]
-    logits = logits + qr[:, :, np.arange(n)[:, None], labels]
-  keep = (valid[None] & node_real[:, index])[:, None]  # [b, 1, n, S]
-  token_out = attend_zeros_hidden(logits * scale, keep, vg, "bhis,bhisd->bhid")  # [b, h, n, dv]
+  # Tokens, one piece per level of one softmax: the 2^l tokens of a level-l group share their neighbours (the
+  # k nodes of that level on each side), so keys and values are shifted per group, never gathered per token.
+  sides = (1,) if causal else (1, 2)
+  offsets = [(side, m) for side in sides for m in range(context)]  # [O] (kind, rank)
+  width = len(offsets)
+  qr = None if table is None else jnp.einsum("bihd,hld->bhil", qt, table)  # [b, h, n, labels]
+  self_logits = jnp.einsum("bihd,bihd->bhi", qt, kt)[..., None]  # [b, h, n, 1]
+  if qr is not None:
+    self_logits = self_logits + qr[..., :1]
+  pieces = [Piece(self_logits * scale, token_real[:, None, :, None],
+                  lambda w: jnp.einsum("bhio,bihd->bhid", w, vt))]
+  for lvl in range(levels):
+    size, count = 1 << lvl, n >> lvl
+    if lvl == 0:
+      kl, vl, real = kt, vt, token_real
+    else:
+      start = span_offset(n, lvl)
+      kl, vl, real = ks[:, start:start + count], vs[:, start:start + count], span_real[:, start:start + count]
+    pad = [(0, 0), (context, context)]
+    kp, vp = (jnp.pad(x, pad + [(0, 0), (0, 0)]) for x in (kl, vl))  # [b, count + 2k, h, dim], zeros outside
+    rp = jnp.pad(real, pad)
+    shift = [(-1 - m if side == 1 else 1 + m) + context for side, m in offsets]
+    kn = jnp.stack([kp[:, o:o + count] for o in shift], axis=2)  # [b, count, O, h, d]
+    vn = jnp.stack([vp[:, o:o + count] for o in shift], axis=2)  # [b, count, O, h, dv]
+    rn = jnp.stack([rp[:, o:o + count] for o in shift], axis=2)  # [b, count, O]
+    qg = qt.reshape(batch, count, size, heads, head_dim)
+    s = jnp.einsum("bcghd,bcohd->bhcgo", qg, kn).reshape(batch, heads, n, width)  # [b, h, n, O]
+    if qr is not None:
+      labels = label_of(np.array([side for side, _ in offsets]), np.full(width, lvl),
+                        np.array([m for _, m in offsets]), rows, context)  # [O]
+      s = s + qr[..., labels]
+    valid = jnp.repeat(rn, size, axis=1)[:, None]  # [b, 1, n, O]
+
+    def apply(w, vn=vn, count=count, size=size):
+      w = w.reshape(batch, heads, count, size, width)
+      return jnp.einsum("bhcgo,bcohd->bhcgd", w, vn).reshape(batch, heads, n, vn.shape[-1])
+
+    pieces.append(Piece(s * scale, valid, apply))
+  token_out = joint_softmax(pieces)  # [b, h, n, dv]
   token_out = jnp.moveaxis(token_out, 1, 2)[:, :length]  # [b, L, h, dv]
   if not graph:
     return token_out.astype(v.dtype)
