@@ -84,7 +84,7 @@ def base_config() -> ml_collections.ConfigDict:
   # attention's module must take a `memory`, and the data should be ordered (row i of batch s + 1 continues
   # row i of batch s; a row's "reset" clears its memory). 0 = no memory (nothing carried, nothing saved).
   c.model.mem_len = 0
-  # The memory length in evaluation (None = mem_len): the papers evaluate with a longer one.
+  # The memory length in evaluation (None = mem_len, 0 = none): the papers evaluate with a longer one.
   c.model.eval_mem_len = ml_collections.FieldReference(None, field_type=int)
   # Compressive Transformer: per layer a FIFO of this many compressions of what mem_len evicts; 0 = off.
   c.model.compressed_mem_len = 0
@@ -270,7 +270,8 @@ def validate(c: ml_collections.ConfigDict, attention_names: Any = None) -> None:
   at_least("config.model.max_len", m.max_len, 0, " (0 = the data's seq_len)")
   at_least("config.model.mem_len", m.get("mem_len", 0), 0, " (0 = no memory)")
   if m.get("eval_mem_len", None) is not None:
-    at_least("config.model.eval_mem_len", m.eval_mem_len, 1, " or None (= config.model.mem_len)")
+    at_least("config.model.eval_mem_len", m.eval_mem_len, 0,
+             " or None (= config.model.mem_len; 0 = evaluate without memory)")
     if not m.get("mem_len", 0):
       raise UsageError(f"config.model.eval_mem_len={m.eval_mem_len} needs config.model.mem_len > 0 (a model "
                        "trained with segment recurrence)")
