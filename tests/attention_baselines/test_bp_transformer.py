@@ -123,10 +123,16 @@ CASES = [pytest.param(*c, marks=() if c in FAST else pytest.mark.slow)
                    (1, 2, 2, True, False)]]
 
 
+@pytest.fixture
+def x64():
+  """float64 for this test only (a global switch would leak into every later test of the worker)."""
+  with jax.enable_x64(True):
+    yield
+
+
 @pytest.mark.parametrize("length,kctx,rows,causal,graph", CASES)
-def test_op_equals_its_graph_definition(length, kctx, rows, causal, graph):
+def test_op_equals_its_graph_definition(length, kctx, rows, causal, graph, x64):
   """Masked keys and values hold NaN in the op's input (the definition reads clean ones): they stay inert."""
-  jax.config.update("jax_enable_x64", True)
   rng = np.random.default_rng(length * 10 + kctx + 2 * causal + graph)
   b, h, d, dv = 2, 2, 4, 3
   nodes = length + num_span_nodes(length) if graph else length
@@ -144,10 +150,9 @@ def test_op_equals_its_graph_definition(length, kctx, rows, causal, graph):
   np.testing.assert_allclose(np.asarray(got)[mask], want[mask], rtol=1e-9, atol=1e-9)
 
 
-def test_causal_outputs_read_no_future_token_or_unfinished_span():
+def test_causal_outputs_read_no_future_token_or_unfinished_span(x64):
   """Jacobian of the tokens' outputs in the causal graph form: zero to every later token and to every span
   node whose span reaches the token (L = 6: padding up to n = 8)."""
-  jax.config.update("jax_enable_x64", True)
   length, kctx = 6, 1
   n = tree_size(length)
   nodes = length + n - 1
