@@ -3,13 +3,13 @@
 Command:   python train.py --config configs/compressive.py --workdir workdirs/compressive
            (enwik8 prepared first: python -m data.prepare enwik8 --data_dir DIR)
 Paper:     enwik8, 0.97 bpc on test (the paper's abstract) with a 24-layer model (277M parameters, the
-           paperswithcode listing). The paper's PDF is not in shared/papers and its settings below are from
-           recollection, not checked against it: d_model 1024, 8 heads, d_ff 3072, training segments
+           paperswithcode listing). The settings below are from recollection, not checked against the
+           paper: d_model 1024, 8 heads, d_ff 3072, training segments
            n_s = 768, memory n_m = 768, compressed memory n_cm = 768, compression rate c = 3, 1D convolution
            compression trained by the attention-reconstruction loss (models/compressive_attention.py). The
            parameter count agrees: 24 x (4 d^2 + 2 d d_ff + d^2 for W_{k,R}) = 276.8M without the compression
            convolutions (3 d^2 per layer more here).
-           PG-19 (the paper's book benchmark; shared/papers/long_sequence_transformers_survey.md): 36 layers,
+           PG-19 (the paper's book benchmark): 36 layers,
            n_s = n_m = n_cm = 512, c = 2, 33.6 test word perplexity (Transformer-XL: 36.3). Not a variant
            here: data/text.py reads wiki40b and c4 only (no `pg19` spec, no word-level perplexity metric).
 This config: that enwik8 model on the ordered byte stream (`data.ordered=True`, data/characters.py), pre-LN

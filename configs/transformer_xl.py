@@ -1,8 +1,8 @@
 """Transformer-XL (Dai et al., ACL 2019): segment recurrence, relative positional attention, byte-level LM.
 
 Command:   python train.py --config configs/transformer_xl.py --workdir workdirs/transformer_xl
-Paper:     the enwik8 base model (the authors' `pytorch/run_enwik8_base.sh`, kimiyoung/transformer-xl; the
-           paper's PDF is not in shared/papers): 12 layers, d_model 512, 8 heads of d_head 64, d_inner 2048,
+Paper:     the enwik8 base model (the authors' `pytorch/run_enwik8_base.sh`, kimiyoung/transformer-xl):
+           12 layers, d_model 512, 8 heads of d_head 64, d_inner 2048,
            dropout 0.1, attention dropout 0.0, Adam lr 2.5e-4 with no warmup and a cosine decay to 0 over
            400,000 steps, gradient clipping 0.25 (its train.py default), batch 22, training segments
            (tgt_len) 512 with mem_len 512; evaluation with mem_len 2100 (segments of 80, clamp_len 820,
