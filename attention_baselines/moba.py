@@ -64,17 +64,14 @@ def moba(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = Non
   value_dim = v.shape[-1]
   ct = contract.softmax_dtype(q.dtype, k.dtype, v.dtype)
   scale = contract.logit_scale(head_dim)
-  size = min(size, length)
-  nb = num_blocks(length, size)
-  padded = nb * size
-  count = min(count, nb)
+  size, nb, padded, count = _blocks(length, size, count)
   qh, kh, vh, real = rows_and_mask(q, k, v, mask, ct)
   rows = qh.shape[0]
   kb = pad_length(kh, padded).reshape(rows, nb, size, head_dim)
   vb = flag_nonfinite(pad_length(vh, padded)).reshape(rows, nb, size, value_dim + 1)
   rb = pad_length(real, padded, False).reshape(rows, nb, size)
   filled = jnp.sum(rb, axis=-1)  # [rows, nb] real keys per block
-  kbar = jnp.sum(kb, axis=2) / jnp.maximum(filled, 1)[..., None].astype(ct)  # masked keys are zeros
+  kbar = _mean_keys(kb, filled)  # [rows, nb, d]
 
   def attend_chunk(tree: tuple[Array, Array]) -> Array:
     qc, qpos = tree  # [rows, Q, d] (scaled), [1, Q]
@@ -88,6 +85,18 @@ def moba(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = Non
   qpos = jnp.arange(padded, dtype=jnp.int32)[None, :]
   out = map_chunks(attend_chunk, (qp, qpos), n_chunks, axis=1)  # [rows, padded, e]
   return from_rows(out[:, :length], batch, v.dtype)
+
+
+def _blocks(length: int, size: int, count: int) -> tuple[int, int, int, int]:
+  """(block size, blocks, padded length, blocks chosen per query) for a sequence of `length`."""
+  size = min(size, length)
+  nb = num_blocks(length, size)
+  return size, nb, nb * size, min(count, nb)
+
+
+def _mean_keys(kb: Array, filled: Array) -> Array:
+  """kb [rows, nb, size, d] (masked keys zeros), filled [rows, nb] real keys -> each block's mean key."""
+  return jnp.sum(kb, axis=2) / jnp.maximum(filled, 1)[..., None].astype(kb.dtype)
 
 
 def _gate(qc: Array, qpos: Array, kbar: Array, filled: Array, *, size: int, causal: bool, count: int
@@ -114,17 +123,13 @@ def _moba_pallas(q: Array, k: Array, v: Array, mask: Array | None, *, causal: bo
   batch, length, heads, head_dim = q.shape
   ct = contract.softmax_dtype(q.dtype, k.dtype, v.dtype)
   scale = contract.logit_scale(head_dim)
-  size = min(size, length)
-  nb = num_blocks(length, size)
-  padded = nb * size
-  count = min(count, nb)
+  size, nb, padded, count = _blocks(length, size, count)
   qh, kh, vh, real = rows_and_mask(q, k, v, mask, jnp.result_type(q.dtype, k.dtype, v.dtype))
   rows = qh.shape[0]
   kp, vp, rp = pad_length(kh, padded), pad_length(vh, padded), pad_length(real, padded, False)
   rb = rp.reshape(rows, nb, size)
   filled = jnp.sum(rb, axis=-1)  # [rows, nb] real keys per block
-  kbar = jnp.sum(kp.astype(ct).reshape(rows, nb, size, head_dim), axis=2) / jnp.maximum(filled, 1)[
-      ..., None].astype(ct)  # [rows, nb, d], masked keys are zeros
+  kbar = _mean_keys(kp.astype(ct).reshape(rows, nb, size, head_dim), filled)  # [rows, nb, d]
 
   def choose_chunk(tree: tuple[Array, Array]) -> Array:
     qc, qpos = tree  # [rows, Q, d] (scaled), [1, Q]
