@@ -47,6 +47,7 @@ DATASETS: dict[str, str] = {
   "imagenet64": "data.images",
   "wiki40b": "data.text",
   "c4": "data.text",
+  "pg19": "data.text",
   "lra_listops": "data.lra",
   "lra_text": "data.lra",
   "lra_retrieval": "data.lra",

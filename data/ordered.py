@@ -21,6 +21,9 @@ Batch (the shuffled LM pipeline's keys and dtypes, plus `targets` and `reset`), 
                      all ones for pystdlib, enwik8 and text8 (no BOS in the stream)
   valid bool [b]     always True (no padded rows)
   reset bool [b]     True where the row starts its stream (step 0 of every epoch): drop the memories
+  words float32      only for datasets with a word count (data.text `counts_words`: pg19) outside the
+                     training splits: the words credited to each input token (data.text.token_words), for
+                     models.metrics' word-level perplexity
 Each process reads rows [shard_index * b, (shard_index + 1) * b) of the global batch of b * shard_count rows,
 the same rows on any process count. Evaluation reads its split in the same order from its start (one epoch).
 
@@ -55,6 +58,7 @@ log = logging.getLogger("data")
 ORDERED_KEY = pipeline.ORDERED_KEY  # marks an ordered stream's iterator state
 CACHE_VERSION = 1
 _TOKENS: dict[str, np.ndarray] = {}  # cache path -> token stream, once per process
+_WORDS: dict[str, np.ndarray] = {}  # cache path -> words per token (datasets with a word count)
 _STREAM_MODULES = {"data.pystdlib": pystdlib, "data.characters": characters}  # besides data.text
 
 
@@ -90,6 +94,11 @@ def check_supported(config: Any) -> None:
 def _text_tokens(config: Any, split: str) -> np.ndarray:
   """wiki40b & co: every document of `split` in source order as [bos] + pieces + [eos], concatenated;
   tokenized once into the cache and read back from there."""
+  return _TOKENS[_text_cache(config, split)]
+
+
+def _text_cache(config: Any, split: str) -> str:
+  """The cache directory of `split`'s token stream (and words per token, `word_stream`), filled once."""
   info = text.dataset_info(config)
   source = text.text_source(config, split)
   model = text.spm_path(config)
@@ -99,24 +108,44 @@ def _text_tokens(config: Any, split: str) -> np.ndarray:
   spec = {"version": CACHE_VERSION, "dataset": config.data.name, "split": split, "records": len(source),
           "prepared": os.path.basename(text.prepared_dir(config)), "vocab_size": info.vocab_size,
           "spm": hashlib.sha256(paths.path(model).read_bytes()).hexdigest()}  # what the tokens depend on
+  if text.counts_words(config) and split.partition("[")[0] not in pipeline.TRAIN_SPLITS:
+    spec["words"] = True  # evaluation splits of pg19 also keep words.npy (other caches keep their key)
   key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
   root = pipeline.cfg_get(config, "cache_dir") or text.data_dir(config)
   safe_split = re.sub(r"[^A-Za-z0-9_.-]", "_", split)  # "train[:10%]" -> "train__10__"
   where = paths.join(root, "ordered_tokens", config.data.name, f"{safe_split}-{key}")
   if where in _TOKENS:
-    return _TOKENS[where]
+    return where
   file = paths.join(where, "tokens.npy")
   if not paths.exists(file):
     log.warning("%s/%s: tokenizing the split's %d documents once for the ordered stream into %s",
                 config.data.name, split, len(source), where)
     tokenize = text.Tokenize(model, info.vocab_size)
     dtype = np.uint16 if info.vocab_size <= 1 << 16 else np.int32
-    docs = [tokenize.map(source[i]).astype(dtype) for i in range(len(source))]
+    files = {"spec.json": json.dumps(spec, indent=1).encode()}
+    if spec.get("words"):
+      pairs = [tokenize.map_with_words(source[i]) for i in range(len(source))]
+      docs = [t.astype(dtype) for t, _ in pairs]
+      files["words.npy"] = paths.npy_bytes(np.concatenate([w for _, w in pairs]) if pairs
+                                           else np.zeros(0, np.uint8))  # [n]
+    else:
+      docs = [tokenize.map(source[i]).astype(dtype) for i in range(len(source))]
     tokens = np.concatenate(docs) if docs else np.zeros(0, dtype)  # [n]
-    paths.publish_dir(where, {"tokens.npy": paths.npy_bytes(tokens),
-                              "spec.json": json.dumps(spec, indent=1).encode()})
+    files["tokens.npy"] = paths.npy_bytes(tokens)
+    paths.publish_dir(where, files)
   _TOKENS[where] = paths.load_npy(file, mmap_over_mb=64)
-  return _TOKENS[where]
+  if spec.get("words"):
+    _WORDS[where] = paths.load_npy(paths.join(where, "words.npy"), mmap_over_mb=64)
+  return where
+
+
+def word_stream(config: Any, split: str) -> np.ndarray | None:
+  """uint8 [n]: the words credited to each token of `token_stream(config, split)` (data.text.token_words);
+  None for datasets without a word count and for the training splits (nothing reports words there)."""
+  if (DATASETS[config.data.name] != "data.text" or not text.counts_words(config)
+      or split.partition("[")[0] in pipeline.TRAIN_SPLITS):
+    return None
+  return _WORDS[_text_cache(config, split)]
 
 
 def token_stream(config: Any, split: str) -> np.ndarray:
@@ -137,8 +166,9 @@ class Streams:
   """`tokens` [n] as `streams` contiguous rows of n // streams tokens, read in segments of `seq_len`."""
 
   def __init__(self, tokens: np.ndarray, *, streams: int, seq_len: int, bos_id: int | None,
-               layout: dict[str, Any]):
+               layout: dict[str, Any], words: np.ndarray | None = None):
     self.tokens, self.streams, self.seq_len, self.bos_id = tokens, int(streams), int(seq_len), bos_id
+    self.words = words  # [n] words per token, or None
     self.stream_len = len(tokens) // self.streams
     self.steps = max(0, (self.stream_len - 1) // self.seq_len)  # a segment also needs its next token
     self.layout = {**layout, "tokens": int(len(tokens)), "streams": self.streams, "seq_len": self.seq_len}
@@ -156,6 +186,9 @@ class Streams:
     starts_doc = inputs == (-1 if self.bos_id is None else self.bos_id)  # [size, L]
     starts_doc[:, 0] = False
     shape = inputs.shape
+    extra = {}
+    if self.words is not None:  # [size, L] the words of each input token
+      extra["words"] = np.stack([self.words[s:s + self.seq_len] for s in starts]).astype(np.float32)
     return {
       "inputs": np.ascontiguousarray(inputs),
       "targets": np.ascontiguousarray(window[:, 1:]),  # [size, L]
@@ -164,6 +197,7 @@ class Streams:
       "segment_ids": (1 + np.cumsum(starts_doc, axis=1)).astype(np.int32),  # [size, L]
       "valid": np.ones(size, bool),
       "reset": np.full(size, offset == 0),  # [size]
+      **extra,
     }
 
 
@@ -243,6 +277,7 @@ def create_dataset(config: Any, split: str, *, batch_size: int, seed: int, shard
   if num_epochs is None and split.partition("[")[0] not in pipeline.TRAIN_SPLITS:
     num_epochs = 1
   tokens = token_stream(config, split)
+  words = word_stream(config, split) if module is text else None
   streams = Streams(tokens, streams=rows.global_batch, seq_len=info.seq_len, bos_id=info.bos_id,
-                    layout={"dataset": config.data.name, "split": split})
+                    layout={"dataset": config.data.name, "split": split}, words=words)
   return OrderedDataset(streams, rows.lo, rows.size, num_epochs)

@@ -6,8 +6,9 @@
 
 TFDS-backed sets (cifar10, imagenet64, lra_text, lra_image) use `tfds.testing.mock_data` (random records,
 served through `tfds.data_source` exactly like real data); LRA file sets get small files in the official
-`lra_release/lra_release/...` layout; wiki40b/c4 get a small prepared TFDS ArrayRecord directory plus a
-SentencePiece model (vocabulary `spm_vocab`, at most config.data.vocab_size) trained on the generated text;
+`lra_release/lra_release/...` layout; wiki40b/c4/pg19 get a small prepared TFDS ArrayRecord directory (pg19:
+a few generated books, `books`, with pg19's features) plus a SentencePiece model (vocabulary `spm_vocab`, at
+most config.data.vocab_size) trained on the generated text;
 enwik8/text8 get ~400 KB of pseudo-text in their alphabet (Wikipedia-like XML with some UTF-8; a-z and
 space) in the prepared `{data_dir}/<name>/` layout; listops_synthetic and synthetic_recall need nothing. All
 content is generated from `seed`.
@@ -126,16 +127,20 @@ def write_prepared_text(name: str, data_dir: str, split_docs: dict[str, list[str
   from data import text
 
   spec = text.SPECS[name]
-  tfds_name, config_name = spec["tfds_name"].split("/")
-  extra = {"wiki40b": ("wikidata_id", "version_id"), "c4": ("timestamp", "url")}[name]
+  tfds_name, _, config_name = spec["tfds_name"].partition("/")
+  field = spec.get("text_field", "text")
+  extra = {"wiki40b": ("wikidata_id", "version_id"), "c4": ("timestamp", "url"),
+           "pg19": ("book_title", "publication_date", "book_link")}[name]
+  numbers = ("book_id",) if name == "pg19" else ()  # pg19's int32 feature
 
   class _Mock(tfds.core.GeneratorBasedBuilder, skip_registration=True):
     VERSION = tfds.core.Version(spec["version"])
-    BUILDER_CONFIGS = [tfds.core.BuilderConfig(name=config_name)]
+    BUILDER_CONFIGS = [tfds.core.BuilderConfig(name=config_name)] if config_name else []
     code_path = None  # a builder defined inside a package: skip tfds's source-file lookup (checksums)
 
     def _info(self):
-      feats = {"text": tfds.features.Text(), **{k: tfds.features.Text() for k in extra}}
+      feats = {field: tfds.features.Text(), **{k: tfds.features.Text() for k in extra},
+               **{k: np.int32 for k in numbers}}
       return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict(feats))
 
     def _split_generators(self, dl_manager):
@@ -143,12 +148,34 @@ def write_prepared_text(name: str, data_dir: str, split_docs: dict[str, list[str
 
     def _generate_examples(self, docs):
       for i, doc in enumerate(docs):
-        yield i, {"text": doc, **{k: f"{k}{i}" for k in extra}}
+        yield i, {field: doc, **{k: f"{k}{i}" for k in extra}, **{k: i for k in numbers}}
 
   _Mock.name = tfds_name
-  builder = _Mock(data_dir=data_dir, config=config_name, file_format="array_record")
+  builder = _Mock(data_dir=data_dir, config=config_name or None, file_format="array_record")
   builder.download_and_prepare(download_config=tfds.download.DownloadConfig(verify_ssl=False))
   return builder.data_dir
+
+
+def books(rng: np.random.Generator, n: int, *, min_words: int = 800, max_words: int = 2500) -> list[str]:
+  """n pseudo-books in PG-19's shape: a title line, chapters, paragraphs of lines wrapped at ~70 characters
+  separated by blank lines, and some punctuation (so words and pieces differ)."""
+  out = []
+  for i in range(n):
+    body = words(rng, int(rng.integers(min_words, max_words + 1))).split(" ")
+    lines, line, chapter = [f"THE BOOK OF {body[0].upper()} {i}", ""], [], 1
+    for j, word in enumerate(body):
+      line.append(word + ("," if j % 11 == 5 else ". " if j % 17 == 16 else ""))
+      if sum(len(w) + 1 for w in line) > 70:
+        lines.append(" ".join(line).strip())
+        line = []
+        if rng.random() < 0.15:
+          lines.append("")
+        if rng.random() < 0.01:
+          chapter += 1
+          lines += ["", f"CHAPTER {chapter}.", ""]
+    lines.append(" ".join(line).strip())
+    out.append("\n".join(lines).strip())
+  return out
 
 
 def write_text(name: str, data_dir: str, *, seed: int = 0, num_examples: int = 24,
@@ -157,8 +184,11 @@ def write_text(name: str, data_dir: str, *, seed: int = 0, num_examples: int = 2
 
   rng = np.random.default_rng(seed)
   wiki = name == "wiki40b"
-  splits = ("train", "validation", "test") if wiki else ("train", "validation")
-  split_docs = {s: documents(rng, num_examples, wiki_markup=wiki) for s in splits}
+  splits = ("train", "validation", "test") if name in ("wiki40b", "pg19") else ("train", "validation")
+  if name == "pg19":  # fewer, longer documents: books
+    split_docs = {s: books(rng, max(2, num_examples // 3)) for s in splits}
+  else:
+    split_docs = {s: documents(rng, num_examples, wiki_markup=wiki) for s in splits}
   write_prepared_text(name, data_dir, split_docs)
   corpus = [text.clean_text(d) for d in split_docs["train"]]
   tokenizer.train(corpus, os.path.join(data_dir, "spm", f"{name}.model"), vocab_size=spm_vocab,
@@ -225,7 +255,7 @@ def mock_data(name: str, tmp_dir: str, *, num_examples: int = 12, seed: int = 0)
     return
   if name.startswith("lra_"):
     write_lra(data_dir, seed=seed, num_examples=num_examples)
-  elif name in ("wiki40b", "c4"):
+  elif name in ("wiki40b", "c4", "pg19"):
     write_text(name, data_dir, seed=seed, num_examples=max(num_examples, 12))
   elif name in ("enwik8", "text8"):
     write_characters(name, data_dir, seed=seed)

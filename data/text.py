@@ -1,10 +1,25 @@
-"""Wiki-40B (autoregressive LM) and C4 (masked LM), SentencePiece-tokenized and packed to config.data.seq_len.
+"""Wiki-40B and PG-19 (autoregressive LM) and C4 (masked LM), SentencePiece-tokenized and packed to
+config.data.seq_len.
 
-Storage: the TFDS-prepared ArrayRecord directory `{data_dir}/wiki40b/en/1.3.0` / `{data_dir}/c4/en/3.1.0`
-(written by `python -m data.prepare`, which needs TensorFlow + Beam; reading needs neither), opened with
-`tfds.builder_from_directory(...).as_data_source(split)` because these Beam builders are not registered in a
-TensorFlow-free install. Tokenizer: `config.data.spm_model`, default `{data_dir}/spm/<name>.model` (32K
-pieces, trained by data.prepare from the training split; special ids in data.tokenizer).
+Storage: the TFDS-prepared ArrayRecord directory `{data_dir}/wiki40b/en/1.3.0` / `{data_dir}/c4/en/3.1.0` /
+`{data_dir}/pg19/0.1.1` (written by `python -m data.prepare`, which needs TensorFlow (+ Beam for wiki40b and
+c4); reading needs neither), opened with `tfds.builder_from_directory(...).as_data_source(split)` because
+these builders are not registered in a TensorFlow-free install. Tokenizer: `config.data.spm_model`, default
+`{data_dir}/spm/<name>.model` (32K pieces, trained by data.prepare from the training split; special ids in
+data.tokenizer).
+
+PG-19 (Rae et al., 2019; TFDS `pg19`, one book per record in its `book_text` feature, read here as `text`)
+is a spec of this module rather than a module of its own: it is a TFDS text set of task "lm" like wiki40b, so
+the reader, the tokenizer training of data.prepare and the ordered stream (data.ordered) serve it as they
+are. Tokenizer: a 32K SentencePiece model like wiki40b's, not the paper's 32K TFDS SubwordTextEncoder (the
+codebase has one tokenizer machinery; perplexities per token therefore differ from the paper's, per word
+they are comparable). Books are long (~69K words on average): train it with `config.data.ordered=True`
+(the Transformer-XL order the Compressive Transformer reads books in); the shuffled packing below also
+works but cuts books at batch ends. Word-level perplexity (`word_counts`): the ordered stream of a split
+that is not a training split carries `words` [B, L], the whitespace-separated words (`str.split()`) of the
+raw text credited to the token holding each word's first character (bos/eos 0), so the words of the
+evaluated tokens sum to the words of the evaluated text and models.metrics reports `word_perplexity` =
+exp(summed token NLL / summed words).
 
 Each document becomes `[bos] + pieces + [eos]`. Packing (per global batch, in the sampler's order; see
 `create_dataset` for how hosts share a training stream):
@@ -44,9 +59,15 @@ SPECS: dict[str, dict[str, Any]] = {
   "c4": dict(tfds_name="c4/en", version="3.1.0", task="mlm", max_segments=2,
              splits={"train": "train", "validation": "validation", "test": "validation"},
              split_sizes={"train": 364_868_892, "validation": 364_608}),
+  # books per split from recollection of the PG-19 paper; spm_docs: books for SentencePiece (~400 KB each)
+  "pg19": dict(tfds_name="pg19", version="0.1.1", task="lm", max_segments=None, text_field="book_text",
+               beam=False, spm_docs=2000, word_counts=True,
+               splits={"train": "train", "validation": "validation", "test": "test"},
+               split_sizes={"train": 28_602, "validation": 50, "test": 100}),
 }
 DEFAULT_VOCAB = 32000
 _MARKUP = re.compile(r"_START_(?:ARTICLE|SECTION|PARAGRAPH)_")
+_WORD = re.compile(r"\S+")  # a whitespace-separated word, as str.split() finds them
 
 
 def _spec(config: Any) -> dict[str, Any]:
@@ -79,6 +100,25 @@ def clean_text(text: str | bytes) -> str:
   return re.sub(r"\n{2,}", "\n", text).strip()
 
 
+class RenamedText:
+  """A TFDS data source whose records keep their text in `field` (pg19: `book_text`), read as `text`."""
+
+  def __init__(self, source, field: str):
+    self.source, self.field = source, field
+
+  def __len__(self) -> int:
+    return len(self.source)
+
+  def __getitem__(self, index):
+    return {"text": self.source[index][self.field]}
+
+  def __getitems__(self, indices):
+    return [self[i] for i in indices]
+
+  def __repr__(self) -> str:  # grain compares it on restore
+    return f"RenamedText({self.source!r}, field={self.field!r})"
+
+
 def text_source(config: Any, split: str):
   """The random-access source of raw documents (dicts with a `text` field) of one split."""
   import tensorflow_datasets as tfds
@@ -91,7 +131,31 @@ def text_source(config: Any, split: str):
   if not paths.exists(paths.join(path, "dataset_info.json")):  # local or gs://
     raise pipeline.missing(path, config.data.name, pipeline.cfg_get(config, "data_dir"),
                            what=f"prepared tfds directory of {spec['tfds_name']}")
-  return tfds.builder_from_directory(path).as_data_source(spec["splits"][base] + sep + rest)
+  source = tfds.builder_from_directory(path).as_data_source(spec["splits"][base] + sep + rest)
+  field = spec.get("text_field", "text")
+  return source if field == "text" else RenamedText(source, field)
+
+
+def counts_words(config: Any) -> bool:
+  """Whether `config.data.name` defines a word count (word-level perplexity): pg19."""
+  return bool(_spec(config).get("word_counts", False))
+
+
+def token_words(sp, text: str) -> tuple[list[int], np.ndarray]:
+  """(piece ids, uint8 [pieces] words): the whitespace-separated words of `text` (`str.split()`), each
+  credited to the piece holding its first character, so `words.sum() == len(text.split())`."""
+  proto = sp.encode(text, out_type="proto")
+  ids = [p.id for p in proto.pieces]
+  begins = np.asarray([p.begin for p in proto.pieces], np.int64)  # [pieces] byte offsets into text
+  chars = np.frombuffer(text.encode("utf-32-le"), np.uint32)  # [characters] code points
+  nbytes = 1 + (chars >= 0x80) + (chars >= 0x800) + (chars >= 0x10000)  # UTF-8 bytes per character
+  byte_at = np.concatenate([[0], np.cumsum(nbytes)])  # [characters + 1]
+  starts = byte_at[[m.start() for m in _WORD.finditer(text)]]  # [words] byte offset of each word
+  piece = np.searchsorted(begins, starts, side="right") - 1  # [words] the last piece beginning at or before
+  words = np.bincount(np.maximum(piece, 0), minlength=len(ids))[:len(ids)]  # [pieces]
+  if words.size and words.max() > 255:
+    raise ValueError(f"a piece holds {words.max()} word starts; word counts are stored as uint8")
+  return ids, words.astype(np.uint8)
 
 
 def dataset_info(config: Any) -> DatasetInfo:
@@ -133,6 +197,12 @@ class Tokenize(grain.transforms.Map):
       text = text[: self.max_chars]
     ids = tokenizer.load(self.model_path).encode(text)
     return np.asarray([tokenizer.BOS_ID] + ids + [tokenizer.EOS_ID], np.int32)
+
+  def map_with_words(self, record) -> tuple[np.ndarray, np.ndarray]:
+    """(int32 [n] tokens as `map` gives them, uint8 [n] words per token, 0 for bos/eos; `token_words`)."""
+    ids, words = token_words(tokenizer.load(self.model_path), clean_text(record["text"]))
+    tokens = np.asarray([tokenizer.BOS_ID] + ids + [tokenizer.EOS_ID], np.int32)  # [n]
+    return tokens, np.concatenate([[0], words, [0]]).astype(np.uint8)  # [n]
 
 
 def segment_starts(segment_ids: np.ndarray) -> np.ndarray:
