@@ -4,6 +4,8 @@
     python -m data.prepare imagenet64 --data_dir DIR     # manual download first (printed)
     python -m data.prepare wiki40b --data_dir DIR        # TFDS Beam build + 32K SentencePiece model
     python -m data.prepare c4 --data_dir DIR             # Beam build (very large) + 32K SentencePiece model
+    python -m data.prepare pg19 --data_dir DIR           # TFDS build (books from gs://deepmind-gutenberg)
+                                                         # + 32K SentencePiece model on 2000 books
     python -m data.prepare lra --data_dir DIR            # unpack/check lra_release, build imdb_reviews +
                                                          # cifar10
     python -m data.prepare lra_listops --data_dir DIR    # or one LRA task
@@ -58,6 +60,8 @@ PLAN: dict[str, tuple[str, str, str | None]] = {
   "c4": ("~7 TB of Common Crawl input, ~800 GB prepared", "days on one machine; use a Beam runner on a "
          "cluster (e.g. --beam_runner DataflowRunner via --beam_flags), plus ~1 h SentencePiece training",
          None),
+  "pg19": ("~11 GB of books read from gs://deepmind-gutenberg (28,752 books), ~11 GB prepared",
+           "~1-2 hours (no Beam), plus ~30 min SentencePiece training", None),
   "lra": (
     "~7.7 GB archive (lra_release.gz), ~30 GB unpacked, plus imdb_reviews (~80 MB) and cifar10 (~170 MB)",
     "~20-40 min to unpack and check",
@@ -321,7 +325,7 @@ def prepare_characters(name: str, data_dir: str) -> int | None:
 
 
 def prepare(name: str, data_dir: str, *, skip_build: bool = False, vocab_size: int = 32000,
-            spm_docs: int = 1_000_000, beam_flags: list[str] | None = None, seed: int = 0,
+            spm_docs: int | None = None, beam_flags: list[str] | None = None, seed: int = 0,
             listops_fields: dict[str, Any] | None = None, lra_sha256: str | None = None) -> int:
   """Runs the steps for `name`; returns the exit status (0 ok, 1 verification failed, 2 manual step missing).
 
@@ -355,11 +359,14 @@ def prepare(name: str, data_dir: str, *, skip_build: bool = False, vocab_size: i
   if name in images.SPECS and not skip_build:
     build_tfds(images.SPECS[name][0], data_dir)
   elif name in text.SPECS:
+    spec = text.SPECS[name]
     if not skip_build:
-      build_tfds(text.SPECS[name]["tfds_name"], data_dir,
-                 beam_flags=beam_flags or ["--runner=DirectRunner", "--direct_running_mode=multi_processing",
-                                           f"--direct_num_workers={os.cpu_count()}"])
-    train_spm(name, data_dir, vocab_size=vocab_size, docs=spm_docs, seed=seed)
+      beam = spec.get("beam", True)  # pg19's builder is a plain generator
+      build_tfds(spec["tfds_name"], data_dir, beam_flags=None if not beam else beam_flags or [
+          "--runner=DirectRunner", "--direct_running_mode=multi_processing",
+          f"--direct_num_workers={os.cpu_count()}"])
+    train_spm(name, data_dir, vocab_size=vocab_size, docs=spm_docs or spec.get("spm_docs", 1_000_000),
+              seed=seed)
   elif name in characters.SPECS:
     status = prepare_characters(name, data_dir)
     if status is not None:
@@ -388,8 +395,8 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--data_dir", required=True)
   parser.add_argument("--skip_build", action="store_true", help="only tokenizer training and verification")
   parser.add_argument("--vocab_size", type=int, default=32000)
-  parser.add_argument("--spm_docs", type=int, default=1_000_000,
-                      help="training documents sampled for SentencePiece")
+  parser.add_argument("--spm_docs", type=int, default=None,
+                      help="training documents sampled for SentencePiece (default 1M; pg19: 2000 books)")
   parser.add_argument("--beam_flags", default=None, help="Beam pipeline flags, space-separated (wiki40b, c4)")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--lra_sha256", default=None,
