@@ -103,6 +103,9 @@ class CompressiveAttention(TransformerXLAttention):
       self.conv = layers.DenseGeneral((self.rate, features), (features,), **conv)
     if self.compression == "dilated_conv":
       self.dilated = nnx.List([layers.DenseGeneral((2, features), (features,), **conv) for _ in DILATIONS])
+    # (mem_len, compressed_mem_len) of the model, set by its block (models/transformer.py) when the compressed
+    # memory is on; None: cached decoding is Transformer-XL's, from position 0 without memory.
+    self.decoding_memory: tuple[int, int] | None = None
 
   def compress(self, evicted: Array, evicted_valid: Array, *, x: Array, mask: Array, memory: Array,
                memory_mask: Array, evicted_at: int, norm: Any, deterministic: bool) -> tuple[Array, Array]:
@@ -113,6 +116,20 @@ class CompressiveAttention(TransformerXLAttention):
     memory_mask [batch, K]: what the layer's attention read before x ([compressed; memory], unnormed), the
     evicted states being keys evicted_at .. evicted_at + L - 1 of [memory; x]; norm: the block's layer norm
     applied before the attention."""
+    usage = None
+    if self.compression == "most_used":
+      length = evicted.shape[1]
+      usage = self.usage(x, mask, memory, memory_mask, norm)[:, evicted_at:evicted_at + length]  # [batch, L]
+    out, out_valid = self.compressed(evicted, evicted_valid, usage)
+    if self.compression in LEARNED and not deterministic and self.loss_weight > 0:
+      self.sow(nnx.Intermediate, "loss_term", self.loss_weight * self.reconstruction(
+          x, mask, evicted, evicted_valid.astype(bool), out, out_valid, norm))
+    out = jnp.where(out_valid[..., None], out, 0)
+    return out.astype(evicted.dtype), out_valid
+
+  def compressed(self, evicted: Array, evicted_valid: Array, usage: Array | None) -> tuple[Array, Array]:
+    """f_c itself: evicted [batch, L, features] with evicted_valid [batch, L] (and, for most_used, their
+    usage [batch, L]) -> [batch, L / c, features] (invalid slots not yet zeroed) and the validity."""
     batch, length, features = evicted.shape
     if length % self.rate:
       raise ValueError(f"attention 'compressive': the segment length {length} must be a multiple of "
@@ -123,7 +140,6 @@ class CompressiveAttention(TransformerXLAttention):
     grouped_valid = valid.reshape(batch, groups, self.rate)  # [batch, L / c, c]
     out_valid = grouped_valid.any(-1)  # [batch, L / c]
     if self.compression == "most_used":
-      usage = self.usage(x, mask, memory, memory_mask, norm)[:, evicted_at:evicted_at + length]  # [batch, L]
       _, top = jax.lax.top_k(jnp.where(valid, usage, -jnp.inf), groups)  # [batch, L / c]
       top = jnp.sort(top, axis=-1)  # in their order
       out = jnp.take_along_axis(zeroed, top[..., None], axis=1)  # [batch, L / c, features]
@@ -142,11 +158,7 @@ class CompressiveAttention(TransformerXLAttention):
           h = h + jax.nn.relu(layer(jnp.stack([before, h], axis=2)))  # [batch, L, features]
           h = jnp.where(valid[..., None], h, 0)
       out = self.conv(h.reshape(batch, groups, self.rate, features))  # [batch, L / c, features]
-      if not deterministic and self.loss_weight > 0:
-        self.sow(nnx.Intermediate, "loss_term", self.loss_weight * self.reconstruction(
-            x, mask, evicted, valid, out, out_valid, norm))
-    out = jnp.where(out_valid[..., None], out, 0)
-    return out.astype(evicted.dtype), out_valid
+    return out, out_valid
 
   def usage(self, x: Array, mask: Array, memory: Array, memory_mask: Array, norm: Any) -> Array:
     """The attention each key of [memory; x] receives from the segment x: [batch, K + L], summed over the
@@ -191,3 +203,101 @@ class CompressiveAttention(TransformerXLAttention):
     total = jnp.sum(jnp.where(queries[..., None, None], diff * diff, 0))
     count = jnp.maximum(jnp.sum(queries), 1) * self.num_heads * self.head_dim
     return total / count
+
+  # Cached decoding with the memories (see the module docstring): the block passes its raw input and norm.
+  def init_cache(self, batch: int, max_length: int) -> attention.LayerCache:
+    """Without `decoding_memory`, Transformer-XL's cache; with it, a window of mem_len + c block inputs (their
+    keys, values, validity and usage) and n_cm compressed slots (keys, values, validity), all empty. Its size
+    does not depend on max_length: decoding may run past it."""
+    if not self.decoding_memory:
+      return super().init_cache(batch, max_length)
+    mem_len, n_cm = self.decoding_memory
+    window, heads = mem_len + self.rate, (self.num_heads, self.head_dim)
+    ct = contract.softmax_dtype(self.dtype)
+    state = {"hidden": jnp.zeros((batch, window, self.features), self.dtype),
+             "k": jnp.zeros((batch, window, *heads), self.dtype),
+             "v": jnp.zeros((batch, window, *heads), self.dtype),
+             "valid": jnp.zeros((batch, window), bool), "usage": jnp.zeros((batch, window), ct),
+             "compressed_k": jnp.zeros((batch, n_cm, *heads), self.dtype),
+             "compressed_v": jnp.zeros((batch, n_cm, *heads), self.dtype),
+             "compressed_valid": jnp.zeros((batch, n_cm), bool)}
+    return attention.LayerCache(state, max_length)
+
+  def decode_compressive(self, x: Array, cache: attention.LayerCache, position: Array | None, *, norm: Any
+                         ) -> tuple[Array, attention.LayerCache]:
+    """x: the block's raw input, [batch, 1, features] at `position`, or (position None) a prompt [batch, P,
+    features] at [0, P) from an empty cache, run one step per token; norm: the block's layer norm.
+
+    Step t (offset i = t mod c in its group) writes its state to window slot mem_len + i and attends over
+    [compressed (n_cm); window slots 0 .. mem_len + i] with the relative distances of the segment forward
+    pass; after the group's last step the c oldest window states are compressed into one slot (appended to
+    the compressed FIFO, its oldest dropped) and the window moves on by c. This is exactly the model's
+    segment recurrence with segments of c tokens (`__call__` with a memory of mem_len and n_cm), so decoding
+    equals it position by position (with position_embedding 'none', as relative attention has: the
+    recurrence adds a learned table per segment). most_used: usage is the attention mass each window state
+    received from the queries of the current group, summed over them and averaged over heads, the forward
+    pass's usage of the segment that evicts it."""
+    if position is not None:
+      out, state = self._decode_one(x, cache.state, jnp.asarray(position, jnp.int32), norm)
+      return out, attention.LayerCache(state, cache.max_length)
+
+    def body(state, inputs):
+      out, state = self._decode_one(inputs[0][:, None], state, inputs[1], norm)
+      return state, out[:, 0]
+
+    state, out = jax.lax.scan(body, cache.state,
+                              (jnp.swapaxes(x, 0, 1), jnp.arange(x.shape[1], dtype=jnp.int32)))
+    return jnp.swapaxes(out, 0, 1), attention.LayerCache(state, cache.max_length)  # [batch, P, features]
+
+  def _decode_one(self, x: Array, state: dict[str, Array], position: Array, norm: Any
+                  ) -> tuple[Array, dict[str, Array]]:
+    """One step of `decode_compressive`: x [batch, 1, features] -> ([batch, 1, features], state)."""
+    mem_len, n_cm = self.decoding_memory
+    rate = self.rate
+    window = mem_len + rate
+    total = n_cm + window
+    slot = mem_len + position % rate  # the query's window slot
+    q, k, v = self.project(norm(x))  # [batch, 1, heads, head_dim]
+
+    def put(a: Array, value: Array) -> Array:
+      return jax.lax.dynamic_update_slice_in_dim(a, value.astype(a.dtype), slot, axis=1)
+
+    hidden = put(state["hidden"], x)  # [batch, window, features]
+    keys, values = put(state["k"], k), put(state["v"], v)  # [batch, window, heads, head_dim]
+    valid = put(state["valid"], jnp.ones((x.shape[0], 1), bool))  # [batch, window]
+    ck = jnp.concatenate([state["compressed_k"], keys], axis=1)  # [batch, total, heads, head_dim]
+    cv = jnp.concatenate([state["compressed_v"], values], axis=1)
+    c_valid = jnp.concatenate([state["compressed_valid"], valid], axis=1)  # [batch, total]
+    params = attention.resolve_plan_params(ops_registry.get(self.op_name), self.plan_params, rate)
+    ct = contract.softmax_dtype(q.dtype)
+    r = clamped(self.relative(total), total, int(params.get("clamp_len", -1))).astype(ct)  # [total, heads, d]
+    distance = n_cm + slot - jnp.arange(total)  # [total]: the query sits at n_cm + slot
+    r = jnp.take(r, jnp.clip(distance, 0, total - 1), axis=0)  # [total, heads, head_dim]
+    qh = q[:, 0].astype(ct)  # [batch, heads, head_dim]
+    u, v_bias = self.u[...].astype(ct), self.v_bias[...].astype(ct)  # [heads, head_dim]
+    logits = (jnp.einsum("bhd,bjhd->bhj", qh + u, ck.astype(ct))
+              + jnp.einsum("bhd,jhd->bhj", qh + v_bias, r)) * contract.logit_scale(self.head_dim)
+    p = masked_softmax(logits, c_valid[:, None, :] & (distance >= 0)[None, None, :])  # [batch, heads, total]
+    o = jnp.einsum("bhj,bjhd->bhd", p, cv.astype(ct)).astype(v.dtype)  # [batch, heads, head_dim]
+    usage = state["usage"] + p[:, :, n_cm:].mean(1)  # [batch, window]
+    new = {"hidden": hidden, "k": keys, "v": values, "valid": valid, "usage": usage,
+           "compressed_k": state["compressed_k"], "compressed_v": state["compressed_v"],
+           "compressed_valid": state["compressed_valid"]}
+    # The group's last step: its c oldest window states leave, compressed into one slot.
+    out, out_valid = self.compressed(hidden[:, :rate], valid[:, :rate], usage[:, :rate])  # [batch, 1, .]
+    out = jnp.where(out_valid[..., None], out, 0).astype(hidden.dtype)
+    c_key, c_value = self.key(norm(out)), self.value(norm(out))  # [batch, 1, heads, head_dim]
+
+    def fifo(a: Array, entering: Array) -> Array:
+      return jnp.concatenate([a, entering.astype(a.dtype)], axis=1)[:, entering.shape[1]:]
+
+    moved = {"hidden": fifo(hidden, jnp.zeros_like(hidden[:, :rate])), "k": fifo(keys, jnp.zeros_like(
+        keys[:, :rate])), "v": fifo(values, jnp.zeros_like(values[:, :rate])),
+             "valid": fifo(valid, jnp.zeros_like(valid[:, :rate])),
+             "usage": jnp.zeros_like(usage),
+             "compressed_k": fifo(state["compressed_k"], c_key),
+             "compressed_v": fifo(state["compressed_v"], c_value),
+             "compressed_valid": fifo(state["compressed_valid"], out_valid)}
+    last = position % rate == rate - 1
+    new = jax.tree.map(lambda a, b: jnp.where(last, b, a), new, moved)
+    return self.out(o[:, None]), new  # [batch, 1, features]

@@ -91,6 +91,8 @@ class Block(nnx.Module):
       raise cli.mark_usage(ValueError(
           f"config.model.compressed_mem_len={compressed_mem_len} needs an attention whose module compresses "
           f"memories; attention {cfg.attention.name!r} ({type(self.attention).__name__}) does not"))
+    if compressed_mem_len > 0:  # its cached decoding keeps both memories (models/compressive_attention.py)
+      self.attention.decoding_memory = (mem_len, compressed_mem_len)
     self.norm2 = layers.LayerNorm(f, dtype=dtype, rngs=rngs)
     self.mlp = Mlp(f, cfg.mlp_dim, dropout_rate=cfg.dropout_rate, dtype=dtype, rngs=rngs)
     self.dropout = nnx.Dropout(cfg.dropout_rate, rngs=rngs)
@@ -111,7 +113,9 @@ class Block(nnx.Module):
   def decode(self, x: Array, cache: Any, position: Array | None = None) -> tuple[Array, Any]:
     """One token x [batch, 1, features] at `position` (or, position=None, a prompt [batch, P, features] at
     positions [0, P)) through the block with the attention layer's cache; dropout off."""
-    if position is None:
+    if getattr(self.attention, "decoding_memory", None):  # compresses the raw inputs that leave its window
+      h, cache = self.attention.decode_compressive(x, cache, position, norm=self.norm1)
+    elif position is None:
       h, cache = self.attention.prefill(self.norm1(x), cache)
     else:
       h, cache = self.attention.decode_step(self.norm1(x), cache, position)
