@@ -6,10 +6,12 @@ Positions are 0-based, s_ij = q_i . k_j / sqrt(d), x = i - j (causal: keys j <= 
 
   m_z(x) = clamp((R + z - x) / R, 0, 1),    a_ij = m_z(x_ij) exp(s_ij) / sum_k m_z(x_ik) exp(s_ik)
 
-with R = `ramp` (the paper's 32). Masked keys are dropped; keys with m_z(x) = 0 (x >= z + R) get weight
-exactly zero and gradient exactly zero, also with respect to z. The spans are model parameters
-(`models.adaptive_span_attention` owns them and their L1 penalty); the op takes them as `spans` [heads] in
-tokens.
+with R = `ramp` (the paper's 32). With `positions` p (the paper's learned relative position embeddings, one
+vector per distance, p_x [heads, head_dim]), s_ij = q_i . (k_j + p_{x_ij}) / sqrt(d); the paper is causal,
+and bidirectionally p is indexed by |i - j|, so it tells near from far but not left from right. Masked keys
+are dropped; keys with m_z(x) = 0 (x >= z + R) get weight exactly zero and gradient exactly zero, also with
+respect to z. The spans and p are model parameters (`models.adaptive_span_attention` owns them and the
+spans' L1 penalty); the op takes them as `spans` [heads] in tokens and `positions`.
 
 Keys may cover [memory; segment] (Transformer-XL's cache of earlier segments, which the paper trains the spans
 with): k, v and the key mask then hold M = k.shape[1] - q.shape[1] memory positions before the L of the
@@ -26,7 +28,10 @@ max z + R. The trip count T is computed from the spans at run time, so a layer c
 O(L * (max z + R + block) * d) whatever `max_span` is; `max_span` bounds T statically (and the decoder's
 window) and clamps z. Blocks beyond T are never read: a NaN there stays out of every output and gradient.
 Inside the loop softmax runs online as in flash attention (running max, rescaled sums); the backward
-recomputes each block's weights from the saved log-sum-exp.
+recomputes each block's weights from the saved log-sum-exp. The position term is never built per pair:
+at offset t a block's pairs span the 2 * block - 1 distances around t * block, so q @ p^T over those rows
+([size, 2 * size - 1] per query block) and a gather by each pair's distance give its [size, size] logits,
+O(L * block * d) per offset like q . k.
 """
 
 from __future__ import annotations
@@ -97,6 +102,18 @@ def window(max_span: int, ramp: float) -> int:
   return int(math.ceil(max_span + ramp))
 
 
+def check_positions(positions: Any, heads: int, head_dim: int, distances: int, *, op: str = OP) -> Array:
+  """`positions` as an array [heads or 1, P, head_dim] with P >= `distances` (row x: distance x)."""
+  if not hasattr(positions, "shape"):
+    raise TypeError(f"{op}: argument 'positions' must be an array [heads, distances, head_dim], got "
+                    f"{type(positions).__name__}")
+  shape = tuple(positions.shape)
+  if len(shape) != 3 or shape[0] not in (1, heads) or shape[2] != head_dim or shape[1] < distances:
+    raise ValueError(f"{op}: argument 'positions' must have shape [heads or 1, >= {distances}, {head_dim}] "
+                     f"(one embedding per distance 0 .. ceil(max_span + ramp) - 1), got {shape}")
+  return jnp.asarray(positions)
+
+
 def check_inputs(q: Any, k: Any, v: Any, mask: Any) -> tuple[Array, Array, Array, Array]:
   """q [batch, L, heads, head_dim]; k [batch, M + L, heads, head_dim]; v [batch, M + L, heads, value_dim];
   mask None or [batch, M + L] -> jax arrays, mask bool (all True for None). M = 0 is the op contract's check
@@ -119,10 +136,12 @@ class Plan(NamedTuple):
   length: int  # L
   front: int  # key blocks before the segment's first (0 without memory)
   lead: int  # zero keys in front of the memory (0 without memory)
+  positions: bool = False  # relative position embeddings in the logits
 
 
 def adaptive_span(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None, spans: Array,
-                  max_span: int, ramp: float = RAMP, block_size: int = BLOCK) -> Array:
+                  max_span: int, ramp: float = RAMP, block_size: int = BLOCK,
+                  positions: Array | None = None) -> Array:
   """Softmax attention with a learned soft span per head (see the module docstring).
 
   q: [batch, L, heads, head_dim]; k: [batch, M + L, heads, head_dim]; v: [batch, M + L, heads, value_dim]
@@ -130,6 +149,8 @@ def adaptive_span(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | N
   spans: [heads] (or [1]) spans z in tokens, clamped to [0, max_span]; differentiable.
   max_span: static bound on the spans (the loop's static trip-count bound). ramp: R > 0.
   block_size: queries and keys per block of the loop.
+  positions: None or [heads (or 1, shared), P, head_dim], P >= ceil(max_span + ramp): row x is the learned
+  embedding p_x of distance x (|i - j| bidirectionally), added to the keys; differentiable.
   Returns [batch, L, heads, value_dim] in v's dtype.
   """
   q, k, v, mask = check_inputs(q, k, v, mask)
@@ -153,10 +174,15 @@ def adaptive_span(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | N
   front = (lead + memory) // size
   # Static bound on the offsets: the largest span's T (at most every key block).
   bound = min(front + n, -(-(window(max_span, ramp) + size - 1) // size))
-  plan = Plan(causal, ramp, size, n, bound, length, front, lead)
+  plan = Plan(causal, ramp, size, n, bound, length, front, lead, positions is not None)
   qh, kh, vh = (head_major(x).astype(ct) for x in (q, k, v))  # [batch, heads, L or M' + L, dim]
   qh = qh * contract.logit_scale(head_dim)
-  out = _span_attention(plan, qh, kh, vh, mask, z)  # [batch, heads, L, value_dim]
+  rows = None
+  if positions is not None:
+    p = check_positions(positions, heads, head_dim, window(max_span, ramp)).astype(ct)
+    p = jnp.broadcast_to(p, (heads, *p.shape[1:]))  # [heads, P, head_dim]
+    rows = _position_rows(plan, p)  # [heads, (bound + 1) * size - 1, head_dim]
+  out = _span_attention(plan, qh, kh, vh, mask, z, rows)  # [batch, heads, L, value_dim]
   return jnp.swapaxes(out, 1, 2).astype(v.dtype)  # [batch, L, heads, value_dim]
 
 
@@ -243,9 +269,37 @@ def _real_at(plan: Plan, t: Array, real: Array) -> Array:
   return _keys_at(real, plan, t, 1) & ((b >= 0) & (b < plan.front + plan.n))[None, :, None]
 
 
-def _forward(plan: Plan, q: Array, k: Array, v: Array, mask: Array, z: Array) -> tuple[Array, Array]:
-  """q [batch, heads, L, head_dim] (scaled) -> (out [batch, heads, L, value_dim], lse [batch, heads, n,
-  size]); online softmax over the key-block offsets |t| < T."""
+def _position_rows(plan: Plan, p: Array) -> Array:
+  """p [heads, P, head_dim] -> [heads, (bound + 1) * size - 1, head_dim]: row r holds distance
+  r - (size - 1), zeros for the distances outside [0, P) (never valid pairs), so that every offset's
+  2 * size - 1 distances are one static-size slice (`_position_logits`)."""
+  used = min(p.shape[1], plan.bound * plan.size)  # no pair of the layout is farther apart
+  return jnp.pad(p[:, :used], ((0, 0), (plan.size - 1, plan.bound * plan.size - used), (0, 0)))
+
+
+def _near_rows(plan: Plan, t: Array, rows: Array) -> Array:
+  """The rows of the distances |t| * size + [-(size - 1), size - 1], those of offset t's pairs: [heads,
+  2 * size - 1, head_dim]."""
+  return lax.dynamic_slice_in_dim(rows, jnp.abs(t) * plan.size, 2 * plan.size - 1, axis=1)
+
+
+def _position_logits(plan: Plan, t: Array, qb: Array, near: Array) -> Array:
+  """q_i . p_{x_ij} for the pairs of every query block b and key block b - t: qb [batch, heads, n, size,
+  head_dim] (scaled), near = `_near_rows` -> [batch, heads, n, size, size]: q @ p^T over the 2 * size - 1
+  distances of offset t, then a gather by each pair's distance."""
+  size = plan.size
+  base = jnp.abs(t) * size
+  qp = jnp.einsum("bhnqd,hrd->bhnqr", qb, near)  # [batch, heads, n, size, 2 * size - 1]
+  dist = t * size + jnp.arange(size)[:, None] - jnp.arange(size)[None, :]  # (M + i) - j: [size, size]
+  x = dist if plan.causal else jnp.abs(dist)
+  index = jnp.clip(x - base + size - 1, 0, 2 * size - 2)  # row of `near`: [size, size]
+  return jnp.take_along_axis(qp, index[None, None, None], axis=-1)  # [batch, heads, n, size, size]
+
+
+def _forward(plan: Plan, q: Array, k: Array, v: Array, mask: Array, z: Array,
+             rows: Array | None) -> tuple[Array, Array]:
+  """q [batch, heads, L, head_dim] (scaled), rows None or `_position_rows` -> (out [batch, heads, L,
+  value_dim], lse [batch, heads, n, size]); online softmax over the key-block offsets |t| < T."""
   size, n = plan.size, plan.n
   lay = _layout(plan, k, v, mask)
   qb = _blocks(q, n, size)  # [batch, heads, n, size, head_dim]
@@ -259,6 +313,8 @@ def _forward(plan: Plan, q: Array, k: Array, v: Array, mask: Array, z: Array) ->
     kb, vb = _keys_at(lay["k"], plan, t, 2), _keys_at(lay["v"], plan, t, 2)  # [batch, heads, n, size, dim]
     valid, m = _block_weights(plan, t, _real_at(plan, t, lay["real"]), z)
     s = jnp.einsum("bhnqd,bhnkd->bhnqk", qb, kb)  # [batch, heads, n, size, size]
+    if rows is not None:
+      s = s + _position_logits(plan, t, qb, _near_rows(plan, t, rows))
     s = jnp.where(valid, s, -jnp.inf)
     new_max = jnp.maximum(row_max, jnp.max(s, axis=-1))  # [batch, heads, n, size]
     safe = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
@@ -267,8 +323,8 @@ def _forward(plan: Plan, q: Array, k: Array, v: Array, mask: Array, z: Array) ->
     acc = acc * keep[..., None] + jnp.einsum("bhnqk,bhnkd->bhnqd", p, vb)
     return acc, new_max, denom * keep + jnp.sum(p, axis=-1)
 
-  rows = (batch, heads, n, size)
-  init = (jnp.zeros((*rows, dv), q.dtype), jnp.full(rows, -jnp.inf, q.dtype), jnp.zeros(rows, q.dtype))
+  shape = (batch, heads, n, size)
+  init = (jnp.zeros((*shape, dv), q.dtype), jnp.full(shape, -jnp.inf, q.dtype), jnp.zeros(shape, q.dtype))
   acc, row_max, denom = lax.fori_loop(start, end, body, init)
   out = unflag(acc / jnp.where(denom > 0, denom, 1.0)[..., None])  # [batch, heads, n, size, value_dim]
   lse = jnp.where(denom > 0, jnp.where(jnp.isfinite(row_max), row_max, 0.0) + jnp.log(
@@ -277,20 +333,22 @@ def _forward(plan: Plan, q: Array, k: Array, v: Array, mask: Array, z: Array) ->
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _span_attention(plan: Plan, q: Array, k: Array, v: Array, mask: Array, z: Array) -> Array:
-  return _forward(plan, q, k, v, mask, z)[0]
+def _span_attention(plan: Plan, q: Array, k: Array, v: Array, mask: Array, z: Array,
+                    rows: Array | None) -> Array:
+  return _forward(plan, q, k, v, mask, z, rows)[0]
 
 
-def _span_attention_fwd(plan, q, k, v, mask, z):
-  out, lse = _forward(plan, q, k, v, mask, z)
-  return out, (q, k, v, mask, z, out, lse)
+def _span_attention_fwd(plan, q, k, v, mask, z, rows):
+  out, lse = _forward(plan, q, k, v, mask, z, rows)
+  return out, (q, k, v, mask, z, rows, out, lse)
 
 
 def _span_attention_bwd(plan, saved, d_out):
   """Flash-attention backward over the same offsets: with a_ij = m_ij exp(s_ij - lse_i) and
   g_ij = dout_i . v_j - dout_i . out_i, ds_ij = a_ij g_ij, and dm_ij = exp(s_ij - lse_i) g_ij, which reaches
-  z_h as dm/dz = 1/R where 0 < m < 1."""
-  q, k, v, mask, z, out, lse = saved
+  z_h as dm/dz = 1/R where 0 < m < 1. The position term's share of ds reaches q and the rows of p through
+  the pullback of `_position_logits` (a scatter-add by distance)."""
+  q, k, v, mask, z, rows, out, lse = saved
   size, n, ramp = plan.size, plan.n, plan.ramp
   batch, heads = q.shape[:2]
   lay = _layout(plan, k, v, mask)
@@ -302,11 +360,14 @@ def _span_attention_bwd(plan, saved, d_out):
   start, end = _step_count(plan, _trip_count(z, plan))
 
   def body(u, carry):
-    dq, dk, dv, dz = carry
+    dq, dk, dv, dz, drows = carry
     t = _offset(plan, u)
     kb, vb = _keys_at(kfin, plan, t, 2), _keys_at(vfin, plan, t, 2)  # [batch, heads, n, size, dim]
     valid, m = _block_weights(plan, t, _real_at(plan, t, lay["real"]), z)
     s = jnp.einsum("bhnqd,bhnkd->bhnqk", qb, kb)  # [batch, heads, n, size, size]
+    if rows is not None:
+      pos, pull = jax.vjp(functools.partial(_position_logits, plan, t), qb, _near_rows(plan, t, rows))
+      s = s + pos  # [batch, heads, n, size, size]
     a = jnp.where(valid, m[None, :, None] * jnp.exp(jnp.where(valid, s, -jnp.inf) - lse[..., None]), 0.0)
     g = jnp.einsum("bhnqd,bhnkd->bhnqk", dob, vb) - delta[..., None]
     ds = jnp.where(valid, a * g, 0.0)  # [batch, heads, n, size, size]
@@ -317,13 +378,19 @@ def _span_attention_bwd(plan, saved, d_out):
     # dL/dm = e^s / Z * g = ds / m where m > 0; dm/dz = 1/R inside the ramp (0 < m < 1), else 0.
     per_m = jnp.where((m > 0) & (m < 1), 1.0 / jnp.where(m > 0, m, 1.0), 0.0) / ramp  # [heads, size, size]
     dz = dz + jnp.einsum("bhnqk,hqk->h", ds, per_m)
-    return dq, dk, dv, dz
+    if rows is not None:
+      dq_pos, d_near = pull(ds)
+      dq = dq + dq_pos
+      at = jnp.abs(t) * size
+      drows = lax.dynamic_update_slice_in_dim(
+          drows, lax.dynamic_slice_in_dim(drows, at, 2 * size - 1, axis=1) + d_near, at, axis=1)
+    return dq, dk, dv, dz, drows
 
   init = (jnp.zeros_like(qb), jnp.zeros(lay["k"].shape, q.dtype), jnp.zeros(vfin.shape, q.dtype),
-          jnp.zeros((heads,), z.dtype))
-  dq, dk, dv, dz = lax.fori_loop(start, end, body, init)
+          jnp.zeros((heads,), z.dtype), None if rows is None else jnp.zeros_like(rows))
+  dq, dk, dv, dz, drows = lax.fori_loop(start, end, body, init)
   dq = dq.reshape(batch, heads, n * size, -1)[:, :, :plan.length]
-  return dq, _unblock_keys(dk, plan), _unblock_keys(dv, plan), None, dz
+  return dq, _unblock_keys(dk, plan), _unblock_keys(dv, plan), None, dz, drows
 
 
 _span_attention.defvjp(_span_attention_fwd, _span_attention_bwd)
