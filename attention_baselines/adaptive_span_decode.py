@@ -1,7 +1,8 @@
 """Adaptive-span attention decoded from a ring of the last W = ceil(max_span + R) keys and values: no key
 farther than that can have a positive soft mask, so a step costs O(W * d) whatever the sequence length, and
 equals row `position` of the causal forward pass (`attention_baselines.adaptive_span`). Step arguments
-besides the plan: `spans` [heads] in tokens, as for the op (the model's current spans)."""
+besides the plan: `spans` [heads] in tokens and `positions` (None or [heads or 1, P, head_dim], row x the
+embedding of distance x), as for the op (the model's current spans and relative position embeddings)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from attention_baselines import adaptive_span as span_op
 from attention_baselines.adaptive_span import OP, RAMP, check_max_span, check_ramp, check_spans, soft_mask
 from attention_baselines.adaptive_span import window as span_window
 from attention_core.combine import Piece, joint_softmax, weighted_sum
@@ -31,9 +33,10 @@ def init_cache(batch: int, heads: int, max_length: int, head_dim: int, value_dim
 
 
 def step(cache: Cache, q: Array, k: Array, v: Array, position: Any, *, spans: Array, max_span: Any = None,
-         ramp: Any = RAMP, pool_q: Array | None = None, pool_k: Array | None = None,
-         **unused: Any) -> tuple[Array, Cache]:
-  """Writes the token at slot position mod W and attends to the ring with the soft span mask."""
+         ramp: Any = RAMP, positions: Array | None = None, pool_q: Array | None = None,
+         pool_k: Array | None = None, **unused: Any) -> tuple[Array, Cache]:
+  """Writes the token at slot position mod W and attends to the ring with the soft span mask (and the
+  relative position embedding of each slot's distance)."""
   del pool_q, pool_k, unused
   x = token(q, k, v, position, None, None, op=OP)
   n = cache["k"].shape[2]
@@ -48,7 +51,12 @@ def step(cache: Cache, q: Array, k: Array, v: Array, position: Any, *, spans: Ar
   distance = (x.position - jnp.arange(n)) % n  # [slots]: slot j holds position `position - distance`
   m = soft_mask(distance.astype(z.dtype), z[:, None], ramp)  # [heads, slots]
   valid = (distance <= x.position) & (m > 0)  # [heads, slots]: written slots inside the span
-  logits = jnp.einsum("bhd,bhnd->bhn", x.q, cache["k"]) * x.scale  # [batch, heads, slots]
+  logits = jnp.einsum("bhd,bhnd->bhn", x.q, cache["k"])  # [batch, heads, slots]
+  if positions is not None:
+    p = span_op.check_positions(positions, heads, q.shape[-1], n)  # [heads or 1, P, head_dim]
+    p = p.astype(x.q.dtype)
+    logits = logits + jnp.einsum("bhd,hnd->bhn", x.q, p[:, distance])  # p of each slot's distance
+  logits = logits * x.scale
   # m e^s / sum m e^s as a softmax of s + log m over the keys with m > 0.
   logits = logits + jnp.log(jnp.where(valid, m, 1.0))
   out = joint_softmax([Piece(logits, valid, lambda w: weighted_sum("bhn,bhnd->bhd", w, cache["v"]))])

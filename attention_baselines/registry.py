@@ -6,6 +6,7 @@ import jax.numpy as jnp
 from attention_baselines import dense_seq_parallel
 from attention_baselines.adaptive_span import adaptive_span
 from attention_baselines.adaptive_span import auto_params as adaptive_span_params
+from attention_baselines.adaptive_span import window as adaptive_span_window
 from attention_baselines.adaptive_span_decode import ADAPTIVE_SPAN
 from attention_baselines.bigbird import bigbird
 from attention_baselines.bigbird_decode import BIGBIRD
@@ -158,10 +159,13 @@ register(OpSpec(
                 "softmax, O(L*k*B*d)"))
 
 
-def _adaptive_span_inputs(length: int) -> dict:
+def _adaptive_span_inputs(length: int, *, head_dim: int = 64) -> dict:
   """A stand-in span shared by the heads (the model learns one per head): 256 tokens, a quarter of shorter
-  sequences."""
-  return {"spans": jnp.full((1,), float(min(256, max(1, length // 4))), jnp.float32)}
+  sequences; stand-in relative position embeddings shared by the heads, one per distance a key is read at."""
+  plan = adaptive_span_params(length)
+  distances = adaptive_span_window(plan["max_span"], plan["ramp"])
+  return {"spans": jnp.full((1,), float(min(256, max(1, length // 4))), jnp.float32),
+          "positions": _normal(14, (1, distances, head_dim), head_dim)}
 
 
 register(OpSpec(
