@@ -45,6 +45,38 @@ SETTINGS["listops_synthetic"] = ("listops_synthetic",) + SETTINGS["listops"][1:]
 PATHFINDER_DIFFICULTY = "curv_contour_length_9"
 SYNTHETIC_SMOKE = dict(min_length=16, max_length=64, num_train=1024, num_validation=128, num_test=128)
 
+# `:listops_1024,attention=...` (task listops_synthetic): the offline bidirectional ListOps comparison of
+# scripts.reproduce (`--table listops-bidirectional`), one setting for every attention so that the rows differ
+# only in it. Length 1024 is where the attentions differ in cost and the quadratic ones still train on a CPU;
+# examples of 500..1000 tokens fit it (the pipeline adds no CLS/EOS token: CLS pooling reads position 0).
+# The small model is YOSO's LRA model (2 layers, width 64, 2 heads, MLP 128, MEAN pooling) without dropout, so
+# that a few hundred steps separate the rows; Adam (no weight decay) lr 1e-3, a 10% warmup, cosine decay.
+# The train split holds exactly LISTOPS_1024_STEPS batches of 16 (one epoch, generated once); the test split
+# 512 examples, read whole at every evaluation.
+LISTOPS_1024 = "listops_1024"
+LISTOPS_1024_STEPS = 300
+LISTOPS_1024_BATCH = 16
+LISTOPS_1024_DATA = dict(seq_len=1024, min_length=500, max_length=1000,
+                         num_train=LISTOPS_1024_STEPS * LISTOPS_1024_BATCH, num_validation=512, num_test=512)
+
+
+def listops_1024(c) -> None:
+  c.data.update(LISTOPS_1024_DATA)
+  c.model.num_layers, c.model.features, c.model.num_heads, c.model.mlp_dim = 2, 64, 2, 128
+  c.model.dropout_rate = 0.0
+  c.model.classifier_pool = "MEAN"
+  c.model.attention.dropout_rate = 0.0
+  c.optimizer.name = "adamw"
+  c.optimizer.lr = 1e-3
+  c.optimizer.schedule = "cosine"
+  c.optimizer.warmup_steps = LISTOPS_1024_STEPS // 10
+  c.optimizer.weight_decay = 0.0
+  c.train.batch_size = c.train.eval_batch_size = LISTOPS_1024_BATCH
+  c.train.num_steps = LISTOPS_1024_STEPS
+  c.train.log_every = 25
+  c.train.eval_every = 100  # evaluation curves for `scripts.reproduce --plot`
+  c.train.checkpoint_every = LISTOPS_1024_STEPS
+
 
 # `:task=...,yoso_paper` (attention defaults to yoso): the YOSO paper's LRA setting (Zeng et al. 2021, section
 # 4.2, Table 3), which follows Nystromformer's LRA code (Xiong et al. 2021) rather than the LRA base configs:
@@ -84,8 +116,11 @@ def yoso_paper(c, task: str) -> None:
 
 
 def get_config(arg: str | None = None):
-  values, flags = base.parse_arg(arg, extra=("task",), flags=(YOSO_FLAG,))
-  task = values.pop("task", "listops")
+  values, flags = base.parse_arg(arg, extra=("task",), flags=(YOSO_FLAG, LISTOPS_1024))
+  task = values.pop("task", "listops_synthetic" if LISTOPS_1024 in flags else "listops")
+  if LISTOPS_1024 in flags and (task != "listops_synthetic" or YOSO_FLAG in flags):
+    raise ValueError(f"{LISTOPS_1024} is a setting of task=listops_synthetic alone, got task={task!r}"
+                     + (f" with {YOSO_FLAG}" if YOSO_FLAG in flags else ""))
   if task not in SETTINGS:
     raise ValueError(f"lra task must be one of {list(SETTINGS)}, got {task!r}")
   (name, seq_len, layers, width, heads, mlp, batch, steps, lr, schedule, warmup, wd, dropout,
@@ -120,6 +155,8 @@ def get_config(arg: str | None = None):
   c.train.checkpoint_every = 1000
   if YOSO_FLAG in flags:
     yoso_paper(c, task)
+  if LISTOPS_1024 in flags:
+    listops_1024(c)
   if "smoke" in flags:
     base.shrink_for_smoke(c, seq_len=64 if task != "image" and task != "pathfinder" else None)
     if task == "listops_synthetic":

@@ -8,8 +8,9 @@ r"""The papers' result tables as data: list, run and collect their rows from the
         --workdir_root gs://B/r --tpu_args "--zone us-central2-b --accelerator v4-32 --spot"  # scripts/tpu.py
 
 Tables: Combiner (Wang et al. 2021) Tables 1-6, Routing Transformer (Roy et al. 2021) Tables 1 and 4, YOSO
-(Zeng et al. 2021) Table 3, and `pystdlib` (byte-level LM on the Python standard library,
-configs/pystdlib.py).
+(Zeng et al. 2021) Table 3, `pystdlib` (byte-level LM on the Python standard library,
+configs/pystdlib.py) and `listops-bidirectional` (ListOps of the offline generator at length 1024, every
+registered bidirectional attention in one small model: configs/lra.py `listops_1024`).
 A row is (table, label, paper value, metric, config string, overrides, attention); rows whose attention is not
 in `models.registry.names()` (or that has no form for the row's direction, e.g. a bidirectional-only op in a
 decoder) are listed as "not implemented" and skipped, so a table grows as modules land.
@@ -75,7 +76,9 @@ class Row:
 
   paper: the published value (None where the paper gives none); metric: "bits_per_dim" | "perplexity" |
   "accuracy" (percent, as the papers print it) | "bits_per_byte"; config: `path[:arg]` for train.py --config;
-  overrides: extra `--config.<field>=<value>` flags; attention: the registry name the row needs.
+  overrides: extra `--config.<field>=<value>` flags (`{workdir_root}` in them: --workdir_root); attention: the
+  registry name the row needs; cpu_args: the config arguments of the cpu scale when not CPU_ARGS' (a setting
+  that is CPU-sized already: "").
   """
 
   table: str
@@ -86,6 +89,7 @@ class Row:
   attention: str
   overrides: tuple[str, ...] = ()
   note: str = ""
+  cpu_args: str | None = None  # cpu scale: appended instead of CPU_ARGS[config file] ("": none)
 
   @property
   def id(self) -> str:
@@ -257,10 +261,62 @@ def _pystdlib_table() -> dict[str, list[Row]]:
                             [(name, None, name, "") for name in PYSTDLIB_ROWS] + [PYSTDLIB_XL])}
 
 
+# The bidirectional ListOps table: every registered attention with a bidirectional form in the encoder
+# classifier, in one setting (configs/lra.py `listops_1024`: ListOps of the offline generator at length 1024,
+# a small model, one step budget; CPU-sized at every scale but smoke). Its rows come from the registry, so a
+# new attention gets a row without an edit here. Left out: comparison-only duplicates of another row's op and
+# the decoder-only memory systems (also marked causal-only in the registry). HIBERT is a model (built of dense
+# attention), not an attention, so it has no row. `none` (no attention, feed-forward only) is the reference,
+# as in YOSO's LRA table.
+LISTOPS_TABLE = "listops-bidirectional"
+LISTOPS_EXCLUDED = {"dense_xla": "dense's op without the fused kernels (for comparisons)",
+                    "transformer_xl": "decoder-only memory", "compressive": "decoder-only memory",
+                    "nsa": "decoder-only"}
+# Row order: dense, then each sparse pattern with its Combiner plans beside it (as in the pystdlib table),
+# then the rest alphabetically. A Combiner plan not named here joins the pattern its name starts with
+# (combiner_<x>... -> sparse_<x>), else the rest.
+LISTOPS_GROUPS = (("dense",), ("sparse_fixed", "combiner_fixed", "combiner_fixed_select"),
+                  ("sparse_axial", "combiner_axial_vertical", "combiner_axial_horizontal",
+                   "combiner_axial_rowmajor", "combiner_mixture", "combiner_mixture_joint"),
+                  ("sparse_logsparse", "combiner_logsparse"), ("routing", "combiner_routed"))
+# Rows that need more than the setting at length 1024: attention -> (overrides, note).
+LISTOPS_ROW_FIXES: dict[str, tuple[tuple[str, ...], str]] = {}
+# One cache of the generated splits for every row (generated once, before the rows run: run_rows).
+LISTOPS_DATA = ("--config.data.cache_dir={workdir_root}/data",)
+
+
+def bidirectional_attentions() -> list[str]:
+  """The registered attentions the encoder classifier can use (a bidirectional form), in the table's order."""
+  from attention_core import registry as ops_registry
+  from models import registry
+
+  ops = set(ops_registry.names())
+  names = [n for n in registry.names()
+           if n not in LISTOPS_EXCLUDED and (n not in ops or ops_registry.get(n).bidirectional)]
+  groups = [[n for n in group if n in names] for group in LISTOPS_GROUPS]
+  placed = {n for g in groups for n in g}
+  rest = []
+  for n in sorted(set(names) - placed):
+    group = next((g for g in groups[1:] if n.startswith("combiner_")
+                  and g and g[0] == "sparse_" + n.split("_")[1]), None)
+    (group if group is not None else rest).append(n)
+  return [n for g in groups for n in g] + rest
+
+
+def _listops_table() -> dict[str, list[Row]]:
+  rows = []
+  for name in bidirectional_attentions():
+    fix, note = LISTOPS_ROW_FIXES.get(name, ((), ""))
+    config = f"configs/lra.py:listops_1024,attention={name}"
+    rows.append(Row(LISTOPS_TABLE, name, None, "accuracy", config, name, LISTOPS_DATA + fix, note,
+                    cpu_args=""))
+  return {LISTOPS_TABLE: rows}
+
+
 def tables() -> dict[str, list[Row]]:
   """Every table id -> its rows, in the papers' order."""
   out: dict[str, list[Row]] = {}
-  for part in (_combiner_tables(), _routing_tables(), _yoso_tables(), _pystdlib_table()):
+  for part in (_combiner_tables(), _routing_tables(), _yoso_tables(), _pystdlib_table(), _listops_table()):
     out.update(part)
   return out
 
@@ -309,52 +365,65 @@ def config_string(row: Row, scale: str) -> str:
   if scale == "smoke":
     items = [a for a in items if a.partition("=")[0] not in SMOKE_DROPS] + ["smoke"]
   elif scale == "cpu":
-    extra = _CPU_ROUTING if "routing_paper" in items else CPU_ARGS.get(path, "")
+    extra = (row.cpu_args if row.cpu_args is not None
+             else _CPU_ROUTING if "routing_paper" in items else CPU_ARGS.get(path, ""))
     keys = {a.partition("=")[0] for a in extra.split(",") if a}
     items = [a for a in items if a.partition("=")[0] not in keys] + [a for a in extra.split(",") if a]
   return f"{path}:{','.join(items)}" if items else path
 
 
-def overrides(row: Row, scale: str) -> list[str]:
+WORKDIR_ROOT = "{workdir_root}"  # in a row's overrides: the --workdir_root of the run
+
+
+def overrides(row: Row, scale: str, root: str | None = None) -> list[str]:
   """The row's `--config.*` flags at `scale`: smoke drops those of SMOKE_OVERRIDE_DROPS (the smoke variant's
   evaluation batches win, e.g. over the Transformer-XL row's single stream, which a multi-device mesh cannot
-  split)."""
-  if scale != "smoke":
-    return list(row.overrides)
-  drop = SMOKE_OVERRIDE_DROPS
-  return [o for o in row.overrides if o.removeprefix("--config.").partition("=")[0] not in drop]
+  split). `{workdir_root}` becomes `root` (absolute when local); without a root, flags naming it are left
+  out (the config's default)."""
+  out = []
+  for o in row.overrides:
+    if scale == "smoke" and o.removeprefix("--config.").partition("=")[0] in SMOKE_OVERRIDE_DROPS:
+      continue
+    if WORKDIR_ROOT in o:
+      if root is None:
+        continue
+      o = o.replace(WORKDIR_ROOT, root if paths.is_uri(root) else os.path.abspath(root))
+    out.append(o)
+  return out
 
 
 def workdir(row: Row, scale: str, root: str, seed: int = 0) -> str:
   return paths.join(root, row.table, row.id, scale if seed == 0 else f"{scale}-seed{seed}")
 
 
-def train_argv(row: Row, scale: str, wd: str, seed: int = 0) -> list[str]:
-  """train.py's arguments for the row (without the interpreter)."""
-  argv = ["train.py", "--config", config_string(row, scale), "--workdir", wd, *overrides(row, scale)]
+def train_argv(row: Row, scale: str, wd: str, seed: int = 0, root: str | None = None) -> list[str]:
+  """train.py's arguments for the row (without the interpreter); root: the --workdir_root."""
+  argv = ["train.py", "--config", config_string(row, scale), "--workdir", wd, *overrides(row, scale, root)]
   if seed:
     argv.append(f"--config.seed={seed}")
   return argv
 
 
-def tpu_argv(row: Row, scale: str, wd: str, seed: int, tpu_args: str, allow_dirty: bool = False) -> list[str]:
+def tpu_argv(row: Row, scale: str, wd: str, seed: int, tpu_args: str, allow_dirty: bool = False,
+             root: str | None = None) -> list[str]:
   """`python -m scripts.tpu run` for the row (train.py's own flags after `--`); allow_dirty: ship the git
   HEAD although the tree has uncommitted changes (scripts.tpu refuses it otherwise)."""
   name = re.sub(r"[^a-z0-9-]+", "-", f"{row.table}-{row.id}-{seed}")[:60].strip("-")
   argv = [sys.executable, "-m", "scripts.tpu", "run", "--name", name, *shlex.split(tpu_args),
           *(["--allow_dirty"] if allow_dirty else []), "--config", config_string(row, scale), "--workdir", wd]
-  extra = [*overrides(row, scale)] + ([f"--config.seed={seed}"] if seed else [])
+  extra = [*overrides(row, scale, root)] + ([f"--config.seed={seed}"] if seed else [])
   return argv + (["--", *extra] if extra else [])
 
 
-def build_config(row: Row, scale: str) -> Any:
-  """The row's resolved config (get_config + overrides), checked against the attention registry."""
+def build_config(row: Row, scale: str, root: str | None = None) -> Any:
+  """The row's resolved config (get_config + overrides), checked against the attention registry; root: the
+  --workdir_root (see `overrides`)."""
   from models import registry
 
   path, _, arg = config_string(row, scale).partition(":")
   module = importlib.import_module(path.removesuffix(".py").replace("/", "."))
   c = module.get_config(arg or None)
-  for flag in overrides(row, scale):
+  for flag in overrides(row, scale, root):
     key, _, value = flag.removeprefix("--config.").partition("=")
     *parents, leaf = key.split(".")
     node = c
@@ -399,11 +468,12 @@ def _run_info(row: Row, scale: str, seed: int, argv: list[str]) -> dict[str, Any
   return info
 
 
-def _train_in_process(row: Row, scale: str, wd: str, seed: int, progress: bool) -> None:
+def _train_in_process(row: Row, scale: str, wd: str, seed: int, progress: bool, root: str | None = None
+                      ) -> None:
   """train.py's training and final evaluation in this process (no interpreter and JAX start per row)."""
   from training import loop
 
-  config = build_config(row, scale)
+  config = build_config(row, scale, root)
   if seed:
     config.seed = seed
   loop.train_and_evaluate(config, wd, progress=progress)
@@ -417,6 +487,7 @@ class _Job:
   wd: str
   argv: list[str]
   head: str
+  root: str | None = None
 
 
 def _run_one(job: _Job, launcher: str, in_process: bool, progress: bool) -> tuple[bool, float]:
@@ -424,7 +495,7 @@ def _run_one(job: _Job, launcher: str, in_process: bool, progress: bool) -> tupl
   start = time.time()
   if in_process and launcher == "local":
     try:
-      _train_in_process(job.row, job.scale, job.wd, job.seed, progress)
+      _train_in_process(job.row, job.scale, job.wd, job.seed, progress, job.root)
       rc = 0
     except Exception as e:  # report and go on with the next row
       print(f"{job.head}: {type(e).__name__}: {e}", flush=True)
@@ -438,6 +509,26 @@ def _run_one(job: _Job, launcher: str, in_process: bool, progress: bool) -> tupl
   print(f"{job.head}: " + (f"done in {took:.0f}s" if ok else f"FAILED (exit status {rc}) after {took:.0f}s"),
         flush=True)
   return ok, took
+
+
+def _generate_shared_data(jobs: Sequence[_Job]) -> None:
+  """Generates the cached ListOps splits (data/listops.py) that the jobs read, once, before any runs: rows
+  training side by side would otherwise generate the same split at once, and the first to finish removes the
+  shards that the other may still be reading. Every CPU generates (the rows start after)."""
+  from data import listops
+
+  done = set()
+  for job in jobs:
+    c = build_config(job.row, job.scale, job.root)
+    if c.data.name != "listops_synthetic":
+      continue
+    for split in ("train", str(c.eval_split)):
+      path = listops.cache_path(c, split)
+      if path is None or path in done:
+        continue
+      done.add(path)
+      listops.build_cache(c, split, workers=1 if job.scale == "smoke" else os.cpu_count(),
+                          progress=job.scale != "smoke")
 
 
 def _worker(job: _Job, progress: bool) -> bool:  # a process of the --jobs pool
@@ -469,16 +560,17 @@ def run_rows(selected: list[Row], scale: str, root: str, *, seeds: int = 1, laun
   for i, (row, seed) in enumerate(todo, 1):
     wd = workdir(row, scale, root, seed)
     head = f"[{i}/{len(todo)}] {row.table} / {row.label} ({scale}{f', seed {seed}' if seed else ''})"
-    key = tuple(a for a in train_argv(row, scale, "", seed) if a)
+    key = tuple(a for a in train_argv(row, scale, "", seed, root) if a)
     if not dry_run and finished(wd):  # (a dry run touches no storage)
       print(f"{head}: finished already ({paths.join(wd, 'metrics.json')})", flush=True)
       source.setdefault(key, wd)
       continue
     if launcher == "tpu":
-      argv = tpu_argv(row, scale, wd, seed, tpu_args, allow_dirty)
+      argv = tpu_argv(row, scale, wd, seed, tpu_args, allow_dirty, root)
     else:
-      argv = [sys.executable, *train_argv(row, scale, wd, seed)] + ([] if progress else ["--noprogress"])
-    job = _Job(row, scale, seed, wd, argv, head)
+      argv = [sys.executable, *train_argv(row, scale, wd, seed, root)]
+      argv += [] if progress else ["--noprogress"]
+    job = _Job(row, scale, seed, wd, argv, head, root)
     if key in source and launcher == "local":
       copies.append((job, source[key]))
       continue
@@ -490,6 +582,8 @@ def run_rows(selected: list[Row], scale: str, root: str, *, seeds: int = 1, laun
       print(f"{job.head}: the same command as {same}", flush=True)
     return []
   failed = []
+  if launcher == "local":
+    _generate_shared_data(pending)
   if jobs > 1 and launcher == "local" and len(pending) > 1:
     import concurrent.futures
     import multiprocessing
@@ -761,7 +855,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
       if not implemented(r):
         print(f"{r.table} / {r.label}:{value} [{unavailable(r)}]")
         continue
-      argv_ = train_argv(r, args.scale, workdir(r, args.scale, args.workdir_root))
+      argv_ = train_argv(r, args.scale, workdir(r, args.scale, args.workdir_root), root=args.workdir_root)
       print(f"{r.table} / {r.label}:{value} {r.metric}{f' ({r.note})' if r.note else ''}\n  python "
             f"{shlex.join(argv_)}")
   status = 0

@@ -173,8 +173,13 @@ def _smoke_command(row):
   return tuple(reproduce.train_argv(row, "smoke", ""))
 
 
+# The listops-bidirectional rows differ from one another in the attention alone, which
+# tests/models/test_transformer.py runs in the classifier: one of them (its representative) stands for all.
+LISTOPS_LOWERED = ("listops-bidirectional", "dense")
+LOWERED = [r for r in IMPLEMENTED
+           if r.table != reproduce.LISTOPS_TABLE or (r.table, r.label) == LISTOPS_LOWERED]
 _FIRST: dict[tuple[str, ...], reproduce.Row] = {}
-for _r in IMPLEMENTED:
+for _r in LOWERED:
   _FIRST.setdefault(_smoke_command(_r), _r)
 DISTINCT_SMOKE = list(_FIRST.values())  # the first row of each distinct smoke command
 
@@ -190,6 +195,7 @@ REPRESENTATIVE = (
     ("yoso-3", "pathfinder *YOSO-16"),  # an override, yoso_paper
     ("pystdlib", "yoso"),
     ("pystdlib", "transformer_xl"),  # segment recurrence on the ordered stream; its evaluation memory sweep
+    LISTOPS_LOWERED,  # listops_1024, the generated splits cached under the workdir root
 )
 
 
@@ -225,7 +231,7 @@ def test_representative_rows_cover_every_kind():
   assert len({_smoke_command(r) for r in reps}) == len(reps) - 1, "one pair with the same command (copied)"
   others = {_smoke_command(r) for r in IMPLEMENTED if r not in reps}
   assert not others & {_smoke_command(r) for r in reps}  # they are trained, not copied from a finished row
-  assert {_smoke_command(r) for r in IMPLEMENTED} == {_smoke_command(r) for r in DISTINCT_SMOKE}
+  assert {_smoke_command(r) for r in LOWERED} == {_smoke_command(r) for r in DISTINCT_SMOKE}
 
 
 _BATCHES: dict[str, tuple[dict, dict]] = {}  # data config -> (train batch, eval batch), this process's cache
@@ -417,3 +423,108 @@ def test_identical_commands_train_once(tmp_path, capsys):
   assert "the same command as" in capsys.readouterr().out
   records = reproduce.collect(rows, "smoke", str(tmp_path))
   assert [r["ours"] for r in records] == [7.5, 7.5]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The bidirectional ListOps table
+
+LISTOPS_ROWS = reproduce.tables()[reproduce.LISTOPS_TABLE]
+
+
+def _expected_bidirectional() -> set[str]:
+  """Registered attentions with a bidirectional form (the registry's own flag), less dense's comparison-only
+  duplicate and the decoder-only memory systems."""
+  from attention_core import registry as ops_registry
+
+  names = set(registry.names()) - {"dense_xla", "transformer_xl", "compressive", "nsa"}
+  return {n for n in names if n not in ops_registry.names() or ops_registry.get(n).bidirectional}
+
+
+def test_listops_rows_are_the_bidirectional_registry():
+  from attention_core import registry as ops_registry
+
+  labels = [r.label for r in LISTOPS_ROWS]
+  assert set(labels) == _expected_bidirectional() and len(labels) == len(set(labels))
+  assert {"dense", "none", "combiner_fixed", "yoso_c", "linformer"} <= set(labels)
+  for name in ("transformer_xl", "compressive", "nsa"):  # causal-only in the registry as well
+    assert not ops_registry.get(name).bidirectional
+  assert all(r.attention == r.label and r.paper is None and r.metric == "accuracy" for r in LISTOPS_ROWS)
+  # dense first; each Combiner plan right after its sparse pattern or another plan of it; then alphabetical
+  assert labels[0] == "dense"
+  assert labels[1:4] == ["sparse_fixed", "combiner_fixed", "combiner_fixed_select"]
+  for i, name in enumerate(labels):
+    if name.startswith("combiner_"):
+      assert labels[i - 1].startswith(("sparse_", "combiner_", "routing")), labels
+  grouped = {n for g in reproduce.LISTOPS_GROUPS for n in g}
+  rest = [n for n in labels if n not in grouped]
+  assert rest == sorted(rest) and labels[-len(rest):] == rest
+  assert all(reproduce.implemented(r) for r in LISTOPS_ROWS)
+
+
+def test_listops_rows_share_one_setting(tmp_path):
+  root = str(tmp_path)
+
+  def setting(c):
+    d = c.to_dict()
+    d["model"]["attention"] = {"dropout_rate": d["model"]["attention"]["dropout_rate"]}
+    return json.dumps(d, sort_keys=True, default=str)
+
+  for scale in ("cpu", "paper"):  # the setting is CPU-sized: both scales run it as it is
+    configs = [reproduce.build_config(r, scale, root) for r in LISTOPS_ROWS]
+    c = configs[0]
+    assert all(setting(other) == setting(c) for other in configs), scale
+    assert [str(x.model.attention.name) for x in configs] == [r.attention for r in LISTOPS_ROWS]
+    assert c.data.name == "listops_synthetic" and c.data.seq_len == 1024
+    assert (c.data.min_length, c.data.max_length, c.data.num_test) == (500, 1000, 512)
+    assert c.data.num_train == lra.LISTOPS_1024_STEPS * c.train.batch_size and c.train.batch_size == 16
+    assert c.train.num_steps == lra.LISTOPS_1024_STEPS and c.eval_split == "test"
+    m = c.model
+    assert (m.num_layers, m.features, m.num_heads, m.mlp_dim, m.classifier_pool) == (2, 64, 2, 128, "MEAN")
+    assert m.dropout_rate == 0.0 and m.attention.dropout_rate == 0.0
+    assert (c.optimizer.lr, c.optimizer.schedule, c.optimizer.weight_decay) == (1e-3, "cosine", 0.0)
+    assert c.data.cache_dir == os.path.join(root, "data")  # one cache for every row
+    assert data.dataset_info(c).seq_len == 1024 and data.dataset_info(c).task == "classify"
+  smoke = reproduce.build_config(LISTOPS_ROWS[0], "smoke", root)  # the smoke variant's lengths win
+  assert (smoke.data.seq_len, smoke.data.max_length, smoke.data.num_train) == (64, 64, 1024)
+  assert smoke.train.num_steps <= 10
+  assert reproduce.build_config(LISTOPS_ROWS[0], "cpu").data.cache_dir is None  # no root: no cache flag
+  with pytest.raises(ValueError, match="listops_1024"):
+    lra.get_config("listops_1024,task=listops")
+
+
+def test_listops_list_and_collect(tmp_path, capsys):
+  root = str(tmp_path)
+  assert reproduce.main(["--table", reproduce.LISTOPS_TABLE, "--list", "--scale", "cpu", "--workdir_root",
+                         root]) == 0
+  out = capsys.readouterr().out
+  assert out.count("listops-bidirectional / ") == len(LISTOPS_ROWS)
+  assert f"--config.data.cache_dir={tmp_path}/data" in out
+  assert "configs/lra.py:listops_1024,attention=dense " in out
+  dense = LISTOPS_ROWS[0]
+  wd = reproduce.workdir(dense, "cpu", root)
+  os.makedirs(wd)
+  with open(os.path.join(wd, "metrics.json"), "w") as f:
+    json.dump({"accuracy": 0.375, "loss": 1.9, "step": 300}, f)
+  assert reproduce.main(["--table", reproduce.LISTOPS_TABLE, "--collect", "--scale", "cpu", "--workdir_root",
+                         root]) == 0
+  md = (tmp_path / "results-listops-bidirectional-cpu.md").read_text()
+  assert "| dense |  | 37.500 |  | 1 | 300 |" in md and md.count("| not run |") == len(LISTOPS_ROWS) - 1
+  assert (tmp_path / "results-listops-bidirectional-cpu.csv").read_text().count("\n") == len(LISTOPS_ROWS) + 1
+
+
+@pytest.mark.slow
+def test_listops_smoke_rows_end_to_end(tmp_path, capsys):
+  """Two rows at smoke scale as a user runs them: the shared splits are generated once under the workdir
+  root before the rows train side by side, and both are collected."""
+  root = str(tmp_path)
+  status = reproduce.main(["--table", reproduce.LISTOPS_TABLE, "--rows", "dense", "combiner_fixed", "--scale",
+                           "smoke", "--run", "--collect", "--noprogress", "--workdir_root", root])
+  out = capsys.readouterr().out
+  assert status == 0, out[-3000:]
+  cached = os.listdir(os.path.join(root, "data", "listops_synthetic"))
+  assert sorted(n.split("-")[0] for n in cached) == ["test", "train"], cached  # no shards, no temporaries
+  records = reproduce.collect(reproduce.select(reproduce.LISTOPS_TABLE, ["dense", "combiner_fixed"]), "smoke",
+                              root)
+  assert [r["status"] for r in records] == ["ok", "ok"]
+  assert all(0.0 <= r["ours"] <= 100.0 and r["paper"] is None for r in records), records
+  assert "| dense |  |" in (tmp_path / "results-listops-bidirectional-smoke.md").read_text()
