@@ -13,9 +13,9 @@ Paper:     enwik8 test bits per character 1.02 with the small model (12 layers) 
            clipping 0.03, 600k steps (small) / 900k (large).
 This config: that model on the ordered enwik8 stream (`data.ordered=True`, data/characters.py; row i of each
            batch continues row i of the last), `attention=adaptive_span` with `model.mem_len = 8192` and
-           `params.max_span = 8192` (the span can reach the whole cache), no absolute positions. Differences:
-           pre-LN blocks; the paper's learned relative position embeddings are not part of the module (the
-           spans and the memory carry the order).
+           `params.max_span = 8192` (the span can reach the whole cache), the paper's learned relative
+           position embeddings (`relative_positions`, one per distance and layer, shared by the heads) and no
+           absolute positions. Differences: pre-LN blocks.
 Cost:      the paper trains on 8 GPUs for days; `:smoke` (1 layer, width 32, segments of 64 with a cache of
            64, a few steps on the generated enwik8 stand-in) runs in seconds on a CPU.
 Variants:  `large`, `text8`, `max_span=...`, `mem_len=...`, `eval_mem_len=...`, `seq_len=...`, `smoke`.
@@ -40,6 +40,7 @@ def get_config(arg: str | None = None):
   c.model.position_embedding = "none"
   c.model.mem_len = 8192  # the cache: the largest span S
   c.model.attention = base.attention_config("adaptive_span")
+  c.model.attention.relative_positions = True  # the paper's p_{t-r}; positions come from them alone
   c.model.attention.params.max_span = 8192
   c.optimizer.name = "adagrad"
   c.optimizer.lr = 0.07

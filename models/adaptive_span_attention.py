@@ -5,8 +5,14 @@ Name `adaptive_span` (decoders and encoders). The module owns per layer
   span_ratio   [heads] the spans as a fraction of `max_span`, z_h = max_span * clamp(span_ratio_h, 0, 1)
                (the paper's parameterisation), initialised at `span_init` (default 0, as the paper's code:
                every head starts at the ramp R and grows where distant keys help).
+  positions    [ceil(max_span + R), head_dim] with `relative_positions`: the paper's learned relative position
+               embeddings p_x, one per distance a key can be read at, shared by the heads (s_tr = q_t . (k_r +
+               p_{t-r}) / sqrt(d); bidirectionally p_{|t-r|}), initialised N(0, 1/head_dim).
 The clamp passes a gradient outside [0, 1] only when it points back inside (a projected step, as the paper's
 clamp after each update), so a span pushed to 0 by the penalty can grow again.
+`relative_positions` defaults to False in the registry's generic use: the other baselines of the tables
+carry the model's absolute positions and no per-layer position table, and existing configs and checkpoints
+keep their parameters; configs/adaptive_span.py turns it on with `position_embedding="none"`, as the paper.
 
 The loss: `span_loss * mean_h z_h` per layer (the paper's lambda / M * sum_h z_h, lambda ~ 2e-6 per token of
 span), sown as a `loss_term` that the train step adds to the loss as it is (models/registry.py).
@@ -18,13 +24,12 @@ Segment recurrence (`config.model.mem_len`, as in the paper's Transformer-XL set
 features] (the block's normed inputs of earlier segments) and `memory_mask` [batch, M] make keys and values
 over concat([memory, x]) and queries from x alone, so query i sits at position M + i and a span reaches back
 into the memory, at most max_span + R tokens (a memory longer than that costs nothing: the op drops what no
-span reaches; set `params.max_span` above the segment length for spans that cover a longer memory). The
-module has no position embedding of its own (the paper's learned relative ones are not implemented): with a
-memory, use `position_embedding="none"` (the causal order and the soft span are then its only sense of
-position) rather than absolute positions that restart at every segment. Cached decoding runs from position 0
-without memory, as the Transformer-XL module's.
+span reaches; set `params.max_span` above the segment length for spans that cover a longer memory). With a
+memory, use `relative_positions` and `position_embedding="none"` (p depends on distances only, so it means
+the same in the memory) rather than absolute positions that restart at every segment. Cached decoding runs
+from position 0 without memory, as the Transformer-XL module's.
 Config fields besides `name`, `params`, `dropout_rate`: `seq_len` (filled in by `models.registry.build`),
-`span_init`, `span_loss`, `recompute`.
+`span_init`, `span_loss`, `relative_positions`, `recompute`.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
+from attention_baselines.adaptive_span import window as span_window
 from attention_core import registry as ops_registry
 from attention_core import sharding
 from models import attention, layers, recompute
@@ -81,6 +87,9 @@ class AdaptiveSpanAttention(attention.OpAttention):
       minimum=0),
     "span_loss": attention.Field(
       float, "L1 coefficient per token of span added to the loss (None = 2e-6, the paper's)", minimum=0),
+    "relative_positions": attention.Field(
+      bool, "learned relative position embeddings p_{t-r} added to the keys, one per distance, shared by the "
+      "heads (None = False; the paper's, on in configs/adaptive_span.py)"),
     "recompute": attention.RECOMPUTE,
   }
 
@@ -96,6 +105,11 @@ class AdaptiveSpanAttention(attention.OpAttention):
     self.span_loss = _number(config, "span_loss", SPAN_LOSS, 0.0, float("inf"))
     self.span_ratio = layers.param(rngs, lambda key, shape, dtype: jnp.full(shape, init, dtype),
                                    (num_heads,), ("heads",))
+    self.relative_positions = bool(config.get("relative_positions", None) or False)
+    if self.relative_positions:
+      distances = span_window(self.max_span, float(plan["ramp"]))
+      self.positions = layers.param(rngs, jax.nn.initializers.normal(head_dim ** -0.5), (distances, head_dim),
+                                    (None, "kv"))
 
   def spans(self) -> Array:
     """The current spans in tokens: [heads]."""
@@ -118,19 +132,25 @@ class AdaptiveSpanAttention(attention.OpAttention):
     params = attention.resolve_plan_params(spec, self.plan_params, length)
     if self.recompute:
 
-      def op(q, k, v, keys, spans):
-        return self.call_op(spec.fn, q, k, v, keys, **params, spans=spans)
+      def op(q, k, v, keys, spans, positions):
+        extra = {} if positions is None else {"positions": positions}
+        return self.call_op(spec.fn, q, k, v, keys, **params, spans=spans, **extra)
 
-      o = recompute.recompute_in_backward(op, q, k, v, keys, self.spans())
+      extra = self.op_kwargs(q, k)
+      o = recompute.recompute_in_backward(op, q, k, v, keys, extra["spans"], extra.get("positions"))
     else:
       o = self.call_op(spec.fn, q, k, v, keys, **params, **self.op_kwargs(q, k))  # [batch, L, heads, d]
     return self.output(o, deterministic=deterministic)  # [batch, L, features]
 
   def op_kwargs(self, q: Array, k: Array) -> dict[str, Any]:
-    return {"spans": self.spans()}  # [heads]
+    out = {"spans": self.spans()}  # [heads]
+    if self.relative_positions:
+      p = self.positions[...]  # [distances, head_dim], shared by the heads
+      out["positions"] = jnp.broadcast_to(p[None], (self.num_heads, *p.shape))  # [heads, distances, head_dim]
+    return out
 
   def op_kinds(self) -> dict[str, str]:
-    return {"spans": sharding.HEADS}
+    return {"spans": sharding.HEADS, "positions": sharding.HEADS}
 
   def step_kwargs(self, q: Array, k: Array) -> dict[str, Any]:
-    return {"spans": self.spans()}  # per head, not per token
+    return self.op_kwargs(q, k)  # per head, not per token
