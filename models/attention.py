@@ -245,20 +245,25 @@ class OpAttention(AttentionBase):
     # Sequence-parallel counterparts map over the mesh themselves (batch, heads and sequence).
     call = functools.partial(self.call_op, fn) if fn is spec.fn else (
         lambda q, k, v, mask, **kw: fn(q, k, v, causal=self.causal, mask=mask, **kw))
-    if self.recompute:
-      arrays = {name: a for name, a in extra.items() if not callable(a)}
-      if len(arrays) != len(extra):
-        raise ValueError(f"attention {self.op_name!r}: 'recompute' needs array-only op arguments; "
-                         f"{sorted(set(extra) - set(arrays))} is a learned function (learned_span_key)")
-      names = list(arrays)
-
-      def op(q, k, v, mask, *rest):
-        return call(q, k, v, mask, **params, **dict(zip(names, rest, strict=True)))
-
-      o = recompute.recompute_in_backward(op, q, k, v, mask, *arrays.values())
-    else:
-      o = call(q, k, v, mask, **params, **extra)
+    o = self.attend(call, q, k, v, mask, params, extra)
     return self.output(o, deterministic=deterministic)  # [batch, length, features]
+
+  def attend(self, call: Any, q: Array, k: Array, v: Array, mask: Array | None, params: dict[str, Any],
+             extra: dict[str, Any]) -> Array:
+    """call(q, k, v, mask, **params, **extra), or with `recompute` the same recomputed in the backward pass
+    (the arrays of `extra` pass through as arguments, so their gradients flow)."""
+    if not self.recompute:
+      return call(q, k, v, mask, **params, **extra)
+    arrays = {name: a for name, a in extra.items() if not callable(a)}
+    if len(arrays) != len(extra):
+      raise ValueError(f"attention {self.op_name!r}: 'recompute' needs array-only op arguments; "
+                       f"{sorted(set(extra) - set(arrays))} is a learned function (learned_span_key)")
+    names = list(arrays)
+
+    def op(q, k, v, mask, *rest):
+      return call(q, k, v, mask, **params, **dict(zip(names, rest, strict=True)))
+
+    return recompute.recompute_in_backward(op, q, k, v, mask, *arrays.values())
 
   def _decoding(self, max_length: int) -> tuple[Any, dict[str, Any]]:
     spec = ops_registry.get(self.op_name)

@@ -44,7 +44,7 @@ from attention_baselines.bp_transformer import (
 from attention_core import contract, sharding
 from attention_core import registry as ops_registry
 from attention_core.combine import attend_zeros_hidden
-from models import attention, layers, recompute
+from models import attention, layers
 
 Array = Any
 
@@ -145,15 +145,7 @@ class BPTransformerAttention(attention.OpAttention):
     if self.rel_right is not None:
       extra["rel_right"] = self.rel_right[...]
     call = functools.partial(self.call_op, ops_registry.get(self.op_name).fn)
-    if self.recompute:
-      names = list(extra)
-
-      def op(q, k, v, mask, *rest):
-        return call(q, k, v, mask, **params, **dict(zip(names, rest, strict=True)))
-
-      o = recompute.recompute_in_backward(op, q, k, v, mask, *extra.values())
-    else:
-      o = call(q, k, v, mask, **params, **extra)
+    o = self.attend(call, q, k, v, mask, params, extra)
     return self.output(o, deterministic=deterministic)  # [batch, nodes, features]
 
   # Cached decoding. Each step takes the token at `position` and, after it, one row per level l = 1..log2 n:

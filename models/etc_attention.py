@@ -27,7 +27,7 @@ from flax import nnx
 from attention_baselines.etc import segment_means
 from attention_core import registry as ops_registry
 from attention_core import sharding
-from models import attention, layers, recompute
+from models import attention, layers
 
 Array = Any
 
@@ -64,13 +64,5 @@ class ETCAttention(attention.OpAttention):
     extra = {"rel_bias": self.rel_bias[...],  # [heads, 2k + 3]
              "global_k": self.global_key(summary), "global_v": self.global_value(summary)}  # [b, g, h, d]
     call = functools.partial(self.call_op, spec.fn)
-    if self.recompute:
-      names = list(extra)
-
-      def op(q, k, v, mask, *rest):
-        return call(q, k, v, mask, **params, **dict(zip(names, rest, strict=True)))
-
-      o = recompute.recompute_in_backward(op, q, k, v, mask, *extra.values())
-    else:
-      o = call(q, k, v, mask, **params, **extra)
+    o = self.attend(call, q, k, v, mask, params, extra)
     return self.output(o, deterministic=deterministic)  # [batch, length, features]
