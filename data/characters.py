@@ -159,21 +159,15 @@ def split_tokens(config: Any, split: str) -> np.ndarray:
   return _load(file)
 
 
-class WindowSource:
+class WindowSource(pipeline.StreamWindows):
   """Record i = characters [i * seq_len, (i + 1) * seq_len) of a split: uint8 [seq_len]."""
 
   def __init__(self, config: Any, split: str, seq_len: int):
-    self.file, self.seq_len = paths.join(prepared_dir(config), f"{split}.npy"), seq_len
-    self.size = len(split_tokens(config, split)) // seq_len
+    self.file = paths.join(prepared_dir(config), f"{split}.npy")
+    super().__init__(seq_len, len(split_tokens(config, split)))
 
-  def __len__(self) -> int:
-    return self.size
-
-  def __getitem__(self, index: int) -> np.ndarray:
-    index = int(index)
-    if not 0 <= index < self.size:
-      raise IndexError(f"record {index} is outside [0, {self.size})")
-    return np.asarray(_load(self.file)[index * self.seq_len:(index + 1) * self.seq_len])  # [seq_len]
+  def stream(self) -> np.ndarray:
+    return _load(self.file)
 
   def __repr__(self) -> str:  # grain compares it on restore
     return f"Characters({self.file}, seq_len={self.seq_len}, records={self.size})"

@@ -120,6 +120,27 @@ class GlobalRows:
     return f"rows {self.lo}:{self.lo + self.size} of {self.global_batch}"
 
 
+class StreamWindows:
+  """Record i = tokens [i * seq_len, (i + 1) * seq_len) of a 1-D stream (`stream()`): [seq_len]. The stream
+  is read on access, so a pickled source stays small (grain's workers) and memory-mapped files stay mapped."""
+
+  def __init__(self, seq_len: int, stream_length: int):
+    self.seq_len = seq_len
+    self.size = stream_length // seq_len
+
+  def stream(self) -> np.ndarray:
+    raise NotImplementedError
+
+  def __len__(self) -> int:
+    return self.size
+
+  def __getitem__(self, index: int) -> np.ndarray:
+    index = int(index)
+    if not 0 <= index < self.size:
+      raise IndexError(f"record {index} is outside [0, {self.size})")
+    return np.asarray(self.stream()[index * self.seq_len:(index + 1) * self.seq_len])  # [seq_len]
+
+
 def read_records(source: Any, indices: Sequence[int]) -> list[Any]:
   """source[i] for each i: in one `source.read_batch(indices)` call when the source generates whole batches at
   once (synthetic_recall), else one by one."""

@@ -93,22 +93,15 @@ def split_bytes(root: str, split: str) -> np.ndarray:
   return _STREAMS[key]
 
 
-class WindowSource:
+class WindowSource(pipeline.StreamWindows):
   """Record i = bytes [i * seq_len, (i + 1) * seq_len) of a split's stream: uint8 [seq_len]."""
 
   def __init__(self, root: str, split: str, seq_len: int):
-    self.root, self.split, self.seq_len = root, split, seq_len
-    self.size = len(split_bytes(root, split)) // seq_len
+    self.root, self.split = root, split
+    super().__init__(seq_len, len(split_bytes(root, split)))
 
-  def __len__(self) -> int:
-    return self.size
-
-  def __getitem__(self, index: int) -> np.ndarray:
-    index = int(index)
-    if not 0 <= index < self.size:
-      raise IndexError(f"record {index} is outside [0, {self.size})")
-    stream = split_bytes(self.root, self.split)
-    return stream[index * self.seq_len:(index + 1) * self.seq_len]
+  def stream(self) -> np.ndarray:
+    return split_bytes(self.root, self.split)
 
   def __repr__(self) -> str:  # grain compares it on restore
     return f"PyStdlib({self.root}, {self.split}, seq_len={self.seq_len}, records={self.size})"
