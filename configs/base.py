@@ -88,6 +88,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.model.eval_mem_len = ml_collections.FieldReference(None, field_type=int)
   # Compressive Transformer: per layer a FIFO of this many compressions of what mem_len evicts; 0 = off.
   c.model.compressed_mem_len = 0
+  # The compressed memory's length in evaluation (None = compressed_mem_len, 0 = none).
+  c.model.eval_compressed_mem_len = ml_collections.FieldReference(None, field_type=int)
 
   c.optimizer = ml_collections.ConfigDict()
   c.optimizer.name = "adam"  # "adam" | "adamw" | "adafactor" | "adagrad"
@@ -278,6 +280,12 @@ def validate(c: ml_collections.ConfigDict, attention_names: Any = None) -> None:
   at_least("config.model.compressed_mem_len", m.get("compressed_mem_len", 0), 0, " (0 = off)")
   if m.get("compressed_mem_len", 0) and not m.get("mem_len", 0):  # compressed memories come from the FIFO
     raise UsageError(f"config.model.compressed_mem_len={m.compressed_mem_len} needs config.model.mem_len > 0")
+  if m.get("eval_compressed_mem_len", None) is not None:
+    at_least("config.model.eval_compressed_mem_len", m.eval_compressed_mem_len, 0,
+             " or None (= config.model.compressed_mem_len; 0 = evaluate without it)")
+    if not m.get("compressed_mem_len", 0):
+      raise UsageError(f"config.model.eval_compressed_mem_len={m.eval_compressed_mem_len} needs "
+                       "config.model.compressed_mem_len > 0 (a model trained with a compressed memory)")
   in_range("config.model.dropout_rate", m.dropout_rate, 0, 1, "[)")
   one_of("config.model.remat", m.remat, ("none", "full", "minimal"))
   one_of("config.model.dtype", m.dtype, ("float32", "bfloat16", "float16", "float64"))

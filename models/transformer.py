@@ -398,11 +398,14 @@ class Transformer(nnx.Module):
   # "valid": [batch, M] bool, with compressed_mem_len > 0 also "compressed" [batch, n_cm, features] and
   # "compressed_valid" [batch, n_cm]}, "token": [batch] int32 (the previous segment's last input id),
   # "token_valid": [batch] bool}. M is the memory's own length: evaluation may pass a longer one.
-  def init_memory(self, batch: int, mem_len: int) -> dict[str, Any]:
-    """An empty (all invalid) memory of `mem_len` positions for `batch` rows."""
+  def init_memory(self, batch: int, mem_len: int, compressed_mem_len: int | None = None) -> dict[str, Any]:
+    """An empty (all invalid) memory of `mem_len` positions for `batch` rows; with a compressed memory,
+    `compressed_mem_len` compressed slots (None: the model's; 0: none, the FIFO alone, as Transformer-XL)."""
     if self.task != "lm":
       raise ValueError(f"segment recurrence is for task 'lm', not {self.task!r}")
-    n_cm = self.compressed_mem_len  # the compressed memory (Compressive Transformer), when on
+    # The compressed memory (Compressive Transformer), when on; evaluation may pass another length.
+    n_cm = self.compressed_mem_len if compressed_mem_len is None or not self.compressed_mem_len \
+        else int(compressed_mem_len)
 
     def layer() -> dict[str, Array]:
       out = {"hidden": jnp.zeros((batch, mem_len, self.features), self.dtype),

@@ -93,6 +93,7 @@ class Experiment:
     abstract = nnx.eval_shape(build)
     self.abstract_model = abstract  # shapes only: what does not need parameters (the memory's layout)
     self.mem_len, self.eval_mem_len = recurrence.lengths(model_cfg)
+    self.eval_compressed_mem_len = recurrence.eval_compressed_len(model_cfg)
     self.graphdef, abs_params, abs_rng, abs_rest = nnx.split(abstract, nnx.Param, nnx.RngState, ...)
     self.empty_rest = abs_rest if not jax.tree.leaves(abs_rest) else None
     self.param_shardings = state_shardings(abs_params, self.rules, self.mesh)
@@ -329,7 +330,7 @@ class Experiment:
     memory = None  # segment recurrence: empty at the start of every pass, carried over its batches in order
     if self.eval_mem_len:
       memory = recurrence.empty(self.abstract_model, self.mesh, int(self.config.train.eval_batch_size),
-                                self.eval_mem_len)
+                                self.eval_mem_len, self.eval_compressed_mem_len)
     for batch in loader:
       if 0 <= max_batches <= n:
         break

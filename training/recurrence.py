@@ -7,8 +7,10 @@ segment's last token), empty at init and sharded like activations: rows over the
 the data should be ordered (`config.data.ordered`); rows whose batch["reset"] is True (a stream starts there)
 are emptied before the step. The step returns the memory after its batch, which is saved in checkpoints with
 the state, so a resumed run continues bit for bit. Evaluation starts every pass with an empty memory of
-`eval_mem_len` (default mem_len) and carries it over the evaluation batches in order. With mem_len = 0 none
-of this exists: the state, the steps and the checkpoints are those of a model without memory.
+`eval_mem_len` (default mem_len) and carries it over the evaluation batches in order; a Compressive
+Transformer's compressed memory has `eval_compressed_mem_len` slots there (default compressed_mem_len; 0 =
+none). With mem_len = 0 none of this exists: the state, the steps and the checkpoints are those of a model
+without memory.
 """
 
 from __future__ import annotations
@@ -33,14 +35,24 @@ def lengths(model_cfg: ml_collections.ConfigDict) -> tuple[int, int]:
   return mem_len, mem_len if eval_mem_len is None else int(eval_mem_len)
 
 
+def eval_compressed_len(model_cfg: ml_collections.ConfigDict) -> int | None:
+  """The compressed memory's length in evaluation: None (the model's own) unless
+  config.model.eval_compressed_mem_len is set."""
+  n = model_cfg.get("eval_compressed_mem_len", None)
+  return None if n is None else int(n)
+
+
 def sharding(mesh: jax.sharding.Mesh) -> NamedSharding:
   """Every memory array's sharding: rows over the data-parallel axes, as the batch (a prefix for the tree)."""
   return NamedSharding(mesh, P(BATCH_AXES))
 
 
-def empty(abstract_model: Any, mesh: jax.sharding.Mesh, batch: int, mem_len: int) -> dict[str, Any]:
-  """An empty memory for `batch` global rows, created with its sharding."""
-  return jax.jit(lambda: abstract_model.init_memory(batch, mem_len), out_shardings=sharding(mesh))()
+def empty(abstract_model: Any, mesh: jax.sharding.Mesh, batch: int, mem_len: int,
+          compressed_mem_len: int | None = None) -> dict[str, Any]:
+  """An empty memory for `batch` global rows, created with its sharding (compressed_mem_len: the compressed
+  memory's length, None = the model's)."""
+  return jax.jit(lambda: abstract_model.init_memory(batch, mem_len, compressed_mem_len),
+                 out_shardings=sharding(mesh))()
 
 
 def abstract(abstract_model: Any, mesh: jax.sharding.Mesh, batch: int, mem_len: int) -> dict[str, Any]:

@@ -283,3 +283,39 @@ def test_smoke_trains_and_resumes_exactly_through_the_trainer(tmp_path):
   reset_state, _ = exp.train_step(state, dict(next(it), reset=np.arange(8) == 0))
   cv = np.asarray(reset_state.memory["layers"][0]["compressed_valid"])
   assert not cv[0].any() and cv[1:].all()
+
+
+def test_eval_compressed_mem_len_config():
+  c = compressive.get_config("smoke")
+  assert c.model.eval_compressed_mem_len is None
+  c.model.eval_compressed_mem_len = -1
+  with pytest.raises(UsageError, match="eval_compressed_mem_len must be >= 0"):
+    base.validate(c)
+  c.model.eval_compressed_mem_len, c.model.compressed_mem_len = 16, 0
+  with pytest.raises(UsageError, match="eval_compressed_mem_len=16 needs config.model.compressed_mem_len"):
+    base.validate(c)
+  with jax.enable_x64(True):
+    m = random_model(config("mean_pool"), seq_len=SEQ)
+    for n, want in ((None, COMPRESSED), (COMPRESSED + 3, COMPRESSED + 3)):
+      assert m.init_memory(BATCH, MEM, n)["layers"][0]["compressed"].shape == (BATCH, want, 16)
+    assert "compressed" not in m.init_memory(BATCH, MEM, 0)["layers"][0]  # 0: the FIFO alone
+
+
+@pytest.mark.slow  # ~10 s of CPU: the state's init and two evaluation steps compiled
+def test_evaluation_with_another_compressed_memory_length():
+  # Segments of 12 evict 12 states, 4 compressed slots each: after the third batch 8 are valid, so a
+  # compressed memory of 8 (not the training 4) changes the fourth batch's loss.
+  c = compressive.get_config("smoke,seq_len=12,mem_len=12,compressed_mem_len=4")
+  c.train.eval_batch_size = 2
+  c.model.eval_compressed_mem_len = 4
+  base.validate(c)
+  exp = experiment.Experiment(c, devices=jax.devices()[:1])
+  assert exp.eval_compressed_mem_len == 4
+  state = exp.init_state()
+  results = {}
+  for n in (4, None, 8):  # the configured length, then (set here) the model's own and a longer one
+    exp.eval_compressed_mem_len = n
+    results[n] = exp.evaluate(state, max_batches=4)
+  assert results[None]["num_batches"] == 4
+  assert results[4]["loss"] == results[None]["loss"]
+  assert np.isfinite(results[8]["loss"]) and results[8]["loss"] != results[None]["loss"]
