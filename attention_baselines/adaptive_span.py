@@ -182,6 +182,9 @@ def adaptive_span(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | N
     p = check_positions(positions, heads, head_dim, window(max_span, ramp)).astype(ct)
     p = jnp.broadcast_to(p, (heads, *p.shape[1:]))  # [heads, P, head_dim]
     rows = _position_rows(plan, p)  # [heads, (bound + 1) * size - 1, head_dim]
+    # Distances >= max z + R weigh nothing: their rows selected to zero, never read (a NaN there stays out).
+    reach = jnp.arange(rows.shape[1]) - (size - 1) < jnp.max(z) + ramp  # [rows]
+    rows = jnp.where(reach[None, :, None], rows, 0.0)
   out = _span_attention(plan, qh, kh, vh, mask, z, rows)  # [batch, heads, L, value_dim]
   return jnp.swapaxes(out, 1, 2).astype(v.dtype)  # [batch, L, heads, value_dim]
 
