@@ -32,6 +32,16 @@ per head over the valid rows of m (normed like the keys), with W_q, W_k, W_v and
 only the compression parameters; the task loss never reaches them (the compressed memory is read with no
 gradient in later segments). It is sown as a `loss_term` (models/registry.py) in training calls.
 
+Cached decoding (the paper's sampling; `decode_compressive`, called by the block with its raw input and
+norm when the compressed memory is on): per layer a window of n_m + c block inputs with their keys, values,
+validity and usage, and n_cm compressed slots (keys, values, validity). Each token attends over [compressed;
+window] at the forward pass's relative distances; after every c tokens the c oldest window states are
+compressed into one slot. Decoding therefore equals the model's segment recurrence with segments of c tokens
+(memories of n_m and n_cm, empty at the start, position_embedding 'none') position by position. most_used is
+exact too: a window state's usage is the attention mass it received from the queries of the group that evicts
+it (accumulated while decoding that group, averaged over heads), the forward pass's usage with L = c. Without
+a compressed memory decoding is Transformer-XL's (from position 0, no memory).
+
 Config fields besides `name`, `params`, `dropout_rate`: `compression`, `compression_rate`,
 `reconstruction_loss`, `recompute`.
 """
