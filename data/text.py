@@ -15,11 +15,12 @@ are. Tokenizer: a 32K SentencePiece model like wiki40b's, not the paper's 32K TF
 codebase has one tokenizer machinery; perplexities per token therefore differ from the paper's, per word
 they are comparable). Books are long (~69K words on average): train it with `config.data.ordered=True`
 (the Transformer-XL order the Compressive Transformer reads books in); the shuffled packing below also
-works but cuts books at batch ends. Word-level perplexity (`word_counts`): the ordered stream of a split
-that is not a training split carries `words` [B, L], the whitespace-separated words (`str.split()`) of the
-raw text credited to the token holding each word's first character (bos/eos 0), so the words of the
-evaluated tokens sum to the words of the evaluated text and models.metrics reports `word_perplexity` =
-exp(summed token NLL / summed words).
+runs but keeps only the start of each book (a document that overflows a batch's last row loses the rest)
+and carries no word counts. Word-level perplexity (`word_counts`): the ordered stream of a split that is
+not a training split carries `words` [B, L], the whitespace-separated words (`str.split()`) of the book text
+(after `clean_text`, which keeps a book's words) credited to the token holding each word's first character
+(bos/eos 0), so the words of the evaluated tokens sum to the words of the evaluated text and models.metrics
+reports `word_perplexity` = exp(summed token NLL / summed words).
 
 Each document becomes `[bos] + pieces + [eos]`. Packing (per global batch, in the sampler's order; see
 `create_dataset` for how hosts share a training stream):
