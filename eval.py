@@ -3,6 +3,7 @@ r"""Evaluates a train.py checkpoint on a split, prints the metrics and writes th
     python eval.py --workdir workdirs/default-20261122-050000  # latest checkpoint, config.eval_split
     python eval.py --workdir DIR --split test --step 4000 --max_batches 100
     python eval.py --workdir DIR --eval_mem_len 2048  # a Transformer-XL memory other than the config's
+    python eval.py --workdir DIR --eval_compressed_mem_len 1536  # a longer compressed memory (Compressive)
 
 The config is the resolved one train.py saved (`<workdir>/config.json`, with the changes it recorded in
 `config_history.json` up to the checkpoint's step); `--config.*`-style overrides are not needed because
@@ -32,6 +33,7 @@ def check_flags(f) -> None:
     raise cli.UsageError(f"--max_batches must be >= 1 or -1 (the whole split), got {f.max_batches}")
   cli.at_least("--step", f.step, 0)
   cli.at_least("--eval_mem_len", f.eval_mem_len, 0, " (0 = no memory)")
+  cli.at_least("--eval_compressed_mem_len", f.eval_compressed_mem_len, 0, " (0 = none)")
   if f.split is not None:
     cli.check(bool(f.split.strip()), "--split must name a split (e.g. validation, test), got ''")
 
@@ -47,7 +49,8 @@ def main(argv: list[str]) -> None:
 
   distributed.initialize_from_flags(f)
   m = evaluate.evaluate_workdir(f.workdir, split=f.split, step=f.step, max_batches=f.max_batches,
-                                eval_mem_len=f.eval_mem_len)
+                                eval_mem_len=f.eval_mem_len,
+                                eval_compressed_mem_len=f.eval_compressed_mem_len)
   print(loop.format_metrics(m), flush=True)
   bad = sorted(k for k, v in m.items() if isinstance(v, float) and not math.isfinite(v))
   if bad:
@@ -66,6 +69,9 @@ def _flags() -> None:
   flags.DEFINE_integer("eval_mem_len", None, "a model trained with segment recurrence (config.model.mem_len "
                        "> 0): evaluate with a memory of this many positions (0 = none; default: the config's "
                        "eval_mem_len)")
+  flags.DEFINE_integer("eval_compressed_mem_len", None, "a Compressive Transformer (config.model."
+                       "compressed_mem_len > 0): evaluate with a compressed memory of this many slots "
+                       "(0 = none; default: the config's eval_compressed_mem_len)")
   distributed.define_flags()  # --multihost, --coordinator_address, --num_processes, --process_id
 
 

@@ -17,7 +17,7 @@ from configs import base, compressive
 from models import transformer
 from runtime.cli import UsageError
 from tests.models.test_recurrence import model_config, random_model
-from training import checkpoints, experiment
+from training import checkpoints, evaluate, experiment
 
 VOCAB = 11
 BATCH, SEQ, MEM, COMPRESSED, RATE, SEGMENTS = 2, 6, 4, 4, 3, 4
@@ -294,6 +294,14 @@ def test_eval_compressed_mem_len_config():
   c.model.eval_compressed_mem_len, c.model.compressed_mem_len = 16, 0
   with pytest.raises(UsageError, match="eval_compressed_mem_len=16 needs config.model.compressed_mem_len"):
     base.validate(c)
+  # eval.py's --eval_compressed_mem_len
+  with pytest.raises(UsageError, match="trained without a compressed memory"):
+    evaluate.with_eval_compressed_mem_len(c, 16)
+  c.model.compressed_mem_len = 32
+  with pytest.raises(UsageError, match="--eval_compressed_mem_len must be >= 0"):
+    evaluate.with_eval_compressed_mem_len(c, -1)
+  assert evaluate.with_eval_compressed_mem_len(c, 0).model.eval_compressed_mem_len == 0
+  base.validate(c)
   with jax.enable_x64(True):
     m = random_model(config("mean_pool"), seq_len=SEQ)
     for n, want in ((None, COMPRESSED), (COMPRESSED + 3, COMPRESSED + 3)):
