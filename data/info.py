@@ -55,6 +55,7 @@ DATASETS: dict[str, str] = {
   "lra_pathfinder": "data.lra",
   "listops_synthetic": "data.listops",
   "synthetic_recall": "data.synthetic",
+  "synthetic_local": "data.synthetic_local",
   "pystdlib": "data.pystdlib",
   "enwik8": "data.characters",
   "text8": "data.characters",
