@@ -514,11 +514,13 @@ def test_listops_list_and_collect(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_listops_smoke_rows_end_to_end(tmp_path, capsys):
-  """Two rows at smoke scale as a user runs them: the shared splits are generated once under the workdir
-  root before the rows train side by side, and both are collected."""
+  """Two rows at smoke scale: the shared splits are generated once under the workdir root before the rows
+  train (in this process, one after the other: no interpreter and JAX start per row), and both are
+  collected."""
   root = str(tmp_path)
-  status = reproduce.main(["--table", reproduce.LISTOPS_TABLE, "--rows", "dense", "combiner_fixed", "--scale",
-                           "smoke", "--run", "--collect", "--noprogress", "--workdir_root", root])
+  status = reproduce.main(["--table", reproduce.LISTOPS_TABLE, "--rows", "dense", "combiner_fixed",
+                           "--scale", "smoke", "--run", "--collect", "--noprogress", "--jobs", "1",
+                           "--workdir_root", root])
   out = capsys.readouterr().out
   assert status == 0, out[-3000:]
   cached = os.listdir(os.path.join(root, "data", "listops_synthetic"))
