@@ -293,21 +293,23 @@ class CompressiveAttention(TransformerXLAttention):
     new = {"hidden": hidden, "k": keys, "v": values, "valid": valid, "usage": usage,
            "compressed_k": state["compressed_k"], "compressed_v": state["compressed_v"],
            "compressed_valid": state["compressed_valid"]}
-    # The group's last step: its c oldest window states leave, compressed into one slot.
-    out, out_valid = self.compressed(hidden[:, :rate], valid[:, :rate], usage[:, :rate])  # [batch, 1, .]
-    out = jnp.where(out_valid[..., None], out, 0).astype(hidden.dtype)
-    c_key, c_value = self.key(norm(out)), self.value(norm(out))  # [batch, 1, heads, head_dim]
-
-    def fifo(a: Array, entering: Array) -> Array:
-      return jnp.concatenate([a, entering.astype(a.dtype)], axis=1)[:, entering.shape[1]:]
-
-    moved = {"hidden": fifo(hidden, jnp.zeros_like(hidden[:, :rate])), "k": fifo(keys, jnp.zeros_like(
-        keys[:, :rate])), "v": fifo(values, jnp.zeros_like(values[:, :rate])),
-             "valid": fifo(valid, jnp.zeros_like(valid[:, :rate])),
-             "usage": jnp.zeros_like(usage),
-             "compressed_k": fifo(state["compressed_k"], c_key),
-             "compressed_v": fifo(state["compressed_v"], c_value),
-             "compressed_valid": fifo(state["compressed_valid"], out_valid)}
-    last = position % rate == rate - 1
-    new = jax.tree.map(lambda a, b: jnp.where(last, b, a), new, moved)
+    new = jax.lax.cond(position % rate == rate - 1, lambda st: self._evict(st, norm), lambda st: st, new)
     return self.out(o[:, None]), new  # [batch, 1, features]
+
+  def _evict(self, state: dict[str, Array], norm: Any) -> dict[str, Array]:
+    """After a group's last step: its c oldest window states leave, compressed into one slot appended to the
+    compressed FIFO (its oldest dropped); the window moves on by c and the usage restarts."""
+    rate = self.rate
+    hidden, valid = state["hidden"], state["valid"]  # [batch, window, features], [batch, window]
+    out, out_valid = self.compressed(hidden[:, :rate], valid[:, :rate], state["usage"][:, :rate])
+    out = jnp.where(out_valid[..., None], out, 0).astype(hidden.dtype)  # [batch, 1, features]
+    entering = {"compressed_k": self.key(norm(out)), "compressed_v": self.value(norm(out)),
+                "compressed_valid": out_valid}  # [batch, 1, heads, head_dim], [batch, 1]
+
+    def fifo(a: Array, added: Array) -> Array:
+      return jnp.concatenate([a, added.astype(a.dtype)], axis=1)[:, added.shape[1]:]
+
+    moved = {name: fifo(state[name], jnp.zeros_like(state[name][:, :rate]))
+             for name in ("hidden", "k", "v", "valid")}
+    return {**moved, "usage": jnp.zeros_like(state["usage"]),
+            **{name: fifo(state[name], a) for name, a in entering.items()}}
