@@ -282,7 +282,7 @@ LISTOPS_GROUPS = (("dense",), ("sparse_fixed", "combiner_fixed", "combiner_fixed
 # Rows that need more than the setting at length 1024: attention -> (overrides, note).
 LISTOPS_ROW_FIXES: dict[str, tuple[tuple[str, ...], str]] = {}
 # One cache of the generated splits for every row (generated once, before the rows run: run_rows).
-LISTOPS_DATA = ("--config.data.cache_dir={workdir_root}/data",)
+LISTOPS_DATA = ("--config.data.cache_dir={workdir_root}/data",)  # {workdir_root}: see `overrides`
 
 
 def bidirectional_attentions() -> list[str]:
@@ -519,7 +519,10 @@ def _generate_shared_data(jobs: Sequence[_Job]) -> None:
 
   done = set()
   for job in jobs:
-    c = build_config(job.row, job.scale, job.root)
+    try:
+      c = build_config(job.row, job.scale, job.root)
+    except Exception:  # the row's own run reports what is wrong with its config
+      continue
     if c.data.name != "listops_synthetic":
       continue
     for split in ("train", str(c.eval_split)):
