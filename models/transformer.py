@@ -436,7 +436,9 @@ class Transformer(nnx.Module):
 
   # Cached autoregressive decoding (lm / image). Position t reads the token at t - 1 (BOS at t = 0) and its
   # logits predict the token at t, exactly as row t of `__call__`'s logits; plan parameters set to "auto" are
-  # chosen for `max_length`, so decoding equals the forward pass over `max_length` tokens.
+  # chosen for `max_length`, so decoding equals the forward pass over `max_length` tokens. With a compressed
+  # memory (Compressive Transformer) it equals instead the segment recurrence with segments of
+  # compression_rate tokens (models/compressive_attention.py).
   def init_cache(self, batch: int, max_length: int) -> list[Any]:
     """Empty per-layer caches for `batch` sequences of up to `max_length` tokens."""
     if self.task not in CAUSAL_TASKS:
