@@ -24,7 +24,8 @@ Cost:      the paper trains on 16+ accelerators for days; `:smoke` (1 layer, wid
            in seconds on a CPU.
 Variants:  `pg19` (PG-19, prepared with python -m data.prepare pg19 --data_dir DIR; its `smoke` reads a
            generated book stand-in), `compression=max_pool|mean_pool|conv|dilated_conv|most_used`,
-           `compression_rate=...`, `mem_len=...`, `compressed_mem_len=...`, `eval_mem_len=...`, `seq_len=...`,
+           `compression_rate=...`, `mem_len=...`, `compressed_mem_len=...`, `eval_mem_len=...`,
+           `eval_compressed_mem_len=...`, `seq_len=...`,
            `smoke`.
 """
 
@@ -49,7 +50,7 @@ def get_config(arg: str | None = None):
   c.model.attention = base.attention_config("compressive")  # its defaults: conv compression, rate c = 3
   c.model.attention.dropout_rate = 0.0
   transformer_xl.paper_optimisation(c)  # not in the sources at hand: Transformer-XL's
-  lengths = ("mem_len", "compressed_mem_len", "eval_mem_len")
+  lengths = ("mem_len", "compressed_mem_len", "eval_mem_len", "eval_compressed_mem_len")
   values, flags = base.parse_arg(arg, extra=lengths + ("compression", "compression_rate"), flags=("pg19",))
   if "pg19" in flags:  # the paper's PG-19 model (see the docstring for what is from recollection)
     c.data.name = "pg19"
