@@ -25,8 +25,7 @@ Cost:      the paper trains on 16+ accelerators for days; `:smoke` (1 layer, wid
 Variants:  `pg19` (PG-19, prepared with python -m data.prepare pg19 --data_dir DIR; its `smoke` reads a
            generated book stand-in), `compression=max_pool|mean_pool|conv|dilated_conv|most_used`,
            `compression_rate=...`, `mem_len=...`, `compressed_mem_len=...`, `eval_mem_len=...`,
-           `eval_compressed_mem_len=...`, `seq_len=...`,
-           `smoke`.
+           `eval_compressed_mem_len=...`, `seq_len=...`, `smoke`.
 """
 
 from configs import base, transformer_xl
