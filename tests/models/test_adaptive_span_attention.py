@@ -142,12 +142,14 @@ def test_memory_gets_no_gradient():
 @pytest.mark.slow  # ~5 s; fast: the module with a memory against the op, the op against its definition
 def test_segments_with_memory_equal_the_whole_sequence():
   """Three segments of 4 through 2 layers with a memory of 8 (every earlier position) give the logits of one
-  pass over the 12 tokens: the soft mask depends only on distances, max_span (6) and R are fixed when the
-  model is built, and there is no absolute position embedding."""
+  pass over the 12 tokens: the soft mask and the relative position embeddings depend only on distances,
+  max_span (6) and R are fixed when the model is built, and there is no absolute position embedding (the
+  paper's setting)."""
   cfg = base.base_config().model
   cfg.num_layers, cfg.features, cfg.num_heads, cfg.mlp_dim = 2, 16, 2, 32
   cfg.position_embedding, cfg.mem_len = "none", 8
   cfg.attention = base.attention_config("adaptive_span")
+  cfg.attention.relative_positions = True
   cfg.attention.params.max_span, cfg.attention.params.ramp = 6, 2
   model = transformer.build_model(cfg, task="lm", vocab_size=11, seq_len=4)
   for block, ratio in zip(model.encoder.blocks, ([0.2, 0.9], [0.5, 0.7]), strict=True):
@@ -168,14 +170,16 @@ def test_segments_with_memory_equal_the_whole_sequence():
 
 
 @pytest.mark.slow
-def test_recompute_gives_the_same_loss_and_gradients():
+@pytest.mark.parametrize("relative_positions", [False, True])
+def test_recompute_gives_the_same_loss_and_gradients(relative_positions):
   g = np.random.default_rng(3)
   x = jnp.asarray(g.normal(size=(2, 5, FEATURES)), jnp.float32)
   memory = jnp.asarray(g.normal(size=(2, 3, FEATURES)), jnp.float32)
   mask = jnp.asarray([[True] * 5, [True] * 4 + [False]])
   results = []
   for fields in ({}, {"recompute": True}):
-    graphdef, params, rest = nnx.split(_module(**fields), nnx.Param, ...)
+    module = _module(relative_positions=relative_positions, **fields)
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
 
     def loss(params, graphdef=graphdef, rest=rest):
       m = nnx.merge(graphdef, params, rest)
@@ -185,3 +189,5 @@ def test_recompute_gives_the_same_loss_and_gradients():
   for a, b in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1]), strict=True):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
   assert float(jnp.abs(results[0][1]["span_ratio"][...]).max()) > 0
+  if relative_positions:
+    assert float(jnp.abs(results[0][1]["positions"][...]).max()) > 0
