@@ -136,7 +136,6 @@ class Plan(NamedTuple):
   length: int  # L
   front: int  # key blocks before the segment's first (0 without memory)
   lead: int  # zero keys in front of the memory (0 without memory)
-  positions: bool = False  # relative position embeddings in the logits
 
 
 def adaptive_span(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None, spans: Array,
@@ -174,7 +173,7 @@ def adaptive_span(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | N
   front = (lead + memory) // size
   # Static bound on the offsets: the largest span's T (at most every key block).
   bound = min(front + n, -(-(window(max_span, ramp) + size - 1) // size))
-  plan = Plan(causal, ramp, size, n, bound, length, front, lead, positions is not None)
+  plan = Plan(causal, ramp, size, n, bound, length, front, lead)
   qh, kh, vh = (head_major(x).astype(ct) for x in (q, k, v))  # [batch, heads, L or M' + L, dim]
   qh = qh * contract.logit_scale(head_dim)
   rows = None
