@@ -389,7 +389,8 @@ def prepare(name: str, data_dir: str, *, skip_build: bool = False, vocab_size: i
 def main(argv: list[str] | None = None) -> int:
   from data import DATASETS
 
-  names = sorted(n for n in DATASETS if n != "synthetic_recall") + ["lra"]
+  generated = ("synthetic_recall", "synthetic_local")  # made on the fly: nothing to prepare
+  names = sorted(n for n in DATASETS if n not in generated) + ["lra"]
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("dataset", choices=names)
   parser.add_argument("--data_dir", required=True)

@@ -256,9 +256,31 @@ PYSTDLIB_XL = ("transformer_xl", None, "transformer_xl", "seq_len=512,batch_size
                "ordered streams, segments of 512 bytes with a memory of 1536")
 
 
+# The Compressive Transformer and Adaptive Span rows: Transformer-XL's order, segments, optimizer and
+# validation, each with the memory that gives a byte the same context of up to 2048 bytes. Compressive: the
+# paper's n_m = n_cm with rate c = 2 (its PG-19 setting), a FIFO of 512 and 512 compressed slots of 2 bytes
+# each (512 + 1024 bytes behind the segment), conv compression with its reconstruction loss. Adaptive Span:
+# a cache of 1536 with max_span = 2048 (a head may learn to read all of it), the paper's relative position
+# embeddings, its span penalty.
+_PYSTDLIB_STREAM = ("--config.data.ordered=true", "--config.model.position_embedding=none",
+                    "--config.train.eval_batch_size=1", "--config.train.eval_batches=256")
+PYSTDLIB_COMPRESSIVE = ("compressive", None, "compressive", "seq_len=512,batch_size=16",
+                        _PYSTDLIB_STREAM + ("--config.model.mem_len=512",
+                                            "--config.model.compressed_mem_len=512",
+                                            "--config.model.attention.compression_rate=2"),
+                        "ordered streams, segments of 512 bytes, a memory of 512 and 512 compressed slots "
+                        "(rate 2, 1024 bytes)")
+PYSTDLIB_ADAPTIVE_SPAN = ("adaptive_span", None, "adaptive_span", "seq_len=512,batch_size=16",
+                          _PYSTDLIB_STREAM + ("--config.model.mem_len=1536",
+                                              "--config.model.attention.params.max_span=2048",
+                                              "--config.model.attention.relative_positions=true"),
+                          "ordered streams, segments of 512 bytes with a cache of 1536, spans up to 2048")
+
+
 def _pystdlib_table() -> dict[str, list[Row]]:
   return {"pystdlib": _rows("pystdlib", "bits_per_byte", "configs/pystdlib.py",
-                            [(name, None, name, "") for name in PYSTDLIB_ROWS] + [PYSTDLIB_XL])}
+                            [(name, None, name, "") for name in PYSTDLIB_ROWS]
+                            + [PYSTDLIB_XL, PYSTDLIB_COMPRESSIVE, PYSTDLIB_ADAPTIVE_SPAN])}
 
 
 # The bidirectional ListOps table: every registered attention with a bidirectional form in the encoder
@@ -436,6 +458,8 @@ def build_config(row: Row, scale: str, root: str | None = None) -> Any:
       node[leaf] = value.lower() == "true"
     elif isinstance(current, (int, float)):
       node[leaf] = type(current)(value)
+    elif value.lower() in ("true", "false"):  # a new field (a module's own): read as train.py's flags read it
+      node[leaf] = value.lower() == "true"
     else:
       node[leaf] = int(value) if value.lstrip("-").isdigit() else value
   registry.check_fields(c.model.attention)

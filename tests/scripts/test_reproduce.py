@@ -29,7 +29,8 @@ def test_rows_are_well_formed():
   assert len(ids) == len(set(ids))
   assert {"combiner-1", "combiner-2", "combiner-3", "combiner-4", "combiner-5", "combiner-6", "routing-1",
           "routing-4", "yoso-3", "pystdlib"} <= set(reproduce.tables())
-  assert [r.attention for r in reproduce.tables()["pystdlib"]] == [*reproduce.PYSTDLIB_ROWS, "transformer_xl"]
+  assert [r.attention for r in reproduce.tables()["pystdlib"]] == [
+      *reproduce.PYSTDLIB_ROWS, "transformer_xl", "compressive", "adaptive_span"]
   for r in ROWS:
     assert r.metric in ("bits_per_dim", "perplexity", "accuracy", "bits_per_byte")
     assert r.attention in registry.names() or not reproduce.implemented(r)
@@ -194,7 +195,8 @@ REPRESENTATIVE = (
     ("routing-4", "Routing Transformer"), ("routing-4", "Local Transformer (24 layers, 16 heads)"),
     ("yoso-3", "pathfinder *YOSO-16"),  # an override, yoso_paper
     ("pystdlib", "yoso"),
-    ("pystdlib", "transformer_xl"),  # segment recurrence on the ordered stream; its evaluation memory sweep
+    ("pystdlib", "compressive"),  # segment recurrence, a compressed memory; its evaluation memory sweep
+    ("pystdlib", "adaptive_span"),  # a module's own fields and plan parameters set by overrides
     LISTOPS_LOWERED,  # listops_1024, the generated splits cached under the workdir root
 )
 
@@ -336,23 +338,30 @@ def test_smoke_runner_end_to_end(tmp_path, capsys):
     assert f.read().count("| ok") == len(IMPLEMENTED)
 
 
-def test_transformer_xl_row_matches_the_table():
-  """The Transformer-XL row has the other pystdlib rows' model, optimizer, steps and bytes per step, a query
-  sees up to as many bytes (segment + memory = window), and its validation covers the same bytes."""
+@pytest.mark.parametrize("name", ["transformer_xl", "compressive", "adaptive_span"])
+def test_memory_rows_match_the_table(name):
+  """The memory rows (Transformer-XL, Compressive, Adaptive Span) have the other pystdlib rows' model,
+  optimizer, steps and bytes per step, a query sees up to as many bytes (segment + memory, compressed slots
+  counted at their rate, = window), and their validation covers the same bytes."""
   rows = {r.attention: r for r in reproduce.tables()["pystdlib"]}
-  xl, dense = (reproduce.build_config(rows[name], "cpu") for name in ("transformer_xl", "dense"))
+  xl, dense = (reproduce.build_config(rows[n], "cpu") for n in (name, "dense"))
   for key in ("num_layers", "features", "num_heads", "mlp_dim", "dropout_rate"):
     assert xl.model[key] == dense.model[key], key
   assert xl.optimizer.to_dict() == dense.optimizer.to_dict()
   assert xl.train.num_steps == dense.train.num_steps and xl.train.eval_every == dense.train.eval_every
   assert xl.train.batch_size * xl.data.seq_len == dense.train.batch_size * dense.data.seq_len
-  assert xl.model.mem_len + xl.data.seq_len == dense.data.seq_len
+  rate = xl.model.attention.get("compression_rate", None) or 0
+  context = xl.data.seq_len + xl.model.mem_len + xl.model.get("compressed_mem_len", 0) * rate
+  assert context == dense.data.seq_len
+  if name == "adaptive_span":
+    assert xl.model.attention.params.max_span == context and xl.model.attention.relative_positions is True
   assert xl.data.ordered is True and xl.model.position_embedding == "none"
-  assert reproduce.memory_rows(list(rows.values()), "cpu") == [rows["transformer_xl"]]
+  assert set(reproduce.memory_rows(list(rows.values()), "cpu")) == {
+      rows[n] for n in ("transformer_xl", "compressive", "adaptive_span")}
   # The ordered validation is one stream (eval batch 1): its first segments are the dense row's first windows.
   assert xl.train.eval_batch_size == 1
-  smoke = reproduce.build_config(rows["transformer_xl"], "smoke")  # the smoke variant's evaluation batches
-  assert smoke.train.eval_batch_size == 8 and smoke.train.eval_batches == 2 and smoke.model.mem_len == 1536
+  smoke = reproduce.build_config(rows[name], "smoke")  # the smoke variant's evaluation batches
+  assert smoke.train.eval_batch_size == 8 and smoke.train.eval_batches == 2
   assert (xl.train.eval_batches * xl.data.seq_len
           == dense.train.eval_batches * dense.train.eval_batch_size * dense.data.seq_len)
 
