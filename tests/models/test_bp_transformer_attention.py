@@ -43,7 +43,6 @@ def test_span_nodes_start_as_token_means_plus_a_level_vector():
   np.testing.assert_array_equal(SpanNodes.tokens(both), both[:, :LENGTH])
 
 
-@pytest.mark.slow  # ~12 s: a two-layer decoder's forward, backward and causality Jacobian
 def test_decoder_forward_backward_carries_span_nodes_and_is_causal():
   model = transformer.build_model(_cfg(), task="lm", vocab_size=VOCAB, seq_len=LENGTH)
   rng = np.random.default_rng(0)
