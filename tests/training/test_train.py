@@ -46,8 +46,13 @@ class FakeStatefulAttention(attention.AttentionBase):
     return self.output(o, deterministic=deterministic)
 
 
-if "fake_stateful" not in registry.MODULES:
+@pytest.fixture
+def fake_stateful():
+  """Registered for the test only: a module left in the registry would show in every registry-derived list
+  (the reproduce tables, the registry sweeps) of later tests in the same worker."""
   registry.register_module("fake_stateful", FakeStatefulAttention)
+  yield "fake_stateful"
+  del registry.MODULES["fake_stateful"]
 
 
 def _find(tree, name):
@@ -55,8 +60,8 @@ def _find(tree, name):
 
 
 @pytest.mark.slow
-def test_extension_points_state_randomness_aux_loss(tmp_path):
-  config = smoke("fake_stateful")
+def test_extension_points_state_randomness_aux_loss(tmp_path, fake_stateful):
+  config = smoke(fake_stateful)
   exp = experiment.Experiment(config, devices=jax.devices()[:1])
   state = exp.init_state()
   # Only nnx.Param is optimized: the counter and the BatchStat live in `rest`, not in params or optax state.
