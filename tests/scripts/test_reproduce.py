@@ -478,19 +478,22 @@ def test_listops_rows_share_one_setting(tmp_path):
     d["model"]["attention"] = {"dropout_rate": d["model"]["attention"]["dropout_rate"]}
     return json.dumps(d, sort_keys=True, default=str)
 
-  for scale in ("cpu", "paper"):  # the setting is CPU-sized: both scales run it as it is
+  # scale -> (steps, batch, lr, warmup, dropout, train examples, test examples)
+  budgets = {"cpu": (300, 16, 1e-3, 30, 0.0, 4800, 512), "paper": (5000, 32, 1e-4, 1000, 0.1, 96_000, 2000)}
+  for scale, (steps, batch, lr, warmup, dropout, num_train, num_test) in budgets.items():
     configs = [reproduce.build_config(r, scale, root) for r in LISTOPS_ROWS]
     c = configs[0]
     assert all(setting(other) == setting(c) for other in configs), scale
     assert [str(x.model.attention.name) for x in configs] == [r.attention for r in LISTOPS_ROWS]
     assert c.data.name == "listops_synthetic" and c.data.seq_len == 1024
-    assert (c.data.min_length, c.data.max_length, c.data.num_test) == (500, 1000, 512)
-    assert c.data.num_train == lra.LISTOPS_1024_STEPS * c.train.batch_size and c.train.batch_size == 16
-    assert c.train.num_steps == lra.LISTOPS_1024_STEPS and c.eval_split == "test"
+    assert (c.data.min_length, c.data.max_length, c.data.num_test) == (500, 1000, num_test)
+    assert (c.data.num_train, c.train.batch_size, c.train.num_steps) == (num_train, batch, steps)
+    assert c.eval_split == "test" and c.train.eval_batches == -1  # the whole test split at each evaluation
     m = c.model
     assert (m.num_layers, m.features, m.num_heads, m.mlp_dim, m.classifier_pool) == (2, 64, 2, 128, "MEAN")
-    assert m.dropout_rate == 0.0 and m.attention.dropout_rate == 0.0
-    assert (c.optimizer.lr, c.optimizer.schedule, c.optimizer.weight_decay) == (1e-3, "cosine", 0.0)
+    assert m.dropout_rate == dropout and m.attention.dropout_rate == dropout
+    assert (c.optimizer.lr, c.optimizer.warmup_steps) == (lr, warmup)
+    assert (c.optimizer.schedule, c.optimizer.weight_decay) == ("cosine", 0.0)
     assert c.data.cache_dir == os.path.join(root, "data")  # one cache for every row
     assert data.dataset_info(c).seq_len == 1024 and data.dataset_info(c).task == "classify"
   smoke = reproduce.build_config(LISTOPS_ROWS[0], "smoke", root)  # the smoke variant's lengths win
@@ -499,6 +502,8 @@ def test_listops_rows_share_one_setting(tmp_path):
   assert reproduce.build_config(LISTOPS_ROWS[0], "cpu").data.cache_dir is None  # no root: no cache flag
   with pytest.raises(ValueError, match="listops_1024"):
     lra.get_config("listops_1024,task=listops")
+  with pytest.raises(ValueError, match="cpu_budget is a budget of listops_1024 alone"):
+    lra.get_config("cpu_budget")
 
 
 def test_listops_list_and_collect(tmp_path, capsys):
@@ -508,7 +513,7 @@ def test_listops_list_and_collect(tmp_path, capsys):
   out = capsys.readouterr().out
   assert out.count("listops-bidirectional / ") == len(LISTOPS_ROWS)
   assert f"--config.data.cache_dir={tmp_path}/data" in out
-  assert "configs/lra.py:listops_1024,attention=dense " in out
+  assert "configs/lra.py:listops_1024,attention=dense,cpu_budget " in out
   dense = LISTOPS_ROWS[0]
   wd = reproduce.workdir(dense, "cpu", root)
   os.makedirs(wd)
@@ -539,3 +544,22 @@ def test_listops_smoke_rows_end_to_end(tmp_path, capsys):
   assert [r["status"] for r in records] == ["ok", "ok"]
   assert all(0.0 <= r["ours"] <= 100.0 and r["paper"] is None for r in records), records
   assert "| dense |  |" in (tmp_path / "results-listops-bidirectional-smoke.md").read_text()
+
+
+def test_a_run_stopped_with_its_checkpoint_is_reported_as_stopped(tmp_path, capsys):
+  """train.py exits 0 after SIGTERM, leaving a `preempted` status record: the runner says where it stopped
+  and that rerunning resumes (a stand-in program writes the record through training.status, as train.py
+  does); a run that exits 0 without finishing or recording a stop is a failure."""
+  import sys
+
+  row = LISTOPS_ROWS[0]
+  wd = str(tmp_path / "wd")
+  stop = ("import sys; from training import status; "
+          "status.Status(sys.argv[1]).preempted(step=162, reason='SIGTERM')")
+  job = reproduce._Job(row, "cpu", 0, wd, [sys.executable, "-c", stop, wd], "[1/1] row")
+  assert reproduce._run_one(job, "local", False, False)[0] is False
+  out = capsys.readouterr().out
+  assert "[1/1] row: stopped at step 162 (SIGTERM); run it again to resume from its checkpoint" in out
+  quiet = reproduce._Job(row, "cpu", 0, str(tmp_path / "other"), [sys.executable, "-c", "pass"], "[1/1] row")
+  assert reproduce._run_one(quiet, "local", False, False)[0] is False
+  assert "[1/1] row: FAILED (exit status 0)" in capsys.readouterr().out
