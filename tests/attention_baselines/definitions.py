@@ -1,6 +1,8 @@
 """Shared by the baseline tests: random inputs, and attention written from its definition in numpy float64
 (softmax attention under a visibility pattern; kernel attention with explicit feature maps)."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -117,3 +119,61 @@ def assert_masked_nonfinite_inert(fn, k, v, mask):
   for g in grads:
     g = np.asarray(g)
     assert np.all(np.isfinite(g)) and not np.any(g[~np.asarray(mask)])
+
+
+def adaptive_span_reference(q, k, v, mask, spans, positions=None, *, causal, max_span, ramp):
+  """Adaptive span over [memory; segment] from its definition, explicit loops in numpy float64:
+  a_ij = m_z(x) exp(s_ij) / sum_k m_z(x_ik) exp(s_ik), m_z(x) = clip((R + z - x) / R, 0, 1), over the real
+  keys j <= M + i (causal) or every j, x = (M + i) - j or |i - j|; s_ij = q_i . (k_j + p_x) / sqrt(d) with
+  positions p [heads or 1, P, head_dim], or q_i . k_j / sqrt(d) without; a row with no key is zeros."""
+  q, k, v, spans = (np.asarray(x, np.float64) for x in (q, k, v, spans))
+  p = None if positions is None else np.asarray(positions, np.float64)
+  mask = np.asarray(mask, bool)
+  b_, n, h_, d = q.shape
+  total = k.shape[1]
+  memory = total - n
+  out = np.zeros((b_, n, h_, v.shape[-1]))
+  for b in range(b_):
+    for h in range(h_):
+      z = min(max(spans[h], 0.0), max_span)
+      for i in range(n):
+        w = np.zeros(total)
+        logits = {}
+        for j in range(total):
+          x = memory + i - j
+          if (causal and x < 0) or not mask[b, j]:
+            continue
+          x = abs(x)
+          m = min(max((ramp + z - x) / ramp, 0.0), 1.0)
+          if m > 0:
+            key = k[b, j, h] if p is None else k[b, j, h] + p[h % p.shape[0], x]
+            logits[j] = (m, q[b, i, h] @ key / math.sqrt(d))
+        if logits:
+          top = max(s for _, s in logits.values())
+          for j, (m, s) in logits.items():
+            w[j] = m * math.exp(s - top)
+          out[b, i, h] = w @ v[b, :, h] / w.sum()
+  return out
+
+
+def adaptive_span_jax_reference(q, k, v, mask, spans, positions=None, *, causal, max_span, ramp):
+  """adaptive_span_reference as one dense jnp expression (p gathered per pair), for float64 autodiff."""
+  n, total, d = q.shape[1], k.shape[1], q.shape[-1]
+  z = jnp.clip(spans, 0.0, max_span)
+  dist = (total - n + jnp.arange(n)[:, None]) - jnp.arange(total)[None, :]  # (M + i) - j: [L, M + L]
+  x = dist if causal else jnp.abs(dist)
+  s = jnp.einsum("bihd,bjhd->bhij", q, k)  # [batch, heads, L, M + L]
+  if positions is not None:
+    p = jnp.broadcast_to(positions, (q.shape[2], *positions.shape[1:]))  # [heads, P, head_dim]
+    pair = p[:, jnp.clip(x, 0, p.shape[1] - 1)]  # [heads, L, M + L, head_dim]
+    s = s + jnp.einsum("bihd,hijd->bhij", q, pair)
+  s = s / math.sqrt(d)
+  m = jnp.clip((ramp + z[:, None, None] - x) / ramp, 0.0, 1.0)  # [heads, L, M + L]
+  ok = mask[:, None, None, :] & (m > 0)[None]
+  if causal:
+    ok = ok & (dist >= 0)
+  s = jnp.where(ok, s, -jnp.inf)
+  top = jax.lax.stop_gradient(jnp.max(s, -1, keepdims=True))
+  w = jnp.where(ok, m[None] * jnp.exp(s - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)
+  total_w = jnp.sum(w, -1, keepdims=True)
+  return jnp.einsum("bhij,bjhd->bihd", w / jnp.where(total_w > 0, total_w, 1.0), v)

@@ -7,7 +7,6 @@ query (memory keys dropped statically, then key blocks beyond the trip count) ar
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -15,48 +14,11 @@ import numpy as np
 import pytest
 
 from attention_baselines.adaptive_span import adaptive_span
+from tests.attention_baselines.definitions import adaptive_span_jax_reference as jax_reference
+from tests.attention_baselines.definitions import adaptive_span_reference as reference
 
 PLAN = dict(max_span=9, ramp=2.5)  # no key at distance >= ceil(9 + 2.5) = 12 is ever seen
 SPANS = np.array([1.3, 6.6])  # two heads, max z + R = 9.1: keys at distance >= 10 unseen
-
-
-def reference(q, k, v, mask, spans, *, max_span, ramp):
-  """Causal over [memory; segment]: a_ij = m_z(x) exp(s_ij) / sum_k m_z(x_ik) exp(s_ik) over the real keys
-  j <= M + i, x = (M + i) - j; a row with no such key is zeros. Explicit loops in numpy float64."""
-  q, k, v, spans = (np.asarray(x, np.float64) for x in (q, k, v, spans))
-  mask = np.asarray(mask, bool)
-  b_, n, h_, d = q.shape
-  total = k.shape[1]
-  memory = total - n
-  out = np.zeros((b_, n, h_, v.shape[-1]))
-  for b in range(b_):
-    for h in range(h_):
-      z = min(max(spans[h], 0.0), max_span)
-      for i in range(n):
-        w = np.zeros(total)
-        for j in range(memory + i + 1):
-          m = min(max((ramp + z - (memory + i - j)) / ramp, 0.0), 1.0)
-          if mask[b, j] and m > 0:
-            w[j] = m * math.exp(q[b, i, h] @ k[b, j, h] / math.sqrt(d))
-        if w.sum() > 0:
-          out[b, i, h] = w @ v[b, :, h] / w.sum()
-  return out
-
-
-def jax_reference(q, k, v, mask, spans, *, causal, max_span, ramp):
-  """The same definition as one dense jnp expression, for gradients (float64 autodiff)."""
-  assert causal
-  n, total, d = q.shape[1], k.shape[1], q.shape[-1]
-  z = jnp.clip(spans, 0.0, max_span)
-  s = jnp.einsum("bihd,bjhd->bhij", q, k) / math.sqrt(d)  # [batch, heads, L, M + L]
-  dist = (total - n + jnp.arange(n)[:, None]) - jnp.arange(total)[None, :]  # (M + i) - j: [L, M + L]
-  m = jnp.clip((ramp + z[:, None, None] - dist) / ramp, 0.0, 1.0)  # [heads, L, M + L]
-  ok = mask[:, None, None, :] & (m > 0)[None] & (dist >= 0)
-  s = jnp.where(ok, s, -jnp.inf)
-  top = jax.lax.stop_gradient(jnp.max(s, -1, keepdims=True))
-  w = jnp.where(ok, m[None] * jnp.exp(s - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)
-  total_w = jnp.sum(w, -1, keepdims=True)
-  return jnp.einsum("bhij,bjhd->bihd", w / jnp.where(total_w > 0, total_w, 1.0), v)
 
 
 def memory_inputs(seed, *, memory, length, batch=2, heads=2, head_dim=3, value_dim=2):
@@ -94,7 +56,7 @@ def test_memory_forward_and_gradients_equal_the_definition(memory, length, block
     q, k, v, mask = memory_inputs(memory + length, memory=memory, length=length)
     spans = jnp.asarray(SPANS)
     cot = jax.random.normal(jax.random.key(1), (*q.shape[:3], v.shape[-1]), jnp.float64)
-    want = reference(q, k, v, mask, spans, **PLAN)
+    want = reference(q, k, v, mask, spans, causal=True, **PLAN)
     want_grads, want_out = _grads(jax_reference)(q, k, v, spans, mask, cot)
     np.testing.assert_allclose(want_out, want, rtol=1e-12, atol=1e-12)  # the two references agree
     assert np.all(np.abs(np.asarray(want_grads[3])) > 1e-3)  # every head's span is in the gradient

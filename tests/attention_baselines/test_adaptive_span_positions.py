@@ -8,7 +8,6 @@ is unchanged)."""
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -21,62 +20,12 @@ from attention_baselines.adaptive_span_decode import ADAPTIVE_SPAN
 from configs import adaptive_span as paper
 from configs import base
 from models import registry, transformer
+from tests.attention_baselines.definitions import adaptive_span_jax_reference as jax_reference
+from tests.attention_baselines.definitions import adaptive_span_reference as reference
 
 PLAN = dict(max_span=9, ramp=2.5)  # distances 0 .. ceil(9 + 2.5) - 1 = 11 have an embedding
 DISTANCES = 12
 SPANS = np.array([1.3, 6.6])  # two heads, max z + R = 9.1: keys at distance >= 10 unseen
-
-
-def reference(q, k, v, mask, spans, positions, *, causal, max_span, ramp):
-  """a_ij = m_z(x) exp(s_ij) / sum_k m_z(x_ik) exp(s_ik), s_ij = q_i . (k_j + p_x) / sqrt(d), over the real
-  keys j <= M + i (causal) or every j, x = (M + i) - j or |i - j|; a row with no key is zeros. Explicit loops
-  in numpy float64; positions [heads or 1, P, head_dim]."""
-  q, k, v, spans, p = (np.asarray(x, np.float64) for x in (q, k, v, spans, positions))
-  mask = np.asarray(mask, bool)
-  b_, n, h_, d = q.shape
-  total = k.shape[1]
-  memory = total - n
-  out = np.zeros((b_, n, h_, v.shape[-1]))
-  for b in range(b_):
-    for h in range(h_):
-      z = min(max(spans[h], 0.0), max_span)
-      for i in range(n):
-        w = np.zeros(total)
-        logits = {}
-        for j in range(total):
-          x = memory + i - j
-          if (causal and x < 0) or not mask[b, j]:
-            continue
-          x = abs(x)
-          m = min(max((ramp + z - x) / ramp, 0.0), 1.0)
-          if m > 0:
-            logits[j] = (m, q[b, i, h] @ (k[b, j, h] + p[h % p.shape[0], x]) / math.sqrt(d))
-        if logits:
-          top = max(s for _, s in logits.values())
-          for j, (m, s) in logits.items():
-            w[j] = m * math.exp(s - top)
-          out[b, i, h] = w @ v[b, :, h] / w.sum()
-  return out
-
-
-def jax_reference(q, k, v, mask, spans, positions, *, causal, max_span, ramp):
-  """The same definition as one dense jnp expression (p gathered per pair), for float64 autodiff."""
-  n, total, d = q.shape[1], k.shape[1], q.shape[-1]
-  z = jnp.clip(spans, 0.0, max_span)
-  dist = (total - n + jnp.arange(n)[:, None]) - jnp.arange(total)[None, :]  # (M + i) - j: [L, M + L]
-  x = dist if causal else jnp.abs(dist)
-  p = jnp.broadcast_to(positions, (q.shape[2], *positions.shape[1:]))  # [heads, P, head_dim]
-  pair = p[:, jnp.clip(x, 0, p.shape[1] - 1)]  # [heads, L, M + L, head_dim]
-  s = (jnp.einsum("bihd,bjhd->bhij", q, k) + jnp.einsum("bihd,hijd->bhij", q, pair)) / math.sqrt(d)
-  m = jnp.clip((ramp + z[:, None, None] - x) / ramp, 0.0, 1.0)  # [heads, L, M + L]
-  ok = mask[:, None, None, :] & (m > 0)[None]
-  if causal:
-    ok = ok & (dist >= 0)
-  s = jnp.where(ok, s, -jnp.inf)
-  top = jax.lax.stop_gradient(jnp.max(s, -1, keepdims=True))
-  w = jnp.where(ok, m[None] * jnp.exp(s - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)
-  total_w = jnp.sum(w, -1, keepdims=True)
-  return jnp.einsum("bhij,bjhd->bihd", w / jnp.where(total_w > 0, total_w, 1.0), v)
 
 
 def _inputs(seed, *, memory, length, shared, batch=2, heads=2, head_dim=3, value_dim=2):
