@@ -16,6 +16,7 @@ from flax import nnx
 from attention_baselines.adaptive_span import adaptive_span
 from configs import base
 from models import metrics, registry, transformer
+from tests.models import memory_checks
 
 FEATURES, HEADS, HEAD_DIM = 8, 2, 4
 
@@ -106,37 +107,9 @@ def test_memory_gets_no_gradient():
   """The memory a segment returns is a constant to the parameters (the model stops its gradient), so the
   next segment's gradient is the one it has with that memory held fixed."""
   model = _lm(mem_len=4, seq_len=4, span_init=0.8, params={"ramp": 2})
-  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   tokens = jax.random.randint(jax.random.key(3), (2, 8), 0, 11)
-  seg1, seg2 = {"inputs": tokens[:, :4]}, {"inputs": tokens[:, 4:]}
   weights = jax.random.normal(jax.random.key(4), (2, 4, 16), jnp.float32)
-
-  def segment_memory(params):
-    m = nnx.merge(graphdef, params, rest, copy=True)
-    return m(seg1, deterministic=True, memory=m.init_memory(2, 4))[1]
-
-  def loss(params, memory):
-    m = nnx.merge(graphdef, params, rest, copy=True)
-    return jnp.sum(m(seg2, deterministic=True, memory=memory)[0] ** 2)
-
-  @jax.jit
-  def grads(params):
-    of_memory = jax.grad(lambda p: sum(jnp.sum(layer["hidden"] * weights)
-                                       for layer in segment_memory(p)["layers"]))(params)
-    through = jax.grad(lambda p: loss(p, segment_memory(p)))(params)
-    memory = segment_memory(params)
-
-    def with_hidden(hidden):  # the first layer's memory replaced
-      return loss(params, {**memory, "layers": [{**memory["layers"][0], "hidden": hidden}]})
-
-    return of_memory, through, jax.grad(loss)(params, memory), jax.grad(with_hidden)(
-        memory["layers"][0]["hidden"])
-
-  of_memory, through, fixed, of_hidden = grads(params)
-  assert all(not np.any(np.asarray(g)) for g in jax.tree.leaves(of_memory))
-  for a, b in zip(jax.tree.leaves(through), jax.tree.leaves(fixed), strict=True):
-    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
-  assert float(jnp.abs(of_hidden).max()) > 0  # ... while segment 2 does read the memory
+  memory_checks.assert_memory_gets_no_gradient(model, tokens, weights, 4, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.slow  # ~5 s; fast: the module with a memory against the op, the op against its definition
@@ -155,39 +128,14 @@ def test_segments_with_memory_equal_the_whole_sequence():
   for block, ratio in zip(model.encoder.blocks, ([0.2, 0.9], [0.5, 0.7]), strict=True):
     block.attention.span_ratio[...] = jnp.asarray(ratio)  # spans 1.2 .. 5.4: some keys partly weighed
   tokens = jax.random.randint(jax.random.key(4), (2, 12), 0, 11)
-
-  @nnx.jit
-  def run(model, tokens):
-    memory = model.init_memory(2, 8)
-    out = []
-    for s in range(3):
-      logits, memory = model({"inputs": tokens[:, 4 * s:4 * (s + 1)]}, deterministic=True, memory=memory)
-      out.append(logits)
-    return jnp.concatenate(out, axis=1), model({"inputs": tokens}, deterministic=True)
-
-  segments, whole = run(model, tokens)
-  np.testing.assert_allclose(segments, whole, rtol=1e-4, atol=1e-5)
+  memory_checks.assert_segments_equal_whole(model, tokens, 4, 8)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("relative_positions", [False, True])
 def test_recompute_gives_the_same_loss_and_gradients(relative_positions):
-  g = np.random.default_rng(3)
-  x = jnp.asarray(g.normal(size=(2, 5, FEATURES)), jnp.float32)
-  memory = jnp.asarray(g.normal(size=(2, 3, FEATURES)), jnp.float32)
-  mask = jnp.asarray([[True] * 5, [True] * 4 + [False]])
-  results = []
-  for fields in ({}, {"recompute": True}):
-    module = _module(relative_positions=relative_positions, **fields)
-    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
-
-    def loss(params, graphdef=graphdef, rest=rest):
-      m = nnx.merge(graphdef, params, rest)
-      return jnp.sum(m(x, mask, deterministic=True, memory=memory) ** 2)
-
-    results.append(jax.jit(jax.value_and_grad(loss))(params))
-  for a, b in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1]), strict=True):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-  assert float(jnp.abs(results[0][1]["span_ratio"][...]).max()) > 0
+  grads = memory_checks.assert_recompute_changes_nothing(
+      lambda **fields: _module(relative_positions=relative_positions, **fields), FEATURES)
+  assert float(jnp.abs(grads["span_ratio"][...]).max()) > 0
   if relative_positions:
-    assert float(jnp.abs(results[0][1]["positions"][...]).max()) > 0
+    assert float(jnp.abs(grads["positions"][...]).max()) > 0

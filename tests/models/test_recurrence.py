@@ -16,6 +16,7 @@ from flax import nnx
 from configs import base
 from models import attention, registry, transformer
 from runtime.cli import UsageError
+from tests.models.memory_checks import assert_memory_gets_no_gradient, run_segments
 
 NAME = "memory_dense_test"
 VOCAB = 11
@@ -117,25 +118,6 @@ def reference_logits(model, tokens, allowed):
   return dense(ln(x, enc.norm), model.head, "btf,fv->btv")  # [batch, T, vocab]
 
 
-def run_segments(model, tokens, length, mem_len):
-  """The model over tokens [batch, n * length] one segment at a time with its memory (one compiled program):
-  the logits of every segment, concatenated, and the final memory."""
-  graphdef, state = nnx.split(model)
-
-  @jax.jit
-  def run(state, tokens):
-    model = nnx.merge(graphdef, state)
-    memory = model.init_memory(tokens.shape[0], mem_len)
-    out = []
-    for s in range(tokens.shape[1] // length):
-      logits, memory = model({"inputs": tokens[:, s * length:(s + 1) * length]}, deterministic=True,
-                             memory=memory)
-      out.append(logits)
-    return jnp.concatenate(out, axis=1), memory
-
-  return run(state, tokens)
-
-
 def test_memory_covering_the_past_equals_full_attention_at_any_depth():
   # Three segments of 4 through 2 layers with mem_len = 8 (every earlier position is in memory): each layer's
   # memory holds exactly the full model's hidden states there, so every logit equals full causal attention.
@@ -169,32 +151,9 @@ def test_one_layer_with_a_shorter_memory_attends_over_a_band():
 def test_memory_gets_no_gradient():
   with jax.enable_x64(True):
     model = random_model(model_config(layers=2, mem_len=4), seq_len=4, seed=2)
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     tokens = jax.random.randint(jax.random.key(3), (2, 8), 0, VOCAB)
-    seg1, seg2 = {"inputs": tokens[:, :4]}, {"inputs": tokens[:, 4:]}
     weights = jax.random.normal(jax.random.key(4), (2, 4, 16), jnp.float64)
-
-    def segment_memory(params):
-      m = nnx.merge(graphdef, params, rest)
-      return m(seg1, deterministic=True, memory=m.init_memory(2, 4))[1]
-
-    def loss(params, memory):
-      m = nnx.merge(graphdef, params, rest)
-      return jnp.sum(m(seg2, deterministic=True, memory=memory)[0] ** 2)
-
-    @jax.jit
-    def grads(params):
-      of_memory = jax.grad(lambda p: sum(jnp.sum(layer["hidden"] * weights)
-                                         for layer in segment_memory(p)["layers"]))(params)
-      through = jax.grad(lambda p: loss(p, segment_memory(p)))(params)
-      return of_memory, through, jax.grad(loss)(params, segment_memory(params))
-
-    of_memory, through, fixed = grads(params)
-    # The new memory is a constant to the parameters ...
-    assert all(not np.any(np.asarray(g)) for g in jax.tree.leaves(of_memory))
-    # ... so segment 2's gradient is the one it has with the memory held fixed.
-    for a, b in zip(jax.tree.leaves(through), jax.tree.leaves(fixed), strict=True):
-      np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
+    assert_memory_gets_no_gradient(model, tokens, weights, 4, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.slow  # ~5 s; the fast run checks a reset in the train step (tests/training/test_recurrence.py)

@@ -16,6 +16,7 @@ from flax import nnx
 from attention_baselines.transformer_xl import sinusoid, transformer_xl
 from configs import base
 from models import metrics, registry, transformer
+from tests.models.memory_checks import assert_recompute_changes_nothing, assert_segments_equal_whole
 
 FEATURES, HEADS, HEAD_DIM = 8, 2, 4
 
@@ -140,21 +141,7 @@ def test_model_on_a_mesh_equals_single_device():
 
 @pytest.mark.slow
 def test_recompute_gives_the_same_loss_and_gradients():
-  g = np.random.default_rng(3)
-  x = jnp.asarray(g.normal(size=(2, 5, FEATURES)), jnp.float32)
-  memory = jnp.asarray(g.normal(size=(2, 3, FEATURES)), jnp.float32)
-  mask = jnp.asarray([[True] * 5, [True] * 4 + [False]])
-  results = []
-  for fields in ({}, {"recompute": True}):
-    graphdef, params, rest = nnx.split(_module(**fields), nnx.Param, ...)
-
-    def loss(params, graphdef=graphdef, rest=rest):
-      m = nnx.merge(graphdef, params, rest)
-      return jnp.sum(m(x, mask, deterministic=True, memory=memory) ** 2)
-
-    results.append(jax.jit(jax.value_and_grad(loss))(params))
-  for a, b in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1]), strict=True):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  assert_recompute_changes_nothing(_module, FEATURES)
 
 
 @pytest.mark.slow  # fast: the module with a memory against the op, the op against its definition
@@ -171,15 +158,4 @@ def test_segments_with_memory_equal_the_whole_sequence():
     block.attention.u[...] = 0.5 * jnp.ones_like(block.attention.u[...])
     block.attention.v_bias[...] = -0.5 * jnp.ones_like(block.attention.v_bias[...])
   tokens = jax.random.randint(jax.random.key(4), (2, 12), 0, 11)
-
-  @nnx.jit
-  def run(model, tokens):
-    memory = model.init_memory(2, 8)
-    out = []
-    for s in range(3):
-      logits, memory = model({"inputs": tokens[:, 4 * s:4 * (s + 1)]}, deterministic=True, memory=memory)
-      out.append(logits)
-    return jnp.concatenate(out, axis=1), model({"inputs": tokens}, deterministic=True)
-
-  segments, whole = run(model, tokens)
-  np.testing.assert_allclose(segments, whole, rtol=1e-4, atol=1e-5)
+  assert_segments_equal_whole(model, tokens, 4, 8)
