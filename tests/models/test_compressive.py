@@ -16,6 +16,7 @@ from attention_baselines.transformer_xl import sinusoid
 from configs import base, compressive
 from models import transformer
 from runtime.cli import UsageError
+from tests.models.memory_checks import by_segment
 from tests.models.test_recurrence import model_config, random_model
 from training import checkpoints, evaluate, experiment
 
@@ -140,21 +141,6 @@ def reference(model, kind, tokens):
   return out
 
 
-def run(model, tokens):
-  """The model one segment at a time (one compiled step): per segment (logits, memory)."""
-  graphdef, state = nnx.split(model)
-
-  @jax.jit
-  def step(state, memory, seg):
-    return nnx.merge(graphdef, state)({"inputs": seg}, deterministic=True, memory=memory)
-
-  memory, out = model.init_memory(BATCH, MEM), []
-  for s in range(SEGMENTS):
-    logits, memory = step(state, memory, tokens[:, s * SEQ:(s + 1) * SEQ])
-    out.append((logits, memory))
-  return out
-
-
 # Each ~4 s on 2 shared cores: the fast run checks conv and most_used (learned parameters, usage), the slow
 # run the pools and dilated_conv, with two layers (the second layer's input read the compressed memory).
 @pytest.mark.parametrize("kind,layers", [("conv", 1), ("most_used", 1)] + [
@@ -166,7 +152,7 @@ def test_memories_step_by_step_equal_the_definition(kind, layers):
   with jax.enable_x64(True):
     model = random_model(config(kind, layers=layers), seq_len=SEQ, seed=7)
     tokens = np.asarray(jax.random.randint(jax.random.key(8), (BATCH, SEGMENTS * SEQ), 0, VOCAB))
-    got, want = run(model, jnp.asarray(tokens)), reference(model, kind, tokens)
+    got, want = by_segment(model, jnp.asarray(tokens), SEQ, MEM), reference(model, kind, tokens)
     # Which compressed slots are valid: a group with one valid input is (most_used keeps the 2 valid states).
     first = [False, False, True, True] if kind == "most_used" else [False, False, False, True]
     filled = [first, [first[2]] + [True] * 3, [True] * 4, [True] * 4]

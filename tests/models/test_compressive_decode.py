@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from tests.models.memory_checks import run_segments
 from tests.models.test_compressive import VOCAB, config
 from tests.models.test_recurrence import random_model
 
@@ -19,17 +20,7 @@ BATCH, MEM, COMPRESSED, RATE, GROUPS, PROMPT = 2, 4, 2, 3, 7, 5
 
 def segments(model, tokens):
   """The model's segment recurrence with segments of c tokens: logits [batch, length, vocab]."""
-  graphdef, state = nnx.split(model)
-
-  @jax.jit
-  def step(state, memory, seg):
-    return nnx.merge(graphdef, state)({"inputs": seg}, deterministic=True, memory=memory)
-
-  memory, out = model.init_memory(BATCH, MEM), []
-  for s in range(tokens.shape[1] // RATE):
-    logits, memory = step(state, memory, tokens[:, s * RATE:(s + 1) * RATE])
-    out.append(logits)
-  return jnp.concatenate(out, axis=1)
+  return run_segments(model, tokens, RATE, MEM)[0]
 
 
 def decoded(model, tokens):
