@@ -31,7 +31,8 @@ Cost:      BERT-base pretraining: days on a TPU v3-32 class slice; `:smoke` (1 l
            runs in seconds on a CPU on the generated C4 stand-in.
 Variants:  `seq_len=512` (default, batch 256) or `seq_len=1024` (batch 128): the batch follows the length
            to keep 131,072 tokens per batch unless `batch_size=...` is given; `num_blocks=2` (default) or
-           `num_blocks=3` (the attention's `params.num_blocks`, also
+           `num_blocks=3` (blocks of 170 or 171 positions at length 512, the paper's assignment; the
+           attention's `params.num_blocks`, also
            `--config.model.attention.params.num_blocks=3`); per-head shifts by
            `--config.model.attention.shifts=...`; `attention=dense` (the RoBERTa baseline) or any other
            bidirectional attention; `smoke`.

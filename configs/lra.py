@@ -14,6 +14,9 @@ Paper:     Table 5 (LRA's own per-task settings; Appendix E.4; best of CLS/MEAN 
 Expected:  the combiner_fixed column within about 1 point (LRA runs vary by seed).
 Cost:      listops/text/retrieval: hours on one accelerator (5k-20k steps at batch 32); image: ~35k steps at
            batch 256; pathfinder: ~62k steps at batch 512. `:task=...,smoke` runs in seconds on a CPU.
+`attention=etc` and `attention=blockbert` run every task with fields chosen per task (ENCODER_SETTINGS below:
+ETC's segment length and radius, BlockBERT's n = 2 blocks); neither paper reports LRA, so their rows have no
+paper value.
 Settings are those of the LRA repository's base configs (lra_benchmarks/*/configs/base_*.py): rsqrt schedule
 with lr 0.05 and weight decay 0.1 for listops/text/retrieval, cosine with lr 5e-4 / 1e-3 for image /
 pathfinder.
@@ -44,6 +47,44 @@ SETTINGS["listops_synthetic"] = ("listops_synthetic",) + SETTINGS["listops"][1:]
 # `--config.data.difficulty=...` picks another.
 PATHFINDER_DIFFICULTY = "curv_contour_length_9"
 SYNTHETIC_SMOKE = dict(min_length=16, max_length=64, num_train=1024, num_validation=128, num_test=128)
+
+# ---- `attention=etc` and `attention=blockbert`: their per-task fields -------------------------------------
+# Neither paper reports LRA (ETC, Ainslie et al. 2020: question answering on Natural Questions, HotpotQA and
+# WikiHop, keyphrase extraction on OpenKP; BlockBERT, Qiu et al. 2019: question answering after MLM
+# pretraining), so these rows have no paper value. Their fields are chosen per task here, applied only when
+# that attention is chosen and the config left the field at "auto"
+# (`--config.model.attention.params.FIELD=...` on the command line sets another value; a gin binding of these
+# fields conflicts with the value set here). ETC: one global token per segment of s tokens, s near sqrt(L) and
+# dividing L (so about as many global tokens, g = L / s, as tokens in a segment), local radius r = s;
+# ETC-base's max_distance (12) stays. Image and Pathfinder: s = 32, one global token per pixel row, the radius
+# reaching the pixels above and below. BlockBERT: n = 2 blocks (the paper's better setting), dividing every
+# length. The `listops_1024` comparison keeps every attention's automatic fields (one setting for every row).
+# task -> (etc segment_length, etc radius, blockbert num_blocks)
+ENCODER_SETTINGS = {
+  "listops": (40, 40, 2),  # L = 2000: 50 global tokens
+  "text": (50, 50, 2),  # L = 4000 bytes: 80 global tokens
+  "retrieval": (50, 50, 2),  # L = 4000 bytes per document: 80 global tokens
+  "image": (32, 32, 2),  # L = 1024 pixels, 32 x 32
+  "pathfinder": (32, 32, 2),  # L = 1024 pixels, 32 x 32
+}
+ENCODER_SETTINGS["listops_synthetic"] = ENCODER_SETTINGS["listops"]
+ENCODER_ATTENTIONS = ("etc", "blockbert")
+
+
+def encoder_fields(c, task: str, *, listops_1024: bool = False) -> None:
+  """Writes the task's ETC or BlockBERT fields (ENCODER_SETTINGS) that the config leaves at "auto" (none in
+  the `listops_1024` comparison)."""
+  name = str(c.model.attention.name)
+  if listops_1024 or name not in ENCODER_ATTENTIONS or task not in ENCODER_SETTINGS:
+    return
+  segment_length, radius, num_blocks = ENCODER_SETTINGS[task]
+  chosen = {"etc": {"segment_length": segment_length, "radius": radius},
+            "blockbert": {"num_blocks": num_blocks}}[name]
+  params = c.model.attention.params
+  for key, value in chosen.items():
+    if params.get(key, "auto") == "auto":
+      params[key] = value
+# ---- end of the `attention=etc` / `attention=blockbert` block ---------------------------------------------
 
 # `:listops_1024,attention=...` (task listops_synthetic): the offline bidirectional ListOps comparison of
 # scripts.reproduce (`--table listops-bidirectional`), one setting for every attention so that the rows differ
@@ -173,6 +214,7 @@ def get_config(arg: str | None = None):
     if task == "listops_synthetic":
       c.data.update(SYNTHETIC_SMOKE)
   base.apply_common(c, values)
+  encoder_fields(c, task, listops_1024=LISTOPS_1024 in flags)
   # The hashing YOSO rows (not yoso_e, dense).
   if YOSO_FLAG in flags and c.model.attention.name in YOSO_SAMPLED:
     c.model.attention.params.tau = 8
