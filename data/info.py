@@ -48,6 +48,8 @@ DATASETS: dict[str, str] = {
   "wiki40b": "data.text",
   "c4": "data.text",
   "pg19": "data.text",
+  "imdb": "data.text",
+  "sst5": "data.text",
   "lra_listops": "data.lra",
   "lra_text": "data.lra",
   "lra_retrieval": "data.lra",

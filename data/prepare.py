@@ -13,6 +13,9 @@
     python -m data.prepare listops_synthetic --data_dir DIR      # generate the ListOps splits once (all CPUs)
     python -m data.prepare enwik8 --data_dir DIR         # download enwik8.zip (or place it in DIR), split
     python -m data.prepare text8 --data_dir DIR          # the same for text8.zip
+    python -m data.prepare imdb --data_dir DIR           # TFDS imdb_reviews + 32K SentencePiece model
+    python -m data.prepare sst5 --data_dir DIR           # TFDS huggingface:sst + 8K SentencePiece model
+                                                         # (needs `pip install datasets`, see below)
 
 It first prints what it will do, how large and how long (rough figures for one workstation), and any manual
 step, then runs, then verifies every split's record count against the published size (exit status 1 on a
@@ -20,7 +23,8 @@ mismatch, 2 when a manual step is still missing). The LRA archive has no publish
 recorded in `lra_release.gz.sha256` once it is unpacked whole and checked against the archive on every later
 run (`--lra_sha256 HEX` also checks it against a value you trust before unpacking). TFDS builds and the Beam
 builders (wiki40b, c4) need the extras in requirements-prepare.txt (TensorFlow, Apache Beam); training and
-evaluation never do.
+evaluation never do. sst5 is TFDS's community dataset `huggingface:sst`, whose builder also needs the Hugging
+Face `datasets` package (not in requirements-prepare.txt): without it the build stops with that message.
 """
 
 from __future__ import annotations
@@ -73,7 +77,14 @@ PLAN: dict[str, tuple[str, str, str | None]] = {
                         "~11 CPU-minutes (96K+2K+2K examples at ~7 ms each), spread over every CPU", None),
   "enwik8": ("~36 MB download (enwik8.zip), 100 MB prepared", "under a minute after the download", None),
   "text8": ("~31 MB download (text8.zip), 100 MB prepared", "under a minute after the download", None),
+  "imdb": ("~80 MB download (imdb_reviews, shared with lra_text), ~130 MB prepared",
+           "a few minutes, plus a few minutes of SentencePiece training", None),
+  "sst5": ("~10 MB download (huggingface:sst, the Stanford Sentiment Treebank), a few MB prepared",
+           "a few minutes, plus under a minute of SentencePiece training", None),
 }
+SST5_NEEDS = ("sst5 is built by TFDS's community builder huggingface:sst, which needs the Hugging Face "
+              "`datasets` package: .venv/bin/pip install datasets (not in requirements-prepare.txt), then "
+              "re-run this command")
 
 
 def _config(name: str, data_dir: str, **fields: Any) -> ml_collections.ConfigDict:
@@ -198,7 +209,7 @@ def train_spm(name: str, data_dir: str, *, vocab_size: int, docs: int, seed: int
   picks = np.sort(rng.choice(n, size=min(docs, n), replace=False))
   log.info("training SentencePiece (%d pieces) on %d of %d training documents", vocab_size, len(picks), n)
   path = text.spm_path(config)
-  tokenizer.train((text.clean_text(source[int(i)]["text"]) for i in picks), path, vocab_size=vocab_size)
+  tokenizer.train((text.document_text(config, source[int(i)]) for i in picks), path, vocab_size=vocab_size)
   return path
 
 
@@ -324,11 +335,12 @@ def prepare_characters(name: str, data_dir: str) -> int | None:
   return None
 
 
-def prepare(name: str, data_dir: str, *, skip_build: bool = False, vocab_size: int = 32000,
+def prepare(name: str, data_dir: str, *, skip_build: bool = False, vocab_size: int | None = None,
             spm_docs: int | None = None, beam_flags: list[str] | None = None, seed: int = 0,
             listops_fields: dict[str, Any] | None = None, lra_sha256: str | None = None) -> int:
   """Runs the steps for `name`; returns the exit status (0 ok, 1 verification failed, 2 manual step missing).
 
+  vocab_size: SentencePiece pieces (None: the dataset's own, 32000; sst5 8000).
   listops_fields: `config.data` fields of listops_synthetic (split sizes `num_<split>`, lengths); training
   reads the cache only with the same fields, so they are printed as the matching `--config.data.*` flags.
   """
@@ -362,11 +374,17 @@ def prepare(name: str, data_dir: str, *, skip_build: bool = False, vocab_size: i
     spec = text.SPECS[name]
     if not skip_build:
       beam = spec.get("beam", True)  # pg19's builder is a plain generator
-      build_tfds(spec["tfds_name"], data_dir, beam_flags=None if not beam else beam_flags or [
-          "--runner=DirectRunner", "--direct_running_mode=multi_processing",
-          f"--direct_num_workers={os.cpu_count()}"])
-    train_spm(name, data_dir, vocab_size=vocab_size, docs=spm_docs or spec.get("spm_docs", 1_000_000),
-              seed=seed)
+      try:
+        build_tfds(spec.get("build_name", spec["tfds_name"]), data_dir, beam_flags=None if not beam else
+                   beam_flags or ["--runner=DirectRunner", "--direct_running_mode=multi_processing",
+                                  f"--direct_num_workers={os.cpu_count()}"])
+      except ImportError as e:
+        if name != "sst5":
+          raise
+        print(f"MANUAL STEP MISSING: {SST5_NEEDS} ({e})", flush=True)
+        return 2
+    train_spm(name, data_dir, vocab_size=vocab_size or text.default_vocab(name),
+              docs=spm_docs or spec.get("spm_docs", 1_000_000), seed=seed)
   elif name in characters.SPECS:
     status = prepare_characters(name, data_dir)
     if status is not None:
@@ -395,7 +413,8 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("dataset", choices=names)
   parser.add_argument("--data_dir", required=True)
   parser.add_argument("--skip_build", action="store_true", help="only tokenizer training and verification")
-  parser.add_argument("--vocab_size", type=int, default=32000)
+  parser.add_argument("--vocab_size", type=int, default=None,
+                      help="SentencePiece pieces (default 32000; sst5: 8000)")
   parser.add_argument("--spm_docs", type=int, default=None,
                       help="training documents sampled for SentencePiece (default 1M; pg19: 2000 books)")
   parser.add_argument("--beam_flags", default=None, help="Beam pipeline flags, space-separated (wiki40b, c4)")

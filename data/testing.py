@@ -6,9 +6,10 @@
 
 TFDS-backed sets (cifar10, imagenet64, lra_text, lra_image) use `tfds.testing.mock_data` (random records,
 served through `tfds.data_source` exactly like real data); LRA file sets get small files in the official
-`lra_release/lra_release/...` layout; wiki40b/c4/pg19 get a small prepared TFDS ArrayRecord directory (pg19:
-a few generated books, `books`, with pg19's features) plus a SentencePiece model (vocabulary `spm_vocab`, at
-most config.data.vocab_size) trained on the generated text;
+`lra_release/lra_release/...` layout; wiki40b/c4/pg19/imdb/sst5 get a small prepared TFDS ArrayRecord
+directory (pg19: a few generated books, `books`, with pg19's features; imdb and sst5: labelled reviews and
+sentences) plus a SentencePiece model (vocabulary `spm_vocab`, at most config.data.vocab_size) trained on
+the generated text;
 enwik8/text8 get ~400 KB of pseudo-text in their alphabet (Wikipedia-like XML with some UTF-8; a-z and
 space) in the prepared `{data_dir}/<name>/` layout; listops_synthetic and synthetic_recall need nothing. All
 content is generated from `seed`.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import types
 from collections.abc import Iterator
 
 import numpy as np
@@ -130,8 +132,10 @@ def write_prepared_text(name: str, data_dir: str, split_docs: dict[str, list[str
   tfds_name, _, config_name = spec["tfds_name"].partition("/")
   field = spec.get("text_field", "text")
   extra = {"wiki40b": ("wikidata_id", "version_id"), "c4": ("timestamp", "url"),
-           "pg19": ("book_title", "publication_date", "book_link")}[name]
+           "pg19": ("book_title", "publication_date", "book_link"), "sst5": ("tokens", "tree")}.get(name, ())
   numbers = ("book_id",) if name == "pg19" else ()  # pg19's int32 feature
+  # classification: imdb's ClassLabel, sst5's float sentiment in [0, 1] (a label per document, from its index)
+  labels = {"imdb": tfds.features.ClassLabel(num_classes=2), "sst5": np.float32}.get(name)
 
   class _Mock(tfds.core.GeneratorBasedBuilder, skip_registration=True):
     VERSION = tfds.core.Version(spec["version"])
@@ -140,7 +144,7 @@ def write_prepared_text(name: str, data_dir: str, split_docs: dict[str, list[str
 
     def _info(self):
       feats = {field: tfds.features.Text(), **{k: tfds.features.Text() for k in extra},
-               **{k: np.int32 for k in numbers}}
+               **{k: np.int32 for k in numbers}, **({"label": labels} if labels is not None else {})}
       return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict(feats))
 
     def _split_generators(self, dl_manager):
@@ -148,7 +152,8 @@ def write_prepared_text(name: str, data_dir: str, split_docs: dict[str, list[str
 
     def _generate_examples(self, docs):
       for i, doc in enumerate(docs):
-        yield i, {field: doc, **{k: f"{k}{i}" for k in extra}, **{k: i for k in numbers}}
+        label = {} if labels is None else {"label": i % 2 if name == "imdb" else np.float32((i % 11) / 10)}
+        yield i, {field: doc, **{k: f"{k}{i}" for k in extra}, **{k: i for k in numbers}, **label}
 
   _Mock.name = tfds_name
   builder = _Mock(data_dir=data_dir, config=config_name or None, file_format="array_record")
@@ -184,13 +189,20 @@ def write_text(name: str, data_dir: str, *, seed: int = 0, num_examples: int = 2
 
   rng = np.random.default_rng(seed)
   wiki = name == "wiki40b"
-  splits = ("train", "validation", "test") if name in ("wiki40b", "pg19") else ("train", "validation")
+  splits = ("train", "validation") if name == "c4" else ("train", "validation", "test")
   if name == "pg19":  # fewer, longer documents: books
     split_docs = {s: books(rng, max(2, num_examples // 3)) for s in splits}
+  elif name == "imdb":  # reviews with imdb's line-break tags; validation is a slice of train
+    split_docs = {s: [d.replace(" ", " <br /><br />", 1) for d in documents(rng, num_examples * (1 + (
+        s == "train")), min_words=20, max_words=200)] for s in ("train", "test")}
+  elif name == "sst5":  # sentences
+    split_docs = {s: documents(rng, num_examples * (1 + 7 * (s == "train")), min_words=3, max_words=40)
+                  for s in splits}  # enough training text for the tokenizer's pieces
   else:
     split_docs = {s: documents(rng, num_examples, wiki_markup=wiki) for s in splits}
   write_prepared_text(name, data_dir, split_docs)
-  corpus = [text.clean_text(d) for d in split_docs["train"]]
+  config = types.SimpleNamespace(data=types.SimpleNamespace(name=name))
+  corpus = [text.document_text(config, {"text": d}) for d in split_docs["train"]]
   tokenizer.train(corpus, os.path.join(data_dir, "spm", f"{name}.model"), vocab_size=spm_vocab,
                   character_coverage=1.0)
 
@@ -255,7 +267,7 @@ def mock_data(name: str, tmp_dir: str, *, num_examples: int = 12, seed: int = 0)
     return
   if name.startswith("lra_"):
     write_lra(data_dir, seed=seed, num_examples=num_examples)
-  elif name in ("wiki40b", "c4", "pg19"):
+  elif name in ("wiki40b", "c4", "pg19", "imdb", "sst5"):
     write_text(name, data_dir, seed=seed, num_examples=max(num_examples, 12))
   elif name in ("enwik8", "text8"):
     write_characters(name, data_dir, seed=seed)

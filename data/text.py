@@ -1,5 +1,5 @@
 """Wiki-40B and PG-19 (autoregressive LM) and C4 (masked LM), SentencePiece-tokenized and packed to
-config.data.seq_len.
+config.data.seq_len; IMDB and SST-5 (classification) tokenized the same way, one example per record.
 
 Storage: the TFDS-prepared ArrayRecord directory `{data_dir}/wiki40b/en/1.3.0` / `{data_dir}/c4/en/3.1.0` /
 `{data_dir}/pg19/0.1.1` (written by `python -m data.prepare`, which needs TensorFlow (+ Beam for wiki40b and
@@ -34,6 +34,17 @@ Each document becomes `[bos] + pieces + [eos]`. Packing (per global batch, in th
     in its row is truncated (counted); the rest of the row is padding. 15% of the real non-special tokens are
     predicted (weights 1, targets = originals); of those 80% become [MASK], 10% a random ordinary piece, 10%
     stay. The randomness is seeded by (seed, record index), so it is identical after a resume.
+Classification (task "classify"; the BP-Transformer paper's sentence and document classification, see
+configs/bp_transformer.py): `imdb` (TFDS `imdb_reviews/plain_text`, the reviews LRA's Text task reads as
+bytes; `<br />` tags become line breaks) and `sst5` (SST fine-grained, TFDS community dataset
+`huggingface:sst`, config `default`: `sentence` and a float sentiment `label` in [0, 1], binned into 5 classes
+by `sst5_class`) are read through the same prepared TFDS directory and a SentencePiece model trained on their
+training split at prepare time (`{data_dir}/spm/imdb.model`, 32K pieces; `sst5.model`, 8K pieces). An
+example is `[bos] + pieces`, truncated to seq_len (counted), padded with a mask, and its class `label`; the
+bos token (`cls_id`) sits at position 0 for CLS pooling. IMDB has no validation split: like the paper's code
+(a 90/10 split of the training reviews), validation is the last 10% of TFDS's training split and training
+the first 90%; test is the 25,000 test reviews.
+
 Wiki-40B markup (_START_ARTICLE_, _START_SECTION_, _START_PARAGRAPH_, _NEWLINE_) becomes line breaks.
 Attention masks only padding (the op contract has a key mask, no segment mask), so a token may attend to an
 earlier document of its row, as in GPT-style concatenation; bos/eos mark the boundary and `segment_ids` is
@@ -65,7 +76,22 @@ SPECS: dict[str, dict[str, Any]] = {
                beam=False, spm_docs=2000, word_counts=True,
                splits={"train": "train", "validation": "validation", "test": "test"},
                split_sizes={"train": 28_602, "validation": 50, "test": 100}),
+  # Classification (task "classify"): `label_field` holds the class (sst5: a float binned by sst5_class),
+  # `markup` is replaced by a line break before tokenizing (training the SentencePiece model too).
+  "imdb": dict(tfds_name="imdb_reviews/plain_text", version="1.0.0", task="classify", max_segments=None,
+               beam=False, spm_docs=25_000, vocab_size=32000, num_classes=2, markup=r"<br\s*/?>",
+               splits={"train": "train[:90%]", "validation": "train[90%:]", "test": "test"},
+               split_sizes={"train": 22_500, "validation": 2_500, "test": 25_000}),
+  "sst5": dict(tfds_name="sst/default", version="1.0.0", build_name="huggingface:sst/default",
+               task="classify", max_segments=None, beam=False, spm_docs=8_544, vocab_size=8000,
+               num_classes=5, text_field="sentence", label_binning="sst5",
+               splits={"train": "train", "validation": "validation", "test": "test"},
+               split_sizes={"train": 8_544, "validation": 1_101, "test": 2_210}),
 }
+# SST's fine-grained classes from its sentiment value v in [0, 1]: [0, 0.2] very negative, (0.2, 0.4]
+# negative, (0.4, 0.6] neutral, (0.6, 0.8] positive, (0.8, 1] very positive (compared in float32, the
+# stored type, so that a value stored as 0.2 falls in the first class).
+SST5_CUTS = np.asarray([0.2, 0.4, 0.6, 0.8], np.float32)
 DEFAULT_VOCAB = 32000
 _MARKUP = re.compile(r"_START_(?:ARTICLE|SECTION|PARAGRAPH)_")
 _WORD = re.compile(r"\S+")  # a whitespace-separated word, as str.split() finds them
@@ -94,6 +120,16 @@ def spm_path(config: Any) -> str:
       config, "spm_model", os.path.join(data_dir(config), "spm", f"{config.data.name}.model")))
 
 
+def sst5_class(value: float) -> int:
+  """SST's sentiment value in [0, 1] -> its fine-grained class 0..4 (SST5_CUTS; right-closed bins)."""
+  return int(np.searchsorted(SST5_CUTS, np.float32(value), side="left"))
+
+
+def default_vocab(name: str) -> int:
+  """The SentencePiece size data.prepare trains for `name` (and its configs read)."""
+  return int(SPECS[name].get("vocab_size", DEFAULT_VOCAB))
+
+
 def clean_text(text: str | bytes) -> str:
   if isinstance(text, bytes):
     text = text.decode("utf-8", errors="replace")
@@ -101,17 +137,31 @@ def clean_text(text: str | bytes) -> str:
   return re.sub(r"\n{2,}", "\n", text).strip()
 
 
-class RenamedText:
-  """A TFDS data source whose records keep their text in `field` (pg19: `book_text`), read as `text`."""
+def document_text(config: Any, record: dict) -> str:
+  """A record's text as it is tokenized (and as data.prepare trains the tokenizer on it): `clean_text`,
+  after the spec's `markup` (imdb: `<br />`) becomes a line break."""
+  text = record["text"]
+  markup = _spec(config).get("markup")
+  if markup:
+    if isinstance(text, bytes):
+      text = text.decode("utf-8", errors="replace")
+    text = re.sub(markup, "\n", text)
+  return clean_text(text)
 
-  def __init__(self, source, field: str):
-    self.source, self.field = source, field
+
+class RenamedText:
+  """A TFDS data source whose records keep their text in `field` (pg19: `book_text`), read as `text`; the
+  fields named in `keep` (sst5: `label`) come along."""
+
+  def __init__(self, source, field: str, keep: tuple[str, ...] = ()):
+    self.source, self.field, self.keep = source, field, tuple(keep)
 
   def __len__(self) -> int:
     return len(self.source)
 
   def __getitem__(self, index):
-    return {"text": self.source[index][self.field]}
+    record = self.source[index]
+    return {"text": record[self.field], **{k: record[k] for k in self.keep}}
 
   def __getitems__(self, indices):
     return [self[i] for i in indices]
@@ -134,7 +184,8 @@ def text_source(config: Any, split: str):
                            what=f"prepared tfds directory of {spec['tfds_name']}")
   source = tfds.builder_from_directory(path).as_data_source(spec["splits"][base] + sep + rest)
   field = spec.get("text_field", "text")
-  return source if field == "text" else RenamedText(source, field)
+  keep = ("label",) if spec["task"] == "classify" else ()
+  return source if field == "text" else RenamedText(source, field, keep=keep)
 
 
 def counts_words(config: Any) -> bool:
@@ -162,7 +213,13 @@ def token_words(sp, text: str) -> tuple[list[int], np.ndarray]:
 def dataset_info(config: Any) -> DatasetInfo:
   spec = _spec(config)
   seq_len = int(pipeline.cfg_get(config, "seq_len", 2048))
-  vocab = int(pipeline.cfg_get(config, "vocab_size", DEFAULT_VOCAB))
+  vocab = int(pipeline.cfg_get(config, "vocab_size", default_vocab(config.data.name)))
+  if spec["task"] == "classify":
+    return DatasetInfo(
+      name=config.data.name, task="classify", vocab_size=vocab, seq_len=seq_len, input_vocab_size=vocab,
+      num_classes=spec["num_classes"], pad_id=tokenizer.PAD_ID, bos_id=tokenizer.BOS_ID,
+      eos_id=tokenizer.EOS_ID, cls_id=tokenizer.BOS_ID, metric="accuracy",
+      split_sizes=dict(spec["split_sizes"]))
   return DatasetInfo(
     name=config.data.name, task=spec["task"], vocab_size=vocab, seq_len=seq_len, input_vocab_size=vocab,
     pad_id=tokenizer.PAD_ID, bos_id=tokenizer.BOS_ID, eos_id=tokenizer.EOS_ID,
@@ -204,6 +261,34 @@ class Tokenize(grain.transforms.Map):
     ids, words = token_words(tokenizer.load(self.model_path), clean_text(record["text"]))
     tokens = np.asarray([tokenizer.BOS_ID] + ids + [tokenizer.EOS_ID], np.int32)  # [n]
     return tokens, np.concatenate([[0], words, [0]]).astype(np.uint8)  # [n]
+
+
+class Classify:
+  """A classification record -> {inputs [seq_len] (`[bos] + pieces`, truncated and counted), mask, label}."""
+
+  def __init__(self, config: Any, model_path: str, info: DatasetInfo):
+    self.config, self.model_path, self.seq_len = config, model_path, info.seq_len
+    self.binning = _spec(config).get("label_binning")
+    self.counter = pipeline.Counter(f"{config.data.name}: examples truncated to seq_len")
+    sp = tokenizer.load(model_path)
+    tokenizer.check(sp, model_path)
+    if sp.get_piece_size() > info.vocab_size:
+      raise ValueError(f"{model_path} has {sp.get_piece_size()} pieces, more than config.data.vocab_size="
+                       f"{info.vocab_size}")
+
+  def __call__(self, record) -> dict[str, np.ndarray]:
+    ids = tokenizer.load(self.model_path).encode(document_text(self.config, record))
+    tokens = np.asarray([tokenizer.BOS_ID] + ids, np.int32)
+    if tokens.size > self.seq_len:
+      self.counter.add("truncated", detail=f"{tokens.size} -> {self.seq_len} tokens")
+      tokens = tokens[:self.seq_len]
+    inputs = np.zeros(self.seq_len, np.int32)
+    inputs[:tokens.size] = tokens
+    label = sst5_class(record["label"]) if self.binning == "sst5" else int(record["label"])
+    return {"inputs": inputs, "mask": np.arange(self.seq_len) < tokens.size, "label": np.int32(label)}
+
+  def __repr__(self) -> str:
+    return f"Classify({self.config.data.name}, {self.model_path}, seq_len={self.seq_len})"
 
 
 def segment_starts(segment_ids: np.ndarray) -> np.ndarray:
@@ -317,6 +402,12 @@ def create_dataset(config: Any, split: str, *, batch_size: int, seed: int, shard
   if not paths.exists(model):
     raise pipeline.missing(model, config.data.name, pipeline.cfg_get(config, "data_dir"),
                            what="SentencePiece model")
+  if info.task == "classify":  # one example per record, batched like the LRA classification sets
+    return pipeline.make_loader(
+      source, [pipeline.Example(Classify(config, model, info))], split=split.partition("[")[0],
+      batch_size=batch_size,
+      seed=seed, shard_index=shard_index, shard_count=shard_count, shuffle=shuffle, num_epochs=num_epochs,
+      config=config)
   stream = num_epochs is None and split.partition("[")[0] in pipeline.TRAIN_SPLITS
   rows = pipeline.GlobalRows(batch_size, shard_index, shard_count) if stream else None
   pack_size, pack_seed = (rows.global_batch, pipeline.stream_seed(seed)) if stream else (
