@@ -17,7 +17,10 @@ VARIANTS = [(f, "") for f in CONFIG_FILES] + [(f, "smoke") for f in CONFIG_FILES
   ("lra", f"task={t}") for t in lra.TASKS + ("listops_synthetic",)] + [
   ("lra", f"task={t},smoke") for t in lra.TASKS + ("listops_synthetic",)] + [
   ("transformer_xl", ""), ("transformer_xl", "text8,smoke"), ("compressive", ""), ("compressive", "smoke"),
-  ("adaptive_span", ""), ("adaptive_span", "large,text8"), ("adaptive_span", "smoke")]
+  ("adaptive_span", ""), ("adaptive_span", "large,text8"), ("adaptive_span", "smoke"),
+  ("blockbert", ""), ("blockbert", "seq_len=1024"), ("blockbert", "smoke")] + [
+  ("lra", f"task={t},attention={a}{smoke}") for t in lra.TASKS + ("listops_synthetic",)
+  for a in lra.ENCODER_ATTENTIONS for smoke in ("", ",smoke")]
 
 
 BP_TRANSFORMER = ("", "text8", "imdb", "sst5", "smoke", "text8,smoke", "imdb,smoke", "sst5,smoke")
@@ -58,6 +61,79 @@ def test_paper_defaults():
           w.train.num_steps, w.optimizer.warmup_steps, w.data.seq_len) == (12, 768, 12, 3072, 128, 125_000,
                                                                             10_000, 8192)
   assert lra.get_config("task=pathfinder").model.classifier_pool == "MEAN"
+
+
+def test_blockbert_paper_settings():
+  """BERT-base with BlockBERT's n blocks and 131,072 tokens per batch at both lengths; n and the batch are
+  arguments, and num_blocks belongs to attention=blockbert alone."""
+  from configs import blockbert
+
+  for arg, length, batch, n in [("", 512, 256, 2), ("seq_len=1024", 1024, 128, 2),
+                                ("num_blocks=3", 512, 256, 3), ("seq_len=1024,num_blocks=3", 1024, 128, 3)]:
+    c = blockbert.get_config(arg)
+    m = c.model
+    assert (m.num_layers, m.features, m.num_heads, m.mlp_dim, m.attention.name) == (12, 768, 12, 3072,
+                                                                                     "blockbert"), arg
+    assert (c.data.name, c.data.seq_len, c.train.batch_size, c.train.eval_batch_size) == ("c4", length, batch,
+                                                                                         batch), arg
+    assert c.train.batch_size * c.data.seq_len == blockbert.TOKENS_PER_BATCH == 131_072
+    assert m.attention.params.num_blocks == n, arg
+    # n = 2 halves both lengths; n = 3 takes the paper's blocks of floor(N/3) or ceil(N/3) positions
+    assert c.data.seq_len % n == 0 or n == 3, arg
+    registry.check_fields(m.attention)
+  assert blockbert.get_config("seq_len=1024,batch_size=64").train.batch_size == 64
+  assert "num_blocks" not in blockbert.get_config("attention=dense").model.attention.params
+  for arg, message in [("attention=dense,num_blocks=2", "parameter of attention=blockbert"),
+                       ("seq_len=1000", "131,072 tokens per batch"), ("num_blocks=two", "must be an int"),
+                       ("num_blocks=0", ">= 1")]:
+    with pytest.raises(cli.UsageError, match=message):
+      blockbert.get_config(arg)
+
+
+@pytest.mark.parametrize("attention", lra.ENCODER_ATTENTIONS)
+def test_lra_encoder_fields_are_valid_for_every_task(attention):
+  """attention=etc / blockbert on every LRA task: the task's fields (lra.ENCODER_SETTINGS) are set, fit the
+  length, and the model and the op accept them at the task's length (shapes only); a field the config sets
+  is kept, and the listops_1024 comparison keeps the automatic fields."""
+  from flax import nnx
+
+  import data
+  from attention_core import registry as ops_registry
+  from models import attention as attention_lib
+  from models import transformer
+
+  for task in lra.TASKS + ("listops_synthetic",):
+    for smoke in ("", ",smoke"):
+      c = lra.get_config(f"task={task},attention={attention}{smoke}")
+      params, length = c.model.attention.params, int(c.data.seq_len)
+      segment_length, radius, num_blocks = lra.ENCODER_SETTINGS[task]
+      if attention == "blockbert":
+        assert params.num_blocks == num_blocks == 2 and length % num_blocks == 0, (task, smoke)
+      else:
+        assert (params.segment_length, params.radius) == (segment_length, radius), (task, smoke)
+        assert 1 <= segment_length <= length and 1 <= radius <= length, (task, smoke)
+        if not smoke:
+          assert length % segment_length == 0, task  # whole segments at the task's length
+      registry.check_fields(c.model.attention)
+      if smoke:
+        continue
+      info = data.dataset_info(c)
+      nnx.eval_shape(lambda c=c, info=info: transformer.from_info(c.model, info))
+      spec = ops_registry.get(attention)
+      heads, head_dim = int(c.model.num_heads), int(c.model.features) // int(c.model.num_heads)
+      qkv = jax.ShapeDtypeStruct((1, length, heads, head_dim), jax.numpy.float32)
+      plan = attention_lib.resolve_plan_params(spec, params.to_dict(), length)
+      out = jax.eval_shape(lambda q, k, v, plan=plan, spec=spec: spec.fn(q, k, v, causal=False, **plan),
+                           qkv, qkv, qkv)
+      assert out.shape == (1, length, heads, head_dim), task
+  # Left to the op where the config chose (the listops_1024 comparison) or the user set the field.
+  c = lra.get_config(f"listops_1024,attention={attention}")
+  assert all(v == "auto" for v in c.model.attention.params.values())
+  c = lra.get_config(f"task=text,attention={attention}")
+  key = "num_blocks" if attention == "blockbert" else "segment_length"
+  c.model.attention.params[key] = 8
+  lra.encoder_fields(c, "text")
+  assert c.model.attention.params[key] == 8
 
 
 def test_unknown_config_argument_lists_valid_keys():
@@ -153,8 +229,9 @@ def test_gin_bindings_fold_into_config():
     gin_bridge.apply(c, gin_bindings=["attention.deepsets = True"])
 
 
-SMOKE_RUNS = [("cifar10", ""), ("imagenet64", ""), ("wiki40b", ""), ("c4", "")] + [
-  ("lra", f"task={t}") for t in lra.TASKS + ("listops_synthetic",)]
+SMOKE_RUNS = [("cifar10", ""), ("imagenet64", ""), ("wiki40b", ""), ("c4", ""), ("blockbert", "")] + [
+  ("lra", f"task={t}") for t in lra.TASKS + ("listops_synthetic",)] + [
+  ("lra", f"task={t},attention={a}") for t in lra.TASKS for a in lra.ENCODER_ATTENTIONS]
 
 
 SMOKE_RUNS += [("bp_transformer", ""), ("bp_transformer", "imdb"), ("bp_transformer", "sst5")]
