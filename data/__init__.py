@@ -27,14 +27,13 @@ virtual_records (benchmarks: a small split presented at a real split's size, dat
 engine ("dataset" | "loader": grain engine of batched datasets, default "dataset"; both give the same batches
 in the same `EpochPermutation` record order, but each resumes only its own checkpoints), cache_in_memory (MB,
 default 512: small splits of lra_text, lra_image, lra_listops and the listops_synthetic cache are held in RAM;
-0 = never);
-images: random_flip; text: spm_model, vocab_size (32000), tfds_version, max_segments, mlm_rate; LRA: lra_dir,
-skip_malformed, listops_parens, difficulty, resolution; listops_synthetic: min_length, max_length, max_depth,
-max_args, op_p, num_train/num_validation/num_test, data_seed, cache_dir (default data_dir; each split
-generated once there); ordered (bool: the Transformer-XL order of an LM token stream,
-data.ordered); stand_in (bool: when the data is missing, read the generated stand-in of
-`data.testing.mock_data` instead, saying so in one line; the `smoke` variants set it). Offline stand-ins for
-every dataset: `data.testing.mock_data`; preparation of the real ones: `python -m data.prepare`.
+0 = never); images: random_flip; text (also imdb, sst5): spm_model, vocab_size (32000; sst5 8000),
+tfds_version, max_segments, mlm_rate; LRA: lra_dir, skip_malformed, listops_parens, difficulty, resolution;
+listops_synthetic: min_length, max_length, max_depth, max_args, op_p, num_train/num_validation/num_test,
+data_seed, cache_dir (default data_dir; each split generated once there); ordered (bool: the Transformer-XL
+order of an LM token stream, data.ordered); stand_in (bool: when the data is missing, read the generated
+stand-in of `data.testing.mock_data` instead, saying so in one line; the `smoke` variants set it). Offline
+stand-ins for every dataset: `data.testing.mock_data`; preparation of the real ones: `python -m data.prepare`.
 """
 
 from __future__ import annotations
