@@ -24,24 +24,25 @@ Paper:     character LM: 1.02 bpc on enwik8 test (12 layers, 38M parameters) and
              (every subtree of the training trees), 40 epochs.
            Classification reads out the tree's root node; word inputs with frozen 300-d GloVe 840B vectors
            (spaCy tokens, lower-cased).
-This config: the same layers, widths, heads, k and lengths, `attention=bp_transformer` with
-           `params.context = k`, no absolute positions (the attention's relative vectors; models/
-           bp_transformer_attention.py), pre-LN blocks. LM: enwik8 or text8 in shuffled windows of 512
-           (data/characters.py), evaluated at the training length, no auxiliary per-layer losses, untied
-           embeddings. Classification (data/text.py): no GloVe here, so the inputs are pieces of a
-           SentencePiece vocabulary trained at prepare time on the training split (IMDB 32K, SST-5 8K
-           pieces) and embeddings learned from scratch; `[bos] + pieces` cut to seq_len 2048 (IMDB: reviews
-           average about 230 words, the longest about 2,500, so only a few are cut; an estimate, not
-           measured here) or 128 (SST-5 sentences); MEAN pooling over the tokens
-           stands in for the root node (the Encoder drops the span nodes after the last block); IMDB's dev
-           split is the last 10% of TFDS's training split; SST-5 trains on the 8,544 training sentences only
-           (`huggingface:sst` has no phrase labels), with the sentiment value binned into 5 classes at
+This config: the same layers, widths, heads, k and lengths, `attention=bp_transformer` with `params.context =
+           k`, no absolute positions (the attention's relative vectors; models/bp_transformer_attention.py),
+           pre-LN blocks. LM: enwik8 or text8 in shuffled windows of 512 (data/characters.py), evaluated at
+           the training length, no auxiliary per-layer losses, untied embeddings: 41.7M parameters (38M in the
+           paper), of which the relative vectors take 3.5M (k = 64 per level for log2 512 = 9 levels, per head
+           and layer). Classification (data/text.py): no GloVe here, so the inputs are pieces of a
+           SentencePiece vocabulary trained at prepare time on the training split (IMDB 32K, SST-5 8K pieces)
+           and embeddings learned from scratch; `[bos] + pieces` cut to seq_len 2048 (IMDB: reviews average
+           about 230 words, the longest about 2,500, so only a few are cut; an estimate, not measured here) or
+           128 (SST-5 sentences); MEAN pooling over the tokens stands in for the root node (the Encoder drops
+           the span nodes after the last block); IMDB's dev split is the last 10% of TFDS's training split;
+           SST-5 trains on the 8,544 training sentences only (`huggingface:sst`'s `default` config; the phrase
+           labels of its `dictionary` config are not read), with the sentiment value binned into 5 classes at
            0.2/0.4/0.6/0.8 (data.text.sst5_class), in batches of 32 (1024 would be 8 steps an epoch) at a
-           constant lr; one dropout rate in the blocks (no separate embedding / classifier dropout); no
-           weight decay.
-Cost:      enwik8: days on several GPUs in the paper; IMDB and SST-5: hours on one accelerator. `:smoke`,
-           `:imdb,smoke`, `:sst5,smoke` (1 layer, width 32, a few steps on the generated stand-in when the
-           data is missing) run in seconds on a CPU.
+           constant lr; one dropout rate in the blocks (no separate embedding / classifier dropout); no weight
+           decay.
+Cost:      not measured at paper scale. `:smoke`, `:text8,smoke`, `:imdb,smoke`, `:sst5,smoke` (1 layer, width
+           32, a few steps on the generated stand-in when the data is missing) train and evaluate in about a
+           minute on a CPU, mostly compilation.
 Variants:  `text8`, `imdb`, `sst5`, `context=K` (k), `seq_len=...`, `attention=...` (another attention on the
            same task; `context` then does not apply), `smoke`.
 """
