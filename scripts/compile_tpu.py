@@ -160,16 +160,22 @@ class Result:
     return max(self.flops / self.slice.gen.peak_flops, self.bytes_accessed / self.slice.gen.hbm_bandwidth)
 
 
-def batch_shapes(task: str, batch: int, length: int, sharding: Any) -> dict[str, Any]:
-  """The global training batch as ShapeDtypeStructs, in the layouts of `data` (its module docstring)."""
+def batch_shapes(task: str, batch: int, length: int, sharding: Any, sentences: int = 0) -> dict[str, Any]:
+  """The global training batch as ShapeDtypeStructs, in the layouts of `data` (its module docstring; HIBERT's
+  documents of `sentences` sentences of `length` tokens: data/cnn_dailymail.py)."""
   import jax
   import jax.numpy as jnp
 
   def spec(shape, dtype):
     return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
-  tokens, mask = spec((batch, length), jnp.int32), spec((batch, length), jnp.bool_)
   out = {"valid": spec((batch,), jnp.bool_)}
+  if task.startswith("hibert_"):
+    return {**out, "inputs": spec((batch, sentences, length), jnp.int32),
+            "mask": spec((batch, sentences, length), jnp.bool_),
+            "sentence_mask": spec((batch, sentences), jnp.bool_),
+            "labels": spec((batch, sentences), jnp.int32)}
+  tokens, mask = spec((batch, length), jnp.int32), spec((batch, length), jnp.bool_)
   if task == "retrieval":
     return {**out, "inputs1": tokens, "mask1": mask, "inputs2": tokens, "mask2": mask,
             "label": spec((batch,), jnp.int32)}
@@ -205,7 +211,8 @@ def compile_step(config: Any, sl: Slice) -> Result:
   batch = int(config.train.batch_size)  # `search` passes only slices whose data x fsdp axes divide it
   state = exp.abstract_state()
   step = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(exp.mesh, P()))
-  shapes = batch_shapes(exp.task, batch, int(exp.info.seq_len), exp.batch_sharding)
+  shapes = batch_shapes(exp.task, batch, int(exp.info.seq_len), exp.batch_sharding,
+                        int(exp.info.max_segments or 0))
   args = (state["params"], state["rest"], state["opt_state"], exp.abstract_rng_state(), step, shapes)
   if state.get("memory") is not None:  # segment recurrence: the step also reads and returns the memory
     shapes["reset"] = jax.ShapeDtypeStruct((batch,), jnp.bool_, sharding=shapes["valid"].sharding)
@@ -332,13 +339,17 @@ def markdown_row(label: str, gen: Generation, r: Result) -> str:
 # -----------------------------------------------------------------------------------------------------------
 # docs/tpu.md
 
-# The paper variant of every experiment config, the quickest to compile first.
+# The paper variants of every experiment config (every configs/ file with a get_config), the quickest to
+# compile first.
 DOC_CONFIGS = (
   "configs/default.py", "configs/pystdlib.py", "configs/lra.py:task=listops", "configs/lra.py:task=text",
   "configs/lra.py:task=retrieval", "configs/lra.py:task=image", "configs/lra.py:task=pathfinder",
   "configs/cifar10.py", "configs/cifar10.py:routing_paper", "configs/c4.py", "configs/wiki40b.py",
   "configs/imagenet64.py", "configs/imagenet64.py:routing_paper", "configs/wiki40b.py:seq_len=8192",
   "configs/c4.py:seq_len=8192", "configs/imagenet64.py:main", "configs/cifar10.py:main",
+  "configs/transformer_xl.py", "configs/compressive.py", "configs/compressive.py:pg19",
+  "configs/adaptive_span.py", "configs/adaptive_span.py:large", "configs/hibert.py:pretrain",
+  "configs/hibert.py:summarise",
 )
 DOC_TIMEOUT_S = 900  # one (config, generation) search
 NOT_MEASURED = "not measured yet"

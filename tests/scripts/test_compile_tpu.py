@@ -34,11 +34,35 @@ def test_smoke_config_compiles_and_prints_the_table():
 
 
 @pytest.mark.slow
-def test_a_config_with_segment_memory_compiles():
-  """A segment-recurrence config's step also reads and returns the memory (and the batch's reset rows)."""
-  out = compile_tpu("--config", "configs/transformer_xl.py:smoke", "--topology", "v5e-1")
+@pytest.mark.parametrize("config", ["configs/transformer_xl.py:smoke", "configs/hibert.py:pretrain,smoke"])
+def test_configs_with_other_batch_layouts_compile(config):
+  """A segment-recurrence config's step also reads and returns the memory (and the batch's reset rows);
+  HIBERT's batches are documents of sentences."""
+  out = compile_tpu("--config", config, "--topology", "v5e-1")
   assert out.returncode == 0, out.stderr
   assert "HBM: total" in out.stdout and "Traceback" not in out.stderr
+
+
+def test_the_docs_table_covers_every_config_file():
+  """Every configs/ file that defines an experiment (a get_config) has its paper variants in the docs/tpu.md
+  table, so a new config is checked for TPU without an edit of the test."""
+  import ast
+
+  from scripts import compile_tpu as ct
+
+  listed = {label.partition(":")[0] for label in ct.DOC_CONFIGS}
+  configs = os.path.join(ROOT, "configs")
+  for name in sorted(os.listdir(configs)):
+    if name.endswith(".py"):
+      with open(os.path.join(configs, name)) as f:
+        tree = ast.parse(f.read())
+      if any(isinstance(n, ast.FunctionDef) and n.name == "get_config" for n in tree.body):
+        assert f"configs/{name}" in listed, f"configs/{name} is not in scripts/compile_tpu.py DOC_CONFIGS"
+  with open(os.path.join(ROOT, "docs", "tpu.md")) as f:
+    table = f.read()
+  for label in ct.DOC_CONFIGS:
+    for gen in ct.GENERATIONS:
+      assert f"| `{label}` | {gen} |" in table, (label, gen)
 
 
 def test_a_config_that_cannot_fit_exits_2_with_one_line():
