@@ -77,3 +77,21 @@ def test_classification_stand_in(name, tmp_path):
       assert len(set(labels)) > 1
       first = next(iter(data.create_dataset(c, "train", batch_size=4, seed=0, num_epochs=1, shuffle=False)))
       assert list(first["label"]) == labels
+
+
+def test_sst5_prepare_names_the_missing_package(tmp_path, monkeypatch, capsys):
+  """Without the Hugging Face `datasets` package TFDS cannot build huggingface:sst: data.prepare says what to
+  install and exits 2 (a manual step), before any tokenizer training."""
+  from data import prepare
+
+  built = []
+
+  def build(name, data_dir, beam_flags=None):
+    built.append(name)
+    raise ModuleNotFoundError("No module named 'datasets'")
+
+  monkeypatch.setattr(prepare, "build_tfds", build)
+  assert prepare.prepare("sst5", str(tmp_path)) == 2
+  assert built == ["huggingface:sst/default"]
+  out = capsys.readouterr().out
+  assert "MANUAL STEP MISSING" in out and "pip install datasets" in out
