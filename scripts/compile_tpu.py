@@ -349,7 +349,8 @@ DOC_CONFIGS = (
   "configs/c4.py:seq_len=8192", "configs/imagenet64.py:main", "configs/cifar10.py:main",
   "configs/transformer_xl.py", "configs/compressive.py", "configs/compressive.py:pg19",
   "configs/adaptive_span.py", "configs/adaptive_span.py:large", "configs/hibert.py:pretrain",
-  "configs/hibert.py:summarise",
+  "configs/hibert.py:summarise", "configs/bp_transformer.py", "configs/bp_transformer.py:imdb",
+  "configs/bp_transformer.py:sst5", "configs/blockbert.py", "configs/blockbert.py:seq_len=1024",
 )
 DOC_TIMEOUT_S = 900  # one (config, generation) search
 NOT_MEASURED = "not measured yet"
