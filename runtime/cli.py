@@ -142,6 +142,21 @@ def _config_override_message(e: BaseException) -> str | None:
   return None
 
 
+CONFIG_FILE_ERROR = "Error whilst parsing config file:"  # how ml_collections re-raises a config file's error
+
+
+def _config_argument_message(chain: list[BaseException]) -> str | None:
+  """A ValueError that a config file's get_config raised (it refuses the config argument, e.g. `task=nope` or
+  `mem_len=x`), as `flag --config=VALUE: its message`; ml_collections re-raises it with the traceback in the
+  text, the original being the next exception of the chain."""
+  for outer, inner in zip(chain, chain[1:], strict=False):
+    if str(outer).startswith(CONFIG_FILE_ERROR) and isinstance(inner, ValueError):
+      flag = next((str(x).split(f": {CONFIG_FILE_ERROR}")[0] for x in chain
+                   if f": {CONFIG_FILE_ERROR}" in str(x)), "--config")
+      return f"{flag}: {one_line(str(inner))}"
+  return None
+
+
 def _config_file_message(e: BaseException) -> str | None:
   text = str(e)
   m = re.search(r"Failed loading config file (\w+)", text)
@@ -166,6 +181,9 @@ def user_error(e: BaseException) -> str | None:
   usage = [x for x in chain if isinstance(x, UsageError) or getattr(x, "usage_error", False)]
   if usage:  # the innermost: ml_collections re-raises a config file's error with its traceback in the text
     return str(usage[-1])
+  msg = _config_argument_message(chain)
+  if msg:
+    return msg
   for x in chain:
     msg = _config_file_message(x) if isinstance(x, OSError) else None
     if msg:

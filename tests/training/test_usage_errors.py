@@ -80,6 +80,8 @@ FAST = [
     (["train.py", "--config", "configs/nope.py"], "--config"),
     (["train.py", "--config", f"{SMOKE},layrs=2"], "layrs"),
     (["train.py", "--config", f"{SMOKE},layers=x"], "layers"),
+    # a ValueError of the config file's own get_config, with its message
+    (["train.py", "--config", "configs/lra.py:cpu_budget"], "cpu_budget is a budget of listops_1024 alone"),
 ]
 
 # Config values and faults found once the config is built (the attention registry imports jax): ~5 s each.
