@@ -230,6 +230,16 @@ def dataset_info(config: Any) -> DatasetInfo:
   )
 
 
+def check_model(model_path: str, vocab_size: int) -> None:
+  """The SentencePiece model at `model_path` has the project's special ids (tokenizer.check) and at most
+  config.data.vocab_size pieces (its ids index the embedding)."""
+  sp = tokenizer.load(model_path)
+  tokenizer.check(sp, model_path)
+  if sp.get_piece_size() > vocab_size:
+    raise ValueError(f"{model_path} has {sp.get_piece_size()} pieces, more than config.data.vocab_size="
+                     f"{vocab_size}")
+
+
 class Tokenize(grain.transforms.Map):
   """Raw record -> int32 [bos] + pieces + [eos].
 
@@ -242,11 +252,7 @@ class Tokenize(grain.transforms.Map):
     self.model_path = model_path
     self.max_chars = max_chars
     self.counter = pipeline.Counter("documents cut before tokenization (beyond any row's room)", every=10_000)
-    sp = tokenizer.load(model_path)
-    tokenizer.check(sp, model_path)
-    if sp.get_piece_size() > vocab_size:
-      raise ValueError(f"{model_path} has {sp.get_piece_size()} pieces, more than config.data.vocab_size="
-                       f"{vocab_size}")
+    check_model(model_path, vocab_size)
 
   def map(self, record) -> np.ndarray:
     text = clean_text(record["text"])
@@ -270,11 +276,7 @@ class Classify:
     self.config, self.model_path, self.seq_len = config, model_path, info.seq_len
     self.binning = _spec(config).get("label_binning")
     self.counter = pipeline.Counter(f"{config.data.name}: examples truncated to seq_len")
-    sp = tokenizer.load(model_path)
-    tokenizer.check(sp, model_path)
-    if sp.get_piece_size() > info.vocab_size:
-      raise ValueError(f"{model_path} has {sp.get_piece_size()} pieces, more than config.data.vocab_size="
-                       f"{info.vocab_size}")
+    check_model(model_path, info.vocab_size)
 
   def __call__(self, record) -> dict[str, np.ndarray]:
     ids = tokenizer.load(self.model_path).encode(document_text(self.config, record))
