@@ -20,46 +20,12 @@ from attention_baselines import adaptive_span as span_op
 from attention_baselines.adaptive_span import adaptive_span
 from attention_baselines.adaptive_span_decode import ADAPTIVE_SPAN
 from models import adaptive_span_attention, transformer
+from tests.attention_baselines.definitions import adaptive_span_jax_reference as jax_reference
+from tests.attention_baselines.definitions import adaptive_span_reference as reference
 from tests.attention_baselines.definitions import inputs
 
 PLAN = dict(max_span=9, ramp=2.5)
 SPANS = np.array([1.3, 6.6])  # two heads; not integers, so no distance sits on the mask's kinks
-
-
-def reference(q, k, v, mask, spans, *, causal, max_span, ramp):
-  """a_ij = m_z(x) exp(s_ij) / sum_k m_z(x_ik) exp(s_ik) over the real keys (j <= i when causal), explicit
-  loops in numpy float64."""
-  q, k, v, spans = (np.asarray(x, np.float64) for x in (q, k, v, spans))
-  mask = np.asarray(mask, bool)
-  b_, n, h_, d = q.shape
-  out = np.zeros(v.shape)
-  for b in range(b_):
-    for h in range(h_):
-      z = min(max(spans[h], 0.0), max_span)
-      for i in range(n):
-        w = np.zeros(n)
-        s = np.array([q[b, i, h] @ k[b, j, h] / math.sqrt(d) for j in range(n)])
-        keys = [j for j in range(n) if mask[b, j] and (j <= i or not causal)]
-        top = max(s[j] for j in keys)
-        for j in keys:
-          w[j] = min(max((ramp + z - abs(i - j)) / ramp, 0.0), 1.0) * math.exp(s[j] - top)
-        out[b, i, h] = w @ v[b, :, h] / w.sum()
-  return out
-
-
-def jax_reference(q, k, v, mask, spans, *, causal, max_span, ramp):
-  """The same definition as one dense jnp expression, for gradients (float64 autodiff)."""
-  n, d = q.shape[1], q.shape[-1]
-  z = jnp.clip(spans, 0.0, max_span)
-  s = jnp.einsum("bihd,bjhd->bhij", q, k) / math.sqrt(d)
-  dist = jnp.abs(jnp.arange(n)[:, None] - jnp.arange(n)[None, :])
-  m = jnp.clip((ramp + z[:, None, None] - dist) / ramp, 0.0, 1.0)  # [heads, n, n]
-  ok = mask[:, None, None, :] & (m > 0)[None]
-  if causal:
-    ok = ok & np.tril(np.ones((n, n), bool))
-  s = jnp.where(ok, s, -jnp.inf)
-  w = jnp.where(ok, m[None] * jnp.exp(s - jax.lax.stop_gradient(jnp.max(s, -1, keepdims=True))), 0.0)
-  return jnp.einsum("bhij,bjhd->bihd", w / jnp.sum(w, -1, keepdims=True), v)
 
 
 @functools.cache
