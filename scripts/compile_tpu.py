@@ -243,8 +243,9 @@ def search(config: Any, gen: Generation, sizes: list[int], num_slices: int) -> t
   """The smallest of `sizes` (chips, ascending) the step fits or fails to compile on, and the smaller slices
   compiled on the way that it does not fit; when it fits none, the largest. Slices whose mesh the config
   cannot build, or whose data x fsdp axes do not divide the global batch, are passed over without compiling;
-  the others are bisected (a step's HBM per chip does not grow with the slice), so a search compiles about
-  log2(len(sizes)) times."""
+  others are tried smallest first, since most configs fit their generation's smallest slice (one compile),
+  then bisected (a step's HBM per chip does not grow with the slice), so a search compiles once, or about
+  1 + log2(len(sizes)) times."""
   candidates, refused = [], None
   for chips in sizes:
     sl = Slice(gen, chips, num_slices)
@@ -255,8 +256,10 @@ def search(config: Any, gen: Generation, sizes: list[int], num_slices: int) -> t
       refused = Result(sl, "too big", why)
   if not candidates:
     return refused, []
-  results: dict[int, Result] = {}
-  lo, hi = 0, len(candidates) - 1
+  results = {0: compile_step(config, candidates[0])}
+  if results[0].status != "too big" or len(candidates) == 1:
+    return results[0], []
+  lo, hi = 1, len(candidates) - 1
   while lo < hi:
     mid = (lo + hi) // 2
     results[mid] = compile_step(config, candidates[mid])
