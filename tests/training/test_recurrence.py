@@ -1,7 +1,8 @@
 """Segment recurrence in the trainer: the state carries the memory (sharded over the batch), a batch's reset
 empties its rows before the step, checkpoints save the memory so that a resumed run is bit-identical to an
 uninterrupted one (through the real checkpoint and data-iterator code), and (slow) the Transformer-XL config
-trains with the real module, resumes exactly through the training loop and evaluates deterministically."""
+trains with the real module, resumes exactly through the training loop and evaluates deterministically, and
+on a mesh that splits the sequence gives one device's losses."""
 
 from __future__ import annotations
 
@@ -116,3 +117,25 @@ def test_transformer_xl_trains_resumes_exactly_and_evaluates(tmp_path):
   e1 = exp.evaluate(straight["state"], max_batches=2)
   assert e1 == exp.evaluate(straight["state"], max_batches=2)
   assert e1["loss"] == straight["metrics"]["loss"]
+
+
+@pytest.mark.slow  # about 25 s: three compilations of Transformer-XL's train step
+def test_sequence_parallel_mesh_with_memory_gives_the_single_device_losses():
+  """Transformer-XL's smoke config on a mesh that splits the sequence (seq = 2, and fsdp = 2 beside it): the
+  memory stays split over the batch alone, and three steps give one device's losses."""
+
+  def losses(seq, devices):
+    c = transformer_xl.get_config("smoke")
+    c.mesh.seq = seq
+    exp = experiment.Experiment(c, devices=jax.devices()[:devices])
+    it = iter(experiment.create_dataset(c, "train", batch_size=int(c.train.batch_size), seed=0))
+    state, out = exp.init_state(), []
+    for _ in range(3):
+      state, metrics = exp.train_step(state, next(it))
+      out.append(float(metrics["loss"]))
+    assert dict(exp.mesh.shape)["seq"] == seq
+    assert state.memory["layers"][0]["hidden"].sharding.spec == P(BATCH_AXES)
+    return out
+
+  one = losses(1, 1)
+  np.testing.assert_allclose(losses(2, 4), one, rtol=1e-5)
