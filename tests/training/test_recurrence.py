@@ -119,7 +119,7 @@ def test_transformer_xl_trains_resumes_exactly_and_evaluates(tmp_path):
   assert e1["loss"] == straight["metrics"]["loss"]
 
 
-@pytest.mark.slow  # about 25 s: three compilations of Transformer-XL's train step
+@pytest.mark.slow  # about 25 s: two compilations of Transformer-XL's train step
 def test_sequence_parallel_mesh_with_memory_gives_the_single_device_losses():
   """Transformer-XL's smoke config on a mesh that splits the sequence (seq = 2, and fsdp = 2 beside it): the
   memory stays split over the batch alone, and three steps give one device's losses."""
