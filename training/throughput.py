@@ -35,6 +35,7 @@ import numpy as np
 from attention_core import registry as op_registry
 from models import attention as model_attention
 from models import transformer
+from training import recurrence
 
 # Peak dense FLOP/s per chip (one JAX device; v4 and v5p count both TensorCores as one device), by the start
 # of `device_kind` (lowercase), first match wins: {dtype: FLOP/s}. Vendor figures: Cloud TPU system
@@ -152,43 +153,47 @@ def _abstract(tree: Any) -> Any:
 
 
 def attention_op_flops(name: str, params: dict[str, Any], *, batch: int, length: int, heads: int,
-                       head_dim: int, dtype: Any, causal: bool) -> float:
-  """Forward FLOPs of one call of the registered op `name` on [batch, length, heads, head_dim] inputs (with a
-  [batch, length] key mask, as the models pass one), its config plan parameters resolved as the model resolves
-  them ("auto" = the registration's `params(L)`), model-owned arguments from its `bench_inputs`. Remembered
-  per process (runs of the same shapes, as tests and resumed runs make, lower the op once)."""
-  key = (name, tuple(sorted(params.items())), batch, length, heads, head_dim, jnp.dtype(dtype).name, causal)
+                       head_dim: int, dtype: Any, causal: bool, memory: int = 0) -> float:
+  """Forward FLOPs of one call of the registered op `name` on [batch, length, heads, head_dim] queries and
+  [batch, memory + length, heads, head_dim] keys and values (with a [batch, memory + length] key mask, as the
+  models pass one; `memory` > 0: segment recurrence), its config plan parameters resolved as the model
+  resolves them ("auto" = the registration's `params(L)`), model-owned arguments from its `bench_inputs`.
+  Remembered per process (runs of the same shapes, as tests and resumed runs make, lower the op once)."""
+  key = (name, tuple(sorted(params.items())), batch, length, heads, head_dim, jnp.dtype(dtype).name, causal,
+         memory)
   try:
     return _op_flops_cached(*key)
   except TypeError:  # an unhashable plan parameter: not remembered
-    return _op_flops(name, params, batch, length, heads, head_dim, dtype, causal)
+    return _op_flops(name, params, batch, length, heads, head_dim, dtype, causal, memory)
 
 
 @functools.lru_cache(maxsize=64)
 def _op_flops_cached(name: str, params: tuple, batch: int, length: int, heads: int, head_dim: int, dtype: str,
-                     causal: bool) -> float:
-  return _op_flops(name, dict(params), batch, length, heads, head_dim, jnp.dtype(dtype), causal)
+                     causal: bool, memory: int) -> float:
+  return _op_flops(name, dict(params), batch, length, heads, head_dim, jnp.dtype(dtype), causal, memory)
 
 
 def _op_flops(name: str, params: dict[str, Any], batch: int, length: int, heads: int, head_dim: int,
-              dtype: Any, causal: bool) -> float:
+              dtype: Any, causal: bool, memory: int) -> float:
   spec = op_registry.get(name)
   accepted = model_attention.op_parameters(spec)
   plan = {k: v for k, v in params.items()
           if not (model_attention.is_auto(v) and accepted is not None and k not in accepted)}
   plan = model_attention.resolve_plan_params(spec, plan, length)
-  inputs = op_registry.bench_params(spec, length, batch=batch, heads=heads, head_dim=head_dim, dtype=dtype)
+  keys = memory + length  # the model-owned inputs (relative embeddings) cover every distance a key is read at
+  inputs = op_registry.bench_params(spec, keys, batch=batch, heads=heads, head_dim=head_dim, dtype=dtype)
   static = {**{k: v for k, v in inputs.items() if not isinstance(v, jax.Array)}, **plan}
   arrays = {k: v for k, v in inputs.items() if isinstance(v, jax.Array) and k not in plan}
   if op_registry.takes_implementation(spec):
     static["implementation"] = "xla"
-  qkv = jax.ShapeDtypeStruct((batch, length, heads, head_dim), dtype)
-  mask = jax.ShapeDtypeStruct((batch, length), jnp.bool_)
+  q = jax.ShapeDtypeStruct((batch, length, heads, head_dim), dtype)
+  kv = jax.ShapeDtypeStruct((batch, keys, heads, head_dim), dtype)
+  mask = jax.ShapeDtypeStruct((batch, keys), jnp.bool_)
 
   def op(q, k, v, mask, arrays):
     return spec.fn(q, k, v, causal=causal, mask=mask, **static, **arrays)
 
-  return function_flops(op, qkv, qkv, qkv, mask, _abstract(arrays))
+  return function_flops(op, q, kv, kv, mask, _abstract(arrays))
 
 
 def _not_a_matmul(path: str) -> bool:
@@ -217,7 +222,8 @@ def model_flops(model_cfg: ml_collections.ConfigDict, *, task: str, abstract_par
                 seq_len: int) -> dict[str, Any]:
   """Model FLOPs of one training step (forward + backward) of `batch` examples of `seq_len` tokens: a dict
   with `total`, `non_attention`, `attention` (None with a `note` when the op cannot be costed) and
-  `tokens`."""
+  `tokens`. With segment recurrence the attention reads the memory's keys too (and the Compressive
+  Transformer's compressed memory)."""
   encodes = 2 if task == "retrieval" else 1
   tokens = batch * seq_len * encodes
   per_token, per_example = matmul_params(abstract_params)
@@ -236,7 +242,8 @@ def model_flops(model_cfg: ml_collections.ConfigDict, *, task: str, abstract_par
     return out
   try:
     fwd = attention_op_flops(name, params, batch=batch, length=seq_len, heads=heads, head_dim=head_dim,
-                             dtype=dtype, causal=task in transformer.CAUSAL_TASKS)
+                             dtype=dtype, causal=task in transformer.CAUSAL_TASKS,
+                             memory=memory_keys(model_cfg))
   except Exception as e:  # an estimate never stops a run
     first = (str(e).splitlines() or [""])[0][:120]
     out["note"] = f"attention {name!r} could not be costed: {type(e).__name__}: {first}"
@@ -244,6 +251,13 @@ def model_flops(model_cfg: ml_collections.ConfigDict, *, task: str, abstract_par
   out["attention"] = 3.0 * fwd * int(model_cfg.num_layers) * encodes
   out["total"] = non_attention + out["attention"]
   return out
+
+
+def memory_keys(model_cfg: ml_collections.ConfigDict) -> int:
+  """Keys each layer's attention reads before its segment's: the memory and, beside it, the compressed memory
+  (0 without segment recurrence)."""
+  mem_len, _ = recurrence.lengths(model_cfg)
+  return mem_len + int(model_cfg.get("compressed_mem_len", 0) or 0) if mem_len else 0
 
 
 def describe(flops: dict[str, Any]) -> str:

@@ -56,6 +56,28 @@ def test_model_flops_of_a_classifier_count_its_head_per_example():
   assert flops["non_attention"] == 6 * (per_token * 4 * 32 + per_example * 4)
 
 
+@pytest.mark.parametrize("name,compressed", [("transformer_xl", 0), ("compressive", 1)])
+def test_model_flops_count_the_memory_keys(name, compressed):
+  """Segment recurrence: each query reads the memory's keys (and the compressed memory's) besides its
+  segment's, so a memory as long as the segment doubles the attention's FLOPs, and a compressed memory of that
+  length beside it triples them; the rest of the model is unchanged."""
+  length = 32
+
+  def flops(mem_len):
+    cfg = smoke(name).model
+    cfg.mem_len, cfg.position_embedding = mem_len, "none"
+    if name == "compressive":
+      cfg.compressed_mem_len = compressed * length
+    params = nnx.state(nnx.eval_shape(lambda: transformer.build_model(cfg, task="lm", vocab_size=11,
+                                                                      seq_len=length)), nnx.Param)
+    return throughput.model_flops(cfg, task="lm", abstract_params=params, batch=2, seq_len=length)
+
+  alone, with_memory = flops(0), flops(length)
+  assert with_memory["non_attention"] == alone["non_attention"]
+  keys = 2 + compressed  # segment lengths of keys per query: the segment, the memory, the compressed memory
+  assert 0.9 <= with_memory["attention"] / alone["attention"] / keys <= 1.1, (alone, with_memory)
+
+
 def test_every_scan_iteration_is_counted():
   x = jax.ShapeDtypeStruct((32, 32), jnp.float32)
   one = 2 * 32 ** 3  # one 32 x 32 matmul
