@@ -332,7 +332,7 @@ def markdown_row(label: str, gen: Generation, r: Result) -> str:
   if r.status == "fails":
     cells = [f"fails to compile on {r.slice.name}: {r.message.replace('|', '/')}", "", "", ""]
   elif r.status == "too big":
-    cells = [f"does not fit: {r.message.replace('|', '/')}", "", "", ""]
+    cells = [f"does not fit on {r.slice.name}: {r.message.replace('|', '/')}", "", "", ""]
   else:
     cells = ["yes", f"{r.total / GiB:.2f} of {gen.hbm_bytes // GiB} GiB", r.slice.name,
              f"{_seconds(r.step_s)} ({bound(r)})"]
