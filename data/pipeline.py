@@ -630,8 +630,9 @@ def make_loader(
     # Batches of keys before reading leave grain one call per batch instead of a chain of per-record calls.
     ds = KeyBatches(order, num_epochs=num_epochs, batch_size=batch_size, drop_remainder=drop, rows=rows)
     ds = ds.map_with_index(ReadBatch(source, operations, seed=seed, batch_size=batch_size, rows=rows))
-    out = ds.to_iter_dataset(grain.ReadOptions(num_threads=threads,
-                                               prefetch_buffer_size=max(2, -(-prefetch // batch_size))))
+    # The buffer counts batches; one under the thread count would leave threads idle (grain warns).
+    buffer = max(2, threads, -(-prefetch // batch_size))
+    out = ds.to_iter_dataset(grain.ReadOptions(num_threads=threads, prefetch_buffer_size=buffer))
     if workers > 0:
       out = out.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
     return out

@@ -585,6 +585,23 @@ def test_dataset_engine_yields_the_data_loader_batches(split, shuffle, num_epoch
   assert keys.max() < 11 and len(set(keys.tolist())) == 11  # record i is mock record i % 11
 
 
+def test_dataset_engine_reading_threads_each_get_a_batch(caplog):
+  """Several reading threads (a large host's default) read the same batches as one, and grain is given a
+  prefetch buffer of at least one batch per thread (with fewer it warns and leaves threads idle)."""
+  batches = {}
+  for threads in (1, 4):
+    config = _config("numbered", read_threads=threads, prefetch=8)  # 8 records: 2 batches of 4 < 4 threads
+    loader = pipeline.make_loader(_Numbered(37), [_Noisy()], split="train", batch_size=4, seed=3,
+                                  shard_index=0, shard_count=1, shuffle=True, num_epochs=None, config=config,
+                                  engine="dataset")
+    with caplog.at_level(logging.WARNING):
+      batches[threads] = [b["inputs"] for _, b in zip(range(20), iter(loader), strict=False)]
+  assert not [r for r in caplog.records if "prefetch_buffer_size" in r.getMessage()]
+  assert len(batches[4]) == 20
+  for got, want in zip(batches[4], batches[1], strict=True):
+    np.testing.assert_array_equal(got, want)
+
+
 def test_epoch_permutation_is_a_seeded_reshuffle_per_epoch():
   import pickle
 
