@@ -245,30 +245,53 @@ def search(config: Any, gen: Generation, sizes: list[int], num_slices: int) -> t
   cannot build, or whose data x fsdp axes do not divide the global batch, are passed over without compiling;
   others are tried smallest first, since most configs fit their generation's smallest slice (one compile),
   then bisected (a step's HBM per chip does not grow with the slice), so a search compiles once, or about
-  1 + log2(len(sizes)) times."""
+  1 + log2(len(sizes)) times. Searching a generation (several sizes), a slice whose chips the global batch
+  cannot split over gives the chips it leaves to the seq axis (`with_seq_axis`), so that a config with a
+  small or odd batch is still told the slice it needs and the mesh that serves it."""
   candidates, refused = [], None
   for chips in sizes:
     sl = Slice(gen, chips, num_slices)
     why = unservable(config, sl)
     if why is None:
-      candidates.append(sl)
+      candidates.append((sl, config))
+    elif len(sizes) > 1 and (seq_config := with_seq_axis(config, sl)) is not None:
+      candidates.append((sl, seq_config))
     elif refused is None:
       refused = Result(sl, "too big", why)
   if not candidates:
     return refused, []
-  results = {0: compile_step(config, candidates[0])}
+
+  def compile_at(i: int) -> Result:
+    return compile_step(candidates[i][1], candidates[i][0])
+
+  results = {0: compile_at(0)}
   if results[0].status != "too big" or len(candidates) == 1:
     return results[0], []
   lo, hi = 1, len(candidates) - 1
   while lo < hi:
     mid = (lo + hi) // 2
-    results[mid] = compile_step(config, candidates[mid])
+    results[mid] = compile_at(mid)
     if results[mid].status == "too big":
       lo = mid + 1
     else:
       hi = mid
-  found = results.get(lo) or compile_step(config, candidates[lo])
+  found = results.get(lo) or compile_at(lo)
   return found, [r for i, r in sorted(results.items()) if i < lo]
+
+
+def with_seq_axis(config: Any, sl: Slice) -> Any | None:
+  """The config with the chips of `sl` that its global batch cannot split over on the seq axis (each sequence
+  split over them: sequence parallelism), the rest data-parallel; None when the config sets its own seq or
+  model axis, or when the batch splits over every chip already."""
+  if int(config.mesh.get("seq", 1)) != 1 or int(config.mesh.get("model", 1)) != 1:
+    return None
+  chips, batch = sl.chips * sl.num_slices, int(config.train.batch_size)
+  data = max(d for d in range(1, chips + 1) if chips % d == 0 and batch % d == 0)
+  if data == chips:
+    return None
+  out = config.copy_and_resolve_references()
+  out.mesh.seq = chips // data
+  return out if unservable(out, sl) is None else None
 
 
 def unservable(config: Any, sl: Slice) -> str | None:
@@ -282,7 +305,8 @@ def unservable(config: Any, sl: Slice) -> str | None:
   batch = int(config.train.batch_size)
   data = sizes["data"] * sizes["fsdp"]
   if batch % data:
-    return f"global batch {batch} is not divisible by the {data}-way data-parallel axes (data x fsdp)"
+    return (f"global batch {batch} is not divisible by the {data}-way data-parallel axes (data x fsdp); "
+            f"--config.mesh.seq=N splits each sequence over N of the chips instead")
   return None
 
 
@@ -334,7 +358,8 @@ def markdown_row(label: str, gen: Generation, r: Result) -> str:
   elif r.status == "too big":
     cells = [f"does not fit on {r.slice.name}: {r.message.replace('|', '/')}", "", "", ""]
   else:
-    cells = ["yes", f"{r.total / GiB:.2f} of {gen.hbm_bytes // GiB} GiB", r.slice.name,
+    where = r.slice.name + (f" (`mesh.seq={r.mesh['seq']}`)" if r.mesh.get("seq", 1) > 1 else "")
+    cells = ["yes", f"{r.total / GiB:.2f} of {gen.hbm_bytes // GiB} GiB", where,
              f"{_seconds(r.step_s)} ({bound(r)})"]
   return f"| `{label}` | {gen.name} | " + " | ".join(cells) + " |"
 
@@ -366,7 +391,9 @@ for each generation, searching the smallest slice the step fits (`--topology v5e
 what that slice's chips need (arguments, temporaries, outputs, code) against their HBM. The step time is a
 roofline estimate, max(FLOPs / peak bf16 FLOP/s, bytes accessed / HBM bandwidth), per chip: a lower bound,
 since XLA's cost analysis counts a loop body once and does not see inside Pallas kernels. Slices are
-searched up to the largest the config's global batch can split over (the mesh's data x fsdp must divide it).
+searched over the generation's sizes; where the config's global batch cannot split over a slice's chips (the
+mesh's data x fsdp must divide it), the chips it leaves go to the seq axis (each sequence split over them),
+and the row names that mesh (`mesh.seq=N`: train with `--config.mesh.seq=N`).
 Check one config and slice before creating it: `python -m scripts.compile_tpu --config configs/X.py
 --topology v5e-16` (scripts/tpu.py does so itself).
 

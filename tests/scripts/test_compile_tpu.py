@@ -73,6 +73,24 @@ def test_a_config_that_cannot_fit_exits_2_with_one_line():
   assert line.startswith("configs/default.py:smoke does not fit on v5e-1: ")
 
 
+@pytest.mark.slow
+def test_a_batch_the_chips_cannot_split_searches_with_the_seq_axis():
+  """v4's smallest slice has 4 chips, which a global batch of 3 cannot split over: the generation search
+  gives the chips to the seq axis and names that mesh; a named slice keeps the config's mesh and says how to
+  split."""
+  args = ("--config", "configs/default.py:smoke", "--config.train.batch_size=3")
+  out = compile_tpu(*args, "--topology", "v4")
+  assert out.returncode == 0, out.stderr
+  head = "on v4-8 (4 chips, topology v4:2x2x1, mesh data=1 fsdp=1 seq=4 model=1, global batch 3)"
+  assert head in out.stdout
+  row = compile_tpu(*args, "--topology", "v4", "--markdown")
+  assert row.returncode == 0 and "| v4-8 (`mesh.seq=4`) |" in row.stdout, row.stderr
+  named = compile_tpu(*args, "--topology", "v4-8")
+  assert named.returncode == 2 and named.stdout == ""
+  (line,) = lines(named.stderr)
+  assert "global batch 3 is not divisible by the 4-way" in line and "--config.mesh.seq=N" in line
+
+
 def test_a_bad_topology_exits_2_with_one_line():
   out = compile_tpu("--config", "configs/default.py:smoke", "--topology", "v5e-3")
   assert out.returncode == 2 and out.stdout == ""
