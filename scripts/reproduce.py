@@ -693,7 +693,7 @@ def collect(selected: list[Row], scale: str, root: str, *, seeds: int = 1) -> li
         info_path = paths.join(wd, RUN_INFO)
         if paths.exists(info_path):
           rec["data"] = paths.read_json(info_path).get("data_version") or rec["data"]
-      rec["status"] = "ok" if values else "not run"
+      rec["status"] = "ok" if values else _unfinished(row, workdir(row, scale, root, 0))
       if values:
         rec.update(ours=statistics.fmean(values), seeds=len(values), steps=max(steps), date=max(dates),
                    std=statistics.stdev(values) if len(values) > 1 else None)
@@ -706,6 +706,33 @@ def collect(selected: list[Row], scale: str, root: str, *, seeds: int = 1) -> li
 Curve = list[tuple[int, float]]  # [(step, value)]
 
 
+def eval_points(row: Row, wd: str) -> Curve:
+  """One run's evaluations in the paper's unit, from its TensorBoard events: [(step, value)] by step."""
+  config = paths.join(wd, "config.json")
+  split = (paths.read_json(config) if paths.exists(config) else {}).get("eval_split", "validation")
+  scalars = paths.read_scalars(paths.join(wd, "tensorboard"))
+  prefix = f"eval_{split}/"
+  points: dict[int, dict[str, float]] = {}
+  for tag, series in scalars.items():
+    if tag.startswith(prefix):
+      for step, value in series:
+        points.setdefault(step, {})[tag[len(prefix):]] = value
+  values = ((step, metric_value(row.metric, metrics)) for step, metrics in sorted(points.items()))
+  return [(step, value) for step, value in values if value is not None]
+
+
+def _unfinished(row: Row, wd: str) -> str:
+  """The status of a row without final metrics: "not run", or how far a stopped run got (its last
+  evaluation), so that a run cut short by a time limit shows its progress; `--run` resumes it."""
+  stopped = run_status.record_path(wd, "preempted")
+  points = eval_points(row, wd) if paths.exists(paths.join(wd, "tensorboard")) else []
+  if not (paths.exists(stopped) or points):
+    return "not run"
+  step = paths.read_json(stopped).get("step") if paths.exists(stopped) else None
+  last = f"; last evaluation {points[-1][1]:.4g} at step {points[-1][0]}" if points else ""
+  return f"unfinished (stopped at step {step}{last})" if step is not None else f"unfinished{last}"
+
+
 def curves(selected: list[Row], scale: str, root: str, *, seeds: int = 1) -> dict[Row, Curve]:
   """Each run row's evaluation curve in the paper's unit, from its TensorBoard events: [(step, value)], the
   mean over the seeds that logged that step."""
@@ -715,20 +742,8 @@ def curves(selected: list[Row], scale: str, root: str, *, seeds: int = 1) -> dic
       continue
     by_step: dict[int, list[float]] = {}
     for seed in range(max(seeds, 1)):
-      wd = workdir(row, scale, root, seed)
-      config = paths.join(wd, "config.json")
-      split = (paths.read_json(config) if paths.exists(config) else {}).get("eval_split", "validation")
-      scalars = paths.read_scalars(paths.join(wd, "tensorboard"))
-      prefix = f"eval_{split}/"
-      points: dict[int, dict[str, float]] = {}
-      for tag, series in scalars.items():
-        if tag.startswith(prefix):
-          for step, value in series:
-            points.setdefault(step, {})[tag[len(prefix):]] = value
-      for step, metrics in points.items():
-        value = metric_value(row.metric, metrics)
-        if value is not None:
-          by_step.setdefault(step, []).append(value)
+      for step, value in eval_points(row, workdir(row, scale, root, seed)):
+        by_step.setdefault(step, []).append(value)
     if by_step:
       out[row] = [(step, statistics.fmean(values)) for step, values in sorted(by_step.items())]
   return out

@@ -519,10 +519,24 @@ def test_listops_list_and_collect(tmp_path, capsys):
   os.makedirs(wd)
   with open(os.path.join(wd, "metrics.json"), "w") as f:
     json.dump({"accuracy": 0.375, "loss": 1.9, "step": 300}, f)
+  # a row stopped part-way (a time limit): its status record and evaluations so far, as train.py leaves them
+  from runtime import paths
+  from training import status
+
+  stopped = reproduce.workdir(LISTOPS_ROWS[1], "cpu", root)
+  status.Status(stopped).preempted(step=250, reason="SIGTERM")
+  with open(os.path.join(stopped, "config.json"), "w") as f:
+    json.dump({"eval_split": "test"}, f)
+  writer = paths.summary_writer(os.path.join(stopped, "tensorboard"))
+  for step, accuracy in ((100, 0.2), (200, 0.3125)):
+    writer.add_scalar("eval_test/accuracy", accuracy, step)
+  writer.close()
   assert reproduce.main(["--table", reproduce.LISTOPS_TABLE, "--collect", "--scale", "cpu", "--workdir_root",
                          root]) == 0
   md = (tmp_path / "results-listops-bidirectional-cpu.md").read_text()
-  assert "| dense |  | 37.500 |  | 1 | 300 |" in md and md.count("| not run |") == len(LISTOPS_ROWS) - 1
+  assert "| dense |  | 37.500 |  | 1 | 300 |" in md and md.count("| not run |") == len(LISTOPS_ROWS) - 2
+  assert (f"| {LISTOPS_ROWS[1].label} |  |  |  |  |  |  | unfinished (stopped at step 250; last evaluation "
+          f"31.25 at step 200) |") in md
   assert (tmp_path / "results-listops-bidirectional-cpu.csv").read_text().count("\n") == len(LISTOPS_ROWS) + 1
 
 
