@@ -212,13 +212,14 @@ def measure(name: str, opts: argparse.Namespace, tmp: str, seed: int) -> dict[st
 def main(args: argparse.Namespace) -> int:
   """Runs the benchmark, prints the table and writes `{out_dir}/benchmark_input.{md,json}`; returns the exit
   status (0: scripts.benchmark passes it to sys.exit)."""
+  from runtime import cli
   from scripts import benchmark
 
   opts = parse(list(getattr(args, "extra", []) or []), getattr(args, "repeats", None))
   names = [n.strip() for n in opts.datasets.split(",") if n.strip()]
   unknown = sorted(set(names) - set(DATASETS))
   if unknown:
-    raise SystemExit(f"--datasets: unknown {unknown}; allowed: {list(DATASETS)}")
+    cli.fail(f"--datasets: unknown {unknown}; allowed: {list(DATASETS)}")
   logging.getLogger("data").setLevel(logging.ERROR)  # mock data triggers resize/truncation notices
   rows = []
   with tempfile.TemporaryDirectory() as tmp:

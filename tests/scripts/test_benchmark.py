@@ -412,3 +412,10 @@ def test_train_mode_exits_zero_on_success(tmp_path):
                         capture_output=True, text=True, cwd=REPO_ROOT, timeout=600)
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert (tmp_path / "benchmark_train.md").exists()
+
+
+def test_input_mode_unknown_dataset_is_one_line_and_exit_2(tmp_path):
+  proc = _run(["--mode", "input", "--datasets", "cifar10,nope", "--out_dir", str(tmp_path)])
+  assert proc.returncode == 2 and "Traceback" not in proc.stderr
+  (line,) = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+  assert line.startswith("ERROR: --datasets: unknown ['nope']; allowed: ") and "listops_synthetic" in line
