@@ -78,6 +78,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.model.max_len = 0  # position table length; 0 = the data's seq_len
   c.model.classifier_pool = "CLS"  # "CLS" (first position) | "MEAN" (padding-aware)
   c.model.remat = "none"  # "full" | "minimal": recompute each block (or its attention core) in the backward
+  # One lax.scan over the blocks (parameters stacked at call time) instead of num_layers unrolled copies: the
+  # compiler sees one block (the per-parameter work, the optimizer's update, still grows with depth); the same
+  # parameters and results.
+  c.model.scan_layers = False
   c.model.attention = attention_config()
   # Segment recurrence (Transformer-XL, lm only): each block keeps its inputs at the last mem_len positions of
   # the previous batches' rows (no gradient) as extra keys for the same rows of the next batch, so the
@@ -171,6 +175,7 @@ COMMON_KEYS: dict[str, tuple[Callable, Callable]] = {
   "lr": (_set("optimizer.lr"), float),
   "dtype": (_set("model.dtype"), str),
   "remat": (_set("model.remat"), str),
+  "scan_layers": (_set("model.scan_layers"), _bool),
   "block_size": (_set_param("block_size"), _auto_or_int),
   "row_length": (_set_param("row_length"), _auto_or_int),
   "pooling": (_set_param("pooling"), str),

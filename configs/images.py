@@ -48,6 +48,7 @@ def image_config(name: str, image_shape: tuple[int, int, int], arg: str | None, 
     c.model.num_heads = main["heads"]
     c.model.mlp_dim = main["mlp_dim"]
     c.model.dropout_rate = main["dropout"]
+    c.model.scan_layers = True  # 30-128 layers: one scanned block to compile, not all (models/transformer.py)
     c.optimizer.lr = main["lr"]
     c.train.num_steps = main["steps"]
   if "smoke" in flags:

@@ -187,6 +187,9 @@ class Encoder(nnx.Module):
     self.remat = cfg.get("remat", "none")
     if self.remat not in REMAT:
       raise ValueError(f"model.remat must be one of {list(REMAT)}, got {self.remat!r}")
+    self.scan_layers = bool(cfg.get("scan_layers", False))
+    if self.scan_layers and len(self.blocks) > 1:
+      _check_scannable(self.blocks, cfg.attention.name)
 
   def __call__(self, ids: Array, mask: Array | None, *, deterministic: bool,
                memory: list[dict[str, Array]] | None = None) -> Array | tuple[Array, list[dict[str, Array]]]:
@@ -200,11 +203,14 @@ class Encoder(nnx.Module):
       return self._with_memory(x, mask, memory, deterministic)
     if self.graph_nodes is not None:
       x, mask = self.graph_nodes(x, mask)  # [batch, length + extra nodes, features]
-    for block in self.blocks:
-      if self.remat != "none":
-        x = _REMATTED_BLOCK[self.remat](block, x, mask, deterministic)
-      else:
-        x = block(x, mask, deterministic=deterministic)
+    if self.scan_layers and len(self.blocks) > 1:
+      x = _scan_blocks(self.blocks, x, mask, deterministic, self.remat)
+    else:
+      for block in self.blocks:
+        if self.remat != "none":
+          x = _REMATTED_BLOCK[self.remat](block, x, mask, deterministic)
+        else:
+          x = block(x, mask, deterministic=deterministic)
     if self.graph_nodes is not None:
       x = self.graph_nodes.tokens(x)  # [batch, length, features]
     return self.norm(x)  # [batch, length, features]
@@ -288,6 +294,46 @@ def _compress(block: Block, mem: dict[str, Array], x: Array, mask: Array, evicte
   both_valid = jnp.concatenate([cm_valid, out_valid], axis=1)
   n = cm.shape[1]
   return {"compressed": both[:, both.shape[1] - n:], "compressed_valid": both_valid[:, both.shape[1] - n:]}
+
+
+# model.scan_layers: the blocks run as one `lax.scan` over their parameters stacked at call time, so the
+# compiler sees one block instead of num_layers copies (the per-parameter work around it, the stacking and the
+# optimizer's update, still grows with depth). Parameters stay per block (checkpoints, sharding rules and
+# decoding are those of the unrolled model); the stack is one copy of the parameters per step. The blocks'
+# other state (random streams, routing centroids, Performer features, sown losses) is written back after the
+# scan, so a scanned model computes what the unrolled one does. Segment memory and graph attentions run their
+# blocks unrolled.
+
+
+def _check_scannable(blocks: Any, attention: str) -> None:
+  """A one-line config error when the blocks differ in structure (an attention that varies by layer)."""
+  first = nnx.graphdef(blocks[0])
+  for i, block in enumerate(blocks[1:], 1):
+    if nnx.graphdef(block) != first:
+      raise cli.mark_usage(ValueError(
+          f"config.model.scan_layers=True needs blocks of one structure; attention {attention!r} builds "
+          f"block {i} differently from block 0 (a per-layer choice): set scan_layers=False"))
+
+
+def _scan_blocks(blocks: Any, x: Array, mask: Array | None, deterministic: bool, remat: str) -> Array:
+  """x [batch, length, features] through every block by `lax.scan` over their stacked parameters."""
+  graphdef = nnx.graphdef(blocks[0])
+  splits = [nnx.split(block, nnx.Param, ...)[1:] for block in blocks]
+  params = jax.tree.map(lambda *a: jnp.stack(a), *[p for p, _ in splits])  # leading axis: the layer
+  other = jax.tree.map(lambda *a: jnp.stack(a), *[o for _, o in splits])
+
+  def body(x, layer):
+    block = nnx.merge(graphdef, *layer)
+    x = block(x, mask, deterministic=deterministic)  # [batch, length, features]
+    return x, nnx.state(block, nnx.Not(nnx.Param))
+
+  if remat != "none":
+    policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable if remat == "minimal" else None
+    body = jax.checkpoint(body, policy=policy)
+  x, after = jax.lax.scan(body, x, (params, other))
+  for i, block in enumerate(blocks):
+    nnx.update(block, jax.tree.map(lambda a, i=i: a[i], after))
+  return x
 
 
 def _block_call(block: Block, x: Array, mask: Array | None, deterministic: bool) -> Array:
