@@ -52,12 +52,13 @@ def _same(name: str, **fields):
   return unrolled
 
 
+@pytest.mark.slow  # ~18 s on 2 cores: two jitted training forwards and gradients per attention
 @pytest.mark.parametrize("name", [
     "dense",
-    pytest.param("routing", marks=pytest.mark.slow),  # centroid updates written back; a sown loss
-    pytest.param("combiner_axial_vertical", marks=pytest.mark.slow),
-    pytest.param("performer", marks=pytest.mark.slow),  # redrawn random features
-    pytest.param("adaptive_span", marks=pytest.mark.slow),  # a sown span penalty
+    "routing",  # centroid updates written back; a sown loss
+    "combiner_axial_vertical",
+    "performer",  # redrawn random features
+    "adaptive_span",  # a sown span penalty
 ])
 def test_scanned_blocks_compute_what_unrolled_blocks_do(name):
   loss, _, sown, *_ = _same(name)
