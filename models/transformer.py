@@ -317,10 +317,10 @@ def _check_scannable(blocks: Any, attention: str) -> None:
 
 def _scan_blocks(blocks: Any, x: Array, mask: Array | None, deterministic: bool, remat: str) -> Array:
   """x [batch, length, features] through every block by `lax.scan` over their stacked parameters."""
-  graphdef = nnx.graphdef(blocks[0])
-  splits = [nnx.split(block, nnx.Param, ...)[1:] for block in blocks]
-  params = jax.tree.map(lambda *a: jnp.stack(a), *[p for p, _ in splits])  # leading axis: the layer
-  other = jax.tree.map(lambda *a: jnp.stack(a), *[o for _, o in splits])
+  splits = [nnx.split(block, nnx.Param, ...) for block in blocks]
+  graphdef = splits[0][0]
+  params = jax.tree.map(lambda *a: jnp.stack(a), *[p for _, p, _ in splits])  # leading axis: the layer
+  other = jax.tree.map(lambda *a: jnp.stack(a), *[o for _, _, o in splits])
 
   def body(x, layer):
     block = nnx.merge(graphdef, *layer)
@@ -328,8 +328,7 @@ def _scan_blocks(blocks: Any, x: Array, mask: Array | None, deterministic: bool,
     return x, nnx.state(block, nnx.Not(nnx.Param))
 
   if remat != "none":
-    policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable if remat == "minimal" else None
-    body = jax.checkpoint(body, policy=policy)
+    body = jax.checkpoint(body, policy=_REMAT_POLICY[remat])
   x, after = jax.lax.scan(body, x, (params, other))
   for i, block in enumerate(blocks):
     nnx.update(block, jax.tree.map(lambda a, i=i: a[i], after))
@@ -342,11 +341,9 @@ def _block_call(block: Block, x: Array, mask: Array | None, deterministic: bool)
 
 # Each trades about one extra forward pass of the recomputed part for a step memory of one block's
 # intermediates.
-_REMATTED_BLOCK = {
-    "full": nnx.remat(_block_call, static_argnums=(3,)),
-    "minimal": nnx.remat(_block_call, static_argnums=(3,),
-                         policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable),
-}
+_REMAT_POLICY = {"full": None, "minimal": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+_REMATTED_BLOCK = {name: nnx.remat(_block_call, static_argnums=(3,), policy=policy)
+                   for name, policy in _REMAT_POLICY.items()}
 
 
 def _memory_block_call(block: Block, x: Array, mask: Array | None, memory: Array, memory_mask: Array,
@@ -354,11 +351,8 @@ def _memory_block_call(block: Block, x: Array, mask: Array | None, memory: Array
   return block(x, mask, deterministic=deterministic, memory=memory, memory_mask=memory_mask)
 
 
-_REMATTED_MEMORY_BLOCK = {
-    "full": nnx.remat(_memory_block_call, static_argnums=(5,)),
-    "minimal": nnx.remat(_memory_block_call, static_argnums=(5,),
-                         policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable),
-}
+_REMATTED_MEMORY_BLOCK = {name: nnx.remat(_memory_block_call, static_argnums=(5,), policy=policy)
+                          for name, policy in _REMAT_POLICY.items()}
 
 
 class Transformer(nnx.Module):
