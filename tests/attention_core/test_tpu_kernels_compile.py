@@ -6,8 +6,9 @@ compile-only devices), so no TPU is needed. The ops are the registry's ops with 
 from every config in configs/ and its variants (flags, LRA tasks, the sequence lengths the docstrings name) as
 the model resolves them: the sequence length, the op's automatic plan parameters `params(L)`, head_dim =
 features / heads, the model dtype and the direction of its task; plus EDGE_CASES. Each (generation, case, op)
-is one compile of jax.grad of the op's sum. The fast run compiles REPRESENTATIVE per op per generation; `-m
-slow` the grid. Skipped where libtpu is not installed (requirements-tpu-compile.txt).
+is one compile of jax.grad of the op's sum. The fast run compiles REPRESENTATIVE per op on v5e, `-m slow` on
+every generation (grid_params), `-m tpu_grid` the grid. Skipped where libtpu is not installed
+(requirements-tpu-compile.txt).
 """
 
 from __future__ import annotations
@@ -156,20 +157,22 @@ def _params(name: str, case: Case) -> dict:
 
 
 FAST_GENERATION = "v5e"  # the fast run compiles the representative case here
-SLOW_GENERATIONS = ("v4",)  # `-m slow` also here (the least VMEM); the others with the grid, `-m tpu_grid`
-# Compiled with `-m slow` only: logsparse takes about a minute; the others repeat a kernel family the fast
-# run compiles already (mixture, the vertical and the horizontal plans: the axial kernels of rowmajor; the
-# sketched and `_c` YOSO variants: YOSO's tables; local and longformer: dense's Splash kernel with another
-# mask; nsa, ~20 s: moba's selected-blocks kernel, twice).
+SLOW_GENERATIONS = ("v4",)  # `-m slow` also here, every op (the least VMEM)
+# `-m slow` compiles the representative case of the ops not in SLOW_TO_COMPILE on the remaining generations
+# too (about 3 minutes of compiles); their SLOW_TO_COMPILE ops go with the grid, `-m tpu_grid`.
+# Compiled with `-m slow` on v5e and v4 only: logsparse takes about a minute; the others repeat a kernel
+# family the fast run compiles already (mixture, the vertical and the horizontal plans: the axial kernels of
+# rowmajor; the sketched and `_c` YOSO variants: YOSO's tables; local and longformer: dense's Splash kernel
+# with another mask; nsa, ~20 s: moba's selected-blocks kernel, twice).
 SLOW_TO_COMPILE = ("combiner_logsparse", "sparse_logsparse", "combiner_mixture", "combiner_mixture_joint",
                    "combiner_axial_horizontal", "combiner_axial_vertical", "yoso_c", "yoso_sketch",
                    "yoso_sketch_c", "local", "longformer", "nsa")
 
 
 def grid_params() -> list:
-  """The representative case of every fused op on every generation (fast on FAST_GENERATION, slow on
-  SLOW_GENERATIONS), then every config and edge case (`-m tpu_grid`, outside CI: about a thousand compiles,
-  with the representative cases of the other generations)."""
+  """The representative case of every fused op on every generation (fast on FAST_GENERATION but for
+  SLOW_TO_COMPILE; slow on SLOW_GENERATIONS, and on the others but for SLOW_TO_COMPILE), then every config and
+  edge case (`-m tpu_grid`, outside CI: about two thousand compiles)."""
   fast, slow, grid = [], [], []
   cases = config_cases() + EDGE_CASES
   for gen in GENERATIONS:
@@ -179,8 +182,10 @@ def grid_params() -> list:
         rep = dataclasses.replace(rep, causal=False)
       if gen == FAST_GENERATION and name not in SLOW_TO_COMPILE:
         marks = []
+      elif gen in (FAST_GENERATION, *SLOW_GENERATIONS) or name not in SLOW_TO_COMPILE:
+        marks = [pytest.mark.slow]
       else:
-        marks = [pytest.mark.slow if gen in (FAST_GENERATION, *SLOW_GENERATIONS) else pytest.mark.tpu_grid]
+        marks = [pytest.mark.tpu_grid]
       (slow if marks else fast).append(pytest.param(gen, rep, name, id=f"{gen}-{rep.id}-{name}", marks=marks))
       for case in cases:
         if _applies(name, case) and case != rep:
