@@ -159,11 +159,11 @@ def _params(name: str, case: Case) -> dict:
 FAST_GENERATION = "v5e"  # the fast run compiles the representative case here
 SLOW_GENERATIONS = ("v4",)  # `-m slow` also here, every op (the least VMEM)
 # `-m slow` compiles the representative case of the ops not in SLOW_TO_COMPILE on the remaining generations
-# too (about 3 minutes of compiles); their SLOW_TO_COMPILE ops go with the grid, `-m tpu_grid`.
-# Compiled with `-m slow` on v5e and v4 only: logsparse takes about a minute; the others repeat a kernel
-# family the fast run compiles already (mixture, the vertical and the horizontal plans: the axial kernels of
-# rowmajor; the sketched and `_c` YOSO variants: YOSO's tables; local and longformer: dense's Splash kernel
-# with another mask; nsa, ~20 s: moba's selected-blocks kernel, twice).
+# too (about 3 minutes of compiles). SLOW_TO_COMPILE, with `-m slow` on v5e and v4 only (elsewhere with
+# `-m tpu_grid`): logsparse takes about a minute; the others repeat a kernel family the fast run compiles
+# already (mixture, the vertical and the horizontal plans: the axial kernels of rowmajor; the sketched and
+# `_c` YOSO variants: YOSO's tables; local and longformer: dense's Splash kernel with another mask; nsa,
+# ~20 s: moba's selected-blocks kernel, twice).
 SLOW_TO_COMPILE = ("combiner_logsparse", "sparse_logsparse", "combiner_mixture", "combiner_mixture_joint",
                    "combiner_axial_horizontal", "combiner_axial_vertical", "yoso_c", "yoso_sketch",
                    "yoso_sketch_c", "local", "longformer", "nsa")
