@@ -136,15 +136,16 @@ register(OpSpec(
                 "bidirectional only"))
 
 
-def _nsa_inputs(length: int, *, head_dim: int = 64) -> dict:
-  """Stand-ins for the compression MLPs (hidden size head_dim, shared by the heads); the gates stay 1/3."""
+def _nsa_inputs(length: int, *, head_dim: int = 64, value_dim: int | None = None) -> dict:
+  """Stand-ins for the compression MLPs (each of hidden size and output the width it compresses: head_dim
+  for keys, value_dim (default head_dim) for values; shared by the heads); the gates stay 1/3."""
   size = nsa_params(length)["compress_block"]
   out = {}
-  for side, seed in (("key", 8), ("value", 12)):
-    out.update({f"cmp_{side}_pos": _normal(seed, (1, size, head_dim), head_dim),
-                f"cmp_{side}_w1": _normal(seed + 1, (1, size * head_dim, head_dim), size * head_dim),
-                f"cmp_{side}_b1": jnp.zeros((1, head_dim)),
-                f"cmp_{side}_w2": _normal(seed + 2, (1, head_dim, head_dim), head_dim)})
+  for side, seed, dim in (("key", 8, head_dim), ("value", 12, value_dim or head_dim)):
+    out.update({f"cmp_{side}_pos": _normal(seed, (1, size, dim), dim),
+                f"cmp_{side}_w1": _normal(seed + 1, (1, size * dim, dim), size * dim),
+                f"cmp_{side}_b1": jnp.zeros((1, dim)),
+                f"cmp_{side}_w2": _normal(seed + 2, (1, dim, dim), dim)})
   return out
 
 

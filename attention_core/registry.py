@@ -13,7 +13,7 @@ A registration (`OpSpec`) names
                 or None: the partitioner then gathers the sequence;
   bench_inputs  `bench_inputs(L, **shape)`: the op arguments that a model owns (random weights, keys) as fixed
                 stand-ins for the benchmark and the op-level tests; may name `batch`, `heads`, `head_dim`,
-                `dtype` to receive them.
+                `value_dim`, `dtype` to receive them.
 
 Each op package registers its attentions in its own `registry` module (`register(OpSpec(...))`); the
 packages are listed once, in `OP_PACKAGES`, and `load()` imports their registrations. Op packages import this
@@ -169,8 +169,8 @@ def _call_named(fn: Callable[..., dict[str, Any]], length: int, shape: dict[str,
 
 def bench_params(spec: OpSpec, length: int, **shape: Any) -> dict[str, Any]:
   """Every op argument for a standalone call at `length` (benchmark, op-level tests): `params(L)` plus
-  `bench_inputs(L)`, each receiving the keywords among `shape` (batch, heads, head_dim, dtype) its signature
-  names."""
+  `bench_inputs(L)`, each receiving the keywords among `shape` (batch, heads, head_dim, value_dim, dtype)
+  its signature names."""
   out = _call_named(spec.params, length, shape)
   inputs = getattr(spec, "bench_inputs", None)
   return {**out, **(_call_named(inputs, length, shape) if inputs is not None else {})}
