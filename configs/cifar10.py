@@ -18,7 +18,8 @@ The mlp width (2048) and the cosine/warmup schedule of the ablation are not stat
 1,200,000 cosine steps. The architecture values are those of Child et al. 2019 ("Generating Long Sequences
 with Sparse Transformers", section 7, CIFAR-10): 128 layers, d = 256, 2 heads, a half-size feed-forward
 network (2d = 512 instead of 4d), dropout 0.25, learning rate 3.5e-4. Their half-size query-key projections
-cannot be expressed here (queries, keys and values share head_dim = 128).
+cannot be expressed here (queries, keys and values share head_dim = 128). Like them, `main` recomputes each
+block's activations in the backward pass (`model.remat=full`, with the blocks scanned).
 """
 
 from configs import images, routing_paper

@@ -5,7 +5,8 @@ Command:   python train.py --config configs/imagenet64.py:attention=combiner_axi
 Paper:     Table 1 (ablation, the CIFAR-10 architecture: 6 layers, width 512, 8 heads; Appendix E.2):
            combiner_axial_* / combiner_mixture 3.585, combiner_fixed 3.654, combiner_logsparse 3.795,
            sparse_fixed 3.696, sparse_axial 4.032, sparse_logsparse 4.351 bits/dim. Table 4 (3.42): `main` =
-           30 layers, width 768, 1.2M cosine steps (Appendix E.2; 12 heads and MLP 4x768 are our choices).
+           30 layers, width 768, 1.2M cosine steps (Appendix E.2; 12 heads and MLP 4x768 are our choices,
+           and so are the scanned blocks recomputed in the backward pass, `model.remat=full`).
 Expected:  ~3.59 bits/dim for the default after 400k steps.
 Cost:      several TPU-days (12288-token sequences); the smoke variant (`:smoke`: 8x8 images, generated ones
            when the dataset is not prepared) runs in seconds on a CPU.

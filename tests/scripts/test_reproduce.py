@@ -61,6 +61,7 @@ def test_row_fixes():
   m = main.model
   assert (m.num_layers, m.features, m.num_heads, m.mlp_dim) == (128, 256, 2, 512)
   assert main.model.dropout_rate == 0.25 and main.train.num_steps == 1_200_000
+  assert main.model.scan_layers and main.model.remat == "full"
   text = wiki40b.get_config("attention=routing")
   assert text.model.attention.routing_heads == text.model.num_heads  # no local heads in the comparison
   assert cifar10.get_config("").model.attention.get("membership") is None  # unset: the module's default
