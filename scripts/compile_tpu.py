@@ -395,7 +395,10 @@ searched over the generation's sizes; where the config's global batch cannot spl
 mesh's data x fsdp must divide it), the chips it leaves go to the seq axis (each sequence split over them),
 and the row names that mesh (`mesh.seq=N`: train with `--config.mesh.seq=N`).
 Check one config and slice before creating it: `python -m scripts.compile_tpu --config configs/X.py
---topology v5e-16` (scripts/tpu.py does so itself).
+--topology v5e-16` (scripts/tpu.py does so itself). On a 2-core host one compile takes from seconds to a few
+minutes, and the deepest model, `cifar10.py:main` (128 layers), about 15 minutes: its blocks are scanned, so
+the compiler sees one, but each layer's parameters still get their own optimizer update (about 900 operations
+per layer in the step).
 
 """
 
