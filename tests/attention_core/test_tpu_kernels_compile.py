@@ -151,7 +151,7 @@ def _applies(name: str, case: Case) -> bool:
 def _params(name: str, case: Case) -> dict:
   spec = ops_registry.get(name)
   params = ops_registry.bench_params(spec, case.length, batch=BATCH, heads=HEADS, head_dim=case.head_dim,
-                                     value_dim=case.value_dim or case.head_dim, dtype=case.dtype)
+                                     value_dim=case.value_dim, dtype=case.dtype)
   if case.plan is not None:
     params.update({k: case.plan for k in PLAN_KEYS if k in params})
   return {**params, **FUSED[name][0]}
