@@ -53,19 +53,21 @@ def races_found() -> bool:
 
 
 def platform_call(kernel, *, gpu_params: Any, tpu_params: Any, tpu_kw: dict | None = None,
-                  platform: str | None = None, **kw):
+                  tpu_kernel: Any = None, tpu_finish: Any = None, platform: str | None = None, **kw):
   """pl.pallas_call(kernel, **kw) with `gpu_params` (Triton) on CUDA/ROCm, `tpu_params` (Mosaic) on TPU and
   interpret=True on CPU (under `simulate`, the TPU branch in the TPU interpreter); `tpu_kw` replaces entries
-  of kw on TPU (in_specs with scalars in SMEM, a grid that walks rows through VMEM in chunks, ...).
+  of kw on TPU (in_specs with scalars in SMEM, a grid that walks rows through VMEM in chunks, ...) and
+  `tpu_kernel`, when given, replaces the kernel there (one that copies its tiles from HBM itself);
+  `tpu_finish` maps the TPU call's outputs to the others' (partial sums over a grid axis, summed).
   platform: emit that platform's call alone, for code only ever lowered for it (None:
   `contract.traced_platform()`, set inside a `contract.per_platform`
   branch; a custom_vjp's rules are traced outside it, so kernels pass the platform their primal saw)."""
-  def branch(**extra):
-    return lambda *args: pl.pallas_call(kernel, **{**kw, **extra})(*args)
+  def branch(body=kernel, finish=None, **extra):
+    return lambda *args: (finish or (lambda out: out))(pl.pallas_call(body, **{**kw, **extra})(*args))
 
   def call(*args):
     gpu = branch(compiler_params=gpu_params)
-    tpu_specs = dict(tpu_kw or {})
+    tpu_specs = dict(tpu_kw or {}, body=tpu_kernel or kernel, finish=tpu_finish)
     tpu = branch(compiler_params=tpu_params, **tpu_specs)
     simulated = _SIMULATED.get()
     if simulated is not None:

@@ -7,13 +7,15 @@ on chip and never written to device memory, and every hash of a group runs in on
   build: grid (groups, hashes). A program walks the rows in tiles of TILE, makes the [2^tau, TILE] one-hot of
          its hash's codes and accumulates [2^tau, TILE] x [TILE, f] into its table in float32.
   read:  grid (groups, row tiles). A program loops over the hashes, making the [TILE, 2^tau] one-hot of its
-         rows' codes and adding [TILE, 2^tau] x [2^tau, f] table products in float32.
+         rows' codes and adding [TILE, 2^tau] x [2^tau, f] table products in float32. On TPU the hashes
+         come in chunks whose tables fit VMEM (grid (groups, chunks, row tiles)), one partial sum each.
 
   pair_sums: grid (groups, row tiles), one hash, rows sorted by code. out_a = sum_b [code(a) = code(b)]
          (x_a . y_b) z_b, the exact backward's dQ (a queries, b keys: x dY, y v, z k) and dK (a keys, b
          queries: x v, y dY, z q). Sorted, a tile's partners form one contiguous run of the other side's
          tiles (its `ranges`, computed outside), which the program walks as flash attention walks its keys:
          [TILE, TILE] products x y^T, masked to equal codes, times z. O(L * partners * d), no [L, L] array.
+         On TPU the program copies just those tiles from HBM (VMEM holds no whole row set).
 
 Build and read take optional per-hash row weights w [groups, hashes, L]: the build then sums w_tj rows_j
 (the weight rides in the one-hot factor: w where the code matches, 0 elsewhere) and the read scales row i's
@@ -61,6 +63,11 @@ BUILD_TPU = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "a
 # (v4 has 16 MiB of VMEM; whole rows of a few thousand positions, double-buffered, overflow it). GPUs read
 # every row from global memory and take one chunk.
 BUILD_ROWS = 1024
+# VMEM a TPU read program may give its tables (double-buffered, rows padded to 128 lanes): the hashes come in
+# chunks of at most this much, one partial output each, summed after. 32 hashes of 256 buckets in two
+# float32 parts fill it; the sketched backward's two table sets take two chunks.
+READ_TABLES_VMEM = 8 << 20
+READ_TPU = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel"))
 
 
 def _parts(x: Array, operands: str) -> list[Array]:
@@ -129,10 +136,11 @@ def _build_kernel(*refs, buckets: int, weighted: Sequence[bool], operands: str, 
     ref[...] += acc.astype(ref.dtype)
 
 
-def _read_kernel(*refs, buckets: int, hashes: int, weighted: Sequence[bool], parts: int, has_weights: bool):
-  """One (group, row tile): out_s[i] = sum_t (w_ti) onehot_ti tables_s[t]. codes_ref, weights_ref [m, 1, T]
-  (rows on lanes: a [T, 1] block would be padded to 128 lanes in TPU VMEM, 128 times its size); table refs
-  (parts each, the table's operand parts) [m, buckets, f_s]; out refs [T, f_s]."""
+def _read_kernel(*refs, buckets: int, weighted: Sequence[bool], parts: int, has_weights: bool):
+  """One (group, row tile) or, on TPU, (group, hash chunk, row tile): out_s[i] = sum_t (w_ti) onehot_ti
+  tables_s[t] over its m hashes. codes_ref, weights_ref [m, 1, T] (rows on lanes: a [T, 1] block would be
+  padded to 128 lanes in TPU VMEM, 128 times its size); table refs (parts each, the table's operand parts)
+  [m, buckets, f_s]; out refs [T, f_s]."""
   codes_ref, weights_ref, refs = _split_refs(refs, has_weights)
   n = len(weighted)
   table_refs, out_refs = refs[:n * parts], refs[n * parts:]
@@ -150,7 +158,7 @@ def _read_kernel(*refs, buckets: int, hashes: int, weighted: Sequence[bool], par
     return tuple(out)
 
   init = tuple(jnp.zeros(ref.shape, _sum_dtype(ref)) for ref in out_refs)
-  accs = lax.fori_loop(0, hashes, step, init)
+  accs = lax.fori_loop(0, codes_ref.shape[0], step, init)
   for ref, acc in zip(out_refs, accs, strict=True):
     ref[...] = acc.astype(ref.dtype)
 
@@ -170,6 +178,15 @@ def _pow2(n: int) -> int:
   while p < n:
     p *= 2
   return p
+
+
+def _read_chunk(hashes: int, buckets: int, widths: Sequence[int], parts: int) -> int:
+  """The most hashes, a divisor of `hashes`, whose tables (double-buffered bfloat16 parts, [buckets, width]
+  tiles of (16, 128)) fit READ_TABLES_VMEM on TPU; at least one."""
+  lanes = sum(-(-f // 128) * 128 for f in widths)
+  per_hash = 2 * parts * (-(-buckets // 16) * 16) * lanes * 2
+  fit = max(1, READ_TABLES_VMEM // per_hash)
+  return max(c for c in range(1, hashes + 1) if hashes % c == 0 and c <= fit)
 
 
 def _none_to(codes: Array, buckets: int, kernel_buckets: int) -> Array:
@@ -226,25 +243,44 @@ def read(codes: Array, tables: Sequence[Array], weights: Array | None = None,
   padded, kb = _padded(length), _pow2(buckets)
   widths = [t.shape[-1] for t in tables]
   tables = [pad_to(pad_to(t, _pow2(f), 3), kb, 2) for t, f in zip(tables, widths, strict=True)]
-  row = pl.BlockSpec((None, m, 1, TILE), lambda b, i: (b, 0, 0, i))
-  in_specs = [row]
   args = [pad_to(_none_to(codes, buckets, kb), padded, 2, fill=kb)[:, :, None, :]]  # [g, m, 1, Lp]
   if weights is not None:
-    in_specs.append(row)
     args.append(pad_to(weights, padded, 2)[:, :, None, :])
-  parts = None
-  for table in tables:
-    split = _parts(table, operands)
-    parts = len(split)
-    in_specs += [pl.BlockSpec((None, m, kb, table.shape[-1]), lambda b, i: (b, 0, 0, 0))] * parts
-    args += split
-  kernel = functools.partial(_read_kernel, buckets=kb, hashes=m, weighted=weighted, parts=parts,
+  split = [_parts(table, operands) for table in tables]
+  parts = len(split[0])
+  args += [p for table_parts in split for p in table_parts]
+  kernel_widths = [t.shape[-1] for t in tables]
+  chunk = _read_chunk(m, kb, kernel_widths, parts)
+
+  def specs(h, row_index, table_index):  # blocks of h hashes
+    return ([pl.BlockSpec((None, h, 1, TILE), row_index)] * (1 + (weights is not None))
+            + [pl.BlockSpec((None, h, kb, t.shape[-1]), table_index) for t in tables for _ in range(parts)])
+
+  tpu_kw = {  # grid (g, hash chunks, row tiles); out [g, chunks, Lp, F], each chunk's partial sums
+      "grid": (g, m // chunk, padded // TILE),
+      "in_specs": specs(chunk, lambda b, c, i: (b, c, 0, i), lambda b, c, i: (b, c, 0, 0)),
+      "out_specs": [pl.BlockSpec((None, None, TILE, f), lambda b, c, i: (b, c, i, 0)) for f in kernel_widths],
+      "out_shape": [jax.ShapeDtypeStruct((g, m // chunk, padded, t.shape[-1]), _sum_dtype(t))
+                    for t in tables]}
+  kernel = functools.partial(_read_kernel, buckets=kb, weighted=weighted, parts=parts,
                              has_weights=weights is not None)
   call = pallas.platform_call(
-      kernel, grid=(g, padded // TILE), in_specs=in_specs, gpu_params=READ_GPU, tpu_params=TPU_PARAMS,
-      out_specs=[pl.BlockSpec((None, TILE, t.shape[-1]), lambda b, i: (b, i, 0)) for t in tables],
+      kernel, grid=(g, padded // TILE),
+      in_specs=specs(m, lambda b, i: (b, 0, 0, i), lambda b, i: (b, 0, 0, 0)),
+      gpu_params=READ_GPU, tpu_params=READ_TPU, tpu_kw=tpu_kw,
+      tpu_finish=lambda outs: type(outs)(out.sum(1) for out in outs),  # the chunks' partial sums
+      out_specs=[pl.BlockSpec((None, TILE, f), lambda b, i: (b, i, 0)) for f in kernel_widths],
       out_shape=[jax.ShapeDtypeStruct((g, padded, t.shape[-1]), _sum_dtype(t)) for t in tables])
   return [out[:, :length, :f] for out, f in zip(call(*args), widths, strict=True)]
+
+
+def _pair_step(x: list[Array], codes: Array, b_codes: Array, y: Array, z: Array, acc: Array, operands: str
+               ) -> Array:
+  """acc + where(codes equal, x y^T, 0) z for one b tile: x the a tile's parts [T, e], codes [T, 1];
+  b_codes [1, T]; y [T, e]; z [T, d]."""
+  s = _product(x, _parts(y, operands), trans_b=True)  # [T, T]
+  w = jnp.where(codes == b_codes, s, 0.0)
+  return acc + _product(_parts(w, operands), _parts(z, operands))  # [T, d]
 
 
 def _pair_kernel(ranges_ref, a_codes_ref, x_ref, b_codes_ref, y_ref, z_ref, out_ref, *, operands: str):
@@ -253,17 +289,51 @@ def _pair_kernel(ranges_ref, a_codes_ref, x_ref, b_codes_ref, y_ref, z_ref, out_
   b_codes_ref [1, Lb]; y_ref [Lb, e]; z_ref [Lb, d]; out_ref [T, d]."""
   tile = pl.program_id(1)
   x = _parts(x_ref[...], operands)  # [T, e]
-  codes = a_codes_ref[...]  # [T, 1]
 
   def step(b, acc):
-    start = pl.multiple_of(b * TILE, TILE)
-    equal = codes == b_codes_ref[:, pl.ds(start, TILE)]  # [T, T]
-    s = _product(x, _parts(y_ref[pl.ds(start, TILE), :], operands), trans_b=True)  # [T, T]
-    w = jnp.where(equal, s, 0.0)
-    return acc + _product(_parts(w, operands), _parts(z_ref[pl.ds(start, TILE), :], operands))
+    rows = pl.ds(pl.multiple_of(b * TILE, TILE), TILE)
+    return _pair_step(x, a_codes_ref[...], b_codes_ref[:, rows], y_ref[rows, :], z_ref[rows, :], acc,
+                      operands)
 
   init = jnp.zeros(out_ref.shape, _sum_dtype(x_ref))
   acc = lax.fori_loop(ranges_ref[tile, 0], ranges_ref[tile, 1], step, init)
+  out_ref[...] = acc.astype(out_ref.dtype)
+
+
+def _pair_kernel_tpu(ranges_ref, a_codes_ref, x_ref, b_codes_hbm, y_hbm, z_hbm, out_ref, codes_buf, y_buf,
+                     z_buf, sems, *, operands: str):
+  """`_pair_kernel` on TPU: the b side stays in HBM and the program copies only the tiles of its range into
+  VMEM, two slots, the next tile's copy running under this tile's products (whole rows of a few thousand
+  positions, double-buffered, overflow a v4 core's 16 MiB of VMEM). b_codes_hbm [g, 1, Lb]; y_hbm [g, Lb, e];
+  z_hbm [g, Lb, d]; codes_buf [2, 1, T], y_buf [2, T, e], z_buf [2, T, d]; sems DMA [3, 2]."""
+  group, tile = pl.program_id(0), pl.program_id(1)
+  lo, hi = ranges_ref[tile, 0], ranges_ref[tile, 1]
+  x = _parts(x_ref[...], operands)  # [T, e]
+
+  def copies(b, slot):
+    rows = pl.ds(pl.multiple_of(b * TILE, TILE), TILE)
+    return [pltpu.make_async_copy(b_codes_hbm.at[group, :, rows], codes_buf.at[slot], sems.at[0, slot]),
+            pltpu.make_async_copy(y_hbm.at[group, rows, :], y_buf.at[slot], sems.at[1, slot]),
+            pltpu.make_async_copy(z_hbm.at[group, rows, :], z_buf.at[slot], sems.at[2, slot])]
+
+  @pl.when(lo < hi)
+  def _():
+    for copy in copies(lo, 0):
+      copy.start()
+
+  def step(b, acc):
+    slot = (b - lo) % 2
+
+    @pl.when(b + 1 < hi)
+    def _():
+      for copy in copies(b + 1, 1 - slot):
+        copy.start()
+
+    for copy in copies(b, slot):
+      copy.wait()
+    return _pair_step(x, a_codes_ref[...], codes_buf[slot], y_buf[slot], z_buf[slot], acc, operands)
+
+  acc = lax.fori_loop(lo, hi, step, jnp.zeros(out_ref.shape, _sum_dtype(x_ref)))
   out_ref[...] = acc.astype(out_ref.dtype)
 
 
@@ -307,8 +377,13 @@ def pair_sums(a_codes: Array, x: Array, b_codes: Array, y: Array, z: Array, *, o
       out_shape=jax.ShapeDtypeStruct((g, pa, d), _sum_dtype(x)))
   specs = [range_spec, tile(1), tile(e), pl.BlockSpec((None, 1, pb), lambda b, i: (b, 0, 0)), whole(e),
            whole(d)]
-  tpu_specs = [pl.BlockSpec((None, ranges.shape[1], 2), lambda b, i: (b, 0, 0), memory_space=pltpu.SMEM),
-               *specs[1:]]  # loop bounds are scalars in SMEM on TPU
+  hbm = pl.BlockSpec(memory_space=pl.ANY)
+  tpu_kw = {  # loop bounds are scalars in SMEM; the b side stays in HBM, its tiles copied in by the kernel
+      "in_specs": [pl.BlockSpec((None, ranges.shape[1], 2), lambda b, i: (b, 0, 0), memory_space=pltpu.SMEM),
+                   *specs[1:3], hbm, hbm, hbm],
+      "scratch_shapes": [pltpu.VMEM((2, 1, TILE), b_codes.dtype), pltpu.VMEM((2, TILE, e), y.dtype),
+                         pltpu.VMEM((2, TILE, d), z_p.dtype), pltpu.SemaphoreType.DMA((3, 2))]}
   call = pallas.platform_call(functools.partial(_pair_kernel, operands=operands), in_specs=specs,
-                              tpu_kw={"in_specs": tpu_specs}, **common)
+                              tpu_kernel=functools.partial(_pair_kernel_tpu, operands=operands),
+                              tpu_kw=tpu_kw, **common)
   return call(ranges, a_codes, x, b_codes, y, z_p)[:, :la, :z.shape[-1]]

@@ -85,11 +85,12 @@ def test_dense_tpu_kernel_equals_xla(causal):
                                                     (False, 2, 300)])
 def test_yoso_pallas_formulation_equals_sorted(causal, features, length, monkeypatch):
   """YOSO's table kernels (build/read, the sketched tables) and the exact backward's pair sums; at length 300
-  the TPU build walks its rows in three chunks of 128."""
+  the TPU build walks its rows in three chunks of 128, and the reads take their hashes one chunk each."""
   from yoso import backward, kernels
 
   monkeypatch.setattr(backward, "COUNTS_MAX_LENGTH", 0)  # the LSH tables, not the short-sequence counts
   monkeypatch.setattr(kernels, "BUILD_ROWS", 128)
+  monkeypatch.setattr(kernels, "READ_TABLES_VMEM", 1)
   q, k, v, mask, cotangent = inputs(length)
 
   def run(formulation):

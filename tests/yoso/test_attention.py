@@ -5,6 +5,8 @@ margins (>= 6 standard errors) that a correct implementation passes for any seed
 (an off-by-one tau, a dropped hash, a biased backward) misses by tens of standard errors.
 """
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -400,11 +402,34 @@ def test_formulation_follows_the_backend(monkeypatch):
   assert used
 
 
-@pytest.mark.parametrize("length", [1, 130])
-def test_kernels_equal_the_table_sums(length):
-  # float64, interpreted: build sums (weighted) rows per bucket, read sums (weighted) table rows over hashes,
-  # codes >= buckets write and read nothing; two row sets share one one-hot; a length past one tile pads.
+@contextlib.contextmanager
+def _interpreted(platform):
+  """Yields (dtype, tolerance) for a kernel test: float64 in the generic Pallas interpreter (None, exact), or
+  float32 with the TPU branch in the TPU interpreter (no float64 there: float32 operands, split in two
+  bfloat16 parts, give about 2^-16), which also checks that the kernel made no race."""
+  from attention_core import pallas
+  if platform is None:
+    with jax.enable_x64(True):
+      yield np.float64, 1e-12
+    return
+  with pallas.simulate(platform, detect_races=True):
+    yield np.float32, 1e-4
+  assert not pallas.races_found()
+
+
+def _close(got, want, tol):
+  np.testing.assert_allclose(got, want, rtol=tol, atol=tol * float(np.max(np.abs(want))))
+
+
+@pytest.mark.parametrize("length,platform", [(1, None), (130, None), (130, "tpu")])
+def test_kernels_equal_the_table_sums(length, platform, monkeypatch):
+  # build sums (weighted) rows per bucket, read sums (weighted) table rows over hashes, codes >= buckets
+  # write and read nothing; two row sets share one one-hot; a length past one tile pads. On TPU the build
+  # walks its rows in chunks and the read takes its hashes one per chunk (partial sums, summed after).
+  from attention_core import pallas
   from yoso import kernels
+  monkeypatch.setattr(kernels, "BUILD_ROWS", 128)
+  monkeypatch.setattr(kernels, "READ_TABLES_VMEM", 1)
   rng = np.random.default_rng(length)
   g, m, buckets = 2, 3, 8
   wcodes = rng.integers(0, buckets + 1, size=(g, m, length)).astype(np.int32)  # buckets: no bucket
@@ -413,36 +438,40 @@ def test_kernels_equal_the_table_sums(length):
   w_build, w_read = rng.normal(size=(g, m, length)), rng.normal(size=(g, m, length))
   onehot_w = (wcodes[..., None] == np.arange(buckets)).astype(float)  # [g, m, L, B]
   onehot_r = (rcodes[..., None] == np.arange(buckets)).astype(float)
+  want_a = np.einsum("gmlc,gle->gmce", onehot_w, rows_a)
+  want_b = np.einsum("gmlc,gml,gle->gmce", onehot_w, w_build, rows_b)
 
-  with jax.enable_x64(True):
-    tables = kernels.build(jnp.asarray(wcodes), [jnp.asarray(rows_a), jnp.asarray(rows_b)],
-                           jnp.asarray(w_build),
-                           [False, True], buckets=buckets, operands="float32")
-    want_a = np.einsum("gmlc,gle->gmce", onehot_w, rows_a)
-    want_b = np.einsum("gmlc,gml,gle->gmce", onehot_w, w_build, rows_b)
-    np.testing.assert_allclose(tables[0], want_a, rtol=1e-12, atol=1e-12)
-    np.testing.assert_allclose(tables[1], want_b, rtol=1e-12, atol=1e-12)
-
-    outs = kernels.read(jnp.asarray(rcodes), tables, jnp.asarray(w_read), [True, False], operands="float32")
-    np.testing.assert_allclose(outs[0], np.einsum("gmlc,gml,gmce->gle", onehot_r, w_read, want_a), rtol=1e-12,
-                               atol=1e-12)
-    np.testing.assert_allclose(outs[1], np.einsum("gmlc,gmce->gle", onehot_r, want_b), rtol=1e-12, atol=1e-12)
+  with _interpreted(platform) as (dtype, tol):
+    tables = kernels.build(jnp.asarray(wcodes), [jnp.asarray(rows_a, dtype), jnp.asarray(rows_b, dtype)],
+                           jnp.asarray(w_build, dtype), [False, True], buckets=buckets, operands="float32")
+    assert platform is None or not pallas.races_found()  # the detector's state is the last kernel's
+    outs = kernels.read(jnp.asarray(rcodes), [jnp.asarray(want_a, dtype), jnp.asarray(want_b, dtype)],
+                        jnp.asarray(w_read, dtype), [True, False], operands="float32")
+  _close(tables[0], want_a, tol)
+  _close(tables[1], want_b, tol)
+  _close(outs[0], np.einsum("gmlc,gml,gmce->gle", onehot_r, w_read, want_a), tol)
+  _close(outs[1], np.einsum("gmlc,gmce->gle", onehot_r, want_b), tol)
 
 
-@pytest.mark.parametrize("la,lb,codes", [(300, 260, 3), pytest.param(130, 5, 40, marks=pytest.mark.slow),
-                                         pytest.param(1, 1, 1, marks=pytest.mark.slow)])
-def test_pair_sums_equal_the_colliding_pairs(la, lb, codes):
-  # float64, interpreted: out_a = sum_b [code_a = code_b] (x_a . y_b) z_b over code-sorted rows, with runs of
-  # one code across several tiles (3 codes), codes the other side lacks (40 codes, 5 rows), a ragged tile.
+@pytest.mark.parametrize("la,lb,codes,platform", [
+    (300, 260, 3, None), (300, 260, 3, "tpu"),
+    pytest.param(130, 5, 40, None, marks=pytest.mark.slow),
+    pytest.param(130, 5, 40, "tpu", marks=pytest.mark.slow),
+    pytest.param(1, 1, 1, None, marks=pytest.mark.slow)])
+def test_pair_sums_equal_the_colliding_pairs(la, lb, codes, platform):
+  # out_a = sum_b [code_a = code_b] (x_a . y_b) z_b over code-sorted rows, with runs of one code across
+  # several tiles (3 codes), codes the other side lacks (40 codes, 5 rows), a ragged tile. On TPU the kernel
+  # copies its range's tiles from HBM itself, into two slots.
   from yoso import kernels
   rng = np.random.default_rng(la + lb)
   a_codes = np.sort(rng.integers(0, codes, size=(2, la)), axis=1).astype(np.int32)
   b_codes = np.sort(rng.integers(0, codes, size=(2, lb)), axis=1).astype(np.int32)
   x, y, z = rng.normal(size=(2, la, 5)), rng.normal(size=(2, lb, 5)), rng.normal(size=(2, lb, 3))
   want = np.einsum("gab,gae,gbe,gbd->gad", a_codes[:, :, None] == b_codes[:, None, :], x, y, z)
-  with jax.enable_x64(True):
-    got = kernels.pair_sums(*(jnp.asarray(t) for t in (a_codes, x, b_codes, y, z)), operands="float32")
-  np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+  with _interpreted(platform) as (dtype, tol):
+    got = kernels.pair_sums(jnp.asarray(a_codes), jnp.asarray(x, dtype), jnp.asarray(b_codes),
+                            jnp.asarray(y, dtype), jnp.asarray(z, dtype), operands="float32")
+  _close(got, want, tol)
 
 
 def test_kernel_operands_split_float32_in_two_bfloat16_parts():
