@@ -251,7 +251,8 @@ def test_yoso_kernels_fit_v4_vmem_in_float32(name):
   """v4 gives a kernel 16 MiB of VMEM. In float32 (matmul operands in two bfloat16 parts) the sketched
   backward's read of 32 hashes' tables, and the exact backward's pair sums over whole rows of 8192 tokens,
   overflowed it; the representative case is bfloat16."""
-  test_fused_kernels_compile_for_tpu("v4", Case(8192, 64, "float32", False, source="c4.py:seq_len=8192"), name)
+  case = Case(8192, 64, "float32", False, source="c4.py:seq_len=8192")
+  test_fused_kernels_compile_for_tpu("v4", case, name)
 
 
 @pytest.mark.slow
