@@ -30,12 +30,14 @@ FLAG = "routing_paper"
 # heads, k = 6 clusters and attention window 1024 (the window-512 version reaches 2.975 bits/dim); batch 32,
 # 200k steps.
 CIFAR10 = dict(layers=12, heads=8, features=512, routing_heads=4, routing_layers=(-4, -3, -2, -1),
-               num_clusters=6, window=1024, batch_size=32, steps=200_000)
+               num_clusters=6, window=1024, batch_size=32, steps=200_000, recompute=False)
 # ImageNet-64 (section 5.4): 24 layers, 16 heads, half local and half routing in every layer, k = 8 clusters,
 # window 2048; 3.425 bits/dim after ~70 epochs. The paper says "batch size 1" on 128 TPU cores, read here as
-# one per core (global 128); the width is not stated (1024 = 16 heads x 64 is our choice).
+# one per core (global 128); the width is not stated (1024 = 16 heads x 64 is our choice). `recompute` (also
+# ours): the blocks scanned and recomputed in the backward pass (`model.scan_layers`, `model.remat=full`),
+# since a step that keeps every layer's 12288-token activations needs about 80 GiB per chip (docs/tpu.md).
 IMAGENET64 = dict(layers=24, heads=16, features=1024, routing_heads=8, routing_layers=None, num_clusters=8,
-                  window=2048, batch_size=128, steps=700_000)
+                  window=2048, batch_size=128, steps=700_000, recompute=True)
 
 
 # Keys of the Routing Transformer Table 1 ablation, read only with the flag: routing heads per routing layer,
@@ -80,6 +82,9 @@ def apply(c: ml_collections.ConfigDict, settings: dict[str, Any], arg: str, pape
     c.model.mlp_dim = 4 * settings["features"]
     c.train.batch_size = settings["batch_size"]
     c.train.num_steps = settings["steps"]
+    if settings["recompute"]:
+      c.model.scan_layers = True
+      c.model.remat = "full"
     c.optimizer.name = "adam"
     c.optimizer.lr = 2e-4
     c.optimizer.b1 = 0.9
@@ -87,6 +92,7 @@ def apply(c: ml_collections.ConfigDict, settings: dict[str, Any], arg: str, pape
     c.optimizer.schedule = "rsqrt"
     c.optimizer.warmup_steps = 4000  # not stated in the paper; the Transformer's default
   c.aux_loss_weight = 1e-4  # commitment loss weight
+  scan_given = "scan_layers" in values
   base.apply_common(c, values)
   att = c.model.attention
   name = str(att.name)
@@ -110,6 +116,8 @@ def apply(c: ml_collections.ConfigDict, settings: dict[str, Any], arg: str, pape
     if "routing_layers" in paper_values:
       top = paper_values["routing_layers"]
       att.routing_layers = None if top == "all" else tuple(range(-int(top), 0))
+    if att.routing_layers is not None and not scan_given:
+      c.model.scan_layers = False  # routing in some layers only: the blocks differ, so they are not scanned
   elif name == "combiner_routed":  # every head routed, every layer; clusters only
     if not smoke or "clusters" in paper_values:
       att.params.num_clusters = clusters

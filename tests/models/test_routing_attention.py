@@ -165,6 +165,12 @@ def test_routing_paper_variants(config_file):
                                                            seq_len=c.data.seq_len))
     heads = [block.attention.routing_heads for block in model.encoder.blocks]
     assert heads == [0] * 8 + [4] * 4
+    assert not c.model.scan_layers and c.model.remat == "none"
+  else:  # 24 identical layers at 12288 tokens: scanned and recomputed in the backward pass
+    assert c.model.scan_layers and c.model.remat == "full"
+    some = module.get_config("routing_paper,routing_layers=2")
+    assert not some.model.scan_layers, "blocks that differ by layer are not scanned"
+    assert module.get_config("routing_paper,remat=none").model.remat == "none"
   for arg in ("routing_paper,smoke", "routing_paper,smoke,attention=combiner_routed",
               "attention=routing,smoke"):
     c = module.get_config(arg)
