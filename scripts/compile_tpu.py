@@ -398,7 +398,8 @@ Check one config and slice before creating it: `python -m scripts.compile_tpu --
 --topology v5e-16` (scripts/tpu.py does so itself). On a 2-core host one compile takes from seconds to a few
 minutes, and the deepest model, `cifar10.py:main` (128 layers), about 15 minutes: its blocks are scanned, so
 the compiler sees one, but each layer's parameters still get their own optimizer update (about 900 operations
-per layer in the step).
+per layer in the step). A row "not measured yet" has not been compiled here yet: `--docs docs/tpu.md` compiles
+those rows and keeps the others. Every config has at least one generation measured.
 
 """
 
