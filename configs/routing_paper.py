@@ -35,7 +35,8 @@ CIFAR10 = dict(layers=12, heads=8, features=512, routing_heads=4, routing_layers
 # window 2048; 3.425 bits/dim after ~70 epochs. The paper says "batch size 1" on 128 TPU cores, read here as
 # one per core (global 128); the width is not stated (1024 = 16 heads x 64 is our choice). `recompute` (also
 # ours): the blocks scanned and recomputed in the backward pass (`model.scan_layers`, `model.remat=full`),
-# since a step that keeps every layer's 12288-token activations needs about 80 GiB per chip (compile_tpu).
+# since a step that keeps every layer's 12288-token activations does not fit a v5e chip even at one image per
+# chip (docs/tpu.md gives the slices it fits now).
 IMAGENET64 = dict(layers=24, heads=16, features=1024, routing_heads=8, routing_layers=None, num_clusters=8,
                   window=2048, batch_size=128, steps=700_000, recompute=True)
 
