@@ -1,0 +1,442 @@
+"""The Combiner plans and their sparse counterparts on the kernel of `combiner.passes`.
+
+Each plan is a short sequence of passes over a frame of the sequence (rows of `cols` positions), forward and
+backward inside one custom_vjp, so every pass's gradients come from the plan's final log-sum-exp and no
+partial output is differentiated on its own:
+
+  fixed      frame rows = blocks. A rows pass builds one summary per block ("block"; sparse: "last"), a
+             rows pass attends the own block and the summaries of other blocks.
+  axial      frame rows = grid rows. vertical: a column pass builds the per-position column spans ("prefix";
+             bidirectional "all_but_one") and attends the own column, a row pass attends the own row and the
+             spans and merges the column part. horizontal: a row pass builds the row spans ("all_but_one")
+             and attends the own row, a column pass attends the own column and the spans. rowmajor: a row
+             pass builds each position's in-row expectation ("own") and attends the own row, a column pass
+             attends the pooled rows. Sparse axial: own row, then own column.
+  mixture    joint: column pass (vertical spans), row pass (own row, vertical spans, horizontal spans built),
+             column pass (own column, horizontal spans); mean: the vertical and horizontal plans averaged.
+
+Frame arrays are head-major on TPU and CPU, heads-packed on GPUs (`combiner.passes`); column passes on
+head-major frames read a column-major copy. Masks become per-view validity rows; without a mask validity is
+computed from positions inside the kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from attention_core import contract
+from combiner import passes
+from combiner.passes import Construct, Frame, Pass
+
+Array = Any
+F32 = jnp.float32
+
+
+def packs_heads(platform: str) -> bool:
+  """Heads-packed frames on GPUs (Triton reads strided tiles); head-major copies elsewhere (Mosaic wants a
+  block's last two dims whole or (8, 128)-aligned)."""
+  return platform == "gpu"
+
+
+def partial_banks(platform: str) -> bool:
+  """Gradients of rows shared by all groups as per-group partial sums where programs run concurrently
+  (GPUs); TPU cores and the interpreter accumulate them in place."""
+  return platform == "gpu"
+
+
+def frame_cols(span: int, platform: str) -> int:
+  """A frame row's length for a real row length `span`: whole tiles of a power of two (at least 8, 16 on
+  TPU for bfloat16 sublane packing) up to the tile cap, whole tiles beyond it."""
+  floor = 16 if platform == "tpu" else 8
+  cap = passes.GPU_TILE if platform == "gpu" else passes.TILE
+  if span <= cap:
+    n = floor
+    while n < span:
+      n *= 2
+    return n
+  return -(-span // cap) * cap
+
+
+def frame_rows(rows: int, platform: str) -> int:
+  """Rows of a frame whose columns are read as groups (axial): a power of two on GPUs, whole tiles beyond
+  the tile cap elsewhere (a column is one block of all rows)."""
+  if platform == "gpu":
+    n = 1
+    while n < rows:
+      n *= 2
+    return n
+  return rows if rows <= passes.TILE else -(-rows // passes.TILE) * passes.TILE
+
+
+# ----------------------------------------------------------------------------------------------- layout
+
+def to_frame(x: Array, f: Frame, order: str = "rows") -> Array:
+  """[batch, length, heads, dim] -> the frame array: packed [batch, rows*cols, heads*dim] or head-major
+  [batch*heads, rows*cols, dim] (order "cols": column-major, [batch*heads, cols*rows, dim])."""
+  b, length, h, dim = x.shape
+  total = f.rows * f.span
+  if total != length:
+    x = jnp.pad(x, ((0, 0), (0, total - length), (0, 0), (0, 0)))
+  x = x.reshape(b, f.rows, f.span, h, dim)
+  if f.cols != f.span:
+    x = jnp.pad(x, ((0, 0), (0, 0), (0, f.cols - f.span), (0, 0), (0, 0)))
+  if f.packed:
+    return x.reshape(b, f.rows * f.cols, h * dim)
+  x = jnp.transpose(x, (0, 3, 1, 2, 4) if order == "rows" else (0, 3, 2, 1, 4))  # [b, h, rows|cols, ., d]
+  return x.reshape(b * h, f.rows * f.cols, dim)
+
+
+def from_frame(y: Array, f: Frame, dim: int, order: str = "rows") -> Array:
+  """The inverse of `to_frame`: [batch, length, heads, dim]."""
+  b, h = f.batch, f.heads
+  if f.packed:
+    y = y.reshape(b, f.rows, f.cols, h, dim)
+  elif order == "rows":
+    y = jnp.transpose(y.reshape(b, h, f.rows, f.cols, dim), (0, 2, 3, 1, 4))
+  else:
+    y = jnp.transpose(y.reshape(b, h, f.cols, f.rows, dim), (0, 3, 2, 1, 4))
+  y = y[:, :, :f.span].reshape(b, f.rows * f.span, h, dim)
+  return y[:, :f.length]
+
+
+def reorder(y: Array, f: Frame, order: str) -> Array:
+  """A head-major frame array from the other order into `order` (identity for packed frames)."""
+  if f.packed:
+    return y
+  src = (f.cols, f.rows) if order == "rows" else (f.rows, f.cols)
+  y = y.reshape(y.shape[0], *src, y.shape[-1])
+  return jnp.swapaxes(y, 1, 2).reshape(y.shape[0], -1, y.shape[-1])
+
+
+def reorder_lse(lse: Array, f: Frame) -> Array:
+  """[BH, groups, 1, glen] of one view -> the other view's [BH, glen, 1, groups]."""
+  return jnp.swapaxes(lse[:, :, 0], 1, 2)[:, :, None]
+
+
+def mask_frame(mask: Array, f: Frame) -> Array:
+  """[batch, length] bool -> [batch, rows, cols] (padding False)."""
+  b, length = mask.shape
+  m = jnp.pad(mask, ((0, 0), (0, f.rows * f.span - length))).reshape(b, f.rows, f.span)
+  return jnp.pad(m, ((0, 0), (0, 0), (0, f.cols - f.span)))
+
+
+def view_rows(x: Array, view: str) -> Array:
+  """[batch, rows, cols] -> per-group validity rows [batch, groups, 1, glen] (f32) of a view."""
+  x = x if view == "rows" else jnp.swapaxes(x, 1, 2)
+  return x.astype(F32)[:, :, None, :]
+
+
+# -------------------------------------------------------------------------------------------- the plans
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """A plan's static description: its frame and passes (forward order) and how they are wired."""
+
+  frame: Frame
+  name: str
+  passes: tuple[Pass, ...]
+  pooling: str | None
+  causal: bool
+  pools: bool  # DeepSets pools given
+  out_dtype: Any
+
+
+def _kernel_dtypes(q: Array, k: Array, v: Array) -> Any:
+  dt = jnp.result_type(q.dtype, k.dtype, v.dtype)
+  return dt if jnp.dtype(dt).itemsize < 4 else F32
+
+
+def make_frame(q: Array, v: Array, mask: Array | None, span: int, rows: int, platform: str) -> Frame:
+  b, length, h, d = q.shape
+  return Frame(batch=b, heads=h, length=length, rows=rows, cols=frame_cols(span, platform), span=span, d=d,
+               dv=v.shape[-1], scale=contract.logit_scale(d), packed=packs_heads(platform),
+               platform=platform, masked=mask is not None, partial_banks=partial_banks(platform))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _run(plan: Plan, arrays: dict) -> Array:
+  return _FORWARD[plan.name](plan, arrays)[0]
+
+
+def _run_fwd(plan: Plan, arrays: dict):
+  out, res = _FORWARD[plan.name](plan, arrays)
+  return out, (arrays, res)
+
+
+def _run_bwd(plan: Plan, residual: tuple, do: Array):
+  arrays, res = residual
+  grads = _BACKWARD[plan.name](plan, arrays, res, do)
+  return ({n: grads.get(n) for n in arrays},)
+
+
+_run.defvjp(_run_fwd, _run_bwd)
+
+
+def _dtypes(arrays: dict) -> dict[str, Any]:
+  """Gradient dtypes: each input's own."""
+  out = {"dq": arrays["q"].dtype, "dk": arrays["k"].dtype, "dv": arrays["v"].dtype}
+  if "pool_q" in arrays:
+    out.update(dpq=arrays["pool_q"].dtype, dpk=arrays["pool_k"].dtype)
+  return out
+
+
+def _common(arrays: dict, names: tuple[str, ...]) -> dict[str, Array]:
+  return {n: arrays[n] for n in names if n in arrays}
+
+
+def _bank_total(f: Frame, x: Array) -> Array:
+  """A bank gradient as one [BH, n, 1, dim] array (partial sums over groups summed where they were kept)."""
+  return x if passes.accumulates_banks(f) else jnp.sum(x, axis=1)
+
+
+# ------------------------------------------------------------------------------------------------ fixed
+
+def _fixed_forward(plan: Plan, a: dict):
+  f, (spans, main) = plan.frame, plan.passes
+  kdt = a["q"].dtype
+  s = passes.forward(f, spans, _common(a, ("q", "k", "v", "pool_q", "pool_k", "mask")), out_dtype=kdt,
+                     tok_dtype=kdt, name="combiner_spans")
+  m = passes.forward(f, main, {**_common(a, ("q", "k", "v", "mask", "bank_valid")), "bk": s["kbar_row"],
+                               "bv": s["vt_row"]}, out_dtype=plan.out_dtype, tok_dtype=kdt,
+                     bank_rows=f.rows, name="combiner_main")
+  return m["o"], (s["kbar_row"], s["vt_row"], m["o"], m["lse"])
+
+
+def _fixed_backward(plan: Plan, a: dict, res: tuple, do: Array) -> dict:
+  f, (spans, main) = plan.frame, plan.passes
+  kbar, vt, o, lse = res
+  dt = _dtypes(a)
+  m = passes.backward(f, main, {**_common(a, ("q", "k", "v", "mask", "bank_valid")), "bk": kbar, "bv": vt,
+                                "do": do, "o_fin": o, "lse_fin": lse}, dtypes=dt, bank_rows=f.rows,
+                      name="combiner_main")
+  s = passes.backward(f, spans, {**_common(a, ("q", "k", "v", "pool_q", "pool_k", "mask")),
+                                 "dkbar_row": _bank_total(f, m["dbk"]), "dvt_row": _bank_total(f, m["dbv"]),
+                                 "dq_in": m["dq"], "dk_in": m["dk"], "dv_in": m["dv"]},
+                      dtypes=dt, name="combiner_spans")
+  return {"q": s["dq"], "k": s["dk"], "v": s["dv"], "pool_q": s.get("dpq"), "pool_k": s.get("dpk")}
+
+
+def _arrays(f: Frame, q: Array, k: Array, v: Array, pool_q: Array | None, pool_k: Array | None,
+            kdt: Any) -> dict[str, Array]:
+  a = {"q": to_frame(q.astype(kdt), f), "k": to_frame(k.astype(kdt), f), "v": to_frame(v.astype(kdt), f)}
+  if pool_q is not None:
+    a["pool_q"], a["pool_k"] = to_frame(pool_q, f), to_frame(pool_k, f)
+  return a
+
+
+def fixed(q: Array, k: Array, v: Array, mask: Array | None, pool_q: Array | None, pool_k: Array | None, *,
+          size: int, causal: bool, pooling: str | None, platform: str) -> Array:
+  """Combiner-Fixed (pooling "max" | "mean") or Sparse-Fixed (pooling None) on the kernels.
+  q, k: [batch, length, heads, head_dim]; v: [..., value_dim] -> [batch, length, heads, value_dim]."""
+  rows = -(-q.shape[1] // size)
+  f = make_frame(q, v, mask, size, rows, platform)
+  pools = pool_q is not None
+  kind = "last" if pooling is None else "block"
+  spans = Pass("rows", construct=Construct(kind, pooling or "max", "all", pools=pools), attend=False)
+  main = Pass("rows", own="le" if causal else "all", bank="lt" if causal else "ne", bank_last=pooling is None)
+  plan = Plan(f, "fixed", (spans, main), pooling, causal, pools, jnp.dtype(v.dtype))
+  a = _arrays(f, q, k, v, pool_q, pool_k, _kernel_dtypes(q, k, v))
+  if mask is not None:
+    mf = mask_frame(mask, f)
+    a["mask"] = view_rows(mf, "rows")
+    ok = mf[:, :, f.span - 1] if pooling is None else jnp.any(mf, axis=2)
+    a["bank_valid"] = ok.astype(F32)[:, None, :]
+  return from_frame(_run(plan, a), f, f.dv)
+
+
+# ------------------------------------------------------------------------------------------------ axial
+
+def _cols(a: dict, names: tuple[str, ...]) -> dict[str, Array]:
+  """The column-order arrays `name`_c of `names`, under their plain names."""
+  return {n: a[n + "_c"] for n in names if n + "_c" in a}
+
+
+def _rows_args(a: dict, names: tuple[str, ...]) -> dict[str, Array]:
+  return {n: a[n] for n in names if n in a}
+
+
+_INPUTS = ("q", "k", "v", "pool_q", "pool_k", "mask")
+
+
+def _to(f: Frame, x: Array, order: str) -> Array:
+  """A frame array of the other order in `order` (free for heads-packed frames)."""
+  return reorder(x, f, order)
+
+
+def _axial_forward(plan: Plan, a: dict):
+  f, ps = plan.frame, plan.passes
+  kdt = a["q"].dtype
+  fwd = functools.partial(passes.forward, f, tok_dtype=kdt, out_dtype=plan.out_dtype)
+  res: dict[str, Array] = {}
+  if plan.name in ("vertical", "mixture_joint"):
+    col = ps[0]
+    c = fwd(col, {**_cols(a, _INPUTS), **({} if col.attend else {})}, name="combiner_columns")
+    res["kbar_v"], res["vt_v"] = _to(f, c["kbar_tok"], "rows"), _to(f, c["vt_tok"], "rows")
+    if col.attend:
+      res["o_c"], res["lse_c"] = _to(f, c["o"], "rows"), reorder_lse(c["lse"], f)
+  if plan.name == "vertical":
+    r = fwd(ps[1], {**_rows_args(a, _INPUTS + ("extra_valid",)), "xk": res["kbar_v"], "xv": res["vt_v"],
+                    "o_ext": res["o_c"], "lse_ext": res["lse_c"]}, name="combiner_rows")
+    return r["o"], {**res, "o": r["o"], "lse": r["lse"]}
+  first = ps[0] if plan.name != "mixture_joint" else ps[1]
+  row_args = _rows_args(a, _INPUTS)
+  if plan.name == "mixture_joint":
+    row_args.update(xk=res["kbar_v"], xv=res["vt_v"], **_rows_args(a, ("extra_valid",)))
+  r = fwd(first, row_args, name="combiner_rows")
+  res["o_r"], res["lse_r"] = _to(f, r["o"], "cols"), reorder_lse(r["lse"], f)
+  last = ps[-1]
+  col_args = {**_cols(a, ("q", "k", "v", "mask", "extra_valid")), "o_ext": res["o_r"],
+              "lse_ext": res["lse_r"]}
+  if plan.name in ("horizontal", "mixture_joint"):
+    res["kbar_h"], res["vt_h"] = _to(f, r["kbar_tok"], "cols"), _to(f, r["vt_tok"], "cols")
+    col_args.update(xk=res["kbar_h"], xv=res["vt_h"])
+  elif plan.name == "rowmajor":
+    res["kbar_rows"] = a["kbar_in"] if "kbar_in" in a else r["kbar_row"]
+    res["vt_h"] = _to(f, r["vt_tok"], "cols")
+    col_args.update(xk_bank=res["kbar_rows"], xv=res["vt_h"])
+  c = fwd(last, col_args, name="combiner_columns")
+  return c["o"], {**res, "o": c["o"], "lse": c["lse"]}
+
+
+def _grads(out: dict, order: str, prefix: str = "") -> dict[str, Array]:
+  names = {"q": "dq", "k": "dk", "v": "dv", "pool_q": "dpq", "pool_k": "dpk"}
+  suffix = "_c" if order == "cols" else ""
+  return {n + suffix: out[g] for n, g in names.items() if g in out}
+
+
+def _axial_backward(plan: Plan, a: dict, res: dict, do: Array) -> dict:
+  f, ps = plan.frame, plan.passes
+  dt = _dtypes(a)
+  kdt = a["q"].dtype
+  bwd = functools.partial(passes.backward, f)
+  tok_dt = {**dt, "dxk": kdt, "dxv": kdt}
+  grads: dict[str, Array] = {}
+  if plan.name == "vertical":
+    row, col = ps[1], ps[0]
+    r = bwd(row, {**_rows_args(a, _INPUTS + ("extra_valid",)), "xk": res["kbar_v"], "xv": res["vt_v"],
+                  "do": do, "o_fin": res["o"], "lse_fin": res["lse"]}, dtypes=tok_dt, name="combiner_rows")
+    grads.update(_grads(r, "rows"))
+    c = bwd(col, {**_cols(a, _INPUTS), "do": _to(f, do, "cols"), "o_fin": _to(f, res["o"], "cols"),
+                  "lse_fin": reorder_lse(res["lse"], f), "dkbar_tok": _to(f, r["dxk"], "cols"),
+                  "dvt_tok": _to(f, r["dxv"], "cols")}, dtypes=dt, name="combiner_columns")
+    grads.update(_grads(c, "cols"))
+    return grads
+  last = ps[-1]
+  col_args = {**_cols(a, ("q", "k", "v", "mask", "extra_valid")), "do": do, "o_fin": res["o"],
+              "lse_fin": res["lse"]}
+  if plan.name in ("horizontal", "mixture_joint"):
+    col_args.update(xk=res["kbar_h"], xv=res["vt_h"])
+  elif plan.name == "rowmajor":
+    col_args.update(xk_bank=res["kbar_rows"], xv=res["vt_h"])
+  c = bwd(last, col_args, dtypes=tok_dt, bank_rows=f.rows, name="combiner_columns")
+  first = ps[0] if plan.name != "mixture_joint" else ps[1]
+  row_args = {**_rows_args(a, _INPUTS), "do": _to(f, do, "rows"), "o_fin": _to(f, res["o"], "rows"),
+              "lse_fin": reorder_lse(res["lse"], f)}
+  if plan.name in ("horizontal", "mixture_joint"):
+    row_args.update(dkbar_tok=_to(f, c["dxk"], "rows"), dvt_tok=_to(f, c["dxv"], "rows"))
+  elif plan.name == "rowmajor":
+    row_args.update(dkbar_row=_bank_total(f, c["dxk_bank"]), dvt_tok=_to(f, c["dxv"], "rows"))
+  if plan.name == "mixture_joint":
+    row_args.update(xk=res["kbar_v"], xv=res["vt_v"], **_rows_args(a, ("extra_valid",)))
+  r = bwd(first, row_args, dtypes=tok_dt, name="combiner_rows")
+  grads.update(_grads(r, "rows"))
+  if plan.name == "rowmajor" and "kbar_in" in a:
+    grads["kbar_in"] = _bank_total(f, c["dxk_bank"])
+  if plan.name == "mixture_joint":  # the vertical spans' construction, in the column order
+    v = bwd(ps[0], {**_cols(a, _INPUTS), "dkbar_tok": _to(f, r["dxk"], "cols"),
+                    "dvt_tok": _to(f, r["dxv"], "cols"), "dq_in": c["dq"], "dk_in": c["dk"],
+                    "dv_in": c["dv"]}, dtypes=dt, name="combiner_columns")
+    grads.update(_grads(v, "cols"))
+  else:
+    grads.update(_grads(c, "cols"))
+  return grads
+
+
+_FORWARD = {"fixed": _fixed_forward, "vertical": _axial_forward, "horizontal": _axial_forward,
+            "rowmajor": _axial_forward, "sparse_axial": _axial_forward, "mixture_joint": _axial_forward}
+_BACKWARD = {"fixed": _fixed_backward, "vertical": _axial_backward, "horizontal": _axial_backward,
+             "rowmajor": _axial_backward, "sparse_axial": _axial_backward, "mixture_joint": _axial_backward}
+
+
+def _axial_passes(name: str, causal: bool, pooling: str, pools: bool, given_keys: bool) -> tuple[Pass, ...]:
+  """The forward passes of an axial plan (see the module docstring)."""
+  row_own, col_own = ("le", "lt") if causal else ("all", "ne")
+  col_kind = "prefix" if causal else "all_but_one"
+  vertical = Construct(col_kind, pooling, col_own, pools=pools)
+  horizontal = Construct("all_but_one", pooling, "ne", pools=pools)
+  v_count = "vertical_causal" if causal else "vertical"
+  if name == "vertical":
+    return (Pass("cols", own=col_own, construct=vertical, final=False),
+            Pass("rows", own=row_own, extra="ne", extra_count=v_count, ext=True))
+  if name == "horizontal":
+    return (Pass("rows", own=row_own, construct=horizontal, final=False),
+            Pass("cols", own=col_own, extra=col_own, extra_count="horizontal", ext=True))
+  if name == "rowmajor":
+    own = Construct("own", pooling, "all", pools=pools, given_keys=given_keys)
+    return (Pass("rows", own=row_own, construct=own, final=False),
+            Pass("cols", extra=col_own, extra_bank_keys=True, extra_count="rows", ext=True))
+  if name == "sparse_axial":
+    return (Pass("rows", own=row_own, final=False), Pass("cols", own=col_own, ext=True))
+  return (Pass("cols", construct=vertical, attend=False),  # mixture_joint
+          Pass("rows", own=row_own, extra="ne", extra_count=v_count, construct=horizontal, final=False),
+          Pass("cols", own=col_own, extra=col_own, extra_count="horizontal", ext=True))
+
+
+def _validity(name: str, mf: Array, causal: bool) -> dict[str, Array]:
+  """Per-view validity rows of a masked axial plan: the tokens', and the `extra` summaries' nonempty-ness."""
+  out = {"mask": view_rows(mf, "rows"), "mask_c": view_rows(mf, "cols")}
+  m = mf.astype(jnp.int32)
+  if name in ("vertical", "mixture_joint"):  # column e's rows before r (causal) or other than r
+    below = jnp.cumsum(m, axis=1) - m
+    per_col = jnp.sum(m, axis=1, keepdims=True) - m
+    out["extra_valid"] = view_rows((below if causal else per_col) > 0, "rows")
+  if name in ("horizontal", "mixture_joint"):  # row s without column c
+    out["extra_valid_c"] = view_rows((jnp.sum(m, axis=2, keepdims=True) - m) > 0, "cols")
+  if name == "rowmajor":
+    out["extra_valid_c"] = view_rows(jnp.broadcast_to(jnp.any(mf, axis=2, keepdims=True), mf.shape), "cols")
+  return out
+
+
+def axial(q: Array, k: Array, v: Array, mask: Array | None, pool_q: Array | None, pool_k: Array | None, *,
+          row_length: int, direction: str | None, causal: bool, pooling: str, platform: str,
+          kbar: Array | None = None, normalize: str = "mean") -> Array:
+  """Combiner-Axial in `direction` ("rowmajor" | "vertical" | "horizontal"), Sparse-Axial (None) or
+  Combiner-Mixture (direction "mixture", `normalize` "mean" | "joint") on the kernels.
+  q, k: [batch, length, heads, head_dim]; v: [..., value_dim] -> [batch, length, heads, value_dim].
+  kbar (rowmajor): the span keys [batch, rows, heads, head_dim] to use instead of the pooled rows."""
+  if direction == "mixture" and normalize == "mean":
+    parts = [axial(q, k, v, mask, pool_q, pool_k, row_length=row_length, direction=d, causal=causal,
+                   pooling=pooling, platform=platform) for d in ("vertical", "horizontal")]
+    return (0.5 * (parts[0].astype(F32) + parts[1].astype(F32))).astype(v.dtype)
+  name = {"mixture": "mixture_joint", None: "sparse_axial"}.get(direction, direction)
+  rows = frame_rows(-(-q.shape[1] // row_length), platform)
+  f = make_frame(q, v, mask, row_length, rows, platform)
+  pools = pool_q is not None
+  plan = Plan(f, name, _axial_passes(name, causal, pooling, pools, kbar is not None), pooling, causal, pools,
+              jnp.dtype(v.dtype))
+  kdt = _kernel_dtypes(q, k, v)
+  a = _arrays(f, q, k, v, pool_q, pool_k, kdt)
+  order = "rows" if f.packed else "cols"
+  for n, x in (("q", q), ("k", k), ("v", v), ("pool_q", pool_q), ("pool_k", pool_k)):
+    if x is not None:
+      a[n + "_c"] = a[n] if f.packed else to_frame(x.astype(kdt) if n in "qkv" else x, f, order)
+  if mask is not None:
+    a.update(_validity(name, mask_frame(mask, f), causal))
+  if kbar is not None:  # [batch, rows, heads, d] -> [BH, frame rows, 1, d]
+    kb = jnp.pad(kbar, ((0, 0), (0, f.rows - kbar.shape[1]), (0, 0), (0, 0)))
+    a["kbar_in"] = jnp.swapaxes(kb, 1, 2).reshape(f.batch * f.heads, f.rows, 1, f.d).astype(F32)
+  out = _run(plan, a)
+  return from_frame(out, f, f.dv, order="rows" if name == "vertical" else ("rows" if f.packed else "cols"))
+
+
+PLANS = {"vertical": functools.partial(axial, direction="vertical"),
+         "horizontal": functools.partial(axial, direction="horizontal"),
+         "rowmajor": functools.partial(axial, direction="rowmajor"),
+         "sparse_axial": functools.partial(axial, direction=None),
+         "mixture": functools.partial(axial, direction="mixture", normalize="mean"),
+         "mixture_joint": functools.partial(axial, direction="mixture", normalize="joint")}

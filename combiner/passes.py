@@ -1,0 +1,665 @@
+"""The Pallas kernel every Combiner plan runs on: one program per (batch row, head, group) of a frame.
+
+A plan lays the sequence out as a frame of `rows` x `cols` positions (a Combiner-Fixed block or an axial row
+per frame row) and runs a few *passes* over it. A pass reads the frame by rows (group g = frame row g) or by
+columns (group c = frame column c). One program holds its group in VMEM and, in order:
+
+  construct  builds the group's span summaries (`Construct`): pooled keys, and the in-span expected values of
+             the pooled queries, an attention over the group's keys. "block": one summary per group; "last":
+             the group's last position; "prefix": per position, the rows before it; "all_but_one": per
+             position, every other row; "own": per position its own query (the group's pooled query where
+             the position is masked) against the whole group, with one pooled key per group;
+  attend     runs one online softmax of the group's queries over its own keys (`own`), per-position summaries
+             of the group from another pass (`extra`) and summaries shared by all groups (`bank`, one row per
+             group), merged with another pass's partial softmax of the same queries (`ext`).
+
+The backward program reverses it: the attention's gradients (dq, the group's dk and dv, the gradients of the
+summaries it read, from the plan's final log-sum-exp), then the construction's given its summaries'
+gradients, routing pooled gradients to the rows that pooled into them. dq, dk and dv accumulate across the
+passes of one view in place (input_output_aliases).
+
+Frame arrays are [X, rows * cols, W]: heads packed, [batch, L, heads * dim] (GPUs; a column pass reads them
+as strided tiles), or head-major [batch * heads, L, dim] (TPU and CPU; a column pass reads a column-major copy
+[batch * heads, cols * rows, dim] the plan makes). One row per group ("bank") is [batch * heads, groups, 1,
+dim] float32; log-sum-exps are [batch * heads, groups, 1, group length].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as pltriton
+
+from attention_core import pallas
+from combiner import tiles
+from combiner.tiles import F32, Online
+
+Array = Any
+TILE = 128  # query / key tile cap inside a group (TPU lanes; also interpret mode)
+GPU_TILE = 64  # smaller tiles keep more Triton programs in flight
+GPU_PARAMS = pltriton.CompilerParams(num_warps=4, num_stages=2)
+KINDS = ("block", "last", "prefix", "all_but_one", "own")
+COUNTS = ("vertical_causal", "vertical", "horizontal", "rows")  # how `extra` summaries' members are counted
+
+
+@dataclasses.dataclass(frozen=True)
+class Frame:
+  """Geometry shared by a plan's passes. Frame position (r, c) is sequence position r * span + c when
+  c < span (the real row length; cols >= span pads it), padding otherwise."""
+
+  batch: int
+  heads: int
+  length: int  # real sequence length
+  rows: int
+  cols: int
+  span: int
+  d: int
+  dv: int
+  scale: float
+  packed: bool  # heads-packed frame arrays (GPU), else head-major
+  platform: str  # "cpu" (interpret mode) | "gpu" | "tpu"
+  masked: bool  # validity comes from mask arrays, else from positions alone
+  partial_banks: bool = False  # gradients of shared rows as per-group partial sums (GPUs), see below
+
+  @property
+  def tile(self) -> int:
+    return GPU_TILE if self.platform == "gpu" else TILE
+
+  def valid(self, r: Array, c: Array) -> Array:
+    """Validity of frame position (r, c) from positions alone."""
+    return (c < self.span) & (r * self.span + c < self.length)
+
+
+@dataclasses.dataclass(frozen=True)
+class Construct:
+  kind: str  # KINDS
+  pooling: str  # "max" | "mean" (unused by "last")
+  rule: str  # the in-span attention's rule (local ids)
+  pools: bool = False  # pool_q / pool_k are arrays of their own (DeepSets), else q and k
+  given_keys: bool = False  # "own": the pooled keys come in as an input (a learned function of them)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pass:
+  view: str  # "rows" | "cols"
+  own: str | None = None  # rule of the group's own keys (local ids); None: not attended
+  extra: str | None = None  # rule of the per-position summaries of the group (local ids); None: none
+  extra_bank_keys: bool = False  # keys one per frame row ([rows, d], local id = row), values per position
+  extra_count: str = "rows"  # COUNTS: their members, for validity without a mask
+  bank: str | None = None  # rule of the shared summaries against the group index ("lt" | "ne")
+  bank_last: bool = False  # the shared summaries are each group's last position (validity without a mask)
+  construct: Construct | None = None
+  ext: bool = False  # merge another pass's partial softmax of the same queries
+  final: bool = True  # write the normalised output in the output dtype; else a partial (out, lse)
+  attend: bool = True
+
+  def groups(self, f: Frame) -> int:
+    return f.rows if self.view == "rows" else f.cols
+
+  def glen(self, f: Frame) -> int:
+    return f.cols if self.view == "rows" else f.rows
+
+  def tile(self, f: Frame) -> int:
+    return min(self.glen(f), f.tile)
+
+  def ids(self, g: Array, local: Array) -> tuple[Array, Array]:
+    """Frame (row, col) of local index `local` of group g."""
+    return (g, local) if self.view == "rows" else (local, g)
+
+
+# ----------------------------------------------------------------------------------------------- layouts
+
+def tok_shape(f: Frame, p: Pass, dim: int, dtype: Any) -> jax.ShapeDtypeStruct:
+  x, w = (f.batch, f.heads * dim) if f.packed else (f.batch * f.heads, dim)
+  if p.view == "cols" and f.packed:
+    return jax.ShapeDtypeStruct((x, f.rows, f.cols * w), dtype)
+  return jax.ShapeDtypeStruct((x, f.rows * f.cols, w), dtype)
+
+
+def tok_in(f: Frame, p: Pass, x: Array) -> Array:
+  """A frame array as a pass reads it: the GPU column view is a free reshape of the frame array."""
+  return x.reshape(x.shape[0], f.rows, -1) if p.view == "cols" and f.packed else x
+
+
+def tok_out(f: Frame, p: Pass, x: Array) -> Array:
+  return x.reshape(x.shape[0], f.rows * f.cols, -1) if p.view == "cols" and f.packed else x
+
+
+def _tok_spec(f: Frame, p: Pass, dim: int) -> pl.BlockSpec:
+  glen = p.glen(f)
+  if p.view == "cols" and f.packed:
+    return pl.BlockSpec((None, glen, dim), lambda b, h, g: (b, 0, g * f.heads + h))
+  if f.packed:
+    return pl.BlockSpec((None, glen, dim), lambda b, h, g: (b, g, h))
+  return pl.BlockSpec((None, glen, dim), lambda b, h, g: (b * f.heads + h, g, 0))
+
+
+def _bank_spec(f: Frame, n: int, dim: int) -> pl.BlockSpec:
+  """All n rows of a bank [BH, n, 1, dim] (read in the kernel as ref[rows, 0, :])."""
+  return pl.BlockSpec((None, n, 1, dim), lambda b, h, g: (b * f.heads + h, 0, 0, 0))
+
+
+def _row_spec(f: Frame, dim: int) -> pl.BlockSpec:
+  """The group's own row of a bank [BH, groups, 1, dim]."""
+  return pl.BlockSpec((None, None, 1, dim), lambda b, h, g: (b * f.heads + h, g, 0, 0))
+
+
+def _partial_spec(f: Frame, n: int, dim: int) -> pl.BlockSpec:
+  """The group's partial sums [BH, groups, n, 1, dim] of a bank's gradient (the plan sums them)."""
+  return pl.BlockSpec((None, None, n, 1, dim), lambda b, h, g: (b * f.heads + h, g, 0, 0, 0))
+
+
+def _lse_spec(f: Frame, p: Pass) -> pl.BlockSpec:
+  return pl.BlockSpec((None, None, 1, p.glen(f)), lambda b, h, g: (b * f.heads + h, g, 0, 0))
+
+
+def _valid_spec(n: int) -> pl.BlockSpec:
+  """Per-batch validity (f32 0/1) of the group's positions or summaries: [batch, groups, 1, n]."""
+  return pl.BlockSpec((None, None, 1, n), lambda b, h, g: (b, g, 0, 0))
+
+
+def _bank_valid_spec(n: int) -> pl.BlockSpec:
+  return pl.BlockSpec((None, 1, n), lambda b, h, g: (b, 0, 0))
+
+
+def lse_shape(f: Frame, p: Pass) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct((f.batch * f.heads, p.groups(f), 1, p.glen(f)), F32)
+
+
+def accumulates_banks(f: Frame) -> bool:
+  """Whether gradients of shared rows accumulate over groups in one resident block (a TPU core and the
+  interpreter run a grid's programs in order), rather than as per-group partial sums (GPUs)."""
+  return not f.partial_banks
+
+
+# ------------------------------------------------------------------------------------------- validity
+
+def _key_valid(f: Frame, p: Pass, R: dict, g: Array, start: Any, n: int) -> Array:
+  """[1, n] validity of the group's positions start..start+n."""
+  local = start + lax.broadcasted_iota(jnp.int32, (1, n), 1)
+  ok = f.valid(*p.ids(g, local))
+  if f.masked:
+    ok = ok & (R["mask"][:, pl.ds(start, n)] > 0)
+  return ok
+
+
+def _summary_valid(f: Frame, p: Pass, R: dict, g: Array, start: Any, n: int) -> Array:
+  """[1, n] nonempty-ness of the `extra` summaries start..start+n of the group."""
+  if f.masked:
+    return R["extra_valid"][:, pl.ds(start, n)] > 0
+  return summary_count(f, p, g, start + lax.broadcasted_iota(jnp.int32, (1, n), 1)) > 0
+
+
+def summary_count(f: Frame, p: Pass, g: Array, local: Array) -> Array:
+  """Real members of the `extra` summary at local id `local` of group g, from positions alone."""
+  if p.extra_count.startswith("vertical"):  # rows view: column e = local, its rows before / except row g
+    per_col = jnp.where(local < jnp.minimum(f.span, f.length),
+                        lax.div(jnp.maximum(f.length - 1 - local, 0), jnp.int32(f.span)) + 1, 0)
+    if p.extra_count == "vertical_causal":
+      return jnp.minimum(per_col, g)
+    return per_col - f.valid(g, local).astype(jnp.int32)
+  per_row = jnp.clip(f.length - local * f.span, 0, f.span)  # cols view: frame row s = local
+  if p.extra_count == "rows":
+    return per_row
+  return per_row - f.valid(local, g).astype(jnp.int32)  # "horizontal": row s without column g
+
+
+def _bank_valid(f: Frame, p: Pass, R: dict, n: int) -> Array:
+  if f.masked:
+    return R["bank_valid"][...] > 0
+  r = lax.broadcasted_iota(jnp.int32, (1, n), 1)
+  return f.valid(r, f.span - 1) if p.bank_last else f.valid(r, 0)
+
+
+# -------------------------------------------------------------------------------------------- arguments
+
+def _names(f: Frame, p: Pass, backward: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
+  """(input names, output names) of a pass's kernel, in argument order."""
+  c = p.construct
+  ins = ["q", "k", "v"]
+  if c is not None and c.pools:
+    ins += ["pool_q", "pool_k"]
+  if c is not None and c.given_keys:
+    ins += ["kbar_in"]
+  if p.extra:
+    ins += ["xk_bank" if p.extra_bank_keys else "xk", "xv"]
+  if p.bank:
+    ins += ["bk", "bv"]
+  if p.ext and not backward:
+    ins += ["o_ext", "lse_ext"]
+  if f.masked:
+    ins += ["mask"] + (["extra_valid"] if p.extra else []) + (["bank_valid"] if p.bank else [])
+  if not backward:
+    outs = []
+    if p.attend:
+      outs += ["o", "lse"]
+    if c is not None:
+      outs += {"block": ["kbar_row", "vt_row"], "last": ["kbar_row", "vt_row"],
+               "prefix": ["kbar_tok", "vt_tok"], "all_but_one": ["kbar_tok", "vt_tok"],
+               "own": ([] if c.given_keys else ["kbar_row"]) + ["vt_tok"]}[c.kind]
+    return tuple(ins), tuple(outs)
+  if p.attend:
+    ins += ["do", "o_fin", "lse_fin"]
+  if c is not None:
+    ins += {"block": ["dkbar_row", "dvt_row"], "last": ["dkbar_row", "dvt_row"],
+            "prefix": ["dkbar_tok", "dvt_tok"], "all_but_one": ["dkbar_tok", "dvt_tok"],
+            "own": ["dkbar_row", "dvt_tok"]}[c.kind]
+  ins += ["dq_in", "dk_in", "dv_in"] + (["dpq_in", "dpk_in"] if c is not None and c.pools else [])
+  outs = ["dq", "dk", "dv"] + (["dpq", "dpk"] if c is not None and c.pools else [])
+  if p.attend and p.extra:
+    outs += (["dxk_bank"] if p.extra_bank_keys else ["dxk"]) + ["dxv"]
+  if p.attend and p.bank:
+    outs += ["dbk", "dbv"]
+  return tuple(ins), tuple(outs)
+
+
+TOK_INPUTS = ("q", "k", "v", "pool_q", "pool_k", "xk", "xv", "o_ext", "do", "o_fin", "dkbar_tok", "dvt_tok",
+              "dq_in", "dk_in", "dv_in", "dpq_in", "dpk_in")
+TOK_OUTPUTS = ("o", "kbar_tok", "vt_tok", "dq", "dk", "dv", "dpq", "dpk", "dxk", "dxv")
+
+
+def _in_specs(f: Frame, p: Pass, names: tuple[str, ...], bank_rows: int) -> list[pl.BlockSpec]:
+  d, dv, glen = f.d, f.dv, p.glen(f)
+  tok = functools.partial(_tok_spec, f, p)
+  table = {"q": tok(d), "k": tok(d), "v": tok(dv), "pool_q": tok(d), "pool_k": tok(d), "xk": tok(d),
+           "xv": tok(dv), "xk_bank": _bank_spec(f, f.rows, d), "bk": _bank_spec(f, bank_rows, d),
+           "bv": _bank_spec(f, bank_rows, dv), "o_ext": tok(dv), "lse_ext": _lse_spec(f, p),
+           "kbar_in": _row_spec(f, d), "mask": _valid_spec(glen), "extra_valid": _valid_spec(glen),
+           "bank_valid": _bank_valid_spec(bank_rows), "do": tok(dv), "o_fin": tok(dv),
+           "lse_fin": _lse_spec(f, p),
+           "dkbar_row": _row_spec(f, d), "dvt_row": _row_spec(f, dv), "dkbar_tok": tok(d), "dvt_tok": tok(dv),
+           "dq_in": tok(d), "dk_in": tok(d), "dv_in": tok(dv), "dpq_in": tok(d), "dpk_in": tok(d)}
+  return [table[n] for n in names]
+
+
+# ------------------------------------------------------------------------------------------- the kernel
+
+def _loop(n: int, body, carry):
+  """carry after body(i, carry) for i < n (n static or traced); one static call when n == 1."""
+  if isinstance(n, int) and n == 1:
+    return body(0, carry)
+  return lax.fori_loop(0, n, body, carry)
+
+
+def _start(i: Any, t: int) -> Any:
+  return i * t if isinstance(i, int) else pl.multiple_of(i * t, t)
+
+
+def _causal_tiles(rule: str | None, i: Any, n: int) -> Any:
+  """Key tiles a query tile i must visit under a rule on local ids (equal tiles): up to its own."""
+  return jnp.minimum(n, i + 1) if rule in ("le", "lt", "eq") and not isinstance(i, int) else (
+      min(n, i + 1) if rule in ("le", "lt", "eq") else n)
+
+
+def _pooled(f: Frame, p: Pass, R: dict, valid_col: Array):
+  """The construction's pooled queries and keys: (queries [nq, d] f32, q stats, keys [nk, d] f32, k stats)."""
+  c = p.construct
+  pq = (R["pool_q"] if c.pools else R["q"])[...].astype(F32)
+  pk = (R["pool_k"] if c.pools else R["k"])[...].astype(F32)
+  if c.kind == "block":
+    qbar, qcnt = tiles.pool_block(pq, valid_col, c.pooling)
+    kbar, kcnt = tiles.pool_block(pk, valid_col, c.pooling)
+    return tiles.row8(qbar), qcnt, kbar, kcnt
+  if c.kind == "prefix":
+    qbar, cnt = tiles.pool_prefix(pq, valid_col, c.pooling, f.platform)
+    kbar, _ = tiles.pool_prefix(pk, valid_col, c.pooling, f.platform)
+    return qbar, cnt, kbar, cnt
+  if c.kind == "all_but_one":
+    qbar, cnt = tiles.pool_all_but_one(pq, valid_col, c.pooling)
+    kbar, _ = tiles.pool_all_but_one(pk, valid_col, c.pooling)
+    return qbar, cnt, kbar, cnt
+  # "own": each position's own query, the group's pooled query where the position is masked
+  qbar, qcnt = tiles.pool_block(pq, valid_col, c.pooling)
+  queries = jnp.where(valid_col, R["q"][...].astype(F32), qbar)
+  if c.given_keys:
+    return queries, qcnt, None, None
+  kbar, kcnt = tiles.pool_block(pk, valid_col, c.pooling)
+  return queries, qcnt, kbar, kcnt
+
+
+def _span_softmax(f: Frame, p: Pass, R: dict, g: Array, queries: Array, ok_rows: Array):
+  """The in-span attention of `queries` [nq, d] over the group's keys: (out [nq, dv] f32, lse [nq, 1])."""
+  c, glen = p.construct, p.glen(f)
+  nq = queries.shape[0]
+  t = min(p.tile(f), glen)
+  qk = queries.astype(R["k"].dtype)
+  qid = lax.broadcasted_iota(jnp.int32, (nq, 1), 0)
+
+  def body(j, st):
+    s = _start(j, t)
+    kid = s + lax.broadcasted_iota(jnp.int32, (1, t), 1)
+    vis = _key_valid(f, p, R, g, s, t) & ok_rows
+    rule = tiles.visible(c.rule, qid, kid)
+    vis = vis if rule is None else vis & rule
+    return tiles.online_step(st, qk, R["k"][pl.ds(s, t), :], R["v"][pl.ds(s, t), :], vis, f.scale)
+
+  return tiles.finish(_loop(glen // t, body, Online.empty(nq, f.dv)))
+
+
+def _construct(f: Frame, p: Pass, R: dict, g: Array) -> None:
+  c, glen = p.construct, p.glen(f)
+  valid_row = _key_valid(f, p, R, g, 0, glen)  # [1, glen]
+  valid_col = tiles.column(valid_row) > 0  # [glen, 1]
+  if c.kind == "last":
+    last = f.span - 1
+    ok = valid_col[last:last + 1]
+    R["kbar_row"][...] = jnp.where(ok, R["k"][last:last + 1, :].astype(F32), 0.0)
+    R["vt_row"][...] = jnp.where(ok, R["v"][last:last + 1, :].astype(F32), 0.0)
+    return
+  queries, _, kbar, _ = _pooled(f, p, R, valid_col)
+  vt, _ = _span_softmax(f, p, R, g, queries, True)
+  if c.kind == "block":
+    R["kbar_row"][...] = kbar
+    R["vt_row"][...] = vt[0:1]
+  elif c.kind == "own":
+    if kbar is not None:
+      R["kbar_row"][...] = kbar
+    R["vt_tok"][...] = vt.astype(R["vt_tok"].dtype)
+  else:
+    R["kbar_tok"][...] = kbar.astype(R["kbar_tok"].dtype)
+    R["vt_tok"][...] = vt.astype(R["vt_tok"].dtype)
+
+
+class _Rows:
+  """Rows of a bank ref [n, 1, dim] as a [n, dim] ref: x[rows] reads, x[rows] += adds."""
+
+  def __init__(self, ref: Any):
+    self.ref = ref
+
+  def __getitem__(self, idx: Any) -> Array:
+    return self.ref[idx[0], 0, :]
+
+  def __setitem__(self, idx: Any, value: Array) -> None:
+    self.ref[idx[0], 0, :] = value
+
+
+def _sources(f: Frame, p: Pass, R: dict, g: Array, bank_rows: int):
+  """The sources a query tile reads: (name, key ref, value ref, n, tile, rule, id kind, valid(start, n))."""
+  out = []
+  glen, t = p.glen(f), p.tile(f)
+  if p.own:
+    out.append(("own", R["k"], R["v"], glen, t, p.own, "local",
+                lambda s, n: _key_valid(f, p, R, g, s, n)))
+  if p.extra:
+    keys = _Rows(R["xk_bank"]) if p.extra_bank_keys else R["xk"]
+    out.append(("extra", keys, R["xv"], glen, t, p.extra, "local",
+                lambda s, n: _summary_valid(f, p, R, g, s, n)))
+  if p.bank:
+    out.append(("bank", _Rows(R["bk"]), _Rows(R["bv"]), bank_rows, bank_rows, p.bank, "group",
+                lambda s, n: _bank_valid(f, p, R, n)))
+  return out
+
+
+def _visible(rule: str, kind: str, qid: Array, g: Array, kid: Array, valid: Array) -> Array:
+  structural = tiles.visible(rule, qid if kind == "local" else g, kid)
+  return valid if structural is None else valid & structural
+
+
+def _tiles_for(rule: str, kind: str, i: Any, n: int, t: int, g: Array) -> Any:
+  """How many key tiles a query tile i visits: causal rules stop after the last one they can see."""
+  num = n // t
+  if rule not in ("le", "lt", "eq") or num == 1:
+    return num
+  if kind == "group":  # bank rows before (or at) the group
+    return jnp.minimum(num, lax.div(g + (t if rule == "le" else t - 1), jnp.int32(t)))
+  return _causal_tiles(rule, i, num)
+
+
+def _attend_tile(f: Frame, p: Pass, R: dict, g: Array, sources: list, i: Any, qs: Any, q: Array) -> Online:
+  """One query tile's online softmax over every source."""
+  t = q.shape[0]
+  qid = qs + lax.broadcasted_iota(jnp.int32, (t, 1), 0)
+  st = Online.empty(t, f.dv)
+  for _, kref, vref, n, kt, rule, kind, valid in sources:
+    def body(j, st, kref=kref, vref=vref, kt=kt, rule=rule, kind=kind, valid=valid):
+      s = _start(j, kt)
+      kid = s + lax.broadcasted_iota(jnp.int32, (1, kt), 1)
+      vis = _visible(rule, kind, qid, g, kid, valid(s, kt))
+      return tiles.online_step(st, q, kref[pl.ds(s, kt), :], vref[pl.ds(s, kt), :], vis, f.scale)
+    st = _loop(_tiles_for(rule, kind, i, n, kt, g), body, st)
+  return st
+
+
+def _attend(f: Frame, p: Pass, R: dict, g: Array, bank_rows: int) -> None:
+  glen, t = p.glen(f), p.tile(f)
+  sources = _sources(f, p, R, g, bank_rows)
+
+  def q_tile(i, carry):
+    qs = _start(i, t)
+    st = _attend_tile(f, p, R, g, sources, i, qs, R["q"][pl.ds(qs, t), :])
+    if p.ext:
+      st = tiles.merge_partial(st, R["o_ext"][pl.ds(qs, t), :], tiles.column(R["lse_ext"][:, pl.ds(qs, t)]))
+    o, lse = tiles.finish(st)
+    R["o"][pl.ds(qs, t), :] = o.astype(R["o"].dtype)
+    R["lse"][:, pl.ds(qs, t)] = lse.T
+    return carry
+
+  _loop(glen // t, q_tile, 0)
+
+
+def forward_kernel(*refs, f: Frame, p: Pass, names: tuple, bank_rows: int) -> None:
+  R = dict(zip(names, refs, strict=True))
+  g = pl.program_id(2)
+  if p.construct is not None:
+    _construct(f, p, R, g)
+  if p.attend:
+    _attend(f, p, R, g, bank_rows)
+
+
+def _grad_tile(f: Frame, p: Pass, R: dict, g: Array, sources: list, acc: dict, i: int, qs: int) -> Array:
+  """One query tile's gradients: returns its dq [t, d]; adds the keys' into their accumulators."""
+  t = p.tile(f)
+  q, do = R["q"][qs:qs + t, :], R["do"][qs:qs + t, :]
+  delta = jnp.sum(do.astype(F32) * R["o_fin"][qs:qs + t, :].astype(F32), axis=1, keepdims=True)
+  lse = tiles.column(R["lse_fin"][:, qs:qs + t])
+  qid = qs + lax.broadcasted_iota(jnp.int32, (t, 1), 0)
+  dq = jnp.zeros((t, f.d), F32)
+  for name, kref, vref, n, kt, rule, kind, valid in sources:
+    dk_ref, dv_ref = acc[name]
+
+    def body(j, dq, kref=kref, vref=vref, kt=kt, rule=rule, kind=kind, valid=valid, dk_ref=dk_ref,
+             dv_ref=dv_ref):
+      s = _start(j, kt)
+      kid = s + lax.broadcasted_iota(jnp.int32, (1, kt), 1)
+      vis = _visible(rule, kind, qid, g, kid, valid(s, kt))
+      k = kref[pl.ds(s, kt), :]
+      pr, ds = tiles.grads(q, do, k, vref[pl.ds(s, kt), :], vis, lse, delta, f.scale)
+      dk_ref[pl.ds(s, kt), :] += tiles.dot(ds.astype(q.dtype), q, ta=True) * f.scale
+      dv_ref[pl.ds(s, kt), :] += tiles.dot(pr.astype(q.dtype), do.astype(q.dtype), ta=True)
+      return dq + tiles.dot(ds.astype(q.dtype), tiles.finite(k).astype(q.dtype)) * f.scale
+
+    dq = _loop(_tiles_for(rule, kind, i, n, kt, g), body, dq)
+  return dq
+
+
+def _attend_backward(f: Frame, p: Pass, R: dict, g: Array, bank_rows: int) -> None:
+  """The attention's gradients: dq tiles into acc_dq, the own keys' into acc_dk/acc_dv, the summaries' into
+  acc_xdk/acc_xdv (per position) or their outputs (shared rows)."""
+  glen, t = p.glen(f), p.tile(f)
+  acc = {"own": (R["acc_dk"], R["acc_dv"]),
+         "extra": (_Rows(R["dxk_bank"]) if p.extra_bank_keys else R.get("acc_xdk"), R.get("acc_xdv")),
+         "bank": (_Rows(R["dbk"]), _Rows(R["dbv"])) if p.bank else None}
+  sources = _sources(f, p, R, g, bank_rows)
+  for i in range(glen // t):  # query tiles (a group holds a few)
+    R["acc_dq"][i * t:(i + 1) * t, :] = _grad_tile(f, p, R, g, sources, acc, i, i * t)
+
+
+def _construct_backward(f: Frame, p: Pass, R: dict, g: Array) -> tuple[Array, Array] | None:
+  """The construction's gradients, added to acc_dq/acc_dk/acc_dv; returns (d pool_q, d pool_k) [glen, d]
+  for DeepSets pools (their own arrays), else adds them to dq and dk and returns None."""
+  c, glen = p.construct, p.glen(f)
+  valid_row = _key_valid(f, p, R, g, 0, glen)
+  valid_col = tiles.column(valid_row) > 0
+  if c.kind == "last":
+    at = (lax.broadcasted_iota(jnp.int32, (glen, 1), 0) == f.span - 1) & valid_col
+    R["acc_dk"][...] += jnp.where(at, R["dkbar_row"][...], 0.0)
+    R["acc_dv"][...] += jnp.where(at, R["dvt_row"][...], 0.0)
+    return None
+  queries, qcnt, kbar, kcnt = _pooled(f, p, R, valid_col)
+  if c.kind == "block":  # one pooled query, padded to 8 rows: only row 0 carries a gradient
+    first = lax.broadcasted_iota(jnp.int32, (8, 1), 0) == 0
+    dvt, dkbar = jnp.where(first, tiles.row8(R["dvt_row"][...]), 0.0), R["dkbar_row"][...]
+  elif c.kind == "own":
+    dvt, dkbar = R["dvt_tok"][...].astype(F32), R["dkbar_row"][...]
+  else:
+    dvt, dkbar = R["dvt_tok"][...].astype(F32), R["dkbar_tok"][...].astype(F32)
+  vt, lse = _span_softmax(f, p, R, g, queries, True)
+  delta = jnp.sum(dvt * vt, axis=1, keepdims=True)
+  nq = queries.shape[0]
+  qk = queries.astype(R["k"].dtype)
+  qid = lax.broadcasted_iota(jnp.int32, (nq, 1), 0)
+  t = min(p.tile(f), glen)
+  dqbar = jnp.zeros((nq, f.d), F32)
+  for j in range(glen // t):  # key tiles
+    s = j * t
+    kid = s + lax.broadcasted_iota(jnp.int32, (1, t), 1)
+    rule = tiles.visible(c.rule, qid, kid)
+    vis = valid_row[:, s:s + t] if rule is None else valid_row[:, s:s + t] & rule
+    k = R["k"][s:s + t, :]
+    pr, ds = tiles.grads(qk, dvt, k, R["v"][s:s + t, :], vis, lse, delta, f.scale)
+    dqbar = dqbar + tiles.dot(ds.astype(qk.dtype), tiles.finite(k).astype(qk.dtype)) * f.scale
+    R["acc_dk"][s:s + t, :] += tiles.dot(ds.astype(qk.dtype), qk, ta=True) * f.scale
+    R["acc_dv"][s:s + t, :] += tiles.dot(pr.astype(qk.dtype), dvt.astype(qk.dtype), ta=True)
+  pq = (R["pool_q"] if c.pools else R["q"])[...].astype(F32)
+  pk = (R["pool_k"] if c.pools else R["k"])[...].astype(F32)
+  dpk = None
+  if c.kind == "block":
+    dpq = tiles.route_block(pq, valid_col, c.pooling, queries[0:1], qcnt, dqbar[0:1])
+    dpk = tiles.route_block(pk, valid_col, c.pooling, kbar, kcnt, dkbar)
+  elif c.kind == "prefix":
+    dpq = tiles.route_prefix(pq, valid_col, c.pooling, qcnt, dqbar, f.platform)
+    dpk = tiles.route_prefix(pk, valid_col, c.pooling, kcnt, dkbar, f.platform)
+  elif c.kind == "all_but_one":
+    dpq = tiles.route_all_but_one(pq, valid_col, c.pooling, qcnt, dqbar)
+    dpk = tiles.route_all_but_one(pk, valid_col, c.pooling, kcnt, dkbar)
+  else:  # own: a real position's query is its own; masked ones take the group's pooled query
+    R["acc_dq"][...] += jnp.where(valid_col, dqbar, 0.0)
+    qbar, _ = tiles.pool_block(pq, valid_col, c.pooling)
+    to_pool = jnp.sum(jnp.where(valid_col, 0.0, dqbar), axis=0, keepdims=True)
+    dpq = tiles.route_block(pq, valid_col, c.pooling, qbar, qcnt, to_pool)
+    if not c.given_keys:
+      dpk = tiles.route_block(pk, valid_col, c.pooling, kbar, kcnt, dkbar)
+  if dpk is None:
+    dpk = jnp.zeros_like(dpq)
+  if c.pools:
+    return dpq, dpk
+  R["acc_dq"][...] += dpq
+  R["acc_dk"][...] += dpk
+  return None
+
+
+def backward_kernel(*refs, f: Frame, p: Pass, names: tuple, bank_rows: int) -> None:
+  R = dict(zip(names, refs, strict=True))
+  g = pl.program_id(2)
+  for n in ("acc_dq", "acc_dk", "acc_dv", "acc_xdk", "acc_xdv"):
+    if n in R:
+      R[n][...] = jnp.zeros_like(R[n])
+  if p.attend:
+    _zero_accumulators(f, p, R, g)
+    _attend_backward(f, p, R, g, bank_rows)
+    if p.extra:
+      if not p.extra_bank_keys:
+        R["dxk"][...] = R["acc_xdk"][...].astype(R["dxk"].dtype)
+      R["dxv"][...] = R["acc_xdv"][...].astype(R["dxv"].dtype)
+  pools = _construct_backward(f, p, R, g) if p.construct is not None else None
+  for n, acc in (("dq", "acc_dq"), ("dk", "acc_dk"), ("dv", "acc_dv")):
+    total = R[acc][...]
+    if n + "_in" in R:
+      total = total + R[n + "_in"][...].astype(F32)
+    R[n][...] = total.astype(R[n].dtype)
+  if pools is not None:
+    for n, x in zip(("dpq", "dpk"), pools, strict=True):
+      if n + "_in" in R:
+        x = x + R[n + "_in"][...].astype(F32)
+      R[n][...] = x.astype(R[n].dtype)
+
+
+def _zero_accumulators(f: Frame, p: Pass, R: dict, g: Array) -> None:
+  """Gradients of rows shared by all groups: zeroed by the first group when they accumulate in place, by
+  every group when each writes its own partial sums."""
+  names = [n for n in ("dbk", "dbv", "dxk_bank") if n in R]
+  if not names:
+    return
+  if accumulates_banks(f):
+    @pl.when(g == 0)
+    def _():
+      for n in names:
+        R[n][...] = jnp.zeros_like(R[n])
+  else:
+    for n in names:
+      R[n][...] = jnp.zeros_like(R[n])
+
+
+# --------------------------------------------------------------------------------------------- the calls
+
+def _params(f: Frame, accumulate: bool) -> Any:
+  sem = ("parallel", "parallel", "arbitrary" if accumulate else "parallel")
+  return pltpu.CompilerParams(dimension_semantics=sem)
+
+
+def forward(f: Frame, p: Pass, args: dict[str, Array], *, out_dtype: Any, tok_dtype: Any, bank_rows: int = 0,
+            name: str = "combiner") -> dict[str, Array]:
+  """Runs a pass forward. args: the named inputs of `_names` (frame arrays as the pass reads them).
+  Returns its named outputs: o (out_dtype if final, else tok_dtype), lse, and the construction's summaries
+  (per-position ones in tok_dtype, per-group rows float32 [BH, groups, 1, dim])."""
+  ins, outs = _names(f, p, backward=False)
+  bh, groups = f.batch * f.heads, p.groups(f)
+  shapes = {"o": tok_shape(f, p, f.dv, out_dtype if p.final else tok_dtype), "lse": lse_shape(f, p),
+            "kbar_row": jax.ShapeDtypeStruct((bh, groups, 1, f.d), F32),
+            "vt_row": jax.ShapeDtypeStruct((bh, groups, 1, f.dv), F32),
+            "kbar_tok": tok_shape(f, p, f.d, tok_dtype), "vt_tok": tok_shape(f, p, f.dv, tok_dtype)}
+  specs = {"o": _tok_spec(f, p, f.dv), "lse": _lse_spec(f, p), "kbar_row": _row_spec(f, f.d),
+           "vt_row": _row_spec(f, f.dv), "kbar_tok": _tok_spec(f, p, f.d), "vt_tok": _tok_spec(f, p, f.dv)}
+  kernel = functools.partial(forward_kernel, f=f, p=p, names=ins + outs, bank_rows=bank_rows)
+  res = pallas.platform_call(
+      kernel, gpu_params=GPU_PARAMS, tpu_params=_params(f, False), platform=f.platform,
+      grid=(f.batch, f.heads, groups), in_specs=_in_specs(f, p, ins, bank_rows),
+      out_specs=[specs[n] for n in outs], out_shape=[shapes[n] for n in outs], name=f"{name}_fwd",
+  )(*(tok_in(f, p, args[n]) if n in TOK_INPUTS else args[n] for n in ins))
+  return {n: tok_out(f, p, x) if n in TOK_OUTPUTS else x for n, x in zip(outs, res, strict=True)}
+
+
+def backward(f: Frame, p: Pass, args: dict[str, Array], *, dtypes: dict[str, Any], bank_rows: int = 0,
+             name: str = "combiner") -> dict[str, Array]:
+  """Runs a pass backward. args: the named inputs of `_names(backward=True)`; where dq_in, dk_in, dv_in
+  (dpq_in, dpk_in) are given they are updated in place and returned as dq, dk, dv (dpq, dpk); also returns the
+  gradients of the summaries the pass read: dxk/dxv (per position, in `dtypes`), dxk_bank, dbk/dbv (float32;
+  per-group partial sums [BH, groups, n, dim] where `accumulates_banks` is False)."""
+  ins, outs = _names(f, p, backward=True)
+  ins = tuple(n for n in ins if not n.endswith("_in") or n in args)
+  bh, glen, groups = f.batch * f.heads, p.glen(f), p.groups(f)
+  accumulate = accumulates_banks(f) and any(n in outs for n in ("dbk", "dxk_bank"))
+  specs, shapes = [], []
+  for n in outs:
+    if n in ("dbk", "dbv", "dxk_bank"):
+      rows, dim = {"dbk": (bank_rows, f.d), "dbv": (bank_rows, f.dv), "dxk_bank": (f.rows, f.d)}[n]
+      if accumulates_banks(f):
+        specs.append(_bank_spec(f, rows, dim))
+        shapes.append(jax.ShapeDtypeStruct((bh, rows, 1, dim), F32))
+      else:
+        specs.append(_partial_spec(f, rows, dim))
+        shapes.append(jax.ShapeDtypeStruct((bh, groups, rows, 1, dim), F32))
+    else:
+      dim = f.dv if n in ("dv", "dxv") else f.d
+      specs.append(_tok_spec(f, p, dim))
+      shapes.append(tok_shape(f, p, dim, dtypes[n]))
+  scratch = [("acc_dq", f.d), ("acc_dk", f.d), ("acc_dv", f.dv)]
+  if p.attend and p.extra:
+    scratch += [("acc_xdk", f.d), ("acc_xdv", f.dv)]
+  aliases = {ins.index(n): outs.index(n[:-3]) for n in ins if n.endswith("_in")}
+  kernel = functools.partial(backward_kernel, f=f, p=p, names=ins + outs + tuple(n for n, _ in scratch),
+                             bank_rows=bank_rows)
+  res = pallas.platform_call(
+      kernel, gpu_params=GPU_PARAMS, tpu_params=_params(f, accumulate), platform=f.platform,
+      grid=(f.batch, f.heads, groups), in_specs=_in_specs(f, p, ins, bank_rows), out_specs=specs,
+      out_shape=shapes, scratch_shapes=[pltpu.VMEM((glen, dim), F32) for _, dim in scratch],
+      input_output_aliases=aliases, name=f"{name}_bwd",
+  )(*(tok_in(f, p, args[n]) if n in TOK_INPUTS else args[n] for n in ins))
+  return {n: tok_out(f, p, x) if n in TOK_OUTPUTS else x for n, x in zip(outs, res, strict=True)}

@@ -1,0 +1,258 @@
+"""Tile math inside the Combiner kernels (combiner/passes.py): online softmax, its backward, pooling.
+
+Everything here runs on values inside a Pallas kernel (Mosaic on TPU, Triton on GPU, interpret mode on CPU):
+query tiles [bq, d], key tiles [bk, d], value tiles [bk, dv], per-query statistics as columns [bq, 1] and
+per-key data as rows [1, bk]. Matmuls take the kernel dtype (bfloat16 on accelerators) and accumulate in
+float32; softmax statistics are float32.
+
+Non-finite inputs follow the op contract (docs/design.md §3): logits come from the raw keys, so a NaN key
+poisons only the queries that see it; values are multiplied with their non-finite entries selected to 0 and
+a key whose value holds a NaN or Inf has its logits set to NaN, so a query that sees it gets NaN while a query
+that does not (a masked, future or other-span key) never meets it in a product.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.pallas import tpu as pltpu
+
+from attention_core import pallas
+
+Array = Any
+F32 = jnp.float32
+NEG = -jnp.inf
+RULES = ("all", "le", "lt", "ne", "eq")
+
+
+def dot(a: Array, b: Array, ta: bool = False, tb: bool = False) -> Array:
+  """a @ b of two 2-D tiles (either transposed), float32 accumulation."""
+  return pallas.dot(a, b, trans_a=ta, trans_b=tb)
+
+
+def finite(x: Array) -> Array:
+  """x with non-finite entries selected to 0 (for products whose zero weights must stay zero)."""
+  return jnp.where(jnp.isfinite(x.astype(F32)), x, jnp.zeros_like(x))
+
+
+def poisoned(k: Array, v: Array) -> Array:
+  """Keys [bk, d] whose value row [bk, dv] holds a non-finite entry set to NaN: their logits turn NaN for
+  exactly the queries that see them."""
+  bad = jnp.any(~jnp.isfinite(v.astype(F32)), axis=1, keepdims=True)  # [bk, 1]
+  return jnp.where(bad, jnp.asarray(jnp.nan, k.dtype), k)
+
+
+def visible(rule: str, qid: Array, kid: Array) -> Array | None:
+  """Structural visibility of key ids `kid` [1, bk] from query ids `qid` [bq, 1] (None: all)."""
+  if rule == "le":
+    return kid <= qid
+  if rule == "lt":
+    return kid < qid
+  if rule == "ne":
+    return kid != qid
+  if rule == "eq":
+    return kid == qid
+  return None
+
+
+def column(row: Array) -> Array:
+  """[1, n] -> [n, 1] (per-query statistics are stored lane-dense, used as columns)."""
+  return row.astype(F32).T
+
+
+def row8(x: Array) -> Array:
+  """[1, w] -> [8, w]: a one-row operand padded to a whole sublane tile for the MXU."""
+  return jnp.broadcast_to(x, (8, x.shape[1]))
+
+
+class Online(NamedTuple):
+  """Online softmax state of a query tile: running max m [bq, 1], denominator [bq, 1], numerator [bq, dv]."""
+
+  m: Array
+  den: Array
+  acc: Array
+
+  @staticmethod
+  def empty(rows: int, dv: int) -> Online:
+    return Online(jnp.full((rows, 1), NEG, F32), jnp.zeros((rows, 1), F32), jnp.zeros((rows, dv), F32))
+
+
+def online_step(st: Online, q: Array, k: Array, v: Array, vis: Array, scale: float) -> Online:
+  """One key tile: q [bq, d], k [bk, d], v [bk, dv] (any float dtypes; matmuls in q's), vis [bq, bk]."""
+  s = dot(q, poisoned(k, v).astype(q.dtype), tb=True) * scale
+  s = jnp.where(vis, s, NEG)
+  m_new = jnp.maximum(st.m, jnp.max(s, axis=1, keepdims=True))
+  m_safe = jnp.where(m_new == NEG, 0.0, m_new)
+  p = jnp.exp(s - m_safe)  # exactly 0 where not visible
+  alpha = jnp.exp(st.m - m_safe)
+  return Online(m_new, alpha * st.den + jnp.sum(p, axis=1, keepdims=True),
+                alpha * st.acc + dot(p.astype(q.dtype), finite(v).astype(q.dtype)))
+
+
+def merge_partial(st: Online, o: Array, lse: Array) -> Online:
+  """Adds a normalised partial softmax over other keys of the same queries: o [bq, dv], lse [bq, 1]."""
+  o = o.astype(F32)
+  m_new = jnp.maximum(st.m, lse)
+  m_safe = jnp.where(m_new == NEG, 0.0, m_new)
+  w = jnp.where(lse == NEG, 0.0, jnp.exp(lse - m_safe))
+  alpha = jnp.exp(st.m - m_safe)
+  return Online(m_new, alpha * st.den + w, alpha * st.acc + w * jnp.where(lse == NEG, 0.0, o))
+
+
+def finish(st: Online) -> tuple[Array, Array]:
+  """(out [bq, dv] float32, 0 for a query that sees no key; lse [bq, 1], -inf there)."""
+  ok = st.den > 0
+  safe = jnp.where(ok, st.den, 1.0)
+  return st.acc / safe, jnp.where(ok, st.m + jnp.log(safe), NEG)
+
+
+def probs(q: Array, k: Array, v: Array, vis: Array, lse: Array, scale: float) -> Array:
+  """Softmax weights [bq, bk] of visible keys, recomputed from the query's log-sum-exp lse [bq, 1]."""
+  s = dot(q, poisoned(k, v).astype(q.dtype), tb=True) * scale
+  lse = jnp.where(lse == NEG, 0.0, lse)
+  return jnp.where(vis, jnp.exp(jnp.where(vis, s, 0.0) - lse), 0.0)
+
+
+def grads(q: Array, do: Array, k: Array, v: Array, vis: Array, lse: Array, delta: Array,
+          scale: float) -> tuple[Array, Array]:
+  """(p, ds) [bq, bk] of one key tile: the weights and d(loss)/d(logit) (unscaled), for
+  dq = ds @ k * scale, dk = ds^T @ q * scale, dv = p^T @ do. delta = rowsum(do * out) [bq, 1]."""
+  p = probs(q, k, v, vis, lse, scale)
+  dp = dot(do.astype(q.dtype), finite(v).astype(q.dtype), tb=True)
+  return p, p * (dp - delta)
+
+
+# ----------------------------------------------------------------------------------------------- pooling
+# x [n, d] float32, valid [n, 1] bool. Max pools select invalid rows to -inf, mean pools to 0; an empty span
+# pools to 0 (and is dropped by its consumer). Ties of a max share its gradient equally.
+
+def pool_block(x: Array, valid: Array, kind: str) -> tuple[Array, Array]:
+  """One span: (pooled [1, d], count [1, 1])."""
+  cnt = jnp.sum(valid.astype(F32), axis=0, keepdims=True)
+  if kind == "max":
+    top = jnp.max(jnp.where(valid, x, NEG), axis=0, keepdims=True)
+    return jnp.where(cnt > 0, top, 0.0), cnt
+  return jnp.sum(jnp.where(valid, x, 0.0), axis=0, keepdims=True) / jnp.maximum(cnt, 1.0), cnt
+
+
+def route_block(x: Array, valid: Array, kind: str, pooled: Array, cnt: Array, g: Array) -> Array:
+  """Gradient [n, d] of `pool_block` for the pooled gradient g [1, d]."""
+  if kind == "max":
+    hit = (x == pooled) & valid
+    ties = jnp.sum(hit.astype(F32), axis=0, keepdims=True)
+    return jnp.where(hit, g / jnp.maximum(ties, 1.0), 0.0)
+  return jnp.where(valid, g / jnp.maximum(cnt, 1.0), 0.0)
+
+
+def pool_all_but_one(x: Array, valid: Array, kind: str) -> tuple[Array, Array]:
+  """Per row j, the span of every other valid row: (pooled [n, d], count [n, 1])."""
+  n = x.shape[0]
+  total = jnp.sum(valid.astype(F32), axis=0, keepdims=True)
+  cnt = total - valid.astype(F32)
+  if kind == "max":
+    xm = jnp.where(valid, x, NEG)
+    top = jnp.max(xm, axis=0, keepdims=True)
+    first = _first_hit(xm == top, n)
+    top2 = jnp.max(jnp.where(first, NEG, xm), axis=0, keepdims=True)
+    return jnp.where(cnt > 0, jnp.where(first, top2, top), 0.0), cnt
+  s = jnp.sum(jnp.where(valid, x, 0.0), axis=0, keepdims=True)
+  return (s - jnp.where(valid, x, 0.0)) / jnp.maximum(cnt, 1.0), cnt
+
+
+def route_all_but_one(x: Array, valid: Array, kind: str, cnt: Array, g: Array) -> Array:
+  """Gradient [n, d] of `pool_all_but_one` for pooled gradients g [n, d] (rows with empty spans carry 0)."""
+  n = x.shape[0]
+  g = jnp.where(cnt > 0, g, 0.0)
+  if kind == "mean":
+    share = g / jnp.maximum(cnt, 1.0)
+    return jnp.where(valid, jnp.sum(share, axis=0, keepdims=True) - share, 0.0)
+  xm = jnp.where(valid, x, NEG)
+  top = jnp.max(xm, axis=0, keepdims=True)
+  first = _first_hit(xm == top, n)  # the arg-max row (per coordinate)
+  rest = jnp.where(first, NEG, xm)
+  second = _first_hit((rest == jnp.max(rest, axis=0, keepdims=True)) & ~first & valid, n)
+  # every row but the arg-max pools to `top` (at its first row); the arg-max row pools to the runner-up
+  to_first = jnp.sum(jnp.where(first, 0.0, g), axis=0, keepdims=True)
+  to_second = jnp.sum(jnp.where(first, g, 0.0), axis=0, keepdims=True)
+  return jnp.where(first, to_first, 0.0) + jnp.where(second & valid, to_second, 0.0)
+
+
+def _first_hit(hit: Array, n: int) -> Array:
+  """[n, d] bool: the first True row of each column of `hit` (all False where none)."""
+  rows = lax.broadcasted_iota(jnp.int32, hit.shape, 0)
+  first = jnp.min(jnp.where(hit, rows, n), axis=0, keepdims=True)
+  return rows == first
+
+
+def roll_rows(x: Array, k: int, platform: str) -> Array:
+  """jnp.roll(x, k, axis=0): a sublane rotation on TPU (32-bit data), a plain roll elsewhere."""
+  if platform == "tpu":
+    return pltpu.roll(x, k % x.shape[0], 0)
+  return jnp.roll(x, k, axis=0)
+
+
+def _shift(x: Array, k: int, fill: Any, platform: str) -> Array:
+  """Row j takes x[j - k] (k > 0: down) or x[j + |k|] (k < 0: up); rows shifted in from outside are fill."""
+  n = x.shape[0]
+  rows = lax.broadcasted_iota(jnp.int32, x.shape, 0)
+  inside = (rows >= k) if k > 0 else (rows < n + k)
+  return jnp.where(inside, roll_rows(x, k, platform), fill)
+
+
+def _running_max(x: Array, platform: str) -> Array:
+  """Exclusive running max down the rows (-inf before the first row): log-step scans."""
+  n = x.shape[0]
+  run = _shift(x, 1, NEG, platform)
+  k = 1
+  while k < n:
+    run = jnp.maximum(run, _shift(run, k, NEG, platform))
+    k *= 2
+  return run
+
+
+def _tri_sum(x: Array, strict_lower: bool) -> Array:
+  """Sum over the rows before (strict_lower) or after each row: a triangular matmul in float32."""
+  n = x.shape[0]
+  rows = lax.broadcasted_iota(jnp.int32, (n, n), 0)
+  cols = lax.broadcasted_iota(jnp.int32, (n, n), 1)
+  tri = ((cols < rows) if strict_lower else (cols > rows)).astype(F32)
+  return lax.dot_general(tri, x.astype(F32), (((1,), (0,)), ((), ())), preferred_element_type=F32,
+                         precision=lax.Precision.HIGHEST)
+
+
+def pool_prefix(x: Array, valid: Array, kind: str, platform: str) -> tuple[Array, Array]:
+  """Per row j, the span of the valid rows before j: (pooled [n, d], count [n, 1])."""
+  cnt = _tri_sum(valid.astype(F32), True)
+  if kind == "mean":
+    return _tri_sum(jnp.where(valid, x, 0.0), True) / jnp.maximum(cnt, 1.0), cnt
+  return jnp.where(cnt > 0, _running_max(jnp.where(valid, x, NEG), platform), 0.0), cnt
+
+
+def route_prefix(x: Array, valid: Array, kind: str, cnt: Array, g: Array, platform: str) -> Array:
+  """Gradient [n, d] of `pool_prefix` for pooled gradients g [n, d].
+
+  Mean: row s receives g[j] / cnt[j] from every later row j. Max: the maximum over the rows before j sits at
+  the last "record" before j (a valid row greater than every valid row before it; a tie is no record, so
+  ties go to the earlier row). Record s thus owns the rows j in (s, r], r its next record (or the last row),
+  and receives P[r] - P[s], P the inclusive prefix sums of g; P at the next record comes from a reverse
+  log-step fill.
+  """
+  n = x.shape[0]
+  g = jnp.where(cnt > 0, g, 0.0)
+  if kind == "mean":
+    return jnp.where(valid, _tri_sum(g / jnp.maximum(cnt, 1.0), False), 0.0)
+  xm = jnp.where(valid, x, NEG)
+  record = valid & (xm > _running_max(xm, platform))
+  incl = _tri_sum(g, True) + g  # P
+  val = _shift(jnp.where(record, incl, 0.0), -1, 0.0, platform)  # P of the record at j + 1, if one
+  has = _shift(record.astype(F32), -1, 0.0, platform)
+  k = 1
+  while k < n:  # val[j] <- P of the first record after j
+    later, later_has = _shift(val, -k, 0.0, platform), _shift(has, -k, 0.0, platform)
+    val = jnp.where(has > 0, val, later)
+    has = jnp.maximum(has, later_has)
+    k *= 2
+  end = jnp.where(has > 0, val, incl[n - 1:n])
+  return jnp.where(record, end - incl, 0.0)
