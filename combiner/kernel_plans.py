@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from attention_core import contract
-from combiner import passes
+from combiner import dyadic_kernels, passes
 from combiner.passes import Construct, Frame, Pass
 
 Array = Any
@@ -440,3 +440,76 @@ PLANS = {"vertical": functools.partial(axial, direction="vertical"),
          "sparse_axial": functools.partial(axial, direction=None),
          "mixture": functools.partial(axial, direction="mixture", normalize="mean"),
          "mixture_joint": functools.partial(axial, direction="mixture", normalize="joint")}
+
+
+# ------------------------------------------------------------------------------------------- logsparse
+
+def _flip(f: Frame, x: Array) -> Array:
+  """A frame array of the sequence reversed (its real part; padding stays at the end): [X, rows*cols, W]."""
+  real = jnp.flip(x[:, :f.length], axis=1)
+  return jnp.pad(real, ((0, 0), (0, x.shape[1] - f.length), (0, 0)))
+
+
+def _flip_lse(f: Frame, lse: Array) -> Array:
+  flat = lse.reshape(lse.shape[0], -1)
+  real = jnp.flip(flat[:, :f.length], axis=1)
+  return jnp.pad(real, ((0, 0), (0, flat.shape[1] - f.length))).reshape(lse.shape)
+
+
+def _reversed(a: dict) -> dict:
+  return {n[:-2]: x for n, x in a.items() if n.endswith("_r")}
+
+
+def _dyadic_forward(plan: Plan, a: dict):
+  f = plan.frame
+  fwd, rev = plan.passes  # Dyadic descriptions (rev None when causal)
+  ext, res_r = None, None
+  if rev is not None:
+    o_r, lse_r, bank_r = dyadic_kernels.direction_forward(f, rev, _reversed(a), a["q"].dtype)
+    ext = (_flip(f, o_r), _flip_lse(f, lse_r))
+    res_r = bank_r
+  o, lse, bank = dyadic_kernels.direction_forward(f, fwd, a, plan.out_dtype, ext)
+  return o, (o, lse, bank, res_r)
+
+
+def _dyadic_backward(plan: Plan, a: dict, res: tuple, do: Array) -> dict:
+  f = plan.frame
+  fwd, rev = plan.passes
+  o, lse, bank, bank_r = res
+  g = dyadic_kernels.direction_backward(f, fwd, a, bank, do, o, lse)
+  grads = {"q": g["dq"], "k": g["dk"], "v": g["dv"], "pool_q": g.get("dpq"), "pool_k": g.get("dpk")}
+  if rev is not None:
+    gr = dyadic_kernels.direction_backward(f, rev, _reversed(a), bank_r, _flip(f, do), _flip(f, o),
+                                           _flip_lse(f, lse))
+    grads.update(q_r=gr["dq"], k_r=gr["dk"], v_r=gr["dv"], pool_q_r=gr.get("dpq"), pool_k_r=gr.get("dpk"))
+  return grads
+
+
+_FORWARD["logsparse"] = _dyadic_forward
+_BACKWARD["logsparse"] = _dyadic_backward
+
+
+def logsparse(q: Array, k: Array, v: Array, mask: Array | None, pool_q: Array | None, pool_k: Array | None, *,
+              causal: bool, pooling: str | None, platform: str) -> Array:
+  """Combiner-Logsparse (pooling "max" | "mean") or LogSparse (pooling None) on the kernels of
+  `combiner.dyadic_kernels`. q, k: [batch, length, heads, head_dim]; v: [..., value_dim]."""
+  length = q.shape[1]
+  tile = frame_cols(min(length, passes.GPU_TILE if platform == "gpu" else passes.TILE), platform)
+  f = make_frame(q, v, mask, tile, -(-length // tile), platform)
+  pools = pool_q is not None
+  levels = (length - 1).bit_length()
+  fwd = dyadic_kernels.Dyadic(f, levels, pooling, pools, with_self=True, ext=not causal and length > 1)
+  rev = (None if causal or length == 1 else
+         dyadic_kernels.Dyadic(f, levels, pooling, pools, with_self=False, ext=False))
+  plan = Plan(f, "logsparse", (fwd, rev), pooling, causal, pools, jnp.dtype(v.dtype))
+  kdt = _kernel_dtypes(q, k, v)
+  a = _arrays(f, q, k, v, pool_q, pool_k, kdt)
+  if mask is not None:
+    a["mask"] = view_rows(mask_frame(mask, f), "rows")
+  if rev is not None:
+    flipped = [None if x is None else jnp.flip(x, axis=1) for x in (q, k, v, pool_q, pool_k)]
+    for n, x in _arrays(f, *flipped, kdt).items():
+      a[n + "_r"] = x
+    if mask is not None:
+      a["mask_r"] = view_rows(mask_frame(jnp.flip(mask, axis=1), f), "rows")
+  return from_frame(_run(plan, a), f, f.dv)

@@ -1,0 +1,696 @@
+"""Combiner-Logsparse and LogSparse on Pallas kernels: the dyadic spans, low levels in a tile, high levels
+as one summary row per span.
+
+Query i reads, for each bit l set in i, the span [p, p + 2^l) with p = (i >> (l+1)) << (l+1), and D_i =
+{i}. With the sequence in tiles of T = 2^t positions (a frame of `rows` tiles), a span of level l < t lies in
+the query's own tile, and a span of level l >= t is 2^(l-t) whole tiles: tile g reads, for each bit j set in
+g, the span of level t + j made of the tiles [(g >> j) - 1] * 2^j onwards. So:
+
+  spans  one program per high span (levels >= t, the spans some tile reads): its pooled key and query and its
+         in-span expected value, looping over its tiles (copied in from HBM on TPU) -> one bank row each;
+  main   one program per tile: D_i, level 0 (the previous position's pooled key and value), the low levels'
+         summaries built in the tile (pool, then the pooled queries' attention over the tile's keys), and
+         the tile's few bank rows, under one online softmax;
+
+backward: the main program's gradients (the low levels' construction included: it is tile-local) and of the
+bank rows it read, per reading tile; one program per span sums them and computes the pooled query's gradient
+over its tiles; one program per tile adds the high spans' in-span gradients and routes the pooled gradients
+to its rows. The sparse counterpart (pooling None) takes each span's last position as its summary: in a tile
+that is the rule "j + 1 = i with its low bits cleared at a set bit", for a high span a copied row.
+The bidirectional plan runs the same kernels, without D_i, on the reversed sequence and merges the two.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from attention_core import pallas
+from combiner import passes, tiles
+from combiner.passes import Frame
+from combiner.tiles import F32, NEG, Online
+
+Array = Any
+STATS = 8  # lanes of a span's statistics row: 0 = real members, 1 = in-span log-sum-exp, 2 = delta
+
+
+@dataclasses.dataclass(frozen=True)
+class Dyadic:
+  """The static description of one direction of a logsparse plan."""
+
+  frame: Frame  # rows = tiles, cols = span = T
+  levels: int  # (length - 1).bit_length()
+  pooling: str | None  # None: the sparse counterpart
+  pools: bool  # DeepSets pools given
+  with_self: bool  # D_i = {i} (the reversed half of a bidirectional plan leaves it to the forward half)
+  ext: bool  # merge the other half's partial softmax
+
+  @property
+  def t(self) -> int:
+    return self.frame.cols.bit_length() - 1
+
+  @property
+  def low(self) -> int:
+    return min(self.levels, self.t)
+
+  @property
+  def high(self) -> int:
+    return max(self.levels - self.t, 0)
+
+  def span_counts(self) -> list[int]:
+    """Spans of each high level j that some tile reads (u even; the odd sibling reads them)."""
+    g = self.frame.rows
+    return [_ceil(_ceil(g, 1 << j), 2) for j in range(self.high)]
+
+  def offsets(self) -> list[int]:
+    out, o = [], 0
+    for n in self.span_counts():
+      out.append(o)
+      o += n
+    return out
+
+  @property
+  def num_spans(self) -> int:
+    return sum(self.span_counts())
+
+
+def _ceil(a: int, b: int) -> int:
+  return -(-a // b)
+
+
+# -------------------------------------------------------------------------------------------------- specs
+
+def _tile_spec(f: Frame, dim: int) -> pl.BlockSpec:
+  if f.packed:
+    return pl.BlockSpec((None, f.cols, dim), lambda b, h, g: (b, g, h))
+  return pl.BlockSpec((None, f.cols, dim), lambda b, h, g: (b * f.heads + h, g, 0))
+
+
+def _full(f: Frame, shape: tuple[int, ...]) -> pl.BlockSpec:
+  """A per-(batch, head) array [BH, *shape], whole."""
+  return pl.BlockSpec((None, *shape), lambda b, h, g: (b * f.heads + h,) + (0,) * len(shape))
+
+
+def _row(f: Frame, dim: int) -> pl.BlockSpec:
+  """The program's own row of [BH, n, 1, dim]."""
+  return pl.BlockSpec((None, None, 1, dim), lambda b, h, g: (b * f.heads + h, g, 0, 0))
+
+
+def _lse(f: Frame) -> pl.BlockSpec:
+  return pl.BlockSpec((None, None, 1, f.cols), lambda b, h, g: (b * f.heads + h, g, 0, 0))
+
+
+def _mask(f: Frame) -> pl.BlockSpec:
+  return pl.BlockSpec((None, None, 1, f.cols), lambda b, h, g: (b, g, 0, 0))
+
+
+def _params(accumulate: bool = False) -> Any:
+  return pltpu.CompilerParams(dimension_semantics=("parallel", "parallel",
+                                                   "arbitrary" if accumulate else "parallel"))
+
+
+def _call(f: Frame, kernel, name: str, **kw):
+  return pallas.platform_call(kernel, gpu_params=passes.GPU_PARAMS, tpu_params=_params(), platform=f.platform,
+                              name=name, **kw)
+
+
+# ------------------------------------------------------------------------------------------------- pieces
+
+def _shr(x: Array, n: Any) -> Array:
+  return lax.shift_right_logical(x, jnp.asarray(n, x.dtype) if isinstance(n, int) else n)
+
+
+def _valid(f: Frame, R: dict, g: Any, shape: tuple[int, int]) -> Array:
+  """Validity of the tile's positions as a row [1, T] or a column [T, 1]."""
+  axis = 1 if shape[0] == 1 else 0
+  local = lax.broadcasted_iota(jnp.int32, shape, axis)
+  ok = f.valid(g, local)
+  if f.masked:
+    m = R["mask"][...] > 0  # [1, T]
+    ok = ok & (m if axis == 1 else tiles.column(m.astype(F32)) > 0)
+  return ok
+
+
+def _low_pools(x: Array, valid_col: Array, kind: str, level: int) -> tuple[Array, Array]:
+  """Pools of every aligned span of 2^level rows of a tile: ([T >> level, d], counts [T >> level, 1])."""
+  n, d = x.shape[0] >> level, x.shape[1]
+  cnt = jnp.sum(valid_col.astype(F32).reshape(n, 1 << level, 1), axis=1)
+  if kind == "max":
+    top = jnp.max(jnp.where(valid_col, x, NEG).reshape(n, 1 << level, d), axis=1)
+    return jnp.where(cnt > 0, top, 0.0), cnt
+  return jnp.sum(jnp.where(valid_col, x, 0.0).reshape(n, 1 << level, d), axis=1) / jnp.maximum(cnt, 1.0), cnt
+
+
+def _expand(x: Array, level: int) -> Array:
+  """[T >> level, w] -> [T, w]: each span's row repeated over its 2^level positions."""
+  n, w = x.shape
+  return jnp.broadcast_to(x.reshape(n, 1, w), (n, 1 << level, w)).reshape(n << level, w)
+
+
+def _pad8(x: Array) -> Array:
+  """At least 8 rows (the MXU's sublane tile); the extra rows are zeros."""
+  return x if x.shape[0] >= 8 else jnp.concatenate([x, jnp.zeros((8 - x.shape[0], x.shape[1]), x.dtype)], 0)
+
+
+def _low_level(f: Frame, dy: Dyadic, R: dict, level: int, valid_row: Array, valid_col: Array):
+  """A low level's summaries in the tile: (k_bar [n, d] f32, v_tilde [n, dv] f32, lse [n, 1], q_bar
+  [n, d] f32, q counts, k counts), n = T >> level (padded to 8 rows), every span, even or odd."""
+  pq = (R["pool_q"] if dy.pools else R["q"])[...].astype(F32)
+  pk = (R["pool_k"] if dy.pools else R["k"])[...].astype(F32)
+  qbar, cnt = _low_pools(pq, valid_col, dy.pooling, level)
+  kbar, _ = _low_pools(pk, valid_col, dy.pooling, level)
+  qbar8, kbar8, cnt8 = _pad8(qbar), _pad8(kbar), _pad8(cnt)
+  n = qbar8.shape[0]
+  span = lax.broadcasted_iota(jnp.int32, (n, 1), 0)
+  kid = lax.broadcasted_iota(jnp.int32, (1, f.cols), 1)
+  member = (_shr(kid, level) == span) & valid_row  # [n, T]
+  st = tiles.online_step(Online.empty(n, f.dv), qbar8.astype(R["k"].dtype), R["k"][...], R["v"][...], member,
+                         f.scale)
+  vt, lse = tiles.finish(st)
+  return kbar8, vt, lse, qbar8, cnt8, member
+
+
+def _low_visible(level: int, n: int, cnt: Array, T: int) -> Array:
+  """[T, n]: query i reads span s of the level iff bit `level` of i is set and s = (i >> level) - 1."""
+  qid = lax.broadcasted_iota(jnp.int32, (T, 1), 0)
+  s = lax.broadcasted_iota(jnp.int32, (1, n), 1)
+  up = _shr(qid, level)
+  return ((up & 1) == 1) & (s == up - 1) & (cnt.astype(F32).T > 0)
+
+
+def _sparse_visible(T: int) -> Array:
+  """[T, T]: key j is the last position of a span of query i inside the tile: j + 1 = i with its bits below
+  the lowest set bit of j + 1 cleared."""
+  qid = lax.broadcasted_iota(jnp.int32, (T, 1), 0)
+  x = lax.broadcasted_iota(jnp.int32, (1, T), 1) + 1
+  low = x & (-x)
+  return (qid & ~(low - 1)) == x
+
+
+def _level0_visible(T: int) -> Array:
+  qid = lax.broadcasted_iota(jnp.int32, (T, 1), 0)
+  kid = lax.broadcasted_iota(jnp.int32, (1, T), 1)
+  return (kid == qid - 1) & ((qid & 1) == 1)
+
+
+def _high_rows(dy: Dyadic, R: dict, g: Array) -> tuple[Array, Array, Array]:
+  """The bank rows tile g reads, padded to 8: (k [8+, d] f32, v [8+, dv] f32, visible [1, 8+])."""
+  ks, vs, oks = [], [], []
+  for j, off in enumerate(dy.offsets()):
+    idx = off + _shr(g, j + 1)
+    ks.append(R["bk"][pl.ds(idx, 1), 0, :])
+    vs.append(R["bv"][pl.ds(idx, 1), 0, :])
+    read = (_shr(g, j) & 1) == 1
+    oks.append(jnp.where(read & (R["bstats"][pl.ds(idx, 1), 0, 0:1] > 0), 1.0, 0.0))
+  k, v = _pad8(jnp.concatenate(ks, 0)), _pad8(jnp.concatenate(vs, 0))
+  ok = _pad8(jnp.concatenate(oks, 0))  # [8+, 1]
+  return k, v, ok.T > 0
+
+
+# --------------------------------------------------------------------------------------------- main tile
+
+def _main_sources(f: Frame, dy: Dyadic, R: dict, g: Array):
+  """Every (keys, values, visible [T, n]) a tile's queries read, the low levels' construction included."""
+  T = f.cols
+  valid_row = _valid(f, R, g, (1, T))
+  valid_col = _valid(f, R, g, (T, 1))
+  qid = lax.broadcasted_iota(jnp.int32, (T, 1), 0)
+  kid = lax.broadcasted_iota(jnp.int32, (1, T), 1)
+  out = []
+  if dy.pooling is None:  # D_i and the last positions of the in-tile spans
+    vis = _sparse_visible(T) & (kid < qid)
+    if dy.with_self:
+      vis = vis | (kid == qid)
+    out.append(("own", R["k"][...], R["v"][...], vis & valid_row, None))
+  else:
+    if dy.with_self:
+      out.append(("own", R["k"][...], R["v"][...], (kid == qid) & valid_row, None))
+    pk = R["pool_k"][...] if dy.pools else R["k"][...]
+    out.append(("level0", pk, R["v"][...], _level0_visible(T) & valid_row, None))
+    for level in range(1, dy.low):
+      kbar, vt, lse, qbar, cnt, member = _low_level(f, dy, R, level, valid_row, valid_col)
+      out.append((("low", level), kbar, vt, _low_visible(level, kbar.shape[0], cnt, T),
+                  (lse, qbar, cnt, member)))
+  if dy.high:
+    k, v, ok = _high_rows(dy, R, g)
+    out.append(("high", k, v, jnp.broadcast_to(ok, (T, ok.shape[1])), None))
+  return out
+
+
+def _main_kernel(*refs, f: Frame, dy: Dyadic, names: tuple) -> None:
+  R = dict(zip(names, refs, strict=True))
+  g = pl.program_id(2)
+  q = R["q"][...]
+  st = Online.empty(f.cols, f.dv)
+  for _, k, v, vis, _ in _main_sources(f, dy, R, g):
+    st = tiles.online_step(st, q, k, v, vis, f.scale)
+  if dy.ext:
+    st = tiles.merge_partial(st, R["o_ext"][...], tiles.column(R["lse_ext"][...]))
+  o, lse = tiles.finish(st)
+  R["o"][...] = o.astype(R["o"].dtype)
+  R["lse"][...] = lse.T
+
+
+def _route_low(x: Array, valid_col: Array, kind: str, level: int, pooled: Array, cnt: Array,
+               g: Array) -> Array:
+  """Gradient [T, d] of `_low_pools` for the pooled gradients g [n, d] (n = T >> level, maybe padded)."""
+  n = x.shape[0] >> level
+  pooled, cnt, g = pooled[:n], cnt[:n], g[:n]
+  if kind == "mean":
+    return jnp.where(valid_col, _expand(g / jnp.maximum(cnt, 1.0), level), 0.0)
+  hit = (x == _expand(pooled, level)) & valid_col
+  ties = jnp.sum(hit.astype(F32).reshape(n, 1 << level, x.shape[1]), axis=1)
+  return jnp.where(hit, _expand(g / jnp.maximum(ties, 1.0), level), 0.0)
+
+
+def _main_backward_kernel(*refs, f: Frame, dy: Dyadic, names: tuple) -> None:
+  R = dict(zip(names, refs, strict=True))
+  g = pl.program_id(2)
+  T = f.cols
+  q, do = R["q"][...], R["do"][...]
+  kdt = q.dtype
+  delta = jnp.sum(do.astype(F32) * R["o_fin"][...].astype(F32), axis=1, keepdims=True)
+  lse = tiles.column(R["lse_fin"][...])
+  valid_col = _valid(f, R, g, (T, 1))
+  dq = jnp.zeros((T, f.d), F32)
+  dk = jnp.zeros((T, f.d), F32)
+  dv = jnp.zeros((T, f.dv), F32)
+  dpq = dpk = jnp.zeros((T, f.d), F32)
+  for name, k, v, vis, low in _main_sources(f, dy, R, g):
+    pr, ds = tiles.grads(q, do, k, v, vis, lse, delta, f.scale)
+    dq = dq + tiles.dot(ds.astype(kdt), tiles.finite(k).astype(kdt)) * f.scale
+    dkeys = tiles.dot(ds.astype(kdt), q, ta=True) * f.scale  # [n, d]
+    dvals = tiles.dot(pr.astype(kdt), do.astype(kdt), ta=True)  # [n, dv]
+    if name in ("own",):
+      dk, dv = dk + dkeys, dv + dvals
+    elif name == "level0":
+      dv = dv + dvals
+      if dy.pools:
+        dpk = dpk + jnp.where(valid_col, dkeys, 0.0)
+      else:
+        dk = dk + dkeys
+    elif name == "high":
+      R["dhk"][...] = dkeys[:dy.high]
+      R["dhv"][...] = dvals[:dy.high]
+    else:  # a low level: the summaries' gradients through their construction in the tile
+      level = name[1]
+      slse, qbar, cnt, member = low
+      dvt, dkbar = dvals, dkeys
+      sdelta = jnp.sum(dvt * v, axis=1, keepdims=True)
+      qk = qbar.astype(kdt)
+      spr, sds = tiles.grads(qk, dvt, R["k"][...], R["v"][...], member, slse, sdelta, f.scale)
+      dqbar = tiles.dot(sds.astype(kdt), tiles.finite(R["k"][...]).astype(kdt)) * f.scale
+      dk = dk + tiles.dot(sds.astype(kdt), qk, ta=True) * f.scale
+      dv = dv + tiles.dot(spr.astype(kdt), dvt.astype(kdt), ta=True)
+      pq = (R["pool_q"] if dy.pools else R["q"])[...].astype(F32)
+      pk = (R["pool_k"] if dy.pools else R["k"])[...].astype(F32)
+      dpq = dpq + _route_low(pq, valid_col, dy.pooling, level, qbar, cnt, dqbar)
+      dpk = dpk + _route_low(pk, valid_col, dy.pooling, level, k, cnt, dkbar)
+  if not dy.pools:
+    dq, dk = dq + dpq, dk + dpk
+  else:
+    R["dpq"][...] = dpq.astype(R["dpq"].dtype)
+    R["dpk"][...] = dpk.astype(R["dpk"].dtype)
+  R["dq"][...] = dq.astype(R["dq"].dtype)
+  R["dk"][...] = dk.astype(R["dk"].dtype)
+  R["dv"][...] = dv.astype(R["dv"].dtype)
+
+
+# ------------------------------------------------------------------------------------------- high spans
+
+def _span_of(dy: Dyadic, s: Array) -> tuple[Array, Array, Array]:
+  """(level j, first tile, tiles) of high span s."""
+  j = jnp.int32(0)
+  base = jnp.int32(0)
+  for jj, off in enumerate(dy.offsets()):
+    later = s >= off
+    j = jnp.where(later, jj, j)
+    base = jnp.where(later, off, base)
+  start = lax.shift_left(s - base, j + 1)
+  n = jnp.minimum(lax.shift_left(jnp.int32(1), j), dy.frame.rows - start)
+  return j, start, n
+
+
+def _hbm(f: Frame) -> pl.BlockSpec:
+  """A frame array left in HBM on TPU (tiles are copied in by the program), whole elsewhere."""
+  if f.platform == "tpu":
+    return pl.BlockSpec(memory_space=pl.ANY)
+  return pl.BlockSpec(memory_space=pl.ANY) if f.platform == "gpu" else None
+
+
+class _Tiles:
+  """Loads tile `i` of a frame array [X, rows * T, W] for the program's (batch, head): a copy into VMEM
+  on TPU, a direct read elsewhere."""
+
+  def __init__(self, f: Frame, R: dict, b: Array, h: Array):
+    self.f, self.R = f, R
+    self.x, self.lane = (b, h) if f.packed else (b * f.heads + h, 0)
+
+  def __call__(self, name: str, i: Array, dim: int) -> Array:
+    f = self.f
+    start = pl.multiple_of(i * f.cols, f.cols)
+    src = self.R[name].at[self.x, pl.ds(start, f.cols), pl.ds(self.lane * dim, dim)]
+    if f.platform == "tpu":
+      buf = self.R["buf_" + ("v" if dim == f.dv and name == "v" else "d")]
+      pltpu.sync_copy(src, buf)
+      return buf[...]
+    return self.R[name][self.x, pl.ds(start, f.cols), pl.ds(self.lane * dim, dim)]
+
+  def valid(self, i: Array, b: Array, shape: tuple[int, int]) -> Array:
+    f = self.f
+    axis = 1 if shape[0] == 1 else 0
+    ok = f.valid(i, lax.broadcasted_iota(jnp.int32, shape, axis))
+    if f.masked:
+      m = self.R["mask"][b, pl.ds(i, 1), 0, :] > 0  # [1, T] (the mask is small: whole in VMEM)
+      ok = ok & (m if axis == 1 else tiles.column(m.astype(F32)) > 0)
+    return ok
+
+
+def _spans_kernel(*refs, f: Frame, dy: Dyadic, names: tuple) -> None:
+  R = dict(zip(names, refs, strict=True))
+  b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  j, start, n = _span_of(dy, s)
+  load = _Tiles(f, R, b, h)
+  if dy.pooling is None:  # the span's last position
+    last = start + lax.shift_left(jnp.int32(1), j) - 1
+    tile = jnp.minimum(last, f.rows - 1)
+    ok = (last < f.rows) & load.valid(tile, b, (f.cols, 1))[f.cols - 1:f.cols]
+    R["kbar"][...] = jnp.where(ok, load("k", tile, f.d)[f.cols - 1:f.cols].astype(F32), 0.0)
+    R["vt"][...] = jnp.where(ok, load("v", tile, f.dv)[f.cols - 1:f.cols].astype(F32), 0.0)
+    R["stats"][...] = jnp.where(lax.broadcasted_iota(jnp.int32, (1, STATS), 1) == 0, ok.astype(F32), 0.0)
+    return
+  qname, kname = ("pool_q", "pool_k") if dy.pools else ("q", "k")
+  mx = dy.pooling == "max"
+  init = (jnp.full((1, f.d), NEG if mx else 0.0, F32),) * 2 + (jnp.zeros((1, 1), F32),)
+
+  def pool(i, carry):
+    qa, ka, cnt = carry
+    tile = start + i
+    valid = load.valid(tile, b, (f.cols, 1))
+    pq = jnp.where(valid, load(qname, tile, f.d).astype(F32), NEG if mx else 0.0)
+    pk = jnp.where(valid, load(kname, tile, f.d).astype(F32), NEG if mx else 0.0)
+    red = functools.partial(jnp.max if mx else jnp.sum, axis=0, keepdims=True)
+    comb = jnp.maximum if mx else jnp.add
+    return comb(qa, red(pq)), comb(ka, red(pk)), cnt + jnp.sum(valid.astype(F32), axis=0, keepdims=True)
+
+  qa, ka, cnt = lax.fori_loop(0, n, pool, init)
+  qbar = jnp.where(cnt > 0, qa if mx else qa / jnp.maximum(cnt, 1.0), 0.0)
+  kbar = jnp.where(cnt > 0, ka if mx else ka / jnp.maximum(cnt, 1.0), 0.0)
+  kdt = R["k"].dtype
+
+  def attend(i, st):
+    tile = start + i
+    vis = jnp.broadcast_to(load.valid(tile, b, (1, f.cols)), (8, f.cols))
+    return tiles.online_step(st, tiles.row8(qbar).astype(kdt), load("k", tile, f.d), load("v", tile, f.dv),
+                             vis, f.scale)
+
+  vt, lse = tiles.finish(lax.fori_loop(0, n, attend, Online.empty(8, f.dv)))
+  R["kbar"][...] = kbar
+  R["qbar"][...] = qbar
+  R["vt"][...] = vt[0:1]
+  lane = lax.broadcasted_iota(jnp.int32, (1, STATS), 1)
+  R["stats"][...] = jnp.where(lane == 0, cnt, jnp.where(lane == 1, lse[0:1], 0.0))
+
+
+def _span_backward_kernel(*refs, f: Frame, dy: Dyadic, names: tuple) -> None:
+  """Per span: the gradients of its summary summed over the tiles that read it; the pooled query's gradient
+  over the span's keys, and the counts of tied maxima (the rows its pooled gradients are shared by)."""
+  R = dict(zip(names, refs, strict=True))
+  b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  j, start, n = _span_of(dy, s)
+  size = lax.shift_left(jnp.int32(1), j)
+  first = start + size
+  readers = jnp.clip(f.rows - first, 0, size)
+
+  def gather(i, acc):
+    dk, dv = acc
+    g = first + i
+    return (dk + R["dhk"][pl.ds(g, 1), pl.ds(j, 1), :].reshape(1, f.d),
+            dv + R["dhv"][pl.ds(g, 1), pl.ds(j, 1), :].reshape(1, f.dv))
+
+  dkbar, dvt = lax.fori_loop(0, readers, gather, (jnp.zeros((1, f.d), F32), jnp.zeros((1, f.dv), F32)))
+  R["dkbar"][...] = dkbar
+  R["dvt"][...] = dvt
+  if dy.pooling is None:
+    return
+  load = _Tiles(f, R, b, h)
+  qbar, kbar, vt = R["qbar"][...], R["kbar"][...], R["vt"][...]
+  lse = R["stats"][:, 1:2]
+  delta = jnp.sum(dvt * vt, axis=1, keepdims=True)
+  kdt = R["k"].dtype
+  first_row = lax.broadcasted_iota(jnp.int32, (8, 1), 0) == 0
+  dvt8 = jnp.where(first_row, tiles.row8(dvt), 0.0)
+  qname, kname = ("pool_q", "pool_k") if dy.pools else ("q", "k")
+
+  def body(i, acc):
+    dq, tq, tk = acc
+    tile = start + i
+    vis = jnp.broadcast_to(load.valid(tile, b, (1, f.cols)), (8, f.cols))
+    k = load("k", tile, f.d)
+    _, ds = tiles.grads(tiles.row8(qbar).astype(kdt), dvt8, k, load("v", tile, f.dv), vis,
+                        jnp.broadcast_to(lse, (8, 1)), jnp.broadcast_to(delta, (8, 1)), f.scale)
+    dq = dq + tiles.dot(ds.astype(kdt), tiles.finite(k).astype(kdt))[0:1] * f.scale
+    valid = load.valid(tile, b, (f.cols, 1))
+    hit_q = (load(qname, tile, f.d).astype(F32) == qbar) & valid
+    hit_k = (load(kname, tile, f.d).astype(F32) == kbar) & valid
+    return (dq, tq + jnp.sum(hit_q.astype(F32), axis=0, keepdims=True),
+            tk + jnp.sum(hit_k.astype(F32), axis=0, keepdims=True))
+
+  zero = jnp.zeros((1, f.d), F32)
+  dqbar, ties_q, ties_k = lax.fori_loop(0, n, body, (zero, zero, zero))
+  R["dqbar"][...] = dqbar
+  R["ties_q"][...] = ties_q
+  R["ties_k"][...] = ties_k
+  lane = lax.broadcasted_iota(jnp.int32, (1, STATS), 1)
+  R["stats2"][...] = jnp.where(lane == 0, delta, 0.0)
+
+
+def _tile_backward_kernel(*refs, f: Frame, dy: Dyadic, names: tuple) -> None:
+  """Per tile: the in-span gradients of the high spans holding it, and their pooled gradients routed to its
+  rows; added to the main backward's dq, dk, dv in place."""
+  R = dict(zip(names, refs, strict=True))
+  tau = pl.program_id(2)
+  T = f.cols
+  valid_row = _valid(f, R, tau, (1, T))
+  valid_col = _valid(f, R, tau, (T, 1))
+  kdt = R["k"].dtype
+  k, v = R["k"][...], R["v"][...]
+  dk = jnp.zeros((T, f.d), F32)
+  dv = jnp.zeros((T, f.dv), F32)
+  dpq = dpk = jnp.zeros((T, f.d), F32)
+  first_row = lax.broadcasted_iota(jnp.int32, (8, 1), 0) == 0
+  rows = lax.broadcasted_iota(jnp.int32, (T, 1), 0)
+  for j, off in enumerate(dy.offsets()):
+    reads = (_shr(tau, j) & 1) == 0  # the span of level t + j holding this tile is one a tile reads
+    idx = off + _shr(tau, j + 1)
+    row = lambda name, width, idx=idx: R[name][pl.ds(idx, 1), 0, :width]  # noqa: E731
+    dvt, dkbar = row("dvt", f.dv), row("dkbar", f.d)
+    if dy.pooling is None:  # the span's last position is this tile's last row when the tile ends the span
+      ends = reads & ((tau & ((1 << j) - 1)) == (1 << j) - 1)
+      at = (rows == T - 1) & valid_col & ends
+      dk = dk + jnp.where(at, dkbar, 0.0)
+      dv = dv + jnp.where(at, dvt, 0.0)
+      continue
+    qbar, kbar = row("qbar", f.d), row("kbar", f.d)
+    stats = R["stats"][pl.ds(idx, 1), 0, :]
+    cnt, lse = stats[:, 0:1], stats[:, 1:2]
+    delta = R["stats2"][pl.ds(idx, 1), 0, 0:1]
+    vis = jnp.broadcast_to(valid_row & reads, (8, T))
+    qk = tiles.row8(qbar).astype(kdt)
+    pr, ds = tiles.grads(qk, jnp.where(first_row, tiles.row8(dvt), 0.0), k, v, vis,
+                         jnp.broadcast_to(lse, (8, 1)), jnp.where(first_row, delta, 0.0), f.scale)
+    dk = dk + tiles.dot(ds.astype(kdt), qk, ta=True) * f.scale
+    dv = dv + tiles.dot(pr.astype(kdt), jnp.where(first_row, tiles.row8(dvt), 0.0).astype(kdt), ta=True)
+    dqbar = row("dqbar", f.d)
+    pq = (R["pool_q"] if dy.pools else R["q"])[...].astype(F32)
+    pk = (R["pool_k"] if dy.pools else R["k"])[...].astype(F32)
+    member = valid_col & reads
+    if dy.pooling == "max":
+      dpq = dpq + jnp.where((pq == qbar) & member, dqbar / jnp.maximum(row("ties_q", f.d), 1.0), 0.0)
+      dpk = dpk + jnp.where((pk == kbar) & member, dkbar / jnp.maximum(row("ties_k", f.d), 1.0), 0.0)
+    else:
+      dpq = dpq + jnp.where(member, dqbar / jnp.maximum(cnt, 1.0), 0.0)
+      dpk = dpk + jnp.where(member, dkbar / jnp.maximum(cnt, 1.0), 0.0)
+  dq = R["dq_in"][...].astype(F32)
+  if dy.pools:
+    R["dpq"][...] = (R["dpq_in"][...].astype(F32) + dpq).astype(R["dpq"].dtype)
+    R["dpk"][...] = (R["dpk_in"][...].astype(F32) + dpk).astype(R["dpk"].dtype)
+  else:
+    dq, dk = dq + dpq, dk + dpk
+  R["dq"][...] = dq.astype(R["dq"].dtype)
+  R["dk"][...] = (R["dk_in"][...].astype(F32) + dk).astype(R["dk"].dtype)
+  R["dv"][...] = (R["dv_in"][...].astype(F32) + dv).astype(R["dv"].dtype)
+
+
+# ------------------------------------------------------------------------------------------------ calls
+
+def _whole(f: Frame, shape: tuple[int, ...]) -> pl.BlockSpec:
+  """A frame array the program copies tiles out of: left in HBM on TPU, whole elsewhere."""
+  if f.platform == "tpu":
+    return pl.BlockSpec(memory_space=pl.ANY)
+  return pl.BlockSpec(shape, lambda b, h, g: (0,) * len(shape))
+
+
+def _tok_shape(f: Frame, dim: int, dtype: Any) -> jax.ShapeDtypeStruct:
+  x, w = (f.batch, f.heads * dim) if f.packed else (f.batch * f.heads, dim)
+  return jax.ShapeDtypeStruct((x, f.rows * f.cols, w), dtype)
+
+
+def _bank_shape(f: Frame, n: int, dim: int) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct((f.batch * f.heads, n, 1, dim), F32)
+
+
+def _tile_args(f: Frame, dy: Dyadic, a: dict) -> tuple[list[str], list[pl.BlockSpec]]:
+  names = ["q", "k", "v"] + (["pool_q", "pool_k"] if dy.pools else []) + (["mask"] if f.masked else [])
+  dims = {"q": f.d, "k": f.d, "v": f.dv, "pool_q": f.d, "pool_k": f.d}
+  return names, [_mask(f) if n == "mask" else _tile_spec(f, dims[n]) for n in names]
+
+
+def _spans_inputs(f: Frame, dy: Dyadic, a: dict) -> tuple[list[str], list[pl.BlockSpec]]:
+  names = ["q", "k", "v"] + (["pool_q", "pool_k"] if dy.pools else []) + (["mask"] if f.masked else [])
+  specs = [pl.BlockSpec(a["mask"].shape, lambda b, h, g: (0, 0, 0, 0)) if n == "mask"
+           else _whole(f, a[n].shape) for n in names]
+  return names, specs
+
+
+def _with_dtype_buffers(f: Frame, a: dict) -> tuple[list[str], list[Any]]:
+  """TPU copy buffers in the frame arrays' dtypes."""
+  if f.platform != "tpu":
+    return [], []
+  return ["buf_d", "buf_v"], [pltpu.VMEM((f.cols, f.d), a["k"].dtype),
+                              pltpu.VMEM((f.cols, f.dv), a["v"].dtype)]
+
+
+def spans_forward(f: Frame, dy: Dyadic, a: dict) -> dict[str, Array]:
+  """Bank rows of the high spans: kbar, vt, qbar [BH, spans, 1, dim], stats [BH, spans, 1, STATS]."""
+  ins, specs = _spans_inputs(f, dy, a)
+  outs = ["kbar", "vt", "stats"] + ([] if dy.pooling is None else ["qbar"])
+  dims = {"kbar": f.d, "vt": f.dv, "stats": STATS, "qbar": f.d}
+  bufs, buf_specs = _with_dtype_buffers(f, a)
+  kernel = functools.partial(_spans_kernel, f=f, dy=dy, names=tuple(ins + outs + bufs))
+  res = _call(f, kernel, "combiner_dyadic_spans_fwd", grid=(f.batch, f.heads, dy.num_spans), in_specs=specs,
+              out_specs=[_row(f, dims[n]) for n in outs],
+              out_shape=[_bank_shape(f, dy.num_spans, dims[n]) for n in outs], scratch_shapes=buf_specs,
+              )(*(a[n] for n in ins))
+  return dict(zip(outs, res, strict=True))
+
+
+def _bank_in(f: Frame, dy: Dyadic, names: list[str], dims: dict) -> list[pl.BlockSpec]:
+  return [_full(f, (dy.num_spans, 1, dims[n])) for n in names]
+
+
+def main_forward(f: Frame, dy: Dyadic, a: dict, bank: dict, out_dtype: Any, ext: tuple | None) -> tuple:
+  ins, specs = _tile_args(f, dy, a)
+  args = [a[n] for n in ins]
+  if dy.high:
+    ins += ["bk", "bv", "bstats"]
+    specs += _bank_in(f, dy, ["k", "v", "s"], {"k": f.d, "v": f.dv, "s": STATS})
+    args += [bank["kbar"], bank["vt"], bank["stats"]]
+  if ext is not None:
+    ins += ["o_ext", "lse_ext"]
+    specs += [_tile_spec(f, f.dv), _lse(f)]
+    args += list(ext)
+  outs = ["o", "lse"]
+  kernel = functools.partial(_main_kernel, f=f, dy=dy, names=tuple(ins + outs))
+  o, lse = _call(f, kernel, "combiner_dyadic_fwd", grid=(f.batch, f.heads, f.rows), in_specs=specs,
+                 out_specs=[_tile_spec(f, f.dv), _lse(f)],
+                 out_shape=[_tok_shape(f, f.dv, out_dtype),
+                            jax.ShapeDtypeStruct((f.batch * f.heads, f.rows, 1, f.cols), F32)])(*args)
+  return o, lse
+
+
+def main_backward(f: Frame, dy: Dyadic, a: dict, bank: dict, do: Array, o: Array, lse: Array) -> dict:
+  ins, specs = _tile_args(f, dy, a)
+  args = [a[n] for n in ins]
+  if dy.high:
+    ins += ["bk", "bv", "bstats"]
+    specs += _bank_in(f, dy, ["k", "v", "s"], {"k": f.d, "v": f.dv, "s": STATS})
+    args += [bank["kbar"], bank["vt"], bank["stats"]]
+  ins += ["do", "o_fin", "lse_fin"]
+  specs += [_tile_spec(f, f.dv), _tile_spec(f, f.dv), _lse(f)]
+  args += [do, o, lse]
+  outs = ["dq", "dk", "dv"] + (["dpq", "dpk"] if dy.pools else []) + (["dhk", "dhv"] if dy.high else [])
+  dims = {"dq": f.d, "dk": f.d, "dv": f.dv, "dpq": f.d, "dpk": f.d}
+  dtypes = {"dq": a["q"].dtype, "dk": a["k"].dtype, "dv": a["v"].dtype,
+            "dpq": a.get("pool_q", a["q"]).dtype, "dpk": a.get("pool_k", a["k"]).dtype}
+  out_specs, shapes = [], []
+  for n in outs:
+    if n in dims:
+      out_specs.append(_tile_spec(f, dims[n]))
+      shapes.append(_tok_shape(f, dims[n], dtypes[n]))
+    else:
+      dim = f.d if n == "dhk" else f.dv
+      out_specs.append(pl.BlockSpec((None, None, dy.high, dim), lambda b, h, g: (b * f.heads + h, g, 0, 0)))
+      shapes.append(jax.ShapeDtypeStruct((f.batch * f.heads, f.rows, dy.high, dim), F32))
+  kernel = functools.partial(_main_backward_kernel, f=f, dy=dy, names=tuple(ins + outs))
+  res = _call(f, kernel, "combiner_dyadic_bwd", grid=(f.batch, f.heads, f.rows), in_specs=specs,
+              out_specs=out_specs, out_shape=shapes)(*args)
+  return dict(zip(outs, res, strict=True))
+
+
+def spans_backward(f: Frame, dy: Dyadic, a: dict, bank: dict, main: dict) -> dict:
+  ins, specs = _spans_inputs(f, dy, a)
+  args = [a[n] for n in ins]
+  ins += ["dhk", "dhv"]
+  specs += [_full(f, (f.rows, dy.high, f.d)), _full(f, (f.rows, dy.high, f.dv))]
+  args += [main["dhk"], main["dhv"]]
+  rows = ["kbar", "vt", "stats"] + ([] if dy.pooling is None else ["qbar"])
+  dims = {"kbar": f.d, "vt": f.dv, "stats": STATS, "qbar": f.d, "dqbar": f.d, "dkbar": f.d, "dvt": f.dv,
+          "ties_q": f.d, "ties_k": f.d, "stats2": STATS}
+  ins += rows
+  specs += [_row(f, dims[n]) for n in rows]
+  args += [bank[n] for n in rows]
+  outs = ["dkbar", "dvt"] + ([] if dy.pooling is None else ["dqbar", "ties_q", "ties_k", "stats2"])
+  bufs, buf_specs = _with_dtype_buffers(f, a)
+  kernel = functools.partial(_span_backward_kernel, f=f, dy=dy, names=tuple(ins + outs + bufs))
+  res = _call(f, kernel, "combiner_dyadic_spans_bwd", grid=(f.batch, f.heads, dy.num_spans), in_specs=specs,
+              out_specs=[_row(f, dims[n]) for n in outs],
+              out_shape=[_bank_shape(f, dy.num_spans, dims[n]) for n in outs], scratch_shapes=buf_specs,
+              )(*args)
+  return dict(zip(outs, res, strict=True))
+
+
+def tiles_backward(f: Frame, dy: Dyadic, a: dict, bank: dict, sb: dict, main: dict) -> dict:
+  ins, specs = _tile_args(f, dy, a)
+  args = [a[n] for n in ins]
+  rows = {**bank, **sb}
+  names = [n for n in ("dvt", "dkbar", "qbar", "kbar", "stats", "stats2", "dqbar", "ties_q", "ties_k")
+           if n in rows]
+  dims = {"kbar": f.d, "vt": f.dv, "stats": STATS, "qbar": f.d, "dqbar": f.d, "dkbar": f.d, "dvt": f.dv,
+          "ties_q": f.d, "ties_k": f.d, "stats2": STATS}
+  ins += names
+  specs += _bank_in(f, dy, names, dims)
+  args += [rows[n] for n in names]
+  grads = ["dq", "dk", "dv"] + (["dpq", "dpk"] if dy.pools else [])
+  gdims = {"dq": f.d, "dk": f.d, "dv": f.dv, "dpq": f.d, "dpk": f.d}
+  ins += [n + "_in" for n in grads]
+  specs += [_tile_spec(f, gdims[n]) for n in grads]
+  args += [main[n] for n in grads]
+  kernel = functools.partial(_tile_backward_kernel, f=f, dy=dy, names=tuple(ins + grads))
+  res = _call(f, kernel, "combiner_dyadic_tiles_bwd", grid=(f.batch, f.heads, f.rows), in_specs=specs,
+              out_specs=[_tile_spec(f, gdims[n]) for n in grads],
+              out_shape=[jax.ShapeDtypeStruct(main[n].shape, main[n].dtype) for n in grads],
+              input_output_aliases={ins.index(n + "_in"): i for i, n in enumerate(grads)})(*args)
+  return dict(zip(grads, res, strict=True))
+
+
+def direction_forward(f: Frame, dy: Dyadic, a: dict, out_dtype: Any, ext: tuple | None = None):
+  bank = spans_forward(f, dy, a) if dy.high else {}
+  o, lse = main_forward(f, dy, a, bank, out_dtype, ext)
+  return o, lse, bank
+
+
+def direction_backward(f: Frame, dy: Dyadic, a: dict, bank: dict, do: Array, o: Array, lse: Array) -> dict:
+  """Gradients of one direction given the plan's final output and log-sum-exp (in this direction's frame)."""
+  main = main_backward(f, dy, a, bank, do, o, lse)
+  if not dy.high:
+    return main
+  sb = spans_backward(f, dy, a, bank, main)
+  return tiles_backward(f, dy, a, bank, sb, main)
