@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from attention_core import contract
 from attention_core.blocks import from_grid, head_major, num_blocks, to_grid
 from attention_core.combine import Piece, attend, joint_softmax, weighted_sum
-from combiner import common, fused
+from combiner import common, kernel_plans
 from combiner import pooling as pool_ops
 from combiner.fixed import block_direct_piece, block_logits
 
@@ -238,21 +238,35 @@ def axial(q: Array, k: Array, v: Array, *, row_length: int, direction: str, caus
   span per other column), "horizontal" (D_i = own row ∪ own column; one span per other row).
   Cost O(L·(n + m)·d).
   span_key_fn (rowmajor only): maps the pooled span keys [batch, rows, heads, head_dim] to the keys used.
-  implementation: "xla" (einsums), "pallas" (the fused kernel of `combiner.flash`),
-  "auto" (pallas on GPU/TPU).
+  implementation: "xla" (einsums), "pallas" (the kernels of `combiner.kernel_plans`), "auto" (pallas on
+  GPU/TPU).
   query_chunks (XLA path): run the query rows in this many chunks, one after the other
   (`common.map_rows`); None: as many as keep each chunk's logits within `common.QUERY_CHUNK_BYTES`; 1: one
   piece.
   """
   op = "combiner.axial"
-  x = common.prepare(q, k, v, mask, op=op, causal=causal, pooling=pooling, pool_q=pool_q, pool_k=pool_k,
-                     implementation=implementation)
   contract.check_choice(direction, name="direction", allowed=DIRECTIONS, op=op)
   m = contract.check_positive_int(row_length, name="row_length", op=op)
   common.check_query_chunks(query_chunks, op=op)
   if span_key_fn is not None and direction != "rowmajor":
     raise ValueError(f"{op}: argument 'span_key_fn' is only supported for direction='rowmajor', "
                      f"got {direction!r}")
-  if x.kernel_dtype is not None:
-    return fused.axial(x, m, direction, causal, pooling, span_key_fn)
+  if common.uses_kernels(implementation, op=op):
+    c = common.check(q, k, v, mask, op=op, causal=causal, pooling=pooling, pool_q=pool_q, pool_k=pool_k)
+    kbar = None if span_key_fn is None else span_key_fn(_row_keys(c, m, pooling))
+    return kernel_plans.axial(*c, row_length=m, direction=direction, causal=causal, pooling=pooling,
+                              platform=contract.backend(), kbar=kbar)
+  x = common.prepare(q, k, v, mask, op=op, causal=causal, pooling=pooling, pool_q=pool_q, pool_k=pool_k)
   return common.finish(axial_xla(x, m, direction, causal, pooling, span_key_fn, query_chunks, op), x)
+
+
+def _row_keys(c: common.Checked, m: int, pooling: str) -> Array:
+  """The pooled key of every grid row, [batch, rows, heads, head_dim] (the span keys a learned function of
+  them replaces)."""
+  batch, length, heads, _ = c.q.shape
+  rows = num_blocks(length, m)
+  mask = jnp.ones((batch, length), bool) if c.mask is None else c.mask
+  pk = c.k if c.pool_k is None else c.pool_k
+  kb = to_grid(pk.astype(contract.softmax_dtype(pk.dtype)), rows, m, 1)  # [batch, rows, m, heads, d]
+  k_bar, _ = pool_ops.pool(kb, to_grid(mask, rows, m, 1)[..., None], axis=2, kind=pooling)
+  return k_bar

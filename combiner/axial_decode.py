@@ -27,7 +27,7 @@ from attention_core.combine import Piece, attend, joint_softmax
 from attention_core.decode import Cache, Token, finish, keys_piece, make_decoder, read, token, write, zeros
 from combiner import pooling as pool_ops
 from combiner.axial import DIRECTIONS
-from combiner.common import span_summary
+from combiner.common import span_summaries
 
 Array = Any
 
@@ -115,8 +115,8 @@ def vertical_spans(g: GridStep, pooling: str) -> tuple[Piece, Cache]:
   r + 1 (index r + 1)."""
   cache = dict(g.cache)
   upto = jnp.arange(g.rows) <= g.r
-  k_bar, v_tilde, _ = span_summary(_column(g, "pool_k", g.c), _column(g, "pool_q", g.c),
-                                   _column(g, "k", g.c), _column(g, "v", g.c), upto, g.x.scale, pooling)
+  k_bar, v_tilde, _ = span_summaries(_column(g, "pool_q", g.c), _column(g, "pool_k", g.c),
+                                     _column(g, "k", g.c), _column(g, "v", g.c), upto, g.x.scale, pooling)
   cache["col_k"] = write(cache["col_k"], k_bar, g.r + 1, g.c)
   cache["col_v"] = write(cache["col_v"], v_tilde, g.r + 1, g.c)
   valid = (jnp.arange(g.cols) != g.c) & (g.r > 0)
@@ -129,8 +129,8 @@ def horizontal_spans(g: GridStep, pooling: str) -> tuple[Piece, Cache]:
   """Spans = row s minus column c for every earlier row s; row r - 1's summary for column c is made now."""
   cache, prev = dict(g.cache), jnp.maximum(g.r - 1, 0)
   others = jnp.arange(g.cols) != g.c
-  k_bar, v_tilde, nonempty = span_summary(_row(g, "pool_k", prev), _row(g, "pool_q", prev),
-                                          _row(g, "k", prev), _row(g, "v", prev), others, g.x.scale, pooling)
+  pq, pk, k, v = (_row(g, name, prev) for name in ("pool_q", "pool_k", "k", "v"))
+  k_bar, v_tilde, nonempty = span_summaries(pq, pk, k, v, others, g.x.scale, pooling)
   cache["hrow_k"] = write(cache["hrow_k"], k_bar, prev, g.c)
   cache["hrow_v"] = write(cache["hrow_v"], v_tilde, prev, g.c)
   valid = (jnp.arange(g.rows) < g.r) & nonempty[0]  # a row of one column has no span once c is removed

@@ -16,7 +16,6 @@ import numpy as np
 from attention_core import contract
 from attention_core.blocks import head_major, map_chunks
 from attention_core.combine import attend
-from combiner import flash
 from combiner import pooling as pool_ops
 from combiner.pooling import POOLINGS
 
@@ -24,85 +23,83 @@ Array = Any
 
 
 class Inputs(NamedTuple):
-  q: Array  # [batch, heads, length, head_dim], compute dtype (kernel_dtype for the fused kernels)
+  q: Array  # [batch, heads, length, head_dim], softmax dtype
   k: Array  # [batch, heads, length, head_dim]
   v: Array  # [batch, heads, length, value_dim]
   mask: Array  # [batch, length] bool
-  pool_q: Array  # [batch, heads, length, head_dim]: pooled into span queries, softmax dtype
-  pool_k: Array  # [batch, heads, length, head_dim]: pooled into span keys, softmax dtype
+  pool_q: Array  # [batch, heads, length, head_dim]: pooled into span queries
+  pool_k: Array  # [batch, heads, length, head_dim]: pooled into span keys
   scale: float
   out_dtype: Any
-  kernel_dtype: Any = None  # matmul input dtype of the fused kernels; None: the XLA path
-  heads_last: bool = False  # every array above in the contract's [batch, length, heads, dim] instead
 
 
-def kernel_dtype(*arrays: Array) -> Any:
-  """Matmul input dtype of the fused kernels: the inputs' 16-bit float type, else float32."""
-  dt = jnp.result_type(*(a.dtype for a in arrays))
-  return dt if jnp.dtype(dt).itemsize < 4 else jnp.float32
+class Checked(NamedTuple):
+  """An op's inputs after the contract's checks, in the contract's layout: what the kernels take."""
+
+  q: Array  # [batch, length, heads, head_dim]
+  k: Array
+  v: Array  # [batch, length, heads, value_dim]
+  mask: Array | None  # [batch, length] bool, None: every key is real
+  pool_q: Array | None  # DeepSets pools, or None: q and k themselves
+  pool_k: Array | None
 
 
 def plan_choice(*_: Any, implementation: Any = "auto", **__: Any) -> Any:
   """What a plan's trace depends on per platform (the key of `contract.per_platform_op`): the implementation
-  "auto" resolves to and, for the fused kernels, their layout and tiles."""
+  "auto" resolves to and, for the kernels, the platform they are built for (layout, tiles, lowering)."""
   if implementation not in contract.IMPLEMENTATIONS:
     return implementation  # the op rejects it
   chosen = contract.resolve_implementation(implementation, op="")
-  return (chosen, flash.packs_heads(), flash.tile_caps()) if chosen == "pallas" else chosen
+  return (chosen, contract.backend()) if chosen == "pallas" else chosen
 
 
 per_platform = contract.per_platform_op(plan_choice)  # decorator: a plan's choices made per lowering platform
 
 
+def check(q: Array, k: Array, v: Array, mask: Array | None, *, op: str, causal: Any, pooling: Any = "max",
+          pool_q: Array | None = None, pool_k: Array | None = None) -> Checked:
+  """The op contract's checks of a plan's inputs (docs/design.md §3); ValueError/TypeError naming the
+  argument. A single DeepSets pool is paired with q or k for the other."""
+  q, k, v, mask = contract.check_qkv(q, k, v, mask, op=op, keep_none=True)
+  contract.check_bool(causal, name="causal", op=op)
+  contract.check_choice(pooling, name="pooling", allowed=POOLINGS, op=op)
+  for name, x in (("pool_q", pool_q), ("pool_k", pool_k)):
+    if x is not None and (not hasattr(x, "shape") or tuple(x.shape) != tuple(q.shape)):
+      raise ValueError(f"{op}: argument {name!r} must be None or an array shaped like q {tuple(q.shape)}, "
+                       f"got {getattr(x, 'shape', type(x).__name__)}")
+  if (pool_q is None) != (pool_k is None):
+    pool_q, pool_k = (q if pool_q is None else pool_q), (k if pool_k is None else pool_k)
+  pools = (None, None) if pool_q is None else (jnp.asarray(pool_q), jnp.asarray(pool_k))
+  return Checked(q, k, v, mask, *pools)
+
+
+def uses_kernels(implementation: Any, *, op: str) -> bool:
+  """Whether an op's `implementation` ("auto" | "xla" | "pallas") runs the kernels for the platform traced."""
+  return contract.resolve_implementation(implementation, op=op) == "pallas"
+
+
 def prepare(q: Array, k: Array, v: Array, mask: Array | None, *, op: str, causal: Any, pooling: Any = "max",
-            pool_q: Array | None = None, pool_k: Array | None = None, materialize: bool = False,
-            implementation: str | None = None, heads_last: bool = False) -> Inputs:
-  """Checks the op contract, casts to the softmax dtype (float32, or float64 under x64), goes head-major.
+            pool_q: Array | None = None, pool_k: Array | None = None, materialize: bool = False) -> Inputs:
+  """The XLA plans' inputs: checked (`check`), cast to the softmax dtype (float32, or float64 under x64),
+  head-major.
 
   materialize: build the head-major q, k, v as real arrays (`materialized_head_major`); for plans that reshape
   them into many different grids (logsparse: one per level).
-  implementation: the op's "auto" | "xla" | "pallas" argument (None: the op has only the XLA path). For the
-  fused kernels q, k, v stay in `kernel_dtype` (a bfloat16 input is not widened to float32 only to be
-  narrowed again at the kernel); the pooled inputs still take the softmax dtype, as pooling runs there.
-  heads_last: a fused plan that hands the kernels heads-packed arrays (`combiner.flash.packs_heads`) keeps
-  the contract's layout, so nothing is transposed; Inputs.heads_last says whether it did.
   """
-  q, k, v, mask = contract.check_qkv(q, k, v, mask, op=op)
-  contract.check_bool(causal, name="causal", op=op)
+  c = check(q, k, v, mask, op=op, causal=causal, pooling=pooling, pool_q=pool_q, pool_k=pool_k)
+  q, k, v = c.q, c.k, c.v
+  mask = jnp.ones(q.shape[:2], bool) if c.mask is None else c.mask
   # Masked keys and values are zeroed by a select, so a NaN or Inf behind the mask reaches no logit, pooled
   # summary or gradient (a product with zero weight would still be NaN).
   real = mask[:, :, None, None]  # [batch, length, 1, 1]
   k, v = jnp.where(real, k, 0), jnp.where(real, v, 0)
-  pool_k = None if pool_k is None else jnp.where(real, jnp.asarray(pool_k), 0)
-  contract.check_choice(pooling, name="pooling", allowed=POOLINGS, op=op)
   ct = contract.softmax_dtype(q.dtype, k.dtype, v.dtype)
-  kernel = None
-  if implementation is not None and contract.resolve_implementation(implementation, op=op) == "pallas":
-    kernel = kernel_dtype(q, k, v)
-  # Max pooling is exact in any dtype: the fused kernels pool their own dtype (no float32 copy of q and k).
-  pool_dt = kernel if kernel is not None and pooling == "max" else ct
-  pooled = []
-  for name, x, default in (("pool_q", pool_q, q), ("pool_k", pool_k, k)):
-    if x is None:
-      x = default
-    elif not hasattr(x, "shape") or tuple(x.shape) != tuple(q.shape):
-      raise ValueError(f"{op}: argument {name!r} must be None or an array shaped like q {tuple(q.shape)}, "
-                       f"got {getattr(x, 'shape', type(x).__name__)}")
-    pooled.append(jnp.asarray(x).astype(pool_dt))
-  heads_last = heads_last and kernel is not None
-  layout = pooled_layout = head_major
-  if heads_last:
-    layout = pooled_layout = _same
-  elif materialize:
-    layout = materialized_head_major
-  dt = ct if kernel is None else kernel
+  pooled = [(q if c.pool_q is None else c.pool_q).astype(ct),
+            (k if c.pool_k is None else jnp.where(real, c.pool_k, 0)).astype(ct)]
+  layout = materialized_head_major if materialize else head_major
   scale = contract.logit_scale(q.shape[-1])
-  return Inputs(layout(q.astype(dt)), layout(k.astype(dt)), layout(v.astype(dt)), mask,
-                pooled_layout(pooled[0]), pooled_layout(pooled[1]), scale, v.dtype, kernel, heads_last)
-
-
-def _same(x: Array) -> Array:
-  return x
+  return Inputs(layout(q.astype(ct)), layout(k.astype(ct)), layout(v.astype(ct)), mask,
+                head_major(pooled[0]), head_major(pooled[1]), scale, v.dtype)
 
 
 def materialized_head_major(x: Array) -> Array:
@@ -159,15 +156,17 @@ def map_rows(fn: Callable[[Any], Any], per_row: Any, chunks: int) -> Any:
   return map_chunks(fn, per_row, chunks, axis=2)
 
 
-def span_summary(pk: Array, pq: Array, k: Array, v: Array, valid: Array, scale: float, pooling: str
-            ) -> tuple[Array, Array, Array]:
-  """One span's abstraction: pooled key, in-span value and whether it is nonempty.
+def span_summaries(pq: Array, pk: Array, k: Array, v: Array, valid: Array, scale: float,
+                   pooling: str) -> tuple[Array, Array, Array]:
+  """Span abstractions over the members axis (the second to last): pooled key, in-span value, nonempty.
 
-  pk, pq, k: [batch, heads, n, head_dim]; v: [batch, heads, n, value_dim]; valid: [n] members of the span.
-  Returns k̄ [batch, heads, head_dim], ṽ = softmax_j(s(q̄, k_j)) v_j [batch, heads, value_dim], nonempty [1, 1].
+  pq, pk, k: [..., n, head_dim] (pooled query source, pooled key source, keys); v: [..., n, value_dim];
+  valid: [..., n], broadcastable (heads may be 1), the span's real members. Returns k_bar [..., head_dim],
+  v_tilde = softmax_j(s(q_bar, k_j)) v_j [..., value_dim] and nonempty [...] (valid's leading dims).
   """
-  member = valid[None, None, :]  # [1, 1, n]
-  k_bar, nonempty = pool_ops.pool(pk, member, axis=2, kind=pooling)
-  q_bar, _ = pool_ops.pool(pq, member, axis=2, kind=pooling)
-  logits = jnp.einsum("bhd,bhnd->bhn", q_bar, k) * scale  # [batch, heads, n]
-  return k_bar, attend(logits, member, v, "bhn,bhnd->bhd"), nonempty
+  axis = k.ndim - 2
+  valid = valid.reshape((1,) * (k.ndim - 1 - valid.ndim) + valid.shape)
+  k_bar, nonempty = pool_ops.pool(pk, valid, axis=axis, kind=pooling)
+  q_bar, _ = pool_ops.pool(pq, valid, axis=axis, kind=pooling)
+  logits = jnp.einsum("...d,...nd->...n", q_bar, k) * scale  # [..., n]
+  return k_bar, attend(logits, valid, v, "...n,...nd->...d"), nonempty

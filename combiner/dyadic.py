@@ -1,6 +1,6 @@
-"""The dyadic levels of Combiner-Logsparse (combiner/logsparse.py), shared by its XLA plan and its fused plan
-(combiner/fused.py): at level l the blocks of size 2^l tile the sequence and query block t reads span block
-t - 1 when t is odd. The bidirectional plan runs the same levels on the reversed sequence (`flipped`).
+"""The dyadic levels of Combiner-Logsparse's XLA plan (combiner/logsparse.py) and its sequence-parallel
+form: at level l the blocks of size 2^l tile the sequence and query block t reads span block t - 1 when t is
+odd. The bidirectional plan runs the same levels on the reversed sequence (`flipped`).
 """
 
 from __future__ import annotations
@@ -22,15 +22,12 @@ def num_levels(length: int) -> int:
   return (length - 1).bit_length()
 
 
-def level_summaries(x: common.Inputs, pooling: str | None,
-                    expectation: Any = None) -> list[tuple[Array, Array, Array]]:
+def level_summaries(x: common.Inputs, pooling: str | None) -> list[tuple[Array, Array, Array]]:
   """Per level l, the span each block of size 2^l reads: (k_prev [batch, heads, blocks, head_dim], v_prev
   [batch, heads, blocks, value_dim], ok_prev [batch, 1, blocks]); block t reads block t - 1 when t is odd.
 
   pooling=None gives the sparse counterpart: the span is represented by its last position (the suffix sums of
   i's binary expansion) instead of pooled abstractions.
-  expectation: (q_bar, kb, vb, mb, scale) -> in-span expected values [batch, heads, blocks, value_dim]; None
-  is the einsum + masked softmax below (the fused plan passes `combiner.fused.span_expectation`).
   """
   length = x.q.shape[2]
   out = []
@@ -51,11 +48,8 @@ def level_summaries(x: common.Inputs, pooling: str | None,
       # k_bar: [batch, heads, blocks, head_dim]; nonempty: [batch, 1, blocks]
       k_bar, nonempty = pool_ops.finalize(stats_k, pooling)
       q_bar, _ = pool_ops.finalize(stats_q, pooling)
-      if expectation is None:
-        in_span = jnp.einsum("bhnd,bhnkd->bhnk", q_bar, kb) * x.scale  # [batch, heads, blocks, size]
-        v_tilde = attend(in_span, mb, vb, "bhnk,bhnkd->bhnd")  # [batch, heads, blocks, value_dim]
-      else:
-        v_tilde = expectation(q_bar, kb, vb, mb, x.scale)
+      in_span = jnp.einsum("bhnd,bhnkd->bhnk", q_bar, kb) * x.scale  # [batch, heads, blocks, size]
+      v_tilde = attend(in_span, mb, vb, "bhnk,bhnkd->bhnd")  # [batch, heads, blocks, value_dim]
     # Query block t reads span block t - 1, and only when t is odd (bit `level` of i is set).
     k_prev = shift(k_bar, 2, False, 0.0)
     v_prev = shift(v_tilde, 2, False, 0.0)

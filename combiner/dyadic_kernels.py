@@ -64,6 +64,11 @@ class Dyadic:
   def high(self) -> int:
     return max(self.levels - self.t, 0)
 
+  @property
+  def high_rows(self) -> int:
+    """Rows of a tile's high bank rows as the kernels hold them (at least one sublane tile)."""
+    return max(self.high, 8)
+
   def span_counts(self) -> list[int]:
     """Spans of each high level j that some tile reads (u even; the odd sibling reads them)."""
     g = self.frame.rows
@@ -148,10 +153,22 @@ def _low_pools(x: Array, valid_col: Array, kind: str, level: int) -> tuple[Array
   return jnp.sum(jnp.where(valid_col, x, 0.0).reshape(n, 1 << level, d), axis=1) / jnp.maximum(cnt, 1.0), cnt
 
 
-def _expand(x: Array, level: int) -> Array:
-  """[T >> level, w] -> [T, w]: each span's row repeated over its 2^level positions."""
-  n, w = x.shape
-  return jnp.broadcast_to(x.reshape(n, 1, w), (n, 1 << level, w)).reshape(n << level, w)
+def _members(T: int, n: int, level: int) -> Array:
+  """[T, n] float32 one-hot: position i belongs to span i >> level (n >= T >> level rows of spans)."""
+  pos = lax.broadcasted_iota(jnp.int32, (T, n), 0)
+  span = lax.broadcasted_iota(jnp.int32, (T, n), 1)
+  return (_shr(pos, level) == span).astype(F32)
+
+
+def _exact(a: Array, b: Array, ta: bool = False) -> Array:
+  """a @ b (a^T @ b) in float32 at full precision: sums of one-hot selections stay exact."""
+  dims = (((0,), (0,)), ((), ())) if ta else (((1,), (0,)), ((), ()))
+  return lax.dot_general(a, b, dims, preferred_element_type=F32, precision=lax.Precision.HIGHEST)
+
+
+def _expand(x: Array, level: int, T: int) -> Array:
+  """[n, w] -> [T, w]: each span's row over its 2^level positions."""
+  return _exact(_members(T, x.shape[0], level), jnp.where(jnp.isfinite(x), x, 0.0))
 
 
 def _pad8(x: Array) -> Array:
@@ -201,17 +218,20 @@ def _level0_visible(T: int) -> Array:
 
 
 def _high_rows(dy: Dyadic, R: dict, g: Array) -> tuple[Array, Array, Array]:
-  """The bank rows tile g reads, padded to 8: (k [8+, d] f32, v [8+, dv] f32, visible [1, 8+])."""
-  ks, vs, oks = [], [], []
+  """The bank rows tile g reads, one per high level, in `high_rows` rows: (k [n, d] f32, v [n, dv] f32,
+  visible [1, n]). Assembled by selects (Triton concatenates two arrays at a time)."""
+  n = dy.high_rows
+  f = dy.frame
+  rows = lax.broadcasted_iota(jnp.int32, (n, 1), 0)
+  lanes = lax.broadcasted_iota(jnp.int32, (1, n), 1)
+  k, v, ok = jnp.zeros((n, f.d), F32), jnp.zeros((n, f.dv), F32), jnp.zeros((1, n), F32)
   for j, off in enumerate(dy.offsets()):
     idx = off + _shr(g, j + 1)
-    ks.append(R["bk"][pl.ds(idx, 1), 0, :])
-    vs.append(R["bv"][pl.ds(idx, 1), 0, :])
-    read = (_shr(g, j) & 1) == 1
-    oks.append(jnp.where(read & (R["bstats"][pl.ds(idx, 1), 0, 0:1] > 0), 1.0, 0.0))
-  k, v = _pad8(jnp.concatenate(ks, 0)), _pad8(jnp.concatenate(vs, 0))
-  ok = _pad8(jnp.concatenate(oks, 0))  # [8+, 1]
-  return k, v, ok.T > 0
+    k = jnp.where(rows == j, R["bk"][pl.ds(idx, 1), 0, :], k)
+    v = jnp.where(rows == j, R["bv"][pl.ds(idx, 1), 0, :], v)
+    read = ((_shr(g, j) & 1) == 1) & (R["bstats"][pl.ds(idx, 1), 0, 0:1] > 0)  # [1, 1]
+    ok = jnp.where((lanes == j) & read, 1.0, ok)
+  return k, v, ok > 0
 
 
 # --------------------------------------------------------------------------------------------- main tile
@@ -260,14 +280,13 @@ def _main_kernel(*refs, f: Frame, dy: Dyadic, names: tuple) -> None:
 
 def _route_low(x: Array, valid_col: Array, kind: str, level: int, pooled: Array, cnt: Array,
                g: Array) -> Array:
-  """Gradient [T, d] of `_low_pools` for the pooled gradients g [n, d] (n = T >> level, maybe padded)."""
-  n = x.shape[0] >> level
-  pooled, cnt, g = pooled[:n], cnt[:n], g[:n]
+  """Gradient [T, d] of `_low_pools` for the pooled gradients g [n, d] (n >= T >> level rows of spans)."""
+  T = x.shape[0]
   if kind == "mean":
-    return jnp.where(valid_col, _expand(g / jnp.maximum(cnt, 1.0), level), 0.0)
-  hit = (x == _expand(pooled, level)) & valid_col
-  ties = jnp.sum(hit.astype(F32).reshape(n, 1 << level, x.shape[1]), axis=1)
-  return jnp.where(hit, _expand(g / jnp.maximum(ties, 1.0), level), 0.0)
+    return jnp.where(valid_col, _expand(g / jnp.maximum(cnt, 1.0), level, T), 0.0)
+  hit = (x == _expand(pooled, level, T)) & valid_col
+  ties = _exact(_members(T, pooled.shape[0], level), hit.astype(F32), ta=True)  # [n, d]
+  return jnp.where(hit, _expand(g / jnp.maximum(ties, 1.0), level, T), 0.0)
 
 
 def _main_backward_kernel(*refs, f: Frame, dy: Dyadic, names: tuple) -> None:
@@ -297,8 +316,8 @@ def _main_backward_kernel(*refs, f: Frame, dy: Dyadic, names: tuple) -> None:
       else:
         dk = dk + dkeys
     elif name == "high":
-      R["dhk"][...] = dkeys[:dy.high]
-      R["dhv"][...] = dvals[:dy.high]
+      R["dhk"][...] = dkeys  # [high rows padded, d]
+      R["dhv"][...] = dvals
     else:  # a low level: the summaries' gradients through their construction in the tile
       level = name[1]
       slse, qbar, cnt, member = low
@@ -381,9 +400,10 @@ def _spans_kernel(*refs, f: Frame, dy: Dyadic, names: tuple) -> None:
   if dy.pooling is None:  # the span's last position
     last = start + lax.shift_left(jnp.int32(1), j) - 1
     tile = jnp.minimum(last, f.rows - 1)
-    ok = (last < f.rows) & load.valid(tile, b, (f.cols, 1))[f.cols - 1:f.cols]
-    R["kbar"][...] = jnp.where(ok, load("k", tile, f.d)[f.cols - 1:f.cols].astype(F32), 0.0)
-    R["vt"][...] = jnp.where(ok, load("v", tile, f.dv)[f.cols - 1:f.cols].astype(F32), 0.0)
+    end = f.cols - 1
+    ok = (last < f.rows) & (tiles.take_row(load.valid(tile, b, (f.cols, 1)).astype(F32), end) > 0)
+    R["kbar"][...] = jnp.where(ok, tiles.take_row(load("k", tile, f.d).astype(F32), end), 0.0)
+    R["vt"][...] = jnp.where(ok, tiles.take_row(load("v", tile, f.dv).astype(F32), end), 0.0)
     R["stats"][...] = jnp.where(lax.broadcasted_iota(jnp.int32, (1, STATS), 1) == 0, ok.astype(F32), 0.0)
     return
   qname, kname = ("pool_q", "pool_k") if dy.pools else ("q", "k")
@@ -414,9 +434,9 @@ def _spans_kernel(*refs, f: Frame, dy: Dyadic, names: tuple) -> None:
   vt, lse = tiles.finish(lax.fori_loop(0, n, attend, Online.empty(8, f.dv)))
   R["kbar"][...] = kbar
   R["qbar"][...] = qbar
-  R["vt"][...] = vt[0:1]
+  R["vt"][...] = tiles.take_row(vt, 0)
   lane = lax.broadcasted_iota(jnp.int32, (1, STATS), 1)
-  R["stats"][...] = jnp.where(lane == 0, cnt, jnp.where(lane == 1, lse[0:1], 0.0))
+  R["stats"][...] = jnp.where(lane == 0, cnt, jnp.where(lane == 1, tiles.take_row(lse, 0), 0.0))
 
 
 def _span_backward_kernel(*refs, f: Frame, dy: Dyadic, names: tuple) -> None:
@@ -456,7 +476,7 @@ def _span_backward_kernel(*refs, f: Frame, dy: Dyadic, names: tuple) -> None:
     k = load("k", tile, f.d)
     _, ds = tiles.grads(tiles.row8(qbar).astype(kdt), dvt8, k, load("v", tile, f.dv), vis,
                         jnp.broadcast_to(lse, (8, 1)), jnp.broadcast_to(delta, (8, 1)), f.scale)
-    dq = dq + tiles.dot(ds.astype(kdt), tiles.finite(k).astype(kdt))[0:1] * f.scale
+    dq = dq + tiles.take_row(tiles.dot(ds.astype(kdt), tiles.finite(k).astype(kdt)), 0) * f.scale
     valid = load.valid(tile, b, (f.cols, 1))
     hit_q = (load(qname, tile, f.d).astype(F32) == qbar) & valid
     hit_k = (load(kname, tile, f.d).astype(F32) == kbar) & valid
@@ -500,7 +520,7 @@ def _tile_backward_kernel(*refs, f: Frame, dy: Dyadic, names: tuple) -> None:
       continue
     qbar, kbar = row("qbar", f.d), row("kbar", f.d)
     stats = R["stats"][pl.ds(idx, 1), 0, :]
-    cnt, lse = stats[:, 0:1], stats[:, 1:2]
+    cnt, lse = tiles.take_lane(stats, 0), tiles.take_lane(stats, 1)
     delta = R["stats2"][pl.ds(idx, 1), 0, 0:1]
     vis = jnp.broadcast_to(valid_row & reads, (8, T))
     qk = tiles.row8(qbar).astype(kdt)
@@ -627,8 +647,9 @@ def main_backward(f: Frame, dy: Dyadic, a: dict, bank: dict, do: Array, o: Array
       shapes.append(_tok_shape(f, dims[n], dtypes[n]))
     else:
       dim = f.d if n == "dhk" else f.dv
-      out_specs.append(pl.BlockSpec((None, None, dy.high, dim), lambda b, h, g: (b * f.heads + h, g, 0, 0)))
-      shapes.append(jax.ShapeDtypeStruct((f.batch * f.heads, f.rows, dy.high, dim), F32))
+      out_specs.append(pl.BlockSpec((None, None, dy.high_rows, dim),
+                                    lambda b, h, g: (b * f.heads + h, g, 0, 0)))
+      shapes.append(jax.ShapeDtypeStruct((f.batch * f.heads, f.rows, dy.high_rows, dim), F32))
   kernel = functools.partial(_main_backward_kernel, f=f, dy=dy, names=tuple(ins + outs))
   res = _call(f, kernel, "combiner_dyadic_bwd", grid=(f.batch, f.heads, f.rows), in_specs=specs,
               out_specs=out_specs, out_shape=shapes)(*args)
@@ -639,7 +660,7 @@ def spans_backward(f: Frame, dy: Dyadic, a: dict, bank: dict, main: dict) -> dic
   ins, specs = _spans_inputs(f, dy, a)
   args = [a[n] for n in ins]
   ins += ["dhk", "dhv"]
-  specs += [_full(f, (f.rows, dy.high, f.d)), _full(f, (f.rows, dy.high, f.dv))]
+  specs += [_full(f, (f.rows, dy.high_rows, f.d)), _full(f, (f.rows, dy.high_rows, f.dv))]
   args += [main["dhk"], main["dhv"]]
   rows = ["kbar", "vt", "stats"] + ([] if dy.pooling is None else ["qbar"])
   dims = {"kbar": f.d, "vt": f.dv, "stats": STATS, "qbar": f.d, "dqbar": f.d, "dkbar": f.d, "dvt": f.dv,

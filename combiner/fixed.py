@@ -8,9 +8,8 @@ import jax.numpy as jnp
 
 from attention_core import contract
 from attention_core.blocks import from_grid, num_blocks, to_grid
-from attention_core.combine import Piece, attend, joint_softmax, weighted_sum
-from combiner import common, flash, fused, selected
-from combiner import pooling as pool_ops
+from attention_core.combine import Piece, joint_softmax, weighted_sum
+from combiner import common, kernel_plans, selected
 
 Array = Any
 
@@ -39,21 +38,6 @@ def other_block_valid(blocks: int, causal: bool) -> Array:
   return (n[None, :] < n[:, None]) if causal else (n[None, :] != n[:, None])
 
 
-def span_summaries(pqb: Array, pkb: Array, kb: Array, vb: Array, mb: Array, scale: float,
-                   pooling: str) -> tuple[Array, Array, Array]:
-  """Span abstractions, one per block, and their in-span expectations (independent of the query).
-
-  pqb, pkb, kb: [batch, heads, blocks, size, dim]; vb: [..., value_dim]; mb: [batch, 1, blocks, size].
-  Returns k_bar [batch, heads, blocks, dim], nonempty [batch, 1, blocks] and
-  v_tilde [batch, heads, blocks, value_dim].
-  """
-  k_bar, nonempty = pool_ops.pool(pkb, mb, axis=3, kind=pooling)
-  q_bar, _ = pool_ops.pool(pqb, mb, axis=3, kind=pooling)
-  span_logits = jnp.einsum("bhrd,bhrkd->bhrk", q_bar, kb) * scale  # [batch, heads, blocks, size]
-  v_tilde = attend(span_logits, mb, vb, "bhrk,bhrkd->bhrd")
-  return k_bar, nonempty, v_tilde
-
-
 @common.per_platform
 def fixed(q: Array, k: Array, v: Array, *, block_size: int, causal: bool, mask: Array | None = None,
           pooling: str = "max", pool_q: Array | None = None, pool_k: Array | None = None,
@@ -62,8 +46,8 @@ def fixed(q: Array, k: Array, v: Array, *, block_size: int, causal: bool, mask: 
 
   D_i = own block ∩ Ω_i; spans = every other block ∩ Ω_i (causal: the blocks before b(i)). Cost
   O(L·(s + L/s)·d), i.e. O(L·sqrt(L)·d) at s ~ sqrt(L).
-  implementation: "xla" (einsums), "pallas" (the fused kernel of `combiner.flash`),
-  "auto" (pallas on GPU/TPU).
+  implementation: "xla" (einsums), "pallas" (the kernels of `combiner.kernel_plans`), "auto" (pallas on
+  GPU/TPU).
   select: beyond the paper, each query's `select` best spans by summary logit are attended exactly in place
   of their summaries (`combiner.selected`; XLA only, its queries in `query_chunks` chunks, None = automatic).
   """
@@ -71,24 +55,23 @@ def fixed(q: Array, k: Array, v: Array, *, block_size: int, causal: bool, mask: 
   select = select and contract.check_positive_int(select, name="select", op=op)  # 0: the paper's plan
   if select and implementation == "pallas":
     raise ValueError(f"{op}: select={select} runs on the XLA path only; use implementation='auto' or 'xla'")
-  x = common.prepare(q, k, v, mask, op=op, causal=causal, pooling=pooling, pool_q=pool_q, pool_k=pool_k,
-                     implementation=None if select else implementation,
-                     heads_last=False if select else flash.packs_heads())
   size = contract.check_positive_int(block_size, name="block_size", op=op)
+  if not select and common.uses_kernels(implementation, op=op):
+    c = common.check(q, k, v, mask, op=op, causal=causal, pooling=pooling, pool_q=pool_q, pool_k=pool_k)
+    return kernel_plans.fixed(*c, size=size, causal=causal, pooling=pooling, platform=contract.backend())
+  x = common.prepare(q, k, v, mask, op=op, causal=causal, pooling=pooling, pool_q=pool_q, pool_k=pool_k)
   if select:
     length = x.q.shape[2]
     blocks = num_blocks(length, size)
     grids = (to_grid(t, blocks, size, 2) for t in (x.pool_q, x.pool_k, x.k, x.v))
-    summaries = span_summaries(*grids, to_grid(x.mask, blocks, size, 1)[:, None], x.scale, pooling)
+    summaries = common.span_summaries(*grids, to_grid(x.mask, blocks, size, 1)[:, None], x.scale, pooling)
     return common.finish(selected.fixed_selected(x, size, causal, select, *summaries, query_chunks), x)
-  if x.kernel_dtype is not None:
-    return fused.fixed(x, size, causal, pooling)
   length = x.q.shape[2]
   blocks = num_blocks(length, size)
   qb, kb, vb, pqb, pkb = (to_grid(t, blocks, size, 2) for t in (x.q, x.k, x.v, x.pool_q, x.pool_k))
   mb = to_grid(x.mask, blocks, size, 1)[:, None]  # [batch, 1, blocks, size]
 
-  k_bar, nonempty, v_tilde = span_summaries(pqb, pkb, kb, vb, mb, x.scale, pooling)
+  k_bar, v_tilde, nonempty = common.span_summaries(pqb, pkb, kb, vb, mb, x.scale, pooling)
   direct = block_direct_piece(qb, kb, vb, mb, x.scale, causal)
   logits = jnp.einsum("bhnqd,bhrd->bhnqr", qb, k_bar) * x.scale  # [batch, heads, blocks, size, blocks_r]
   valid = other_block_valid(blocks, causal)[:, None, :] & nonempty[:, :, None, None, :]

@@ -23,7 +23,7 @@ from attention_core import blocks, contract
 from attention_core.combine import joint_softmax
 from attention_core.decode import Cache, finish, keys_piece, make_decoder, token, write, zeros
 from combiner import pooling as pool_ops
-from combiner.common import span_summary
+from combiner.common import span_summaries
 
 Array = Any
 
@@ -56,7 +56,7 @@ def _fixed_step(cache: Cache, q: Array, k: Array, v: Array, position: Any, *, bl
   else:
     cache["pool_q"] = write(cache["pool_q"], x.pool_q, j)
     cache["pool_k"] = write(cache["pool_k"], x.pool_k, j)
-    k_bar, v_tilde, _ = span_summary(cache["pool_k"], cache["pool_q"], cache["k"], cache["v"], valid,
+    k_bar, v_tilde, _ = span_summaries(cache["pool_q"], cache["pool_k"], cache["k"], cache["v"], valid,
                                      x.scale, pooling)
   cache["span_k"], cache["span_v"] = write(cache["span_k"], k_bar, n), write(cache["span_v"], v_tilde, n)
   blocks = cache["span_k"].shape[2]

@@ -14,9 +14,10 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from attention_core import contract
 from attention_core.blocks import from_grid, to_grid
 from attention_core.combine import Piece, joint_softmax, weighted_sum
-from combiner import common, fused
+from combiner import common, kernel_plans
 from combiner.dyadic import flipped, level_summaries
 
 Array = Any
@@ -73,11 +74,12 @@ def logsparse(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None 
   """Combiner-Logsparse. q, k: [batch, length, heads, head_dim]; v: [batch, length, heads, value_dim].
 
   D_i = {i}; spans = the dyadic partition of [0, i) (and of (i, L) when bidirectional). O(L·log L·d).
-  implementation: "xla" (einsums), "pallas" (the kernel of `combiner.flash`) or "auto" (pallas on GPU/TPU).
+  implementation: "xla" (einsums), "pallas" (`combiner.dyadic_kernels`) or "auto" (pallas on GPU/TPU).
   """
   op = "combiner.logsparse"
+  if common.uses_kernels(implementation, op=op):
+    c = common.check(q, k, v, mask, op=op, causal=causal, pooling=pooling, pool_q=pool_q, pool_k=pool_k)
+    return kernel_plans.logsparse(*c, causal=causal, pooling=pooling, platform=contract.backend())
   x = common.prepare(q, k, v, mask, op=op, causal=causal, pooling=pooling, pool_q=pool_q, pool_k=pool_k,
-                     materialize=True, implementation=implementation)
-  if x.kernel_dtype is not None:
-    return fused.logsparse_plan(x, causal, pooling)
+                     materialize=True)
   return common.finish(joint_softmax(logsparse_pieces(x, causal, pooling)), x)

@@ -25,7 +25,7 @@ from attention_core import contract
 from attention_core.combine import Piece, joint_softmax
 from attention_core.decode import Cache, finish, keys_piece, make_decoder, read, token, write, zeros
 from combiner import pooling as pool_ops
-from combiner.common import span_summary
+from combiner.common import span_summaries
 from combiner.dyadic import num_levels
 
 Array = Any
@@ -64,8 +64,8 @@ def _logsparse_step(cache: Cache, q: Array, k: Array, v: Array, position: Any, *
 
       def complete(lk_lv, size=size, lvl=lvl):
         start = jnp.maximum(done - size, 0)
-        block = [read(cache[name], start, size, 2) for name in ("pool_k", "pool_q", "k", "v")]
-        k_bar, v_tilde, _ = span_summary(*block, jnp.ones((size,), bool), x.scale, pooling)
+        block = [read(cache[name], start, size, 2) for name in ("pool_q", "pool_k", "k", "v")]
+        k_bar, v_tilde, _ = span_summaries(*block, jnp.ones((size,), bool), x.scale, pooling)
         return write(lk_lv[0], k_bar, lvl), write(lk_lv[1], v_tilde, lvl)
 
       completes = (done % size == 0) & ((done >> lvl) % 2 == 1)

@@ -7,7 +7,7 @@ from typing import Any
 from attention_core import combine, contract
 from attention_core.blocks import from_grid
 from attention_core.combine import joint_softmax, merge, partial_softmax
-from combiner import common, fused
+from combiner import common, kernel_plans
 from combiner.axial import (
   Grid,
   Rows,
@@ -34,19 +34,20 @@ def mixture(q: Array, k: Array, v: Array, *, row_length: int, causal: bool, mask
     plans).
   normalize="joint": D_i once and both span families under one softmax, as in the authors' released JAX code
     (the two families cover the same keys twice, so this is a different, still row-stochastic, attention).
-  implementation: "xla" (einsums), "pallas" (the fused kernel of `combiner.flash`), "auto" (pallas on
+  implementation: "xla" (einsums), "pallas" (the kernels of `combiner.kernel_plans`), "auto" (pallas on
     GPU/TPU).
   query_chunks (XLA path): run the query rows in this many chunks, one after the other (`common.map_rows`);
     None: as many as keep each chunk's logits within `common.QUERY_CHUNK_BYTES`; 1: one piece.
   """
   op = "combiner.mixture"
-  x = common.prepare(q, k, v, mask, op=op, causal=causal, pooling=pooling, pool_q=pool_q, pool_k=pool_k,
-                     implementation=implementation)
   m = contract.check_positive_int(row_length, name="row_length", op=op)
   contract.check_choice(normalize, name="normalize", allowed=NORMALIZE, op=op)
   common.check_query_chunks(query_chunks, op=op)
-  if x.kernel_dtype is not None:
-    return fused.mixture(x, m, causal, pooling, normalize)
+  if common.uses_kernels(implementation, op=op):
+    c = common.check(q, k, v, mask, op=op, causal=causal, pooling=pooling, pool_q=pool_q, pool_k=pool_k)
+    return kernel_plans.axial(*c, row_length=m, direction="mixture", normalize=normalize, causal=causal,
+                              pooling=pooling, platform=contract.backend())
+  x = common.prepare(q, k, v, mask, op=op, causal=causal, pooling=pooling, pool_q=pool_q, pool_k=pool_k)
   g = Grid(x, m)
   chunks = g.chunks(query_chunks, op)
   horizontal_sums = horizontal_summaries(g, pooling, chunks)

@@ -349,7 +349,7 @@ def _construct(f: Frame, p: Pass, R: dict, g: Array) -> None:
   valid_col = tiles.column(valid_row) > 0  # [glen, 1]
   if c.kind == "last":
     last = f.span - 1
-    ok = valid_col[last:last + 1]
+    ok = tiles.take_row(valid_col.astype(F32), last) > 0
     R["kbar_row"][...] = jnp.where(ok, R["k"][last:last + 1, :].astype(F32), 0.0)
     R["vt_row"][...] = jnp.where(ok, R["v"][last:last + 1, :].astype(F32), 0.0)
     return
@@ -357,7 +357,7 @@ def _construct(f: Frame, p: Pass, R: dict, g: Array) -> None:
   vt, _ = _span_softmax(f, p, R, g, queries, True)
   if c.kind == "block":
     R["kbar_row"][...] = kbar
-    R["vt_row"][...] = vt[0:1]
+    R["vt_row"][...] = tiles.take_row(vt, 0)
   elif c.kind == "own":
     if kbar is not None:
       R["kbar_row"][...] = kbar
@@ -453,55 +453,61 @@ def forward_kernel(*refs, f: Frame, p: Pass, names: tuple, bank_rows: int) -> No
     _attend(f, p, R, g, bank_rows)
 
 
-def _grad_tile(f: Frame, p: Pass, R: dict, g: Array, sources: list, acc: dict, i: int, qs: int) -> Array:
-  """One query tile's gradients: returns its dq [t, d]; adds the keys' into their accumulators."""
-  t = p.tile(f)
-  q, do = R["q"][qs:qs + t, :], R["do"][qs:qs + t, :]
-  delta = jnp.sum(do.astype(F32) * R["o_fin"][qs:qs + t, :].astype(F32), axis=1, keepdims=True)
-  lse = tiles.column(R["lse_fin"][:, qs:qs + t])
-  qid = qs + lax.broadcasted_iota(jnp.int32, (t, 1), 0)
-  dq = jnp.zeros((t, f.d), F32)
-  for name, kref, vref, n, kt, rule, kind, valid in sources:
-    dk_ref, dv_ref = acc[name]
-
-    def body(j, dq, kref=kref, vref=vref, kt=kt, rule=rule, kind=kind, valid=valid, dk_ref=dk_ref,
-             dv_ref=dv_ref):
-      s = _start(j, kt)
-      kid = s + lax.broadcasted_iota(jnp.int32, (1, kt), 1)
-      vis = _visible(rule, kind, qid, g, kid, valid(s, kt))
-      k = kref[pl.ds(s, kt), :]
-      pr, ds = tiles.grads(q, do, k, vref[pl.ds(s, kt), :], vis, lse, delta, f.scale)
-      dk_ref[pl.ds(s, kt), :] += tiles.dot(ds.astype(q.dtype), q, ta=True) * f.scale
-      dv_ref[pl.ds(s, kt), :] += tiles.dot(pr.astype(q.dtype), do.astype(q.dtype), ta=True)
-      return dq + tiles.dot(ds.astype(q.dtype), tiles.finite(k).astype(q.dtype)) * f.scale
-
-    dq = _loop(_tiles_for(rule, kind, i, n, kt, g), body, dq)
-  return dq
+def _stack(tiles_: list[Array]) -> Array:
+  """Tiles stacked along rows by two-way concatenations (Triton concatenates two arrays at a time)."""
+  while len(tiles_) > 1:
+    tiles_ = [jnp.concatenate(tiles_[i:i + 2], axis=0) if i + 1 < len(tiles_) else tiles_[i]
+              for i in range(0, len(tiles_), 2)]
+  return tiles_[0]
 
 
-def _attend_backward(f: Frame, p: Pass, R: dict, g: Array, bank_rows: int) -> None:
-  """The attention's gradients: dq tiles into acc_dq, the own keys' into acc_dk/acc_dv, the summaries' into
-  acc_xdk/acc_xdv (per position) or their outputs (shared rows)."""
+def _attend_backward(f: Frame, p: Pass, R: dict, g: Array, bank_rows: int) -> dict[str, Any]:
+  """The attention's gradients as values: dq [glen, d] and, per source, the gradients of its keys and values
+  ({name: (dk, dv)}, the group's own and per-position summaries [glen, .], the shared rows [n, .]).
+  The group's tiles run in static loops: its key tiles' gradients accumulate as values, no scratch."""
   glen, t = p.glen(f), p.tile(f)
-  acc = {"own": (R["acc_dk"], R["acc_dv"]),
-         "extra": (_Rows(R["dxk_bank"]) if p.extra_bank_keys else R.get("acc_xdk"), R.get("acc_xdv")),
-         "bank": (_Rows(R["dbk"]), _Rows(R["dbv"])) if p.bank else None}
+  n = glen // t
   sources = _sources(f, p, R, g, bank_rows)
-  for i in range(glen // t):  # query tiles (a group holds a few)
-    R["acc_dq"][i * t:(i + 1) * t, :] = _grad_tile(f, p, R, g, sources, acc, i, i * t)
+  key_grads = {name: [[jnp.zeros((kt, f.d), F32), jnp.zeros((kt, f.dv), F32)] for _ in range(num // kt)]
+               for name, _, _, num, kt, *_ in sources}
+  dq_tiles = []
+  for i in range(n):
+    qs = i * t
+    q, do = R["q"][qs:qs + t, :], R["do"][qs:qs + t, :]
+    delta = jnp.sum(do.astype(F32) * R["o_fin"][qs:qs + t, :].astype(F32), axis=1, keepdims=True)
+    lse = tiles.column(R["lse_fin"][:, qs:qs + t])
+    qid = qs + lax.broadcasted_iota(jnp.int32, (t, 1), 0)
+    dq = jnp.zeros((t, f.d), F32)
+    for name, kref, vref, num, kt, rule, kind, valid in sources:
+      causal = kind == "local" and rule in ("le", "lt", "eq")
+      for j in range(min(num // kt, i + 1) if causal else num // kt):
+        s = j * kt
+        kid = s + lax.broadcasted_iota(jnp.int32, (1, kt), 1)
+        vis = _visible(rule, kind, qid, g, kid, valid(s, kt))
+        k = kref[s:s + kt, :]
+        pr, ds = tiles.grads(q, do, k, vref[s:s + kt, :], vis, lse, delta, f.scale)
+        acc = key_grads[name][j]
+        acc[0] = acc[0] + tiles.dot(ds.astype(q.dtype), q, ta=True) * f.scale
+        acc[1] = acc[1] + tiles.dot(pr.astype(q.dtype), do.astype(q.dtype), ta=True)
+        dq = dq + tiles.dot(ds.astype(q.dtype), tiles.finite(k).astype(q.dtype)) * f.scale
+    dq_tiles.append(dq)
+  out = {"dq": _stack(dq_tiles)}
+  for name, grads in key_grads.items():
+    out[name] = (_stack([a for a, _ in grads]), _stack([b for _, b in grads]))
+  return out
 
 
-def _construct_backward(f: Frame, p: Pass, R: dict, g: Array) -> tuple[Array, Array] | None:
-  """The construction's gradients, added to acc_dq/acc_dk/acc_dv; returns (d pool_q, d pool_k) [glen, d]
-  for DeepSets pools (their own arrays), else adds them to dq and dk and returns None."""
+def _construct_backward(f: Frame, p: Pass, R: dict, g: Array) -> dict[str, Array]:
+  """The construction's gradients as values [glen, .]: "dq", "dk", "dv" (added to the group's) and "dpq",
+  "dpk" (to the pools: q and k themselves unless DeepSets)."""
   c, glen = p.construct, p.glen(f)
   valid_row = _key_valid(f, p, R, g, 0, glen)
   valid_col = tiles.column(valid_row) > 0
+  zero_d = jnp.zeros((glen, f.d), F32)
   if c.kind == "last":
     at = (lax.broadcasted_iota(jnp.int32, (glen, 1), 0) == f.span - 1) & valid_col
-    R["acc_dk"][...] += jnp.where(at, R["dkbar_row"][...], 0.0)
-    R["acc_dv"][...] += jnp.where(at, R["dvt_row"][...], 0.0)
-    return None
+    return {"dq": zero_d, "dk": jnp.where(at, R["dkbar_row"][...], 0.0),
+            "dv": jnp.where(at, R["dvt_row"][...], 0.0), "dpq": zero_d, "dpk": zero_d}
   queries, qcnt, kbar, kcnt = _pooled(f, p, R, valid_col)
   if c.kind == "block":  # one pooled query, padded to 8 rows: only row 0 carries a gradient
     first = lax.broadcasted_iota(jnp.int32, (8, 1), 0) == 0
@@ -517,84 +523,83 @@ def _construct_backward(f: Frame, p: Pass, R: dict, g: Array) -> tuple[Array, Ar
   qid = lax.broadcasted_iota(jnp.int32, (nq, 1), 0)
   t = min(p.tile(f), glen)
   dqbar = jnp.zeros((nq, f.d), F32)
+  dks, dvs = [], []
   for j in range(glen // t):  # key tiles
     s = j * t
     kid = s + lax.broadcasted_iota(jnp.int32, (1, t), 1)
     rule = tiles.visible(c.rule, qid, kid)
-    vis = valid_row[:, s:s + t] if rule is None else valid_row[:, s:s + t] & rule
+    ok = _key_valid(f, p, R, g, s, t)
     k = R["k"][s:s + t, :]
-    pr, ds = tiles.grads(qk, dvt, k, R["v"][s:s + t, :], vis, lse, delta, f.scale)
+    pr, ds = tiles.grads(qk, dvt, k, R["v"][s:s + t, :], ok if rule is None else ok & rule, lse, delta,
+                         f.scale)
     dqbar = dqbar + tiles.dot(ds.astype(qk.dtype), tiles.finite(k).astype(qk.dtype)) * f.scale
-    R["acc_dk"][s:s + t, :] += tiles.dot(ds.astype(qk.dtype), qk, ta=True) * f.scale
-    R["acc_dv"][s:s + t, :] += tiles.dot(pr.astype(qk.dtype), dvt.astype(qk.dtype), ta=True)
+    dks.append(tiles.dot(ds.astype(qk.dtype), qk, ta=True) * f.scale)
+    dvs.append(tiles.dot(pr.astype(qk.dtype), dvt.astype(qk.dtype), ta=True))
+  out = {"dq": zero_d, "dk": _stack(dks), "dv": _stack(dvs)}
   pq = (R["pool_q"] if c.pools else R["q"])[...].astype(F32)
   pk = (R["pool_k"] if c.pools else R["k"])[...].astype(F32)
-  dpk = None
   if c.kind == "block":
-    dpq = tiles.route_block(pq, valid_col, c.pooling, queries[0:1], qcnt, dqbar[0:1])
-    dpk = tiles.route_block(pk, valid_col, c.pooling, kbar, kcnt, dkbar)
+    out["dpq"] = tiles.route_block(pq, valid_col, c.pooling, tiles.take_row(queries, 0), qcnt,
+                                   tiles.take_row(dqbar, 0))
+    out["dpk"] = tiles.route_block(pk, valid_col, c.pooling, kbar, kcnt, dkbar)
   elif c.kind == "prefix":
-    dpq = tiles.route_prefix(pq, valid_col, c.pooling, qcnt, dqbar, f.platform)
-    dpk = tiles.route_prefix(pk, valid_col, c.pooling, kcnt, dkbar, f.platform)
+    out["dpq"] = tiles.route_prefix(pq, valid_col, c.pooling, qcnt, dqbar, f.platform)
+    out["dpk"] = tiles.route_prefix(pk, valid_col, c.pooling, kcnt, dkbar, f.platform)
   elif c.kind == "all_but_one":
-    dpq = tiles.route_all_but_one(pq, valid_col, c.pooling, qcnt, dqbar)
-    dpk = tiles.route_all_but_one(pk, valid_col, c.pooling, kcnt, dkbar)
+    out["dpq"] = tiles.route_all_but_one(pq, valid_col, c.pooling, qcnt, dqbar)
+    out["dpk"] = tiles.route_all_but_one(pk, valid_col, c.pooling, kcnt, dkbar)
   else:  # own: a real position's query is its own; masked ones take the group's pooled query
-    R["acc_dq"][...] += jnp.where(valid_col, dqbar, 0.0)
+    out["dq"] = jnp.where(valid_col, dqbar, 0.0)
     qbar, _ = tiles.pool_block(pq, valid_col, c.pooling)
     to_pool = jnp.sum(jnp.where(valid_col, 0.0, dqbar), axis=0, keepdims=True)
-    dpq = tiles.route_block(pq, valid_col, c.pooling, qbar, qcnt, to_pool)
-    if not c.given_keys:
-      dpk = tiles.route_block(pk, valid_col, c.pooling, kbar, kcnt, dkbar)
-  if dpk is None:
-    dpk = jnp.zeros_like(dpq)
-  if c.pools:
-    return dpq, dpk
-  R["acc_dq"][...] += dpq
-  R["acc_dk"][...] += dpk
-  return None
+    out["dpq"] = tiles.route_block(pq, valid_col, c.pooling, qbar, qcnt, to_pool)
+    out["dpk"] = zero_d if c.given_keys else tiles.route_block(pk, valid_col, c.pooling, kbar, kcnt, dkbar)
+  return out
 
 
 def backward_kernel(*refs, f: Frame, p: Pass, names: tuple, bank_rows: int) -> None:
   R = dict(zip(names, refs, strict=True))
   g = pl.program_id(2)
-  for n in ("acc_dq", "acc_dk", "acc_dv", "acc_xdk", "acc_xdv"):
-    if n in R:
-      R[n][...] = jnp.zeros_like(R[n])
+  glen = p.glen(f)
+  dq, dk, dv = jnp.zeros((glen, f.d), F32), jnp.zeros((glen, f.d), F32), jnp.zeros((glen, f.dv), F32)
+  dpq = dpk = jnp.zeros((glen, f.d), F32)
   if p.attend:
-    _zero_accumulators(f, p, R, g)
-    _attend_backward(f, p, R, g, bank_rows)
+    a = _attend_backward(f, p, R, g, bank_rows)
+    dq = a["dq"]
+    if p.own:
+      dk, dv = dk + a["own"][0], dv + a["own"][1]
     if p.extra:
-      if not p.extra_bank_keys:
-        R["dxk"][...] = R["acc_xdk"][...].astype(R["dxk"].dtype)
-      R["dxv"][...] = R["acc_xdv"][...].astype(R["dxv"].dtype)
-  pools = _construct_backward(f, p, R, g) if p.construct is not None else None
-  for n, acc in (("dq", "acc_dq"), ("dk", "acc_dk"), ("dv", "acc_dv")):
-    total = R[acc][...]
-    if n + "_in" in R:
-      total = total + R[n + "_in"][...].astype(F32)
-    R[n][...] = total.astype(R[n].dtype)
-  if pools is not None:
-    for n, x in zip(("dpq", "dpk"), pools, strict=True):
+      if p.extra_bank_keys:
+        _add_shared(f, R, "dxk_bank", a["extra"][0], g)
+      else:
+        R["dxk"][...] = a["extra"][0].astype(R["dxk"].dtype)
+      R["dxv"][...] = a["extra"][1].astype(R["dxv"].dtype)
+    if p.bank:
+      _add_shared(f, R, "dbk", a["bank"][0], g)
+      _add_shared(f, R, "dbv", a["bank"][1], g)
+  if p.construct is not None:
+    c = _construct_backward(f, p, R, g)
+    dq, dk, dv, dpq, dpk = dq + c["dq"], dk + c["dk"], dv + c["dv"], c["dpq"], c["dpk"]
+    if not p.construct.pools:
+      dq, dk = dq + dpq, dk + dpk
+  for n, x in (("dq", dq), ("dk", dk), ("dv", dv), ("dpq", dpq), ("dpk", dpk)):
+    if n in R:
       if n + "_in" in R:
         x = x + R[n + "_in"][...].astype(F32)
       R[n][...] = x.astype(R[n].dtype)
 
 
-def _zero_accumulators(f: Frame, p: Pass, R: dict, g: Array) -> None:
-  """Gradients of rows shared by all groups: zeroed by the first group when they accumulate in place, by
-  every group when each writes its own partial sums."""
-  names = [n for n in ("dbk", "dbv", "dxk_bank") if n in R]
-  if not names:
-    return
+def _add_shared(f: Frame, R: dict, name: str, x: Array, g: Array) -> None:
+  """Adds a group's gradient [n, dim] of rows shared by every group: in place over the groups where they
+  accumulate (the first group zeroes them), else as the group's own partial sums."""
+  ref = _Rows(R[name])
   if accumulates_banks(f):
     @pl.when(g == 0)
     def _():
-      for n in names:
-        R[n][...] = jnp.zeros_like(R[n])
+      R[name][...] = jnp.zeros_like(R[name])
+    ref[:, :] = ref[:, :] + x
   else:
-    for n in names:
-      R[n][...] = jnp.zeros_like(R[n])
+    ref[:, :] = x
 
 
 # --------------------------------------------------------------------------------------------- the calls
@@ -634,7 +639,7 @@ def backward(f: Frame, p: Pass, args: dict[str, Array], *, dtypes: dict[str, Any
   per-group partial sums [BH, groups, n, dim] where `accumulates_banks` is False)."""
   ins, outs = _names(f, p, backward=True)
   ins = tuple(n for n in ins if not n.endswith("_in") or n in args)
-  bh, glen, groups = f.batch * f.heads, p.glen(f), p.groups(f)
+  bh, groups = f.batch * f.heads, p.groups(f)
   accumulate = accumulates_banks(f) and any(n in outs for n in ("dbk", "dxk_bank"))
   specs, shapes = [], []
   for n in outs:
@@ -650,16 +655,11 @@ def backward(f: Frame, p: Pass, args: dict[str, Array], *, dtypes: dict[str, Any
       dim = f.dv if n in ("dv", "dxv") else f.d
       specs.append(_tok_spec(f, p, dim))
       shapes.append(tok_shape(f, p, dim, dtypes[n]))
-  scratch = [("acc_dq", f.d), ("acc_dk", f.d), ("acc_dv", f.dv)]
-  if p.attend and p.extra:
-    scratch += [("acc_xdk", f.d), ("acc_xdv", f.dv)]
   aliases = {ins.index(n): outs.index(n[:-3]) for n in ins if n.endswith("_in")}
-  kernel = functools.partial(backward_kernel, f=f, p=p, names=ins + outs + tuple(n for n, _ in scratch),
-                             bank_rows=bank_rows)
+  kernel = functools.partial(backward_kernel, f=f, p=p, names=ins + outs, bank_rows=bank_rows)
   res = pallas.platform_call(
       kernel, gpu_params=GPU_PARAMS, tpu_params=_params(f, accumulate), platform=f.platform,
       grid=(f.batch, f.heads, groups), in_specs=_in_specs(f, p, ins, bank_rows), out_specs=specs,
-      out_shape=shapes, scratch_shapes=[pltpu.VMEM((glen, dim), F32) for _, dim in scratch],
-      input_output_aliases=aliases, name=f"{name}_bwd",
+      out_shape=shapes, input_output_aliases=aliases, name=f"{name}_bwd",
   )(*(tok_in(f, p, args[n]) if n in TOK_INPUTS else args[n] for n in ins))
   return {n: tok_out(f, p, x) if n in TOK_OUTPUTS else x for n, x in zip(outs, res, strict=True)}

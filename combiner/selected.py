@@ -25,12 +25,12 @@ from combiner import common
 Array = Any
 
 
-def fixed_selected(x: common.Inputs, size: int, causal: bool, select: int, k_bar: Array, nonempty: Array,
-                   v_tilde: Array, query_chunks: int | None = None) -> Array:
+def fixed_selected(x: common.Inputs, size: int, causal: bool, select: int, k_bar: Array, v_tilde: Array,
+                   nonempty: Array, query_chunks: int | None = None) -> Array:
   """Combiner-Fixed over `x` (head-major, `common.prepare`) with each query's `select` best spans exact.
 
-  k_bar [batch, heads, blocks, d], nonempty [batch, 1, blocks], v_tilde [batch, heads, blocks, e]: the span
-  summaries of `combiner.fixed.span_summaries`. Returns [batch, heads, length, value_dim] in the softmax
+  k_bar [batch, heads, blocks, d], v_tilde [batch, heads, blocks, e], nonempty [batch, 1, blocks]: the span
+  summaries of `combiner.common.span_summaries`. Returns [batch, heads, length, value_dim] in the softmax
   dtype (`common.finish` makes the contract's)."""
   batch, heads, length, head_dim = x.q.shape
   value_dim = x.v.shape[-1]

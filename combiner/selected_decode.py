@@ -29,8 +29,8 @@ from attention_core.combine import Piece, joint_softmax, weighted_sum
 from attention_core.decode import Cache, Decoder, finish, read, token, write, zeros
 from attention_core.selection import choose
 from combiner import pooling as pool_ops
-from combiner.common import span_summary
-from combiner.fixed import SELECT, span_summaries
+from combiner.common import span_summaries
+from combiner.fixed import SELECT
 
 Array = Any
 OP = "combiner.fixed"
@@ -73,7 +73,7 @@ def step(cache: Cache, q: Array, k: Array, v: Array, position: Any, *, block_siz
   own_k = read(cache["k"], n, 1, axis=2)[:, :, 0]  # [batch, heads, size, head_dim]
   own_v = read(cache["v"], n, 1, axis=2)[:, :, 0]  # [batch, heads, size, value_dim]
   valid = jnp.arange(size) <= j  # [size]: the own block up to and including the token
-  k_bar, v_tilde, _ = span_summary(cache["pool_k"], cache["pool_q"], own_k, own_v, valid, x.scale, pooling)
+  k_bar, v_tilde, _ = span_summaries(cache["pool_q"], cache["pool_k"], own_k, own_v, valid, x.scale, pooling)
   cache["span_k"], cache["span_v"] = write(cache["span_k"], k_bar, n), write(cache["span_v"], v_tilde, n)
 
   qs = x.q * x.scale  # [batch, heads, head_dim], scaled as the forward pass scales its queries
@@ -123,7 +123,7 @@ def prefill(cache: Cache, q: Array, k: Array, v: Array, *, block_size: Any, sele
   pooled = (q if pool_q is None else pool_q, k if pool_k is None else pool_k)
   kb, vb, pqb, pkb = (grid(x) for x in (k, v, *pooled))
   mb = (jnp.arange(num * size) < length).reshape(1, 1, num, size)  # [1, 1, num, size]: the prompt's tokens
-  k_bar, _, v_tilde = span_summaries(pqb, pkb, kb, vb, mb, scale, pooling)  # [batch, heads, num, dim]
+  k_bar, v_tilde, _ = span_summaries(pqb, pkb, kb, vb, mb, scale, pooling)  # [batch, heads, num, dim]
   zero = jnp.zeros((), jnp.int32)
   cache = dict(cache)
   cache["k"] = jax.lax.dynamic_update_slice(cache["k"], kb, (zero,) * 5)

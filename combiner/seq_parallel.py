@@ -28,7 +28,8 @@ import jax.numpy as jnp
 
 from attention_core import blocks, contract, sharding
 from attention_core.combine import Piece, joint_softmax
-from combiner.fixed import block_direct_piece, span_summaries
+from combiner.common import span_summaries
+from combiner.fixed import block_direct_piece
 from combiner.pooling import POOLINGS
 
 Array = Any
@@ -92,14 +93,14 @@ def _blocks(plan: _Plan, x: Array) -> Array:
 
 
 def _summaries(plan: _Plan, q: Array, k: Array, v: Array, m: Array, *pooled: Array) -> tuple[Array, ...]:
-  """Span summaries of a run of whole blocks: k_bar [b, h, n, d], nonempty [b, 1, n], v_tilde [b, h, n, dv].
+  """Span summaries of a run of whole blocks: k_bar [b, h, n, d], v_tilde [b, h, n, dv], nonempty [b, 1, n].
   """
   given = dict(zip(plan.pools, pooled, strict=True))
   kb = _blocks(plan, k)
   if plan.pooling is None:  # sparse: each block's summary position, its last (masked keys zeroed)
     last = blocks.to_grid(m, m.shape[1] // plan.size, plan.size, 1)[:, None, :, -1]  # [batch, 1, n]
     k_sum, v_sum = (jnp.where(last[..., None], t[:, :, :, -1], 0) for t in (kb, _blocks(plan, v)))
-    return k_sum, last, v_sum  # [batch, heads, n, dim], [batch, 1, n], [batch, heads, n, value_dim]
+    return k_sum, v_sum, last  # [batch, heads, n, dim], [batch, heads, n, value_dim], [batch, 1, n]
   pkb = _blocks(plan, given["pool_k"]) if "pool_k" in given else kb
   mb = blocks.to_grid(m, m.shape[1] // plan.size, plan.size, 1)[:, None]  # [batch, 1, n, size]
   return span_summaries(_blocks(plan, given.get("pool_q", q)), pkb, kb, _blocks(plan, v), mb, plan.scale,
@@ -129,14 +130,14 @@ def _forward(plan: _Plan, q: Array, k: Array, v: Array, m: Array, *pooled: Array
   """One device's run [batch, local_length, heads, dim] -> its output, and the gathered summaries."""
   batch, length, heads, _ = q.shape
   n_blocks = length // plan.size
-  init = (jnp.zeros((batch, heads, n_blocks, k.shape[-1]), plan.dtype), jnp.zeros((batch, 1, n_blocks), bool),
-          jnp.zeros((batch, heads, n_blocks, v.shape[-1]), plan.dtype))
+  init = (jnp.zeros((batch, heads, n_blocks, k.shape[-1]), plan.dtype),
+          jnp.zeros((batch, heads, n_blocks, v.shape[-1]), plan.dtype), jnp.zeros((batch, 1, n_blocks), bool))
 
   def summarize(start, acc, *xs):
     new = _summaries(plan, *(_slice(x, start, plan.chunk) for x in xs))
     return tuple(_put(a, y, start // plan.size, axis=2) for a, y in zip(acc, new, strict=True))
 
-  k_bar, nonempty, v_tilde = _loop(summarize, length, plan.chunk, init, (q, k, v, m, *pooled))
+  k_bar, v_tilde, nonempty = _loop(summarize, length, plan.chunk, init, (q, k, v, m, *pooled))
   # The only communication: every block's summary, L / block_size rows per head.
   k_all, ne_all, v_all = (jax.lax.all_gather(y, plan.axis, axis=2, tiled=True)
                           for y in (k_bar, nonempty, v_tilde))
@@ -191,7 +192,7 @@ def _local_bwd(plan: _Plan, res: tuple, g: Array) -> tuple:
     m_c = _slice(m, start, chunk)
 
     def f(*xs):
-      k_bar, _, v_tilde = _summaries(plan, *xs[:3], m_c, *xs[3:])
+      k_bar, v_tilde, _ = _summaries(plan, *xs[:3], m_c, *xs[3:])
       return k_bar, v_tilde
 
     _, vjp = jax.vjp(f, *(_slice(x, start, chunk) for x in xs))

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from attention_core import contract
 from attention_core.blocks import from_grid, num_blocks, to_grid
 from attention_core.combine import Piece, joint_softmax, weighted_sum
-from combiner import common, flash, fused
+from combiner import common, kernel_plans
 from combiner.axial import Grid, Rows, column_piece, row_piece
 from combiner.fixed import block_direct_piece, other_block_valid
 from combiner.logsparse import logsparse_pieces
@@ -27,11 +27,11 @@ def fixed(q: Array, k: Array, v: Array, *, block_size: int, causal: bool, mask: 
           implementation: str = "auto") -> Array:
   """Sparse Transformer "fixed": own block ∩ Ω_i plus the summary positions {j in Ω_i : j mod s = s-1}."""
   op = "sparse.fixed"
-  x = common.prepare(q, k, v, mask, op=op, causal=causal, implementation=implementation,
-                     heads_last=flash.packs_heads())
   size = contract.check_positive_int(block_size, name="block_size", op=op)
-  if x.kernel_dtype is not None:
-    return fused.fixed(x, size, causal, None)
+  if common.uses_kernels(implementation, op=op):
+    c = common.check(q, k, v, mask, op=op, causal=causal)
+    return kernel_plans.fixed(*c, size=size, causal=causal, pooling=None, platform=contract.backend())
+  x = common.prepare(q, k, v, mask, op=op, causal=causal)
   length = x.q.shape[2]
   blocks = num_blocks(length, size)
   qb, kb, vb = (to_grid(t, blocks, size, 2) for t in (x.q, x.k, x.v))  # [batch, heads, blocks, size, dim]
@@ -52,9 +52,10 @@ def logsparse(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None 
   """LogSparse: {i} plus the last position of each dyadic span of [0, i) (mirrored for (i, L) if
   bidirectional)."""
   op = "sparse.logsparse"
-  x = common.prepare(q, k, v, mask, op=op, causal=causal, implementation=implementation)
-  if x.kernel_dtype is not None:
-    return fused.logsparse_plan(x, causal, None)
+  if common.uses_kernels(implementation, op=op):
+    c = common.check(q, k, v, mask, op=op, causal=causal)
+    return kernel_plans.logsparse(*c, causal=causal, pooling=None, platform=contract.backend())
+  x = common.prepare(q, k, v, mask, op=op, causal=causal)
   return common.finish(joint_softmax(logsparse_pieces(x, causal, None)), x)
 
 
@@ -65,11 +66,13 @@ def axial(q: Array, k: Array, v: Array, *, row_length: int, causal: bool, mask: 
 
   query_chunks (XLA path): as in `combiner.axial`."""
   op = "sparse.axial"
-  x = common.prepare(q, k, v, mask, op=op, causal=causal, implementation=implementation)
   m = contract.check_positive_int(row_length, name="row_length", op=op)
   common.check_query_chunks(query_chunks, op=op)
-  if x.kernel_dtype is not None:
-    return fused.axial(x, m, None, causal, "max")
+  if common.uses_kernels(implementation, op=op):
+    c = common.check(q, k, v, mask, op=op, causal=causal)
+    return kernel_plans.axial(*c, row_length=m, direction=None, causal=causal, pooling="max",
+                              platform=contract.backend())
+  x = common.prepare(q, k, v, mask, op=op, causal=causal)
   g = Grid(x, m)
 
   def attention(r: Rows) -> Array:  # [batch, heads, n, cols, value_dim]

@@ -40,7 +40,7 @@ def finite(x: Array) -> Array:
 def poisoned(k: Array, v: Array) -> Array:
   """Keys [bk, d] whose value row [bk, dv] holds a non-finite entry set to NaN: their logits turn NaN for
   exactly the queries that see them."""
-  bad = jnp.any(~jnp.isfinite(v.astype(F32)), axis=1, keepdims=True)  # [bk, 1]
+  bad = jnp.max(jnp.where(jnp.isfinite(v.astype(F32)), 0.0, 1.0), axis=1, keepdims=True) > 0  # [bk, 1]
   return jnp.where(bad, jnp.asarray(jnp.nan, k.dtype), k)
 
 
@@ -60,6 +60,18 @@ def visible(rule: str, qid: Array, kid: Array) -> Array | None:
 def column(row: Array) -> Array:
   """[1, n] -> [n, 1] (per-query statistics are stored lane-dense, used as columns)."""
   return row.astype(F32).T
+
+
+def take_row(x: Array, i: int) -> Array:
+  """Row i [1, w] of x [n, w] (a masked sum: Triton has no slices of values)."""
+  rows = lax.broadcasted_iota(jnp.int32, x.shape, 0)
+  return jnp.sum(jnp.where(rows == i, x, jnp.zeros_like(x)), axis=0, keepdims=True)
+
+
+def take_lane(x: Array, i: int) -> Array:
+  """Column i [n, 1] of x [n, w]."""
+  lanes = lax.broadcasted_iota(jnp.int32, x.shape, 1)
+  return jnp.sum(jnp.where(lanes == i, x, jnp.zeros_like(x)), axis=1, keepdims=True)
 
 
 def row8(x: Array) -> Array:
@@ -102,8 +114,8 @@ def merge_partial(st: Online, o: Array, lse: Array) -> Online:
 
 
 def finish(st: Online) -> tuple[Array, Array]:
-  """(out [bq, dv] float32, 0 for a query that sees no key; lse [bq, 1], -inf there)."""
-  ok = st.den > 0
+  """(out [bq, dv] float32, 0 for a query that sees no key; lse [bq, 1], -inf there; NaN stays NaN)."""
+  ok = st.den != 0
   safe = jnp.where(ok, st.den, 1.0)
   return st.acc / safe, jnp.where(ok, st.m + jnp.log(safe), NEG)
 
@@ -186,19 +198,24 @@ def _first_hit(hit: Array, n: int) -> Array:
   return rows == first
 
 
-def roll_rows(x: Array, k: int, platform: str) -> Array:
-  """jnp.roll(x, k, axis=0): a sublane rotation on TPU (32-bit data), a plain roll elsewhere."""
-  if platform == "tpu":
-    return pltpu.roll(x, k % x.shape[0], 0)
-  return jnp.roll(x, k, axis=0)
-
-
 def _shift(x: Array, k: int, fill: Any, platform: str) -> Array:
-  """Row j takes x[j - k] (k > 0: down) or x[j + |k|] (k < 0: up); rows shifted in from outside are fill."""
+  """Row j takes x[j - k] (k > 0: down) or x[j + |k|] (k < 0: up); rows shifted in from outside are fill.
+  A sublane rotation on TPU; elsewhere a 0/1 shift matrix times x in float32 (exact: one term per row;
+  non-finite entries ride through a finite stand-in), as Triton has neither rotations nor slices."""
   n = x.shape[0]
   rows = lax.broadcasted_iota(jnp.int32, x.shape, 0)
   inside = (rows >= k) if k > 0 else (rows < n + k)
-  return jnp.where(inside, roll_rows(x, k, platform), fill)
+  if platform == "tpu":
+    return jnp.where(inside, pltpu.roll(x, k % n, 0), fill)
+  src = lax.broadcasted_iota(jnp.int32, (n, n), 1)
+  dst = lax.broadcasted_iota(jnp.int32, (n, n), 0)
+  shift = (src == dst - k).astype(F32)
+  finite = jnp.isfinite(x)
+  code = jnp.where(finite, 0.0, jnp.where(jnp.isnan(x), 3.0, jnp.where(x > 0, 1.0, 2.0)))
+  moved, code = (lax.dot_general(shift, y, (((1,), (0,)), ((), ())), preferred_element_type=F32,
+                                 precision=lax.Precision.HIGHEST) for y in (jnp.where(finite, x, 0.0), code))
+  moved = jnp.where(code == 1, jnp.inf, jnp.where(code == 2, -jnp.inf, jnp.where(code == 3, jnp.nan, moved)))
+  return jnp.where(inside, moved, fill)
 
 
 def _running_max(x: Array, platform: str) -> Array:
@@ -254,5 +271,5 @@ def route_prefix(x: Array, valid: Array, kind: str, cnt: Array, g: Array, platfo
     val = jnp.where(has > 0, val, later)
     has = jnp.maximum(has, later_has)
     k *= 2
-  end = jnp.where(has > 0, val, incl[n - 1:n])
+  end = jnp.where(has > 0, val, take_row(incl, n - 1))
   return jnp.where(record, end - incl, 0.0)

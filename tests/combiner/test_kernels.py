@@ -1,11 +1,12 @@
-"""The Pallas implementation of the Combiner plans equals their XLA one and lowers for TPU and CUDA.
+"""The kernels of the Combiner plans (combiner/kernel_plans.py) equal their XLA plans and lower for TPU and CUDA.
 
 On CPU the kernels run in interpret mode; forward outputs and the gradients of sum(out * cotangent) with
 respect to q, k, v (and pool_q / pool_k) are compared with implementation="xla" in float32, with masks,
-lengths that are not multiples of the block/row size, both directions and both poolings. Interpret-mode
-programs compile slowly, so the fast tests take one configuration per plan family and the slow sweep the
-rest. The lowering tests export the bfloat16 forward and forward+backward programs for platforms=["tpu"]
-(Mosaic) and ["cuda"] (Triton).
+lengths that are not multiples of the block/row size, value_dim != head_dim, both directions and both
+poolings. Interpret-mode programs compile slowly, so the fast tests take one configuration per plan family and
+the slow sweep the rest. The GPU layout (heads packed, summaries' gradients as per-group partial sums) runs
+here too, forced. The lowering tests export the bfloat16 forward and forward+backward programs for
+platforms=["tpu"] (Mosaic) and ["cuda"] (Triton).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import pytest
 
 import combiner
 from attention_core import contract
-from combiner import flash, sparse
+from combiner import kernel_plans, passes, sparse
 
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
 BATCH, HEADS, HEAD_DIM, VALUE_DIM = 2, 2, 8, 5
@@ -77,14 +78,14 @@ def compare(plan, length, size, causal, pooling, deepsets, seed=0):
 
 
 # (plan, length, size, causal, pooling, deepsets): each plan family once, odd lengths, both directions and
-# poolings, DeepSets pools on two of them. The fast run keeps fixed and sparse_fixed; the three most expensive
-# kernels to compile (vertical, the mixture, logsparse) run with -m slow, as does the sweep below.
+# poolings, DeepSets pools on some. The fast run keeps one case per kernel family; the sweep, with -m slow, the
+# rest.
 CASES = (
     ("fixed", 13, 4, True, "max", False),
     ("sparse_fixed", 13, 4, False, None, False),
-    pytest.param("axial_vertical", 11, 4, True, "mean", True, marks=pytest.mark.slow),
-    pytest.param("mixture_mean", 11, 3, False, "max", False, marks=pytest.mark.slow),
-    pytest.param("logsparse", 13, None, False, "max", True, marks=pytest.mark.slow),
+    ("axial_vertical", 11, 4, True, "mean", True),
+    ("mixture_joint", 14, 3, False, "max", False),
+    ("logsparse", 13, None, False, "max", True),
 )
 SWEEP_CASES = (
     ("fixed", 21, 5, False, "mean", True),
@@ -96,11 +97,11 @@ SWEEP_CASES = (
     ("axial_horizontal", 14, 3, False, "mean", False),
     ("sparse_axial", 11, 4, True, None, False),
     ("sparse_axial", 14, 3, False, None, False),
+    ("mixture_mean", 11, 3, False, "max", False),
     ("mixture_mean", 14, 4, True, "mean", True),
     ("mixture_joint", 11, 4, True, "max", False),
-    ("mixture_joint", 14, 3, False, "mean", True),
     ("logsparse", 21, None, True, "mean", False),
-    ("logsparse", 40, None, True, "max", False),  # two query groups of 32: levels above the group size
+    ("logsparse", 40, None, True, "max", False),
     ("sparse_logsparse", 13, None, True, None, False),
     ("sparse_logsparse", 21, None, False, None, False),
 )
@@ -117,13 +118,28 @@ def test_pallas_equals_xla_sweep(plan, length, size, causal, pooling, deepsets):
   compare(plan, length, size, causal, pooling, deepsets, seed=1)
 
 
-@pytest.mark.parametrize("plan,causal,pooling,deepsets", [("fixed", True, "mean", True),
-                                                         ("sparse_fixed", False, None, False)])
-def test_heads_packed_layout_equals_xla(monkeypatch, plan, causal, pooling, deepsets):
-  """The layout GPUs run (`flash.packs_heads`: q, k, v, out and their gradients in the contract's layout,
-  heads packed along the last axis), forced on CPU."""
-  monkeypatch.setattr(flash, "packs_heads", lambda: True)
+@pytest.mark.parametrize("plan,causal,pooling,deepsets", [
+    ("fixed", True, "mean", True), ("sparse_fixed", False, None, False),
+    pytest.param("axial_horizontal", False, "max", True, marks=pytest.mark.slow),
+    pytest.param("axial_rowmajor", True, "mean", False, marks=pytest.mark.slow),
+    pytest.param("logsparse", False, "max", True, marks=pytest.mark.slow)])
+def test_gpu_layout_equals_xla(monkeypatch, plan, causal, pooling, deepsets):
+  """The layout GPUs run, forced on CPU: heads-packed frames (a column pass reads strided tiles of the row
+  order) and the gradients of shared summaries as per-group partial sums."""
+  monkeypatch.setattr(kernel_plans, "packs_heads", lambda platform: True)
+  monkeypatch.setattr(kernel_plans, "partial_banks", lambda platform: True)
   compare(plan, 13, 4, causal, pooling, deepsets, seed=4)
+
+
+@pytest.mark.parametrize("length,causal,pooling,deepsets", [
+    (45, True, "max", True), pytest.param(37, False, "mean", False, marks=pytest.mark.slow),
+    pytest.param(70, False, None, False, marks=pytest.mark.slow),
+    pytest.param(130, True, None, False, marks=pytest.mark.slow)])
+def test_logsparse_high_levels_equal_xla(monkeypatch, length, causal, pooling, deepsets):
+  """Logsparse with tiles of 16 positions: the levels above a tile become span rows built over several tiles,
+  read by the tiles of their sibling span (and, bidirectionally, of the reversed sequence)."""
+  monkeypatch.setattr(passes, "TILE", 16)
+  compare("logsparse" if pooling else "sparse_logsparse", length, None, causal, pooling, deepsets, seed=5)
 
 
 def test_fully_masked_rows_and_nan_keys_stay_finite():
@@ -146,7 +162,7 @@ def test_future_nonfinite_values_reach_only_the_queries_that_see_them(monkeypatc
   """A NaN value and an Inf key at a future position leave every earlier output as in the clean run, and the
   later outputs that see them are non-finite exactly where the XLA plan's are (the kernel never multiplies a
   zero weight with them)."""
-  monkeypatch.setattr(flash, "packs_heads", lambda: packed)
+  monkeypatch.setattr(kernel_plans, "packs_heads", lambda platform: packed)
   q, k, v, mask, _, _ = inputs(13, 3, False)
   mask = jnp.ones_like(mask)
   fn = op(plan, size)
@@ -169,16 +185,6 @@ def test_implementation_argument():
   assert contract.resolve_implementation("pallas", op="t") == "pallas"
   with pytest.raises(ValueError, match="'implementation'"):
     contract.check_implementation("pallas", ("auto", "xla", "flash"), op="dense")
-
-
-def test_merge_of_empty_partials_has_finite_gradients():
-  o = jnp.ones((3, 2))
-  lse = jnp.array([0.5, -jnp.inf, -jnp.inf])
-  def f(o1, l1, o2, l2):
-    return jnp.sum(flash.merge([(o1, l1), (o2, l2)])[0])
-  grads = jax.grad(f, argnums=(0, 1, 2, 3))(o, lse, 2 * o, jnp.array([0.0, 1.0, -jnp.inf]))
-  for g in grads:
-    assert np.isfinite(np.asarray(g)).all()
 
 
 # Lowering: the programs an accelerator would compile, at a realistic block/row size of 32 for L = 1024.
@@ -213,14 +219,6 @@ SLOW_LOWERINGS = {("logsparse", "cuda"), ("mixture", "cuda"), ("sparse_logsparse
     for name in sorted(LOWERING_OPS) for platform in ("tpu", "cuda")])
 def test_lowers_for_accelerators(name, platform):
   check_lowering(name, platform)
-
-
-@pytest.mark.all_platforms
-@pytest.mark.parametrize("name", ["fixed", "sparse_fixed"])
-def test_heads_packed_layout_lowers_for_cuda(monkeypatch, name):
-  """The GPU layout: traced here as on a GPU (`flash.packs_heads`), exported for CUDA."""
-  monkeypatch.setattr(flash, "packs_heads", lambda: True)
-  check_lowering(name, "cuda")
 
 
 def check_lowering(name, platform):
@@ -267,36 +265,3 @@ def test_registry_and_model_config_carry_the_implementation():
   if without:
     with pytest.raises(ValueError, match="does not take 'implementation'"):
       tiny(without[0], "pallas", task="classify")
-
-
-@pytest.mark.parametrize("split_share", [(1, 1), (8, 8)])
-def test_shared_source_gradients_split_over_query_tiles(monkeypatch, split_share):
-  """A source shared by every query group (span summaries): dk/dv are partial sums over splits of the query
-  tiles, checked against plain masked softmax attention, with splits that end in padding. split_share (8, 8):
-  one split of 144 queries, run as two 128-query tiles that each span several groups."""
-  monkeypatch.setattr(flash, "SPLIT_TILES", 2)
-  monkeypatch.setattr(flash, "SPLIT_SHARE", split_share)
-  # 9 query tiles of 16; 20 keys padded to 32: splits of 4 tiles (partial sums of 32 x (8 + 5) numbers per
-  # split against 4 x 16 x 8 query numbers), the last split one tile and three of padding
-  bh, groups, glen, n, scale = 2, 9, 16, 20, 0.3
-  keys = jax.random.split(jax.random.PRNGKey(3), 5)
-  q = jax.random.normal(keys[0], (bh, groups, glen, HEAD_DIM))
-  k = jax.random.normal(keys[1], (bh, 1, n, HEAD_DIM))
-  v = jax.random.normal(keys[2], (bh, 1, n, VALUE_DIM))
-  valid = jax.random.bernoulli(keys[3], 0.8, (1, 1, n))
-  cotangent = jax.random.normal(keys[4], (bh, groups, glen, VALUE_DIM))
-
-  def kernel(q, k, v):
-    out, _ = flash.attend(q, [flash.Source(k, v, valid, "lt", "group")], heads=bh, scale=scale)
-    return jnp.sum(out * cotangent)
-
-  def plain(q, k, v):
-    visible = (jnp.arange(n) < jnp.arange(groups)[:, None, None]) & valid[0]  # key index < group index
-    logits = jnp.where(visible, jnp.einsum("bgtd,bnd->bgtn", q, k[:, 0]) * scale, -jnp.inf)
-    weights = jnp.where(visible, jax.nn.softmax(logits, axis=-1), 0.0)  # rows with nothing visible: 0
-    return jnp.sum(jnp.einsum("bgtn,bnd->bgtd", weights, v[:, 0]) * cotangent)
-
-  got = jax.jit(jax.grad(kernel, argnums=(0, 1, 2)), compiler_options=FAST_COMPILE)(q, k, v)
-  want = jax.grad(plain, argnums=(0, 1, 2))(q, k, v)
-  for a, b in zip(got, want, strict=True):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=2e-5)
