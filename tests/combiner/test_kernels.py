@@ -1,4 +1,4 @@
-"""The kernels of the Combiner plans (combiner/kernel_plans.py) equal their XLA plans and lower for TPU and CUDA.
+"""The Combiner plans' kernels (combiner/kernel_plans.py) equal their XLA plans and lower for TPU and CUDA.
 
 On CPU the kernels run in interpret mode; forward outputs and the gradients of sum(out * cotangent) with
 respect to q, k, v (and pool_q / pool_k) are compared with implementation="xla" in float32, with masks,
@@ -78,8 +78,7 @@ def compare(plan, length, size, causal, pooling, deepsets, seed=0):
 
 
 # (plan, length, size, causal, pooling, deepsets): each plan family once, odd lengths, both directions and
-# poolings, DeepSets pools on some. The fast run keeps one case per kernel family; the sweep, with -m slow, the
-# rest.
+# poolings, DeepSets pools on some. The fast run keeps one case per kernel family; the sweep (-m slow) the rest.
 CASES = (
     ("fixed", 13, 4, True, "max", False),
     ("sparse_fixed", 13, 4, False, None, False),
