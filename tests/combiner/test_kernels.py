@@ -78,7 +78,7 @@ def compare(plan, length, size, causal, pooling, deepsets, seed=0):
 
 
 # (plan, length, size, causal, pooling, deepsets): each plan family once, odd lengths, both directions and
-# poolings, DeepSets pools on some. The fast run keeps one case per kernel family; the sweep (-m slow) the rest.
+# poolings, DeepSets pools on some. The fast run keeps one case per kernel family, -m slow the rest.
 CASES = (
     ("fixed", 13, 4, True, "max", False),
     ("sparse_fixed", 13, 4, False, None, False),
