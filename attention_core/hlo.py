@@ -149,3 +149,105 @@ def summary(hlo_text: str) -> dict[str, float]:
     out[c.kind] = out.get(c.kind, 0.0) + c.received_bytes
   out["total"] = sum(out.values())
   return out
+
+
+# ------------------------------------------------------------------------------------------ device ops
+# Instructions that execute no work of their own: parameters, tuples and their elements, constants, bitcasts.
+BOOKKEEPING = ("parameter", "tuple", "get-tuple-element", "constant", "bitcast")
+_COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceOps:
+  """What a compiled program executes (`device_ops`): device operations, of which custom calls (kernels)
+  and fusions."""
+
+  ops: int
+  custom_calls: int
+  fusions: int
+
+
+def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
+  """{computation name: its instructions' right-hand sides}, and the entry computation's name."""
+  comps: dict[str, list[str]] = {}
+  entry, current = "", None
+  for line in hlo_text.splitlines():
+    if current is None:
+      m = _COMPUTATION.match(line)
+      if m and not _DEFINITION.match(line):
+        current = m.group(2)
+        comps[current] = []
+        entry = current if m.group(1) else entry
+      continue
+    if line.strip() == "}":
+      current = None
+      continue
+    d = _DEFINITION.match(line)
+    if d:
+      comps[current].append(d.group("rest"))
+  return comps, entry
+
+
+def _opcode(rest: str) -> str | None:
+  """The opcode of an instruction's right-hand side `<result type> opcode(operands), ...`."""
+  after = rest[_tuple_end(rest):].lstrip() if rest.startswith("(") else rest.split(" ", 1)[-1]
+  m = re.match(r"([\w\-]+)\(", after)
+  return m.group(1) if m else None
+
+
+def _trip_count(rest: str, comps: dict[str, list[str]]) -> int:
+  """A while loop's iterations: XLA's known trip count, else the bound N of a condition `i < N` on a counter
+  from 0 (what jax.lax.fori_loop emits), else 1."""
+  trips = _TRIP_COUNT.search(rest)
+  if trips:
+    return int(trips.group(1))
+  cond = re.search(r"condition=%?([\w.\-]+)", rest)
+  body = comps.get(cond.group(1), []) if cond else []
+  bound = [re.search(r"constant\((\d+)\)", r) for r in body]
+  bound = [int(b.group(1)) for b in bound if b]
+  less = any("compare(" in r and "direction=LT" in r for r in body)
+  return bound[0] if less and len(bound) == 1 else 1
+
+
+def device_ops(hlo_text: str) -> DeviceOps:
+  """Counts the device operations a compiled program (`compiled.as_text()`) executes: the entry computation's
+  instructions and those of the computations it calls or loops over, bookkeeping left out (BOOKKEEPING), an
+  asynchronous start/done pair counted once (at its start), a loop's body once per iteration (the loop
+  itself and its condition not at all), a conditional's costliest branch. A fusion counts once."""
+  comps, entry = _computations(hlo_text)
+  memo: dict[str, tuple[int, int, int]] = {}
+
+  def count(name: str) -> tuple[int, int, int]:
+    if name in memo:
+      return memo[name]
+    ops = calls = fusions = 0
+    for rest in comps.get(name, []):
+      op = _opcode(rest)
+      if op is None or op in BOOKKEEPING or op.endswith("-done"):
+        continue
+      if op == "while":
+        n = _trip_count(rest, comps)
+        sub = re.search(r"body=%?([\w.\-]+)", rest)
+        o, c, f = count(sub.group(1)) if sub else (0, 0, 0)
+        ops, calls, fusions = ops + n * o, calls + n * c, fusions + n * f
+        continue
+      elif op == "conditional":
+        names = re.findall(r"branch_computations=\{([^}]*)\}", rest)
+        branches = ([b.strip().lstrip("%") for b in names[0].split(",")] if names else
+                    re.findall(r"(?:true|false)_computation=%?([\w.\-]+)", rest))
+        o, c, f = max((count(b) for b in branches), default=(0, 0, 0))
+        ops, calls, fusions = ops + o, calls + c, fusions + f
+        continue
+      elif op == "call":
+        sub = re.search(r"to_apply=%?([\w.\-]+)", rest)
+        o, c, f = count(sub.group(1)) if sub else (0, 0, 0)
+        ops, calls, fusions = ops + o, calls + c, fusions + f
+        continue
+      ops += 1
+      calls += op == "custom-call"
+      fusions += op == "fusion"
+    memo[name] = (ops, calls, fusions)
+    return memo[name]
+
+  return DeviceOps(*count(entry))

@@ -50,16 +50,15 @@ def partial_banks(platform: str) -> bool:
 
 
 def frame_cols(span: int, platform: str) -> int:
-  """A frame row's length for a real row length `span`: whole tiles of a power of two (at least 8, 16 on
-  TPU for bfloat16 sublane packing) up to the tile cap, whole tiles beyond it."""
-  floor = 16 if platform == "tpu" else 8
-  cap = passes.GPU_TILE if platform == "gpu" else passes.TILE
-  if span <= cap:
-    n = floor
-    while n < span:
-      n *= 2
-    return n
-  return -(-span // cap) * cap
+  """A frame row's length for a real row length `span`: a power of two (at least 8; 16 on TPU, for
+  bfloat16 sublane packing, and on GPUs, for Triton's dots) up to the tile cap, whole tiles beyond it (GPUs:
+  always a power of two, as Triton's blocks are)."""
+  floor = 8 if platform == "cpu" else 16
+  cap = passes.TILE
+  n = floor
+  while n < span and (n < cap or platform == "gpu"):
+    n *= 2
+  return n if n >= span else -(-span // cap) * cap
 
 
 def frame_rows(rows: int, platform: str) -> int:

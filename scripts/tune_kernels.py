@@ -1,11 +1,11 @@
-"""Times the block-sparse kernel's tile settings (combiner/flash.py) for a few ops on this accelerator.
+"""Times the Combiner kernels' tile settings (combiner/passes.py) for a few ops on this accelerator.
 
     python -m scripts.tune_kernels --ops combiner_fixed,combiner_mixture --length 16384
 
-Each variant sets the module's tile constants (the tile caps of this backend, SPLIT_TILES, and on GPU
-num_warps / num_stages) in this process, recompiles every op's forward+backward (the benchmark's shapes:
-batch 1, 16 heads, head_dim 64, causal, bfloat16) and prints the median time per call. The GPU defaults in
-combiner/flash.py are the best row of such a run on an H100 (docs/benchmarks.md); re-tune for another device.
+Each variant sets the kernels' tile cap (queries and keys inside a group) and, on GPU, Triton's num_warps /
+num_stages in this process, recompiles every op's forward+backward (the benchmark's shapes: batch 1, 16
+heads, head_dim 64, causal, bfloat16) and prints the median time per call. Keep the best row's settings in
+combiner/passes.py (TILE, GPU_TILE, GPU_PARAMS) for the device it was measured on.
 """
 
 from __future__ import annotations
@@ -17,16 +17,14 @@ import time
 from collections.abc import Sequence
 
 VARIANTS = (
-    # (BLOCK_Q, BLOCK_K, SPLIT_TILES, num_warps, num_stages)
-    (128, 128, 8, 4, 2),
-    (64, 64, 8, 4, 2),
-    (128, 128, 2, 4, 2),
-    (128, 128, 1, 4, 2),
-    (128, 128, 2, 8, 2),
-    (128, 128, 2, 4, 3),
-    (128, 64, 2, 4, 2),
-    (64, 64, 2, 4, 2),
-    (64, 128, 2, 4, 2),
+    # (tile cap, num_warps, num_stages)
+    (128, 4, 2),
+    (64, 4, 2),
+    (32, 4, 2),
+    (128, 8, 2),
+    (64, 8, 2),
+    (64, 4, 3),
+    (128, 4, 3),
 )
 
 
@@ -58,21 +56,20 @@ def main(argv: Sequence[str] | None = None) -> int:
   args = parser.parse_args(argv)
   from jax.experimental.pallas import triton as pltriton
 
-  from combiner import flash
+  from combiner import passes
 
   names = [n.strip() for n in args.ops.split(",") if n.strip()]
-  print("block_q block_k split warps stages  " + "  ".join(f"{n:>24s}" for n in names), flush=True)
-  for bq, bk, split, warps, stages in VARIANTS:
-    flash.BLOCK_Q, flash.BLOCK_K, flash.SPLIT_TILES = bq, bk, split
-    flash.GPU_BLOCK_Q, flash.GPU_BLOCK_K = bq, bk
-    flash.GPU_PARAMS = pltriton.CompilerParams(num_warps=warps, num_stages=stages)
+  print("tile warps stages  " + "  ".join(f"{n:>24s}" for n in names), flush=True)
+  for tile, warps, stages in VARIANTS:
+    passes.TILE = passes.GPU_TILE = tile
+    passes.GPU_PARAMS = pltriton.CompilerParams(num_warps=warps, num_stages=stages)
     cells = []
     for name in names:
       try:
         cells.append(f"{time_op(name, args.length, args):21.3f} ms")
       except Exception as err:  # a variant the lowering rejects
         cells.append(f"{'error ' + type(err).__name__:>24s}")
-    print(f"{bq:7d} {bk:7d} {split:5d} {warps:5d} {stages:6d}  " + "  ".join(cells), flush=True)
+    print(f"{tile:4d} {warps:5d} {stages:6d}  " + "  ".join(cells), flush=True)
   return 0
 
 

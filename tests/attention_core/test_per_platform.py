@@ -28,7 +28,7 @@ import combiner  # noqa: E402
 from attention_baselines import common as baselines_common  # noqa: E402
 from attention_baselines import dense as dense_module  # noqa: E402
 from attention_core import contract  # noqa: E402
-from combiner import flash  # noqa: E402
+from combiner import kernel_plans  # noqa: E402
 from yoso import attention as yoso_attention  # noqa: E402
 
 MOSAIC, TRITON = "tpu_custom_call", "xla.gpu.triton"
@@ -83,10 +83,10 @@ def test_per_platform_branches_and_keys():
 
 def test_platform_choices_follow_the_traced_platform():
   with contract.traced_for("gpu"):
-    assert flash.tile_caps() == (flash.GPU_BLOCK_Q, flash.GPU_BLOCK_K) and flash.packs_heads()
+    assert kernel_plans.packs_heads(contract.backend())
     assert baselines_common.num_row_chunks(64, 1024, None, op="t") == 1
   with contract.traced_for("tpu"):
-    assert flash.tile_caps() == (flash.BLOCK_Q, flash.BLOCK_K) and not flash.packs_heads()
+    assert not kernel_plans.packs_heads(contract.backend())
     assert contract.resolve_implementation("auto", op="t") == "pallas"
   with contract.traced_for("cpu"):
     assert baselines_common.num_row_chunks(64, 1024, None, op="t") == 8

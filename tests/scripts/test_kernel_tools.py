@@ -14,8 +14,7 @@ import json
 
 import pytest
 
-from attention_core import contract
-from combiner import flash
+from combiner import kernel_plans, passes
 from scripts import check_kernels, profile_ops, tune_kernels
 
 
@@ -94,19 +93,24 @@ def test_profile_sums_device_events_only(tmp_path):
   assert count == 3
 
 
-def test_tile_caps_follow_the_platform():
-  with contract.traced_for("cpu"):
-    assert flash.tile_caps() == (flash.BLOCK_Q, flash.BLOCK_K)  # CPU: interpret mode, TPU-shaped tiles
-  with contract.traced_for("gpu"):
-    assert flash.tile_caps() == (flash.GPU_BLOCK_Q, flash.GPU_BLOCK_K)
-    assert flash.group_length(1000) == flash.GPU_BLOCK_Q
+def test_frames_follow_the_platform():
+  """Rows of a frame: whole tiles of the platform's cap (TPU-shaped in interpret mode), at least 16
+  positions on TPU (bfloat16 sublane packing); GPUs get heads-packed frames and per-group partial sums."""
+  assert kernel_plans.frame_cols(1000, "cpu") == kernel_plans.frame_cols(1000, "tpu") == 1024
+  assert kernel_plans.frame_cols(1000, "gpu") == 1024 and kernel_plans.frame_cols(200, "tpu") == 256
+  assert kernel_plans.frame_cols(600, "gpu") == 1024 and kernel_plans.frame_cols(600, "tpu") == 640
+  assert kernel_plans.frame_cols(5, "cpu") == 8 and kernel_plans.frame_cols(5, "tpu") == 16
+  assert kernel_plans.frame_cols(48, "tpu") == 64
+  assert kernel_plans.packs_heads("gpu") and kernel_plans.partial_banks("gpu")
+  assert not kernel_plans.packs_heads("tpu") and not kernel_plans.partial_banks("tpu")
+  assert passes.GPU_TILE <= passes.TILE
 
 
 @pytest.mark.slow
 def test_tune_kernels_runs_every_variant(monkeypatch, capsys):
   monkeypatch.setattr(tune_kernels, "VARIANTS", tune_kernels.VARIANTS[:3])
-  for name in ("BLOCK_Q", "BLOCK_K", "GPU_BLOCK_Q", "GPU_BLOCK_K", "SPLIT_TILES", "GPU_PARAMS"):
-    monkeypatch.setattr(flash, name, getattr(flash, name))  # restored after the test
+  for name in ("TILE", "GPU_TILE", "GPU_PARAMS"):
+    monkeypatch.setattr(passes, name, getattr(passes, name))  # restored after the test
   assert tune_kernels.main(["--ops", "combiner_fixed", "--length", "48", "--heads", "1", "--head_dim", "16",
                             "--dtype", "float32", "--repeats", "1"]) == 0
   rows = capsys.readouterr().out.strip().splitlines()[1:]
