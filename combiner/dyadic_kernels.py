@@ -66,8 +66,8 @@ class Dyadic:
 
   @property
   def high_rows(self) -> int:
-    """Rows of a tile's high bank rows as the kernels hold them (at least one sublane tile)."""
-    return max(self.high, 8)
+    """Rows of a tile's high bank rows as the kernels hold them (at least a matmul's smallest tile)."""
+    return max(self.high, tiles.min_rows(self.frame.platform))
 
   def span_counts(self) -> list[int]:
     """Spans of each high level j that some tile reads (u even; the odd sibling reads them)."""
@@ -168,22 +168,19 @@ def _exact(a: Array, b: Array, ta: bool = False) -> Array:
 
 def _expand(x: Array, level: int, T: int) -> Array:
   """[n, w] -> [T, w]: each span's row over its 2^level positions."""
-  return _exact(_members(T, x.shape[0], level), jnp.where(jnp.isfinite(x), x, 0.0))
-
-
-def _pad8(x: Array) -> Array:
-  """At least 8 rows (the MXU's sublane tile); the extra rows are zeros."""
-  return x if x.shape[0] >= 8 else jnp.concatenate([x, jnp.zeros((8 - x.shape[0], x.shape[1]), x.dtype)], 0)
+  return tiles.select_rows(_members(T, x.shape[0], level), x)
 
 
 def _low_level(f: Frame, dy: Dyadic, R: dict, level: int, valid_row: Array, valid_col: Array):
   """A low level's summaries in the tile: (k_bar [n, d] f32, v_tilde [n, dv] f32, lse [n, 1], q_bar
-  [n, d] f32, q counts, k counts), n = T >> level (padded to 8 rows), every span, even or odd."""
+  [n, d] f32, counts [n, 1], membership [n, T]), n = T >> level (padded to a matmul's smallest tile), every
+  span, even or odd."""
   pq = (R["pool_q"] if dy.pools else R["q"])[...].astype(F32)
   pk = (R["pool_k"] if dy.pools else R["k"])[...].astype(F32)
   qbar, cnt = _low_pools(pq, valid_col, dy.pooling, level)
   kbar, _ = _low_pools(pk, valid_col, dy.pooling, level)
-  qbar8, kbar8, cnt8 = _pad8(qbar), _pad8(kbar), _pad8(cnt)
+  rows = tiles.min_rows(f.platform)
+  qbar8, kbar8, cnt8 = tiles.pad_rows(qbar, rows), tiles.pad_rows(kbar, rows), tiles.pad_rows(cnt, rows)
   n = qbar8.shape[0]
   span = lax.broadcasted_iota(jnp.int32, (n, 1), 0)
   kid = lax.broadcasted_iota(jnp.int32, (1, f.cols), 1)
@@ -425,13 +422,15 @@ def _spans_kernel(*refs, f: Frame, dy: Dyadic, names: tuple) -> None:
   kbar = jnp.where(cnt > 0, ka if mx else ka / jnp.maximum(cnt, 1.0), 0.0)
   kdt = R["k"].dtype
 
+  rows = tiles.min_rows(f.platform)
+
   def attend(i, st):
     tile = start + i
-    vis = jnp.broadcast_to(load.valid(tile, b, (1, f.cols)), (8, f.cols))
-    return tiles.online_step(st, tiles.row8(qbar).astype(kdt), load("k", tile, f.d), load("v", tile, f.dv),
-                             vis, f.scale)
+    vis = jnp.broadcast_to(load.valid(tile, b, (1, f.cols)), (rows, f.cols))
+    return tiles.online_step(st, tiles.rows_of(qbar, rows).astype(kdt), load("k", tile, f.d),
+                             load("v", tile, f.dv), vis, f.scale)
 
-  vt, lse = tiles.finish(lax.fori_loop(0, n, attend, Online.empty(8, f.dv)))
+  vt, lse = tiles.finish(lax.fori_loop(0, n, attend, Online.empty(rows, f.dv)))
   R["kbar"][...] = kbar
   R["qbar"][...] = qbar
   R["vt"][...] = tiles.take_row(vt, 0)
@@ -465,17 +464,18 @@ def _span_backward_kernel(*refs, f: Frame, dy: Dyadic, names: tuple) -> None:
   lse = R["stats"][:, 1:2]
   delta = jnp.sum(dvt * vt, axis=1, keepdims=True)
   kdt = R["k"].dtype
-  first_row = lax.broadcasted_iota(jnp.int32, (8, 1), 0) == 0
-  dvt8 = jnp.where(first_row, tiles.row8(dvt), 0.0)
+  rows = tiles.min_rows(f.platform)
+  first_row = lax.broadcasted_iota(jnp.int32, (rows, 1), 0) == 0
+  dvt8 = jnp.where(first_row, tiles.rows_of(dvt, rows), 0.0)
   qname, kname = ("pool_q", "pool_k") if dy.pools else ("q", "k")
 
   def body(i, acc):
     dq, tq, tk = acc
     tile = start + i
-    vis = jnp.broadcast_to(load.valid(tile, b, (1, f.cols)), (8, f.cols))
+    vis = jnp.broadcast_to(load.valid(tile, b, (1, f.cols)), (rows, f.cols))
     k = load("k", tile, f.d)
-    _, ds = tiles.grads(tiles.row8(qbar).astype(kdt), dvt8, k, load("v", tile, f.dv), vis,
-                        jnp.broadcast_to(lse, (8, 1)), jnp.broadcast_to(delta, (8, 1)), f.scale)
+    _, ds = tiles.grads(tiles.rows_of(qbar, rows).astype(kdt), dvt8, k, load("v", tile, f.dv), vis,
+                        jnp.broadcast_to(lse, (rows, 1)), jnp.where(first_row, delta, 0.0), f.scale)
     dq = dq + tiles.take_row(tiles.dot(ds.astype(kdt), tiles.finite(k).astype(kdt)), 0) * f.scale
     valid = load.valid(tile, b, (f.cols, 1))
     hit_q = (load(qname, tile, f.d).astype(F32) == qbar) & valid
@@ -505,7 +505,8 @@ def _tile_backward_kernel(*refs, f: Frame, dy: Dyadic, names: tuple) -> None:
   dk = jnp.zeros((T, f.d), F32)
   dv = jnp.zeros((T, f.dv), F32)
   dpq = dpk = jnp.zeros((T, f.d), F32)
-  first_row = lax.broadcasted_iota(jnp.int32, (8, 1), 0) == 0
+  nrow = tiles.min_rows(f.platform)
+  first_row = lax.broadcasted_iota(jnp.int32, (nrow, 1), 0) == 0
   rows = lax.broadcasted_iota(jnp.int32, (T, 1), 0)
   for j, off in enumerate(dy.offsets()):
     reads = (_shr(tau, j) & 1) == 0  # the span of level t + j holding this tile is one a tile reads
@@ -522,12 +523,13 @@ def _tile_backward_kernel(*refs, f: Frame, dy: Dyadic, names: tuple) -> None:
     stats = R["stats"][pl.ds(idx, 1), 0, :]
     cnt, lse = tiles.take_lane(stats, 0), tiles.take_lane(stats, 1)
     delta = R["stats2"][pl.ds(idx, 1), 0, 0:1]
-    vis = jnp.broadcast_to(valid_row & reads, (8, T))
-    qk = tiles.row8(qbar).astype(kdt)
-    pr, ds = tiles.grads(qk, jnp.where(first_row, tiles.row8(dvt), 0.0), k, v, vis,
-                         jnp.broadcast_to(lse, (8, 1)), jnp.where(first_row, delta, 0.0), f.scale)
+    vis = jnp.broadcast_to(valid_row & reads, (nrow, T))
+    qk = tiles.rows_of(qbar, nrow).astype(kdt)
+    dvt_rows = jnp.where(first_row, tiles.rows_of(dvt, nrow), 0.0)
+    pr, ds = tiles.grads(qk, dvt_rows, k, v, vis, jnp.broadcast_to(lse, (nrow, 1)),
+                         jnp.where(first_row, delta, 0.0), f.scale)
     dk = dk + tiles.dot(ds.astype(kdt), qk, ta=True) * f.scale
-    dv = dv + tiles.dot(pr.astype(kdt), jnp.where(first_row, tiles.row8(dvt), 0.0).astype(kdt), ta=True)
+    dv = dv + tiles.dot(pr.astype(kdt), dvt_rows.astype(kdt), ta=True)
     dqbar = row("dqbar", f.d)
     pq = (R["pool_q"] if dy.pools else R["q"])[...].astype(F32)
     pk = (R["pool_k"] if dy.pools else R["k"])[...].astype(F32)

@@ -306,7 +306,7 @@ def _pooled(f: Frame, p: Pass, R: dict, valid_col: Array):
   if c.kind == "block":
     qbar, qcnt = tiles.pool_block(pq, valid_col, c.pooling)
     kbar, kcnt = tiles.pool_block(pk, valid_col, c.pooling)
-    return tiles.row8(qbar), qcnt, kbar, kcnt
+    return tiles.rows_of(qbar, tiles.min_rows(f.platform)), qcnt, kbar, kcnt
   if c.kind == "prefix":
     qbar, cnt = tiles.pool_prefix(pq, valid_col, c.pooling, f.platform)
     kbar, _ = tiles.pool_prefix(pk, valid_col, c.pooling, f.platform)
@@ -453,14 +453,6 @@ def forward_kernel(*refs, f: Frame, p: Pass, names: tuple, bank_rows: int) -> No
     _attend(f, p, R, g, bank_rows)
 
 
-def _stack(tiles_: list[Array]) -> Array:
-  """Tiles stacked along rows by two-way concatenations (Triton concatenates two arrays at a time)."""
-  while len(tiles_) > 1:
-    tiles_ = [jnp.concatenate(tiles_[i:i + 2], axis=0) if i + 1 < len(tiles_) else tiles_[i]
-              for i in range(0, len(tiles_), 2)]
-  return tiles_[0]
-
-
 def _attend_backward(f: Frame, p: Pass, R: dict, g: Array, bank_rows: int) -> dict[str, Any]:
   """The attention's gradients as values: dq [glen, d] and, per source, the gradients of its keys and values
   ({name: (dk, dv)}, the group's own and per-position summaries [glen, .], the shared rows [n, .]).
@@ -491,9 +483,10 @@ def _attend_backward(f: Frame, p: Pass, R: dict, g: Array, bank_rows: int) -> di
         acc[1] = acc[1] + tiles.dot(pr.astype(q.dtype), do.astype(q.dtype), ta=True)
         dq = dq + tiles.dot(ds.astype(q.dtype), tiles.finite(k).astype(q.dtype)) * f.scale
     dq_tiles.append(dq)
-  out = {"dq": _stack(dq_tiles)}
+  out = {"dq": tiles.stack_rows(dq_tiles, f.platform)}
   for name, grads in key_grads.items():
-    out[name] = (_stack([a for a, _ in grads]), _stack([b for _, b in grads]))
+    out[name] = (tiles.stack_rows([a for a, _ in grads], f.platform),
+                 tiles.stack_rows([b for _, b in grads], f.platform))
   return out
 
 
@@ -509,9 +502,10 @@ def _construct_backward(f: Frame, p: Pass, R: dict, g: Array) -> dict[str, Array
     return {"dq": zero_d, "dk": jnp.where(at, R["dkbar_row"][...], 0.0),
             "dv": jnp.where(at, R["dvt_row"][...], 0.0), "dpq": zero_d, "dpk": zero_d}
   queries, qcnt, kbar, kcnt = _pooled(f, p, R, valid_col)
-  if c.kind == "block":  # one pooled query, padded to 8 rows: only row 0 carries a gradient
-    first = lax.broadcasted_iota(jnp.int32, (8, 1), 0) == 0
-    dvt, dkbar = jnp.where(first, tiles.row8(R["dvt_row"][...]), 0.0), R["dkbar_row"][...]
+  if c.kind == "block":  # one pooled query, repeated to fill a tile: only row 0 carries a gradient
+    first = lax.broadcasted_iota(jnp.int32, (queries.shape[0], 1), 0) == 0
+    dvt = jnp.where(first, tiles.rows_of(R["dvt_row"][...], queries.shape[0]), 0.0)
+    dkbar = R["dkbar_row"][...]
   elif c.kind == "own":
     dvt, dkbar = R["dvt_tok"][...].astype(F32), R["dkbar_row"][...]
   else:
@@ -535,7 +529,7 @@ def _construct_backward(f: Frame, p: Pass, R: dict, g: Array) -> dict[str, Array
     dqbar = dqbar + tiles.dot(ds.astype(qk.dtype), tiles.finite(k).astype(qk.dtype)) * f.scale
     dks.append(tiles.dot(ds.astype(qk.dtype), qk, ta=True) * f.scale)
     dvs.append(tiles.dot(pr.astype(qk.dtype), dvt.astype(qk.dtype), ta=True))
-  out = {"dq": zero_d, "dk": _stack(dks), "dv": _stack(dvs)}
+  out = {"dq": zero_d, "dk": tiles.stack_rows(dks, f.platform), "dv": tiles.stack_rows(dvs, f.platform)}
   pq = (R["pool_q"] if c.pools else R["q"])[...].astype(F32)
   pk = (R["pool_k"] if c.pools else R["k"])[...].astype(F32)
   if c.kind == "block":

@@ -74,9 +74,41 @@ def take_lane(x: Array, i: int) -> Array:
   return jnp.sum(jnp.where(lanes == i, x, jnp.zeros_like(x)), axis=1, keepdims=True)
 
 
-def row8(x: Array) -> Array:
-  """[1, w] -> [8, w]: a one-row operand padded to a whole sublane tile for the MXU."""
-  return jnp.broadcast_to(x, (8, x.shape[1]))
+def min_rows(platform: str) -> int:
+  """The fewest rows a matmul operand is given: a TPU sublane tile (8), Triton's smallest dot (16)."""
+  return 16 if platform == "gpu" else 8
+
+
+def rows_of(x: Array, n: int) -> Array:
+  """[1, w] -> [n, w]: a one-row operand repeated to fill a matmul's smallest tile."""
+  return jnp.broadcast_to(x, (n, x.shape[1]))
+
+
+def pad_rows(x: Array, n: int) -> Array:
+  """[m, w] -> [n, w] (m <= n), zero rows below: a one-hot matmul in float32, exact (Triton concatenates
+  only along the last axis)."""
+  m = x.shape[0]
+  if m >= n:
+    return x
+  place = lax.broadcasted_iota(jnp.int32, (n, m), 0) == lax.broadcasted_iota(jnp.int32, (n, m), 1)
+  return select_rows(place, x).astype(x.dtype)
+
+
+def stack_rows(parts: list[Array], platform: str) -> Array:
+  """Equal tiles [t, w] stacked along rows: concatenations on TPU and CPU; one-hot placements (exact float32
+  matmuls) on GPUs, where Triton concatenates only along the last axis."""
+  if len(parts) == 1:
+    return parts[0]
+  if platform != "gpu":
+    return jnp.concatenate(parts, axis=0)
+  t = parts[0].shape[0]
+  n = t * len(parts)
+  rows = lax.broadcasted_iota(jnp.int32, (n, 1), 0)
+  out = jnp.zeros((n, parts[0].shape[1]), F32)
+  for i, x in enumerate(parts):
+    place = lax.broadcasted_iota(jnp.int32, (n, t), 0) == lax.broadcasted_iota(jnp.int32, (n, t), 1) + i * t
+    out = jnp.where((rows >= i * t) & (rows < (i + 1) * t), select_rows(place, x), out)
+  return out
 
 
 class Online(NamedTuple):
@@ -198,6 +230,19 @@ def _first_hit(hit: Array, n: int) -> Array:
   return rows == first
 
 
+def select_rows(place: Array, x: Array) -> Array:
+  """place [n, m] (0/1, at most one 1 per row) times x [m, w], exactly: row i is x's row j where
+  place[i, j] == 1, else 0, infinities and NaN included (a float32 matmul of the finite parts and one of a
+  code for the others; Triton has no gathers, slices or row concatenations)."""
+  place = place.astype(F32)
+  finite = jnp.isfinite(x)
+  code = jnp.where(finite, 0.0, jnp.where(jnp.isnan(x), 3.0, jnp.where(x > 0, 1.0, 2.0)))
+  dims = (((1,), (0,)), ((), ()))
+  moved, code = (lax.dot_general(place, y.astype(F32), dims, preferred_element_type=F32,
+                                 precision=lax.Precision.HIGHEST) for y in (jnp.where(finite, x, 0.0), code))
+  return jnp.where(code == 1, jnp.inf, jnp.where(code == 2, -jnp.inf, jnp.where(code == 3, jnp.nan, moved)))
+
+
 def _shift(x: Array, k: int, fill: Any, platform: str) -> Array:
   """Row j takes x[j - k] (k > 0: down) or x[j + |k|] (k < 0: up); rows shifted in from outside are fill.
   A sublane rotation on TPU; elsewhere a 0/1 shift matrix times x in float32 (exact: one term per row;
@@ -209,12 +254,7 @@ def _shift(x: Array, k: int, fill: Any, platform: str) -> Array:
     return jnp.where(inside, pltpu.roll(x, k % n, 0), fill)
   src = lax.broadcasted_iota(jnp.int32, (n, n), 1)
   dst = lax.broadcasted_iota(jnp.int32, (n, n), 0)
-  shift = (src == dst - k).astype(F32)
-  finite = jnp.isfinite(x)
-  code = jnp.where(finite, 0.0, jnp.where(jnp.isnan(x), 3.0, jnp.where(x > 0, 1.0, 2.0)))
-  moved, code = (lax.dot_general(shift, y, (((1,), (0,)), ((), ())), preferred_element_type=F32,
-                                 precision=lax.Precision.HIGHEST) for y in (jnp.where(finite, x, 0.0), code))
-  moved = jnp.where(code == 1, jnp.inf, jnp.where(code == 2, -jnp.inf, jnp.where(code == 3, jnp.nan, moved)))
+  moved = select_rows(src == dst - k, x)
   return jnp.where(inside, moved, fill)
 
 
