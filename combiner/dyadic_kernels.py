@@ -91,39 +91,38 @@ def _ceil(a: int, b: int) -> int:
 
 
 # -------------------------------------------------------------------------------------------------- specs
+# Frame arrays are read a tile (and a block of heads) at a time by the per-tile kernels, tile by tile from
+# HBM by the per-span ones; per-head arrays ([batch * heads, ...]) at the program's heads
+# (`passes.head_spec`).
+
+TOK = ("q", "k", "v", "pool_q", "pool_k", "o_ext", "do", "o_fin", "dq_in", "dk_in", "dv_in", "dpq_in",
+       "dpk_in", "o", "dq", "dk", "dv", "dpq", "dpk")
+HEADS = ("lse", "lse_ext", "lse_fin", "bk", "bv", "bstats", "dhk", "dhv", "kbar", "vt", "qbar", "stats",
+         "dkbar", "dvt", "dqbar", "ties_q", "ties_k", "stats2")
+
 
 def _tile_spec(f: Frame, dim: int) -> pl.BlockSpec:
   if f.packed:
     return pl.BlockSpec((None, f.cols, dim), lambda b, h, g: (b, g, h))
-  return pl.BlockSpec((None, f.cols, dim), lambda b, h, g: (b * f.heads + h, g, 0))
+  return pl.BlockSpec((None, f.cols, f.heads_per_block, dim), lambda b, h, g: (b, g, h, 0))
 
 
 def _full(f: Frame, shape: tuple[int, ...]) -> pl.BlockSpec:
-  """A per-(batch, head) array [BH, *shape], whole."""
-  return pl.BlockSpec((None, *shape), lambda b, h, g: (b * f.heads + h,) + (0,) * len(shape))
+  """A per-head array [BH, *shape], whole for each of the program's heads."""
+  return passes.head_spec(f, shape, lambda g: (0,) * len(shape))
 
 
 def _row(f: Frame, dim: int) -> pl.BlockSpec:
-  """The program's own row of [BH, n, 1, dim]."""
-  return pl.BlockSpec((None, None, 1, dim), lambda b, h, g: (b * f.heads + h, g, 0, 0))
+  """The program's own row (tile or span) of a per-head [BH, n, 1, dim]."""
+  return passes.row_spec(f, dim)
 
 
 def _lse(f: Frame) -> pl.BlockSpec:
-  return pl.BlockSpec((None, None, 1, f.cols), lambda b, h, g: (b * f.heads + h, g, 0, 0))
+  return passes.head_spec(f, (None, 1, f.cols), lambda g: (g, 0, 0))
 
 
 def _mask(f: Frame) -> pl.BlockSpec:
   return pl.BlockSpec((None, None, 1, f.cols), lambda b, h, g: (b, g, 0, 0))
-
-
-def _params(accumulate: bool = False) -> Any:
-  return pltpu.CompilerParams(dimension_semantics=("parallel", "parallel",
-                                                   "arbitrary" if accumulate else "parallel"))
-
-
-def _call(f: Frame, kernel, name: str, **kw):
-  return pallas.platform_call(kernel, gpu_params=passes.GPU_PARAMS, tpu_params=_params(), platform=f.platform,
-                              name=name, **kw)
 
 
 # ------------------------------------------------------------------------------------------------- pieces
@@ -261,9 +260,7 @@ def _main_sources(f: Frame, dy: Dyadic, R: dict, g: Array):
   return out
 
 
-def _main_kernel(*refs, f: Frame, dy: Dyadic, names: tuple) -> None:
-  R = dict(zip(names, refs, strict=True))
-  g = pl.program_id(2)
+def _main_kernel_body(b: Array, R: dict, g: Array, head: Array, *, f: Frame, dy: Dyadic) -> None:
   q = R["q"][...]
   st = Online.empty(f.cols, f.dv)
   for _, k, v, vis, _ in _main_sources(f, dy, R, g):
@@ -286,9 +283,7 @@ def _route_low(x: Array, valid_col: Array, kind: str, level: int, pooled: Array,
   return jnp.where(hit, _expand(g / jnp.maximum(ties, 1.0), level, T), 0.0)
 
 
-def _main_backward_kernel(*refs, f: Frame, dy: Dyadic, names: tuple) -> None:
-  R = dict(zip(names, refs, strict=True))
-  g = pl.program_id(2)
+def _main_backward_kernel_body(b: Array, R: dict, g: Array, head: Array, *, f: Frame, dy: Dyadic) -> None:
   T = f.cols
   q, do = R["q"][...], R["do"][...]
   kdt = q.dtype
@@ -354,30 +349,32 @@ def _span_of(dy: Dyadic, s: Array) -> tuple[Array, Array, Array]:
   return j, start, n
 
 
-def _hbm(f: Frame) -> pl.BlockSpec:
-  """A frame array left in HBM on TPU (tiles are copied in by the program), whole elsewhere."""
-  if f.platform == "tpu":
-    return pl.BlockSpec(memory_space=pl.ANY)
-  return pl.BlockSpec(memory_space=pl.ANY) if f.platform == "gpu" else None
-
-
 class _Tiles:
-  """Loads tile `i` of a frame array [X, rows * T, W] for the program's (batch, head): a copy into VMEM
-  on TPU, a direct read elsewhere."""
+  """Loads tile `i` of a frame array for the program's batch row and head: on TPU a copy of the tile of the
+  head's block into VMEM, then the head's rows; elsewhere a direct read."""
 
-  def __init__(self, f: Frame, R: dict, b: Array, h: Array):
-    self.f, self.R = f, R
-    self.x, self.lane = (b, h) if f.packed else (b * f.heads + h, 0)
+  def __init__(self, f: Frame, R: dict, b: Array, head: Array):
+    self.f, self.R, self.b, self.head = f, R, b, head
 
   def __call__(self, name: str, i: Array, dim: int) -> Array:
-    f = self.f
+    f, b, head = self.f, self.b, self.head
     start = pl.multiple_of(i * f.cols, f.cols)
-    src = self.R[name].at[self.x, pl.ds(start, f.cols), pl.ds(self.lane * dim, dim)]
-    if f.platform == "tpu":
-      buf = self.R["buf_" + ("v" if dim == f.dv and name == "v" else "d")]
-      pltpu.sync_copy(src, buf)
-      return buf[...]
-    return self.R[name][self.x, pl.ds(start, f.cols), pl.ds(self.lane * dim, dim)]
+    rows = pl.ds(start, f.cols)
+    if f.packed:
+      return self.R[name][b, rows, pl.ds(head * dim, dim)]
+    if f.platform != "tpu":
+      return self.R[name][b, rows, head, :]
+    hb = f.heads_per_block
+    kind = "v" if name == "v" else "d"
+    block, cur = self.R["buf_all_" + kind], self.R["buf_" + kind]
+    within = lax.rem(head, jnp.int32(hb))
+    first = pl.multiple_of(head - within, hb)
+    pltpu.sync_copy(self.R[name].at[b, rows, pl.ds(first, hb), :], block)
+    for jj in range(hb):
+      @pl.when(within == jj)
+      def _(jj=jj):
+        cur[...] = block[:, jj, :]
+    return cur[...]
 
   def valid(self, i: Array, b: Array, shape: tuple[int, int]) -> Array:
     f = self.f
@@ -389,11 +386,9 @@ class _Tiles:
     return ok
 
 
-def _spans_kernel(*refs, f: Frame, dy: Dyadic, names: tuple) -> None:
-  R = dict(zip(names, refs, strict=True))
-  b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+def _spans_kernel_body(b: Array, R: dict, s: Array, head: Array, *, f: Frame, dy: Dyadic) -> None:
   j, start, n = _span_of(dy, s)
-  load = _Tiles(f, R, b, h)
+  load = _Tiles(f, R, b, head)
   if dy.pooling is None:  # the span's last position
     last = start + lax.shift_left(jnp.int32(1), j) - 1
     tile = jnp.minimum(last, f.rows - 1)
@@ -438,11 +433,9 @@ def _spans_kernel(*refs, f: Frame, dy: Dyadic, names: tuple) -> None:
   R["stats"][...] = jnp.where(lane == 0, cnt, jnp.where(lane == 1, tiles.take_row(lse, 0), 0.0))
 
 
-def _span_backward_kernel(*refs, f: Frame, dy: Dyadic, names: tuple) -> None:
+def _span_backward_kernel_body(b: Array, R: dict, s: Array, head: Array, *, f: Frame, dy: Dyadic) -> None:
   """Per span: the gradients of its summary summed over the tiles that read it; the pooled query's gradient
   over the span's keys, and the counts of tied maxima (the rows its pooled gradients are shared by)."""
-  R = dict(zip(names, refs, strict=True))
-  b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   j, start, n = _span_of(dy, s)
   size = lax.shift_left(jnp.int32(1), j)
   first = start + size
@@ -459,7 +452,7 @@ def _span_backward_kernel(*refs, f: Frame, dy: Dyadic, names: tuple) -> None:
   R["dvt"][...] = dvt
   if dy.pooling is None:
     return
-  load = _Tiles(f, R, b, h)
+  load = _Tiles(f, R, b, head)
   qbar, kbar, vt = R["qbar"][...], R["kbar"][...], R["vt"][...]
   lse = R["stats"][:, 1:2]
   delta = jnp.sum(dvt * vt, axis=1, keepdims=True)
@@ -492,11 +485,9 @@ def _span_backward_kernel(*refs, f: Frame, dy: Dyadic, names: tuple) -> None:
   R["stats2"][...] = jnp.where(lane == 0, delta, 0.0)
 
 
-def _tile_backward_kernel(*refs, f: Frame, dy: Dyadic, names: tuple) -> None:
+def _tile_backward_kernel_body(b: Array, R: dict, tau: Array, head: Array, *, f: Frame, dy: Dyadic) -> None:
   """Per tile: the in-span gradients of the high spans holding it, and their pooled gradients routed to its
   rows; added to the main backward's dq, dk, dv in place."""
-  R = dict(zip(names, refs, strict=True))
-  tau = pl.program_id(2)
   T = f.cols
   valid_row = _valid(f, R, tau, (1, T))
   valid_col = _valid(f, R, tau, (T, 1))
@@ -553,87 +544,119 @@ def _tile_backward_kernel(*refs, f: Frame, dy: Dyadic, names: tuple) -> None:
 
 # ------------------------------------------------------------------------------------------------ calls
 
-def _whole(f: Frame, shape: tuple[int, ...]) -> pl.BlockSpec:
+def _whole(f: Frame, x: Array) -> pl.BlockSpec:
   """A frame array the program copies tiles out of: left in HBM on TPU, whole elsewhere."""
   if f.platform == "tpu":
     return pl.BlockSpec(memory_space=pl.ANY)
-  return pl.BlockSpec(shape, lambda b, h, g: (0,) * len(shape))
+  return pl.BlockSpec(x.shape, lambda b, h, g: (0,) * x.ndim)
 
 
 def _tok_shape(f: Frame, dim: int, dtype: Any) -> jax.ShapeDtypeStruct:
-  x, w = (f.batch, f.heads * dim) if f.packed else (f.batch * f.heads, dim)
-  return jax.ShapeDtypeStruct((x, f.rows * f.cols, w), dtype)
+  if f.packed:
+    return jax.ShapeDtypeStruct((f.batch, f.rows * f.cols, f.heads * dim), dtype)
+  return jax.ShapeDtypeStruct((f.batch, f.rows * f.cols, f.heads, dim), dtype)
 
 
-def _bank_shape(f: Frame, n: int, dim: int) -> jax.ShapeDtypeStruct:
-  return jax.ShapeDtypeStruct((f.batch * f.heads, n, 1, dim), F32)
+def _head_shape(f: Frame, *shape: int) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct((f.batch * f.heads, *shape), F32)
 
 
-def _tile_args(f: Frame, dy: Dyadic, a: dict) -> tuple[list[str], list[pl.BlockSpec]]:
+def _call(f: Frame, kernel, name: str, groups: int, ins: list[str], specs: list, args: list, outs: list[str],
+          out_specs: list, shapes: list, buffers: bool = False,
+          aliases: dict | None = None) -> dict[str, Array]:
+  """One pallas_call of a dyadic kernel: per-head arrays viewed per head block, VMEM copies of the frame
+  arrays' tiles for each head (and, for `buffers`, of the tiles the program copies in from HBM) on TPU."""
+  names = tuple(ins + outs)
+  scratch = []
+  if not f.packed:
+    dims = {n: a.shape[-1] for n, a in zip(ins, args, strict=True)}
+    dims.update({n: s.shape[-1] for n, s in zip(outs, shapes, strict=True)})
+    dtypes = {n: a.dtype for n, a in zip(ins, args, strict=True)}
+    dtypes.update({n: s.dtype for n, s in zip(outs, shapes, strict=True)})
+    tok = [n for n in names if n in TOK and n in dims and not (buffers and n in ("q", "k", "v", "pool_q",
+                                                                                   "pool_k"))]
+    scratch = [pltpu.VMEM((f.cols, dims[n]), dtypes[n]) for n in tok]
+  if buffers and f.platform == "tpu":
+    hb = f.heads_per_block
+    kdt = dict(zip(ins, args, strict=True))["k"].dtype
+    vdt = dict(zip(ins, args, strict=True))["v"].dtype
+    names = names + ("buf_all_d", "buf_all_v", "buf_d", "buf_v")
+    scratch += [pltpu.VMEM((f.cols, hb, f.d), kdt), pltpu.VMEM((f.cols, hb, f.dv), vdt),
+                pltpu.VMEM((f.cols, f.d), kdt), pltpu.VMEM((f.cols, f.dv), vdt)]
+  heads = HEADS
+  arrays = [passes.head_view(f, a) if n in heads else a for n, a in zip(ins, args, strict=True)]
+  hb = f.heads_per_block
+  out_shapes = [jax.ShapeDtypeStruct((f.batch, f.heads // hb, hb) + s.shape[1:], s.dtype) if n in heads else s
+                for n, s in zip(outs, shapes, strict=True)]
+  tok = TOK if not buffers else tuple(n for n in TOK if n not in ("q", "k", "v", "pool_q", "pool_k"))
+  body = functools.partial(_run_kernel, kernel=kernel, f=f, names=names, outs=tuple(outs), tok=tok,
+                           heads=heads)
+  res = pallas.platform_call(
+      body, gpu_params=passes.GPU_PARAMS, tpu_params=passes.compiler_params(f, False), platform=f.platform,
+      grid=passes.grid(f, groups), in_specs=specs, out_specs=out_specs, out_shape=out_shapes,
+      scratch_shapes=scratch, name=name, **({"input_output_aliases": aliases} if aliases else {}),
+  )(*arrays)
+  return {n: passes.head_unview(f, x) if n in heads else x for n, x in zip(outs, res, strict=True)}
+
+
+def _run_kernel(*refs, kernel, f: Frame, names: tuple, outs: tuple, tok: tuple, heads: tuple) -> None:
+  b = pl.program_id(0)
+  passes.each_head(f, names, refs, outs, functools.partial(kernel, b), tok, heads)
+
+
+def _tile_inputs(f: Frame, dy: Dyadic, a: dict) -> tuple[list[str], list[pl.BlockSpec], list[Array]]:
   names = ["q", "k", "v"] + (["pool_q", "pool_k"] if dy.pools else []) + (["mask"] if f.masked else [])
   dims = {"q": f.d, "k": f.d, "v": f.dv, "pool_q": f.d, "pool_k": f.d}
-  return names, [_mask(f) if n == "mask" else _tile_spec(f, dims[n]) for n in names]
+  return names, [_mask(f) if n == "mask" else _tile_spec(f, dims[n]) for n in names], [a[n] for n in names]
 
 
-def _spans_inputs(f: Frame, dy: Dyadic, a: dict) -> tuple[list[str], list[pl.BlockSpec]]:
+def _spans_inputs(f: Frame, dy: Dyadic, a: dict) -> tuple[list[str], list[pl.BlockSpec], list[Array]]:
   names = ["q", "k", "v"] + (["pool_q", "pool_k"] if dy.pools else []) + (["mask"] if f.masked else [])
   specs = [pl.BlockSpec(a["mask"].shape, lambda b, h, g: (0, 0, 0, 0)) if n == "mask"
-           else _whole(f, a[n].shape) for n in names]
-  return names, specs
+           else _whole(f, a[n]) for n in names]
+  return names, specs, [a[n] for n in names]
 
 
-def _with_dtype_buffers(f: Frame, a: dict) -> tuple[list[str], list[Any]]:
-  """TPU copy buffers in the frame arrays' dtypes."""
-  if f.platform != "tpu":
-    return [], []
-  return ["buf_d", "buf_v"], [pltpu.VMEM((f.cols, f.d), a["k"].dtype),
-                              pltpu.VMEM((f.cols, f.dv), a["v"].dtype)]
+_DIMS = {"kbar": "d", "vt": "dv", "stats": STATS, "qbar": "d", "dqbar": "d", "dkbar": "d", "dvt": "dv",
+         "ties_q": "d", "ties_k": "d", "stats2": STATS}
+
+
+def _dim(f: Frame, name: str) -> int:
+  d = _DIMS[name]
+  return {"d": f.d, "dv": f.dv}.get(d, d) if isinstance(d, str) else d
 
 
 def spans_forward(f: Frame, dy: Dyadic, a: dict) -> dict[str, Array]:
   """Bank rows of the high spans: kbar, vt, qbar [BH, spans, 1, dim], stats [BH, spans, 1, STATS]."""
-  ins, specs = _spans_inputs(f, dy, a)
+  ins, specs, args = _spans_inputs(f, dy, a)
   outs = ["kbar", "vt", "stats"] + ([] if dy.pooling is None else ["qbar"])
-  dims = {"kbar": f.d, "vt": f.dv, "stats": STATS, "qbar": f.d}
-  bufs, buf_specs = _with_dtype_buffers(f, a)
-  kernel = functools.partial(_spans_kernel, f=f, dy=dy, names=tuple(ins + outs + bufs))
-  res = _call(f, kernel, "combiner_dyadic_spans_fwd", grid=(f.batch, f.heads, dy.num_spans), in_specs=specs,
-              out_specs=[_row(f, dims[n]) for n in outs],
-              out_shape=[_bank_shape(f, dy.num_spans, dims[n]) for n in outs], scratch_shapes=buf_specs,
-              )(*(a[n] for n in ins))
-  return dict(zip(outs, res, strict=True))
-
-
-def _bank_in(f: Frame, dy: Dyadic, names: list[str], dims: dict) -> list[pl.BlockSpec]:
-  return [_full(f, (dy.num_spans, 1, dims[n])) for n in names]
+  return _call(f, functools.partial(_spans_kernel_body, f=f, dy=dy), "combiner_dyadic_spans_fwd",
+               dy.num_spans,
+               ins, specs, args, outs, [_row(f, _dim(f, n)) for n in outs],
+               [_head_shape(f, dy.num_spans, 1, _dim(f, n)) for n in outs], buffers=True)
 
 
 def main_forward(f: Frame, dy: Dyadic, a: dict, bank: dict, out_dtype: Any, ext: tuple | None) -> tuple:
-  ins, specs = _tile_args(f, dy, a)
-  args = [a[n] for n in ins]
+  ins, specs, args = _tile_inputs(f, dy, a)
   if dy.high:
     ins += ["bk", "bv", "bstats"]
-    specs += _bank_in(f, dy, ["k", "v", "s"], {"k": f.d, "v": f.dv, "s": STATS})
+    specs += [_full(f, (dy.num_spans, 1, n)) for n in (f.d, f.dv, STATS)]
     args += [bank["kbar"], bank["vt"], bank["stats"]]
   if ext is not None:
     ins += ["o_ext", "lse_ext"]
     specs += [_tile_spec(f, f.dv), _lse(f)]
     args += list(ext)
-  outs = ["o", "lse"]
-  kernel = functools.partial(_main_kernel, f=f, dy=dy, names=tuple(ins + outs))
-  o, lse = _call(f, kernel, "combiner_dyadic_fwd", grid=(f.batch, f.heads, f.rows), in_specs=specs,
-                 out_specs=[_tile_spec(f, f.dv), _lse(f)],
-                 out_shape=[_tok_shape(f, f.dv, out_dtype),
-                            jax.ShapeDtypeStruct((f.batch * f.heads, f.rows, 1, f.cols), F32)])(*args)
-  return o, lse
+  r = _call(f, functools.partial(_main_kernel_body, f=f, dy=dy), "combiner_dyadic_fwd", f.rows, ins, specs,
+            args, ["o", "lse"], [_tile_spec(f, f.dv), _lse(f)],
+            [_tok_shape(f, f.dv, out_dtype), _head_shape(f, f.rows, 1, f.cols)])
+  return r["o"], r["lse"]
 
 
 def main_backward(f: Frame, dy: Dyadic, a: dict, bank: dict, do: Array, o: Array, lse: Array) -> dict:
-  ins, specs = _tile_args(f, dy, a)
-  args = [a[n] for n in ins]
+  ins, specs, args = _tile_inputs(f, dy, a)
   if dy.high:
     ins += ["bk", "bv", "bstats"]
-    specs += _bank_in(f, dy, ["k", "v", "s"], {"k": f.d, "v": f.dv, "s": STATS})
+    specs += [_full(f, (dy.num_spans, 1, n)) for n in (f.d, f.dv, STATS)]
     args += [bank["kbar"], bank["vt"], bank["stats"]]
   ins += ["do", "o_fin", "lse_fin"]
   specs += [_tile_spec(f, f.dv), _tile_spec(f, f.dv), _lse(f)]
@@ -649,59 +672,44 @@ def main_backward(f: Frame, dy: Dyadic, a: dict, bank: dict, do: Array, o: Array
       shapes.append(_tok_shape(f, dims[n], dtypes[n]))
     else:
       dim = f.d if n == "dhk" else f.dv
-      out_specs.append(pl.BlockSpec((None, None, dy.high_rows, dim),
-                                    lambda b, h, g: (b * f.heads + h, g, 0, 0)))
-      shapes.append(jax.ShapeDtypeStruct((f.batch * f.heads, f.rows, dy.high_rows, dim), F32))
-  kernel = functools.partial(_main_backward_kernel, f=f, dy=dy, names=tuple(ins + outs))
-  res = _call(f, kernel, "combiner_dyadic_bwd", grid=(f.batch, f.heads, f.rows), in_specs=specs,
-              out_specs=out_specs, out_shape=shapes)(*args)
-  return dict(zip(outs, res, strict=True))
+      out_specs.append(passes.head_spec(f, (None, dy.high_rows, dim), lambda g: (g, 0, 0)))
+      shapes.append(_head_shape(f, f.rows, dy.high_rows, dim))
+  return _call(f, functools.partial(_main_backward_kernel_body, f=f, dy=dy), "combiner_dyadic_bwd", f.rows,
+               ins, specs, args, outs, out_specs, shapes)
 
 
 def spans_backward(f: Frame, dy: Dyadic, a: dict, bank: dict, main: dict) -> dict:
-  ins, specs = _spans_inputs(f, dy, a)
-  args = [a[n] for n in ins]
+  ins, specs, args = _spans_inputs(f, dy, a)
   ins += ["dhk", "dhv"]
   specs += [_full(f, (f.rows, dy.high_rows, f.d)), _full(f, (f.rows, dy.high_rows, f.dv))]
   args += [main["dhk"], main["dhv"]]
   rows = ["kbar", "vt", "stats"] + ([] if dy.pooling is None else ["qbar"])
-  dims = {"kbar": f.d, "vt": f.dv, "stats": STATS, "qbar": f.d, "dqbar": f.d, "dkbar": f.d, "dvt": f.dv,
-          "ties_q": f.d, "ties_k": f.d, "stats2": STATS}
   ins += rows
-  specs += [_row(f, dims[n]) for n in rows]
+  specs += [_row(f, _dim(f, n)) for n in rows]
   args += [bank[n] for n in rows]
   outs = ["dkbar", "dvt"] + ([] if dy.pooling is None else ["dqbar", "ties_q", "ties_k", "stats2"])
-  bufs, buf_specs = _with_dtype_buffers(f, a)
-  kernel = functools.partial(_span_backward_kernel, f=f, dy=dy, names=tuple(ins + outs + bufs))
-  res = _call(f, kernel, "combiner_dyadic_spans_bwd", grid=(f.batch, f.heads, dy.num_spans), in_specs=specs,
-              out_specs=[_row(f, dims[n]) for n in outs],
-              out_shape=[_bank_shape(f, dy.num_spans, dims[n]) for n in outs], scratch_shapes=buf_specs,
-              )(*args)
-  return dict(zip(outs, res, strict=True))
+  return _call(f, functools.partial(_span_backward_kernel_body, f=f, dy=dy), "combiner_dyadic_spans_bwd",
+               dy.num_spans, ins, specs, args, outs, [_row(f, _dim(f, n)) for n in outs],
+               [_head_shape(f, dy.num_spans, 1, _dim(f, n)) for n in outs], buffers=True)
 
 
 def tiles_backward(f: Frame, dy: Dyadic, a: dict, bank: dict, sb: dict, main: dict) -> dict:
-  ins, specs = _tile_args(f, dy, a)
-  args = [a[n] for n in ins]
+  ins, specs, args = _tile_inputs(f, dy, a)
   rows = {**bank, **sb}
   names = [n for n in ("dvt", "dkbar", "qbar", "kbar", "stats", "stats2", "dqbar", "ties_q", "ties_k")
            if n in rows]
-  dims = {"kbar": f.d, "vt": f.dv, "stats": STATS, "qbar": f.d, "dqbar": f.d, "dkbar": f.d, "dvt": f.dv,
-          "ties_q": f.d, "ties_k": f.d, "stats2": STATS}
   ins += names
-  specs += _bank_in(f, dy, names, dims)
+  specs += [_full(f, (dy.num_spans, 1, _dim(f, n))) for n in names]
   args += [rows[n] for n in names]
   grads = ["dq", "dk", "dv"] + (["dpq", "dpk"] if dy.pools else [])
   gdims = {"dq": f.d, "dk": f.d, "dv": f.dv, "dpq": f.d, "dpk": f.d}
   ins += [n + "_in" for n in grads]
   specs += [_tile_spec(f, gdims[n]) for n in grads]
   args += [main[n] for n in grads]
-  kernel = functools.partial(_tile_backward_kernel, f=f, dy=dy, names=tuple(ins + grads))
-  res = _call(f, kernel, "combiner_dyadic_tiles_bwd", grid=(f.batch, f.heads, f.rows), in_specs=specs,
-              out_specs=[_tile_spec(f, gdims[n]) for n in grads],
-              out_shape=[jax.ShapeDtypeStruct(main[n].shape, main[n].dtype) for n in grads],
-              input_output_aliases={ins.index(n + "_in"): i for i, n in enumerate(grads)})(*args)
-  return dict(zip(grads, res, strict=True))
+  return _call(f, functools.partial(_tile_backward_kernel_body, f=f, dy=dy), "combiner_dyadic_tiles_bwd",
+               f.rows, ins, specs, args, grads, [_tile_spec(f, gdims[n]) for n in grads],
+               [jax.ShapeDtypeStruct(main[n].shape, main[n].dtype) for n in grads],
+               aliases={ins.index(n + "_in"): i for i, n in enumerate(grads)})
 
 
 def direction_forward(f: Frame, dy: Dyadic, a: dict, out_dtype: Any, ext: tuple | None = None):

@@ -74,42 +74,26 @@ def frame_rows(rows: int, platform: str) -> int:
 
 # ----------------------------------------------------------------------------------------------- layout
 
-def to_frame(x: Array, f: Frame, order: str = "rows") -> Array:
-  """[batch, length, heads, dim] -> the frame array: packed [batch, rows*cols, heads*dim] or head-major
-  [batch*heads, rows*cols, dim] (order "cols": column-major, [batch*heads, cols*rows, dim])."""
+def to_frame(x: Array, f: Frame) -> Array:
+  """[batch, length, heads, dim] -> the frame array [batch, rows * cols, heads, dim] (heads-packed frames:
+  [batch, rows * cols, heads * dim]); the contract's array itself when no padding is needed."""
   b, length, h, dim = x.shape
   total = f.rows * f.span
   if total != length:
     x = jnp.pad(x, ((0, 0), (0, total - length), (0, 0), (0, 0)))
-  x = x.reshape(b, f.rows, f.span, h, dim)
   if f.cols != f.span:
-    x = jnp.pad(x, ((0, 0), (0, 0), (0, f.cols - f.span), (0, 0), (0, 0)))
-  if f.packed:
-    return x.reshape(b, f.rows * f.cols, h * dim)
-  x = jnp.transpose(x, (0, 3, 1, 2, 4) if order == "rows" else (0, 3, 2, 1, 4))  # [b, h, rows|cols, ., d]
-  return x.reshape(b * h, f.rows * f.cols, dim)
+    x = jnp.pad(x.reshape(b, f.rows, f.span, h, dim), ((0, 0), (0, 0), (0, f.cols - f.span), (0, 0), (0, 0)))
+  x = x.reshape(b, f.rows * f.cols, h, dim)
+  return x.reshape(b, f.rows * f.cols, h * dim) if f.packed else x
 
 
-def from_frame(y: Array, f: Frame, dim: int, order: str = "rows") -> Array:
+def from_frame(y: Array, f: Frame, dim: int) -> Array:
   """The inverse of `to_frame`: [batch, length, heads, dim]."""
-  b, h = f.batch, f.heads
-  if f.packed:
-    y = y.reshape(b, f.rows, f.cols, h, dim)
-  elif order == "rows":
-    y = jnp.transpose(y.reshape(b, h, f.rows, f.cols, dim), (0, 2, 3, 1, 4))
-  else:
-    y = jnp.transpose(y.reshape(b, h, f.cols, f.rows, dim), (0, 3, 2, 1, 4))
-  y = y[:, :, :f.span].reshape(b, f.rows * f.span, h, dim)
-  return y[:, :f.length]
-
-
-def reorder(y: Array, f: Frame, order: str) -> Array:
-  """A head-major frame array from the other order into `order` (identity for packed frames)."""
-  if f.packed:
-    return y
-  src = (f.cols, f.rows) if order == "rows" else (f.rows, f.cols)
-  y = y.reshape(y.shape[0], *src, y.shape[-1])
-  return jnp.swapaxes(y, 1, 2).reshape(y.shape[0], -1, y.shape[-1])
+  y = y.reshape(f.batch, f.rows, f.cols, f.heads, dim)
+  if f.cols != f.span:
+    y = y[:, :, :f.span]
+  y = y.reshape(f.batch, f.rows * f.span, f.heads, dim)
+  return y if y.shape[1] == f.length else y[:, :f.length]
 
 
 def reorder_lse(lse: Array, f: Frame) -> Array:
@@ -250,109 +234,98 @@ def fixed(q: Array, k: Array, v: Array, mask: Array | None, pool_q: Array | None
 
 # ------------------------------------------------------------------------------------------------ axial
 
-def _cols(a: dict, names: tuple[str, ...]) -> dict[str, Array]:
-  """The column-order arrays `name`_c of `names`, under their plain names."""
-  return {n: a[n + "_c"] for n in names if n + "_c" in a}
+_INPUTS = ("q", "k", "v", "pool_q", "pool_k")
 
 
-def _rows_args(a: dict, names: tuple[str, ...]) -> dict[str, Array]:
-  return {n: a[n] for n in names if n in a}
-
-
-_INPUTS = ("q", "k", "v", "pool_q", "pool_k", "mask")
-
-
-def _to(f: Frame, x: Array, order: str) -> Array:
-  """A frame array of the other order in `order` (free for heads-packed frames)."""
-  return reorder(x, f, order)
+def _view_args(a: dict, view: str, extra: bool = False) -> dict[str, Array]:
+  """The plan's inputs a pass reads: the frame arrays (both views read the same ones) and the validity rows
+  of its view ("_c": the column view's), where the plan is masked."""
+  out = {n: a[n] for n in _INPUTS if n in a}
+  suffix = "_c" if view == "cols" else ""
+  for n in ("mask",) + (("extra_valid",) if extra else ()):
+    if n + suffix in a:
+      out[n] = a[n + suffix]
+  return out
 
 
 def _axial_forward(plan: Plan, a: dict):
+  """Forward passes: vertical (columns, then rows), horizontal and rowmajor (rows, then columns), sparse
+  axial (rows, columns), joint mixture (columns, rows, columns); the last pass's output is final."""
   f, ps = plan.frame, plan.passes
   kdt = a["q"].dtype
   fwd = functools.partial(passes.forward, f, tok_dtype=kdt, out_dtype=plan.out_dtype)
   res: dict[str, Array] = {}
   if plan.name in ("vertical", "mixture_joint"):
-    col = ps[0]
-    c = fwd(col, {**_cols(a, _INPUTS), **({} if col.attend else {})}, name="combiner_columns")
-    res["kbar_v"], res["vt_v"] = _to(f, c["kbar_tok"], "rows"), _to(f, c["vt_tok"], "rows")
-    if col.attend:
-      res["o_c"], res["lse_c"] = _to(f, c["o"], "rows"), reorder_lse(c["lse"], f)
-  if plan.name == "vertical":
-    r = fwd(ps[1], {**_rows_args(a, _INPUTS + ("extra_valid",)), "xk": res["kbar_v"], "xv": res["vt_v"],
-                    "o_ext": res["o_c"], "lse_ext": res["lse_c"]}, name="combiner_rows")
-    return r["o"], {**res, "o": r["o"], "lse": r["lse"]}
-  first = ps[0] if plan.name != "mixture_joint" else ps[1]
-  row_args = _rows_args(a, _INPUTS)
+    c = fwd(ps[0], _view_args(a, "cols"), name="combiner_columns")
+    res["kbar_v"], res["vt_v"] = c["kbar_tok"], c["vt_tok"]
+    if plan.name == "vertical":
+      r = fwd(ps[1], {**_view_args(a, "rows", extra=True), "xk": c["kbar_tok"], "xv": c["vt_tok"],
+                      "o_ext": c["o"], "lse_ext": reorder_lse(c["lse"], f)}, name="combiner_rows")
+      return r["o"], {**res, "o": r["o"], "lse": r["lse"]}
+  row_pass, col_pass = (ps[1], ps[2]) if plan.name == "mixture_joint" else ps
+  row_args = _view_args(a, "rows", extra=plan.name == "mixture_joint")
   if plan.name == "mixture_joint":
-    row_args.update(xk=res["kbar_v"], xv=res["vt_v"], **_rows_args(a, ("extra_valid",)))
-  r = fwd(first, row_args, name="combiner_rows")
-  res["o_r"], res["lse_r"] = _to(f, r["o"], "cols"), reorder_lse(r["lse"], f)
-  last = ps[-1]
-  col_args = {**_cols(a, ("q", "k", "v", "mask", "extra_valid")), "o_ext": res["o_r"],
-              "lse_ext": res["lse_r"]}
+    row_args.update(xk=res["kbar_v"], xv=res["vt_v"])
+  r = fwd(row_pass, row_args, name="combiner_rows")
+  col_args = {**_view_args(a, "cols", extra=True), "o_ext": r["o"], "lse_ext": reorder_lse(r["lse"], f)}
   if plan.name in ("horizontal", "mixture_joint"):
-    res["kbar_h"], res["vt_h"] = _to(f, r["kbar_tok"], "cols"), _to(f, r["vt_tok"], "cols")
-    col_args.update(xk=res["kbar_h"], xv=res["vt_h"])
+    res["kbar_h"], res["vt_h"] = r["kbar_tok"], r["vt_tok"]
+    col_args.update(xk=r["kbar_tok"], xv=r["vt_tok"])
   elif plan.name == "rowmajor":
     res["kbar_rows"] = a["kbar_in"] if "kbar_in" in a else r["kbar_row"]
-    res["vt_h"] = _to(f, r["vt_tok"], "cols")
-    col_args.update(xk_bank=res["kbar_rows"], xv=res["vt_h"])
-  c = fwd(last, col_args, name="combiner_columns")
+    res["vt_h"] = r["vt_tok"]
+    col_args.update(xk_bank=res["kbar_rows"], xv=r["vt_tok"])
+  c = fwd(col_pass, col_args, name="combiner_columns")
   return c["o"], {**res, "o": c["o"], "lse": c["lse"]}
 
 
-def _grads(out: dict, order: str, prefix: str = "") -> dict[str, Array]:
-  names = {"q": "dq", "k": "dk", "v": "dv", "pool_q": "dpq", "pool_k": "dpk"}
-  suffix = "_c" if order == "cols" else ""
-  return {n + suffix: out[g] for n, g in names.items() if g in out}
+_GRADS = {"q": "dq", "k": "dk", "v": "dv", "pool_q": "dpq", "pool_k": "dpk"}
+
+
+def _carry(out: dict) -> dict[str, Array]:
+  """A backward pass's gradients as the next one's in-place inputs."""
+  return {g + "_in": out[g] for g in _GRADS.values() if g in out}
 
 
 def _axial_backward(plan: Plan, a: dict, res: dict, do: Array) -> dict:
+  """The passes in reverse, each adding to dq, dk, dv (and DeepSets pools) in place, from the plan's final
+  log-sum-exp (`lse_fin`, in each pass's view)."""
   f, ps = plan.frame, plan.passes
   dt = _dtypes(a)
-  kdt = a["q"].dtype
-  bwd = functools.partial(passes.backward, f)
-  tok_dt = {**dt, "dxk": kdt, "dxv": kdt}
-  grads: dict[str, Array] = {}
+  tok_dt = {**dt, "dxk": a["q"].dtype, "dxv": a["q"].dtype}
+  bwd = functools.partial(passes.backward, f, dtypes=tok_dt)
+  last_view = "rows" if plan.name == "vertical" else "cols"
+  lse = {last_view: res["lse"], ("cols" if last_view == "rows" else "rows"): reorder_lse(res["lse"], f)}
+  fin = {"do": do, "o_fin": res["o"]}
   if plan.name == "vertical":
-    row, col = ps[1], ps[0]
-    r = bwd(row, {**_rows_args(a, _INPUTS + ("extra_valid",)), "xk": res["kbar_v"], "xv": res["vt_v"],
-                  "do": do, "o_fin": res["o"], "lse_fin": res["lse"]}, dtypes=tok_dt, name="combiner_rows")
-    grads.update(_grads(r, "rows"))
-    c = bwd(col, {**_cols(a, _INPUTS), "do": _to(f, do, "cols"), "o_fin": _to(f, res["o"], "cols"),
-                  "lse_fin": reorder_lse(res["lse"], f), "dkbar_tok": _to(f, r["dxk"], "cols"),
-                  "dvt_tok": _to(f, r["dxv"], "cols")}, dtypes=dt, name="combiner_columns")
-    grads.update(_grads(c, "cols"))
-    return grads
-  last = ps[-1]
-  col_args = {**_cols(a, ("q", "k", "v", "mask", "extra_valid")), "do": do, "o_fin": res["o"],
-              "lse_fin": res["lse"]}
+    col, row = ps
+    r = bwd(row, {**_view_args(a, "rows", extra=True), "xk": res["kbar_v"], "xv": res["vt_v"], **fin,
+                  "lse_fin": lse["rows"]}, name="combiner_rows")
+    g = bwd(col, {**_view_args(a, "cols"), **fin, "lse_fin": lse["cols"], "dkbar_tok": r["dxk"],
+                  "dvt_tok": r["dxv"], **_carry(r)}, name="combiner_columns")
+    return {n: g[d] for n, d in _GRADS.items() if d in g}
+  row_pass, col_pass = (ps[1], ps[2]) if plan.name == "mixture_joint" else ps
+  col_args = {**_view_args(a, "cols", extra=True), **fin, "lse_fin": lse["cols"]}
   if plan.name in ("horizontal", "mixture_joint"):
     col_args.update(xk=res["kbar_h"], xv=res["vt_h"])
   elif plan.name == "rowmajor":
     col_args.update(xk_bank=res["kbar_rows"], xv=res["vt_h"])
-  c = bwd(last, col_args, dtypes=tok_dt, bank_rows=f.rows, name="combiner_columns")
-  first = ps[0] if plan.name != "mixture_joint" else ps[1]
-  row_args = {**_rows_args(a, _INPUTS), "do": _to(f, do, "rows"), "o_fin": _to(f, res["o"], "rows"),
-              "lse_fin": reorder_lse(res["lse"], f)}
+  c = bwd(col_pass, col_args, bank_rows=f.rows, name="combiner_columns")
+  row_args = {**_view_args(a, "rows", extra=plan.name == "mixture_joint"), **fin, "lse_fin": lse["rows"],
+              **_carry(c)}
   if plan.name in ("horizontal", "mixture_joint"):
-    row_args.update(dkbar_tok=_to(f, c["dxk"], "rows"), dvt_tok=_to(f, c["dxv"], "rows"))
+    row_args.update(dkbar_tok=c["dxk"], dvt_tok=c["dxv"])
   elif plan.name == "rowmajor":
-    row_args.update(dkbar_row=_bank_total(f, c["dxk_bank"]), dvt_tok=_to(f, c["dxv"], "rows"))
+    row_args.update(dkbar_row=_bank_total(f, c["dxk_bank"]), dvt_tok=c["dxv"])
   if plan.name == "mixture_joint":
-    row_args.update(xk=res["kbar_v"], xv=res["vt_v"], **_rows_args(a, ("extra_valid",)))
-  r = bwd(first, row_args, dtypes=tok_dt, name="combiner_rows")
-  grads.update(_grads(r, "rows"))
+    row_args.update(xk=res["kbar_v"], xv=res["vt_v"])
+  g = bwd(row_pass, row_args, name="combiner_rows")
+  if plan.name == "mixture_joint":  # the vertical spans' construction, by columns
+    g = bwd(ps[0], {**_view_args(a, "cols"), "dkbar_tok": g["dxk"], "dvt_tok": g["dxv"], **_carry(g)},
+            name="combiner_columns")
+  grads = {n: g[d] for n, d in _GRADS.items() if d in g}
   if plan.name == "rowmajor" and "kbar_in" in a:
     grads["kbar_in"] = _bank_total(f, c["dxk_bank"])
-  if plan.name == "mixture_joint":  # the vertical spans' construction, in the column order
-    v = bwd(ps[0], {**_cols(a, _INPUTS), "dkbar_tok": _to(f, r["dxk"], "cols"),
-                    "dvt_tok": _to(f, r["dxv"], "cols"), "dq_in": c["dq"], "dk_in": c["dk"],
-                    "dv_in": c["dv"]}, dtypes=dt, name="combiner_columns")
-    grads.update(_grads(v, "cols"))
-  else:
-    grads.update(_grads(c, "cols"))
   return grads
 
 
@@ -418,19 +391,13 @@ def axial(q: Array, k: Array, v: Array, mask: Array | None, pool_q: Array | None
   pools = pool_q is not None
   plan = Plan(f, name, _axial_passes(name, causal, pooling, pools, kbar is not None), pooling, causal, pools,
               jnp.dtype(v.dtype))
-  kdt = _kernel_dtypes(q, k, v)
-  a = _arrays(f, q, k, v, pool_q, pool_k, kdt)
-  order = "rows" if f.packed else "cols"
-  for n, x in (("q", q), ("k", k), ("v", v), ("pool_q", pool_q), ("pool_k", pool_k)):
-    if x is not None:
-      a[n + "_c"] = a[n] if f.packed else to_frame(x.astype(kdt) if n in "qkv" else x, f, order)
+  a = _arrays(f, q, k, v, pool_q, pool_k, _kernel_dtypes(q, k, v))
   if mask is not None:
     a.update(_validity(name, mask_frame(mask, f), causal))
   if kbar is not None:  # [batch, rows, heads, d] -> [BH, frame rows, 1, d]
     kb = jnp.pad(kbar, ((0, 0), (0, f.rows - kbar.shape[1]), (0, 0), (0, 0)))
     a["kbar_in"] = jnp.swapaxes(kb, 1, 2).reshape(f.batch * f.heads, f.rows, 1, f.d).astype(F32)
-  out = _run(plan, a)
-  return from_frame(out, f, f.dv, order="rows" if name == "vertical" else ("rows" if f.packed else "cols"))
+  return from_frame(_run(plan, a), f, f.dv)
 
 
 PLANS = {"vertical": functools.partial(axial, direction="vertical"),
@@ -444,15 +411,17 @@ PLANS = {"vertical": functools.partial(axial, direction="vertical"),
 # ------------------------------------------------------------------------------------------- logsparse
 
 def _flip(f: Frame, x: Array) -> Array:
-  """A frame array of the sequence reversed (its real part; padding stays at the end): [X, rows*cols, W]."""
-  real = jnp.flip(x[:, :f.length], axis=1)
-  return jnp.pad(real, ((0, 0), (0, x.shape[1] - f.length), (0, 0)))
+  """A frame array of the sequence reversed (its real part; padding stays at the end)."""
+  if x.shape[1] == f.length:
+    return jnp.flip(x, axis=1)
+  pad = [(0, 0)] * x.ndim
+  pad[1] = (0, x.shape[1] - f.length)
+  return jnp.pad(jnp.flip(x[:, :f.length], axis=1), pad)
 
 
 def _flip_lse(f: Frame, lse: Array) -> Array:
-  flat = lse.reshape(lse.shape[0], -1)
-  real = jnp.flip(flat[:, :f.length], axis=1)
-  return jnp.pad(real, ((0, 0), (0, flat.shape[1] - f.length))).reshape(lse.shape)
+  """Per-head log-sum-exps [BH, tiles, 1, T] of the sequence reversed."""
+  return _flip(f, lse.reshape(lse.shape[0], -1)).reshape(lse.shape)
 
 
 def _reversed(a: dict) -> dict:

@@ -18,10 +18,12 @@ summaries it read, from the plan's final log-sum-exp), then the construction's g
 gradients, routing pooled gradients to the rows that pooled into them. dq, dk and dv accumulate across the
 passes of one view in place (input_output_aliases).
 
-Frame arrays are [X, rows * cols, W]: heads packed, [batch, L, heads * dim] (GPUs; a column pass reads them
-as strided tiles), or head-major [batch * heads, L, dim] (TPU and CPU; a column pass reads a column-major copy
-[batch * heads, cols * rows, dim] the plan makes). One row per group ("bank") is [batch * heads, groups, 1,
-dim] float32; log-sum-exps are [batch * heads, groups, 1, group length].
+Frame arrays keep the op contract's layout, [batch, rows * cols, heads, dim], so no layout copy runs around
+the kernels. On TPU (and in interpret mode) a program reads a group of a block of `heads_per_block` heads,
+[group length, heads, dim] (a column pass reads the same array as [batch, rows, cols, heads, dim], one column
+at a time), and runs its heads one after the other, each copied out of the block in VMEM; on GPUs a program
+runs one head, Triton reading its strided tile of [batch, L, heads * dim]. Per-head arrays are [batch * heads,
+...]: a shared row per group ("bank") [.., n, 1, dim] float32, log-sum-exps [.., groups, 1, group length].
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ Array = Any
 TILE = 128  # query / key tile cap inside a group (TPU lanes; also interpret mode)
 GPU_TILE = 64  # smaller tiles keep more Triton programs in flight
 GPU_PARAMS = pltriton.CompilerParams(num_warps=4, num_stages=2)
+HEAD_BLOCK = 8  # heads per program on TPU: their blocks fit a v4 core's 16 MiB of VMEM
 KINDS = ("block", "last", "prefix", "all_but_one", "own")
 COUNTS = ("vertical_causal", "vertical", "horizontal", "rows")  # how `extra` summaries' members are counted
 
@@ -63,7 +66,7 @@ class Frame:
   d: int
   dv: int
   scale: float
-  packed: bool  # heads-packed frame arrays (GPU), else head-major
+  packed: bool  # one head per program, frame arrays [batch, L, heads * dim] (GPUs); else blocks of heads
   platform: str  # "cpu" (interpret mode) | "gpu" | "tpu"
   masked: bool  # validity comes from mask arrays, else from positions alone
   partial_banks: bool = False  # gradients of shared rows as per-group partial sums (GPUs), see below
@@ -71,6 +74,14 @@ class Frame:
   @property
   def tile(self) -> int:
     return GPU_TILE if self.platform == "gpu" else TILE
+
+  @property
+  def heads_per_block(self) -> int:
+    """Heads one program runs: 1 for heads-packed frames; else up to HEAD_BLOCK (a block's heads are its
+    second-minor axis: a multiple of 8 or all of them)."""
+    if self.packed:
+      return 1
+    return HEAD_BLOCK if self.heads % HEAD_BLOCK == 0 else self.heads
 
   def valid(self, r: Array, c: Array) -> Array:
     """Validity of frame position (r, c) from positions alone."""
@@ -117,47 +128,81 @@ class Pass:
 # ----------------------------------------------------------------------------------------------- layouts
 
 def tok_shape(f: Frame, p: Pass, dim: int, dtype: Any) -> jax.ShapeDtypeStruct:
-  x, w = (f.batch, f.heads * dim) if f.packed else (f.batch * f.heads, dim)
-  if p.view == "cols" and f.packed:
-    return jax.ShapeDtypeStruct((x, f.rows, f.cols * w), dtype)
-  return jax.ShapeDtypeStruct((x, f.rows * f.cols, w), dtype)
+  """A frame array as a pass writes it (`tok_out` gives the frame array back)."""
+  if f.packed:
+    if p.view == "cols":
+      return jax.ShapeDtypeStruct((f.batch, f.rows, f.cols * f.heads * dim), dtype)
+    return jax.ShapeDtypeStruct((f.batch, f.rows * f.cols, f.heads * dim), dtype)
+  if p.view == "cols":
+    return jax.ShapeDtypeStruct((f.batch, f.rows, f.cols, f.heads, dim), dtype)
+  return jax.ShapeDtypeStruct((f.batch, f.rows * f.cols, f.heads, dim), dtype)
 
 
 def tok_in(f: Frame, p: Pass, x: Array) -> Array:
-  """A frame array as a pass reads it: the GPU column view is a free reshape of the frame array."""
-  return x.reshape(x.shape[0], f.rows, -1) if p.view == "cols" and f.packed else x
+  """A frame array as a pass reads it: a column pass's view is a free reshape of it."""
+  if p.view != "cols":
+    return x
+  return x.reshape(f.batch, f.rows, -1) if f.packed else x.reshape(f.batch, f.rows, f.cols, *x.shape[2:])
 
 
 def tok_out(f: Frame, p: Pass, x: Array) -> Array:
-  return x.reshape(x.shape[0], f.rows * f.cols, -1) if p.view == "cols" and f.packed else x
+  if p.view != "cols":
+    return x
+  return x.reshape(f.batch, f.rows * f.cols, -1) if f.packed else x.reshape(f.batch, f.rows * f.cols,
+                                                                             *x.shape[3:])
+
+
+def grid(f: Frame, groups: int) -> tuple[int, int, int]:
+  """(batch, head blocks, groups): the groups innermost, so a head block's shared rows stay in VMEM."""
+  return (f.batch, f.heads // f.heads_per_block, groups)
 
 
 def _tok_spec(f: Frame, p: Pass, dim: int) -> pl.BlockSpec:
-  glen = p.glen(f)
-  if p.view == "cols" and f.packed:
-    return pl.BlockSpec((None, glen, dim), lambda b, h, g: (b, 0, g * f.heads + h))
+  glen, hb = p.glen(f), f.heads_per_block
   if f.packed:
+    if p.view == "cols":
+      return pl.BlockSpec((None, glen, dim), lambda b, h, g: (b, 0, g * f.heads + h))
     return pl.BlockSpec((None, glen, dim), lambda b, h, g: (b, g, h))
-  return pl.BlockSpec((None, glen, dim), lambda b, h, g: (b * f.heads + h, g, 0))
+  if p.view == "cols":
+    return pl.BlockSpec((None, glen, None, hb, dim), lambda b, h, g: (b, 0, g, h, 0))
+  return pl.BlockSpec((None, glen, hb, dim), lambda b, h, g: (b, g, h, 0))
+
+
+def head_view(f: Frame, x: Array) -> Array:
+  """A per-head array [batch * heads, ...] as the kernels read it: [batch, head blocks, heads per block,
+  ...] (a free reshape; one head per block for heads-packed frames)."""
+  hb = f.heads_per_block
+  return x.reshape(f.batch, f.heads // hb, hb, *x.shape[1:])
+
+
+def head_unview(f: Frame, x: Array) -> Array:
+  return x.reshape(f.batch * f.heads, *x.shape[3:])
+
+
+def head_spec(f: Frame, block: tuple, index: Any) -> pl.BlockSpec:
+  """A per-head array's block for the program's heads (one head, squeezed, for heads-packed frames):
+  `block` and `index(g)` its per-head part (None: squeezed)."""
+  hb = None if f.packed else f.heads_per_block
+  return pl.BlockSpec((None, None, hb) + block, lambda b, h, g: (b, h, 0) + index(g))
 
 
 def _bank_spec(f: Frame, n: int, dim: int) -> pl.BlockSpec:
-  """All n rows of a bank [BH, n, 1, dim] (read in the kernel as ref[rows, 0, :])."""
-  return pl.BlockSpec((None, n, 1, dim), lambda b, h, g: (b * f.heads + h, 0, 0, 0))
+  """All n rows of a per-head bank [.., n, 1, dim] (read in the kernel as ref[rows, 0, :])."""
+  return head_spec(f, (n, 1, dim), lambda g: (0, 0, 0))
 
 
-def _row_spec(f: Frame, dim: int) -> pl.BlockSpec:
-  """The group's own row of a bank [BH, groups, 1, dim]."""
-  return pl.BlockSpec((None, None, 1, dim), lambda b, h, g: (b * f.heads + h, g, 0, 0))
+def row_spec(f: Frame, dim: int) -> pl.BlockSpec:
+  """The group's own row of a per-head [.., groups, 1, dim]."""
+  return head_spec(f, (None, 1, dim), lambda g: (g, 0, 0))
 
 
 def _partial_spec(f: Frame, n: int, dim: int) -> pl.BlockSpec:
-  """The group's partial sums [BH, groups, n, 1, dim] of a bank's gradient (the plan sums them)."""
-  return pl.BlockSpec((None, None, n, 1, dim), lambda b, h, g: (b * f.heads + h, g, 0, 0, 0))
+  """The group's partial sums [.., groups, n, 1, dim] of a bank's gradient (the plan sums them)."""
+  return head_spec(f, (None, n, 1, dim), lambda g: (g, 0, 0, 0))
 
 
 def _lse_spec(f: Frame, p: Pass) -> pl.BlockSpec:
-  return pl.BlockSpec((None, None, 1, p.glen(f)), lambda b, h, g: (b * f.heads + h, g, 0, 0))
+  return head_spec(f, (None, 1, p.glen(f)), lambda g: (g, 0, 0))
 
 
 def _valid_spec(n: int) -> pl.BlockSpec:
@@ -271,10 +316,10 @@ def _in_specs(f: Frame, p: Pass, names: tuple[str, ...], bank_rows: int) -> list
   table = {"q": tok(d), "k": tok(d), "v": tok(dv), "pool_q": tok(d), "pool_k": tok(d), "xk": tok(d),
            "xv": tok(dv), "xk_bank": _bank_spec(f, f.rows, d), "bk": _bank_spec(f, bank_rows, d),
            "bv": _bank_spec(f, bank_rows, dv), "o_ext": tok(dv), "lse_ext": _lse_spec(f, p),
-           "kbar_in": _row_spec(f, d), "mask": _valid_spec(glen), "extra_valid": _valid_spec(glen),
+           "kbar_in": row_spec(f, d), "mask": _valid_spec(glen), "extra_valid": _valid_spec(glen),
            "bank_valid": _bank_valid_spec(bank_rows), "do": tok(dv), "o_fin": tok(dv),
            "lse_fin": _lse_spec(f, p),
-           "dkbar_row": _row_spec(f, d), "dvt_row": _row_spec(f, dv), "dkbar_tok": tok(d), "dvt_tok": tok(dv),
+           "dkbar_row": row_spec(f, d), "dvt_row": row_spec(f, dv), "dkbar_tok": tok(d), "dvt_tok": tok(dv),
            "dq_in": tok(d), "dk_in": tok(d), "dv_in": tok(dv), "dpq_in": tok(d), "dpk_in": tok(d)}
   return [table[n] for n in names]
 
@@ -444,13 +489,56 @@ def _attend(f: Frame, p: Pass, R: dict, g: Array, bank_rows: int) -> None:
   _loop(glen // t, q_tile, 0)
 
 
-def forward_kernel(*refs, f: Frame, p: Pass, names: tuple, bank_rows: int) -> None:
-  R = dict(zip(names, refs, strict=True))
-  g = pl.program_id(2)
-  if p.construct is not None:
-    _construct(f, p, R, g)
-  if p.attend:
-    _attend(f, p, R, g, bank_rows)
+HEAD_ARRAYS = ("lse", "lse_ext", "lse_fin", "bk", "bv", "xk_bank", "kbar_in", "dkbar_row", "dvt_row",
+               "kbar_row", "vt_row", "dbk", "dbv", "dxk_bank")
+
+
+def each_head(f: Frame, names: tuple, refs: tuple, outs: tuple, body, tok: tuple = TOK_INPUTS + TOK_OUTPUTS,
+              heads: tuple = HEAD_ARRAYS) -> None:
+  """body(R, g, head) for every head of the program's block, R its refs by name, g its group, head the
+  head's index: a frame array (`tok`) as the head's 2-D ref (copied out of the block into VMEM scratch, after
+  `refs`' arguments, and an output's back in after), a per-head array (`heads`) at the head, any other as it
+  is."""
+  n = len(names)
+  R = dict(zip(names, refs[:n], strict=True))
+  # program ids are read outside the heads' loop: the interpreter binds them at the kernel's top level
+  g, block = pl.program_id(2), pl.program_id(1)
+  if f.packed:
+    body(R, g, block)
+    return
+  cur = dict(zip([m for m in names if m in tok], refs[n:], strict=True))
+  hb = f.heads_per_block
+
+  def copy(j: Array, name: str, out: bool) -> None:
+    for jj in range(hb):
+      @pl.when(j == jj)
+      def _(jj=jj):
+        if out:
+          R[name][:, jj, :] = cur[name][...]
+        else:
+          cur[name][...] = R[name][:, jj, :]
+
+  def head(j, carry):
+    for name in cur:
+      if name not in outs:
+        copy(j, name, out=False)
+    body({m: cur[m] if m in cur else (R[m].at[j] if m in heads else R[m]) for m in names}, g,
+         block * hb + j)
+    for name in cur:
+      if name in outs:
+        copy(j, name, out=True)
+    return carry
+
+  lax.fori_loop(0, hb, head, 0)
+
+
+def forward_kernel(*refs, f: Frame, p: Pass, names: tuple, outs: tuple, bank_rows: int) -> None:
+  def body(R, g, head):
+    if p.construct is not None:
+      _construct(f, p, R, g)
+    if p.attend:
+      _attend(f, p, R, g, bank_rows)
+  each_head(f, names, refs, outs, body)
 
 
 def _attend_backward(f: Frame, p: Pass, R: dict, g: Array, bank_rows: int) -> dict[str, Any]:
@@ -551,9 +639,11 @@ def _construct_backward(f: Frame, p: Pass, R: dict, g: Array) -> dict[str, Array
   return out
 
 
-def backward_kernel(*refs, f: Frame, p: Pass, names: tuple, bank_rows: int) -> None:
-  R = dict(zip(names, refs, strict=True))
-  g = pl.program_id(2)
+def backward_kernel(*refs, f: Frame, p: Pass, names: tuple, outs: tuple, bank_rows: int) -> None:
+  each_head(f, names, refs, outs, functools.partial(_backward_body, f, p, bank_rows))
+
+
+def _backward_body(f: Frame, p: Pass, bank_rows: int, R: dict, g: Array, head: Array) -> None:
   glen = p.glen(f)
   dq, dk, dv = jnp.zeros((glen, f.d), F32), jnp.zeros((glen, f.d), F32), jnp.zeros((glen, f.dv), F32)
   dpq = dpk = jnp.zeros((glen, f.d), F32)
@@ -598,14 +688,46 @@ def _add_shared(f: Frame, R: dict, name: str, x: Array, g: Array) -> None:
 
 # --------------------------------------------------------------------------------------------- the calls
 
-def _params(f: Frame, accumulate: bool) -> Any:
+def compiler_params(f: Frame, accumulate: bool) -> Any:
   sem = ("parallel", "parallel", "arbitrary" if accumulate else "parallel")
   return pltpu.CompilerParams(dimension_semantics=sem)
 
 
+def _call(f: Frame, p: Pass, kernel, names: tuple, outs: tuple, args: dict, in_specs: list, out_specs: list,
+          out_shape: list, *, name: str, accumulate: bool = False, **kw):
+  """One pallas_call of a pass: frame arrays viewed as the pass reads them, per-head arrays as the kernels
+  do; per-head copies of the frame arrays' groups as VMEM scratch on TPU."""
+  scratch = []
+  if not f.packed:
+    dims = {n: a.shape[-1] for n, a in args.items()}
+    dims.update({n: s.shape[-1] for n, s in zip(outs, out_shape, strict=True)})
+    dtypes = {n: a.dtype for n, a in args.items()}
+    dtypes.update({n: s.dtype for n, s in zip(outs, out_shape, strict=True)})
+    scratch = [pltpu.VMEM((p.glen(f), dims[n]), dtypes[n]) for n in names if n in TOK_INPUTS + TOK_OUTPUTS]
+  ins = [n for n in names if n not in outs]
+  arrays = [tok_in(f, p, args[n]) if n in TOK_INPUTS else
+            (head_view(f, args[n]) if n in HEAD_ARRAYS else args[n]) for n in ins]
+  hb = f.heads_per_block
+  shapes = [jax.ShapeDtypeStruct((f.batch, f.heads // hb, hb) + s.shape[1:], s.dtype) if n in HEAD_ARRAYS
+            else s for n, s in zip(outs, out_shape, strict=True)]
+  res = pallas.platform_call(
+      functools.partial(kernel, f=f, p=p, names=names, outs=outs, **kw), gpu_params=GPU_PARAMS,
+      tpu_params=compiler_params(f, accumulate), platform=f.platform, grid=grid(f, p.groups(f)),
+      in_specs=in_specs,
+      out_specs=out_specs, out_shape=shapes, scratch_shapes=scratch, name=name, **_aliases(ins, outs),
+  )(*arrays)
+  return {n: tok_out(f, p, x) if n in TOK_OUTPUTS else (head_unview(f, x) if n in HEAD_ARRAYS else x)
+          for n, x in zip(outs, res, strict=True)}
+
+
+def _aliases(ins: list[str], outs: tuple[str, ...]) -> dict:
+  aliases = {ins.index(n): outs.index(n[:-3]) for n in ins if n.endswith("_in")}
+  return {"input_output_aliases": aliases} if aliases else {}
+
+
 def forward(f: Frame, p: Pass, args: dict[str, Array], *, out_dtype: Any, tok_dtype: Any, bank_rows: int = 0,
             name: str = "combiner") -> dict[str, Array]:
-  """Runs a pass forward. args: the named inputs of `_names` (frame arrays as the pass reads them).
+  """Runs a pass forward. args: the named inputs of `_names` (frame arrays, per-head and per-batch arrays).
   Returns its named outputs: o (out_dtype if final, else tok_dtype), lse, and the construction's summaries
   (per-position ones in tok_dtype, per-group rows float32 [BH, groups, 1, dim])."""
   ins, outs = _names(f, p, backward=False)
@@ -614,15 +736,10 @@ def forward(f: Frame, p: Pass, args: dict[str, Array], *, out_dtype: Any, tok_dt
             "kbar_row": jax.ShapeDtypeStruct((bh, groups, 1, f.d), F32),
             "vt_row": jax.ShapeDtypeStruct((bh, groups, 1, f.dv), F32),
             "kbar_tok": tok_shape(f, p, f.d, tok_dtype), "vt_tok": tok_shape(f, p, f.dv, tok_dtype)}
-  specs = {"o": _tok_spec(f, p, f.dv), "lse": _lse_spec(f, p), "kbar_row": _row_spec(f, f.d),
-           "vt_row": _row_spec(f, f.dv), "kbar_tok": _tok_spec(f, p, f.d), "vt_tok": _tok_spec(f, p, f.dv)}
-  kernel = functools.partial(forward_kernel, f=f, p=p, names=ins + outs, bank_rows=bank_rows)
-  res = pallas.platform_call(
-      kernel, gpu_params=GPU_PARAMS, tpu_params=_params(f, False), platform=f.platform,
-      grid=(f.batch, f.heads, groups), in_specs=_in_specs(f, p, ins, bank_rows),
-      out_specs=[specs[n] for n in outs], out_shape=[shapes[n] for n in outs], name=f"{name}_fwd",
-  )(*(tok_in(f, p, args[n]) if n in TOK_INPUTS else args[n] for n in ins))
-  return {n: tok_out(f, p, x) if n in TOK_OUTPUTS else x for n, x in zip(outs, res, strict=True)}
+  specs = {"o": _tok_spec(f, p, f.dv), "lse": _lse_spec(f, p), "kbar_row": row_spec(f, f.d),
+           "vt_row": row_spec(f, f.dv), "kbar_tok": _tok_spec(f, p, f.d), "vt_tok": _tok_spec(f, p, f.dv)}
+  return _call(f, p, forward_kernel, ins + outs, outs, args, _in_specs(f, p, ins, bank_rows),
+               [specs[n] for n in outs], [shapes[n] for n in outs], bank_rows=bank_rows, name=f"{name}_fwd")
 
 
 def backward(f: Frame, p: Pass, args: dict[str, Array], *, dtypes: dict[str, Any], bank_rows: int = 0,
@@ -630,7 +747,7 @@ def backward(f: Frame, p: Pass, args: dict[str, Array], *, dtypes: dict[str, Any
   """Runs a pass backward. args: the named inputs of `_names(backward=True)`; where dq_in, dk_in, dv_in
   (dpq_in, dpk_in) are given they are updated in place and returned as dq, dk, dv (dpq, dpk); also returns the
   gradients of the summaries the pass read: dxk/dxv (per position, in `dtypes`), dxk_bank, dbk/dbv (float32;
-  per-group partial sums [BH, groups, n, dim] where `accumulates_banks` is False)."""
+  per-group partial sums [BH, groups, n, 1, dim] where `accumulates_banks` is False)."""
   ins, outs = _names(f, p, backward=True)
   ins = tuple(n for n in ins if not n.endswith("_in") or n in args)
   bh, groups = f.batch * f.heads, p.groups(f)
@@ -649,11 +766,5 @@ def backward(f: Frame, p: Pass, args: dict[str, Array], *, dtypes: dict[str, Any
       dim = f.dv if n in ("dv", "dxv") else f.d
       specs.append(_tok_spec(f, p, dim))
       shapes.append(tok_shape(f, p, dim, dtypes[n]))
-  aliases = {ins.index(n): outs.index(n[:-3]) for n in ins if n.endswith("_in")}
-  kernel = functools.partial(backward_kernel, f=f, p=p, names=ins + outs, bank_rows=bank_rows)
-  res = pallas.platform_call(
-      kernel, gpu_params=GPU_PARAMS, tpu_params=_params(f, accumulate), platform=f.platform,
-      grid=(f.batch, f.heads, groups), in_specs=_in_specs(f, p, ins, bank_rows), out_specs=specs,
-      out_shape=shapes, input_output_aliases=aliases, name=f"{name}_bwd",
-  )(*(tok_in(f, p, args[n]) if n in TOK_INPUTS else args[n] for n in ins))
-  return {n: tok_out(f, p, x) if n in TOK_OUTPUTS else x for n, x in zip(outs, res, strict=True)}
+  return _call(f, p, backward_kernel, ins + outs, outs, args, _in_specs(f, p, ins, bank_rows), specs, shapes,
+               accumulate=accumulate, bank_rows=bank_rows, name=f"{name}_bwd")
