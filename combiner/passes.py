@@ -714,14 +714,26 @@ def _call(f: Frame, p: Pass, kernel, names: tuple, outs: tuple, args: dict, in_s
       functools.partial(kernel, f=f, p=p, names=names, outs=outs, **kw), gpu_params=GPU_PARAMS,
       tpu_params=compiler_params(f, accumulate), platform=f.platform, grid=grid(f, p.groups(f)),
       in_specs=in_specs,
-      out_specs=out_specs, out_shape=shapes, scratch_shapes=scratch, name=name, **_aliases(ins, outs),
+      out_specs=out_specs, out_shape=shapes, scratch_shapes=scratch, name=name,
+      **_aliases(ins, outs, arrays, shapes),
   )(*arrays)
   return {n: tok_out(f, p, x) if n in TOK_OUTPUTS else (head_unview(f, x) if n in HEAD_ARRAYS else x)
           for n, x in zip(outs, res, strict=True)}
 
 
-def _aliases(ins: list[str], outs: tuple[str, ...]) -> dict:
-  aliases = {ins.index(n): outs.index(n[:-3]) for n in ins if n.endswith("_in")}
+# Outputs written over an input of the same shape and dtype: accumulated gradients, the merged output over the
+# other pass's partial, the summaries' gradients over the summaries (each program reads its group first).
+ALIASES = {"dq_in": "dq", "dk_in": "dk", "dv_in": "dv", "dpq_in": "dpq", "dpk_in": "dpk", "o_ext": "o",
+           "xk": "dxk", "xv": "dxv"}
+
+
+def _aliases(ins: list[str], outs: tuple[str, ...], arrays: list[Array], shapes: list[Any]) -> dict:
+  out_at = {n: i for i, n in enumerate(outs)}
+  aliases = {}
+  for i, n in enumerate(ins):
+    j = out_at.get(ALIASES.get(n, ""))
+    if j is not None and (arrays[i].shape, arrays[i].dtype) == (shapes[j].shape, shapes[j].dtype):
+      aliases[i] = j
   return {"input_output_aliases": aliases} if aliases else {}
 
 
