@@ -30,9 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 
-from attention_core import pallas
 from combiner import passes, tiles
 from combiner.passes import Frame
 from combiner.tiles import F32, NEG, Online
@@ -349,46 +347,9 @@ def _span_of(dy: Dyadic, s: Array) -> tuple[Array, Array, Array]:
   return j, start, n
 
 
-class _Tiles:
-  """Loads tile `i` of a frame array for the program's batch row and head: on TPU a copy of the tile of the
-  head's block into VMEM, then the head's rows; elsewhere a direct read."""
-
-  def __init__(self, f: Frame, R: dict, b: Array, head: Array):
-    self.f, self.R, self.b, self.head = f, R, b, head
-
-  def __call__(self, name: str, i: Array, dim: int) -> Array:
-    f, b, head = self.f, self.b, self.head
-    start = pl.multiple_of(i * f.cols, f.cols)
-    rows = pl.ds(start, f.cols)
-    if f.packed:
-      return self.R[name][b, rows, pl.ds(head * dim, dim)]
-    if f.platform != "tpu":
-      return self.R[name][b, rows, head, :]
-    hb = f.heads_per_block
-    kind = "v" if name == "v" else "d"
-    block, cur = self.R["buf_all_" + kind], self.R["buf_" + kind]
-    within = lax.rem(head, jnp.int32(hb))
-    first = pl.multiple_of(head - within, hb)
-    pltpu.sync_copy(self.R[name].at[b, rows, pl.ds(first, hb), :], block)
-    for jj in range(hb):
-      @pl.when(within == jj)
-      def _(jj=jj):
-        cur[...] = block[:, jj, :]
-    return cur[...]
-
-  def valid(self, i: Array, b: Array, shape: tuple[int, int]) -> Array:
-    f = self.f
-    axis = 1 if shape[0] == 1 else 0
-    ok = f.valid(i, lax.broadcasted_iota(jnp.int32, shape, axis))
-    if f.masked:
-      m = self.R["mask"][b, pl.ds(i, 1), 0, :] > 0  # [1, T] (the mask is small: whole in VMEM)
-      ok = ok & (m if axis == 1 else tiles.column(m.astype(F32)) > 0)
-    return ok
-
-
 def _spans_kernel_body(b: Array, R: dict, s: Array, head: Array, *, f: Frame, dy: Dyadic) -> None:
   j, start, n = _span_of(dy, s)
-  load = _Tiles(f, R, b, head)
+  load = passes.TileLoader(f, R, b, head)
   if dy.pooling is None:  # the span's last position
     last = start + lax.shift_left(jnp.int32(1), j) - 1
     tile = jnp.minimum(last, f.rows - 1)
@@ -452,7 +413,7 @@ def _span_backward_kernel_body(b: Array, R: dict, s: Array, head: Array, *, f: F
   R["dvt"][...] = dvt
   if dy.pooling is None:
     return
-  load = _Tiles(f, R, b, head)
+  load = passes.TileLoader(f, R, b, head)
   qbar, kbar, vt = R["qbar"][...], R["kbar"][...], R["vt"][...]
   lse = R["stats"][:, 1:2]
   delta = jnp.sum(dvt * vt, axis=1, keepdims=True)
@@ -544,11 +505,8 @@ def _tile_backward_kernel_body(b: Array, R: dict, tau: Array, head: Array, *, f:
 
 # ------------------------------------------------------------------------------------------------ calls
 
-def _whole(f: Frame, x: Array) -> pl.BlockSpec:
-  """A frame array the program copies tiles out of: left in HBM on TPU, whole elsewhere."""
-  if f.platform == "tpu":
-    return pl.BlockSpec(memory_space=pl.ANY)
-  return pl.BlockSpec(x.shape, lambda b, h, g: (0,) * x.ndim)
+def _call(f: Frame, kernel, *args, **kw) -> dict[str, Array]:
+  return passes.call_kernel(f, kernel, *args, tok=TOK, heads=HEADS, **kw)
 
 
 def _tok_shape(f: Frame, dim: int, dtype: Any) -> jax.ShapeDtypeStruct:
@@ -561,49 +519,6 @@ def _head_shape(f: Frame, *shape: int) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct((f.batch * f.heads, *shape), F32)
 
 
-def _call(f: Frame, kernel, name: str, groups: int, ins: list[str], specs: list, args: list, outs: list[str],
-          out_specs: list, shapes: list, buffers: bool = False,
-          aliases: dict | None = None) -> dict[str, Array]:
-  """One pallas_call of a dyadic kernel: per-head arrays viewed per head block, VMEM copies of the frame
-  arrays' tiles for each head (and, for `buffers`, of the tiles the program copies in from HBM) on TPU."""
-  names = tuple(ins + outs)
-  scratch = []
-  if not f.packed:
-    dims = {n: a.shape[-1] for n, a in zip(ins, args, strict=True)}
-    dims.update({n: s.shape[-1] for n, s in zip(outs, shapes, strict=True)})
-    dtypes = {n: a.dtype for n, a in zip(ins, args, strict=True)}
-    dtypes.update({n: s.dtype for n, s in zip(outs, shapes, strict=True)})
-    tok = [n for n in names if n in TOK and n in dims and not (buffers and n in ("q", "k", "v", "pool_q",
-                                                                                   "pool_k"))]
-    scratch = [pltpu.VMEM((f.cols, dims[n]), dtypes[n]) for n in tok]
-  if buffers and f.platform == "tpu":
-    hb = f.heads_per_block
-    kdt = dict(zip(ins, args, strict=True))["k"].dtype
-    vdt = dict(zip(ins, args, strict=True))["v"].dtype
-    names = names + ("buf_all_d", "buf_all_v", "buf_d", "buf_v")
-    scratch += [pltpu.VMEM((f.cols, hb, f.d), kdt), pltpu.VMEM((f.cols, hb, f.dv), vdt),
-                pltpu.VMEM((f.cols, f.d), kdt), pltpu.VMEM((f.cols, f.dv), vdt)]
-  heads = HEADS
-  arrays = [passes.head_view(f, a) if n in heads else a for n, a in zip(ins, args, strict=True)]
-  hb = f.heads_per_block
-  out_shapes = [jax.ShapeDtypeStruct((f.batch, f.heads // hb, hb) + s.shape[1:], s.dtype) if n in heads else s
-                for n, s in zip(outs, shapes, strict=True)]
-  tok = TOK if not buffers else tuple(n for n in TOK if n not in ("q", "k", "v", "pool_q", "pool_k"))
-  body = functools.partial(_run_kernel, kernel=kernel, f=f, names=names, outs=tuple(outs), tok=tok,
-                           heads=heads)
-  res = pallas.platform_call(
-      body, gpu_params=passes.GPU_PARAMS, tpu_params=passes.compiler_params(f, False), platform=f.platform,
-      grid=passes.grid(f, groups), in_specs=specs, out_specs=out_specs, out_shape=out_shapes,
-      scratch_shapes=scratch, name=name, **({"input_output_aliases": aliases} if aliases else {}),
-  )(*arrays)
-  return {n: passes.head_unview(f, x) if n in heads else x for n, x in zip(outs, res, strict=True)}
-
-
-def _run_kernel(*refs, kernel, f: Frame, names: tuple, outs: tuple, tok: tuple, heads: tuple) -> None:
-  b = pl.program_id(0)
-  passes.each_head(f, names, refs, outs, functools.partial(kernel, b), tok, heads)
-
-
 def _tile_inputs(f: Frame, dy: Dyadic, a: dict) -> tuple[list[str], list[pl.BlockSpec], list[Array]]:
   names = ["q", "k", "v"] + (["pool_q", "pool_k"] if dy.pools else []) + (["mask"] if f.masked else [])
   dims = {"q": f.d, "k": f.d, "v": f.dv, "pool_q": f.d, "pool_k": f.d}
@@ -613,7 +528,7 @@ def _tile_inputs(f: Frame, dy: Dyadic, a: dict) -> tuple[list[str], list[pl.Bloc
 def _spans_inputs(f: Frame, dy: Dyadic, a: dict) -> tuple[list[str], list[pl.BlockSpec], list[Array]]:
   names = ["q", "k", "v"] + (["pool_q", "pool_k"] if dy.pools else []) + (["mask"] if f.masked else [])
   specs = [pl.BlockSpec(a["mask"].shape, lambda b, h, g: (0, 0, 0, 0)) if n == "mask"
-           else _whole(f, a[n]) for n in names]
+           else passes.whole_spec(f, a[n]) for n in names]
   return names, specs, [a[n] for n in names]
 
 

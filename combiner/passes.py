@@ -780,3 +780,95 @@ def backward(f: Frame, p: Pass, args: dict[str, Array], *, dtypes: dict[str, Any
       shapes.append(tok_shape(f, p, dim, dtypes[n]))
   return _call(f, p, backward_kernel, ins + outs, outs, args, _in_specs(f, p, ins, bank_rows), specs, shapes,
                accumulate=accumulate, bank_rows=bank_rows, name=f"{name}_bwd")
+
+
+# ---------------------------------------------------------------------------- kernels beyond the passes
+
+FRAME_INPUTS = ("q", "k", "v", "pool_q", "pool_k")
+
+
+def call_kernel(f: Frame, kernel, name: str, groups: int, ins: list[str], specs: list, args: list,
+                outs: list[str], out_specs: list, shapes: list, *, tok: tuple, heads: tuple,
+                buffers: bool = False, aliases: dict | None = None) -> dict[str, Array]:
+  """One pallas_call of a kernel over the frame's groups (grid `grid`), each head of a block run by
+  `each_head`: kernel(b, R, g, head). Per-head arrays (`heads`) are viewed per head block; frame arrays
+  (`tok`) get per-head VMEM copies on TPU. With `buffers`, the frame inputs (FRAME_INPUTS) stay whole (in HBM
+  on TPU) for `TileLoader`, which gets VMEM buffers for its copies."""
+  names = tuple(ins + outs)
+  if buffers:
+    tok = tuple(n for n in tok if n not in FRAME_INPUTS)
+  scratch = []
+  if not f.packed:
+    dims = {n: a.shape[-1] for n, a in zip(ins, args, strict=True)}
+    dims.update({n: s.shape[-1] for n, s in zip(outs, shapes, strict=True)})
+    dtypes = {n: a.dtype for n, a in zip(ins, args, strict=True)}
+    dtypes.update({n: s.dtype for n, s in zip(outs, shapes, strict=True)})
+    scratch = [pltpu.VMEM((f.cols, dims[n]), dtypes[n]) for n in names if n in tok]
+  if buffers and f.platform == "tpu":
+    hb = f.heads_per_block
+    by_name = dict(zip(ins, args, strict=True))
+    kdt, vdt = by_name["k"].dtype, by_name["v"].dtype
+    names = names + ("buf_all_d", "buf_all_v", "buf_d", "buf_v")
+    scratch += [pltpu.VMEM((f.cols, hb, f.d), kdt), pltpu.VMEM((f.cols, hb, f.dv), vdt),
+                pltpu.VMEM((f.cols, f.d), kdt), pltpu.VMEM((f.cols, f.dv), vdt)]
+  arrays = [head_view(f, a) if n in heads else a for n, a in zip(ins, args, strict=True)]
+  hb = f.heads_per_block
+  out_shapes = [jax.ShapeDtypeStruct((f.batch, f.heads // hb, hb) + s.shape[1:], s.dtype) if n in heads else s
+                for n, s in zip(outs, shapes, strict=True)]
+  body = functools.partial(_kernel_entry, kernel=kernel, f=f, names=names, outs=tuple(outs), tok=tok,
+                           heads=heads)
+  res = pallas.platform_call(
+      body, gpu_params=GPU_PARAMS, tpu_params=compiler_params(f, False), platform=f.platform,
+      grid=grid(f, groups), in_specs=specs, out_specs=out_specs, out_shape=out_shapes, scratch_shapes=scratch,
+      name=name, **({"input_output_aliases": aliases} if aliases else {}),
+  )(*arrays)
+  return {n: head_unview(f, x) if n in heads else x for n, x in zip(outs, res, strict=True)}
+
+
+def _kernel_entry(*refs, kernel, f: Frame, names: tuple, outs: tuple, tok: tuple, heads: tuple) -> None:
+  b = pl.program_id(0)
+  each_head(f, names, refs, outs, functools.partial(kernel, b), tok, heads)
+
+
+def whole_spec(f: Frame, x: Array) -> pl.BlockSpec:
+  """A frame array a program copies tiles out of (`TileLoader`): left in HBM on TPU, whole elsewhere."""
+  if f.platform == "tpu":
+    return pl.BlockSpec(memory_space=pl.ANY)
+  return pl.BlockSpec(x.shape, lambda b, h, g: (0,) * x.ndim)
+
+
+class TileLoader:
+  """Loads row `i` of the frame (`cols` positions) of a frame array for a batch row and head: on TPU a copy
+  of that row of the head's block into VMEM, then the head's part; elsewhere a direct read. `valid` gives
+  its positions' validity, from a whole mask [batch, rows, 1, cols] where the plan is masked."""
+
+  def __init__(self, f: Frame, R: dict, b: Array, head: Array, mask: str = "mask"):
+    self.f, self.R, self.b, self.head, self.mask = f, R, b, head, mask
+
+  def __call__(self, name: str, i: Array, dim: int) -> Array:
+    f, b, head = self.f, self.b, self.head
+    rows = pl.ds(pl.multiple_of(i * f.cols, f.cols), f.cols)
+    if f.packed:
+      return self.R[name][b, rows, pl.ds(head * dim, dim)]
+    if f.platform != "tpu":
+      return self.R[name][b, rows, head, :]
+    hb = f.heads_per_block
+    kind = "v" if name == "v" else "d"
+    block, cur = self.R["buf_all_" + kind], self.R["buf_" + kind]
+    within = lax.rem(head, jnp.int32(hb))
+    pltpu.sync_copy(self.R[name].at[b, rows, pl.ds(pl.multiple_of(head - within, hb), hb), :], block)
+    for jj in range(hb):
+      @pl.when(within == jj)
+      def _(jj=jj):
+        cur[...] = block[:, jj, :]
+    return cur[...]
+
+  def valid(self, i: Array, b: Array, shape: tuple[int, int]) -> Array:
+    """Validity of frame row i's positions as a row [1, cols] or a column [cols, 1]."""
+    f = self.f
+    axis = 1 if shape[0] == 1 else 0
+    ok = f.valid(i, lax.broadcasted_iota(jnp.int32, shape, axis))
+    if f.masked:
+      m = self.R[self.mask][b, pl.ds(i, 1), 0, :] > 0  # [1, cols]
+      ok = ok & (m if axis == 1 else tiles.column(m.astype(F32)) > 0)
+    return ok
