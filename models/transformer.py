@@ -23,7 +23,6 @@ memory: its module's `compress` maps the states the FIFO evicts to fewer ones, a
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import jax
@@ -73,26 +72,21 @@ class Block(nnx.Module):
   def __init__(self, cfg: ml_collections.ConfigDict, *, causal: bool, dtype: Any, rngs: nnx.Rngs,
                layer: int | None = None, seq_len: int | None = None):
     f = cfg.features
+    mem_len = int(cfg.get("mem_len", 0) or 0)
+    compressed_mem_len = int(cfg.get("compressed_mem_len", 0) or 0)
     self.norm1 = layers.LayerNorm(f, dtype=dtype, rngs=rngs)
     self.attention = registry.build(cfg.attention, features=f, num_heads=cfg.num_heads,
                                     head_dim=cfg.get("head_dim", None) or f // cfg.num_heads, causal=causal,
                                     dtype=dtype, rngs=rngs, layer=layer, num_layers=cfg.num_layers,
-                                    seq_len=seq_len)
-    # Segment recurrence: the module reads a memory when its `__call__` names one (read once, here).
-    self.takes_memory = "memory" in inspect.signature(type(self.attention).__call__).parameters
-    mem_len = int(cfg.get("mem_len", 0) or 0)
-    if mem_len > 0 and not self.takes_memory:
+                                    seq_len=seq_len, mem_len=mem_len, compressed_mem_len=compressed_mem_len)
+    if mem_len > 0 and not self.attention.takes_memory:
       raise cli.mark_usage(ValueError(
           f"config.model.mem_len={mem_len} needs an attention whose module takes a memory; attention "
           f"{cfg.attention.name!r} ({type(self.attention).__name__}) takes none"))
-    # Compressive memory: the module compresses the memories the FIFO evicts (its `compress`).
-    compressed_mem_len = int(cfg.get("compressed_mem_len", 0) or 0)
-    if compressed_mem_len > 0 and not hasattr(self.attention, "compress"):
+    if compressed_mem_len > 0 and not self.attention.COMPRESSES:
       raise cli.mark_usage(ValueError(
           f"config.model.compressed_mem_len={compressed_mem_len} needs an attention whose module compresses "
           f"memories; attention {cfg.attention.name!r} ({type(self.attention).__name__}) does not"))
-    if compressed_mem_len > 0:  # its cached decoding keeps both memories (models/compressive_attention.py)
-      self.attention.decoding_memory = (mem_len, compressed_mem_len)
     self.norm2 = layers.LayerNorm(f, dtype=dtype, rngs=rngs)
     self.mlp = Mlp(f, cfg.mlp_dim, dropout_rate=cfg.dropout_rate, dtype=dtype, rngs=rngs)
     self.dropout = nnx.Dropout(cfg.dropout_rate, rngs=rngs)
@@ -113,12 +107,7 @@ class Block(nnx.Module):
   def decode(self, x: Array, cache: Any, position: Array | None = None) -> tuple[Array, Any]:
     """One token x [batch, 1, features] at `position` (or, position=None, a prompt [batch, P, features] at
     positions [0, P)) through the block with the attention layer's cache; dropout off."""
-    if getattr(self.attention, "decoding_memory", None):  # compresses the raw inputs that leave its window
-      h, cache = self.attention.decode_compressive(x, cache, position, norm=self.norm1)
-    elif position is None:
-      h, cache = self.attention.prefill(self.norm1(x), cache)
-    else:
-      h, cache = self.attention.decode_step(self.norm1(x), cache, position)
+    h, cache = self.attention.decode(x, cache, position, norm=self.norm1)
     x = x + h
     return x + self.mlp(self.norm2(x), deterministic=True), cache  # [batch, length, features]
 
@@ -182,7 +171,7 @@ class Encoder(nnx.Module):
     self.norm = layers.LayerNorm(cfg.features, dtype=dtype, rngs=rngs)
     # Graph attentions (BP-Transformer) carry node states beside the tokens through every block: their module
     # names the class that makes them (`GRAPH_NODES`: appends them, then `tokens` drops them).
-    graph = getattr(type(self.blocks[0].attention), "GRAPH_NODES", None) if self.blocks else None
+    graph = type(self.blocks[0].attention).GRAPH_NODES if self.blocks else None
     self.graph_nodes = graph(cfg.features, seq_len, dtype=dtype, rngs=rngs) if graph is not None else None
     self.remat = cfg.get("remat", "none")
     if self.remat not in REMAT:

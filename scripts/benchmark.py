@@ -58,7 +58,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib
-import inspect
 import json
 import math
 import os
@@ -566,7 +565,7 @@ def op_forward(spec: Any, length: int, *, causal: bool, batch: int, heads: int, 
   the direction it supports (see `op_direction`), with `implementation` where the op takes one."""
   causal, mode = op_direction(spec.causal, spec.bidirectional, causal)
   params = op_params(spec, length, batch=batch, heads=heads, head_dim=head_dim, dtype=dtype)
-  if implementation is not None and _takes_keyword(spec.fn, "implementation"):
+  if implementation is not None and ops_registry.takes_implementation(spec):
     params["implementation"] = implementation
 
   def forward(q, k, v):  # [batch, length, heads, head_dim] each
@@ -574,13 +573,6 @@ def op_forward(spec: Any, length: int, *, causal: bool, batch: int, heads: int, 
     return out[0] if isinstance(out, tuple) else out  # [batch, length, heads, head_dim]
 
   return forward, mode, params
-
-
-def _takes_keyword(fn: Callable[..., Any], name: str) -> bool:
-  try:
-    return name in inspect.signature(fn).parameters
-  except (TypeError, ValueError):
-    return False
 
 
 def _measure(forward: Callable[..., Any], args: argparse.Namespace, result: dict[str, Any]) -> None:

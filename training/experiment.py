@@ -106,6 +106,7 @@ class Experiment:
     self.compute_shardings = self._gathered(self.param_shardings), self._gathered(self.rest_shardings)
     self.batch_sharding = NamedSharding(self.mesh, P(BATCH_AXES))
     self.data_size = data_parallel_size(self.mesh)
+    self.rng_state = None  # the model's rng streams, made by init_state / init_rng_state
     self._train_step = None
     self._eval_step = None
 

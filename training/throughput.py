@@ -176,9 +176,7 @@ def _op_flops_cached(name: str, params: tuple, batch: int, length: int, heads: i
 def _op_flops(name: str, params: dict[str, Any], batch: int, length: int, heads: int, head_dim: int,
               dtype: Any, causal: bool, memory: int) -> float:
   spec = op_registry.get(name)
-  accepted = model_attention.op_parameters(spec)
-  plan = {k: v for k, v in params.items()
-          if not (model_attention.is_auto(v) and accepted is not None and k not in accepted)}
+  plan = {k: v for k, v in params.items() if not (model_attention.is_auto(v) and k not in spec.plan)}
   plan = model_attention.resolve_plan_params(spec, plan, length)
   keys = memory + length  # the model-owned inputs (relative embeddings) cover every distance a key is read at
   inputs = op_registry.bench_params(spec, keys, batch=batch, heads=heads, head_dim=head_dim, dtype=dtype)

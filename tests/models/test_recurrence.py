@@ -25,6 +25,8 @@ VOCAB = 11
 class MemoryDense(attention.AttentionBase):
   """Test-only: causal dense attention over [memory; x], keys masked by memory_mask and mask."""
 
+  MEMORY = True
+
   def __call__(self, x, mask, *, deterministic, memory=None, memory_mask=None):
     b, length, f = x.shape
     if memory is None:

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from attention_core import registry as ops_registry
 from scripts import benchmark as bm
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -161,16 +162,14 @@ def test_peak_rss_sees_a_freed_allocation():
   assert rss.increase_mb() >= 70
 
 
-def test_op_params_passes_only_named_shape_keywords():
-  class Spec:
-    params = staticmethod(lambda length, *, heads: {"n": length, "heads": heads})
-
-  assert bm.op_params(Spec, 16, batch=1, heads=8, head_dim=4) == {"n": 16, "heads": 8}
-
-  class Plain:
-    params = staticmethod(lambda length: {"block_size": length // 4})
-
-  assert bm.op_params(Plain, 16, batch=1, heads=8) == {"block_size": 4}
+def test_op_params_are_the_automatic_parameters_and_the_stand_ins_for_the_shape():
+  """`bench_inputs(L, shape)` makes the model inputs' stand-ins for the shape the benchmark runs."""
+  spec = ops_registry.OpSpec("toy", lambda q, k, v, *, causal: v, params=lambda length: {"n": length},
+                             bench_inputs=lambda length, shape: {"heads": shape.heads})
+  assert bm.op_params(spec, 16, batch=1, heads=8, head_dim=4) == {"n": 16, "heads": 8}
+  plain = ops_registry.OpSpec("plain", lambda q, k, v, *, causal: v,
+                              params=lambda length: {"block_size": length // 4})
+  assert bm.op_params(plain, 16, batch=1, heads=8) == {"block_size": 4}
 
 
 def test_measure_all_applies_time_memory_and_kill_skips_in_length_order(monkeypatch, capsys):
@@ -361,8 +360,8 @@ def test_flash_reference_per_backend_and_implementation_keyword():
   shape = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
   exported = jax.export.export(jax.jit(fn), platforms=["tpu"])(shape, shape, shape)
   assert "tpu_custom_call" in exported.mlir_module()
-  from attention_baselines.dense import dense, dense_xla
-  assert bm._takes_keyword(dense, "implementation") and not bm._takes_keyword(dense_xla, "implementation")
+  assert ops_registry.takes_implementation(ops_registry.get("dense"))  # as registered, not from a signature
+  assert not ops_registry.takes_implementation(ops_registry.get("dense_xla"))
 
 
 def test_train_presets_fix_the_ablation_shapes():
