@@ -6,7 +6,7 @@ import glob
 import importlib
 import os
 
-from configs import base as config_base
+from configs import arguments
 from training.config_io import ROOT
 
 
@@ -30,7 +30,7 @@ def listing() -> str:
       continue  # shared settings (base, images, text, routing_paper), not an experiment
     try:
       module.get_config("__list__")
-    except config_base.UnknownConfigArgument as e:
+    except arguments.UnknownConfigArgument as e:
       keys, flags = e.keys, e.flags
     paper = getattr(module, "routing_paper", None)  # the Routing paper's variant, read before the parser
     if paper is not None:
