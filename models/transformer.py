@@ -348,6 +348,8 @@ class Transformer(nnx.Module):
   """The model for `task` (one of TASKS). `__call__(batch, *, deterministic)` returns float32 logits:
   [batch, length, vocab] for lm/image/mlm, [batch, num_classes] for classify/retrieval."""
 
+  WARM_START = None  # a run starts from its own initial state (training/experiment.py `warm_start`)
+
   def __init__(self, cfg: ml_collections.ConfigDict, *, task: str, vocab_size: int, seq_len: int,
                num_classes: int | None = None, input_vocab_size: int | None = None, bos_id: int | None = None,
                rngs: nnx.Rngs):
