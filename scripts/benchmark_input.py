@@ -155,7 +155,7 @@ def step_timer(config: Any, batch: dict[str, Any]) -> Callable[[int], float]:
   (training's Experiment, init_state, train_step with the host-to-device transfer) on one device, compiled."""
   import jax
 
-  from scripts import benchmark as bench
+  from scripts import benchmark_worker as bench_worker
   from training.experiment import Experiment
 
   exp = Experiment(config, devices=jax.devices()[:1])
@@ -167,7 +167,7 @@ def step_timer(config: Any, batch: dict[str, Any]) -> Callable[[int], float]:
 
   for _ in range(2):  # compile (the first step) and settle
     jax.block_until_ready(step())
-  return lambda n: bench.median_time(step, n, 60.0, block=jax.block_until_ready)[0]
+  return lambda n: bench_worker.median_time(step, n, 60.0, block=jax.block_until_ready)[0]
 
 
 def measure(name: str, opts: argparse.Namespace, tmp: str, seed: int) -> dict[str, Any]:
@@ -213,7 +213,7 @@ def main(args: argparse.Namespace) -> int:
   """Runs the benchmark, prints the table and writes `{out_dir}/benchmark_input.{md,json}`; returns the exit
   status (0: scripts.benchmark passes it to sys.exit)."""
   from runtime import cli
-  from scripts import benchmark
+  from scripts import benchmark_report as bench_report
 
   opts = parse(list(getattr(args, "extra", []) or []), getattr(args, "repeats", None))
   names = [n.strip() for n in opts.datasets.split(",") if n.strip()]
@@ -232,7 +232,7 @@ def main(args: argparse.Namespace) -> int:
       print(line, flush=True)
       rows.append(row)
   device = next((r["device"] for r in rows if r.get("device")), "cpu (input pipelines only)")
-  header = benchmark.header_info(args, device=device)
+  header = bench_report.header_info(args, device=device)
   header["input_flags"] = vars(opts)
   columns = COLUMNS if opts.against == "smoke" else tuple(
     c for c in COLUMNS if c[0] not in ("step_ms", "step_examples_per_s", "ratio", "target"))
@@ -242,7 +242,7 @@ def main(args: argparse.Namespace) -> int:
     f"pipeline >= {TARGET:g}x step: pipeline examples/s >= {TARGET:g} x the examples/s the smoke train step "
     "consumes (batch / median step time; training's Experiment on one device, compile excluded)",
   ]
-  paths = benchmark.write_report(
+  paths = bench_report.write_report(
     rows, columns, getattr(args, "out_dir", "bench_out"), "benchmark_input", header=header,
     title="Input pipelines: examples/s on generated data against the smoke train step", notes=notes)
   with open(paths["markdown"]) as f:
