@@ -83,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument("--read_threads", type=int, default=None, help="default: data.pipeline's choice")
   parser.add_argument("--num_examples", type=int, default=64, help="records in each mock split")
   parser.add_argument("--data", default="", help="config.data fields set on every dataset, e.g. "
-                      "'cache_in_memory=0,engine=loader' (values parsed as Python literals where they parse)")
+                      "'cache_in_memory=0,read_threads=2' (values parsed as Python literals where they "
+                      "parse)")
   return parser
 
 

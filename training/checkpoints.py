@@ -120,13 +120,13 @@ def restore_checkpoint(mgr: Any, exp: Experiment, data_iter: Any | None,
   items = {"state": ocp.args.StandardRestore(target), "meta": ocp.args.JsonRestore()}
   step_dir = paths.join(mgr.directory, str(step))
   if data_iter is not None:
-    from data import pipeline  # a state of the other input engine or host layout: a clear error
+    from data import resume  # a state this pipeline cannot continue: a clear error
 
-    pipeline.check_iterator_checkpoint(step_dir, data_iter, exp.config)
+    resume.check_iterator_checkpoint(step_dir, data_iter, exp.config)
   try:
     restored = mgr.restore(step, args=ocp.args.Composite(**items))
     if data_iter is not None:  # not grain's handler, which reads only this host count's files
-      pipeline.restore_iterator(step_dir, data_iter)
+      resume.restore_iterator(step_dir, data_iter)
     tree = restored["state"]
     integrity.verify(tree, restored["meta"].get("checksums"))  # bits changed after the write
     check_finite(tree["params"], "parameters")

@@ -307,7 +307,7 @@ class Experiment:
     The rows are those of this process's devices under the batch sharding, the host-local batch that
     `global_batch` (jax.make_array_from_process_local_data) expects; a training stream's global batch s is
     then its stream positions [s * global_batch, (s + 1) * global_batch) in order, on any host layout
-    (data.pipeline.GlobalRows). Hosts whose devices hold the same rows (a mesh whose data-parallel axes do
+    (data.order.GlobalRows). Hosts whose devices hold the same rows (a mesh whose data-parallel axes do
     not span them) read the same rows.
     """
     if global_batch % self.data_size:
