@@ -15,7 +15,7 @@ carry the model's absolute positions and no per-layer position table, and existi
 keep their parameters; configs/adaptive_span.py turns it on with `position_embedding="none"`, as the paper.
 
 The loss: `span_loss * mean_h z_h` per layer (the paper's lambda / M * sum_h z_h, lambda ~ 2e-6 per token of
-span), sown as a `loss_term` that the train step adds to the loss as it is (models/registry.py).
+span), sown as a `loss_term` that the train step adds to the loss as it is (docs/design.md section 5).
 
 `max_span` (plan parameter, "auto" = the model's sequence length) and `ramp` are fixed at construction from
 `seq_len`, so a span in tokens is the same at every length the module is called with (decoding included).

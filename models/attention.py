@@ -8,7 +8,7 @@ so a new op needs no module of its own, and is the one attention path of the mod
 masks, the op's model inputs and recompute (`attend`); modules with weights of their own supply them through
 `op_inputs`. `CombinerAttention` adds the model-level Combiner options of the paper (Table 3 DeepSets pooling,
 the row-major learned span key of the released code). The constructor signature and call convention are
-documented in `models/registry.py`.
+docs/design.md section 5's module contract.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ per head over the valid rows of m (normed like the keys), with W_q, W_k, W_v and
   weight * mean ||attn(h, evicted) - attn(h, f_c(evicted))||^2
 (the mean over valid queries of rows with a valid evicted state, heads and head_dim), so its gradient reaches
 only the compression parameters; the task loss never reaches them (the compressed memory is read with no
-gradient in later segments). It is sown as a `loss_term` (models/registry.py) in training calls.
+gradient in later segments). It is sown as a `loss_term` (docs/design.md section 5) in training calls.
 
 Cached decoding (the paper's sampling; `decode_compressive`, called by the block with its raw input and
 norm when the compressed memory is on): per layer a window of n_m + c block inputs with their keys, values,
