@@ -25,7 +25,7 @@ MODULES: dict[str, type] = {}
 
 def register_module(name: str, cls: type) -> type:
   """Maps the config name `name`, which has no registered op, to the module class `cls` (the module contract:
-  docs/design.md section 5); the class declares what it reads and takes (`FIELDS`, `CONTEXT`, `MEMORY`, ...)."""
+  docs/design.md section 5); the class declares what it reads and takes (`FIELDS`, `CONTEXT`, `MEMORY`...)."""
   if name in MODULES or name in ops_registry.names():
     raise ValueError(f"attention module {name!r} is already registered")
   MODULES[name] = cls
