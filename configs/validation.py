@@ -69,21 +69,17 @@ def validate(c: ml_collections.ConfigDict, attention_names: Any = None) -> None:
                      f"({m.num_heads}) when config.model.head_dim is None (head_dim = features // num_heads)")
   at_least("config.model.max_len", m.max_len, 0, " (0 = the data's seq_len)")
   at_least("config.model.mem_len", m.get("mem_len", 0), 0, " (0 = no memory)")
-  if m.get("eval_mem_len", None) is not None:
-    at_least("config.model.eval_mem_len", m.eval_mem_len, 0,
-             " or None (= config.model.mem_len; 0 = evaluate without memory)")
-    if not m.get("mem_len", 0):
-      raise UsageError(f"config.model.eval_mem_len={m.eval_mem_len} needs config.model.mem_len > 0 (a model "
-                       "trained with segment recurrence)")
   at_least("config.model.compressed_mem_len", m.get("compressed_mem_len", 0), 0, " (0 = off)")
   if m.get("compressed_mem_len", 0) and not m.get("mem_len", 0):  # compressed memories come from the FIFO
     raise UsageError(f"config.model.compressed_mem_len={m.compressed_mem_len} needs config.model.mem_len > 0")
-  if m.get("eval_compressed_mem_len", None) is not None:
-    at_least("config.model.eval_compressed_mem_len", m.eval_compressed_mem_len, 0,
-             " or None (= config.model.compressed_mem_len; 0 = evaluate without it)")
-    if not m.get("compressed_mem_len", 0):
-      raise UsageError(f"config.model.eval_compressed_mem_len={m.eval_compressed_mem_len} needs "
-                       "config.model.compressed_mem_len > 0 (a model trained with a compressed memory)")
+  for train, what in (("mem_len", "memory"), ("compressed_mem_len", "compressed memory")):
+    evaluate = f"eval_{train}"  # the papers evaluate with other lengths than they train with
+    if m.get(evaluate, None) is not None:
+      at_least(f"config.model.{evaluate}", m[evaluate], 0,
+               f" or None (= config.model.{train}; 0 = evaluate without the {what})")
+      if not m.get(train, 0):
+        raise UsageError(f"config.model.{evaluate}={m[evaluate]} needs config.model.{train} > 0 (a model "
+                         f"trained with a {what})")
   in_range("config.model.dropout_rate", m.dropout_rate, 0, 1, "[)")
   one_of("config.model.remat", m.remat, ("none", "full", "minimal"))
   one_of("config.model.dtype", m.dtype, ("float32", "bfloat16", "float16", "float64"))

@@ -139,7 +139,27 @@ class SeededExample(grain.transforms.RandomMap):
     return out
 
 
-class KeyBatches(grain.MapDataset):
+class _Positions(grain.MapDataset):
+  """A MapDataset of `length` elements, element i made by `element(i)`."""
+
+  length: int
+
+  def __len__(self) -> int:
+    return self.length
+
+  def element(self, index: int) -> Any:
+    raise NotImplementedError
+
+  def __getitem__(self, index):
+    if isinstance(index, slice):
+      return self.slice(index)
+    if not 0 <= index < self.length:
+      raise IndexError(f"element {index} of {self} is outside [0, {self.length})")
+    with self._stats.record_self_time():
+      return self.element(int(index))
+
+
+class KeyBatches(_Positions):
   """Element b: the record keys of stream positions [b * batch_size, (b + 1) * batch_size) in
   `EpochPermutation` order, an int array (the last one shorter when the remainder is kept); with `rows`, the
   keys of this host's rows of global batch b (`GlobalRows`; endless streams).
@@ -164,19 +184,11 @@ class KeyBatches(grain.MapDataset):
     drop = drop_remainder or num_epochs is None  # an endless stream has no last batch
     self.length = self.total // batch_size if drop else -(-self.total // batch_size)
 
-  def __len__(self) -> int:
-    return self.length
-
-  def __getitem__(self, index):
-    if isinstance(index, slice):
-      return self.slice(index)
-    if not 0 <= index < self.length:
-      raise IndexError(f"batch index {index} is outside [0, {self.length})")
+  def element(self, index: int) -> np.ndarray:
+    if self.rows is not None:
+      return self.order.keys(self.rows.positions(index))
     start = index * self.batch_size
-    with self._stats.record_self_time():
-      if self.rows is not None:
-        return self.order.keys(self.rows.positions(index))
-      return self.order.keys(np.arange(start, min(start + self.batch_size, self.total), dtype=np.int64))
+    return self.order.keys(np.arange(start, min(start + self.batch_size, self.total), dtype=np.int64))
 
   def __str__(self) -> str:
     return f"KeyBatches({self.order!r}, batch_size={self.batch_size}, batches={self.length})"
@@ -217,7 +229,7 @@ class ReadBatch:
     return self.stack([self.one(first + j, e) for j, e in enumerate(elements)])
 
 
-class RecordStream(grain.MapDataset):
+class RecordStream(_Positions):
   """Element g: (g, the record at stream position g in `EpochPermutation` order with the per-record
   operations applied) — what a self-batching pipeline packs, record by record (`Packed`)."""
 
@@ -228,16 +240,8 @@ class RecordStream(grain.MapDataset):
     self.order, self.read = order, read
     self.length = sys.maxsize if num_epochs is None else num_epochs * order.num_records
 
-  def __len__(self) -> int:
-    return self.length
-
-  def __getitem__(self, index):
-    if isinstance(index, slice):
-      return self.slice(index)
-    if not 0 <= index < self.length:
-      raise IndexError(f"stream position {index} is outside [0, {self.length})")
-    with self._stats.record_self_time():
-      return int(index), self.read.one(int(index), self.read.source[self.order.key(index)])
+  def element(self, index: int) -> tuple[int, Any]:
+    return index, self.read.one(index, self.read.source[self.order.key(index)])
 
   def __str__(self) -> str:
     return f"RecordStream({self.order!r}, positions={self.length})"
