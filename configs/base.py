@@ -73,15 +73,11 @@ def base_config() -> ml_collections.ConfigDict:
   c.model.max_len = 0  # position table length; 0 = the data's seq_len
   c.model.classifier_pool = "CLS"  # "CLS" (first position) | "MEAN" (padding-aware)
   c.model.remat = "none"  # "full" | "minimal": recompute each block (or its attention core) in the backward
-  # One lax.scan over the blocks (parameters stacked at call time) instead of num_layers unrolled copies: the
-  # compiler sees one block (the per-parameter work, the optimizer's update, still grows with depth); the same
-  # parameters and results.
+  # One lax.scan over the blocks instead of num_layers unrolled copies: the same parameters and results.
   c.model.scan_layers = False
   c.model.attention = attention_config()
-  # Segment recurrence (Transformer-XL, lm only): each block keeps its inputs at the last mem_len positions of
-  # the previous batches' rows (no gradient) as extra keys for the same rows of the next batch, so the
-  # attention's module must take a `memory`, and the data should be ordered (row i of batch s + 1 continues
-  # row i of batch s; a row's "reset" clears its memory). 0 = no memory (nothing carried, nothing saved).
+  # Segment recurrence (lm, an attention declaring a memory, ordered data): each block keeps its last mem_len
+  # inputs as extra keys for the same rows of the next batch (docs/design.md section 6). 0 = no memory.
   c.model.mem_len = 0
   # The memory length in evaluation (None = mem_len, 0 = none): the papers evaluate with a longer one.
   c.model.eval_mem_len = ml_collections.FieldReference(None, field_type=int)

@@ -39,7 +39,7 @@ SETTINGS = {
 # process) instead of the release files; each split is generated once into {data_dir}/listops_synthetic/
 # (`python -m data.prepare listops_synthetic --data_dir DIR` does it up front with every CPU). Not a paper
 # row: the examples are drawn like LRA's, not LRA's own. Its smoke variant generates 1024/128/128 examples of
-# 16..64 tokens (seconds; without data_dir they are generated on access, ~1.3 ms each).
+# 16..64 tokens (without data_dir they are generated on access).
 SETTINGS["listops_synthetic"] = ("listops_synthetic",) + SETTINGS["listops"][1:]
 # Pathfinder-32 difficulty (data/lra.py PATHFINDER_DIFFICULTIES): the Combiner paper reran every Table 5 model
 # on "pathfinder-32-inter" (Appendix E.4), the intermediate set curv_contour_length_9 (LRA's easy /

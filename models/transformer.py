@@ -37,12 +37,9 @@ Array = Any
 # The tasks the model has heads for (a dataset names one of them: `data.info.DatasetInfo.task`).
 TASKS = ("lm", "mlm", "image", "classify", "retrieval")
 CAUSAL_TASKS = ("lm", "image")
-# model.remat: "none" keeps every activation for the backward; "full" keeps only each block's input and
-# recomputes the block; "minimal" also keeps the outputs of matmuls without batch dimensions (projections,
-# MLP), so only the attention core (batched over heads) is recomputed: dense's [heads, L, L] probabilities are
-# never kept.
-# Both rely on the backend scheduling recomputation late; XLA:CPU does not (its temp memory stays that of
-# "none"), so there use `model.attention.recompute`, which pins the op's recomputation into the backward pass.
+# model.remat: "full" recomputes each block in the backward, "minimal" only its attention core (matmuls
+# without batch dimensions are kept). XLA:CPU schedules recomputation early, so there `model.attention.recompute` is
+# the one that saves memory (models/recompute.py).
 REMAT = ("none", "full", "minimal")
 
 
@@ -285,13 +282,9 @@ def _compress(block: Block, mem: dict[str, Array], x: Array, mask: Array, evicte
   return {"compressed": both[:, both.shape[1] - n:], "compressed_valid": both_valid[:, both.shape[1] - n:]}
 
 
-# model.scan_layers: the blocks run as one `lax.scan` over their parameters stacked at call time, so the
-# compiler sees one block instead of num_layers copies (the per-parameter work around it, the stacking and the
-# optimizer's update, still grows with depth). Parameters stay per block (checkpoints, sharding rules and
-# decoding are those of the unrolled model); the stack is one copy of the parameters per step. The blocks'
-# other state (random streams, routing centroids, Performer features, sown losses) is written back after the
-# scan, so a scanned model computes what the unrolled one does. Segment memory and graph attentions run their
-# blocks unrolled.
+# model.scan_layers: one `lax.scan` over the blocks' parameters stacked at call time, so the compiler sees one
+# block; parameters and the blocks' other state stay per block, so checkpoints and results are the unrolled
+# model's (segment memory and graph attentions run unrolled).
 
 
 def _check_scannable(blocks: Any, attention: str) -> None:
