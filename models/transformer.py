@@ -38,8 +38,8 @@ Array = Any
 TASKS = ("lm", "mlm", "image", "classify", "retrieval")
 CAUSAL_TASKS = ("lm", "image")
 # model.remat: "full" recomputes each block in the backward, "minimal" only its attention core (matmuls
-# without batch dimensions are kept). XLA:CPU schedules recomputation early, so there `model.attention.recompute` is
-# the one that saves memory (models/recompute.py).
+# without batch dimensions are kept). XLA:CPU schedules recomputation early, so there
+# `model.attention.recompute` is the one that saves memory (models/recompute.py).
 REMAT = ("none", "full", "minimal")
 
 
