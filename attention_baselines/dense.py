@@ -84,6 +84,7 @@ def _choice(q: Array, k: Array, v: Array, *, mask: Array | None = None, implemen
             **_: Any) -> Any:
   """What `dense` traces per platform: for "auto" the fused kernel that applies there (None: XLA)."""
   arrays = (q, k, v)
+  # Argument validation: malformed inputs take the one program where `dense` rejects them in its own words.
   if implementation != "auto" or not all(hasattr(x, "dtype") and len(getattr(x, "shape", ())) == 4
                                          for x in arrays):
     return implementation  # explicit ones (and bad arguments, which `dense` rejects) are one program

@@ -89,7 +89,7 @@ def resolve_features(features: Array | None, rng: Array | None, num_features: in
     raise ValueError(f"{op}: pass 'features' (an [m, head_dim] array) or 'rng' to draw them")
   if features is None:
     features = orthogonal_features(rng, num_features, head_dim)
-  elif not hasattr(features, "shape") or features.ndim != 2 or features.shape[1] != head_dim:
+  elif not hasattr(features, "shape") or features.ndim != 2 or features.shape[1] != head_dim:  # validation
     raise ValueError(f"{op}: argument 'features' must have shape [num_features, head_dim={head_dim}], "
                      f"got {getattr(features, 'shape', type(features).__name__)}")
   return jax.lax.stop_gradient(jnp.asarray(features).astype(dtype))

@@ -231,6 +231,7 @@ def choice(q: Array, k: Array, v: Array, *, implementation: Any = "auto", **_: A
   """What such an op traces per platform (`contract.per_platform_op`'s key): for "auto" whether Splash
   serves its dtypes where it is traced; explicit choices (and bad arguments, which the op rejects) as
   given."""
+  # Argument validation: malformed inputs take the one program where the op rejects them in its own words.
   if implementation != "auto" or not all(hasattr(x, "dtype") and len(getattr(x, "shape", ())) == 4
                                          for x in (q, k, v)):
     return implementation

@@ -60,6 +60,7 @@ def check_weights(r: Any, u: Any, v_bias: Any, *, heads: int, head_dim: int, dis
   broadcast to `heads`; r must hold at least `distances` rows (row d = distance d; later rows are unused)."""
   out = []
   for name, x, rank in (("r", r, 3), ("u", u, 2), ("v_bias", v_bias, 2)):
+    # argument validation: any array-like (numpy, jax, tracers) passes
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
       raise TypeError(f"{op}: argument {name!r} must be an array, got {type(x).__name__}")
     x = jnp.asarray(x)
@@ -101,6 +102,7 @@ def check_inputs(q: Any, k: Any, v: Any, mask: Any, *, op: str = OP) -> tuple[Ar
   """q [batch, L, heads, head_dim]; k [batch, M + L, heads, head_dim], v [batch, M + L, heads, value_dim],
   mask None or [batch, M + L] (None = every key real) -> jax arrays, mask [batch, M + L] bool."""
   k, _, v, mask = contract.check_qkv(k, k, v, mask, op=op)
+  # argument validation: any array-like (numpy, jax, tracers) passes
   if not hasattr(q, "shape") or not hasattr(q, "dtype"):
     raise TypeError(f"{op}: argument 'q' must be an array of shape [batch, length, heads, dim], got "
                     f"{type(q).__name__}")

@@ -27,6 +27,7 @@ def check_qkv(q: Array, k: Array, v: Array, mask: Array | None, *, op: str,
   stays None with `keep_none` (for ops that then skip their masking work: every key is real)."""
   arrays = {}
   for name, x in (("q", q), ("k", k), ("v", v)):
+    # argument validation: any array-like (numpy, jax, tracers) passes
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
       raise TypeError(f"{op}: argument {name!r} must be an array of shape [batch, length, heads, dim], "
                       f"got {type(x).__name__}")
@@ -50,7 +51,7 @@ def check_qkv(q: Array, k: Array, v: Array, mask: Array | None, *, op: str,
   if mask is None:
     mask = None if keep_none else jnp.ones((batch, length), dtype=bool)
   else:
-    if not hasattr(mask, "shape"):
+    if not hasattr(mask, "shape"):  # argument validation: any array-like passes
       raise TypeError(f"{op}: argument 'mask' must be None or a bool array [batch, length], "
                       f"got {type(mask).__name__}")
     mask = jnp.asarray(mask)

@@ -1,19 +1,26 @@
-"""The attention registry: one registration per attention name, holding everything the code looks up by name.
+"""The attention registry: one registration per attention name, declaring all the code looks up by name.
 
-A registration (`OpSpec`) names
+A registration (`OpSpec`) declares, where the op is registered, what the op is and can do; nothing is read
+from its signature or its module (tests/attention_core/test_registry.py holds every registration against its
+function):
   fn            the pure op `fn(q, k, v, *, causal, mask=None, **params) -> out` (docs/design.md section 3);
   causal, bidirectional   the directions it supports;
-  params        `params(L)`: its automatic plan parameters for a sequence length L (what "auto" means in a
-                config); plan parameters only, never arrays or keys;
+  plan          its plan parameters, {name: Param}: what a config may set under `model.attention.params`;
+  params        `params(L)`: the automatic values of some of them for a sequence length L (what "auto" means
+                in a config);
+  inputs        the arguments the model supplies (weights, keys, DeepSets pools `pool_q`/`pool_k`, a learned
+                `span_key_fn`): never config values;
+  fused         its accelerated path (`FusedPath`: the argument that chooses it, its values and platforms), or
+                None; `PALLAS` is the common `implementation="auto" | "xla" | "pallas"`;
+  memory        k, v and the mask may hold M memory positions before the L of q (segment recurrence);
   module        the Flax module that wraps it in a model, as an import path "package.module:Class" resolved by
-                `models.registry` (None = `models.attention.OpAttention`, projections + op); the module class
-                declares its own config fields (`FIELDS`);
+                `models.registry` (None = `models.attention.OpAttention`, projections + op);
   decode        its cached incremental form (an `attention_core.decode.Decoder`, causal ops that have one);
   seq_parallel  its sequence-parallel form (same signature, the sequence split over the mesh's "seq" axis),
                 or None: the partitioner then gathers the sequence;
-  bench_inputs  `bench_inputs(L, **shape)`: the op arguments that a model owns (random weights, keys) as fixed
-                stand-ins for the benchmark and the op-level tests; may name `batch`, `heads`, `head_dim`,
-                `value_dim`, `dtype` to receive them.
+  bench_inputs  `bench_inputs(L, shape)`: fixed stand-ins for `inputs` (random weights, keys) for the
+                benchmark and the op-level tests; `shape` is a `Shape` (batch, heads, head_dim, value_dim,
+                dtype).
 
 Each op package registers its attentions in its own `registry` module (`register(OpSpec(...))`); the
 packages are listed once, in `OP_PACKAGES`, and `load()` imports their registrations. Op packages import this
@@ -24,14 +31,14 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import inspect
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, NamedTuple
 
 from attention_core import contract
 
 # The op packages whose `registry` modules register attentions (a new package adds its name here).
 OP_PACKAGES = ("attention_baselines", "combiner", "routing", "yoso")
+ALL_PLATFORMS = tuple(contract.PLATFORMS)
 
 
 def sqrt_pow2(length: int) -> int:
@@ -39,7 +46,100 @@ def sqrt_pow2(length: int) -> int:
   return 1 << ((max(length, 1).bit_length() - 1 + 1) // 2)
 
 
-def _nothing(length: int) -> dict[str, Any]:
+# -----------------------------------------------------------------------------------------------------------
+# Declarations
+
+_KINDS = {bool: "a bool", int: "an int", float: "a number", str: "a string", tuple: "a tuple"}
+
+
+def check_kind(value: Any, kind: type, *, name: str, minimum: float | None = None,
+               maximum: float | None = None, optional: bool = False, note: str = "") -> None:
+  """One rule for a declared value (plan parameters here, module fields in models/attention.py): `kind`
+  (an int passes for a float, a list for a tuple; None where `optional`) and the bounds; a ValueError naming
+  `name` otherwise."""
+  if value is None and optional:
+    return
+  if kind is bool:
+    ok = isinstance(value, bool)
+  elif kind in (int, float):
+    ok = isinstance(value, (int, float) if kind is float else int) and not isinstance(value, bool)
+  else:
+    ok = isinstance(value, (tuple, list) if kind is tuple else kind)
+  note = f" ({note})" if note else ""
+  if not ok:
+    what = _KINDS.get(kind, kind.__name__) + (" or None" if optional else "")
+    raise ValueError(f"{name} must be {what}{note}, got {value!r}")
+  if minimum is not None and kind in (int, float) and value < minimum:
+    raise ValueError(f"{name} must be >= {minimum:g}{note}, got {value!r}")
+  if maximum is not None and kind in (int, float) and value > maximum:
+    raise ValueError(f"{name} must be <= {maximum:g}{note}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Param:
+  """A plan parameter's kind: what a config may set it to. "auto" (the op's `params(L)`) is checked by the
+  model, the op itself checks what depends on other values (choices, divisibility)."""
+
+  kind: type = int  # bool | int | float | str | tuple
+  minimum: float | None = None
+  optional: bool = False  # None (the op's own default) is allowed
+
+  def check(self, value: Any, *, name: str) -> None:
+    check_kind(value, self.kind, name=name, minimum=self.minimum, optional=self.optional)
+
+
+INT, POSITIVE, FLOAT, TEXT, FLAG, TUPLE = Param(int), Param(int, 1), Param(float), Param(str), Param(bool), \
+    Param(tuple)
+CHUNKS = Param(int, 1, optional=True)  # query_chunks / row_chunks: None = the op's memory-bounded choice
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedPath:
+  """An op's accelerated path: the argument that chooses it, its values, and where each runs."""
+
+  argument: str  # "implementation" (a config field) or a plan parameter ("formulation")
+  reference: str  # the XLA value every other value must equal
+  values: tuple[str, ...]  # every allowed value but "auto" and the reference
+  kernels: tuple[str, ...]  # those of `values` that run fused kernels (Pallas, Mosaic, Triton, cuDNN)
+  causal: bool  # whether the causal form runs them
+  platforms: Mapping[str, tuple[str, ...]]  # value -> the platforms it runs on (CPU: interpret mode)
+
+  @classmethod
+  def declare(cls, allowed: Iterable[str], *, argument: str = "implementation", reference: str = "xla",
+              xla: tuple[str, ...] = (), causal: bool = True,
+              platforms: Mapping[str, tuple[str, ...]] | None = None) -> FusedPath:
+    """The path of an op whose `argument` takes `allowed` ("auto", the reference, the rest); `xla`: values
+    among them that are XLA formulations rather than kernels."""
+    values = tuple(v for v in allowed if v not in ("auto", reference))
+    return cls(argument, reference, values, tuple(v for v in values if v not in xla), causal,
+               dict(platforms or {}))
+
+  @property
+  def allowed(self) -> tuple[str, ...]:
+    return ("auto", self.reference, *self.values)
+
+  def values_on(self, platform: str) -> tuple[str, ...]:
+    return tuple(v for v in self.values if platform in self.platforms.get(v, ALL_PLATFORMS))
+
+
+PALLAS = FusedPath.declare(contract.IMPLEMENTATIONS)  # implementation = "auto" | "xla" | "pallas", everywhere
+
+
+class Shape(NamedTuple):
+  """The shape `bench_inputs` makes stand-ins for."""
+
+  batch: int = 1
+  heads: int = 1
+  head_dim: int = 64
+  value_dim: int | None = None  # None = head_dim
+  dtype: Any = "float32"
+
+
+def _no_params(length: int) -> dict[str, Any]:
+  return {}
+
+
+def _no_inputs(length: int, shape: Shape) -> dict[str, Any]:
   return {}
 
 
@@ -49,13 +149,16 @@ class OpSpec:
   fn: Callable[..., Any]
   causal: bool = True  # supports causal=True
   bidirectional: bool = True  # supports causal=False
-  params: Callable[[int], dict[str, Any]] = _nothing  # automatic plan parameters for a length
+  params: Callable[[int], dict[str, Any]] = _no_params  # automatic plan parameters for a length
   description: str = ""
-  decode: Any = None  # attention_core.decode.Decoder: the op's cached incremental form (causal ops that have
-                      # one)
+  decode: Any = None  # attention_core.decode.Decoder: the cached incremental form (causal ops that have one)
   module: str | None = None  # "package.module:Class" of its Flax module; None = models.attention.OpAttention
   seq_parallel: Callable[..., Any] | None = None  # the sequence-parallel form, if it has one
-  bench_inputs: Callable[..., dict[str, Any]] = _nothing  # model-owned arguments as benchmark stand-ins
+  bench_inputs: Callable[[int, Shape], dict[str, Any]] = _no_inputs  # stand-ins for `inputs`
+  plan: Mapping[str, Param] = dataclasses.field(default_factory=dict)  # config-settable parameters
+  inputs: tuple[str, ...] = ()  # arguments the model supplies
+  fused: FusedPath | None = None  # the accelerated path, if any
+  memory: bool = False  # k, v, mask may hold memory positions before the queries'
 
 
 OPS: dict[str, OpSpec] = {}
@@ -85,92 +188,32 @@ def get(name: str) -> OpSpec:
   return OPS[name]
 
 
-def takes_implementation(spec: OpSpec) -> bool:
-  """Whether the op takes `implementation` ("auto" | "xla" | an accelerated kernel), from its signature."""
-  return "implementation" in inspect.signature(spec.fn).parameters
-
-
-# The arguments that choose an op's fused path: argument -> (the XLA value the fused values are checked
-# against, allowed values that are XLA formulations rather than kernels, whether the causal form runs the
-# kernels). YOSO's causal form is sorted running sums on every backend (yoso.attention), so its kernels are
-# bidirectional only.
-FUSED_ARGUMENTS = {"implementation": ("xla", (), True),
-                   "formulation": ("sorted", ("onehot",), False)}
-ALL_PLATFORMS = ("cpu", "gpu", "tpu")
-
-
-@dataclasses.dataclass(frozen=True)
-class FusedPath:
-  """How an op's accelerated paths are chosen and checked (`fused_path`)."""
-  argument: str  # "implementation" or "formulation"
-  reference: str  # the XLA value every other value must equal
-  values: tuple[str, ...]  # every allowed value but "auto" and the reference
-  kernels: tuple[str, ...]  # those of `values` that run fused kernels (Pallas, Mosaic, Triton, cuDNN)
-  causal: bool  # whether the causal form runs them
-  platforms: dict[str, tuple[str, ...]]  # value -> the platforms it runs on (CPU: interpret mode)
-
-  def values_on(self, platform: str) -> tuple[str, ...]:
-    return tuple(v for v in self.values if platform in self.platforms.get(v, ALL_PLATFORMS))
-
-
-def fused_path(spec: OpSpec) -> FusedPath | None:
-  """The op's accelerated paths, or None when it has none. Read from the op: the argument among
-  FUSED_ARGUMENTS its signature takes, the allowed values its module declares (`IMPLEMENTATIONS`,
-  `FORMULATIONS`; attention_core.contract's by default, or a module it imports), and per value the platforms
-  it runs on (`IMPLEMENTATION_PLATFORMS` / `FORMULATION_PLATFORMS`, default every platform). So a new op
-  with a kernel is checked and compiled by the tools without being named in them."""
-  parameters = inspect.signature(spec.fn).parameters
-  module = importlib.import_module(getattr(spec.fn, "func", spec.fn).__module__)  # partial plans
-  for argument, (reference, not_kernels, causal) in FUSED_ARGUMENTS.items():
-    if argument not in parameters:
-      continue
-    allowed = _declared(module, argument.upper() + "S", argument)
-    values = tuple(v for v in allowed if v not in ("auto", reference))
-    platforms = _declared(module, argument.upper() + "_PLATFORMS", None) or {}
-    return FusedPath(argument, reference, values, tuple(v for v in values if v not in not_kernels), causal,
-                     dict(platforms))
-  return None
-
-
-def _declared(module: Any, attribute: str, argument: str | None) -> Any:
-  """`attribute` of the op's module, else of a module it imports (yoso.tables' FORMULATIONS), else
-  attention_core.contract's IMPLEMENTATIONS for `implementation`; None when nothing declares it and
-  `argument` is None."""
-  if hasattr(module, attribute):
-    return getattr(module, attribute)
-  for value in vars(module).values():
-    if inspect.ismodule(value) and value.__name__.split(".")[0] == module.__name__.split(".")[0] \
-        and hasattr(value, attribute):
-      return getattr(value, attribute)
-  if argument == "implementation":
-    return contract.IMPLEMENTATIONS
-  if argument is None:
-    return None
-  raise ValueError(f"{module.__name__}: no allowed values of {argument!r} found ({attribute})")
-
-
-def fused_ops() -> dict[str, FusedPath]:
-  """{name: FusedPath} of every registered op with an accelerated path."""
-  return {name: path for name in names() if (path := fused_path(OPS[name])) is not None}
-
-
 def names() -> list[str]:
   load()
   return sorted(OPS)
 
 
-def _call_named(fn: Callable[..., dict[str, Any]], length: int, shape: dict[str, Any]) -> dict[str, Any]:
-  try:
-    accepted = inspect.signature(fn).parameters
-  except (TypeError, ValueError):
-    accepted = {}
-  return dict(fn(length, **{k: v for k, v in shape.items() if k in accepted}))
+# -----------------------------------------------------------------------------------------------------------
+# Reading the declarations
+
+
+def takes_implementation(spec: OpSpec) -> bool:
+  """Whether the op takes `implementation` ("auto" | "xla" | an accelerated kernel)."""
+  return spec.fused is not None and spec.fused.argument == "implementation"
+
+
+def fused_path(spec: OpSpec) -> FusedPath | None:
+  """The op's accelerated path as its registration declares it (None: it has none), so a new op with a
+  kernel is checked and compiled by the tools without being named in them."""
+  return spec.fused
+
+
+def fused_ops() -> dict[str, FusedPath]:
+  """{name: FusedPath} of every registered op with an accelerated path."""
+  return {name: spec.fused for name in names() if (spec := OPS[name]).fused is not None}
 
 
 def bench_params(spec: OpSpec, length: int, **shape: Any) -> dict[str, Any]:
   """Every op argument for a standalone call at `length` (benchmark, op-level tests): `params(L)` plus
-  `bench_inputs(L)`, each receiving the keywords among `shape` (batch, heads, head_dim, value_dim, dtype)
-  its signature names."""
-  out = _call_named(spec.params, length, shape)
-  inputs = getattr(spec, "bench_inputs", None)
-  return {**out, **(_call_named(inputs, length, shape) if inputs is not None else {})}
+  `bench_inputs(L, Shape(**shape))` (shape: batch, heads, head_dim, value_dim, dtype)."""
+  return {**spec.params(length), **spec.bench_inputs(length, Shape(**shape))}

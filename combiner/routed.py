@@ -39,6 +39,7 @@ Array = Any
 
 
 def _check_cluster_ids(cluster_ids: Any, shape: tuple[int, int, int], num_clusters: int, op: str) -> Array:
+  # Argument validation: any array-like (numpy, jax, tracers) passes.
   if not hasattr(cluster_ids, "shape") or tuple(cluster_ids.shape) != shape:
     raise ValueError(f"{op}: argument 'cluster_ids' must be an int array [batch, length, heads] = {shape}, "
                      f"got {getattr(cluster_ids, 'shape', type(cluster_ids).__name__)}")

@@ -21,11 +21,12 @@ Cost:      the paper trains on 8 GPUs for days; `:smoke` (1 layer, width 32, seg
 Variants:  `large`, `text8`, `max_span=...`, `mem_len=...`, `eval_mem_len=...`, `seq_len=...`, `smoke`.
 """
 
-from configs import base
+from configs import arguments, base
 
 
 def get_config(arg: str | None = None):
-  values, flags = base.parse_arg(arg, extra=("max_span", "mem_len", "eval_mem_len"), flags=("large", "text8"))
+  values, flags = arguments.parse_arg(arg, extra=("max_span", "mem_len", "eval_mem_len"),
+                                      flags=("large", "text8"))
   large = "large" in flags
   c = base.base_config()
   c.data.name = "text8" if "text8" in flags else "enwik8"
@@ -55,7 +56,7 @@ def get_config(arg: str | None = None):
   c.train.eval_batches = -1
   c.train.checkpoint_every = 10_000
   if "smoke" in flags:
-    base.shrink_for_smoke(c, seq_len=64)
+    arguments.shrink_for_smoke(c, seq_len=64)
     c.model.head_dim = None
     c.model.dropout_rate = 0.0
     c.model.mem_len = 64
@@ -66,5 +67,5 @@ def get_config(arg: str | None = None):
   for key in ("mem_len", "eval_mem_len"):
     if key in values:
       c.model[key] = int(values.pop(key))
-  base.apply_common(c, values)
+  arguments.apply_common(c, values)
   return c

@@ -40,7 +40,7 @@ Variants:  `seq_len=512` (default, batch 256) or `seq_len=1024` (batch 128): the
 
 import ml_collections
 
-from configs import base
+from configs import arguments, base
 from runtime.cli import UsageError
 
 TOKENS_PER_BATCH = 131_072  # B x N, the same for every length
@@ -60,14 +60,14 @@ def get_config(arg: str | None = None):
   c.model.attention = base.attention_config("blockbert")
   c.model.attention.dropout_rate = 0.1
   paper_optimisation(c)
-  values, flags = base.parse_arg(arg, extra=("num_blocks",))
+  values, flags = arguments.parse_arg(arg, extra=("num_blocks",))
   num_blocks = values.pop("num_blocks", None)
   if "smoke" in flags:
-    base.shrink_for_smoke(c, seq_len=64)
+    arguments.shrink_for_smoke(c, seq_len=64)
     c.model.dropout_rate = 0.0
     c.model.attention.dropout_rate = 0.0
     c.optimizer.lr = 1e-3
-  base.apply_common(c, values)
+  arguments.apply_common(c, values)
   if "smoke" not in flags and "batch_size" not in values:
     seq_len = int(c.data.seq_len)
     if TOKENS_PER_BATCH % seq_len:

@@ -47,7 +47,7 @@ Variants:  `text8`, `imdb`, `sst5`, `context=K` (k), `seq_len=...`, `attention=.
            same task; `context` then does not apply), `smoke`.
 """
 
-from configs import base
+from configs import arguments, base
 
 # variant -> (data name, seq_len, layers, features, heads, mlp_dim, k, dropout, attention dropout, lr,
 #             batch, steps)
@@ -59,7 +59,7 @@ SETTINGS = {
 
 
 def get_config(arg: str | None = None):
-  values, flags = base.parse_arg(arg, extra=("context",), flags=("text8", "imdb", "sst5"))
+  values, flags = arguments.parse_arg(arg, extra=("context",), flags=("text8", "imdb", "sst5"))
   tasks = [t for t in ("imdb", "sst5") if t in flags]
   if len(tasks) > 1 or (tasks and "text8" in flags):
     raise ValueError(f"bp_transformer: pick one of text8, imdb, sst5, got {arg!r}")
@@ -105,7 +105,7 @@ def get_config(arg: str | None = None):
     c.train.eval_every = 1000
     c.train.checkpoint_every = 1000
   if "smoke" in flags:
-    base.shrink_for_smoke(c, seq_len=64 if variant != "sst5" else 32)
+    arguments.shrink_for_smoke(c, seq_len=64 if variant != "sst5" else 32)
     c.model.dropout_rate = 0.0
     c.model.attention.dropout_rate = 0.0
     c.optimizer.lr = 1e-3
@@ -114,7 +114,7 @@ def get_config(arg: str | None = None):
     if variant != "lm":
       c.data.vocab_size = 256  # the stand-in's SentencePiece model has 200 pieces
   context = int(values.pop("context")) if "context" in values else k
-  base.apply_common(c, values)
+  arguments.apply_common(c, values)
   if c.model.attention.name == "bp_transformer":
     c.model.attention.params.context = context
   return c

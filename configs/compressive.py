@@ -28,7 +28,7 @@ Variants:  `pg19` (PG-19, prepared with python -m data.prepare pg19 --data_dir D
            `eval_compressed_mem_len=...`, `seq_len=...`, `smoke`.
 """
 
-from configs import base, transformer_xl
+from configs import arguments, base, transformer_xl
 
 
 def get_config(arg: str | None = None):
@@ -50,7 +50,8 @@ def get_config(arg: str | None = None):
   c.model.attention.dropout_rate = 0.0
   transformer_xl.paper_optimisation(c)  # not in the sources at hand: Transformer-XL's
   lengths = ("mem_len", "compressed_mem_len", "eval_mem_len", "eval_compressed_mem_len")
-  values, flags = base.parse_arg(arg, extra=lengths + ("compression", "compression_rate"), flags=("pg19",))
+  values, flags = arguments.parse_arg(arg, extra=lengths + ("compression", "compression_rate"),
+                                      flags=("pg19",))
   if "pg19" in flags:  # the paper's PG-19 model (see the docstring for what is from recollection)
     c.data.name = "pg19"
     c.data.vocab_size = 32000
@@ -62,7 +63,7 @@ def get_config(arg: str | None = None):
     c.model.attention.compression = "conv"
     c.model.attention.compression_rate = 2
   if "smoke" in flags:
-    base.shrink_for_smoke(c, seq_len=48)
+    arguments.shrink_for_smoke(c, seq_len=48)
     c.model.head_dim = None
     c.model.dropout_rate = 0.0
     c.model.mem_len = 48
@@ -75,5 +76,5 @@ def get_config(arg: str | None = None):
     c.model.attention.compression = values.pop("compression")
   if "compression_rate" in values:
     c.model.attention.compression_rate = int(values.pop("compression_rate"))
-  base.apply_common(c, values)
+  arguments.apply_common(c, values)
   return c

@@ -10,7 +10,7 @@ Cost:      ~2 minutes on 2 CPU cores; seconds on one accelerator.
 Variants:  configs/default.py:attention=dense   (any registry name), `smoke` (a few steps, for tests).
 """
 
-from configs import base
+from configs import arguments, base
 
 
 def get_config(arg: str | None = None):
@@ -39,9 +39,9 @@ def get_config(arg: str | None = None):
   c.train.eval_every = 200
   c.train.eval_batches = -1
   c.train.checkpoint_every = 200
-  values, flags = base.parse_arg(arg)
+  values, flags = arguments.parse_arg(arg)
   if "smoke" in flags:
-    base.shrink_for_smoke(c, seq_len=64)
+    arguments.shrink_for_smoke(c, seq_len=64)
     c.data.eval_examples = 16
-  base.apply_common(c, values)
+  arguments.apply_common(c, values)
   return c

@@ -20,14 +20,14 @@ Variants:  `pretrain` | `summarise` (task), `medium` (HIBERT_M sizes), `smoke`; 
 
 import ml_collections
 
-from configs import base
+from configs import arguments, base
 
 HIBERT_KEYS = ("pretrain", "summarise", "medium")
 
 
 def get_config(arg: str | None = None):
   c = base.base_config()
-  values, flags = base.parse_arg(arg, flags=HIBERT_KEYS)
+  values, flags = arguments.parse_arg(arg, flags=HIBERT_KEYS)
   c.data.name = "cnn_dailymail"
   c.data.task = "hibert_pretrain" if "pretrain" in flags else "hibert_summarise"
   c.data.seq_len = 50  # tokens per sentence, EOS included
@@ -58,7 +58,7 @@ def get_config(arg: str | None = None):
   c.train.eval_batches = 100
   c.train.checkpoint_every = 2000
   if "smoke" in flags:
-    base.shrink_for_smoke(c)
+    arguments.shrink_for_smoke(c)
     c.data.seq_len = 16
     c.data.max_sentences = 8
     c.data.vocab_size = 128
@@ -66,5 +66,5 @@ def get_config(arg: str | None = None):
     c.model.hibert.decoder_layers = 1
     c.model.dropout_rate = 0.0
     c.optimizer.lr = 3e-3
-  base.apply_common(c, values)
+  arguments.apply_common(c, values)
   return c

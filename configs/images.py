@@ -6,7 +6,7 @@ from typing import Any
 
 import ml_collections
 
-from configs import base
+from configs import arguments, base
 
 IMAGE_FLAGS = ("main",)  # `main`: the Table 4 model
 IMAGE_KEYS = ("image_size",)  # `image_size=N`: images resized to N x N (smaller CPU-scale runs)
@@ -41,7 +41,7 @@ def image_config(name: str, image_shape: tuple[int, int, int], arg: str | None, 
   c.train.eval_every = 10_000
   c.train.eval_batches = -1
   c.train.checkpoint_every = 2000
-  values, flags = base.parse_arg(arg, extra=IMAGE_KEYS, flags=IMAGE_FLAGS)
+  values, flags = arguments.parse_arg(arg, extra=IMAGE_KEYS, flags=IMAGE_FLAGS)
   if "main" in flags:
     c.model.num_layers = main["layers"]
     c.model.features = main["features"]
@@ -56,13 +56,13 @@ def image_config(name: str, image_shape: tuple[int, int, int], arg: str | None, 
     c.optimizer.lr = main["lr"]
     c.train.num_steps = main["steps"]
   if "smoke" in flags:
-    base.shrink_for_smoke(c, seq_len=SMOKE_IMAGE[0] * SMOKE_IMAGE[1] * SMOKE_IMAGE[2])
+    arguments.shrink_for_smoke(c, seq_len=SMOKE_IMAGE[0] * SMOKE_IMAGE[1] * SMOKE_IMAGE[2])
     c.data.image_shape = SMOKE_IMAGE
     c.model.image_shape = SMOKE_IMAGE
   if "image_size" in values:
     size = int(values.pop("image_size"))
     c.data.image_shape = c.model.image_shape = (size, size, image_shape[2])
     c.data.seq_len = size * size * image_shape[2]
-  base.apply_common(c, values)
-  base.route_every_head(c)  # the 12-layer routing row of Table 1 (routing_paper sets its own layout)
+  arguments.apply_common(c, values)
+  arguments.route_every_head(c)  # the 12-layer routing row of Table 1 (routing_paper sets its own layout)
   return c

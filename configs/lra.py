@@ -22,7 +22,7 @@ with lr 0.05 and weight decay 0.1 for listops/text/retrieval, cosine with lr 5e-
 pathfinder.
 """
 
-from configs import base
+from configs import arguments, base
 
 TASKS = ("listops", "text", "retrieval", "image", "pathfinder")
 
@@ -39,7 +39,7 @@ SETTINGS = {
 # process) instead of the release files; each split is generated once into {data_dir}/listops_synthetic/
 # (`python -m data.prepare listops_synthetic --data_dir DIR` does it up front with every CPU). Not a paper
 # row: the examples are drawn like LRA's, not LRA's own. Its smoke variant generates 1024/128/128 examples of
-# 16..64 tokens (seconds; without data_dir they are generated on access, ~1.3 ms each).
+# 16..64 tokens (without data_dir they are generated on access).
 SETTINGS["listops_synthetic"] = ("listops_synthetic",) + SETTINGS["listops"][1:]
 # Pathfinder-32 difficulty (data/lra.py PATHFINDER_DIFFICULTIES): the Combiner paper reran every Table 5 model
 # on "pathfinder-32-inter" (Appendix E.4), the intermediate set curv_contour_length_9 (LRA's easy /
@@ -165,7 +165,7 @@ def yoso_paper(c, task: str) -> None:
 
 
 def get_config(arg: str | None = None):
-  values, flags = base.parse_arg(arg, extra=("task",), flags=(YOSO_FLAG, LISTOPS_1024, LISTOPS_1024_CPU))
+  values, flags = arguments.parse_arg(arg, extra=("task",), flags=(YOSO_FLAG, LISTOPS_1024, LISTOPS_1024_CPU))
   task = values.pop("task", "listops_synthetic" if LISTOPS_1024 in flags else "listops")
   if LISTOPS_1024 in flags and (task != "listops_synthetic" or YOSO_FLAG in flags):
     raise ValueError(f"{LISTOPS_1024} is a setting of task=listops_synthetic alone, got task={task!r}"
@@ -210,10 +210,10 @@ def get_config(arg: str | None = None):
   if LISTOPS_1024 in flags:
     listops_1024(c, LISTOPS_1024_CPU if LISTOPS_1024_CPU in flags else LISTOPS_1024)
   if "smoke" in flags:
-    base.shrink_for_smoke(c, seq_len=64 if task != "image" and task != "pathfinder" else None)
+    arguments.shrink_for_smoke(c, seq_len=64 if task != "image" and task != "pathfinder" else None)
     if task == "listops_synthetic":
       c.data.update(SYNTHETIC_SMOKE)
-  base.apply_common(c, values)
+  arguments.apply_common(c, values)
   encoder_fields(c, task, listops_1024=LISTOPS_1024 in flags)
   # The hashing YOSO rows (not yoso_e, dense).
   if YOSO_FLAG in flags and c.model.attention.name in YOSO_SAMPLED:

@@ -14,7 +14,7 @@ Variants:  `attention=...` (any registry name), `seq_len=...`, `smoke`.
 
 import ml_collections
 
-from configs import base
+from configs import arguments, base
 
 
 def get_config(arg: str | None = None):
@@ -41,9 +41,9 @@ def get_config(arg: str | None = None):
   c.train.eval_every = 100
   c.train.eval_batches = 16  # the same 16 x 4 x 2048 bytes (131 KB) of the split at every evaluation
   c.train.checkpoint_every = 100
-  values, flags = base.parse_arg(arg)
+  values, flags = arguments.parse_arg(arg)
   if "smoke" in flags:
-    base.shrink_for_smoke(c, seq_len=256)
+    arguments.shrink_for_smoke(c, seq_len=256)
     c.data.stand_in = False  # always available
-  base.apply_common(c, values)
+  arguments.apply_common(c, values)
   return c

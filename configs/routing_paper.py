@@ -22,7 +22,7 @@ from typing import Any
 
 import ml_collections
 
-from configs import base
+from configs import arguments, base
 
 FLAG = "routing_paper"
 
@@ -73,7 +73,7 @@ def apply(c: ml_collections.ConfigDict, settings: dict[str, Any], arg: str, pape
   `combiner_routed`, ...); the routing fields and plan parameters are set only for the attention that reads
   them.
   """
-  values, flags = base.parse_arg(arg, extra=extra_keys, flags=flag_keys)
+  values, flags = arguments.parse_arg(arg, extra=extra_keys, flags=flag_keys)
   if "attention" not in values:
     c.model.attention = base.attention_config("routing")
   if "smoke" not in flags:
@@ -94,7 +94,7 @@ def apply(c: ml_collections.ConfigDict, settings: dict[str, Any], arg: str, pape
     c.optimizer.warmup_steps = 4000  # not stated in the paper; the Transformer's default
   c.aux_loss_weight = 1e-4  # commitment loss weight
   scan_given = "scan_layers" in values
-  base.apply_common(c, values)
+  arguments.apply_common(c, values)
   att = c.model.attention
   name = str(att.name)
   clusters = int(paper_values.get("clusters", settings["num_clusters"]))

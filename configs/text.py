@@ -1,6 +1,6 @@
 """Shared settings of the text configs (wiki40b.py LM, c4.py MLM): paper Appendix E.3/E.5."""
 
-from configs import base
+from configs import arguments, base
 
 TEXT_KEYS = ()  # flags of the text configs (none yet)
 
@@ -30,9 +30,9 @@ def text_config(name: str, arg: str | None):
   c.train.eval_every = 5000
   c.train.eval_batches = 100
   c.train.checkpoint_every = 2000
-  values, flags = base.parse_arg(arg, flags=TEXT_KEYS)
+  values, flags = arguments.parse_arg(arg, flags=TEXT_KEYS)
   if "smoke" in flags:
-    base.shrink_for_smoke(c, seq_len=64)
-  base.apply_common(c, values)
-  base.route_every_head(c)  # Routing-2k of Tables 2 and 6
+    arguments.shrink_for_smoke(c, seq_len=64)
+  arguments.apply_common(c, values)
+  arguments.route_every_head(c)  # Routing-2k of Tables 2 and 6
   return c

@@ -24,7 +24,7 @@ Variants:  `text8`, `attention=...` (a module that takes a memory), `mem_len=...
 
 import ml_collections
 
-from configs import base
+from configs import arguments, base
 
 
 def get_config(arg: str | None = None):
@@ -45,11 +45,11 @@ def get_config(arg: str | None = None):
   c.model.attention = base.attention_config("transformer_xl")
   c.model.attention.dropout_rate = 0.0  # dropatt
   paper_optimisation(c)
-  values, flags = base.parse_arg(arg, extra=("mem_len", "eval_mem_len"), flags=("text8",))
+  values, flags = arguments.parse_arg(arg, extra=("mem_len", "eval_mem_len"), flags=("text8",))
   if "text8" in flags:
     c.data.name = "text8"
   if "smoke" in flags:
-    base.shrink_for_smoke(c, seq_len=64)
+    arguments.shrink_for_smoke(c, seq_len=64)
     c.model.head_dim = None
     c.model.dropout_rate = 0.0
     c.model.mem_len = 64
@@ -58,7 +58,7 @@ def get_config(arg: str | None = None):
   for key in ("mem_len", "eval_mem_len"):
     if key in values:
       c.model[key] = int(values.pop(key))
-  base.apply_common(c, values)
+  arguments.apply_common(c, values)
   return c
 
 

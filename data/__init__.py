@@ -1,7 +1,7 @@
 """Input pipelines: one entry point for every experiment config.
 
     loader = data.create_dataset(config, "train", batch_size=32, seed=0)
-    it = iter(loader)                    # grain DatasetIterator (DataLoaderIterator for packed text)
+    it = iter(loader)                    # grain DatasetIterator
     batch = next(it)                     # dict of NumPy arrays, leading dim = per-host batch
     state = it.get_state(); it.set_state(state)   # exact resume (train.py checkpoints it with orbax)
     info = data.dataset_info(config)     # task, vocab_size, seq_len, num_classes, special ids
@@ -23,18 +23,16 @@ NUL byte).
 
 config.data fields read here (all optional except `name`): data_dir (TFDS data directory; LRA unpacked inside
 it or `lra_dir`), seq_len, worker_count (grain worker processes, default 0), read_threads, prefetch,
-virtual_records (benchmarks: a small split presented at a real split's size, data.pipeline.VirtualRecords),
-engine ("dataset" | "loader": grain engine of batched datasets, default "dataset"; both give the same batches
-in the same `EpochPermutation` record order, but each resumes only its own checkpoints), cache_in_memory (MB,
-default 512: small splits of lra_text, lra_image, lra_listops and the listops_synthetic cache are held in RAM;
-0 = never); images: random_flip; text (also imdb, sst5): spm_model, vocab_size (32000; sst5 8000),
-tfds_version, max_segments, mlm_rate; LRA: lra_dir, skip_malformed, listops_parens, difficulty, resolution;
-listops_synthetic: min_length, max_length, max_depth, max_args, op_p, num_train/num_validation/num_test,
-data_seed, cache_dir (default data_dir; each split generated once there); ordered (bool: the Transformer-XL
-order of an LM token stream, data.ordered); stand_in (bool: when the data is missing, read the generated
-stand-in of `data.testing.mock_data` instead, saying so in one line; the `smoke` variants set it). Offline
-stand-ins for every dataset: `data.testing.mock_data`; preparation of the real ones: `python -m data.prepare`.
-"""
+virtual_records (benchmarks: a small split presented at a real split's size, data.records.VirtualRecords),
+cache_in_memory (MB, default 512: small splits of lra_text, lra_image, lra_listops and the listops_synthetic
+cache are held in RAM; 0 = never); images: random_flip; text (also imdb, sst5): spm_model, vocab_size (32000;
+sst5 8000), tfds_version, max_segments, mlm_rate; LRA: lra_dir, skip_malformed, listops_parens, difficulty,
+resolution; listops_synthetic: min_length, max_length, max_depth, max_args, op_p,
+num_train/num_validation/num_test, data_seed, cache_dir (default data_dir; each split generated once there);
+ordered (bool: the Transformer-XL order of an LM token stream, data.ordered); stand_in (bool: when the data is
+missing, read the generated stand-in of `data.testing.mock_data` instead, saying so in one line; the `smoke`
+variants set it). Offline stand-ins for every dataset: `data.testing.mock_data`; preparation of the real ones:
+`python -m data.prepare`. """
 
 from __future__ import annotations
 
@@ -71,7 +69,7 @@ def create_dataset(
   shuffle: bool | None = None,
   num_epochs: int | None = None,
 ):
-  """A grain IterDataset (packed text: a grain.DataLoader) over `split` ("train", "validation", "test") of
+  """A grain IterDataset over `split` ("train", "validation", "test") of
   `config.data.name`.
 
   shard_index/shard_count default to jax.process_index()/jax.process_count(). shuffle defaults to

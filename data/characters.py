@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from data import pipeline, pystdlib
+from data import pipeline, pystdlib, records
 from data.info import DatasetInfo
 from runtime import paths
 
@@ -159,7 +159,7 @@ def split_tokens(config: Any, split: str) -> np.ndarray:
   return _load(file)
 
 
-class WindowSource(pipeline.StreamWindows):
+class WindowSource(records.StreamWindows):
   """Record i = characters [i * seq_len, (i + 1) * seq_len) of a split: uint8 [seq_len]."""
 
   def __init__(self, config: Any, split: str, seq_len: int):

@@ -15,7 +15,7 @@ Each article is split into sentences by `split_sentences` (deterministic rules, 
   labels int32 [S]: the oracle (`oracle_labels`: greedy selection maximising ROUGE-1 F + ROUGE-2 F of the
     selected sentences against the highlights, as the paper), at most `oracle_sentences` (default 3).
 `config.data.task` picks the task: "hibert_pretrain" (masked-sentence prediction, the labels unused) or
-"hibert_summarise" (sentence labelling). ROUGE evaluation of the top-3 sentences: training/hibert_rouge.py.
+"hibert_summarise" (sentence labelling). ROUGE evaluation of the top-3 sentences: training/hibert.py.
 """
 
 from __future__ import annotations

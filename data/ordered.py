@@ -28,7 +28,7 @@ Each process reads rows [shard_index * b, (shard_index + 1) * b) of the global b
 the same rows on any process count. Evaluation reads its split in the same order from its start (one epoch).
 
 The iterator state is {"step": global step, ORDERED_KEY: the stream layout}, the same in every process's file,
-so grain's checkpoint handler saves it with the train state and `data.pipeline.restore_iterator` resumes it on
+so grain's checkpoint handler saves it with the train state and `data.resume.restore_iterator` resumes it on
 any process count; a state of another layout (dataset, split, token count, streams, seq_len) or of a shuffled
 pipeline is refused with a one-line error (`check_state`, before a restore `check_saved_state`).
 
@@ -50,6 +50,7 @@ import grain
 import numpy as np
 
 from data import characters, pipeline, pystdlib, text
+from data import order as data_order
 from data.info import DATASETS
 from runtime import cli, paths
 
@@ -234,7 +235,8 @@ class OrderedIterator(grain.DatasetIterator):
                     f"dataset, split, global batch and config.data.seq_len, else start a fresh workdir")
 
   def check_saved_state(self, saved: Any, step_dir: str) -> None:
-    """`pipeline.check_iterator_checkpoint`'s check before a restore: `saved` is one process's JSON state."""
+    """`data.resume.check_iterator_checkpoint`'s check before a restore: `saved` is one process's JSON
+    state."""
     self.check_state(saved, f"checkpoint {step_dir}'s data-iterator state")
 
   def set_state(self, state: dict[str, Any]) -> None:
@@ -264,7 +266,7 @@ class OrderedDataset(grain.IterDataset):
 def create_dataset(config: Any, split: str, *, batch_size: int, seed: int, shard_index: int | None = None,
                    shard_count: int | None = None, shuffle: bool | None = None,
                    num_epochs: int | None = None) -> OrderedDataset:
-  """The ordered stream of `split`; `batch_size` is the host batch (rows `pipeline.GlobalRows`).
+  """The ordered stream of `split`; `batch_size` is the host batch (rows `data.order.GlobalRows`).
 
   num_epochs defaults to None (forever) for "train" and 1 otherwise; `seed` and `shuffle` do not apply (the
   order is the corpus order)."""
@@ -273,7 +275,7 @@ def create_dataset(config: Any, split: str, *, batch_size: int, seed: int, shard
   module = _STREAM_MODULES.get(DATASETS[config.data.name], text)
   info = module.dataset_info(config)  # the same vocabulary and seq_len as the shuffled pipeline
   shard_index, shard_count = pipeline.resolve_shards(shard_index, shard_count)
-  rows = pipeline.GlobalRows(batch_size, shard_index, shard_count)
+  rows = data_order.GlobalRows(batch_size, shard_index, shard_count)
   if num_epochs is None and split.partition("[")[0] not in pipeline.TRAIN_SPLITS:
     num_epochs = 1
   tokens = token_stream(config, split)

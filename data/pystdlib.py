@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from data import pipeline
+from data import pipeline, records
 from data.info import DatasetInfo
 
 NAME = "pystdlib"
@@ -93,7 +93,7 @@ def split_bytes(root: str, split: str) -> np.ndarray:
   return _STREAMS[key]
 
 
-class WindowSource(pipeline.StreamWindows):
+class WindowSource(records.StreamWindows):
   """Record i = bytes [i * seq_len, (i + 1) * seq_len) of a split's stream: uint8 [seq_len]."""
 
   def __init__(self, root: str, split: str, seq_len: int):

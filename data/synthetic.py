@@ -91,7 +91,7 @@ class RecallSource:
     return self.read_batch([index])[0]
 
   def read_batch(self, indices: Any) -> list[dict[str, np.ndarray]]:
-    """Records `indices`, generated together (`data.pipeline.read_records` uses this when a source has it)."""
+    """Records `indices`, generated together (`data.records.read_records` uses this when a source has it)."""
     index = np.asarray(indices, np.uint64).reshape(-1)  # [records]
     length, f, k, v = self.seq_len, self.num_filler, self.num_keys, self.num_values
     p, n_q = self.num_pairs, self._q_pos.shape[0]

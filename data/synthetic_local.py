@@ -94,7 +94,7 @@ class LocalSource:
     return self.read_batch([index])[0]
 
   def read_batch(self, indices: Any) -> list[dict[str, np.ndarray]]:
-    """Records `indices`, generated together (`data.pipeline.read_records` uses this when a source has it)."""
+    """Records `indices`, generated together (`data.records.read_records` uses this when a source has it)."""
     index = np.asarray(indices, np.uint64).reshape(-1)  # [records]
     length, order, v = self.seq_len, self.order, self.num_symbols
     u = _hash_draws(self.seed, self.salt, index, 2 * length)  # [records, 2 L] uint64

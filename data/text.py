@@ -22,7 +22,7 @@ not a training split carries `words` [B, L], the whitespace-separated words (`st
 (bos/eos 0), so the words of the evaluated tokens sum to the words of the evaluated text and models.metrics
 reports `word_perplexity` = exp(summed token NLL / summed words).
 
-Each document becomes `[bos] + pieces + [eos]`. Packing (per global batch, in the sampler's order; see
+Each document becomes `[bos] + pieces + [eos]`. Packing (per global batch, in the record order; see
 `create_dataset` for how hosts share a training stream):
   lm (wiki40b): documents are laid end to end across the B rows of a batch of length L; a document that
     reaches the end of a row continues in the next row. segment_ids number the document pieces of each row 1,
@@ -55,11 +55,13 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import grain
 import numpy as np
 
+from data import order as data_order
 from data import pipeline, tokenizer
 from data.info import DatasetInfo
 from runtime import paths
@@ -312,40 +314,44 @@ def mlm_corrupt(inputs: np.ndarray, mask: np.ndarray, rng: np.random.Generator, 
 
 
 class PackBatches:
-  """Legacy grain operation: token arrays -> packed batches (see the module docstring).
+  """Tokenized documents, (stream position, tokens) in order -> packed batches (see the module docstring);
+  with `rows`, each host's rows of the packed global batch (`data_order.GlobalRows`).
 
-  It never reads a record beyond the ones a yielded batch uses, which is what makes the DataLoader's
-  last-seen-record state an exact resume point.
+  It never reads a document beyond the ones a yielded batch uses, so the stream position after a batch is an
+  exact resume point (`pipeline.Packed`).
   """
 
   def __init__(self, *, batch_size: int, seq_len: int, task: str, max_segments: int | None, vocab_size: int,
-               seed: int, mlm_rate: float = 0.15):
+               seed: int, mlm_rate: float = 0.15, rows: data_order.GlobalRows | None = None):
     self.batch_size, self.seq_len, self.task = batch_size, seq_len, task
     self.max_segments, self.vocab_size, self.seed, self.mlm_rate = max_segments, vocab_size, seed, mlm_rate
+    self.rows = rows
     self.counter = pipeline.Counter(f"text packing ({task})", every=10_000)
 
-  def _finish(self, inputs: np.ndarray, segs: np.ndarray, metadata) -> grain.Record:
+  def _finish(self, inputs: np.ndarray, segs: np.ndarray, last: int) -> dict[str, np.ndarray]:
+    """The batch of `inputs` / `segs` [batch, seq_len]; `last`: the stream position of its last document."""
     mask = segs > 0
     valid = mask.any(axis=1)
     if self.task == "lm":
       batch = {"inputs": inputs, "mask": mask, "weights": (mask & ~segment_starts(segs)).astype(np.float32),
                "segment_ids": segs, "valid": valid}
     else:
-      rng = np.random.default_rng([self.seed, int(metadata.index)])
+      rng = np.random.default_rng([self.seed, int(last)])
       corrupted, weights = mlm_corrupt(inputs, mask, rng, vocab_size=self.vocab_size, rate=self.mlm_rate)
       batch = {"inputs": corrupted, "targets": inputs, "weights": weights, "mask": mask, "segment_ids": segs,
                "valid": valid}
-    return grain.Record(metadata=metadata.remove_record_key(), data=batch)
+    if self.rows is not None:
+      lo = self.rows.lo
+      batch = {k: v[lo:lo + self.rows.size] for k, v in batch.items()}
+    return batch
 
-  def __call__(self, records):
+  def __call__(self, documents: Iterator[tuple[int, np.ndarray]]) -> Iterator[dict[str, np.ndarray]]:
     b, length = self.batch_size, self.seq_len
     inputs = np.zeros((b, length), np.int32)
     segs = np.zeros((b, length), np.int32)
     row = pos = nseg = 0
-    metadata = None
-    for rec in records:
-      metadata = rec.metadata
-      toks = rec.data
+    last = None
+    for last, toks in documents:
       if self.max_segments is None:  # lm: continue across rows
         while toks.size and row < b:
           take = min(length - pos, toks.size)
@@ -368,23 +374,15 @@ class PackBatches:
         if pos == length or nseg == self.max_segments:
           row, pos, nseg = row + 1, 0, 0
       if row == b:
-        yield self._finish(inputs, segs, metadata)
+        yield self._finish(inputs, segs, last)
         inputs = np.zeros((b, length), np.int32)
         segs = np.zeros((b, length), np.int32)
         row = pos = nseg = 0
-    if metadata is not None and (row or pos):  # end of a finite split: padded last batch
-      yield self._finish(inputs, segs, metadata)
+    if last is not None and (row or pos):  # end of a finite split: padded last batch
+      yield self._finish(inputs, segs, last)
 
-
-class KeepRows(grain.transforms.Map):
-  """A packed global batch -> this host's rows of it (`pipeline.GlobalRows`)."""
-
-  def __init__(self, rows: pipeline.GlobalRows):
-    self.rows = rows
-
-  def map(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    lo = self.rows.lo
-    return {k: v[lo:lo + self.rows.size] for k, v in batch.items()}
+  def __repr__(self) -> str:
+    return f"PackBatches({self.task}, batch_size={self.batch_size}, seq_len={self.seq_len})"
 
 
 def create_dataset(config: Any, split: str, *, batch_size: int, seed: int, shard_index=None, shard_count=None,
@@ -392,8 +390,8 @@ def create_dataset(config: Any, split: str, *, batch_size: int, seed: int, shard
   """Packed batches of `batch_size` rows (the host batch).
 
   A training stream (endless) is global: every host reads the same record order and packs the same global
-  batches of batch_size * shard_count rows, keeping its own rows (`KeepRows`), so a step's examples and the
-  iterator state do not depend on the number of hosts and a run resumes on any host count. Each host
+  batches of batch_size * shard_count rows, keeping its own rows (`PackBatches`' rows), so a step's examples
+  and the iterator state do not depend on the number of hosts and a run resumes on any host count. Each host
   tokenizes every document of the global batch (packing is sequential over documents, so a host's rows
   cannot be packed without the rows before them). Finite splits (evaluation) are sharded per host.
   """
@@ -411,19 +409,16 @@ def create_dataset(config: Any, split: str, *, batch_size: int, seed: int, shard
       seed=seed, shard_index=shard_index, shard_count=shard_count, shuffle=shuffle, num_epochs=num_epochs,
       config=config)
   stream = num_epochs is None and split.partition("[")[0] in pipeline.TRAIN_SPLITS
-  rows = pipeline.GlobalRows(batch_size, shard_index, shard_count) if stream else None
-  pack_size, pack_seed = (rows.global_batch, pipeline.stream_seed(seed)) if stream else (
-      batch_size, pipeline.host_seed(seed, shard_index))
-  ops = [
-    Tokenize(model, info.vocab_size, max_chars=16 * info.seq_len if info.task == "mlm" else None),
-    PackBatches(batch_size=pack_size, seq_len=info.seq_len, task=info.task, max_segments=info.max_segments,
-                vocab_size=info.vocab_size, seed=pack_seed,
-                mlm_rate=float(pipeline.cfg_get(config, "mlm_rate", 0.15))),
-  ]
-  if stream and not rows.whole():
-    ops.append(KeepRows(rows))
+  rows = data_order.GlobalRows(batch_size, shard_index, shard_count) if stream else None
+  pack_size, pack_seed = (rows.global_batch, data_order.stream_seed(seed)) if stream else (
+      batch_size, data_order.host_seed(seed, shard_index))
+  tokenize = Tokenize(model, info.vocab_size, max_chars=16 * info.seq_len if info.task == "mlm" else None)
+  pack = PackBatches(batch_size=pack_size, seq_len=info.seq_len, task=info.task,
+                     max_segments=info.max_segments, vocab_size=info.vocab_size, seed=pack_seed,
+                     mlm_rate=float(pipeline.cfg_get(config, "mlm_rate", 0.15)),
+                     rows=rows if stream and not rows.whole() else None)
   return pipeline.make_loader(
-    source, ops, split=split.partition("[")[0], batch_size=None, seed=seed,
+    source, [tokenize], split=split.partition("[")[0], batch_size=None, pack=pack, seed=seed,
     shard_index=0 if stream else shard_index, shard_count=1 if stream else shard_count,
     shuffle=shuffle, num_epochs=num_epochs, config=config,
   )

@@ -15,7 +15,7 @@ carry the model's absolute positions and no per-layer position table, and existi
 keep their parameters; configs/adaptive_span.py turns it on with `position_embedding="none"`, as the paper.
 
 The loss: `span_loss * mean_h z_h` per layer (the paper's lambda / M * sum_h z_h, lambda ~ 2e-6 per token of
-span), sown as a `loss_term` that the train step adds to the loss as it is (models/registry.py).
+span), sown as a `loss_term` that the train step adds to the loss as it is (docs/design.md section 5).
 
 `max_span` (plan parameter, "auto" = the model's sequence length) and `ramp` are fixed at construction from
 `seq_len`, so a span in tokens is the same at every length the module is called with (decoding included).
@@ -44,8 +44,7 @@ from flax import nnx
 from attention_baselines.adaptive_span import window as span_window
 from attention_core import registry as ops_registry
 from attention_core import sharding
-from models import attention, layers, recompute
-from models.transformer_xl_attention import key_mask
+from models import attention, layers
 
 Array = Any
 SPAN_LOSS = 2e-6  # the paper's lambda, per token of span
@@ -69,14 +68,6 @@ def _clamp_bwd(x: Array, g: Array) -> tuple[Array]:
 clamp_ratio.defvjp(_clamp_fwd, _clamp_bwd)
 
 
-def _number(config: ml_collections.ConfigDict, name: str, default: float, low: float, high: float) -> float:
-  value = config.get(name, None)
-  value = default if value is None else value
-  if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-    raise ValueError(f"attention 'adaptive_span': {name} must be a number in [{low}, {high}], got {value!r}")
-  return float(value)
-
-
 class AdaptiveSpanAttention(attention.OpAttention):
   """Projections + adaptive-span attention with module-owned spans and their L1 penalty."""
 
@@ -84,7 +75,7 @@ class AdaptiveSpanAttention(attention.OpAttention):
     "seq_len": attention.SEQ_LEN,
     "span_init": attention.Field(
       float, "each head's initial span as a fraction of params.max_span (None = 0, the paper's code)",
-      minimum=0),
+      minimum=0, maximum=1),
     "span_loss": attention.Field(
       float, "L1 coefficient per token of span added to the loss (None = 2e-6, the paper's)", minimum=0),
     "relative_positions": attention.Field(
@@ -101,8 +92,8 @@ class AdaptiveSpanAttention(attention.OpAttention):
     plan = attention.resolve_plan_params(ops_registry.get(self.op_name), self.plan_params, seq_len)
     self.plan_params.update(max_span=int(plan["max_span"]), ramp=plan["ramp"])
     self.max_span = int(plan["max_span"])
-    init = _number(config, "span_init", 0.0, 0.0, 1.0)
-    self.span_loss = _number(config, "span_loss", SPAN_LOSS, 0.0, float("inf"))
+    init = float(self.FIELDS["span_init"].read(config, "span_init", 0.0))
+    self.span_loss = float(self.FIELDS["span_loss"].read(config, "span_loss", SPAN_LOSS))
     self.span_ratio = layers.param(rngs, lambda key, shape, dtype: jnp.full(shape, init, dtype),
                                    (num_heads,), ("heads",))
     self.relative_positions = bool(config.get("relative_positions", None) or False)
@@ -117,32 +108,11 @@ class AdaptiveSpanAttention(attention.OpAttention):
 
   def __call__(self, x: Array, mask: Array | None, *, deterministic: bool, memory: Array | None = None,
                memory_mask: Array | None = None) -> Array:
-    """x: [batch, L, features]; mask: None or [batch, L]; memory: None or [batch, M, features] (earlier
-    segments' hidden states, taken as given: the caller stops their gradient); memory_mask: None or [batch, M]
-    (True = valid). Returns [batch, L, features]."""
     self.sow(nnx.Intermediate, "loss_term", self.span_loss * jnp.mean(self.spans()))
-    if memory is None:
-      return super().__call__(x, mask, deterministic=deterministic)  # [batch, length, features]
-    batch, length = x.shape[:2]
-    context = jnp.concatenate([jnp.asarray(memory).astype(x.dtype), x], axis=1)  # [batch, M + L, features]
-    keys = key_mask(mask, memory_mask, batch, length, context.shape[1] - length)  # [batch, M + L] or None
-    q = self.query(x)  # [batch, L, heads, head_dim]
-    k, v = self.key(context), self.value(context)  # [batch, M + L, heads, head_dim]
-    spec = ops_registry.get(self.op_name)
-    params = attention.resolve_plan_params(spec, self.plan_params, length)
-    if self.recompute:
+    return super().__call__(x, mask, deterministic=deterministic, memory=memory, memory_mask=memory_mask)
 
-      def op(q, k, v, keys, spans, positions):
-        extra = {} if positions is None else {"positions": positions}
-        return self.call_op(spec.fn, q, k, v, keys, **params, spans=spans, **extra)
-
-      extra = self.op_kwargs(q, k)
-      o = recompute.recompute_in_backward(op, q, k, v, keys, extra["spans"], extra.get("positions"))
-    else:
-      o = self.call_op(spec.fn, q, k, v, keys, **params, **self.op_kwargs(q, k))  # [batch, L, heads, d]
-    return self.output(o, deterministic=deterministic)  # [batch, L, features]
-
-  def op_kwargs(self, q: Array, k: Array) -> dict[str, Any]:
+  def op_inputs(self, q: Array, k: Array, *, x: Array, mask: Array | None,
+                params: dict[str, Any]) -> dict[str, Any]:
     out = {"spans": self.spans()}  # [heads]
     if self.relative_positions:
       p = self.positions[...]  # [distances, head_dim], shared by the heads
@@ -152,5 +122,5 @@ class AdaptiveSpanAttention(attention.OpAttention):
   def op_kinds(self) -> dict[str, str]:
     return {"spans": sharding.HEADS, "positions": sharding.HEADS}
 
-  def step_kwargs(self, q: Array, k: Array) -> dict[str, Any]:
-    return self.op_kwargs(q, k)  # per head, not per token
+  def step_kwargs(self, q: Array, k: Array, x: Array, params: dict[str, Any]) -> dict[str, Any]:
+    return self.op_inputs(q, k, x=x, mask=None, params=params)  # per head, not per token

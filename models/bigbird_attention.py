@@ -20,12 +20,12 @@ AUTO = attention.AUTO
 class BigBirdAttention(attention.OpAttention):
   """OpAttention whose random-block seed is `params.seed` (default 0) plus the layer index."""
 
+  CONTEXT = ("layer",)
+
   def __init__(self, config: ml_collections.ConfigDict, *, features: int, num_heads: int, head_dim: int,
                causal: bool, dtype: Any, rngs: nnx.Rngs, layer: int | None = None):
     super().__init__(config, features=features, num_heads=num_heads, head_dim=head_dim, causal=causal,
                      dtype=dtype, rngs=rngs)
-    seed = self.plan_params.get("seed", 0)
+    seed = self.plan_params.get("seed", 0)  # an int (its declared kind) or "auto"
     seed = 0 if seed == AUTO else seed
-    if isinstance(seed, bool) or not isinstance(seed, int):
-      raise ValueError(f"attention {self.name!r}: params.seed must be an int, got {seed!r}")
     self.plan_params["seed"] = seed + (layer or 0)

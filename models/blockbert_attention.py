@@ -19,7 +19,6 @@ import ml_collections
 from flax import nnx
 
 from attention_baselines.blockbert import default_shifts
-from attention_core import registry as ops_registry
 from attention_core import sharding
 from models import attention
 
@@ -50,11 +49,11 @@ class BlockBERTAttention(attention.OpAttention):
                          f"got {shifts!r}")
       self.shifts = shifts
 
-  def op_kwargs(self, q: Array, k: Array) -> dict[str, Any]:
+  def op_inputs(self, q: Array, k: Array, *, x: Array, mask: Array | None,
+                params: dict[str, Any]) -> dict[str, Any]:
     shifts = self.shifts
     if shifts is None:
-      plan = attention.resolve_plan_params(ops_registry.get(self.op_name), self.plan_params, q.shape[1])
-      shifts = default_shifts(self.num_heads, min(int(plan["num_blocks"]), q.shape[1]))
+      shifts = default_shifts(self.num_heads, min(int(params["num_blocks"]), q.shape[1]))
     return {"shifts": jnp.asarray(shifts, jnp.int32)}  # [heads]
 
   def op_kinds(self) -> dict[str, str]:

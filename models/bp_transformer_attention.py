@@ -24,7 +24,6 @@ position completes through every block.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
@@ -137,16 +136,14 @@ class BPTransformerAttention(attention.OpAttention):
   def op_kinds(self) -> dict[str, str]:
     return {n: sharding.HEADS for n in ("rel_self", "rel_left", "rel_right", "rel_anc")}
 
-  def __call__(self, x: Array, mask: Array | None, *, deterministic: bool) -> Array:
+  def op_inputs(self, q: Array, k: Array, *, x: Array, mask: Array | None,
+                params: dict[str, Any]) -> dict[str, Any]:
     """x: [batch, L + n - 1, features], the tokens then the span nodes (`SpanNodes`); mask over the same."""
-    q, k, v = self.project(x)  # [batch, nodes, heads, head_dim]
-    params = dict(self.plan_params, graph=True)
-    extra = {"rel_self": self.rel_self[...], "rel_left": self.rel_left[...], "rel_anc": self.rel_anc[...]}
+    inputs = {"graph": True, "rel_self": self.rel_self[...], "rel_left": self.rel_left[...],
+              "rel_anc": self.rel_anc[...]}
     if self.rel_right is not None:
-      extra["rel_right"] = self.rel_right[...]
-    call = functools.partial(self.call_op, ops_registry.get(self.op_name).fn)
-    o = self.attend(call, q, k, v, mask, params, extra)
-    return self.output(o, deterministic=deterministic)  # [batch, nodes, features]
+      inputs["rel_right"] = self.rel_right[...]
+    return inputs
 
   # Cached decoding. Each step takes the token at `position` and, after it, one row per level l = 1..log2 n:
   # the span node (l, position >> l), which is complete (and then stored) where position + 1 is a multiple of

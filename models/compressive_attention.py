@@ -30,7 +30,7 @@ per head over the valid rows of m (normed like the keys), with W_q, W_k, W_v and
   weight * mean ||attn(h, evicted) - attn(h, f_c(evicted))||^2
 (the mean over valid queries of rows with a valid evicted state, heads and head_dim), so its gradient reaches
 only the compression parameters; the task loss never reaches them (the compressed memory is read with no
-gradient in later segments). It is sown as a `loss_term` (models/registry.py) in training calls.
+gradient in later segments). It is sown as a `loss_term` (docs/design.md section 5) in training calls.
 
 Cached decoding (the paper's sampling; `decode_compressive`, called by the block with its raw input and
 norm when the compressed memory is on): per layer a window of n_m + c block inputs with their keys, values,
@@ -60,7 +60,7 @@ from attention_baselines.transformer_xl import clamped, rel_shift
 from attention_core import contract
 from attention_core import registry as ops_registry
 from models import attention, layers
-from models.transformer_xl_attention import TransformerXLAttention, key_mask
+from models.transformer_xl_attention import TransformerXLAttention
 
 Array = Any
 COMPRESSIONS = ("max_pool", "mean_pool", "conv", "dilated_conv", "most_used")
@@ -95,9 +95,11 @@ class CompressiveAttention(TransformerXLAttention):
                                            "compressions (None = 1)", minimum=0),
     "recompute": attention.RECOMPUTE,
   }
+  CONTEXT = ("mem_len", "compressed_mem_len")
+  COMPRESSES = True
 
   def __init__(self, config: ml_collections.ConfigDict, *, features: int, num_heads: int, head_dim: int,
-               causal: bool, dtype: Any, rngs: nnx.Rngs):
+               causal: bool, dtype: Any, rngs: nnx.Rngs, mem_len: int = 0, compressed_mem_len: int = 0):
     super().__init__(config, features=features, num_heads=num_heads, head_dim=head_dim, causal=causal,
                      dtype=dtype, rngs=rngs)
     self.compression = str(config.get("compression", None) or "conv")
@@ -113,9 +115,9 @@ class CompressiveAttention(TransformerXLAttention):
       self.conv = layers.DenseGeneral((self.rate, features), (features,), **conv)
     if self.compression == "dilated_conv":
       self.dilated = nnx.List([layers.DenseGeneral((2, features), (features,), **conv) for _ in DILATIONS])
-    # (mem_len, compressed_mem_len) of the model, set by its block (models/transformer.py) when the compressed
-    # memory is on; None: cached decoding is Transformer-XL's, from position 0 without memory.
-    self.decoding_memory: tuple[int, int] | None = None
+    # The model's memories, which cached decoding keeps when the compressed memory is on; None: decoding is
+    # Transformer-XL's, from position 0 without memory.
+    self.decoding_memory = (int(mem_len), int(compressed_mem_len)) if compressed_mem_len else None
 
   def compress(self, evicted: Array, evicted_valid: Array, *, x: Array, mask: Array, memory: Array,
                memory_mask: Array, evicted_at: int, norm: Any, deterministic: bool) -> tuple[Array, Array]:
@@ -174,10 +176,9 @@ class CompressiveAttention(TransformerXLAttention):
     """The attention each key of [memory; x] receives from the segment x: [batch, K + L], summed over the
     valid queries and averaged over heads (the layer's Transformer-XL probabilities, no gradient)."""
     x, memory = jax.lax.stop_gradient(x), jax.lax.stop_gradient(memory)
-    batch, length = x.shape[:2]
-    context = jnp.concatenate([memory.astype(x.dtype), x], axis=1)  # [batch, K + L, features]
+    length = x.shape[1]
+    context, keys = attention.with_memory(x, mask, memory, memory_mask)  # [batch, K + L, .], [batch, K + L]
     total = context.shape[1]
-    keys = key_mask(mask, memory_mask, batch, length, total - length)  # [batch, K + L]
     q = self.query(norm(x))  # [batch, L, heads, head_dim]
     k = self.key(norm(context))  # [batch, K + L, heads, head_dim]
     params = attention.resolve_plan_params(ops_registry.get(self.op_name), self.plan_params, length)
@@ -215,6 +216,12 @@ class CompressiveAttention(TransformerXLAttention):
     return total / count
 
   # Cached decoding with the memories (see the module docstring): the block passes its raw input and norm.
+  def decode(self, x: Array, cache: attention.LayerCache, position: Array | None, *, norm: Any
+             ) -> tuple[Array, attention.LayerCache]:
+    if self.decoding_memory:  # compresses the raw inputs that leave its window
+      return self.decode_compressive(x, cache, position, norm=norm)
+    return super().decode(x, cache, position, norm=norm)
+
   def init_cache(self, batch: int, max_length: int) -> attention.LayerCache:
     """Without `decoding_memory`, Transformer-XL's cache; with it, a window of mem_len + c block inputs (their
     keys, values, validity and usage) and n_cm compressed slots (keys, values, validity), all empty. Its size

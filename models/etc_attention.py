@@ -18,7 +18,6 @@ The module owns per layer
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import ml_collections
@@ -56,13 +55,8 @@ class ETCAttention(attention.OpAttention):
   def op_kinds(self) -> dict[str, str]:
     return {"rel_bias": sharding.HEADS, "global_k": sharding.QKV, "global_v": sharding.QKV}
 
-  def __call__(self, x: Array, mask: Array | None, *, deterministic: bool) -> Array:
-    q, k, v = self.project(x)  # [batch, length, heads, head_dim]
-    spec = ops_registry.get(self.op_name)
-    params = attention.resolve_plan_params(spec, self.plan_params, x.shape[1])
+  def op_inputs(self, q: Array, k: Array, *, x: Array, mask: Array | None,
+                params: dict[str, Any]) -> dict[str, Any]:
     summary = segment_means(x, mask, int(params["segment_length"]))  # [batch, g, features]
-    extra = {"rel_bias": self.rel_bias[...],  # [heads, 2k + 3]
-             "global_k": self.global_key(summary), "global_v": self.global_value(summary)}  # [b, g, h, d]
-    call = functools.partial(self.call_op, spec.fn)
-    o = self.attend(call, q, k, v, mask, params, extra)
-    return self.output(o, deterministic=deterministic)  # [batch, length, features]
+    return {"rel_bias": self.rel_bias[...],  # [heads, 2k + 3]
+            "global_k": self.global_key(summary), "global_v": self.global_value(summary)}  # [b, g, h, d]

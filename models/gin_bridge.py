@@ -22,7 +22,6 @@ from typing import Any
 import gin
 import ml_collections
 
-from attention_core import registry as ops_registry
 from models import attention, registry
 
 GIN_NAME = "attention"
@@ -52,10 +51,8 @@ def apply(config: ml_collections.ConfigDict, gin_files: Sequence[str] = (),
   att = config.model.attention
   name = str(att.name)
   fields = [f for f in registry.configurable_fields(name) if f != "params"]
-  spec = ops_registry.OPS.get(name) if name in ops_registry.names() else None
-  plan = sorted(set(att.get("params", {}) or {}) | (set(spec.params(1)) if spec else set()))
-  if spec is not None:
-    plan = sorted(set(plan) | set(attention.op_parameters(spec) or ()))
+  declared = registry.plan_of(att) if name in registry.names() else None
+  plan = sorted(set(att.get("params", {}) or {}) | (set(declared[0]) if declared else set()))
   for key, value in bound.items():
     if key in fields:
       if not _unset(att.get(key, None)):

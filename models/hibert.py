@@ -31,7 +31,7 @@ from models import layers, registry, transformer
 Array = Any
 TASKS = ("hibert_pretrain", "hibert_summarise")
 # Defaults of `config.model.hibert` (HIBERT_S: every stack 6 layers, d 512, 8 heads).
-# init_from: a pretraining workdir whose encoder a summarisation run starts from (training/hibert_init.py).
+# init_from: a pretraining workdir whose encoder a summarisation run starts from (training/hibert.py).
 DEFAULTS = dict(document_layers=6, decoder_layers=6, document_attention="dense", decoder_attention="dense",
                 mask_rate=0.15, init_from=None)
 
@@ -134,6 +134,9 @@ class Hibert(nnx.Module):
   """`__call__(batch, *, deterministic)`: for `hibert_pretrain` {"logits" [batch, K, tokens, vocab],
   "targets" [batch, K, tokens], "weights" [batch, K, tokens]} over the K chosen-sentence slots per document;
   for `hibert_summarise` float32 logits [batch, sentences, 2]."""
+
+  # A summarisation run that starts fresh takes the encoder of its `init_from` pretraining run.
+  WARM_START = "training.hibert:warm_start"
 
   def __init__(self, cfg: ml_collections.ConfigDict, *, task: str, vocab_size: int, sentence_len: int,
                max_sentences: int, mask_id: int, bos_id: int, input_vocab_size: int | None = None,

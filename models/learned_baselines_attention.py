@@ -42,26 +42,15 @@ class _OwnArgumentsAttention(attention.OpAttention):
   PER_HEAD = False  # the OWN arrays have a leading heads axis (split with the heads under
                     # attention_core.sharding)
 
-  def __init__(self, config: ml_collections.ConfigDict, *, features: int, num_heads: int, head_dim: int,
-               causal: bool, dtype: Any, rngs: nnx.Rngs):
-    super().__init__(config, features=features, num_heads=num_heads, head_dim=head_dim, causal=causal,
-                     dtype=dtype, rngs=rngs)
-    for key in self.OWN:
-      self.plan_params.pop(key, None)
-
   def own_arguments(self, length: int) -> dict[str, Any]:
     raise NotImplementedError
 
   def op_kinds(self) -> dict[str, str]:
     return {key: sharding.HEADS for key in self.OWN} if self.PER_HEAD else {}
 
-  def __call__(self, x: Array, mask: Array | None, *, deterministic: bool) -> Array:
-    q, k, v = self.project(x)  # [batch, length, heads, head_dim]
-    spec = ops_registry.get(self.op_name)
-    params = attention.resolve_plan_params(spec, self.plan_params, x.shape[1])
-    params.update(self.own_arguments(x.shape[1]))
-    o = self.call_op(spec.fn, q, k, v, mask, **params)  # [batch, length, heads, head_dim]
-    return self.output(o, deterministic=deterministic)  # [batch, length, features]
+  def op_inputs(self, q: Array, k: Array, *, x: Array, mask: Array | None,
+                params: dict[str, Any]) -> dict[str, Any]:
+    return self.own_arguments(x.shape[1])
 
 
 class ReformerAttention(_OwnArgumentsAttention):

@@ -29,7 +29,7 @@ from flax import nnx
 from attention_baselines.nsa import BRANCHES, MLP_PARTS
 from attention_core import registry as ops_registry
 from attention_core import sharding
-from models import attention, layers, recompute
+from models import attention, layers
 
 Array = Any
 PLAN = ("compress_block", "compress_stride", "select_block", "num_selected", "window")
@@ -69,40 +69,14 @@ class NSAAttention(attention.OpAttention):
   def op_kinds(self) -> dict[str, str]:
     return {name: sharding.HEADS for name in self.weights()}
 
-  def __call__(self, x: Array, mask: Array | None, *, deterministic: bool) -> Array:
-    q, k, v = self.project(x)  # [batch, length, heads, head_dim]
-    gates = jax.nn.sigmoid(self.gate(x))  # [batch, length, heads, 3]
-    spec = ops_registry.get(self.op_name)
-    params = attention.resolve_plan_params(spec, self.plan_params, x.shape[1])
-    if self.implementation is not None:  # the configured kernel choice (the kernel check may pin "xla")
-      params["implementation"] = self.implementation
-    arrays = {"gates": gates, **self.weights()}
-    if self.recompute:
-      names = list(arrays)
+  def op_inputs(self, q: Array, k: Array, *, x: Array, mask: Array | None,
+                params: dict[str, Any]) -> dict[str, Any]:
+    return {"gates": jax.nn.sigmoid(self.gate(x)), **self.weights()}  # gates: [batch, length, heads, 3]
 
-      def op(q, k, v, mask, *rest):
-        return self.call_op(spec.fn, q, k, v, mask, **params, **dict(zip(names, rest, strict=True)))
+  # Cached decoding: the decoder (attention_baselines/nsa_decode.py) takes the token's gates and the MLPs at
+  # each step, nothing at the prefill.
+  def step_kwargs(self, q: Array, k: Array, x: Array, params: dict[str, Any]) -> dict[str, Any]:
+    return {"gates": jax.nn.sigmoid(self.gate(x))[:, 0], **self.weights()}  # gates: [batch, heads, 3]
 
-      o = recompute.recompute_in_backward(op, q, k, v, mask, *arrays.values())
-    else:
-      o = self.call_op(spec.fn, q, k, v, mask, **params, **arrays)  # [batch, length, heads, head_dim]
-    return self.output(o, deterministic=deterministic)  # [batch, length, features]
-
-  # Cached decoding: the decoder (attention_baselines/nsa_decode.py) takes the token's gates and the MLPs.
-  def decode_step(self, x: Array, cache: attention.LayerCache, position: Array
-                  ) -> tuple[Array, attention.LayerCache]:
-    decoder, params = self._decoding(cache.max_length)
-    q, k, v = self.project(x)  # [batch, 1, heads, head_dim]
-    gates = jax.nn.sigmoid(self.gate(x))[:, 0]  # [batch, heads, 3]
-    o, state = decoder.step(cache.state, q[:, 0], k[:, 0], v[:, 0], position, **params, gates=gates,
-                            **self.weights())
-    return self.out(o[:, None]), attention.LayerCache(state, cache.max_length)  # [batch, 1, features]
-
-  def prefill(self, x: Array, cache: attention.LayerCache) -> tuple[Array, attention.LayerCache]:
-    decoder, params = self._decoding(cache.max_length)
-    q, k, v = self.project(x)  # [batch, prompt_length, heads, head_dim]
-    gates = jax.nn.sigmoid(self.gate(x))
-    o = sharding.attend(ops_registry.get(self.op_name).fn, q, k, v, kinds=self.op_kinds(), causal=True,
-                        **params, gates=gates, **self.weights())
-    state = decoder.prefill(cache.state, q, k, v, **params)
-    return self.out(o), attention.LayerCache(state, cache.max_length)  # [batch, prompt_length, features]
+  def prefill_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
+    return {}

@@ -48,7 +48,6 @@ class PerformerAttention(attention.OpAttention):
                causal: bool, dtype: Any, rngs: nnx.Rngs):
     super().__init__(config, features=features, num_heads=num_heads, head_dim=head_dim, causal=causal,
                      dtype=dtype, rngs=rngs)
-    self.plan_params.pop("rng", None)  # the op takes the features below instead
     spec = ops_registry.get(self.op_name)
     self.num_features = int(attention.resolve_plan_params(spec, self.plan_params, 1)["num_features"])
     every = config.get("redraw_every", None)
@@ -60,17 +59,19 @@ class PerformerAttention(attention.OpAttention):
     self.random_features = RandomFeatures(orthogonal_features(self.rng(), self.num_features, head_dim))
     self.step = RedrawStep(jnp.zeros((), jnp.int32))
 
-  def op_kwargs(self, q: Array, k: Array) -> dict[str, Any]:
+  def op_inputs(self, q: Array, k: Array, *, x: Array, mask: Array | None,
+                params: dict[str, Any]) -> dict[str, Any]:
     return {"features": self.random_features[...]}
 
-  def step_kwargs(self, q: Array, k: Array) -> dict[str, Any]:
-    return self.op_kwargs(q, k)  # the features are the module's, not per token
+  def step_kwargs(self, q: Array, k: Array, x: Array, params: dict[str, Any]) -> dict[str, Any]:
+    return {"features": self.random_features[...]}  # the module's, not per token
 
-  def __call__(self, x: Array, mask: Array | None, *, deterministic: bool) -> Array:
+  def __call__(self, x: Array, mask: Array | None, *, deterministic: bool, memory: Array | None = None,
+               memory_mask: Array | None = None) -> Array:
     if not deterministic and self.redraw_every:
       step = self.step[...]
       fresh = orthogonal_features(self.rng(), self.num_features, self.head_dim)
       redraw = (step > 0) & (step % self.redraw_every == 0)
       self.random_features[...] = jnp.where(redraw, fresh, self.random_features[...])
       self.step[...] = step + 1
-    return super().__call__(x, mask, deterministic=deterministic)
+    return super().__call__(x, mask, deterministic=deterministic, memory=memory, memory_mask=memory_mask)

@@ -67,23 +67,6 @@ class Centroids(nnx.Variable):
   """k-means centroids [heads, clusters, head_dim]: state updated by EMA, never by gradients."""
 
 
-def _params(config: ml_collections.ConfigDict, accepted: tuple[str, ...], name: str) -> dict[str, Any]:
-  """The module's plan parameters. "auto" entries for other plans are dropped (configs pre-fill "auto" for
-  their default attention); digit strings from command-line overrides of "auto" become ints."""
-  params = config.get("params", None)
-  raw = dict(params.to_dict() if isinstance(params, ml_collections.ConfigDict) else (params or {}))
-  out = {}
-  for key, value in raw.items():
-    value = attention.plan_value(value)
-    if key not in accepted:
-      if attention.is_auto(value):
-        continue
-      raise ValueError(f"attention {name!r} does not take parameter {key!r}; "
-                       f"its parameters: {list(accepted)}")
-    out[key] = value
-  return out
-
-
 def _cluster_state(config: ml_collections.ConfigDict, params: dict[str, Any],
                    name: str) -> tuple[int | None, int]:
   """(num_clusters or None for "auto", number of centroid rows to allocate)."""
@@ -165,13 +148,17 @@ class RoutingAttention(attention.AttentionBase, _CentroidMixin):
                                   "'balanced' = the paper's top-k, see routing/)"),
     **CENTROID_FIELDS,
   }
+  CONTEXT = ("layer", "num_layers")
+  # The module runs routing and local heads itself: the local heads' block is a plan parameter too.
+  PLAN = {"num_clusters": ops_registry.POSITIVE, "window": ops_registry.POSITIVE,
+          "block_size": ops_registry.POSITIVE}
 
   def __init__(self, config: ml_collections.ConfigDict, *, features: int, num_heads: int, head_dim: int,
                causal: bool, dtype: Any, rngs: nnx.Rngs, layer: int | None = None,
                num_layers: int | None = None):
     super().__init__(config, features=features, num_heads=num_heads, head_dim=head_dim, causal=causal,
                      dtype=dtype, rngs=rngs)
-    params = _params(config, ("num_clusters", "window", "block_size"), "routing")
+    params = attention.plan_params(config, self.PLAN, "routing")
     self.window_param = params.get("window", attention.AUTO)
     self.block_param = params.get("block_size", attention.AUTO)
     routing_heads = config.get("routing_heads", None)
@@ -299,13 +286,14 @@ class RoutedCombinerAttention(attention.AttentionBase, _CentroidMixin):
   head."""
 
   FIELDS = CENTROID_FIELDS
+  CONTEXT = ("layer",)
+  PLAN = {"num_clusters": ops_registry.POSITIVE, "pooling": ops_registry.TEXT}
 
   def __init__(self, config: ml_collections.ConfigDict, *, features: int, num_heads: int, head_dim: int,
-               causal: bool, dtype: Any, rngs: nnx.Rngs, layer: int | None = None,
-               num_layers: int | None = None):
+               causal: bool, dtype: Any, rngs: nnx.Rngs, layer: int | None = None):
     super().__init__(config, features=features, num_heads=num_heads, head_dim=head_dim, causal=causal,
                      dtype=dtype, rngs=rngs)
-    params = _params(config, ("num_clusters", "pooling"), "combiner_routed")
+    params = attention.plan_params(config, self.PLAN, "combiner_routed")
     self.pooling = str(params.get("pooling", "max"))
     self.num_clusters, rows = _cluster_state(config, params, "combiner_routed")
     self._init_centroids(config, num_heads, rows, head_dim, layer)

@@ -23,7 +23,6 @@ memory: its module's `compress` maps the states the FIFO evicts to fewer ones, a
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import jax
@@ -38,12 +37,9 @@ Array = Any
 # The tasks the model has heads for (a dataset names one of them: `data.info.DatasetInfo.task`).
 TASKS = ("lm", "mlm", "image", "classify", "retrieval")
 CAUSAL_TASKS = ("lm", "image")
-# model.remat: "none" keeps every activation for the backward; "full" keeps only each block's input and
-# recomputes the block; "minimal" also keeps the outputs of matmuls without batch dimensions (projections,
-# MLP), so only the attention core (batched over heads) is recomputed: dense's [heads, L, L] probabilities are
-# never kept.
-# Both rely on the backend scheduling recomputation late; XLA:CPU does not (its temp memory stays that of
-# "none"), so there use `model.attention.recompute`, which pins the op's recomputation into the backward pass.
+# model.remat: "full" recomputes each block in the backward, "minimal" only its attention core (matmuls
+# without batch dimensions are kept). XLA:CPU schedules recomputation early, so there
+# `model.attention.recompute` is the one that saves memory (models/recompute.py).
 REMAT = ("none", "full", "minimal")
 
 
@@ -73,26 +69,21 @@ class Block(nnx.Module):
   def __init__(self, cfg: ml_collections.ConfigDict, *, causal: bool, dtype: Any, rngs: nnx.Rngs,
                layer: int | None = None, seq_len: int | None = None):
     f = cfg.features
+    mem_len = int(cfg.get("mem_len", 0) or 0)
+    compressed_mem_len = int(cfg.get("compressed_mem_len", 0) or 0)
     self.norm1 = layers.LayerNorm(f, dtype=dtype, rngs=rngs)
     self.attention = registry.build(cfg.attention, features=f, num_heads=cfg.num_heads,
                                     head_dim=cfg.get("head_dim", None) or f // cfg.num_heads, causal=causal,
                                     dtype=dtype, rngs=rngs, layer=layer, num_layers=cfg.num_layers,
-                                    seq_len=seq_len)
-    # Segment recurrence: the module reads a memory when its `__call__` names one (read once, here).
-    self.takes_memory = "memory" in inspect.signature(type(self.attention).__call__).parameters
-    mem_len = int(cfg.get("mem_len", 0) or 0)
-    if mem_len > 0 and not self.takes_memory:
+                                    seq_len=seq_len, mem_len=mem_len, compressed_mem_len=compressed_mem_len)
+    if mem_len > 0 and not self.attention.takes_memory:
       raise cli.mark_usage(ValueError(
           f"config.model.mem_len={mem_len} needs an attention whose module takes a memory; attention "
           f"{cfg.attention.name!r} ({type(self.attention).__name__}) takes none"))
-    # Compressive memory: the module compresses the memories the FIFO evicts (its `compress`).
-    compressed_mem_len = int(cfg.get("compressed_mem_len", 0) or 0)
-    if compressed_mem_len > 0 and not hasattr(self.attention, "compress"):
+    if compressed_mem_len > 0 and not self.attention.COMPRESSES:
       raise cli.mark_usage(ValueError(
           f"config.model.compressed_mem_len={compressed_mem_len} needs an attention whose module compresses "
           f"memories; attention {cfg.attention.name!r} ({type(self.attention).__name__}) does not"))
-    if compressed_mem_len > 0:  # its cached decoding keeps both memories (models/compressive_attention.py)
-      self.attention.decoding_memory = (mem_len, compressed_mem_len)
     self.norm2 = layers.LayerNorm(f, dtype=dtype, rngs=rngs)
     self.mlp = Mlp(f, cfg.mlp_dim, dropout_rate=cfg.dropout_rate, dtype=dtype, rngs=rngs)
     self.dropout = nnx.Dropout(cfg.dropout_rate, rngs=rngs)
@@ -113,12 +104,7 @@ class Block(nnx.Module):
   def decode(self, x: Array, cache: Any, position: Array | None = None) -> tuple[Array, Any]:
     """One token x [batch, 1, features] at `position` (or, position=None, a prompt [batch, P, features] at
     positions [0, P)) through the block with the attention layer's cache; dropout off."""
-    if getattr(self.attention, "decoding_memory", None):  # compresses the raw inputs that leave its window
-      h, cache = self.attention.decode_compressive(x, cache, position, norm=self.norm1)
-    elif position is None:
-      h, cache = self.attention.prefill(self.norm1(x), cache)
-    else:
-      h, cache = self.attention.decode_step(self.norm1(x), cache, position)
+    h, cache = self.attention.decode(x, cache, position, norm=self.norm1)
     x = x + h
     return x + self.mlp(self.norm2(x), deterministic=True), cache  # [batch, length, features]
 
@@ -182,7 +168,7 @@ class Encoder(nnx.Module):
     self.norm = layers.LayerNorm(cfg.features, dtype=dtype, rngs=rngs)
     # Graph attentions (BP-Transformer) carry node states beside the tokens through every block: their module
     # names the class that makes them (`GRAPH_NODES`: appends them, then `tokens` drops them).
-    graph = getattr(type(self.blocks[0].attention), "GRAPH_NODES", None) if self.blocks else None
+    graph = type(self.blocks[0].attention).GRAPH_NODES if self.blocks else None
     self.graph_nodes = graph(cfg.features, seq_len, dtype=dtype, rngs=rngs) if graph is not None else None
     self.remat = cfg.get("remat", "none")
     if self.remat not in REMAT:
@@ -296,13 +282,9 @@ def _compress(block: Block, mem: dict[str, Array], x: Array, mask: Array, evicte
   return {"compressed": both[:, both.shape[1] - n:], "compressed_valid": both_valid[:, both.shape[1] - n:]}
 
 
-# model.scan_layers: the blocks run as one `lax.scan` over their parameters stacked at call time, so the
-# compiler sees one block instead of num_layers copies (the per-parameter work around it, the stacking and the
-# optimizer's update, still grows with depth). Parameters stay per block (checkpoints, sharding rules and
-# decoding are those of the unrolled model); the stack is one copy of the parameters per step. The blocks'
-# other state (random streams, routing centroids, Performer features, sown losses) is written back after the
-# scan, so a scanned model computes what the unrolled one does. Segment memory and graph attentions run their
-# blocks unrolled.
+# model.scan_layers: one `lax.scan` over the blocks' parameters stacked at call time, so the compiler sees one
+# block; parameters and the blocks' other state stay per block, so checkpoints and results are the unrolled
+# model's (segment memory and graph attentions run unrolled).
 
 
 def _check_scannable(blocks: Any, attention: str) -> None:
@@ -358,6 +340,8 @@ _REMATTED_MEMORY_BLOCK = {name: nnx.remat(_memory_block_call, static_argnums=(5,
 class Transformer(nnx.Module):
   """The model for `task` (one of TASKS). `__call__(batch, *, deterministic)` returns float32 logits:
   [batch, length, vocab] for lm/image/mlm, [batch, num_classes] for classify/retrieval."""
+
+  WARM_START = None  # a run starts from its own initial state (training/experiment.py `warm_start`)
 
   def __init__(self, cfg: ml_collections.ConfigDict, *, task: str, vocab_size: int, seq_len: int,
                num_classes: int | None = None, input_vocab_size: int | None = None, bos_id: int | None = None,

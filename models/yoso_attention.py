@@ -26,7 +26,6 @@ models refuse them.
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import jax
@@ -42,9 +41,18 @@ Array = Any
 DEFAULT_CONV_KERNEL = 33
 
 
+def with_conv(fn: Any) -> Any:
+  """`fn` plus a per-head depthwise convolution of V (YOSO-C as an ablation of yoso / yoso_e), the kernel
+  passed as `conv` [heads, size]."""
+  def op(q: Array, k: Array, v: Array, *, conv: Array, mask: Array | None = None, **kwargs: Any) -> Array:
+    o = fn(q, k, v, mask=mask, **kwargs)  # [batch, length, heads, head_dim]
+    return o + depthwise_conv(v, conv, mask).astype(o.dtype)
+  return op
+
+
 class YosoAttention(attention.OpAttention):
-  """Projections + a YOSO op (+ the YOSO-C convolution of V). The op's signature says what the module owns:
-  a hash key (`rng`: sampled ops) and the YOSO-C kernel (`conv_kernel`)."""
+  """Projections + a YOSO op (+ the YOSO-C convolution of V). Its registration's `inputs` say what the
+  module supplies: a hash key (`rng`: sampled ops) and the YOSO-C kernel (`conv_kernel`)."""
 
   FIELDS = {"conv_kernel_size": attention.Field(
     int, "YOSO-C: the odd kernel size of the depthwise convolution over V (None = 33)", minimum=1)}
@@ -53,12 +61,9 @@ class YosoAttention(attention.OpAttention):
                causal: bool, dtype: Any, rngs: nnx.Rngs):
     super().__init__(config, features=features, num_heads=num_heads, head_dim=head_dim, causal=causal,
                      dtype=dtype, rngs=rngs)
-    # The module owns the key and the kernel (configs from before may hold "auto" entries for them).
-    self.plan_params.pop("rng", None)
-    self.plan_params.pop("conv_kernel", None)
-    takes = inspect.signature(ops_registry.get(self.op_name).fn).parameters
-    self.sampled = "rng" in takes
-    self.takes_conv = "conv_kernel" in takes
+    inputs = ops_registry.get(self.op_name).inputs
+    self.sampled = "rng" in inputs
+    self.takes_conv = "conv_kernel" in inputs
     self.rng = rngs.attention.fork() if self.sampled else None
     size = config.get("conv_kernel_size", None)
     if size is None and self.takes_conv:
@@ -82,17 +87,15 @@ class YosoAttention(attention.OpAttention):
   def op_kinds(self) -> dict[str, str]:
     # The rng is replicated over batch shards (hashes are shared over the batch); a heads shard folds its
     # index into it, so its heads draw their own hashes (attention_core.sharding).
-    return {"rng": sharding.RNG, "conv_kernel": sharding.HEADS}
+    return {"rng": sharding.RNG, "conv_kernel": sharding.HEADS, "conv": sharding.HEADS}
 
-  def __call__(self, x: Array, mask: Array | None, *, deterministic: bool) -> Array:
-    q, k, v = self.project(x)  # [batch, length, heads, head_dim]
-    spec = ops_registry.get(self.op_name)
-    params = attention.resolve_plan_params(spec, self.plan_params, x.shape[1])
-    if self.sampled:
-      params["rng"] = self.rng()
-    if self.takes_conv:
-      params["conv_kernel"] = self.conv[...]
-    o = self.call_op(spec.fn, q, k, v, mask, **params)  # [batch, length, heads, head_dim]
-    if self.conv is not None and not self.takes_conv:
-      o = o + depthwise_conv(v, self.conv[...], mask).astype(o.dtype)
-    return self.output(o, deterministic=deterministic)
+  def op_fn(self) -> Any:
+    fn = ops_registry.get(self.op_name).fn
+    return with_conv(fn) if self.conv is not None and not self.takes_conv else fn
+
+  def op_inputs(self, q: Array, k: Array, *, x: Array, mask: Array | None,
+                params: dict[str, Any]) -> dict[str, Any]:
+    inputs = {"rng": self.rng()} if self.sampled else {}
+    if self.conv is not None:
+      inputs["conv_kernel" if self.takes_conv else "conv"] = self.conv[...]  # [heads, size]
+    return inputs

@@ -232,6 +232,7 @@ def routing_attention(q: Array, k: Array, v: Array, *, centroids: Array, window:
   if membership == "balanced_leaky":
     membership = "balanced"
   batch, length, heads, head_dim = q.shape
+  # argument validation: any array-like (numpy, jax, tracers) passes
   if not hasattr(centroids, "shape") or len(centroids.shape) != 3 or centroids.shape[0] != heads \
       or centroids.shape[2] != head_dim:
     raise ValueError(f"{op}: argument 'centroids' must have shape "

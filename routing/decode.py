@@ -40,6 +40,7 @@ Array = Any
 
 
 def _check_centroids(centroids: Any, heads: int, head_dim: int, op: str) -> int:
+  # argument validation: any array-like (numpy, jax, tracers) passes
   if not hasattr(centroids, "shape") or len(centroids.shape) != 3 or centroids.shape[0] != heads \
       or centroids.shape[2] != head_dim:
     raise ValueError(f"{op}: argument 'centroids' must have shape [heads={heads}, clusters, "

@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from attention_core.registry import OpSpec, register, sqrt_pow2
+from attention_core.registry import POSITIVE, TEXT, OpSpec, Param, register, sqrt_pow2
 
 # Combiner-routed is the Combiner's `routed` plan over routing's clusters: a declared peer dependency.
 from combiner.routed import routed
@@ -57,9 +57,11 @@ def combiner_routed_op(q: Array, k: Array, v: Array, *, causal: bool, mask: Arra
 register(OpSpec("routing", routing_op,
                 params=lambda length: {"num_clusters": sqrt_pow2(length), "window": sqrt_pow2(length)},
                 module="models.routing_attention:RoutingAttention",
+                plan={"num_clusters": POSITIVE, "window": POSITIVE, "membership": Param(str, optional=True)},
                 description="Routing Transformer attention: spherical k-means clusters (balanced top-k per "
                             "centroid; nearest centroid in decoders), O(L^1.5 d)"))
 register(OpSpec("combiner_routed", combiner_routed_op,
                 params=lambda length: {"num_clusters": sqrt_pow2(length)},
                 module="models.routing_attention:RoutedCombinerAttention",
+                plan={"num_clusters": POSITIVE, "pooling": TEXT},
                 description="Combiner-learnable: full attention over k-means routed chunks, O(L^1.5 d)"))

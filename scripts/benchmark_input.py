@@ -83,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument("--read_threads", type=int, default=None, help="default: data.pipeline's choice")
   parser.add_argument("--num_examples", type=int, default=64, help="records in each mock split")
   parser.add_argument("--data", default="", help="config.data fields set on every dataset, e.g. "
-                      "'cache_in_memory=0,engine=loader' (values parsed as Python literals where they parse)")
+                      "'cache_in_memory=0,read_threads=2' (values parsed as Python literals where they "
+                      "parse)")
   return parser
 
 
@@ -155,7 +156,7 @@ def step_timer(config: Any, batch: dict[str, Any]) -> Callable[[int], float]:
   (training's Experiment, init_state, train_step with the host-to-device transfer) on one device, compiled."""
   import jax
 
-  from scripts import benchmark as bench
+  from scripts import benchmark_worker as bench_worker
   from training.experiment import Experiment
 
   exp = Experiment(config, devices=jax.devices()[:1])
@@ -167,7 +168,7 @@ def step_timer(config: Any, batch: dict[str, Any]) -> Callable[[int], float]:
 
   for _ in range(2):  # compile (the first step) and settle
     jax.block_until_ready(step())
-  return lambda n: bench.median_time(step, n, 60.0, block=jax.block_until_ready)[0]
+  return lambda n: bench_worker.median_time(step, n, 60.0, block=jax.block_until_ready)[0]
 
 
 def measure(name: str, opts: argparse.Namespace, tmp: str, seed: int) -> dict[str, Any]:
@@ -213,7 +214,7 @@ def main(args: argparse.Namespace) -> int:
   """Runs the benchmark, prints the table and writes `{out_dir}/benchmark_input.{md,json}`; returns the exit
   status (0: scripts.benchmark passes it to sys.exit)."""
   from runtime import cli
-  from scripts import benchmark
+  from scripts import benchmark_report as bench_report
 
   opts = parse(list(getattr(args, "extra", []) or []), getattr(args, "repeats", None))
   names = [n.strip() for n in opts.datasets.split(",") if n.strip()]
@@ -232,7 +233,7 @@ def main(args: argparse.Namespace) -> int:
       print(line, flush=True)
       rows.append(row)
   device = next((r["device"] for r in rows if r.get("device")), "cpu (input pipelines only)")
-  header = benchmark.header_info(args, device=device)
+  header = bench_report.header_info(args, device=device)
   header["input_flags"] = vars(opts)
   columns = COLUMNS if opts.against == "smoke" else tuple(
     c for c in COLUMNS if c[0] not in ("step_ms", "step_examples_per_s", "ratio", "target"))
@@ -242,7 +243,7 @@ def main(args: argparse.Namespace) -> int:
     f"pipeline >= {TARGET:g}x step: pipeline examples/s >= {TARGET:g} x the examples/s the smoke train step "
     "consumes (batch / median step time; training's Experiment on one device, compile excluded)",
   ]
-  paths = benchmark.write_report(
+  paths = bench_report.write_report(
     rows, columns, getattr(args, "out_dir", "bench_out"), "benchmark_input", header=header,
     title="Input pipelines: examples/s on generated data against the smoke train step", notes=notes)
   with open(paths["markdown"]) as f:

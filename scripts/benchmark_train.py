@@ -109,13 +109,13 @@ def worker(args: argparse.Namespace, name: str, length: int, opts: argparse.Name
   import numpy as np
 
   from attention_core import registry as ops_registry
-  from scripts import benchmark as bench
+  from scripts import benchmark_worker as bench_worker
   from training import experiment
 
   spec = ops_registry.get(name) if name in ops_registry.names() else None
   causal, mode = True, "causal LM"
   if spec is not None:
-    causal, mode = bench.op_direction(spec.causal, spec.bidirectional, bool(args.causal))
+    causal, mode = bench_worker.op_direction(spec.causal, spec.bidirectional, bool(args.causal))
   config = experiment_config(name, length, layers=opts.layers, features=opts.features, heads=args.heads,
                              mlp_dim=opts.mlp_dim, batch=args.batch, dtype=args.dtype, causal=causal,
                              remat=opts.remat, recompute=opts.recompute == "true",
@@ -139,15 +139,17 @@ def worker(args: argparse.Namespace, name: str, length: int, opts: argparse.Name
     state[0], out = exp.train_step(state[0], batch)
     return out["loss"]
 
-  seconds, n = bench.median_time(step, args.repeats, args.time_budget_s,
+  seconds, n = bench_worker.median_time(step, args.repeats, args.time_budget_s,
                                  block=lambda x: x.block_until_ready())
   return {"op": name, "length": length, "mode": mode, "step_s": seconds, "step_ms": 1000 * seconds,
           "tokens_per_s": args.batch * length / seconds, "repeats": n, "status": "ok",
-          "device_peak_mb": bench._device_peak_mb(), "device": str(jax.devices()[0].device_kind)}
+          "device_peak_mb": bench_worker._device_peak_mb(), "device": str(jax.devices()[0].device_kind)}
 
 
 def main(args: argparse.Namespace) -> int:
   from scripts import benchmark as bench
+  from scripts import benchmark_report as bench_report
+  from scripts import benchmark_worker as bench_worker
 
   opts = parse(args.extra)
   apply_preset(args, opts)
@@ -167,25 +169,25 @@ def main(args: argparse.Namespace) -> int:
                    str(args.time_budget_s), "--seed", str(args.seed), *args.extra]
         if args.implementation is not None:
           command += ["--implementation", args.implementation]
-        parsed, failure = bench.run_worker(command, timeout_s=args.worker_timeout_s)
+        parsed, failure = bench_worker.run_worker(command, timeout_s=args.worker_timeout_s)
         row.update(parsed or {"status": failure})
         if row.get("status") == "ok":
           history.setdefault(name, []).append((length, row["step_s"]))
           device = row.get("device", device)
       rows.append(row)
-      print(f"[benchmark train] {name:<26} L={length:<6} {bench.format_value(row.get('step_ms')):>9} ms/step "
-            f"{bench.format_value(row.get('tokens_per_s')):>9} tokens/s  "
-            f"device peak {bench.format_value(row.get('device_peak_mb'))} MB  {row.get('status')}",
-            flush=True)
+      fmt = bench_report.format_value
+      print(f"[benchmark train] {name:<26} L={length:<6} {fmt(row.get('step_ms')):>9} ms/step "
+            f"{fmt(row.get('tokens_per_s')):>9} tokens/s  "
+            f"device peak {fmt(row.get('device_peak_mb'))} MB  {row.get('status')}", flush=True)
   dense = {r["length"]: r.get("tokens_per_s") for r in rows if r["op"] == "dense"}
   for row in rows:
     base, mine = dense.get(row["length"]), row.get("tokens_per_s")
     row["x_dense"] = mine / base if isinstance(mine, float) and isinstance(base, float) and base > 0 else None
-  header = bench.header_info(args, device=device)
+  header = bench_report.header_info(args, device=device)
   header["model"] = (f"{opts.layers} layers, width {opts.features}, {args.heads} heads, MLP {opts.mlp_dim}, "
                      f"batch {args.batch}, {args.dtype}, remat {opts.remat}, attention recompute "
                      f"{opts.recompute}")
-  paths = bench.write_report(rows, COLUMNS, args.out_dir, "benchmark_train", header=header,
+  paths = bench_report.write_report(rows, COLUMNS, args.out_dir, "benchmark_train", header=header,
                              title="Training throughput (tokens/s of a train step)",
                              notes=["x dense = tokens/s / dense tokens/s at the same L (same run)"])
   with open(paths["markdown"]) as f:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import inspect
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -112,14 +111,13 @@ def cases(names: Sequence[str], platform: str) -> list[Case]:
   out = []
   for name in names:
     spec, path = registry.get(name), registry.fused_path(registry.get(name))
-    parameters = inspect.signature(spec.fn).parameters
     directions = ([True] if spec.causal and path.causal else []) + ([False] if spec.bidirectional else [])
     for value in path.values_on(platform):
       for causal in directions:
         i = len(out)
         out.append(Case(name, path.argument, value, path.reference, causal,
-                        pooling=("max", "mean")[i % 2] if "pooling" in parameters else None,
-                        deepsets="pool_q" in parameters and i % 3 == 0,
+                        pooling=("max", "mean")[i % 2] if "pooling" in spec.plan else None,
+                        deepsets="pool_q" in spec.inputs and i % 3 == 0,
                         half_value_dim=value not in HALF_PRECISION_ONLY and i % 2 == 1))
   return out
 

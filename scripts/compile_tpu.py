@@ -14,8 +14,8 @@ abstract arguments: the sharded state and a global batch of `config.train.batch_
 (no data is read). Printed per chip: the HBM the step needs (arguments, temporaries, outputs, generated code)
 against the chip's, the step's FLOPs and bytes accessed (XLA's cost analysis), and a roofline estimate of the
 step time, max(FLOPs / peak bf16 FLOP/s, bytes / HBM bandwidth), from the per-generation figures of
-GENERATIONS. The estimate is a lower bound: XLA's cost analysis counts a loop body once and does not see
-inside Pallas kernels.
+runtime/tpu_generations.py. The estimate is a lower bound: XLA's cost analysis counts a loop body once and
+does not see inside Pallas kernels.
 
 --topology takes a Cloud TPU accelerator type (v4-32, v5e-16 = v5litepod-16, v5p-128, v6e-8: v4 and v5p
 names count TensorCores, two per chip, v5e and v6e names count chips), or a generation alone (v5e): then the
@@ -43,39 +43,11 @@ os.environ.setdefault("TPU_HOST_BOUNDS", "1,1,1")
 if __package__ in (None, ""):  # run as a file (scripts/tpu.py does): the repository root is the import root
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-GiB = 1 << 30
+from runtime import tpu_generations  # noqa: E402
+from runtime.tpu_generations import GENERATIONS as ALL_GENERATIONS  # noqa: E402
+from runtime.tpu_generations import Generation, GiB  # noqa: E402
 
-
-@dataclasses.dataclass(frozen=True)
-class Generation:
-  """One TPU generation: HBM per chip, peak dense bf16 FLOP/s and HBM bandwidth per chip, slice shapes."""
-
-  name: str
-  hbm_bytes: int
-  peak_flops: float
-  hbm_bandwidth: float  # bytes/s
-  counts_cores: bool  # accelerator-type names count TensorCores (two per chip), not chips
-  shapes: dict[int, tuple[int, ...]]  # chips -> the slice's physical shape
-
-  @property
-  def megacore(self) -> bool:
-    return self.counts_cores  # v4 and v5p: one jax device per chip (both TensorCores)
-
-  def slice_name(self, chips: int) -> str:
-    return f"{self.name}-{chips * 2 if self.counts_cores else chips}"
-
-
-_SHAPES_2D = {1: (1, 1), 4: (2, 2), 8: (2, 4), 16: (4, 4), 32: (4, 8), 64: (8, 8), 128: (8, 16),
-              256: (16, 16)}
-_SHAPES_3D = {4: (2, 2, 1), 8: (2, 2, 2), 16: (2, 2, 4), 32: (2, 4, 4), 64: (4, 4, 4), 128: (4, 4, 8),
-              256: (4, 8, 8), 512: (8, 8, 8), 1024: (8, 8, 16), 2048: (8, 16, 16)}
-GENERATIONS = {
-  "v4": Generation("v4", 32 * GiB, 275e12, 1.2e12, True, _SHAPES_3D),
-  "v5e": Generation("v5e", 16 * GiB, 197e12, 819e9, False, _SHAPES_2D),
-  "v5p": Generation("v5p", 95 * GiB, 459e12, 2.765e12, True, _SHAPES_3D),
-  "v6e": Generation("v6e", 32 * GiB, 918e12, 1.64e12, False, _SHAPES_2D),
-}
-ALIASES = {"v5litepod": "v5e"}  # gcloud's accelerator-type prefix -> the generation
+GENERATIONS = {name: g for name, g in ALL_GENERATIONS.items() if g.compile_check}  # those with slice shapes
 
 
 class BadTopology(ValueError):
@@ -109,8 +81,8 @@ def allowed() -> str:
 def parse_topology(name: str, num_slices: int = 1) -> tuple[Generation, list[int]]:
   """`v5e-16` -> (v5e, [16]); `v5e` -> (v5e, every slice size, smallest first)."""
   gen_name, _, count = name.strip().lower().partition("-")
-  gen = GENERATIONS.get(ALIASES.get(gen_name, gen_name))
-  if gen is None:
+  gen = tpu_generations.find(gen_name)
+  if gen is None or not gen.compile_check:
     raise BadTopology(f"--topology={name!r} is not one of {allowed()}")
   if num_slices < 1:
     raise BadTopology(f"--num_slices={num_slices} must be at least 1")

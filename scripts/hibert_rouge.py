@@ -1,4 +1,4 @@
-"""ROUGE-1/2/L of a trained HIBERT summariser's top-T sentences (training/hibert_rouge.py).
+"""ROUGE-1/2/L of a trained HIBERT summariser's top-T sentences (training/hibert.py).
 
     python -m scripts.hibert_rouge --workdir W [--split test] [--top 3] [--max_documents N]
 
@@ -27,11 +27,11 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
   args = _parse(sys.argv[1:] if argv is None else argv)
   from runtime import paths
-  from training import config_io, evaluate, hibert_rouge
+  from training import config_io, evaluate, hibert
 
   exp, state, mgr = evaluate.restore_workdir(args.workdir, step=args.step)
   mgr.close()
-  out = hibert_rouge.summarise(exp, state, args.split, top=args.top, max_documents=args.max_documents)
+  out = hibert.summarise(exp, state, args.split, top=args.top, max_documents=args.max_documents)
   print(json.dumps(out), flush=True)
   config_io.write_json(paths.join(args.workdir, f"rouge_{out['split']}_{out['step']}.json"), out)
   return out

@@ -49,7 +49,7 @@ def op_step(name: str, length: int, *, heads: int, head_dim: int, dtype: str, ca
   import jax.numpy as jnp
 
   from attention_core import registry as ops_registry
-  from scripts.benchmark import op_forward
+  from scripts.benchmark_worker import op_forward
 
   forward, mode, _ = op_forward(ops_registry.get(name), length, causal=causal, batch=1, heads=heads,
                                 head_dim=head_dim, dtype=dtype, implementation=implementation)

@@ -120,13 +120,13 @@ def restore_checkpoint(mgr: Any, exp: Experiment, data_iter: Any | None,
   items = {"state": ocp.args.StandardRestore(target), "meta": ocp.args.JsonRestore()}
   step_dir = paths.join(mgr.directory, str(step))
   if data_iter is not None:
-    from data import pipeline  # a state of the other input engine or host layout: a clear error
+    from data import resume  # a state this pipeline cannot continue: a clear error
 
-    pipeline.check_iterator_checkpoint(step_dir, data_iter, exp.config)
+    resume.check_iterator_checkpoint(step_dir, data_iter, exp.config)
   try:
     restored = mgr.restore(step, args=ocp.args.Composite(**items))
     if data_iter is not None:  # not grain's handler, which reads only this host count's files
-      pipeline.restore_iterator(step_dir, data_iter)
+      resume.restore_iterator(step_dir, data_iter)
     tree = restored["state"]
     integrity.verify(tree, restored["meta"].get("checksums"))  # bits changed after the write
     check_finite(tree["params"], "parameters")
@@ -135,7 +135,7 @@ def restore_checkpoint(mgr: Any, exp: Experiment, data_iter: Any | None,
   except Exception as e:  # missing or damaged files, a corrupt data-iterator state, non-finite values
     raise UnrestorableCheckpoint(f"checkpoint {step_dir} does not restore: {type(e).__name__}: "
                                  f"{short(e)}") from e
-  if not hasattr(exp, "rng_state"):
+  if exp.rng_state is None:
     exp.init_rng_state()
   rest = tree["rest"] if "rest" in tree else exp.empty_rest
   return TrainState(tree["params"], rest, tree["opt_state"], restored_step, tree.get("memory"))
@@ -148,7 +148,7 @@ def restore_checkpoint(mgr: Any, exp: Experiment, data_iter: Any | None,
 def check_finite(tree: Any, what: str) -> None:
   """Raises ValueError naming the first non-finite leaf of `tree` (restored parameters or optimizer state)."""
   for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-    if hasattr(leaf, "dtype") and jax.numpy.issubdtype(leaf.dtype, jax.numpy.inexact):
+    if jax.numpy.issubdtype(jax.numpy.result_type(leaf), jax.numpy.inexact):
       if not bool(jax.numpy.all(jax.numpy.isfinite(leaf))):
         raise ValueError(f"non-finite values in the restored {what} at {jax.tree_util.keystr(path)}")
 

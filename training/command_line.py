@@ -1,8 +1,8 @@
 """The config an entry point's command line gives (train.py, scripts/compile_tpu.py), checked before anything
 is built: `--config` with its `--config.*` overrides, the gin files and bindings applied, then every field
-with a domain validated (configs/base.py `validate`, and the attention fields against the chosen module's
-declaration, `models.registry.check_fields`). A fault is a `runtime.cli.UsageError` naming the flag or
-field, which the entry points print as one line (exit 2).
+with a domain validated (configs/validation.py `validate`, and the attention fields and plan parameters
+against what the chosen module and op declare, `models.registry.check_fields`). A fault is a
+`runtime.cli.UsageError` naming the flag or field, which the entry points print as one line (exit 2).
 
 A config holds only the attention-module fields it sets (each module declares its own), so `--config.*`
 overrides may add fields under `model.attention`; anywhere else an override must name a field the config
@@ -61,7 +61,7 @@ def checked_config(flags: Any) -> ml_collections.ConfigDict:
   """flags.config with flags.gin_file / flags.gin_bindings applied, validated (UsageError); locked after."""
   config = flags.config
   config.keys()  # a config file that failed to load raises here (on first use), before jax is imported
-  from configs import base
+  from configs import validation
   from models import gin_bridge, registry
 
   _check_override_paths(flags["config"])
@@ -76,7 +76,7 @@ def checked_config(flags: Any) -> ml_collections.ConfigDict:
       raise
     except Exception as e:  # gin's parse errors and the bridge's refusals name the binding
       raise cli.UsageError(f"--gin_file/--gin_bindings: {e}") from e
-  base.validate(config, attention_names=registry.names())
+  validation.validate(config, attention_names=registry.names())
   try:
     registry.check_fields(config.model.attention)
   except ValueError as e:

@@ -5,18 +5,24 @@
 - State: parameters (`nnx.Param`, the only differentiated variables), the other module state (e.g. routing
   centroids, updated by the module in the forward pass), optax state and the step. Per-step randomness comes
   from `fold_in(key(seed), step)`, reseeding the modules' "dropout"/"attention" streams, so resume is exact.
-- Steps: `jax.jit` with in/out shardings and donated state, traced with the mesh as JAX's context mesh
+- Steps: training/steps.py's pure `train_step` and `eval_step`, under `jax.jit` with in/out shardings and
+  donated state, traced with the mesh as JAX's context mesh
   (`attention_core.sharding.traced_in`): attention ops run per device on its batch rows and heads, and split
   the sequence over the "seq" axis when it is > 1 (combiner/seq_parallel.py). Batches are sharded over
   ("data", "fsdp"); parameters and optimizer moments over "fsdp" by the rules (FSDP, training/mesh.py), and
   the partitioner gathers each layer's weights for its compute.
 - Segment recurrence (`config.model.mem_len` > 0): the state also carries the model's memory, which the steps
   take and return (training/recurrence.py).
+- Warm start: a model class may name, in its `WARM_START` ("package.module:function"), what a run's state
+  passes through before its first step (HIBERT: the encoder of its pretraining run, training/hibert.py), so
+  the loop names no task.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -30,14 +36,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from attention_core import sharding
-from models import hibert, transformer
 from models import metrics as metrics_lib
-from training import recurrence
+from models import tasks
+from training import recurrence, steps
 from training.mesh import BATCH_AXES, data_parallel_size, make_mesh, state_shardings
 from training.optimizer import make_optimizer
-
-REST = nnx.Not(nnx.Any(nnx.Param, nnx.RngState))  # non-gradient module state carried through the step
-
 
 # -----------------------------------------------------------------------------------------------------------
 # Data
@@ -85,12 +88,8 @@ class Experiment:
       model_cfg.image_shape = tuple(self.info.image_shape)
     self.model_cfg = model_cfg
 
-    def build():  # HIBERT's tasks have their own model (models/hibert.py)
-      models = hibert if self.task in hibert.TASKS else transformer
-      return models.from_info(model_cfg, self.info, seed=int(config.seed))
-
-    self._build = build
-    abstract = nnx.eval_shape(build)
+    self._build = functools.partial(tasks.from_info, model_cfg, self.info, seed=int(config.seed))
+    abstract = nnx.eval_shape(self._build)
     self.abstract_model = abstract  # shapes only: what does not need parameters (the memory's layout)
     self.mem_len, self.eval_mem_len = recurrence.lengths(model_cfg)
     self.eval_compressed_mem_len = recurrence.eval_compressed_len(model_cfg)
@@ -104,8 +103,12 @@ class Experiment:
     abs_opt = jax.eval_shape(self.tx.init, abs_params)
     self.opt_shardings = self._opt_shardings(abs_opt, abs_params)
     self.compute_shardings = self._gathered(self.param_shardings), self._gathered(self.rest_shardings)
+    self.steps = steps.StepContext(
+        self.graphdef, self.task, self.tx, self.schedule, float(config.aux_loss_weight), int(config.seed),
+        int(config.eval_seed), None if self.compute_shardings[0] is None else self.compute_shardings)
     self.batch_sharding = NamedSharding(self.mesh, P(BATCH_AXES))
     self.data_size = data_parallel_size(self.mesh)
+    self.rng_state = None  # the model's rng streams, made by init_state / init_rng_state
     self._train_step = None
     self._eval_step = None
 
@@ -196,76 +199,31 @@ class Experiment:
 
   # -- steps -------------------------------------------------------------------------------------------------
 
-  def _for_compute(self, params: Any, rest: Any) -> tuple[Any, Any]:
-    """(params, rest) as the step computes with them: under FSDP gathered over "fsdp" (the partitioner
-    all-gathers each weight for its uses and reduce-scatters its gradient), else as they are."""
-    params_sh, rest_sh = self.compute_shardings
-    if params_sh is not None:
-      params = jax.lax.with_sharding_constraint(params, params_sh)
-      rest = jax.lax.with_sharding_constraint(rest, rest_sh)
-    return params, rest
+  def model(self, state: TrainState, key: jax.Array) -> nnx.Module:
+    """The model with the state's parameters, its random streams seeded from `key` (sampling, ROUGE)."""
+    if self.rng_state is None:
+      self.init_rng_state()
+    return steps.merged_model(self.steps, state.params, self.rng_state, state.rest, key)
 
-  def _model(self, params: Any, rng: Any, rest: Any, key: jax.Array) -> nnx.Module:
-    params, rest = self._for_compute(params, rest)
-    model = nnx.merge(self.graphdef, params, rng, rest, copy=True)  # fresh variables in this trace
-    k_drop, k_att = jax.random.split(key)
-    nnx.reseed(model, dropout=k_drop, attention=k_att)
-    return model
+  def warm_start(self, state: TrainState) -> TrainState:
+    """`state` through the model's declared `WARM_START` before the first step (unchanged without one)."""
+    path = type(self.abstract_model).WARM_START
+    if path is None:
+      return state
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)(self, state)
 
   def _build_train_step(self) -> Callable:
-    task, aux_w = self.task, float(self.config.aux_loss_weight)
-    base_key = jax.random.key(int(self.config.seed))
-    tx, schedule = self.tx, self.schedule
-
-    def step_with(params, rest, opt_state, rng, step, batch, memory):
-      key = jax.random.fold_in(base_key, step)
-
-      def loss_fn(params):
-        model = self._model(params, rng, rest, key)
-        if memory is None:
-          logits, new_memory = model(batch, deterministic=False), None
-        else:
-          logits, new_memory = model(batch, deterministic=False, memory=memory)
-        loss, sums = metrics_lib.loss_and_sums(task, logits, batch)
-        sown = nnx.pop(model, nnx.Intermediate)
-        aux = sum((jnp.sum(jnp.asarray(v)) for path, v in jax.tree_util.tree_leaves_with_path(sown)
-                   if "aux_loss" in jax.tree_util.keystr(path)), jnp.zeros((), jnp.float32))
-        # `loss_term`: a penalty its module has already weighted (adaptive spans' L1), added as it is.
-        terms = sum((jnp.sum(jnp.asarray(v)) for path, v in jax.tree_util.tree_leaves_with_path(sown)
-                     if "loss_term" in jax.tree_util.keystr(path)), jnp.zeros((), jnp.float32))
-        total = loss + aux_w * aux + terms
-        new_rest = nnx.state(model, REST)
-        return total, (loss, aux, sums, new_rest, new_memory)
-
-      (total, (loss, aux, sums, new_rest, new_memory)), grads = jax.value_and_grad(loss_fn,
-                                                                                   has_aux=True)(params)
-      grad_norm = optax.global_norm(grads)
-      finite = jnp.isfinite(total) & jnp.isfinite(grad_norm)
-      updates, new_opt = tx.update(grads, opt_state, params)
-      new_params = optax.apply_updates(params, updates)
-      # A non-finite step is never applied: the host stops on `finite` and the state stays the last good one.
-      keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
-      out = {"loss": total, "task_loss": loss, "aux_loss": aux, "grad_norm": grad_norm, "lr": schedule(step),
-             "finite": finite, **sums}
-      new = keep(new_params, params), keep(new_rest, rest), keep(new_opt, opt_state), out
-      return new if memory is None else new + (keep(new_memory, memory),)
-
-    def train_step(params, rest, opt_state, rng, step, batch):
-      return step_with(params, rest, opt_state, rng, step, batch, None)
-
-    def train_step_with_memory(params, rest, opt_state, rng, step, batch, memory):
-      return step_with(params, rest, opt_state, rng, step, batch, recurrence.before_step(memory, batch))
-
     in_sh = (self.param_shardings, self.rest_shardings, self.opt_shardings, self.rng_shardings,
              self.replicated, self.batch_sharding)
     out_sh = (self.param_shardings, self.rest_shardings, self.opt_shardings, self.replicated)
-    # Traced with the mesh in JAX's context: attention ops run on each device's batch rows and heads.
+    donate = (0, 1, 2)
     if self.mem_len:  # the memory goes in last and comes out last
       mem_sh = recurrence.sharding(self.mesh)
-      return jax.jit(sharding.traced_in(self.mesh, train_step_with_memory), in_shardings=in_sh + (mem_sh,),
-                     out_shardings=out_sh + (mem_sh,), donate_argnums=(0, 1, 2, 6))
-    return jax.jit(sharding.traced_in(self.mesh, train_step), in_shardings=in_sh, out_shardings=out_sh,
-                   donate_argnums=(0, 1, 2))
+      in_sh, out_sh, donate = in_sh + (mem_sh,), out_sh + (mem_sh,), donate + (6,)
+    # Traced with the mesh in JAX's context: attention ops run on each device's batch rows and heads.
+    step = sharding.traced_in(self.mesh, functools.partial(steps.train_step, self.steps))
+    return jax.jit(step, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=donate)
 
   def jitted_train_step(self) -> Callable:
     """The jitted, donated step (params, rest, opt_state, rng, step, batch) -> (params, rest, opt_state, out),
@@ -293,28 +251,13 @@ class Experiment:
     return TrainState(params, rest, opt, state.step + 1, memory), out
 
   def _build_eval_step(self) -> Callable:
-    task = self.task
-    eval_key = jax.random.key(int(self.config.eval_seed))
-
-    def eval_step(params, rest, rng, batch, memory=None):
-      model = self._model(params, rng, rest, eval_key)  # fixed seed: evaluation is deterministic
-      if memory is None:
-        logits = model(batch, deterministic=True)
-      else:
-        logits, memory = model(batch, deterministic=True, memory=recurrence.before_step(memory, batch))
-      _, sums = metrics_lib.loss_and_sums(task, logits, batch)
-      first = next(iter(batch.values()))
-      valid = batch["valid"] if "valid" in batch else jnp.ones(first.shape[:1], bool)  # [batch]
-      sums = {**sums, "examples": jnp.sum(valid.astype(jnp.int32))}
-      return sums if memory is None else (sums, memory)
-
+    step = sharding.traced_in(self.mesh, functools.partial(steps.eval_step, self.steps))
     in_sh = (self.param_shardings, self.rest_shardings, self.rng_shardings, self.batch_sharding)
     if self.eval_mem_len:  # (params, rest, rng, batch, memory) -> (sums, memory)
       mem_sh = recurrence.sharding(self.mesh)
-      return jax.jit(sharding.traced_in(self.mesh, eval_step), in_shardings=in_sh + (mem_sh,),
-                     out_shardings=(self.replicated, mem_sh), donate_argnums=(4,))
-    return jax.jit(sharding.traced_in(self.mesh, eval_step), in_shardings=in_sh,
-                   out_shardings=self.replicated)
+      return jax.jit(step, in_shardings=in_sh + (mem_sh,), out_shardings=(self.replicated, mem_sh),
+                     donate_argnums=(4,))
+    return jax.jit(step, in_shardings=in_sh, out_shardings=self.replicated)
 
   def evaluate(self, state: TrainState, split: str | None = None, max_batches: int | None = None) -> dict:
     """Metrics over `split` (default config.eval_split), at most `max_batches` batches (-1/None = all)."""
@@ -364,7 +307,7 @@ class Experiment:
     The rows are those of this process's devices under the batch sharding, the host-local batch that
     `global_batch` (jax.make_array_from_process_local_data) expects; a training stream's global batch s is
     then its stream positions [s * global_batch, (s + 1) * global_batch) in order, on any host layout
-    (data.pipeline.GlobalRows). Hosts whose devices hold the same rows (a mesh whose data-parallel axes do
+    (data.order.GlobalRows). Hosts whose devices hold the same rows (a mesh whose data-parallel axes do
     not span them) read the same rows.
     """
     if global_batch % self.data_size:

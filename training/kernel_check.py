@@ -85,7 +85,7 @@ def kernel_choice(config: ml_collections.ConfigDict) -> Choice | None:
     choice = Choice(name, "implementation", str(att.get("implementation", None) or "auto"), path.reference)
   else:  # an op parameter: formulation
     params = att.get("params", None) or {}
-    value = params.get(path.argument, None) if hasattr(params, "get") else None
+    value = params.get(path.argument, None)
     choice = Choice(name, f"params.{path.argument}", str(value if value not in (None, "auto") else "auto"),
                     path.reference)
   return None if choice.requested == choice.xla else choice

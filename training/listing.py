@@ -6,7 +6,7 @@ import glob
 import importlib
 import os
 
-from configs import base as config_base
+from configs import arguments
 from training.config_io import ROOT
 
 
@@ -26,11 +26,11 @@ def listing() -> str:
   lines.append("configs (--config FILE[:ARGS]; any field also as --config.FIELD=VALUE):")
   for path in sorted(glob.glob(os.path.join(ROOT, "configs", "*.py"))):
     module = importlib.import_module(f"configs.{os.path.splitext(os.path.basename(path))[0]}")
-    if not hasattr(module, "get_config"):
-      continue  # shared settings, not an experiment
+    if "get_config" not in vars(module):
+      continue  # shared settings (base, images, text, routing_paper), not an experiment
     try:
       module.get_config("__list__")
-    except config_base.UnknownConfigArgument as e:
+    except arguments.UnknownConfigArgument as e:
       keys, flags = e.keys, e.flags
     paper = getattr(module, "routing_paper", None)  # the Routing paper's variant, read before the parser
     if paper is not None:

@@ -32,7 +32,7 @@ def restore_model(workdir: str, step: int | None = None) -> tuple[Any, Any, int]
   exp, state, mgr = restore_workdir(workdir, step=step)
   mgr.close()
   exp.init_rng_state()
-  return exp, exp._model(state.params, exp.rng_state, state.rest, jax.random.key(0)), state.step
+  return exp, exp.model(state, jax.random.key(0)), state.step
 
 
 def image_grid(tokens: np.ndarray, shape: tuple[int, int, int], columns: int = 8) -> np.ndarray:

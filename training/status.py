@@ -61,7 +61,7 @@ def _finite(x: Any) -> Any:
     return {str(k): _finite(v) for k, v in x.items()}
   if isinstance(x, (list, tuple)):
     return [_finite(v) for v in x]
-  if hasattr(x, "item") and callable(x.item):  # numpy / jax scalars
+  if hasattr(x, "item") and callable(x.item):  # numpy / jax scalars, without importing either here
     try:
       x = x.item()
     except (TypeError, ValueError):

@@ -15,9 +15,10 @@ Model FLOPs per step (`model_flops`), forward + backward, estimated from the con
   too).
   Recomputation (`remat`, `recompute`) is not counted: these are model FLOPs, the MFU convention.
 
-MFU = model FLOPs per second / (the devices' peak FLOP/s), with the peak per chip from `PEAK_FLOPS` by device
-kind and compute dtype (dense bf16 tensor-core figures; float32 on a GPU at TF32, on a TPU at the bf16 passes
-its default matmul precision uses). Unknown devices (the CPU) have no peak: MFU is not reported.
+MFU = model FLOPs per second / (the devices' peak FLOP/s), with the peak per chip by device kind and compute
+dtype: a TPU's from runtime/tpu_generations.py (its dense bf16 figure, also for float32, which its default
+matmul precision runs in bf16 passes), a GPU's from `GPU_PEAK_FLOPS` (float32 at TF32). Unknown devices (the
+CPU) have no peak: MFU is not reported.
 """
 
 from __future__ import annotations
@@ -35,31 +36,27 @@ import numpy as np
 from attention_core import registry as op_registry
 from models import attention as model_attention
 from models import transformer
+from runtime import tpu_generations
 from training import recurrence
 
-# Peak dense FLOP/s per chip (one JAX device; v4 and v5p count both TensorCores as one device), by the start
-# of `device_kind` (lowercase), first match wins: {dtype: FLOP/s}. Vendor figures: Cloud TPU system
-# architecture pages; NVIDIA H100/H200 datasheets (SXM; PCIe separately), without sparsity.
-_TPU_V4, _TPU_V5E, _TPU_V5P, _TPU_V6E = 275e12, 197e12, 459e12, 918e12
-PEAK_FLOPS: tuple[tuple[str, dict[str, float]], ...] = (
-    ("tpu v4", {"bfloat16": _TPU_V4, "float16": _TPU_V4, "float32": _TPU_V4}),
-    ("tpu v5 lite", {"bfloat16": _TPU_V5E, "float16": _TPU_V5E, "float32": _TPU_V5E}),
-    ("tpu v5e", {"bfloat16": _TPU_V5E, "float16": _TPU_V5E, "float32": _TPU_V5E}),
-    ("tpu v5p", {"bfloat16": _TPU_V5P, "float16": _TPU_V5P, "float32": _TPU_V5P}),
-    ("tpu v5", {"bfloat16": _TPU_V5P, "float16": _TPU_V5P, "float32": _TPU_V5P}),  # v5p reports "TPU v5"
-    ("tpu v6 lite", {"bfloat16": _TPU_V6E, "float16": _TPU_V6E, "float32": _TPU_V6E}),
-    ("tpu v6e", {"bfloat16": _TPU_V6E, "float16": _TPU_V6E, "float32": _TPU_V6E}),
+# Peak dense FLOP/s per GPU by the start of `device_kind` (lowercase), first match wins: {dtype: FLOP/s}.
+# NVIDIA H100/H200 datasheets (SXM; PCIe separately), without sparsity.
+GPU_PEAK_FLOPS: tuple[tuple[str, dict[str, float]], ...] = (
     ("nvidia h100 pcie", {"bfloat16": 756e12, "float16": 756e12, "float32": 378e12}),
     ("nvidia h100", {"bfloat16": 989.4e12, "float16": 989.4e12, "float32": 494.7e12}),
     ("nvidia h200", {"bfloat16": 989.4e12, "float16": 989.4e12, "float32": 494.7e12}),
 )
+TPU_DTYPES = ("bfloat16", "float16", "float32")  # what a TPU's bf16 peak applies to
 
 
 def peak_flops(device_kind: str, dtype: str) -> float | None:
   """Peak FLOP/s of one device of `device_kind` computing in `dtype` (a config's model.dtype), or None when
-  the table has no figure (the CPU, float64, an unlisted accelerator)."""
+  there is no figure (the CPU, float64, an unlisted accelerator)."""
+  tpu = tpu_generations.of_device(device_kind)
+  if tpu is not None:
+    return tpu.peak_flops if str(dtype) in TPU_DTYPES else None
   kind = device_kind.strip().lower()
-  for prefix, by_dtype in PEAK_FLOPS:
+  for prefix, by_dtype in GPU_PEAK_FLOPS:
     if kind.startswith(prefix):
       return by_dtype.get(str(dtype))
   return None
@@ -176,9 +173,7 @@ def _op_flops_cached(name: str, params: tuple, batch: int, length: int, heads: i
 def _op_flops(name: str, params: dict[str, Any], batch: int, length: int, heads: int, head_dim: int,
               dtype: Any, causal: bool, memory: int) -> float:
   spec = op_registry.get(name)
-  accepted = model_attention.op_parameters(spec)
-  plan = {k: v for k, v in params.items()
-          if not (model_attention.is_auto(v) and accepted is not None and k not in accepted)}
+  plan = {k: v for k, v in params.items() if not (model_attention.is_auto(v) and k not in spec.plan)}
   plan = model_attention.resolve_plan_params(spec, plan, length)
   keys = memory + length  # the model-owned inputs (relative embeddings) cover every distance a key is read at
   inputs = op_registry.bench_params(spec, keys, batch=batch, heads=heads, head_dim=head_dim, dtype=dtype)

@@ -94,7 +94,7 @@ def _check_bidirectional(causal: Any, op: str) -> None:
 
 
 def _check_rng(rng: Any, op: str) -> Array:
-  if rng is None or not hasattr(rng, "dtype"):
+  if rng is None or not hasattr(rng, "dtype"):  # argument validation: a key array or a tracer of one
     raise TypeError(f"{op}: argument 'rng' must be a JAX PRNG key (jax.random.key(seed)), got {rng!r}")
   if not jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
     if rng.dtype != jnp.uint32 or rng.shape[-1:] != (2,):

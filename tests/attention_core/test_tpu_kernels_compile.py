@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import data  # noqa: E402
 from attention_core import registry as ops_registry  # noqa: E402
 from attention_core import sharding  # noqa: E402
-from configs import base as config_base  # noqa: E402
+from configs import arguments  # noqa: E402
 from models.transformer import CAUSAL_TASKS  # noqa: E402
 from scripts import compile_tpu  # noqa: E402  (sets libtpu's environment before it loads)
 
@@ -88,7 +88,7 @@ def config_variants(module) -> list[str]:
   keys, flags = [], []
   try:
     module.get_config("__list__")
-  except config_base.UnknownConfigArgument as e:
+  except arguments.UnknownConfigArgument as e:
     keys, flags = e.keys, list(e.flags)
   paper = getattr(module, "routing_paper", None)
   if paper is not None:

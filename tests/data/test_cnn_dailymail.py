@@ -1,6 +1,6 @@
 """cnn_dailymail for HIBERT (data/cnn_dailymail.py): the sentence splitter, ROUGE-N and the greedy oracle
 against hand computations, the per-document arrays and the stand-in pipeline; the ROUGE evaluation's
-selection (training/hibert_rouge.py)."""
+selection (training/hibert.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from data import cnn_dailymail, tokenizer
-from training import hibert_rouge
+from training import hibert
 
 
 def test_split_sentences():
@@ -58,7 +58,7 @@ def test_oracle_greedy_by_hand():
 def test_select_top_sentences_in_document_order():
   scores = np.array([[0.1, 0.9, 0.5, 0.7, 2.0], [3.0, 1.0, 2.0, 0.0, 0.0]])
   real = np.array([[1, 1, 1, 1, 0], [1, 1, 0, 0, 0]], bool)
-  assert hibert_rouge.select(scores, real, 3) == [[1, 2, 3], [0, 1]]
+  assert hibert.select(scores, real, 3) == [[1, 2, 3], [0, 1]]
 
 
 @pytest.fixture(scope="module")

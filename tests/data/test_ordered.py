@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import data
-from data import ordered, pipeline, pystdlib, testing, text, tokenizer
+from data import ordered, pystdlib, resume, testing, text, tokenizer
 
 KEYS = {"inputs": np.int32, "targets": np.int32, "mask": np.bool_, "weights": np.float32,
         "segment_ids": np.int32, "valid": np.bool_, "reset": np.bool_}
@@ -98,10 +98,10 @@ def test_resume_at_step_s_gives_the_uninterrupted_batches(stdlib_root, tmp_path)
     _take(it, 5)
   (tmp_path / "data").mkdir()
   for i, it in enumerate(two):
-    (tmp_path / "data" / pipeline.state_file(i, 2)).write_text(json.dumps(it.get_state(), indent=4))
+    (tmp_path / "data" / resume.state_file(i, 2)).write_text(json.dumps(it.get_state(), indent=4))
   resumed = _iter(config)
-  pipeline.check_iterator_checkpoint(str(tmp_path), resumed, config)
-  pipeline.restore_iterator(str(tmp_path), resumed)
+  resume.check_iterator_checkpoint(str(tmp_path), resumed, config)
+  resume.restore_iterator(str(tmp_path), resumed)
   fresh = _iter(config)
   fresh.set_state(json.loads(json.dumps(two[0].get_state())))
   for it in (resumed, fresh):
@@ -127,15 +127,15 @@ def test_mismatched_states_and_datasets_are_one_line_errors(stdlib_root, tmp_pat
     it.set_state(shuffled.get_state())
   # The trainer's check (before any restore): an ordered state into a shuffled run and the reverse.
   (tmp_path / "data").mkdir()
-  state_file = tmp_path / "data" / pipeline.state_file(0, 1)
+  state_file = tmp_path / "data" / resume.state_file(0, 1)
   state_file.write_text(json.dumps(it.get_state()))
   with pytest.raises(ValueError, match="ordered stream.s position .*config.data.ordered=True"):
-    pipeline.check_iterator_checkpoint(str(tmp_path), shuffled, config)
+    resume.check_iterator_checkpoint(str(tmp_path), shuffled, config)
   with pytest.raises(ValueError, match="ordered stream layout"):
-    pipeline.check_iterator_checkpoint(str(tmp_path), other, config)
+    resume.check_iterator_checkpoint(str(tmp_path), other, config)
   state_file.write_text(json.dumps(shuffled.get_state()))
   with pytest.raises(ValueError, match="shuffled pipeline's position"):
-    pipeline.check_iterator_checkpoint(str(tmp_path), it, config)
+    resume.check_iterator_checkpoint(str(tmp_path), it, config)
   # Datasets that are not a causal LM stream: the field named, nothing read.
   for name in ("c4", "cifar10", "lra_listops", "synthetic_recall"):
     bad = ml_collections.ConfigDict({"data": {"name": name, "seq_len": 16, "ordered": True}})

@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 from attention_baselines.transformer_xl import sinusoid
-from configs import base, compressive
+from configs import base, compressive, validation
 from models import transformer
 from runtime.cli import UsageError
 from tests.models.memory_checks import by_segment
@@ -218,7 +218,7 @@ def test_config_errors():
   full = compressive.get_config("smoke")
   full.model.mem_len = 0
   with pytest.raises(UsageError, match="compressed_mem_len=32 needs config.model.mem_len > 0"):
-    base.validate(full)
+    validation.validate(full)
   with jax.enable_x64(True):
     m = random_model(config("mean_pool"), seq_len=8)
     with pytest.raises(ValueError, match="segment length 8 must be a multiple of compression_rate=3"):
@@ -276,10 +276,10 @@ def test_eval_compressed_mem_len_config():
   assert c.model.eval_compressed_mem_len is None
   c.model.eval_compressed_mem_len = -1
   with pytest.raises(UsageError, match="eval_compressed_mem_len must be >= 0"):
-    base.validate(c)
+    validation.validate(c)
   c.model.eval_compressed_mem_len, c.model.compressed_mem_len = 16, 0
   with pytest.raises(UsageError, match="eval_compressed_mem_len=16 needs config.model.compressed_mem_len"):
-    base.validate(c)
+    validation.validate(c)
   # eval.py's --eval_compressed_mem_len
   with pytest.raises(UsageError, match="trained without a compressed memory"):
     evaluate.with_eval_compressed_mem_len(c, 16)
@@ -287,7 +287,7 @@ def test_eval_compressed_mem_len_config():
   with pytest.raises(UsageError, match="--eval_compressed_mem_len must be >= 0"):
     evaluate.with_eval_compressed_mem_len(c, -1)
   assert evaluate.with_eval_compressed_mem_len(c, 0).model.eval_compressed_mem_len == 0
-  base.validate(c)
+  validation.validate(c)
   with jax.enable_x64(True):
     m = random_model(config("mean_pool"), seq_len=SEQ)
     for n, want in ((None, COMPRESSED), (COMPRESSED + 3, COMPRESSED + 3)):
@@ -302,7 +302,7 @@ def test_evaluation_with_another_compressed_memory_length():
   c = compressive.get_config("smoke,seq_len=12,mem_len=12,compressed_mem_len=4")
   c.train.eval_batch_size = 2
   c.model.eval_compressed_mem_len = 4
-  base.validate(c)
+  validation.validate(c)
   exp = experiment.Experiment(c, devices=jax.devices()[:1])
   assert exp.eval_compressed_mem_len == 4
   state = exp.init_state()

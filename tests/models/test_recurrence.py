@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from configs import base
+from configs import base, validation
 from models import attention, registry, transformer
 from runtime.cli import UsageError
 from tests.models.memory_checks import assert_memory_gets_no_gradient, run_segments
@@ -24,6 +24,8 @@ VOCAB = 11
 
 class MemoryDense(attention.AttentionBase):
   """Test-only: causal dense attention over [memory; x], keys masked by memory_mask and mask."""
+
+  MEMORY = True
 
   def __call__(self, x, mask, *, deterministic, memory=None, memory_mask=None):
     b, length, f = x.shape
@@ -200,12 +202,12 @@ def test_config_errors():
   c = base.base_config()
   c.model.mem_len = -1
   with pytest.raises(UsageError, match="config.model.mem_len must be >= 0"):
-    base.validate(c)
+    validation.validate(c)
   c.model.mem_len, c.model.eval_mem_len = 0, 16
   with pytest.raises(UsageError, match="config.model.eval_mem_len=16 needs config.model.mem_len > 0"):
-    base.validate(c)
+    validation.validate(c)
   c.model.mem_len = 8
-  base.validate(c)
+  validation.validate(c)
   c.model.position_embedding = "relative"
   with pytest.raises(ValueError, match="'learned', 'factorized', 'none'"):
     build(c.model, "lm")

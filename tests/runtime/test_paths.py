@@ -12,7 +12,7 @@ from etils.epath import backend as epath_backend
 from fsspec.implementations.memory import MemoryFileSystem
 
 from configs import default
-from data import pipeline
+from data import resume
 from runtime import paths
 from training import config_io, loop
 
@@ -80,11 +80,11 @@ def test_workdir_files_on_fake_gcs(fake_gcs):
   assert len(data) > size and b"train/loss" in data  # rewritten whole on each flush
 
   # A checkpoint step without grain state on gs:// is accepted quietly; a foreign one names the checkpoint.
-  pipeline.check_iterator_checkpoint(paths.join(workdir, "checkpoints", "5"), None, config)
+  resume.check_iterator_checkpoint(paths.join(workdir, "checkpoints", "5"), None, config)
   paths.write_json(paths.join(workdir, "checkpoints", "5", "data", "process_0-of-1.json"),
                    {"last_seen_indices": {}, "sampler": "IndexSampler(num_records=3)"})
   with pytest.raises(ValueError, match="checkpoints/5"):
-    pipeline.check_iterator_checkpoint(paths.join(workdir, "checkpoints", "5"), None, config)
+    resume.check_iterator_checkpoint(paths.join(workdir, "checkpoints", "5"), None, config)
 
 
 def test_local_paths_are_absolute_and_written_whole(tmp_path, monkeypatch):

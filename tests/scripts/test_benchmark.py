@@ -16,7 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from attention_core import registry as ops_registry
 from scripts import benchmark as bm
+from scripts import benchmark_report as br
+from scripts import benchmark_worker as bw
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -49,10 +52,10 @@ def test_parse_names_and_bool():
 
 
 def test_op_direction_runs_unsupported_direction_in_the_supported_one():
-  assert bm.op_direction(True, True, True) == (True, "causal")
-  assert bm.op_direction(True, True, False) == (False, "bidirectional")
-  assert bm.op_direction(False, True, True) == (False, "bidirectional*")
-  assert bm.op_direction(True, False, False) == (True, "causal*")
+  assert bw.op_direction(True, True, True) == (True, "causal")
+  assert bw.op_direction(True, True, False) == (False, "bidirectional")
+  assert bw.op_direction(False, True, True) == (False, "bidirectional*")
+  assert bw.op_direction(True, False, False) == (True, "causal*")
 
 
 def test_extrapolation_exponent_dense_quadratic_others_measured_and_clamped():
@@ -76,9 +79,9 @@ def test_time_skip_follows_the_dense_numbers_of_design_section_8():
 
 
 def test_memory_skip_reason():
-  assert bm.memory_skip_reason(None, 1e9) is None
-  assert bm.memory_skip_reason(1e9, 2e9) is None
-  assert bm.memory_skip_reason(3 * bm.GB, 2 * bm.GB).startswith(bm.SKIP_MEMORY)
+  assert bw.memory_skip_reason(None, 1e9) is None
+  assert bw.memory_skip_reason(1e9, 2e9) is None
+  assert bw.memory_skip_reason(3 * bw.GB, 2 * bw.GB).startswith(bw.SKIP_MEMORY)
 
 
 def test_add_ratios_against_dense_of_same_length_na_when_dense_missing_and_growth():
@@ -89,7 +92,7 @@ def test_add_ratios_against_dense_of_same_length_na_when_dense_missing_and_growt
     {"op": "a", "length": 128, "fwd_ms": 4.0, "fwdbwd_ms": 10.0, "peak_mb": 40.0, "xla_mb": 50.0},
     {"op": "a", "length": 512, "fwd_ms": 16.0, "fwdbwd_ms": 40.0, "peak_mb": 160.0, "xla_mb": 200.0},
   ]
-  out = {(r["op"], r["length"]): r for r in bm.add_ratios(rows)}
+  out = {(r["op"], r["length"]): r for r in br.add_ratios(rows)}
   a64 = out["a", 64]
   assert a64["speedup_fwd"] == pytest.approx(5.0) and a64["speedup_fwdbwd"] == pytest.approx(6.0)
   assert a64["mem_ratio"] == pytest.approx(0.1) and a64["xla_mem_ratio"] == pytest.approx(0.25)
@@ -108,28 +111,28 @@ def test_peer_comparisons_ratio_is_peer_time_over_ours():
     {"op": "routing", "length": 64, "status": "ok", "fwd_ms": 2.0, "fwdbwd_ms": 5.0, "peak_mb": 3.0},
     {"op": "peer:rt", "length": 64, "status": "ok", "fwd_ms": 3.0, "fwdbwd_ms": 10.0, "peak_mb": 9.0},
     {"op": "peer:rt", "length": 128, "status": "ok", "fwd_ms": 6.0, "fwdbwd_ms": 20.0},
-    {"op": "routing", "length": 128, "status": bm.SKIP_MEMORY},
+    {"op": "routing", "length": 128, "status": bw.SKIP_MEMORY},
   ]
-  out = bm.peer_comparisons(rows, {"rt": ("routing", "yoso"), "absent": ("routing",)})
+  out = br.peer_comparisons(rows, {"rt": ("routing", "yoso"), "absent": ("routing",)})
   assert [(r["op"], r["length"]) for r in out] == [("routing", 64), ("yoso", 64), ("routing", 128),
                                                    ("yoso", 128)]
   assert out[0]["fwd_ratio"] == pytest.approx(1.5) and out[0]["fwdbwd_ratio"] == pytest.approx(2.0)
   assert out[0]["status"] == "ok" and out[0]["peer_peak_mb"] == 9.0
   assert out[1]["fwd_ratio"] is None and "ours not in this run" in out[1]["status"]
-  assert out[2]["fwdbwd_ratio"] is None and bm.SKIP_MEMORY in out[2]["status"]
+  assert out[2]["fwdbwd_ratio"] is None and bw.SKIP_MEMORY in out[2]["status"]
 
 
 def test_format_value_and_markdown_table():
-  assert [bm.format_value(v) for v in (None, float("nan"), 3, 1234.5, 12.345, 1.2345, 0.012345, "a|b")] == \
+  assert [br.format_value(v) for v in (None, float("nan"), 3, 1234.5, 12.345, 1.2345, 0.012345, "a|b")] == \
     ["n/a", "n/a", "3", "1234", "12.3", "1.23", "0.0123", "a/b"]
-  table = bm.markdown_table([{"op": "dense", "length": 64, "fwd_ms": None}],
+  table = br.markdown_table([{"op": "dense", "length": 64, "fwd_ms": None}],
                             [("op", "op"), ("length", "L"), ("fwd_ms", "fwd ms")])
   assert table.splitlines() == ["| op | L | fwd ms |", "|---|---|---|", "| dense | 64 | n/a |"]
 
 
 def test_write_report_markdown_and_json(tmp_path):
   rows = [{"op": "dense", "length": 64, "fwd_ms": 1.5, "extra": [1, 2]}]
-  paths = bm.write_report(rows, [("op", "op"), ("fwd_ms", "fwd ms")], str(tmp_path / "r"), "demo",
+  paths = br.write_report(rows, [("op", "op"), ("fwd_ms", "fwd ms")], str(tmp_path / "r"), "demo",
                           header={"jax": "X"}, title="Demo", notes=["a note"])
   md = open(paths["markdown"]).read()
   assert md.startswith("# Demo\n") and "- jax: X" in md and "- a note" in md and "| dense | 1.50 |" in md
@@ -145,32 +148,30 @@ def test_median_time_reduces_repeats_to_the_time_budget(monkeypatch):
     clock["calls"] += 1
     clock["t"] += float(clock["calls"])  # call n takes n seconds
 
-  monkeypatch.setattr(bm.time, "perf_counter", lambda: clock["t"])
-  assert bm.median_time(fn, 5, 1000.0) == (4.0, 5)  # warm-up 1 s, then 2..6 s
+  monkeypatch.setattr(bw.time, "perf_counter", lambda: clock["t"])
+  assert bw.median_time(fn, 5, 1000.0) == (4.0, 5)  # warm-up 1 s, then 2..6 s
   clock.update(t=0.0, calls=0)
-  assert bm.median_time(fn, 5, 2.5) == (2.5, 2)  # warm-up 1 s -> only two repeats fit
+  assert bw.median_time(fn, 5, 2.5) == (2.5, 2)  # warm-up 1 s -> only two repeats fit
   clock.update(t=0.0, calls=0)
-  assert bm.median_time(fn, 5, 0.1) == (2.0, 1)  # never fewer than one
+  assert bw.median_time(fn, 5, 0.1) == (2.0, 1)  # never fewer than one
 
 
 def test_peak_rss_sees_a_freed_allocation():
-  rss = bm.PeakRSS()
+  rss = bw.PeakRSS()
   assert rss.resettable  # Linux
   block = np.ones(80 * 2**20 // 8)  # 80 MB, touched
   del block
   assert rss.increase_mb() >= 70
 
 
-def test_op_params_passes_only_named_shape_keywords():
-  class Spec:
-    params = staticmethod(lambda length, *, heads: {"n": length, "heads": heads})
-
-  assert bm.op_params(Spec, 16, batch=1, heads=8, head_dim=4) == {"n": 16, "heads": 8}
-
-  class Plain:
-    params = staticmethod(lambda length: {"block_size": length // 4})
-
-  assert bm.op_params(Plain, 16, batch=1, heads=8) == {"block_size": 4}
+def test_op_params_are_the_automatic_parameters_and_the_stand_ins_for_the_shape():
+  """`bench_inputs(L, shape)` makes the model inputs' stand-ins for the shape the benchmark runs."""
+  spec = ops_registry.OpSpec("toy", lambda q, k, v, *, causal: v, params=lambda length: {"n": length},
+                             bench_inputs=lambda length, shape: {"heads": shape.heads})
+  assert bw.op_params(spec, 16, batch=1, heads=8, head_dim=4) == {"n": 16, "heads": 8}
+  plain = ops_registry.OpSpec("plain", lambda q, k, v, *, causal: v,
+                              params=lambda length: {"block_size": length // 4})
+  assert bw.op_params(plain, 16, batch=1, heads=8) == {"block_size": 4}
 
 
 def test_measure_all_applies_time_memory_and_kill_skips_in_length_order(monkeypatch, capsys):
@@ -183,7 +184,7 @@ def test_measure_all_applies_time_memory_and_kill_skips_in_length_order(monkeypa
     if name == "oom" and length >= 128:
       return None, "failed: killed (out of memory?)"
     if name == "big" and length >= 256:
-      return {"op": name, "length": length, "status": bm.SKIP_MEMORY + " (XLA needs 30 GiB > 20 GiB)"}, ""
+      return {"op": name, "length": length, "status": bw.SKIP_MEMORY + " (XLA needs 30 GiB > 20 GiB)"}, ""
     seconds = (length / 64) ** 2 * (1.0 if name == "dense" else 0.1)
     return {"op": name, "length": length, "status": "ok", "fwd_s": seconds / 3, "fwdbwd_s": seconds,
             "fwd_ms": seconds * 333, "fwdbwd_ms": seconds * 1000}, ""
@@ -195,8 +196,8 @@ def test_measure_all_applies_time_memory_and_kill_skips_in_length_order(monkeypa
   # dense: 1 s, 4 s, 16 s measured; 64 s predicted at 512 > 20 s.
   assert [status["dense", n] for n in (64, 128, 256)] == ["ok"] * 3
   assert status["dense", 512].startswith(bm.SKIP_TIME) and "L=256" in status["dense", 512]
-  assert status["big", 256].startswith(bm.SKIP_MEMORY)
-  assert status["big", 512] == bm.SKIP_MEMORY + " (at L=256 already)"
+  assert status["big", 256].startswith(bw.SKIP_MEMORY)
+  assert status["big", 512] == bw.SKIP_MEMORY + " (at L=256 already)"
   assert status["oom", 128] == "failed: killed (out of memory?)"
   assert status["oom", 256].startswith("skipped: killed")
   assert ("dense", 512) not in launched and ("big", 512) not in launched and ("oom", 256) not in launched
@@ -205,8 +206,8 @@ def test_measure_all_applies_time_memory_and_kill_skips_in_length_order(monkeypa
 
 
 def test_parse_worker_output_takes_the_last_json_line():
-  assert bm.parse_worker_output('warning\n{"a": 1}\nnoise\n{"a": 2}\n') == {"a": 2}
-  assert bm.parse_worker_output("no json here") is None
+  assert bw.parse_worker_output('warning\n{"a": 1}\nnoise\n{"a": 2}\n') == {"a": 2}
+  assert bw.parse_worker_output("no json here") is None
 
 
 def test_parse_args_rejects_unknown_flags_in_ops_mode_and_forwards_them_otherwise():
@@ -242,7 +243,7 @@ def test_peer_worker_reports_one_json_line(monkeypatch):
                         "--repeats", "2", "--causal", "false"])
   out = io.StringIO()
   with contextlib.redirect_stdout(out):
-    assert bm.worker_main(args) == 0
+    assert bw.worker_main(args) == 0
   result = json.loads(out.getvalue().strip().splitlines()[-1])
   assert calls == [(32, 1, 2, 64, False, "float32")]
   assert result["op"] == "peer:h1_fake" and result["status"] == "ok" and result["mode"] == "bidirectional"
@@ -287,7 +288,7 @@ def test_worker_prints_one_parsable_json_line_and_skips_over_memory_budget():
   assert proc.returncode == 0, proc.stderr
   result = json.loads(proc.stdout.strip().splitlines()[-1])
   assert result["op"] == "dense" and result["length"] == 32 and result["mode"] == "causal"
-  assert result["status"].startswith(bm.SKIP_MEMORY) and result["xla_mb"] > 0
+  assert result["status"].startswith(bw.SKIP_MEMORY) and result["xla_mb"] > 0
   assert "fwd_ms" not in result  # skipped before any input was created
 
   proc = _run(common + ["--_name", "no_such_op"])
@@ -323,10 +324,10 @@ def test_tiny_benchmark_run_writes_table_json_and_plot(tmp_path):
   assert rows["dense", 64]["speedup_fwdbwd"] == pytest.approx(1.0)
 
   md = (out_dir / "benchmark_ops.md").read_text()
-  header_line = "| " + " | ".join(h for _, h in bm.OP_COLUMNS) + " |"
+  header_line = "| " + " | ".join(h for _, h in br.OP_COLUMNS) + " |"
   assert header_line in md and "- jax: " in md and "- device: cpu" in md and "- cpus: " in md
   table_rows = [line for line in md.splitlines() if line.startswith("| ") and line != header_line]
-  assert len(table_rows) == 6 and all(line.count("|") == len(bm.OP_COLUMNS) + 1 for line in table_rows)
+  assert len(table_rows) == 6 and all(line.count("|") == len(br.OP_COLUMNS) + 1 for line in table_rows)
   assert (out_dir / "benchmark_ops.png").read_bytes()[:8] == PNG_MAGIC
 
 
@@ -338,31 +339,31 @@ def test_flash_row_is_dropped_with_a_note_where_the_device_has_no_fused_kernel(m
   def fake_run_worker(command, *, timeout_s):
     name, length = command[command.index("--_name") + 1], int(command[command.index("--lengths") + 1])
     assert "--implementation" in command and command[command.index("--implementation") + 1] == "xla"
-    if name == bm.FLASH:
-      return {"op": name, "length": length, "status": f"{bm.SKIP_NO_FLASH} on cpu"}, ""
+    if name == bw.FLASH:
+      return {"op": name, "length": length, "status": f"{bw.SKIP_NO_FLASH} on cpu"}, ""
     return {"op": name, "length": length, "status": "ok", "fwd_s": 1.0, "fwdbwd_s": 2.0}, ""
 
   monkeypatch.setattr(bm, "run_worker", fake_run_worker)
   args = bm.parse_args(["--lengths", "64,128", "--implementation", "xla"])
   notes = []
-  rows = bm.measure_all(args, [(bm.FLASH, bm.FLASH), ("op", "dense")], notes)
+  rows = bm.measure_all(args, [(bw.FLASH, bw.FLASH), ("op", "dense")], notes)
   assert [(r["op"], r["length"]) for r in rows] == [("dense", 64), ("dense", 128)]
-  assert notes == [f"flash (the backend's fused attention kernel): {bm.SKIP_NO_FLASH} on cpu"]
-  assert [h for k, h in bm.op_columns("flash") if k == "mem_ratio"] == ["mem/flash"]
+  assert notes == [f"flash (the backend's fused attention kernel): {bw.SKIP_NO_FLASH} on cpu"]
+  assert [h for k, h in br.op_columns("flash") if k == "mem_ratio"] == ["mem/flash"]
 
 
 @pytest.mark.all_platforms
 def test_flash_reference_per_backend_and_implementation_keyword():
-  assert bm.flash_attention_fn("cpu", causal=True, dtype="bfloat16", length=256, head_dim=64)[0] is None
-  fn, reason = bm.flash_attention_fn("gpu", causal=True, dtype="float32", length=256, head_dim=64)
+  assert bw.flash_attention_fn("cpu", causal=True, dtype="bfloat16", length=256, head_dim=64)[0] is None
+  fn, reason = bw.flash_attention_fn("gpu", causal=True, dtype="float32", length=256, head_dim=64)
   assert fn is None and "bfloat16" in reason
-  assert bm.flash_attention_fn("gpu", causal=True, dtype="bfloat16", length=256, head_dim=64)[0] is not None
-  fn, _ = bm.flash_attention_fn("tpu", causal=True, dtype="bfloat16", length=256, head_dim=64)
+  assert bw.flash_attention_fn("gpu", causal=True, dtype="bfloat16", length=256, head_dim=64)[0] is not None
+  fn, _ = bw.flash_attention_fn("tpu", causal=True, dtype="bfloat16", length=256, head_dim=64)
   shape = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
   exported = jax.export.export(jax.jit(fn), platforms=["tpu"])(shape, shape, shape)
   assert "tpu_custom_call" in exported.mlir_module()
-  from attention_baselines.dense import dense, dense_xla
-  assert bm._takes_keyword(dense, "implementation") and not bm._takes_keyword(dense_xla, "implementation")
+  assert ops_registry.takes_implementation(ops_registry.get("dense"))  # as registered, not from a signature
+  assert not ops_registry.takes_implementation(ops_registry.get("dense_xla"))
 
 
 def test_train_presets_fix_the_ablation_shapes():
@@ -397,8 +398,8 @@ def test_mode_help_shows_the_modes_own_flags(mode, flag, capsys):
 
 def test_memory_budget_defaults_to_this_machines_memory():
   ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-  assert bm.memory_budget_bytes(bm.parse_args([])) == pytest.approx(0.85 * ram)
-  assert bm.memory_budget_bytes(bm.parse_args(["--memory_budget_gb", "2"])) == 2 * bm.GB
+  assert bw.memory_budget_bytes(bm.parse_args([])) == pytest.approx(0.85 * ram)
+  assert bw.memory_budget_bytes(bm.parse_args(["--memory_budget_gb", "2"])) == 2 * bw.GB
   with pytest.raises(SystemExit):
     bm.parse_args(["--memory_budget_gb", "0"])
 

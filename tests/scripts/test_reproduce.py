@@ -19,27 +19,30 @@ from configs import cifar10, lra, routing_paper, wiki40b
 from models import registry
 from runtime import cli
 from scripts import reproduce
+from scripts import reproduce_report as report
+from scripts import reproduce_runner as runner
+from scripts import reproduce_tables as paper
 
-ROWS = [r for rows in reproduce.tables().values() for r in rows]
-IMPLEMENTED = [r for r in ROWS if reproduce.implemented(r)]
+ROWS = [r for rows in paper.tables().values() for r in rows]
+IMPLEMENTED = [r for r in ROWS if runner.implemented(r)]
 
 
 def test_rows_are_well_formed():
   ids = [(r.table, r.id) for r in ROWS]
   assert len(ids) == len(set(ids))
   assert {"combiner-1", "combiner-2", "combiner-3", "combiner-4", "combiner-5", "combiner-6", "routing-1",
-          "routing-4", "yoso-3", "pystdlib"} <= set(reproduce.tables())
-  assert [r.attention for r in reproduce.tables()["pystdlib"]] == [
-      *reproduce.PYSTDLIB_ROWS, "transformer_xl", "compressive", "adaptive_span"]
+          "routing-4", "yoso-3", "pystdlib"} <= set(paper.tables())
+  assert [r.attention for r in paper.tables()["pystdlib"]] == [
+      *paper.PYSTDLIB_ROWS, "transformer_xl", "compressive", "adaptive_span"]
   for r in ROWS:
     assert r.metric in ("bits_per_dim", "perplexity", "accuracy", "bits_per_byte")
-    assert r.attention in registry.names() or not reproduce.implemented(r)
+    assert r.attention in registry.names() or not runner.implemented(r)
 
 
-@pytest.mark.parametrize("scale", reproduce.SCALES)
+@pytest.mark.parametrize("scale", runner.SCALES)
 def test_every_implemented_row_builds(scale):
   for r in IMPLEMENTED:
-    c = reproduce.build_config(r, scale)  # get_config + overrides + attention field checks
+    c = runner.build_config(r, scale)  # get_config + overrides + attention field checks
     assert str(c.model.attention.name) == r.attention, r
     if scale == "smoke":
       assert c.train.num_steps <= 10 and c.data.seq_len <= 1024, r
@@ -88,9 +91,9 @@ def test_list_and_collect(tmp_path, capsys):
   assert reproduce.main(["--table", "combiner-2", "--list", "--scale", "cpu"]) == 0
   out = capsys.readouterr().out
   assert "Combiner-Fixed-2k: paper 17.7" in out and "train.py --config configs/wiki40b.py:" in out
-  rows = reproduce.tables()["combiner-2"]
+  rows = paper.tables()["combiner-2"]
   fixed = next(r for r in rows if r.label == "Combiner-Fixed-2k")
-  wd = reproduce.workdir(fixed, "cpu", str(tmp_path))
+  wd = runner.workdir(fixed, "cpu", str(tmp_path))
   os.makedirs(wd)
   with open(os.path.join(wd, "metrics.json"), "w") as f:
     json.dump({"perplexity": 20.0, "loss": 3.0, "step": 600}, f)
@@ -100,11 +103,11 @@ def test_list_and_collect(tmp_path, capsys):
   assert "| Combiner-Fixed-2k | 17.700 | 20.000 | 2.300 | 1 | 600 |" in md
   csv_text = (tmp_path / "results-combiner-2-cpu.csv").read_text()
   assert csv_text.splitlines()[0].startswith("table,row,metric,paper,ours,std,delta,seeds,steps,scale,date")
-  assert "not implemented: attention 'performer'" in md or all(reproduce.implemented(r) for r in rows)
-  records = reproduce.collect(rows, "cpu", str(tmp_path))
+  assert "not implemented: attention 'performer'" in md or all(runner.implemented(r) for r in rows)
+  records = report.collect(rows, "cpu", str(tmp_path))
   assert sum(r["status"] == "ok" for r in records) == 1
   # a finished row is skipped by --run
-  assert reproduce.run_rows([fixed], "cpu", str(tmp_path)) == []
+  assert runner.run_rows([fixed], "cpu", str(tmp_path)) == []
   assert "finished already" in capsys.readouterr().out
 
 
@@ -113,9 +116,9 @@ def test_curves_and_plot(tmp_path, capsys):
   wins a step logged twice; other splits and train scalars are ignored) and averages the seeds."""
   from runtime import paths
 
-  rows = reproduce.tables()["pystdlib"][:2]
+  rows = paper.tables()["pystdlib"][:2]
   for seed, losses in ((0, {100: 2.0, 200: 1.5}), (1, {100: 3.0, 200: 2.5})):
-    wd = reproduce.workdir(rows[0], "cpu", str(tmp_path), seed)
+    wd = runner.workdir(rows[0], "cpu", str(tmp_path), seed)
     os.makedirs(wd)
     with open(os.path.join(wd, "config.json"), "w") as f:
       json.dump({"eval_split": "validation"}, f)
@@ -129,7 +132,7 @@ def test_curves_and_plot(tmp_path, capsys):
     for step, loss in losses.items():
       second.add_scalar("eval_validation/loss", loss, step)
     second.close()
-  found = reproduce.curves(rows, "cpu", str(tmp_path), seeds=2)
+  found = report.curves(rows, "cpu", str(tmp_path), seeds=2)
   assert list(found) == [rows[0]]
   ln2 = math.log(2.0)
   np.testing.assert_allclose(np.array(found[rows[0]]), [[100, 2.5 / ln2], [200, 2.0 / ln2]], rtol=1e-6)
@@ -140,8 +143,8 @@ def test_curves_and_plot(tmp_path, capsys):
 
 
 def test_tpu_launcher_commands(capsys):
-  rows = [r for r in reproduce.tables()["combiner-4"] if reproduce.implemented(r)]
-  failed = reproduce.run_rows(rows[:1], "paper", "gs://bucket/r", launcher="tpu",
+  rows = [r for r in paper.tables()["combiner-4"] if runner.implemented(r)]
+  failed = runner.run_rows(rows[:1], "paper", "gs://bucket/r", launcher="tpu",
                               tpu_args="--zone us-central2-b --accelerator v4-32", dry_run=True)
   assert failed == []
   out = capsys.readouterr().out
@@ -150,9 +153,9 @@ def test_tpu_launcher_commands(capsys):
 
 
 def test_metric_units():
-  assert reproduce.metric_value("accuracy", {"accuracy": 0.5}) == 50.0
-  assert reproduce.metric_value("bits_per_byte", {"loss": 0.6931471805599453}) == pytest.approx(1.0)
-  assert reproduce.metric_value("perplexity", {}) is None
+  assert report.metric_value("accuracy", {"accuracy": 0.5}) == 50.0
+  assert report.metric_value("bits_per_byte", {"loss": 0.6931471805599453}) == pytest.approx(1.0)
+  assert report.metric_value("perplexity", {}) is None
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -172,15 +175,15 @@ def test_metric_units():
 
 
 def _smoke_command(row):
-  return tuple(reproduce.train_argv(row, "smoke", ""))
+  return tuple(runner.train_argv(row, "smoke", ""))
 
 
 # The listops-bidirectional rows differ from one another in the attention alone, which
 # tests/models/test_transformer.py runs in the classifier: one of them (its representative) stands for all.
 LISTOPS_LOWERED = ("listops-bidirectional", "dense")
 LOWERED = [r for r in IMPLEMENTED
-           if r.table != reproduce.LISTOPS_TABLE or (r.table, r.label) == LISTOPS_LOWERED]
-_FIRST: dict[tuple[str, ...], reproduce.Row] = {}
+           if r.table != paper.LISTOPS_TABLE or (r.table, r.label) == LISTOPS_LOWERED]
+_FIRST: dict[tuple[str, ...], paper.Row] = {}
 for _r in LOWERED:
   _FIRST.setdefault(_smoke_command(_r), _r)
 DISTINCT_SMOKE = list(_FIRST.values())  # the first row of each distinct smoke command
@@ -214,8 +217,8 @@ def _data_key(config) -> str:
 def _kind(row):
   """What makes a row's program other than its attention: config file, model task, the config arguments it
   sets (`task`, `yoso_paper`, `deepsets`, `pooling`, ...) and the fields it overrides."""
-  c = reproduce.build_config(row, "smoke")
-  path, _, args = reproduce.config_string(row, "smoke").partition(":")
+  c = runner.build_config(row, "smoke")
+  path, _, args = runner.config_string(row, "smoke").partition(":")
   flags = {a.partition("=")[0] for a in args.split(",") if a} - {"attention"}
   return path, data.dataset_info(c).task, flags, {o.partition("=")[0] for o in row.overrides}
 
@@ -272,7 +275,7 @@ def test_every_row_step_lowers(row):
   from training import recurrence
   from training.experiment import Experiment
 
-  config = reproduce.build_config(row, "smoke")
+  config = runner.build_config(row, "smoke")
   exp = Experiment(config)
   train_batch, eval_batch = _batch_shapes(config, exp)
   state = exp.abstract_state()
@@ -311,7 +314,7 @@ def test_smoke_runner_end_to_end(tmp_path, capsys):
     if r in reps:
       continue
     value = seeded[r] = 1.0 + i / 1000  # a row's own number, to find it in the collection
-    wd = reproduce.workdir(r, "smoke", root)
+    wd = runner.workdir(r, "smoke", root)
     os.makedirs(wd)
     with open(os.path.join(wd, "metrics.json"), "w") as f:
       json.dump({"loss": value * math.log(2.0), "accuracy": value / 100, "perplexity": value,
@@ -322,7 +325,7 @@ def test_smoke_runner_end_to_end(tmp_path, capsys):
   assert status == 0, out[-3000:]
   assert out.count("finished already") == len(seeded)
   assert out.count("the same command as") == 1, out[-3000:]
-  records = reproduce.collect(ROWS, "smoke", root)
+  records = report.collect(ROWS, "smoke", root)
   assert [r["row"] for r in records if r["status"] != "ok"] == [r.label for r in ROWS if r not in IMPLEMENTED]
   assert len(IMPLEMENTED) > 150
   by_label = {(rec["table"], rec["row"]): rec for rec in records}
@@ -330,9 +333,9 @@ def test_smoke_runner_end_to_end(tmp_path, capsys):
     assert by_label[(r.table, r.label)]["ours"] == pytest.approx(value), r
   for r in reps:  # trained to the smoke config's last step, evaluated, its command recorded
     rec = by_label[(r.table, r.label)]
-    assert rec["steps"] == reproduce.build_config(r, "smoke").train.num_steps, rec
+    assert rec["steps"] == runner.build_config(r, "smoke").train.num_steps, rec
     assert math.isfinite(rec["ours"]), rec
-    with open(os.path.join(reproduce.workdir(r, "smoke", root), reproduce.RUN_INFO)) as f:
+    with open(os.path.join(runner.workdir(r, "smoke", root), runner.RUN_INFO)) as f:
       info = json.load(f)
     assert info["row"] == r.label and ("same_as" in info or "--config" in info["command"]), info
   with open(os.path.join(root, "results-all-smoke.md")) as f:
@@ -344,8 +347,8 @@ def test_memory_rows_match_the_table(name):
   """The memory rows (Transformer-XL, Compressive, Adaptive Span) have the other pystdlib rows' model,
   optimizer, steps and bytes per step, a query sees up to as many bytes (segment + memory, compressed slots
   counted at their rate, = window), and their validation covers the same bytes."""
-  rows = {r.attention: r for r in reproduce.tables()["pystdlib"]}
-  xl, dense = (reproduce.build_config(rows[n], "cpu") for n in (name, "dense"))
+  rows = {r.attention: r for r in paper.tables()["pystdlib"]}
+  xl, dense = (runner.build_config(rows[n], "cpu") for n in (name, "dense"))
   for key in ("num_layers", "features", "num_heads", "mlp_dim", "dropout_rate"):
     assert xl.model[key] == dense.model[key], key
   assert xl.optimizer.to_dict() == dense.optimizer.to_dict()
@@ -357,22 +360,22 @@ def test_memory_rows_match_the_table(name):
   if name == "adaptive_span":
     assert xl.model.attention.params.max_span == context and xl.model.attention.relative_positions is True
   assert xl.data.ordered is True and xl.model.position_embedding == "none"
-  assert set(reproduce.memory_rows(list(rows.values()), "cpu")) == {
+  assert set(report.memory_rows(list(rows.values()), "cpu")) == {
       rows[n] for n in ("transformer_xl", "compressive", "adaptive_span")}
   # The ordered validation is one stream (eval batch 1): its first segments are the dense row's first windows.
   assert xl.train.eval_batch_size == 1
-  smoke = reproduce.build_config(rows[name], "smoke")  # the smoke variant's evaluation batches
+  smoke = runner.build_config(rows[name], "smoke")  # the smoke variant's evaluation batches
   assert smoke.train.eval_batch_size == 8 and smoke.train.eval_batches == 2
   assert (xl.train.eval_batches * xl.data.seq_len
           == dense.train.eval_batches * dense.train.eval_batch_size * dense.data.seq_len)
 
 
 def test_bool_override_and_eval_mem_lens_flag(capsys):
-  row = dataclasses.replace(next(r for r in reproduce.tables()["pystdlib"] if r.attention == "dense"),
+  row = dataclasses.replace(next(r for r in paper.tables()["pystdlib"] if r.attention == "dense"),
                             overrides=("--config.data.ordered=false",))
-  assert reproduce.build_config(row, "cpu").data.ordered is False
+  assert runner.build_config(row, "cpu").data.ordered is False
   with pytest.raises(cli.UsageError, match="true or false"):
-    reproduce.build_config(dataclasses.replace(row, overrides=("--config.data.ordered=1",)), "cpu")
+    runner.build_config(dataclasses.replace(row, overrides=("--config.data.ordered=1",)), "cpu")
   with pytest.raises(SystemExit) as e:
     reproduce.main(["--table", "pystdlib", "--eval_mem_lens", "-1"])
   assert e.value.code == 2
@@ -382,7 +385,7 @@ def test_bool_override_and_eval_mem_lens_flag(capsys):
 def test_eval_mem_len_config():
   from training import evaluate
 
-  c = reproduce.build_config(next(r for r in reproduce.tables()["pystdlib"] if r.attention == "dense"), "cpu")
+  c = runner.build_config(next(r for r in paper.tables()["pystdlib"] if r.attention == "dense"), "cpu")
   with pytest.raises(cli.UsageError, match="without segment recurrence"):
     evaluate.with_eval_mem_len(c, 512)
   c.model.mem_len = 512
@@ -401,8 +404,8 @@ def test_eval_memory_sweep(tmp_path, capsys):
   assert reproduce.main([*argv, "--run", "--noprogress"]) == 0
   assert reproduce.main([*argv, "--eval_mem_lens", "0", "1536"]) == 0
   assert "evaluated 2 (row, memory) pairs" in capsys.readouterr().out
-  row = next(r for r in reproduce.tables()["pystdlib"] if r.attention == "transformer_xl")
-  wd = reproduce.workdir(row, "smoke", root)
+  row = next(r for r in paper.tables()["pystdlib"] if r.attention == "transformer_xl")
+  wd = runner.workdir(row, "smoke", root)
   with open(os.path.join(wd, "metrics.json")) as f:
     final = json.load(f)
   with open(os.path.join(root, "eval-memory-pystdlib-smoke.csv")) as f:
@@ -415,30 +418,30 @@ def test_eval_memory_sweep(tmp_path, capsys):
 
 
 def test_config_dict_overrides():
-  r = next(r for r in reproduce.tables()["yoso-3"] if r.attention == "yoso_sketch")
-  c = reproduce.build_config(r, "paper")
+  r = next(r for r in paper.tables()["yoso-3"] if r.attention == "yoso_sketch")
+  c = runner.build_config(r, "paper")
   assert c.model.attention.params.num_hashes == 16
   assert isinstance(c, ml_collections.ConfigDict)
 
 
 def test_identical_commands_train_once(tmp_path, capsys):
-  rows = [r for r in reproduce.tables()["combiner-1"] if r.label.startswith("cifar10 Combiner-Mixture")]
+  rows = [r for r in paper.tables()["combiner-1"] if r.label.startswith("cifar10 Combiner-Mixture")]
   assert len(rows) == 2
-  assert reproduce.train_argv(rows[0], "smoke", "") == reproduce.train_argv(rows[1], "smoke", "")
-  wd = reproduce.workdir(rows[0], "smoke", str(tmp_path))
+  assert runner.train_argv(rows[0], "smoke", "") == runner.train_argv(rows[1], "smoke", "")
+  wd = runner.workdir(rows[0], "smoke", str(tmp_path))
   os.makedirs(wd)
   with open(os.path.join(wd, "metrics.json"), "w") as f:
     json.dump({"bits_per_dim": 7.5, "step": 4}, f)
-  assert reproduce.run_rows(rows, "smoke", str(tmp_path)) == []
+  assert runner.run_rows(rows, "smoke", str(tmp_path)) == []
   assert "the same command as" in capsys.readouterr().out
-  records = reproduce.collect(rows, "smoke", str(tmp_path))
+  records = report.collect(rows, "smoke", str(tmp_path))
   assert [r["ours"] for r in records] == [7.5, 7.5]
 
 
 # ------------------------------------------------------------------------------------------------------------
 # The bidirectional ListOps table
 
-LISTOPS_ROWS = reproduce.tables()[reproduce.LISTOPS_TABLE]
+LISTOPS_ROWS = paper.tables()[paper.LISTOPS_TABLE]
 
 
 def _expected_bidirectional() -> set[str]:
@@ -465,10 +468,10 @@ def test_listops_rows_are_the_bidirectional_registry():
   for i, name in enumerate(labels):
     if name.startswith("combiner_"):
       assert labels[i - 1].startswith(("sparse_", "combiner_", "routing")), labels
-  grouped = {n for g in reproduce.LISTOPS_GROUPS for n in g}
+  grouped = {n for g in paper.LISTOPS_GROUPS for n in g}
   rest = [n for n in labels if n not in grouped]
   assert rest == sorted(rest) and labels[-len(rest):] == rest
-  assert all(reproduce.implemented(r) for r in LISTOPS_ROWS)
+  assert all(runner.implemented(r) for r in LISTOPS_ROWS)
 
 
 def test_listops_rows_share_one_setting(tmp_path):
@@ -482,7 +485,7 @@ def test_listops_rows_share_one_setting(tmp_path):
   # scale -> (steps, batch, lr, warmup, dropout, train examples, test examples)
   budgets = {"cpu": (300, 16, 1e-3, 30, 0.0, 4800, 512), "paper": (5000, 32, 1e-4, 1000, 0.1, 96_000, 2000)}
   for scale, (steps, batch, lr, warmup, dropout, num_train, num_test) in budgets.items():
-    configs = [reproduce.build_config(r, scale, root) for r in LISTOPS_ROWS]
+    configs = [runner.build_config(r, scale, root) for r in LISTOPS_ROWS]
     c = configs[0]
     assert all(setting(other) == setting(c) for other in configs), scale
     assert [str(x.model.attention.name) for x in configs] == [r.attention for r in LISTOPS_ROWS]
@@ -497,10 +500,10 @@ def test_listops_rows_share_one_setting(tmp_path):
     assert (c.optimizer.schedule, c.optimizer.weight_decay) == ("cosine", 0.0)
     assert c.data.cache_dir == os.path.join(root, "data")  # one cache for every row
     assert data.dataset_info(c).seq_len == 1024 and data.dataset_info(c).task == "classify"
-  smoke = reproduce.build_config(LISTOPS_ROWS[0], "smoke", root)  # the smoke variant's lengths win
+  smoke = runner.build_config(LISTOPS_ROWS[0], "smoke", root)  # the smoke variant's lengths win
   assert (smoke.data.seq_len, smoke.data.max_length, smoke.data.num_train) == (64, 64, 1024)
   assert smoke.train.num_steps <= 10
-  assert reproduce.build_config(LISTOPS_ROWS[0], "cpu").data.cache_dir is None  # no root: no cache flag
+  assert runner.build_config(LISTOPS_ROWS[0], "cpu").data.cache_dir is None  # no root: no cache flag
   with pytest.raises(ValueError, match="listops_1024"):
     lra.get_config("listops_1024,task=listops")
   with pytest.raises(ValueError, match="cpu_budget is a budget of listops_1024 alone"):
@@ -509,14 +512,14 @@ def test_listops_rows_share_one_setting(tmp_path):
 
 def test_listops_list_and_collect(tmp_path, capsys):
   root = str(tmp_path)
-  assert reproduce.main(["--table", reproduce.LISTOPS_TABLE, "--list", "--scale", "cpu", "--workdir_root",
+  assert reproduce.main(["--table", paper.LISTOPS_TABLE, "--list", "--scale", "cpu", "--workdir_root",
                          root]) == 0
   out = capsys.readouterr().out
   assert out.count("listops-bidirectional / ") == len(LISTOPS_ROWS)
   assert f"--config.data.cache_dir={tmp_path}/data" in out
   assert "configs/lra.py:listops_1024,attention=dense,cpu_budget " in out
   dense = LISTOPS_ROWS[0]
-  wd = reproduce.workdir(dense, "cpu", root)
+  wd = runner.workdir(dense, "cpu", root)
   os.makedirs(wd)
   with open(os.path.join(wd, "metrics.json"), "w") as f:
     json.dump({"accuracy": 0.375, "loss": 1.9, "step": 300}, f)
@@ -524,7 +527,7 @@ def test_listops_list_and_collect(tmp_path, capsys):
   from runtime import paths
   from training import status
 
-  stopped = reproduce.workdir(LISTOPS_ROWS[1], "cpu", root)
+  stopped = runner.workdir(LISTOPS_ROWS[1], "cpu", root)
   status.Status(stopped).preempted(step=250, reason="SIGTERM")
   with open(os.path.join(stopped, "config.json"), "w") as f:
     json.dump({"eval_split": "test"}, f)
@@ -532,7 +535,7 @@ def test_listops_list_and_collect(tmp_path, capsys):
   for step, accuracy in ((100, 0.2), (200, 0.3125)):
     writer.add_scalar("eval_test/accuracy", accuracy, step)
   writer.close()
-  assert reproduce.main(["--table", reproduce.LISTOPS_TABLE, "--collect", "--scale", "cpu", "--workdir_root",
+  assert reproduce.main(["--table", paper.LISTOPS_TABLE, "--collect", "--scale", "cpu", "--workdir_root",
                          root]) == 0
   md = (tmp_path / "results-listops-bidirectional-cpu.md").read_text()
   assert "| dense |  | 37.500 |  | 1 | 300 |" in md and md.count("| not run |") == len(LISTOPS_ROWS) - 2
@@ -547,14 +550,14 @@ def test_listops_smoke_rows_end_to_end(tmp_path, capsys):
   train (in this process, one after the other: no interpreter and JAX start per row), and both are
   collected."""
   root = str(tmp_path)
-  status = reproduce.main(["--table", reproduce.LISTOPS_TABLE, "--rows", "dense", "combiner_fixed",
+  status = reproduce.main(["--table", paper.LISTOPS_TABLE, "--rows", "dense", "combiner_fixed",
                            "--scale", "smoke", "--run", "--collect", "--noprogress", "--jobs", "1",
                            "--workdir_root", root])
   out = capsys.readouterr().out
   assert status == 0, out[-3000:]
   cached = os.listdir(os.path.join(root, "data", "listops_synthetic"))
   assert sorted(n.split("-")[0] for n in cached) == ["test", "train"], cached  # no shards, no temporaries
-  records = reproduce.collect(reproduce.select(reproduce.LISTOPS_TABLE, ["dense", "combiner_fixed"]), "smoke",
+  records = report.collect(reproduce.select(paper.LISTOPS_TABLE, ["dense", "combiner_fixed"]), "smoke",
                               root)
   assert [r["status"] for r in records] == ["ok", "ok"]
   assert all(0.0 <= r["ours"] <= 100.0 and r["paper"] is None for r in records), records
@@ -571,10 +574,10 @@ def test_a_run_stopped_with_its_checkpoint_is_reported_as_stopped(tmp_path, caps
   wd = str(tmp_path / "wd")
   stop = ("import sys; from training import status; "
           "status.Status(sys.argv[1]).preempted(step=162, reason='SIGTERM')")
-  job = reproduce._Job(row, "cpu", 0, wd, [sys.executable, "-c", stop, wd], "[1/1] row")
-  assert reproduce._run_one(job, "local", False, False)[0] is False
+  job = runner._Job(row, "cpu", 0, wd, [sys.executable, "-c", stop, wd], "[1/1] row")
+  assert runner._run_one(job, "local", False, False)[0] is False
   out = capsys.readouterr().out
   assert "[1/1] row: stopped at step 162 (SIGTERM); run it again to resume from its checkpoint" in out
-  quiet = reproduce._Job(row, "cpu", 0, str(tmp_path / "other"), [sys.executable, "-c", "pass"], "[1/1] row")
-  assert reproduce._run_one(quiet, "local", False, False)[0] is False
+  quiet = runner._Job(row, "cpu", 0, str(tmp_path / "other"), [sys.executable, "-c", "pass"], "[1/1] row")
+  assert runner._run_one(quiet, "local", False, False)[0] is False
   assert "[1/1] row: FAILED (exit status 0)" in capsys.readouterr().out

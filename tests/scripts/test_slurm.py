@@ -65,7 +65,7 @@ def test_module_runs_as_a_script():
 
 
 def test_readme_installs_jax_for_cuda_at_the_pinned_version():
-  from scripts import tpu
+  from scripts import tpu_commands
 
   with open(os.path.join(slurm.ROOT, "README.md")) as f:
-    assert f'"jax[cuda12]=={tpu.pinned("jax")}"' in f.read()
+    assert f'"jax[cuda12]=={tpu_commands.pinned("jax")}"' in f.read()

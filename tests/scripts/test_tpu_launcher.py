@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from scripts import tpu
+from scripts import tpu, tpu_commands
 
 ROOT = tpu.ROOT
 
@@ -299,7 +299,7 @@ def test_finished_run_prints_its_metrics_and_deletes_the_slice(world):
   ssh = [c[-1] for c in w.calls() if c[:4] == ["compute", "tpus", "tpu-vm", "ssh"]]
   assert any(f"echo {commit.strip()} > ~/combiner/COMMIT" in c for c in ssh)
   setup = next(c for c in ssh if "pip install -q -r" in c)
-  assert f"-r requirements.txt -r requirements-tpu.txt 'jax[tpu]=={tpu.pinned('jax')}'" in setup
+  assert f"-r requirements.txt -r requirements-tpu.txt 'jax[tpu]=={tpu_commands.pinned('jax')}'" in setup
   assert "requirements-dev" not in setup
 
 
@@ -480,8 +480,9 @@ def test_a_dirty_git_tree_is_refused_in_one_line(tmp_path):
   """The launcher in a repository of its own with an uncommitted change: copy says so and calls no gcloud;
   --allow_dirty ships HEAD."""
   repo = tmp_path / "repo"
-  for rel in ("scripts/__init__.py", "scripts/tpu.py", "training/__init__.py", "training/status.py",
-              "runtime/__init__.py", "runtime/cli.py", "requirements.txt"):
+  for rel in ("scripts/__init__.py", "scripts/tpu.py", "scripts/tpu_commands.py", "scripts/tpu_watch.py",
+              "training/__init__.py", "training/status.py", "runtime/__init__.py", "runtime/cli.py",
+              "runtime/tpu_generations.py", "requirements.txt"):
     (repo / rel).parent.mkdir(parents=True, exist_ok=True)
     shutil.copy(os.path.join(ROOT, rel), repo / rel)
   git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@example.com"]

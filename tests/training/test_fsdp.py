@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from configs import base, default, wiki40b
+from configs import default, validation, wiki40b
 from runtime.cli import UsageError
 from training import checkpoints, experiment
 from training import mesh as mesh_lib
@@ -46,7 +46,7 @@ def test_bad_mesh_value_is_one_line_naming_the_field(field, value):
   c = default.get_config("smoke")
   c.mesh[field] = value
   with pytest.raises(UsageError) as e:
-    base.validate(c)
+    validation.validate(c)
   assert str(e.value).startswith(f"config.mesh.{field} must be ") and "\n" not in str(e.value)
 
 

@@ -44,8 +44,8 @@ def _train_in_process(workdir: str) -> tuple[dict, list]:
   """train.py's loop as 1 process on 4 of this process's CPU devices; returns the result and the batches'
   fingerprints per step."""
   batches = []
-  result = loop.train_and_evaluate(smoke(**OVERRIDES), workdir, devices=jax.devices()[:4], progress=False,
-                                   batch_log=batches)
+  with loop.testing_hooks(devices=jax.devices()[:4], batch_log=batches):
+    result = loop.train_and_evaluate(smoke(**OVERRIDES), workdir, progress=False)
   return result, batches
 
 

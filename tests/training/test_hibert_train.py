@@ -1,5 +1,5 @@
 """HIBERT through train.py's loop: the pretraining smoke run, then the summarisation smoke run starting from
-its encoder (training/hibert_init.py), then ROUGE of its top-3 sentences (training/hibert_rouge.py); and the
+its encoder (training/hibert.py), then ROUGE of its top-3 sentences (training/hibert.py); and the
 encoder transfer itself."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from configs import hibert as hibert_config
-from training import hibert_init, hibert_rouge, loop
+from training import hibert, loop
 
 
 def smoke(arg: str):
@@ -29,10 +29,10 @@ def test_pretrain_then_summarise(tmp_path, capsys):
   out = loop.train_and_evaluate(config, str(tmp_path / "sum"), progress=False)
   assert f"HIBERT encoder from {tmp_path / 'pre'} at step 2" in capsys.readouterr().out
   assert out["step"] == 2 and math.isfinite(out["metrics"]["loss"]) and "accuracy" in out["metrics"]
-  rouge = hibert_rouge.summarise(out["experiment"], out["state"], max_documents=8)
+  rouge = hibert.summarise(out["experiment"], out["state"], max_documents=8)
   assert rouge["documents"] == 8
   for name in ("model", "oracle", "lead"):
-    assert all(0.0 <= rouge[f"{name}_{k}"] <= 100.0 for k in hibert_rouge.ROUGE_TYPES)
+    assert all(0.0 <= rouge[f"{name}_{k}"] <= 100.0 for k in hibert.ROUGE_TYPES)
   assert rouge["oracle_rouge2"] > rouge["lead_rouge2"]  # the stand-in's highlights restate inner sentences
 
 
@@ -49,9 +49,9 @@ def test_transfer_takes_the_encoder_only():
 
   pre, fine = state(0, head=10, decoder=True), state(1, head=2)
   flat = lambda s: {path: np.asarray(v[...]) for path, v in nnx.to_flat_state(s)}  # noqa: E731
-  got, before, want = flat(hibert_init.transfer(fine, pre)), flat(fine), flat(pre)
+  got, before, want = flat(hibert.transfer(fine, pre)), flat(fine), flat(pre)
   assert set(got) == set(before)  # the pretraining decoder is dropped
   for path, value in got.items():  # the encoder from the pretraining run, the head as it was
-    np.testing.assert_array_equal(value, want[path] if path[0] in hibert_init.ENCODER else before[path])
+    np.testing.assert_array_equal(value, want[path] if path[0] in hibert.ENCODER else before[path])
   with pytest.raises(ValueError, match="the encoders must have the same sizes"):
-    hibert_init.transfer(fine, state(0, head=10, features=3))
+    hibert.transfer(fine, state(0, head=10, features=3))

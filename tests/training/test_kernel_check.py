@@ -50,7 +50,8 @@ def test_injected_failure_under_auto_trains_on_xla_and_resumes(tmp_path, monkeyp
   workdir = tmp_path / "run"
   monkeypatch.setenv(kernel_check.INJECT_ENV, INJECTED)
   config = smoke("combiner_fixed", **{"train.num_steps": 2, "train.eval_batches": 1})
-  result = loop.train_and_evaluate(config, str(workdir), progress=False, devices=jax.devices()[:1])
+  with loop.testing_hooks(devices=jax.devices()[:1]):
+    result = loop.train_and_evaluate(config, str(workdir), progress=False)
   assert result["step"] == 2 and result["experiment"].config.model.attention.implementation == "xla"
   err = capsys.readouterr().err.splitlines()
   warning = [line for line in err if line.startswith("WARNING: kernel check")]
@@ -66,7 +67,8 @@ def test_injected_failure_under_auto_trains_on_xla_and_resumes(tmp_path, monkeyp
   # and falls back again.
   saved = config_io.load_config(str(workdir))
   assert saved.model.attention.implementation == "auto"
-  again = loop.train_and_evaluate(saved, str(workdir), progress=False, devices=jax.devices()[:1])
+  with loop.testing_hooks(devices=jax.devices()[:1]):
+    again = loop.train_and_evaluate(saved, str(workdir), progress=False)
   assert again["start_step"] == 2 and again["experiment"].config.model.attention.implementation == "xla"
   assert again["metrics"]["loss"] == pytest.approx(result["metrics"]["loss"], rel=1e-6)
   assert _record(workdir)["used"] == "xla" and _record(workdir)["time"] > record["time"]

@@ -101,7 +101,8 @@ def test_transformer_xl_trains_resumes_exactly_and_evaluates(tmp_path):
   c = transformer_xl.get_config("smoke")
   c.train.num_steps, c.train.checkpoint_every = 4, 2
   straight = loop.train_and_evaluate(c, str(tmp_path / "straight"), progress=False)
-  first = loop.train_and_evaluate(c, str(tmp_path / "resumed"), stop_after=2, progress=False)
+  with loop.testing_hooks(stop_after=2):
+    first = loop.train_and_evaluate(c, str(tmp_path / "resumed"), progress=False)
   assert first["preempted"] and first["step"] == 2
   second = loop.train_and_evaluate(c, str(tmp_path / "resumed"), progress=False)
   assert second["start_step"] == 2 and second["step"] == 4

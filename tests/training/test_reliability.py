@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from configs import base, default
+from configs import arguments, default
 from tests.training.smoke import smoke as smoke_config
 from training import checkpoints, config_io, loop, status
 from training.experiment import Experiment, TrainState, create_dataset
@@ -256,7 +256,7 @@ def test_bad_config_values_are_clear_errors_before_compiling(tmp_path, monkeypat
 def test_config_argument_errors(arg, message):
   with pytest.raises(ValueError, match=message):
     default.get_config(arg)
-  base.parse_arg("smoke,attention=dense")  # the valid form still parses
+  arguments.parse_arg("smoke,attention=dense")  # the valid form still parses
 
 
 # -- 7: eval.py and train.py agree by default, and say what they cover ---------------------------------------

@@ -14,7 +14,7 @@ from flax import nnx
 from jax._src import array as jax_array
 from jax._src import config as jax_config
 
-from configs import base
+from configs import base, validation
 from models import transformer
 from runtime.cli import UsageError
 from tests.training.smoke import smoke
@@ -129,7 +129,7 @@ def test_bad_profile_steps_is_one_line_naming_the_field(value):
   c = smoke()
   c.train.profile_steps = value  # the field takes tuples (lists from JSON); values are checked by validate
   with pytest.raises(UsageError) as e:
-    base.validate(c)
+    validation.validate(c)
   assert str(e.value).startswith("config.train.profile_steps must be") and "\n" not in str(e.value)
   assert "0 <= start < stop" in str(e.value)
 
@@ -137,9 +137,9 @@ def test_bad_profile_steps_is_one_line_naming_the_field(value):
 def test_good_profile_steps_pass_and_default_is_off():
   c = smoke()
   assert c.train.profile_steps is None
-  base.validate(c)
+  validation.validate(c)
   c.train.profile_steps = (0, 2)
-  base.validate(c)
+  validation.validate(c)
 
 
 def test_profile_window_writes_a_trace(tmp_path):
@@ -199,7 +199,8 @@ def test_real_run_reads_metrics_only_at_log_steps_and_writes_a_profile(tmp_path,
                                       "train.profile_steps": (1, 3)})
   reads = _count_reads_outside_allowed(monkeypatch)
   with jax.transfer_guard_device_to_host("disallow_explicit"):
-    result = loop.train_and_evaluate(config, str(tmp_path), devices=jax.devices()[:1], progress=False)
+    with loop.testing_hooks(devices=jax.devices()[:1]):
+      result = loop.train_and_evaluate(config, str(tmp_path), progress=False)
   assert not reads, reads[0]
   assert result["step"] == 6 and result["fetched_at"] == [3, 6]
   assert result["compile_s"] > 0
@@ -220,7 +221,8 @@ def test_divergence_is_read_before_any_later_save(tmp_path):
   config = smoke("dense", **{"train.num_steps": 8, "train.log_every": 4, "train.checkpoint_every": 3,
                              "optimizer.lr": 1e30, "optimizer.clip_norm": 0.0})
   with pytest.raises(loop.TrainingDiverged) as e:
-    loop.train_and_evaluate(config, str(tmp_path), devices=jax.devices()[:1], progress=False)
+    with loop.testing_hooks(devices=jax.devices()[:1]):
+      loop.train_and_evaluate(config, str(tmp_path), progress=False)
   message = str(e.value)
   bad = int(message.split(" at step ")[1].split(";")[0])
   saved = sorted(int(p) for p in os.listdir(tmp_path / "checkpoints") if p.isdigit()) \

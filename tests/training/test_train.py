@@ -138,13 +138,15 @@ def test_resume_after_sigterm_is_exact_and_eval_reads_it(tmp_path):
 
   config = smoke("combiner_fixed", **{"train.num_steps": 5, "train.checkpoint_every": 2})
   straight_log = []
-  straight = loop.train_and_evaluate(config, str(tmp_path / "straight"), batch_log=straight_log,
-                                     progress=False)
+  with loop.testing_hooks(batch_log=straight_log):
+    straight = loop.train_and_evaluate(config, str(tmp_path / "straight"), progress=False)
   killed_log = _SigtermAt(2)
-  first = loop.train_and_evaluate(config, str(tmp_path / "resumed"), batch_log=killed_log, progress=False)
+  with loop.testing_hooks(batch_log=killed_log):
+    first = loop.train_and_evaluate(config, str(tmp_path / "resumed"), progress=False)
   assert first["preempted"] and first["step"] == 3  # SIGTERM during step 2: saved after it, exited cleanly
   resumed_log = []
-  second = loop.train_and_evaluate(config, str(tmp_path / "resumed"), batch_log=resumed_log, progress=False)
+  with loop.testing_hooks(batch_log=resumed_log):
+    second = loop.train_and_evaluate(config, str(tmp_path / "resumed"), progress=False)
   assert second["start_step"] == 3 and second["step"] == 5
   # Identical data order (the grain iterator state was restored) and identical parameters.
   assert list(killed_log) + resumed_log == straight_log

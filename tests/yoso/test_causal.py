@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.yoso.test_attention import _grads, _inputs, _key, _reference_yoso_e, _surrogate
+from tests.yoso.definitions import grads_of, reference_yoso_e, seeded_inputs, seeded_key, surrogate
 from yoso import hashing
 from yoso.attention import l2_normalize, yoso, yoso_e
 from yoso.backward import sketch_directions
@@ -63,10 +63,10 @@ def test_bucket_prefix_sums_match_their_definition_and_stop_at_the_reader():
 def test_causal_forward_matches_collision_definition():
   # The causal sums are the same running sums whatever the formulation.
   with jax.enable_x64(True):
-    q, k, v = _inputs(20, b=2, length=11)
+    q, k, v = seeded_inputs(20, b=2, length=11)
     mask = jnp.ones((2, 11), bool).at[1, 3].set(False).at[0, 10].set(False)
     for m, tau, formulation in ((6, 2, "sorted"), (3, 5, "onehot")):
-      rng = _key(m)
+      rng = seeded_key(m)
       raw, out = jax.jit(lambda q, k, v, rng=rng, m=m, tau=tau, formulation=formulation: [
           yoso(q, k, v, rng=rng, num_hashes=m, tau=tau, mask=mask, causal=True, normalize_output=n,
                formulation=formulation) for n in (False, True)])(q, k, v)
@@ -80,14 +80,15 @@ def test_causal_forward_matches_collision_definition():
 def test_causal_outputs_ignore_the_future():
   # Zero Jacobian of out_i on q, k, v at j > i through the custom backward (exact, sketched and dense), and a
   # non-finite future or masked value changes no earlier output (yoso and yoso_e).
-  q, k, v = _inputs(21, length=8, h=1, d=4, e=3, dtype=jnp.float32)
+  q, k, v = seeded_inputs(21, length=8, h=1, d=4, e=3, dtype=jnp.float32)
   mask = jnp.ones((1, 8), bool).at[0, 2].set(False)
   fns = {"exact": dict(), "sketch": dict(backward_features=1), "dense": dict(backward="dense")}
   later = np.triu(np.ones((8, 8), bool), 1)  # [i, j]: j > i
 
   @jax.jit
   def jacobians(q, k, v):
-    return {name: jax.jacrev(lambda q, k, v, kw=kw: yoso(q, k, v, rng=_key(4), num_hashes=4, tau=2, mask=mask,
+    key = seeded_key(4)
+    return {name: jax.jacrev(lambda q, k, v, kw=kw: yoso(q, k, v, rng=key, num_hashes=4, tau=2, mask=mask,
                                                            causal=True, **kw), argnums=(0, 1, 2))(q, k, v)
             for name, kw in fns.items()}
 
@@ -98,7 +99,7 @@ def test_causal_outputs_ignore_the_future():
       assert np.any(per_pos[~later] != 0), (name, x)
 
   def ops(v):
-    return (yoso(q, k, v, rng=_key(4), num_hashes=4, tau=2, mask=mask, causal=True),
+    return (yoso(q, k, v, rng=seeded_key(4), num_hashes=4, tau=2, mask=mask, causal=True),
             yoso_e(q, k, v, tau=2, mask=mask, causal=True))
 
   ops = jax.jit(ops)
@@ -111,19 +112,19 @@ def test_causal_outputs_ignore_the_future():
 
 def test_causal_dense_backward_matches_surrogate_exactly():
   with jax.enable_x64(True):
-    q, k, v = _inputs(22, b=2, length=6)
+    q, k, v = seeded_inputs(22, b=2, length=6)
     mask = jnp.ones((2, 6), bool).at[0, 4].set(False)
-    kw = dict(rng=_key(11), num_hashes=5, tau=3, mask=mask, causal=True)
+    kw = dict(rng=seeded_key(11), num_hashes=5, tau=3, mask=mask, causal=True)
     sampled = yoso(q, k, v, normalize_output=False, **kw)
 
     def reference(q, k, v):
       # The sampled forward value with the causal surrogate's gradient, then the l2 normalisation.
-      s = _surrogate(q, k, v, mask, 3, causal=True)
+      s = surrogate(q, k, v, mask, 3, causal=True)
       y = jax.lax.stop_gradient(sampled) + s - jax.lax.stop_gradient(s)
       return l2_normalize(y)
 
-    got, want = jax.jit(lambda q, k, v: (_grads(lambda *a: yoso(*a, backward="dense", **kw), q, k, v),
-                                         _grads(reference, q, k, v)))(q, k, v)
+    got, want = jax.jit(lambda q, k, v: (grads_of(lambda *a: yoso(*a, backward="dense", **kw), q, k, v),
+                                         grads_of(reference, q, k, v)))(q, k, v)
     for g, w in zip(got, want, strict=True):
       np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12)
 
@@ -139,15 +140,15 @@ def test_causal_sampled_backward_matches_definition_with_forward_codes(path, fea
     monkeypatch.setattr(ya, "CAUSAL_COUNTS_MAX_LENGTH", 0)
   with jax.enable_x64(True):
     b, length, h, e = 2, 9, 2, 5
-    q, k, v = _inputs(23, b=b, length=length, h=h, e=e)
+    q, k, v = seeded_inputs(23, b=b, length=length, h=h, e=e)
     mask = jnp.ones((b, length), bool).at[1, 3].set(False)
-    rng, tau, m = _key(2), 2, 6
+    rng, tau, m = seeded_key(2), 2, 6
 
     def fn(q, k, v):
       return yoso(q, k, v, rng=rng, num_hashes=m, tau=tau, mask=mask, causal=True, normalize_output=False,
                   backward_features=features)
 
-    got = jax.jit(lambda q, k, v: _grads(fn, q, k, v))(q, k, v)
+    got = jax.jit(lambda q, k, v: grads_of(fn, q, k, v))(q, k, v)
     bmat = _collisions(q, k, mask, rng, m, tau)  # [b, Lq, Lk, h, m]
     dirs = sketch_directions(jax.random.split(rng)[1], b, h, m, e, features, jnp.float64)
     r = np.broadcast_to(np.eye(e), (m, b * h, e, e)) if dirs is None else np.asarray(dirs)
@@ -165,23 +166,23 @@ def test_causal_sampled_backward_matches_definition_with_forward_codes(path, fea
 
 def test_causal_yoso_e_matches_definition_and_is_the_sampled_mean():
   with jax.enable_x64(True):
-    q, k, v = _inputs(24, b=2, length=8)
+    q, k, v = seeded_inputs(24, b=2, length=8)
     mask = jnp.ones((2, 8), bool).at[1, 2].set(False)
     tau, m, draws = 3, 8, 200
     outs = jax.jit(lambda q, k, v: [yoso_e(q, k, v, tau=tau, mask=mask, normalize_output=n, causal=True)
                                     for n in (True, False)])(q, k, v)
     for out, normalize in zip(outs, (True, False), strict=True):
-      want = _reference_yoso_e(q, k, v, mask, tau, normalize, causal=True)
+      want = reference_yoso_e(q, k, v, mask, tau, normalize, causal=True)
       np.testing.assert_allclose(out, want, rtol=1e-10, atol=1e-12)
     expect = outs[1]
     # The causal sampled op is unbiased for it, and its sampled gradient for the causal surrogate's.
-    want_grads = jax.jit(lambda q, k, v: _grads(lambda *a: _surrogate(*a, mask, tau, causal=True), q, k, v))(
+    want_grads = jax.jit(lambda q, k, v: grads_of(lambda *a: surrogate(*a, mask, tau, causal=True), q, k, v))(
         q, k, v)
     draw = jax.jit(jax.vmap(lambda r: (
         yoso(q, k, v, rng=r, num_hashes=m, tau=tau, mask=mask, causal=True, normalize_output=False),
-        _grads(lambda q, k, v: yoso(q, k, v, rng=r, num_hashes=m, tau=tau, mask=mask, causal=True,
+        grads_of(lambda q, k, v: yoso(q, k, v, rng=r, num_hashes=m, tau=tau, mask=mask, causal=True,
                                     normalize_output=False), q, k, v))))
-    outs, grads = draw(jax.random.split(_key(25), draws))
+    outs, grads = draw(jax.random.split(seeded_key(25), draws))
     for name, samples, w in zip(["out", "dq", "dk", "dv"], [outs, *grads], [expect, *want_grads],
                                 strict=True):
       mean, se = samples.mean(0), samples.std(0) / np.sqrt(draws)
