@@ -548,7 +548,8 @@ def spans_forward(f: Frame, dy: Dyadic, a: dict) -> dict[str, Array]:
   return _call(f, functools.partial(_spans_kernel_body, f=f, dy=dy), "combiner_dyadic_spans_fwd",
                dy.num_spans,
                ins, specs, args, outs, [_row(f, _dim(f, n)) for n in outs],
-               [_head_shape(f, dy.num_spans, 1, _dim(f, n)) for n in outs], buffers=True)
+               [_head_shape(f, dy.num_spans, 1, _dim(f, n)) for n in outs],
+               loads=tuple(n for n in ins if n in passes.FRAME_INPUTS))
 
 
 def main_forward(f: Frame, dy: Dyadic, a: dict, bank: dict, out_dtype: Any, ext: tuple | None) -> tuple:
@@ -605,7 +606,8 @@ def spans_backward(f: Frame, dy: Dyadic, a: dict, bank: dict, main: dict) -> dic
   outs = ["dkbar", "dvt"] + ([] if dy.pooling is None else ["dqbar", "ties_q", "ties_k", "stats2"])
   return _call(f, functools.partial(_span_backward_kernel_body, f=f, dy=dy), "combiner_dyadic_spans_bwd",
                dy.num_spans, ins, specs, args, outs, [_row(f, _dim(f, n)) for n in outs],
-               [_head_shape(f, dy.num_spans, 1, _dim(f, n)) for n in outs], buffers=True)
+               [_head_shape(f, dy.num_spans, 1, _dim(f, n)) for n in outs],
+               loads=tuple(n for n in ins if n in passes.FRAME_INPUTS))
 
 
 def tiles_backward(f: Frame, dy: Dyadic, a: dict, bank: dict, sb: dict, main: dict) -> dict:

@@ -49,16 +49,17 @@ def fixed(q: Array, k: Array, v: Array, *, block_size: int, causal: bool, mask: 
   implementation: "xla" (einsums), "pallas" (the kernels of `combiner.kernel_plans`), "auto" (pallas on
   GPU/TPU).
   select: beyond the paper, each query's `select` best spans by summary logit are attended exactly in place
-  of their summaries (`combiner.selected`; XLA only, its queries in `query_chunks` chunks, None = automatic).
+  of their summaries (`combiner.selected`; the XLA path runs its queries in `query_chunks` chunks, None =
+  automatic).
   """
   op = "combiner.fixed"
   select = select and contract.check_positive_int(select, name="select", op=op)  # 0: the paper's plan
-  if select and implementation == "pallas":
-    raise ValueError(f"{op}: select={select} runs on the XLA path only; use implementation='auto' or 'xla'")
   size = contract.check_positive_int(block_size, name="block_size", op=op)
-  if not select and common.uses_kernels(implementation, op=op):
+  common.check_query_chunks(query_chunks, op=op)
+  if common.uses_kernels(implementation, op=op):
     c = common.check(q, k, v, mask, op=op, causal=causal, pooling=pooling, pool_q=pool_q, pool_k=pool_k)
-    return kernel_plans.fixed(*c, size=size, causal=causal, pooling=pooling, platform=contract.backend())
+    return kernel_plans.fixed(*c, size=size, causal=causal, pooling=pooling, platform=contract.backend(),
+                              select=select)
   x = common.prepare(q, k, v, mask, op=op, causal=causal, pooling=pooling, pool_q=pool_q, pool_k=pool_k)
   if select:
     length = x.q.shape[2]
@@ -85,9 +86,10 @@ SELECT = 4  # spans per query attended exactly by default (`combiner_fixed_selec
 
 def fixed_select(q: Array, k: Array, v: Array, *, block_size: int, causal: bool, mask: Array | None = None,
                  pooling: str = "max", pool_q: Array | None = None, pool_k: Array | None = None,
-                 select: int = SELECT, query_chunks: int | None = None) -> Array:
-  """`fixed(..., select=select)` on its XLA path, as its own registered attention: Combiner-Fixed whose
-  `select` best spans per query are attended exactly. q, k: [batch, length, heads, head_dim]; v: [...,
-  value_dim] -> [batch, length, heads, value_dim]."""
+                 select: int = SELECT, implementation: str = "auto",
+                 query_chunks: int | None = None) -> Array:
+  """`fixed(..., select=select)` as its own registered attention: Combiner-Fixed whose `select` best spans
+  per query are attended exactly. q, k: [batch, length, heads, head_dim]; v: [..., value_dim] -> [batch,
+  length, heads, value_dim]."""
   return fixed(q, k, v, block_size=block_size, causal=causal, mask=mask, pooling=pooling, pool_q=pool_q,
-               pool_k=pool_k, implementation="xla", select=select, query_chunks=query_chunks)
+               pool_k=pool_k, implementation=implementation, select=select, query_chunks=query_chunks)

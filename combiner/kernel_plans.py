@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from attention_core import contract
-from combiner import dyadic_kernels, passes
+from combiner import dyadic_kernels, passes, selected_kernels
 from combiner.passes import Construct, Frame, Pass
 
 Array = Any
@@ -127,6 +127,7 @@ class Plan:
   causal: bool
   pools: bool  # DeepSets pools given
   out_dtype: Any
+  select: int = 0  # fixed with selected spans: spans per query attended exactly
 
 
 def _kernel_dtypes(q: Array, k: Array, v: Array) -> Any:
@@ -204,6 +205,35 @@ def _fixed_backward(plan: Plan, a: dict, res: tuple, do: Array) -> dict:
   return {"q": s["dq"], "k": s["dk"], "v": s["dv"], "pool_q": s.get("dpq"), "pool_k": s.get("dpk")}
 
 
+# ------------------------------------------------------------------------------------- fixed + selected
+
+def _selected_frames(a: dict) -> dict[str, Array]:
+  """The frame arrays the selected-spans kernels read whole (the chosen blocks)."""
+  return {**a, "k_all": a["k"], "v_all": a["v"]}
+
+
+def _selected_forward(plan: Plan, a: dict):
+  f, (spans, _) = plan.frame, plan.passes
+  kdt = a["q"].dtype
+  s = passes.forward(f, spans, _common(a, ("q", "k", "v", "pool_q", "pool_k", "mask")), out_dtype=kdt,
+                     tok_dtype=kdt, name="combiner_spans")
+  bank = (s["kbar_row"], s["vt_row"])
+  m = selected_kernels.main_forward(f, _selected_frames(a), bank, plan.out_dtype, plan.causal, plan.select)
+  return m["o"], (bank, m)
+
+
+def _selected_backward(plan: Plan, a: dict, res: tuple, do: Array) -> dict:
+  f, (spans, _) = plan.frame, plan.passes
+  bank, m = res
+  b = selected_kernels.main_backward(f, _selected_frames(a), bank, m, do, plan.causal, plan.select)
+  k = selected_kernels.keys_backward(f, a, m, b, do, plan.causal, plan.select)
+  s = passes.backward(f, spans, {**_common(a, ("q", "k", "v", "pool_q", "pool_k", "mask")),
+                                 "dkbar_row": _bank_total(f, b["dbk"]), "dvt_row": _bank_total(f, b["dbv"]),
+                                 "dq_in": b["dq"], "dk_in": k["dk"], "dv_in": k["dv"]},
+                      dtypes=_dtypes(a), name="combiner_spans")
+  return {"q": s["dq"], "k": s["dk"], "v": s["dv"], "pool_q": s.get("dpq"), "pool_k": s.get("dpk")}
+
+
 def _arrays(f: Frame, q: Array, k: Array, v: Array, pool_q: Array | None, pool_k: Array | None,
             kdt: Any) -> dict[str, Array]:
   a = {"q": to_frame(q.astype(kdt), f), "k": to_frame(k.astype(kdt), f), "v": to_frame(v.astype(kdt), f)}
@@ -213,8 +243,9 @@ def _arrays(f: Frame, q: Array, k: Array, v: Array, pool_q: Array | None, pool_k
 
 
 def fixed(q: Array, k: Array, v: Array, mask: Array | None, pool_q: Array | None, pool_k: Array | None, *,
-          size: int, causal: bool, pooling: str | None, platform: str) -> Array:
-  """Combiner-Fixed (pooling "max" | "mean") or Sparse-Fixed (pooling None) on the kernels.
+          size: int, causal: bool, pooling: str | None, platform: str, select: int = 0) -> Array:
+  """Combiner-Fixed (pooling "max" | "mean"), Sparse-Fixed (pooling None) or Combiner-Fixed with each
+  query's `select` best spans attended exactly (`combiner.selected_kernels`) on the kernels.
   q, k: [batch, length, heads, head_dim]; v: [..., value_dim] -> [batch, length, heads, value_dim]."""
   rows = -(-q.shape[1] // size)
   f = make_frame(q, v, mask, size, rows, platform)
@@ -222,7 +253,8 @@ def fixed(q: Array, k: Array, v: Array, mask: Array | None, pool_q: Array | None
   kind = "last" if pooling is None else "block"
   spans = Pass("rows", construct=Construct(kind, pooling or "max", "all", pools=pools), attend=False)
   main = Pass("rows", own="le" if causal else "all", bank="lt" if causal else "ne", bank_last=pooling is None)
-  plan = Plan(f, "fixed", (spans, main), pooling, causal, pools, jnp.dtype(v.dtype))
+  name = "fixed_select" if select else "fixed"
+  plan = Plan(f, name, (spans, main), pooling, causal, pools, jnp.dtype(v.dtype), min(select, rows))
   a = _arrays(f, q, k, v, pool_q, pool_k, _kernel_dtypes(q, k, v))
   if mask is not None:
     mf = mask_frame(mask, f)
@@ -329,9 +361,11 @@ def _axial_backward(plan: Plan, a: dict, res: dict, do: Array) -> dict:
   return grads
 
 
-_FORWARD = {"fixed": _fixed_forward, "vertical": _axial_forward, "horizontal": _axial_forward,
+_FORWARD = {"fixed": _fixed_forward, "fixed_select": _selected_forward, "vertical": _axial_forward,
+            "horizontal": _axial_forward,
             "rowmajor": _axial_forward, "sparse_axial": _axial_forward, "mixture_joint": _axial_forward}
-_BACKWARD = {"fixed": _fixed_backward, "vertical": _axial_backward, "horizontal": _axial_backward,
+_BACKWARD = {"fixed": _fixed_backward, "fixed_select": _selected_backward, "vertical": _axial_backward,
+             "horizontal": _axial_backward,
              "rowmajor": _axial_backward, "sparse_axial": _axial_backward, "mixture_joint": _axial_backward}
 
 

@@ -412,7 +412,7 @@ def _construct(f: Frame, p: Pass, R: dict, g: Array) -> None:
     R["vt_tok"][...] = vt.astype(R["vt_tok"].dtype)
 
 
-class _Rows:
+class Rows:
   """Rows of a bank ref [n, 1, dim] as a [n, dim] ref: x[rows] reads, x[rows] += adds."""
 
   def __init__(self, ref: Any):
@@ -433,11 +433,11 @@ def _sources(f: Frame, p: Pass, R: dict, g: Array, bank_rows: int):
     out.append(("own", R["k"], R["v"], glen, t, p.own, "local",
                 lambda s, n: _key_valid(f, p, R, g, s, n)))
   if p.extra:
-    keys = _Rows(R["xk_bank"]) if p.extra_bank_keys else R["xk"]
+    keys = Rows(R["xk_bank"]) if p.extra_bank_keys else R["xk"]
     out.append(("extra", keys, R["xv"], glen, t, p.extra, "local",
                 lambda s, n: _summary_valid(f, p, R, g, s, n)))
   if p.bank:
-    out.append(("bank", _Rows(R["bk"]), _Rows(R["bv"]), bank_rows, bank_rows, p.bank, "group",
+    out.append(("bank", Rows(R["bk"]), Rows(R["bv"]), bank_rows, bank_rows, p.bank, "group",
                 lambda s, n: _bank_valid(f, p, R, n)))
   return out
 
@@ -494,19 +494,20 @@ HEAD_ARRAYS = ("lse", "lse_ext", "lse_fin", "bk", "bv", "xk_bank", "kbar_in", "d
 
 
 def each_head(f: Frame, names: tuple, refs: tuple, outs: tuple, body, tok: tuple = TOK_INPUTS + TOK_OUTPUTS,
-              heads: tuple = HEAD_ARRAYS) -> None:
+              heads: tuple = HEAD_ARRAYS, extra: tuple = ()) -> None:
   """body(R, g, head) for every head of the program's block, R its refs by name, g its group, head the
   head's index: a frame array (`tok`) as the head's 2-D ref (copied out of the block into VMEM scratch, after
   `refs`' arguments, and an output's back in after), a per-head array (`heads`) at the head, any other as it
-  is."""
+  is. `extra`: names of the scratch refs that follow the copies."""
   n = len(names)
   R = dict(zip(names, refs[:n], strict=True))
+  R.update(zip(extra, refs[len(refs) - len(extra):], strict=True))
   # program ids are read outside the heads' loop: the interpreter binds them at the kernel's top level
   g, block = pl.program_id(2), pl.program_id(1)
   if f.packed:
     body(R, g, block)
     return
-  cur = dict(zip([m for m in names if m in tok], refs[n:], strict=True))
+  cur = dict(zip([m for m in names if m in tok], refs[n:len(refs) - len(extra)], strict=True))
   hb = f.heads_per_block
 
   def copy(j: Array, name: str, out: bool) -> None:
@@ -522,8 +523,8 @@ def each_head(f: Frame, names: tuple, refs: tuple, outs: tuple, body, tok: tuple
     for name in cur:
       if name not in outs:
         copy(j, name, out=False)
-    body({m: cur[m] if m in cur else (R[m].at[j] if m in heads else R[m]) for m in names}, g,
-         block * hb + j)
+    view = {m: cur[m] if m in cur else (R[m].at[j] if m in heads else R[m]) for m in names}
+    body({**view, **{m: R[m] for m in extra}}, g, block * hb + j)
     for name in cur:
       if name in outs:
         copy(j, name, out=True)
@@ -676,7 +677,7 @@ def _backward_body(f: Frame, p: Pass, bank_rows: int, R: dict, g: Array, head: A
 def _add_shared(f: Frame, R: dict, name: str, x: Array, g: Array) -> None:
   """Adds a group's gradient [n, dim] of rows shared by every group: in place over the groups where they
   accumulate (the first group zeroes them), else as the group's own partial sums."""
-  ref = _Rows(R[name])
+  ref = Rows(R[name])
   if accumulates_banks(f):
     @pl.when(g == 0)
     def _():
@@ -786,48 +787,48 @@ def backward(f: Frame, p: Pass, args: dict[str, Array], *, dtypes: dict[str, Any
 
 FRAME_INPUTS = ("q", "k", "v", "pool_q", "pool_k")
 
-
 def call_kernel(f: Frame, kernel, name: str, groups: int, ins: list[str], specs: list, args: list,
                 outs: list[str], out_specs: list, shapes: list, *, tok: tuple, heads: tuple,
-                buffers: bool = False, aliases: dict | None = None) -> dict[str, Array]:
+                loads: tuple = (), aliases: dict | None = None, accumulate: bool = False) -> dict[str, Array]:
   """One pallas_call of a kernel over the frame's groups (grid `grid`), each head of a block run by
   `each_head`: kernel(b, R, g, head). Per-head arrays (`heads`) are viewed per head block; frame arrays
-  (`tok`) get per-head VMEM copies on TPU. With `buffers`, the frame inputs (FRAME_INPUTS) stay whole (in HBM
-  on TPU) for `TileLoader`, which gets VMEM buffers for its copies."""
+  (`tok`) get per-head VMEM copies on TPU. `loads`: frame arrays the kernel reads rows of with `TileLoader`
+  (whole, in HBM on TPU; each gets VMEM buffers for its copies)."""
   names = tuple(ins + outs)
-  if buffers:
-    tok = tuple(n for n in tok if n not in FRAME_INPUTS)
+  tok = tuple(n for n in tok if n not in loads)
   scratch = []
+  by_name = dict(zip(ins, args, strict=True))
   if not f.packed:
-    dims = {n: a.shape[-1] for n, a in zip(ins, args, strict=True)}
+    dims = {n: a.shape[-1] for n, a in by_name.items()}
     dims.update({n: s.shape[-1] for n, s in zip(outs, shapes, strict=True)})
-    dtypes = {n: a.dtype for n, a in zip(ins, args, strict=True)}
+    dtypes = {n: a.dtype for n, a in by_name.items()}
     dtypes.update({n: s.dtype for n, s in zip(outs, shapes, strict=True)})
     scratch = [pltpu.VMEM((f.cols, dims[n]), dtypes[n]) for n in names if n in tok]
-  if buffers and f.platform == "tpu":
+  extra = ()
+  if f.platform == "tpu":
     hb = f.heads_per_block
-    by_name = dict(zip(ins, args, strict=True))
-    kdt, vdt = by_name["k"].dtype, by_name["v"].dtype
-    names = names + ("buf_all_d", "buf_all_v", "buf_d", "buf_v")
-    scratch += [pltpu.VMEM((f.cols, hb, f.d), kdt), pltpu.VMEM((f.cols, hb, f.dv), vdt),
-                pltpu.VMEM((f.cols, f.d), kdt), pltpu.VMEM((f.cols, f.dv), vdt)]
+    for n in loads:
+      x = by_name[n]
+      extra += ("buf_all_" + n, "buf_" + n)
+      scratch += [pltpu.VMEM((f.cols, hb, x.shape[-1]), x.dtype), pltpu.VMEM((f.cols, x.shape[-1]), x.dtype)]
   arrays = [head_view(f, a) if n in heads else a for n, a in zip(ins, args, strict=True)]
   hb = f.heads_per_block
   out_shapes = [jax.ShapeDtypeStruct((f.batch, f.heads // hb, hb) + s.shape[1:], s.dtype) if n in heads else s
                 for n, s in zip(outs, shapes, strict=True)]
   body = functools.partial(_kernel_entry, kernel=kernel, f=f, names=names, outs=tuple(outs), tok=tok,
-                           heads=heads)
+                           heads=heads, extra=extra)
   res = pallas.platform_call(
-      body, gpu_params=GPU_PARAMS, tpu_params=compiler_params(f, False), platform=f.platform,
+      body, gpu_params=GPU_PARAMS, tpu_params=compiler_params(f, accumulate), platform=f.platform,
       grid=grid(f, groups), in_specs=specs, out_specs=out_specs, out_shape=out_shapes, scratch_shapes=scratch,
       name=name, **({"input_output_aliases": aliases} if aliases else {}),
   )(*arrays)
   return {n: head_unview(f, x) if n in heads else x for n, x in zip(outs, res, strict=True)}
 
 
-def _kernel_entry(*refs, kernel, f: Frame, names: tuple, outs: tuple, tok: tuple, heads: tuple) -> None:
+def _kernel_entry(*refs, kernel, f: Frame, names: tuple, outs: tuple, tok: tuple, heads: tuple,
+                  extra: tuple) -> None:
   b = pl.program_id(0)
-  each_head(f, names, refs, outs, functools.partial(kernel, b), tok, heads)
+  each_head(f, names, refs, outs, functools.partial(kernel, b), tok, heads, extra)
 
 
 def whole_spec(f: Frame, x: Array) -> pl.BlockSpec:
@@ -853,8 +854,7 @@ class TileLoader:
     if f.platform != "tpu":
       return self.R[name][b, rows, head, :]
     hb = f.heads_per_block
-    kind = "v" if name == "v" else "d"
-    block, cur = self.R["buf_all_" + kind], self.R["buf_" + kind]
+    block, cur = self.R["buf_all_" + name], self.R["buf_" + name]
     within = lax.rem(head, jnp.int32(hb))
     pltpu.sync_copy(self.R[name].at[b, rows, pl.ds(pl.multiple_of(head - within, hb), hb), :], block)
     for jj in range(hb):

@@ -41,7 +41,7 @@ register(OpSpec("combiner_fixed", fixed, params=_block, description="Combiner-Fi
                 fused=PALLAS))
 register(OpSpec("combiner_fixed_select", fixed_select, params=_block_select, module=COMBINER, decode=SELECTED,
                 description=f"Combiner-Fixed, each query's top-{SELECT} spans exact (NSA-style selection)",
-                plan=FIXED_PLAN, inputs=POOLS))
+                plan=FIXED_PLAN, inputs=POOLS, fused=PALLAS))
 register(OpSpec("combiner_logsparse", logsparse, description="Combiner-Logsparse, O(L log L)",
                 decode=LOGSPARSE, module=COMBINER, seq_parallel=sp_logsparse.logsparse,
                 plan={"pooling": TEXT}, inputs=POOLS, fused=PALLAS))

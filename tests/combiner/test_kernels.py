@@ -36,6 +36,7 @@ def op(plan: str, size: int):
       "mixture_mean": functools.partial(combiner.mixture, row_length=size),
       "mixture_joint": functools.partial(combiner.mixture, row_length=size, normalize="joint"),
       "logsparse": combiner.logsparse,
+      "fixed_select": functools.partial(combiner.fixed, block_size=size, select=2),
   }
   if plan in combiner_plans:
     return combiner_plans[plan]
@@ -81,6 +82,7 @@ def compare(plan, length, size, causal, pooling, deepsets, seed=0):
 # poolings, DeepSets pools on some. The fast run keeps one case per kernel family, -m slow the rest.
 CASES = (
     ("fixed", 13, 4, True, "max", False),
+    ("fixed_select", 21, 4, True, "max", False),
     ("sparse_fixed", 13, 4, False, None, False),
     ("axial_vertical", 11, 4, True, "mean", True),
     ("mixture_joint", 14, 3, False, "max", False),
@@ -88,6 +90,7 @@ CASES = (
 )
 SWEEP_CASES = (
     ("fixed", 21, 5, False, "mean", True),
+    ("fixed_select", 21, 4, False, "mean", True),
     ("sparse_fixed", 21, 5, True, None, False),
     ("axial_rowmajor", 11, 4, True, "max", False),
     ("axial_rowmajor", 14, 4, False, "mean", True),
