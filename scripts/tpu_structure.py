@@ -36,22 +36,22 @@ COMBINER = ("combiner_fixed", "combiner_logsparse", "combiner_axial_rowmajor", "
 BASELINE = "dense"
 
 
-def op_fn(name: str, length: int, causal: bool):
+def op_fn(name: str, length: int, causal: bool, heads: int = HEADS):
   """(q, k, v) -> out, the op at `length` with its automatic parameters (block/row sizes sqrt(L), a power of
   two) and benchmark stand-ins, under implementation "auto" where it takes one."""
   spec = ops_registry.get(name)
   block = 1 << round(np.log2(np.sqrt(length)))
-  params = ops_registry.bench_params(spec, length, batch=1, heads=HEADS, head_dim=HEAD_DIM,
+  params = ops_registry.bench_params(spec, length, batch=1, heads=heads, head_dim=HEAD_DIM,
                                      value_dim=HEAD_DIM, dtype=DTYPE)
   params.update({k: block for k in ("block_size", "row_length") if k in params})
   return lambda q, k, v: spec.fn(q, k, v, causal=causal, **params)
 
 
-def measure(name: str, length: int, causal: bool, device: Any) -> dict[str, float]:
+def measure(name: str, length: int, causal: bool, device: Any, heads: int = HEADS) -> dict[str, float]:
   """Device ops, custom calls, fusions and temporary bytes of the op's forward+backward on `device`."""
-  fn = op_fn(name, length, causal)
+  fn = op_fn(name, length, causal, heads)
   mesh = jax.sharding.Mesh(np.array([device]), ("x",))
-  x = jax.ShapeDtypeStruct((1, length, HEADS, HEAD_DIM), DTYPE, sharding=NamedSharding(mesh, P()))
+  x = jax.ShapeDtypeStruct((1, length, heads, HEAD_DIM), DTYPE, sharding=NamedSharding(mesh, P()))
 
   def fwd_bwd(q, k, v):
     return jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2))(q, k, v)
@@ -62,23 +62,28 @@ def measure(name: str, length: int, causal: bool, device: Any) -> dict[str, floa
           "temp_bytes": compiled.memory_analysis().temp_size_in_bytes}
 
 
-def qkv_bytes(length: int) -> int:
-  return 3 * length * HEADS * HEAD_DIM * jnp.dtype(DTYPE).itemsize
+def qkv_bytes(length: int, heads: int = HEADS) -> int:
+  return 3 * length * heads * HEAD_DIM * jnp.dtype(DTYPE).itemsize
+
+
+def device(generation: str) -> Any:
+  """A compile-only device: one chip of the generation's smallest slice."""
+  gen = compile_tpu.GENERATIONS[generation]
+  return compile_tpu.devices(compile_tpu.Slice(gen, min(gen.shapes)))[0]
 
 
 def rows(names: list[str], lengths: list[int], directions: list[bool], generations: list[str]):
   """Yields one result dict per (generation, length, direction, op), the dense baseline first."""
   for gen_name in generations:
-    gen = compile_tpu.GENERATIONS[gen_name]
-    device = compile_tpu.devices(compile_tpu.Slice(gen, min(gen.shapes)))[0]
+    chip = device(gen_name)
     for length in lengths:
       for causal in directions:
-        base = measure(BASELINE, length, causal, device)
+        base = measure(BASELINE, length, causal, chip)
         for name in [BASELINE] + [n for n in names if n != BASELINE]:
           spec = ops_registry.get(name)
           if not (spec.causal if causal else spec.bidirectional):
             continue
-          got = base if name == BASELINE else measure(name, length, causal, device)
+          got = base if name == BASELINE else measure(name, length, causal, chip)
           yield {"op": name, "generation": gen_name, "length": length, "causal": causal, **got,
                  "ops_ratio": got["ops"] / base["ops"], "temp_ratio": got["temp_bytes"] / qkv_bytes(length)}
 

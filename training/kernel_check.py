@@ -1,7 +1,7 @@
 """The model's fused attention kernel checked on the device before the first training step.
 
 On a GPU or TPU `implementation="auto"` runs fused kernels (Pallas: Triton on GPU, Mosaic on TPU): the
-Combiner plans' block-sparse flash kernel (combiner/flash.py), dense's cuDNN / Splash kernel (on TPU local's
+Combiner plans' kernels (combiner/kernel_plans.py), dense's cuDNN / Splash kernel (on TPU local's
 and Longformer's too) and YOSO's bucket-table kernels (yoso/kernels.py, chosen by `params.formulation`). A
 kernel that does not compile there would kill every worker at the first jit. `checked_config` runs before the
 experiment is built (training/loop.py):

@@ -20,6 +20,7 @@ import pytest
 import combiner
 from attention_baselines.dense import dense
 from attention_core import pallas
+from combiner import passes
 from yoso.attention import yoso
 
 BATCH, HEADS, HEAD_DIM, VALUE_DIM = 2, 2, 8, 5
@@ -55,21 +56,34 @@ def compare_simulated(op, length, *, value_dim=VALUE_DIM, atol=2e-5, rtol=2e-5, 
 
 PLANS = {
     "fixed": functools.partial(combiner.fixed, block_size=4),
+    "fixed_select": functools.partial(combiner.fixed, block_size=4, select=2),
+    "sparse_fixed": functools.partial(combiner.sparse.fixed, block_size=4),
     "logsparse": combiner.logsparse,
+    "sparse_logsparse": combiner.sparse.logsparse,
+    "axial_rowmajor": functools.partial(combiner.axial, row_length=4, direction="rowmajor"),
     "axial_vertical": functools.partial(combiner.axial, row_length=4, direction="vertical"),
+    "axial_horizontal": functools.partial(combiner.axial, row_length=3, direction="horizontal"),
+    "sparse_axial": functools.partial(combiner.sparse.axial, row_length=4),
     "mixture": functools.partial(combiner.mixture, row_length=3),
+    "mixture_joint": functools.partial(combiner.mixture, row_length=4, normalize="joint"),
 }
 
 
-# (plan, length, causal): ragged lengths (not multiples of the block or row), both directions, a key mask.
+# (plan, length, causal): ragged lengths (not multiples of the block or row), both directions, a key mask;
+# logsparse at 40 tokens in tiles of 16 (below) reaches the levels built over several tiles.
 @pytest.mark.slow  # about 20 s a case: the interpreter runs the kernels' TPU branch op by op
 @pytest.mark.parametrize("plan,length,causal", [
     ("fixed", 13, True),
     *(pytest.param(*case) for case in (
-        ("fixed", 13, False), ("logsparse", 13, True), ("logsparse", 13, False), ("axial_vertical", 11, True),
-        ("axial_vertical", 11, False), ("mixture", 11, True), ("mixture", 11, False))),
+        ("fixed", 13, False), ("fixed_select", 21, True), ("sparse_fixed", 13, False),
+        ("logsparse", 13, True), ("logsparse", 40, False), ("sparse_logsparse", 40, True),
+        ("axial_rowmajor", 11, True),
+        ("axial_vertical", 11, True), ("axial_vertical", 11, False), ("axial_horizontal", 11, True),
+        ("sparse_axial", 11, False), ("mixture", 11, True), ("mixture", 11, False),
+        ("mixture_joint", 11, True))),
 ])
-def test_combiner_tpu_branch_equals_xla(plan, length, causal):
+def test_combiner_tpu_branch_equals_xla(monkeypatch, plan, length, causal):
+  monkeypatch.setattr(passes, "TILE", 16)
   compare_simulated(PLANS[plan], length, causal=causal)
 
 
