@@ -22,7 +22,6 @@ The bidirectional plan runs the same kernels, without D_i, on the reversed seque
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any
 
@@ -31,67 +30,19 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from combiner import passes, tiles
-from combiner.passes import Frame
+from combiner import dyadic_levels as levels
+from combiner import frames, tiles
+from combiner.dyadic_levels import Dyadic
+from combiner.frames import Frame
 from combiner.tiles import F32, NEG, Online
 
 Array = Any
-STATS = 8  # lanes of a span's statistics row: 0 = real members, 1 = in-span log-sum-exp, 2 = delta
 
 
-@dataclasses.dataclass(frozen=True)
-class Dyadic:
-  """The static description of one direction of a logsparse plan."""
-
-  frame: Frame  # rows = tiles, cols = span = T
-  levels: int  # (length - 1).bit_length()
-  pooling: str | None  # None: the sparse counterpart
-  pools: bool  # DeepSets pools given
-  with_self: bool  # D_i = {i} (the reversed half of a bidirectional plan leaves it to the forward half)
-  ext: bool  # merge the other half's partial softmax
-
-  @property
-  def t(self) -> int:
-    return self.frame.cols.bit_length() - 1
-
-  @property
-  def low(self) -> int:
-    return min(self.levels, self.t)
-
-  @property
-  def high(self) -> int:
-    return max(self.levels - self.t, 0)
-
-  @property
-  def high_rows(self) -> int:
-    """Rows of a tile's high bank rows as the kernels hold them (at least a matmul's smallest tile)."""
-    return max(self.high, tiles.min_rows(self.frame.platform))
-
-  def span_counts(self) -> list[int]:
-    """Spans of each high level j that some tile reads (u even; the odd sibling reads them)."""
-    g = self.frame.rows
-    return [_ceil(_ceil(g, 1 << j), 2) for j in range(self.high)]
-
-  def offsets(self) -> list[int]:
-    out, o = [], 0
-    for n in self.span_counts():
-      out.append(o)
-      o += n
-    return out
-
-  @property
-  def num_spans(self) -> int:
-    return sum(self.span_counts())
-
-
-def _ceil(a: int, b: int) -> int:
-  return -(-a // b)
-
-
-# -------------------------------------------------------------------------------------------------- specs
+# ------------------------------------------------------------------------------------------------ specs
 # Frame arrays are read a tile (and a block of heads) at a time by the per-tile kernels, tile by tile from
 # HBM by the per-span ones; per-head arrays ([batch * heads, ...]) at the program's heads
-# (`passes.head_spec`).
+# (`frames.head_spec`).
 
 TOK = ("q", "k", "v", "pool_q", "pool_k", "o_ext", "do", "o_fin", "dq_in", "dk_in", "dv_in", "dpq_in",
        "dpk_in", "o", "dq", "dk", "dv", "dpq", "dpk")
@@ -107,161 +58,26 @@ def _tile_spec(f: Frame, dim: int) -> pl.BlockSpec:
 
 def _full(f: Frame, shape: tuple[int, ...]) -> pl.BlockSpec:
   """A per-head array [BH, *shape], whole for each of the program's heads."""
-  return passes.head_spec(f, shape, lambda g: (0,) * len(shape))
+  return frames.head_spec(f, shape, lambda g: (0,) * len(shape))
 
 
 def _row(f: Frame, dim: int) -> pl.BlockSpec:
   """The program's own row (tile or span) of a per-head [BH, n, 1, dim]."""
-  return passes.row_spec(f, dim)
+  return frames.row_spec(f, dim)
 
 
 def _lse(f: Frame) -> pl.BlockSpec:
-  return passes.head_spec(f, (None, 1, f.cols), lambda g: (g, 0, 0))
+  return frames.head_spec(f, (None, 1, f.cols), lambda g: (g, 0, 0))
 
 
 def _mask(f: Frame) -> pl.BlockSpec:
   return pl.BlockSpec((None, None, 1, f.cols), lambda b, h, g: (b, g, 0, 0))
 
 
-# ------------------------------------------------------------------------------------------------- pieces
-
-def _shr(x: Array, n: Any) -> Array:
-  return lax.shift_right_logical(x, jnp.asarray(n, x.dtype) if isinstance(n, int) else n)
-
-
-def _valid(f: Frame, R: dict, g: Any, shape: tuple[int, int]) -> Array:
-  """Validity of the tile's positions as a row [1, T] or a column [T, 1]."""
-  axis = 1 if shape[0] == 1 else 0
-  local = lax.broadcasted_iota(jnp.int32, shape, axis)
-  ok = f.valid(g, local)
-  if f.masked:
-    m = R["mask"][...] > 0  # [1, T]
-    ok = ok & (m if axis == 1 else tiles.column(m.astype(F32)) > 0)
-  return ok
-
-
-def _low_pools(x: Array, valid_col: Array, kind: str, level: int) -> tuple[Array, Array]:
-  """Pools of every aligned span of 2^level rows of a tile: ([T >> level, d], counts [T >> level, 1])."""
-  n, d = x.shape[0] >> level, x.shape[1]
-  cnt = jnp.sum(valid_col.astype(F32).reshape(n, 1 << level, 1), axis=1)
-  if kind == "max":
-    top = jnp.max(jnp.where(valid_col, x, NEG).reshape(n, 1 << level, d), axis=1)
-    return jnp.where(cnt > 0, top, 0.0), cnt
-  return jnp.sum(jnp.where(valid_col, x, 0.0).reshape(n, 1 << level, d), axis=1) / jnp.maximum(cnt, 1.0), cnt
-
-
-def _members(T: int, n: int, level: int) -> Array:
-  """[T, n] float32 one-hot: position i belongs to span i >> level (n >= T >> level rows of spans)."""
-  pos = lax.broadcasted_iota(jnp.int32, (T, n), 0)
-  span = lax.broadcasted_iota(jnp.int32, (T, n), 1)
-  return (_shr(pos, level) == span).astype(F32)
-
-
-def _exact(a: Array, b: Array, ta: bool = False) -> Array:
-  """a @ b (a^T @ b) in float32 at full precision: sums of one-hot selections stay exact."""
-  dims = (((0,), (0,)), ((), ())) if ta else (((1,), (0,)), ((), ()))
-  return lax.dot_general(a, b, dims, preferred_element_type=F32, precision=lax.Precision.HIGHEST)
-
-
-def _expand(x: Array, level: int, T: int) -> Array:
-  """[n, w] -> [T, w]: each span's row over its 2^level positions."""
-  return tiles.select_rows(_members(T, x.shape[0], level), x)
-
-
-def _low_level(f: Frame, dy: Dyadic, R: dict, level: int, valid_row: Array, valid_col: Array):
-  """A low level's summaries in the tile: (k_bar [n, d] f32, v_tilde [n, dv] f32, lse [n, 1], q_bar
-  [n, d] f32, counts [n, 1], membership [n, T]), n = T >> level (padded to a matmul's smallest tile), every
-  span, even or odd."""
-  pq = (R["pool_q"] if dy.pools else R["q"])[...].astype(F32)
-  pk = (R["pool_k"] if dy.pools else R["k"])[...].astype(F32)
-  qbar, cnt = _low_pools(pq, valid_col, dy.pooling, level)
-  kbar, _ = _low_pools(pk, valid_col, dy.pooling, level)
-  rows = tiles.min_rows(f.platform)
-  qbar8, kbar8, cnt8 = tiles.pad_rows(qbar, rows), tiles.pad_rows(kbar, rows), tiles.pad_rows(cnt, rows)
-  n = qbar8.shape[0]
-  span = lax.broadcasted_iota(jnp.int32, (n, 1), 0)
-  kid = lax.broadcasted_iota(jnp.int32, (1, f.cols), 1)
-  member = (_shr(kid, level) == span) & valid_row  # [n, T]
-  st = tiles.online_step(Online.empty(n, f.dv), qbar8.astype(R["k"].dtype), R["k"][...], R["v"][...], member,
-                         f.scale)
-  vt, lse = tiles.finish(st)
-  return kbar8, vt, lse, qbar8, cnt8, member
-
-
-def _low_visible(level: int, n: int, cnt: Array, T: int) -> Array:
-  """[T, n]: query i reads span s of the level iff bit `level` of i is set and s = (i >> level) - 1."""
-  qid = lax.broadcasted_iota(jnp.int32, (T, 1), 0)
-  s = lax.broadcasted_iota(jnp.int32, (1, n), 1)
-  up = _shr(qid, level)
-  return ((up & 1) == 1) & (s == up - 1) & (cnt.astype(F32).T > 0)
-
-
-def _sparse_visible(T: int) -> Array:
-  """[T, T]: key j is the last position of a span of query i inside the tile: j + 1 = i with its bits below
-  the lowest set bit of j + 1 cleared."""
-  qid = lax.broadcasted_iota(jnp.int32, (T, 1), 0)
-  x = lax.broadcasted_iota(jnp.int32, (1, T), 1) + 1
-  low = x & (-x)
-  return (qid & ~(low - 1)) == x
-
-
-def _level0_visible(T: int) -> Array:
-  qid = lax.broadcasted_iota(jnp.int32, (T, 1), 0)
-  kid = lax.broadcasted_iota(jnp.int32, (1, T), 1)
-  return (kid == qid - 1) & ((qid & 1) == 1)
-
-
-def _high_rows(dy: Dyadic, R: dict, g: Array) -> tuple[Array, Array, Array]:
-  """The bank rows tile g reads, one per high level, in `high_rows` rows: (k [n, d] f32, v [n, dv] f32,
-  visible [1, n]). Assembled by selects (Triton concatenates two arrays at a time)."""
-  n = dy.high_rows
-  f = dy.frame
-  rows = lax.broadcasted_iota(jnp.int32, (n, 1), 0)
-  lanes = lax.broadcasted_iota(jnp.int32, (1, n), 1)
-  k, v, ok = jnp.zeros((n, f.d), F32), jnp.zeros((n, f.dv), F32), jnp.zeros((1, n), F32)
-  for j, off in enumerate(dy.offsets()):
-    idx = off + _shr(g, j + 1)
-    k = jnp.where(rows == j, R["bk"][pl.ds(idx, 1), 0, :], k)
-    v = jnp.where(rows == j, R["bv"][pl.ds(idx, 1), 0, :], v)
-    read = ((_shr(g, j) & 1) == 1) & (R["bstats"][pl.ds(idx, 1), 0, 0:1] > 0)  # [1, 1]
-    ok = jnp.where((lanes == j) & read, 1.0, ok)
-  return k, v, ok > 0
-
-
-# --------------------------------------------------------------------------------------------- main tile
-
-def _main_sources(f: Frame, dy: Dyadic, R: dict, g: Array):
-  """Every (keys, values, visible [T, n]) a tile's queries read, the low levels' construction included."""
-  T = f.cols
-  valid_row = _valid(f, R, g, (1, T))
-  valid_col = _valid(f, R, g, (T, 1))
-  qid = lax.broadcasted_iota(jnp.int32, (T, 1), 0)
-  kid = lax.broadcasted_iota(jnp.int32, (1, T), 1)
-  out = []
-  if dy.pooling is None:  # D_i and the last positions of the in-tile spans
-    vis = _sparse_visible(T) & (kid < qid)
-    if dy.with_self:
-      vis = vis | (kid == qid)
-    out.append(("own", R["k"][...], R["v"][...], vis & valid_row, None))
-  else:
-    if dy.with_self:
-      out.append(("own", R["k"][...], R["v"][...], (kid == qid) & valid_row, None))
-    pk = R["pool_k"][...] if dy.pools else R["k"][...]
-    out.append(("level0", pk, R["v"][...], _level0_visible(T) & valid_row, None))
-    for level in range(1, dy.low):
-      kbar, vt, lse, qbar, cnt, member = _low_level(f, dy, R, level, valid_row, valid_col)
-      out.append((("low", level), kbar, vt, _low_visible(level, kbar.shape[0], cnt, T),
-                  (lse, qbar, cnt, member)))
-  if dy.high:
-    k, v, ok = _high_rows(dy, R, g)
-    out.append(("high", k, v, jnp.broadcast_to(ok, (T, ok.shape[1])), None))
-  return out
-
-
 def _main_kernel_body(b: Array, R: dict, g: Array, head: Array, *, f: Frame, dy: Dyadic) -> None:
   q = R["q"][...]
   st = Online.empty(f.cols, f.dv)
-  for _, k, v, vis, _ in _main_sources(f, dy, R, g):
+  for _, k, v, vis, _ in levels.main_sources(f, dy, R, g):
     st = tiles.online_step(st, q, k, v, vis, f.scale)
   if dy.ext:
     st = tiles.merge_partial(st, R["o_ext"][...], tiles.column(R["lse_ext"][...]))
@@ -272,13 +88,14 @@ def _main_kernel_body(b: Array, R: dict, g: Array, head: Array, *, f: Frame, dy:
 
 def _route_low(x: Array, valid_col: Array, kind: str, level: int, pooled: Array, cnt: Array,
                g: Array) -> Array:
-  """Gradient [T, d] of `_low_pools` for the pooled gradients g [n, d] (n >= T >> level rows of spans)."""
+  """Gradient [T, d] of `levels.low_pools` for the pooled gradients g [n, d] (n >= T >> level rows of
+  spans)."""
   T = x.shape[0]
   if kind == "mean":
-    return jnp.where(valid_col, _expand(g / jnp.maximum(cnt, 1.0), level, T), 0.0)
-  hit = (x == _expand(pooled, level, T)) & valid_col
-  ties = _exact(_members(T, pooled.shape[0], level), hit.astype(F32), ta=True)  # [n, d]
-  return jnp.where(hit, _expand(g / jnp.maximum(ties, 1.0), level, T), 0.0)
+    return jnp.where(valid_col, levels.expand(g / jnp.maximum(cnt, 1.0), level, T), 0.0)
+  hit = (x == levels.expand(pooled, level, T)) & valid_col
+  ties = levels.exact(levels.members(T, pooled.shape[0], level), hit.astype(F32), ta=True)  # [n, d]
+  return jnp.where(hit, levels.expand(g / jnp.maximum(ties, 1.0), level, T), 0.0)
 
 
 def _main_backward_kernel_body(b: Array, R: dict, g: Array, head: Array, *, f: Frame, dy: Dyadic) -> None:
@@ -287,12 +104,12 @@ def _main_backward_kernel_body(b: Array, R: dict, g: Array, head: Array, *, f: F
   kdt = q.dtype
   delta = jnp.sum(do.astype(F32) * R["o_fin"][...].astype(F32), axis=1, keepdims=True)
   lse = tiles.column(R["lse_fin"][...])
-  valid_col = _valid(f, R, g, (T, 1))
+  valid_col = levels.tile_valid(f, R, g, (T, 1))
   dq = jnp.zeros((T, f.d), F32)
   dk = jnp.zeros((T, f.d), F32)
   dv = jnp.zeros((T, f.dv), F32)
   dpq = dpk = jnp.zeros((T, f.d), F32)
-  for name, k, v, vis, low in _main_sources(f, dy, R, g):
+  for name, k, v, vis, low in levels.main_sources(f, dy, R, g):
     pr, ds = tiles.grads(q, do, k, v, vis, lse, delta, f.scale)
     dq = dq + tiles.dot(ds.astype(kdt), tiles.finite(k).astype(kdt)) * f.scale
     dkeys = tiles.dot(ds.astype(kdt), q, ta=True) * f.scale  # [n, d]
@@ -334,22 +151,9 @@ def _main_backward_kernel_body(b: Array, R: dict, g: Array, head: Array, *, f: F
 
 # ------------------------------------------------------------------------------------------- high spans
 
-def _span_of(dy: Dyadic, s: Array) -> tuple[Array, Array, Array]:
-  """(level j, first tile, tiles) of high span s."""
-  j = jnp.int32(0)
-  base = jnp.int32(0)
-  for jj, off in enumerate(dy.offsets()):
-    later = s >= off
-    j = jnp.where(later, jj, j)
-    base = jnp.where(later, off, base)
-  start = lax.shift_left(s - base, j + 1)
-  n = jnp.minimum(lax.shift_left(jnp.int32(1), j), dy.frame.rows - start)
-  return j, start, n
-
-
 def _spans_kernel_body(b: Array, R: dict, s: Array, head: Array, *, f: Frame, dy: Dyadic) -> None:
-  j, start, n = _span_of(dy, s)
-  load = passes.TileLoader(f, R, b, head)
+  j, start, n = levels.span_of(dy, s)
+  load = frames.TileLoader(f, R, b, head)
   if dy.pooling is None:  # the span's last position
     last = start + lax.shift_left(jnp.int32(1), j) - 1
     tile = jnp.minimum(last, f.rows - 1)
@@ -357,7 +161,8 @@ def _spans_kernel_body(b: Array, R: dict, s: Array, head: Array, *, f: Frame, dy
     ok = (last < f.rows) & (tiles.take_row(load.valid(tile, b, (f.cols, 1)).astype(F32), end) > 0)
     R["kbar"][...] = jnp.where(ok, tiles.take_row(load("k", tile, f.d).astype(F32), end), 0.0)
     R["vt"][...] = jnp.where(ok, tiles.take_row(load("v", tile, f.dv).astype(F32), end), 0.0)
-    R["stats"][...] = jnp.where(lax.broadcasted_iota(jnp.int32, (1, STATS), 1) == 0, ok.astype(F32), 0.0)
+    lane = lax.broadcasted_iota(jnp.int32, (1, levels.STATS), 1)
+    R["stats"][...] = jnp.where(lane == 0, ok.astype(F32), 0.0)
     return
   qname, kname = ("pool_q", "pool_k") if dy.pools else ("q", "k")
   mx = dy.pooling == "max"
@@ -390,14 +195,14 @@ def _spans_kernel_body(b: Array, R: dict, s: Array, head: Array, *, f: Frame, dy
   R["kbar"][...] = kbar
   R["qbar"][...] = qbar
   R["vt"][...] = tiles.take_row(vt, 0)
-  lane = lax.broadcasted_iota(jnp.int32, (1, STATS), 1)
+  lane = lax.broadcasted_iota(jnp.int32, (1, levels.STATS), 1)
   R["stats"][...] = jnp.where(lane == 0, cnt, jnp.where(lane == 1, tiles.take_row(lse, 0), 0.0))
 
 
 def _span_backward_kernel_body(b: Array, R: dict, s: Array, head: Array, *, f: Frame, dy: Dyadic) -> None:
   """Per span: the gradients of its summary summed over the tiles that read it; the pooled query's gradient
   over the span's keys, and the counts of tied maxima (the rows its pooled gradients are shared by)."""
-  j, start, n = _span_of(dy, s)
+  j, start, n = levels.span_of(dy, s)
   size = lax.shift_left(jnp.int32(1), j)
   first = start + size
   readers = jnp.clip(f.rows - first, 0, size)
@@ -413,7 +218,7 @@ def _span_backward_kernel_body(b: Array, R: dict, s: Array, head: Array, *, f: F
   R["dvt"][...] = dvt
   if dy.pooling is None:
     return
-  load = passes.TileLoader(f, R, b, head)
+  load = frames.TileLoader(f, R, b, head)
   qbar, kbar, vt = R["qbar"][...], R["kbar"][...], R["vt"][...]
   lse = R["stats"][:, 1:2]
   delta = jnp.sum(dvt * vt, axis=1, keepdims=True)
@@ -442,7 +247,7 @@ def _span_backward_kernel_body(b: Array, R: dict, s: Array, head: Array, *, f: F
   R["dqbar"][...] = dqbar
   R["ties_q"][...] = ties_q
   R["ties_k"][...] = ties_k
-  lane = lax.broadcasted_iota(jnp.int32, (1, STATS), 1)
+  lane = lax.broadcasted_iota(jnp.int32, (1, levels.STATS), 1)
   R["stats2"][...] = jnp.where(lane == 0, delta, 0.0)
 
 
@@ -450,8 +255,8 @@ def _tile_backward_kernel_body(b: Array, R: dict, tau: Array, head: Array, *, f:
   """Per tile: the in-span gradients of the high spans holding it, and their pooled gradients routed to its
   rows; added to the main backward's dq, dk, dv in place."""
   T = f.cols
-  valid_row = _valid(f, R, tau, (1, T))
-  valid_col = _valid(f, R, tau, (T, 1))
+  valid_row = levels.tile_valid(f, R, tau, (1, T))
+  valid_col = levels.tile_valid(f, R, tau, (T, 1))
   kdt = R["k"].dtype
   k, v = R["k"][...], R["v"][...]
   dk = jnp.zeros((T, f.d), F32)
@@ -461,8 +266,8 @@ def _tile_backward_kernel_body(b: Array, R: dict, tau: Array, head: Array, *, f:
   first_row = lax.broadcasted_iota(jnp.int32, (nrow, 1), 0) == 0
   rows = lax.broadcasted_iota(jnp.int32, (T, 1), 0)
   for j, off in enumerate(dy.offsets()):
-    reads = (_shr(tau, j) & 1) == 0  # the span of level t + j holding this tile is one a tile reads
-    idx = off + _shr(tau, j + 1)
+    reads = (levels.shr(tau, j) & 1) == 0  # the span of level t + j holding this tile is one a tile reads
+    idx = off + levels.shr(tau, j + 1)
     row = lambda name, width, idx=idx: R[name][pl.ds(idx, 1), 0, :width]  # noqa: E731
     dvt, dkbar = row("dvt", f.dv), row("dkbar", f.d)
     if dy.pooling is None:  # the span's last position is this tile's last row when the tile ends the span
@@ -506,7 +311,7 @@ def _tile_backward_kernel_body(b: Array, R: dict, tau: Array, head: Array, *, f:
 # ------------------------------------------------------------------------------------------------ calls
 
 def _call(f: Frame, kernel, *args, **kw) -> dict[str, Array]:
-  return passes.call_kernel(f, kernel, *args, tok=TOK, heads=HEADS, **kw)
+  return frames.call_kernel(f, kernel, *args, tok=TOK, heads=HEADS, **kw)
 
 
 def _tok_shape(f: Frame, dim: int, dtype: Any) -> jax.ShapeDtypeStruct:
@@ -528,12 +333,12 @@ def _tile_inputs(f: Frame, dy: Dyadic, a: dict) -> tuple[list[str], list[pl.Bloc
 def _spans_inputs(f: Frame, dy: Dyadic, a: dict) -> tuple[list[str], list[pl.BlockSpec], list[Array]]:
   names = ["q", "k", "v"] + (["pool_q", "pool_k"] if dy.pools else []) + (["mask"] if f.masked else [])
   specs = [pl.BlockSpec(a["mask"].shape, lambda b, h, g: (0, 0, 0, 0)) if n == "mask"
-           else passes.whole_spec(f, a[n]) for n in names]
+           else frames.whole_spec(f, a[n]) for n in names]
   return names, specs, [a[n] for n in names]
 
 
-_DIMS = {"kbar": "d", "vt": "dv", "stats": STATS, "qbar": "d", "dqbar": "d", "dkbar": "d", "dvt": "dv",
-         "ties_q": "d", "ties_k": "d", "stats2": STATS}
+_DIMS = {"kbar": "d", "vt": "dv", "stats": levels.STATS, "qbar": "d", "dqbar": "d", "dkbar": "d", "dvt": "dv",
+         "ties_q": "d", "ties_k": "d", "stats2": levels.STATS}
 
 
 def _dim(f: Frame, name: str) -> int:
@@ -542,21 +347,21 @@ def _dim(f: Frame, name: str) -> int:
 
 
 def spans_forward(f: Frame, dy: Dyadic, a: dict) -> dict[str, Array]:
-  """Bank rows of the high spans: kbar, vt, qbar [BH, spans, 1, dim], stats [BH, spans, 1, STATS]."""
+  """Bank rows of the high spans: kbar, vt, qbar [BH, spans, 1, dim], stats [BH, spans, 1, levels.STATS]."""
   ins, specs, args = _spans_inputs(f, dy, a)
   outs = ["kbar", "vt", "stats"] + ([] if dy.pooling is None else ["qbar"])
   return _call(f, functools.partial(_spans_kernel_body, f=f, dy=dy), "combiner_dyadic_spans_fwd",
                dy.num_spans,
                ins, specs, args, outs, [_row(f, _dim(f, n)) for n in outs],
                [_head_shape(f, dy.num_spans, 1, _dim(f, n)) for n in outs],
-               loads=tuple(n for n in ins if n in passes.FRAME_INPUTS))
+               loads=tuple(n for n in ins if n in frames.FRAME_INPUTS))
 
 
 def main_forward(f: Frame, dy: Dyadic, a: dict, bank: dict, out_dtype: Any, ext: tuple | None) -> tuple:
   ins, specs, args = _tile_inputs(f, dy, a)
   if dy.high:
     ins += ["bk", "bv", "bstats"]
-    specs += [_full(f, (dy.num_spans, 1, n)) for n in (f.d, f.dv, STATS)]
+    specs += [_full(f, (dy.num_spans, 1, n)) for n in (f.d, f.dv, levels.STATS)]
     args += [bank["kbar"], bank["vt"], bank["stats"]]
   if ext is not None:
     ins += ["o_ext", "lse_ext"]
@@ -572,7 +377,7 @@ def main_backward(f: Frame, dy: Dyadic, a: dict, bank: dict, do: Array, o: Array
   ins, specs, args = _tile_inputs(f, dy, a)
   if dy.high:
     ins += ["bk", "bv", "bstats"]
-    specs += [_full(f, (dy.num_spans, 1, n)) for n in (f.d, f.dv, STATS)]
+    specs += [_full(f, (dy.num_spans, 1, n)) for n in (f.d, f.dv, levels.STATS)]
     args += [bank["kbar"], bank["vt"], bank["stats"]]
   ins += ["do", "o_fin", "lse_fin"]
   specs += [_tile_spec(f, f.dv), _tile_spec(f, f.dv), _lse(f)]
@@ -588,7 +393,7 @@ def main_backward(f: Frame, dy: Dyadic, a: dict, bank: dict, do: Array, o: Array
       shapes.append(_tok_shape(f, dims[n], dtypes[n]))
     else:
       dim = f.d if n == "dhk" else f.dv
-      out_specs.append(passes.head_spec(f, (None, dy.high_rows, dim), lambda g: (g, 0, 0)))
+      out_specs.append(frames.head_spec(f, (None, dy.high_rows, dim), lambda g: (g, 0, 0)))
       shapes.append(_head_shape(f, f.rows, dy.high_rows, dim))
   return _call(f, functools.partial(_main_backward_kernel_body, f=f, dy=dy), "combiner_dyadic_bwd", f.rows,
                ins, specs, args, outs, out_specs, shapes)
@@ -607,7 +412,7 @@ def spans_backward(f: Frame, dy: Dyadic, a: dict, bank: dict, main: dict) -> dic
   return _call(f, functools.partial(_span_backward_kernel_body, f=f, dy=dy), "combiner_dyadic_spans_bwd",
                dy.num_spans, ins, specs, args, outs, [_row(f, _dim(f, n)) for n in outs],
                [_head_shape(f, dy.num_spans, 1, _dim(f, n)) for n in outs],
-               loads=tuple(n for n in ins if n in passes.FRAME_INPUTS))
+               loads=tuple(n for n in ins if n in frames.FRAME_INPUTS))
 
 
 def tiles_backward(f: Frame, dy: Dyadic, a: dict, bank: dict, sb: dict, main: dict) -> dict:

@@ -30,8 +30,8 @@ import jax
 import jax.numpy as jnp
 
 from attention_core import contract
-from combiner import dyadic_kernels, passes, selected_kernels
-from combiner.passes import Construct, Frame, Pass
+from combiner import dyadic_kernels, frames, passes, selected_kernels
+from combiner.frames import Construct, Frame, Pass
 
 Array = Any
 F32 = jnp.float32
@@ -54,7 +54,7 @@ def frame_cols(span: int, platform: str) -> int:
   bfloat16 sublane packing, and on GPUs, for Triton's dots) up to the tile cap, whole tiles beyond it (GPUs:
   always a power of two, as Triton's blocks are)."""
   floor = 8 if platform == "cpu" else 16
-  cap = passes.TILE
+  cap = frames.TILE
   n = floor
   while n < span and (n < cap or platform == "gpu"):
     n *= 2
@@ -69,7 +69,7 @@ def frame_rows(rows: int, platform: str) -> int:
     while n < rows:
       n *= 2
     return n
-  return rows if rows <= passes.TILE else -(-rows // passes.TILE) * passes.TILE
+  return rows if rows <= frames.TILE else -(-rows // frames.TILE) * frames.TILE
 
 
 # ----------------------------------------------------------------------------------------------- layout
@@ -175,7 +175,7 @@ def _common(arrays: dict, names: tuple[str, ...]) -> dict[str, Array]:
 
 def _bank_total(f: Frame, x: Array) -> Array:
   """A bank gradient as one [BH, n, 1, dim] array (partial sums over groups summed where they were kept)."""
-  return x if passes.accumulates_banks(f) else jnp.sum(x, axis=1)
+  return x if frames.accumulates_banks(f) else jnp.sum(x, axis=1)
 
 
 # ------------------------------------------------------------------------------------------------ fixed
@@ -496,7 +496,7 @@ def logsparse(q: Array, k: Array, v: Array, mask: Array | None, pool_q: Array | 
   """Combiner-Logsparse (pooling "max" | "mean") or LogSparse (pooling None) on the kernels of
   `combiner.dyadic_kernels`. q, k: [batch, length, heads, head_dim]; v: [..., value_dim]."""
   length = q.shape[1]
-  tile = frame_cols(min(length, passes.GPU_TILE if platform == "gpu" else passes.TILE), platform)
+  tile = frame_cols(min(length, frames.GPU_TILE if platform == "gpu" else frames.TILE), platform)
   f = make_frame(q, v, mask, tile, -(-length // tile), platform)
   pools = pool_q is not None
   levels = (length - 1).bit_length()

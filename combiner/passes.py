@@ -18,17 +18,11 @@ summaries it read, from the plan's final log-sum-exp), then the construction's g
 gradients, routing pooled gradients to the rows that pooled into them. dq, dk and dv accumulate across the
 passes of one view in place (input_output_aliases).
 
-Frame arrays keep the op contract's layout, [batch, rows * cols, heads, dim], so no layout copy runs around
-the kernels. On TPU (and in interpret mode) a program reads a group of a block of `heads_per_block` heads,
-[group length, heads, dim] (a column pass reads the same array as [batch, rows, cols, heads, dim], one column
-at a time), and runs its heads one after the other, each copied out of the block in VMEM; on GPUs a program
-runs one head, Triton reading its strided tile of [batch, L, heads * dim]. Per-head arrays are [batch * heads,
-...]: a shared row per group ("bank") [.., n, 1, dim] float32, log-sum-exps [.., groups, 1, group length].
+Frame arrays and programs are laid out by `combiner.frames`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any
 
@@ -36,164 +30,30 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
-from jax.experimental.pallas import triton as pltriton
 
-from attention_core import pallas
-from combiner import tiles
+from combiner import frames, tiles
+from combiner.frames import (
+  Frame,
+  Pass,
+  Rows,
+  accumulates_banks,
+  head_spec,
+  row_spec,
+  tok_in,
+  tok_out,
+  tok_shape,
+  tok_spec,
+)
 from combiner.tiles import F32, Online
 
 Array = Any
-TILE = 128  # query / key tile cap inside a group (TPU lanes; also interpret mode)
-GPU_TILE = 64  # smaller tiles keep more Triton programs in flight
-GPU_PARAMS = pltriton.CompilerParams(num_warps=4, num_stages=2)
-HEAD_BLOCK = 8  # heads per program on TPU: their blocks fit a v4 core's 16 MiB of VMEM
-KINDS = ("block", "last", "prefix", "all_but_one", "own")
-COUNTS = ("vertical_causal", "vertical", "horizontal", "rows")  # how `extra` summaries' members are counted
 
 
-@dataclasses.dataclass(frozen=True)
-class Frame:
-  """Geometry shared by a plan's passes. Frame position (r, c) is sequence position r * span + c when
-  c < span (the real row length; cols >= span pads it), padding otherwise."""
-
-  batch: int
-  heads: int
-  length: int  # real sequence length
-  rows: int
-  cols: int
-  span: int
-  d: int
-  dv: int
-  scale: float
-  packed: bool  # one head per program, frame arrays [batch, L, heads * dim] (GPUs); else blocks of heads
-  platform: str  # "cpu" (interpret mode) | "gpu" | "tpu"
-  masked: bool  # validity comes from mask arrays, else from positions alone
-  partial_banks: bool = False  # gradients of shared rows as per-group partial sums (GPUs), see below
-
-  @property
-  def tile(self) -> int:
-    return GPU_TILE if self.platform == "gpu" else TILE
-
-  @property
-  def heads_per_block(self) -> int:
-    """Heads one program runs: 1 for heads-packed frames; else up to HEAD_BLOCK (a block's heads are its
-    second-minor axis: a multiple of 8 or all of them)."""
-    if self.packed:
-      return 1
-    return HEAD_BLOCK if self.heads % HEAD_BLOCK == 0 else self.heads
-
-  def valid(self, r: Array, c: Array) -> Array:
-    """Validity of frame position (r, c) from positions alone."""
-    return (c < self.span) & (r * self.span + c < self.length)
-
-
-@dataclasses.dataclass(frozen=True)
-class Construct:
-  kind: str  # KINDS
-  pooling: str  # "max" | "mean" (unused by "last")
-  rule: str  # the in-span attention's rule (local ids)
-  pools: bool = False  # pool_q / pool_k are arrays of their own (DeepSets), else q and k
-  given_keys: bool = False  # "own": the pooled keys come in as an input (a learned function of them)
-
-
-@dataclasses.dataclass(frozen=True)
-class Pass:
-  view: str  # "rows" | "cols"
-  own: str | None = None  # rule of the group's own keys (local ids); None: not attended
-  extra: str | None = None  # rule of the per-position summaries of the group (local ids); None: none
-  extra_bank_keys: bool = False  # keys one per frame row ([rows, d], local id = row), values per position
-  extra_count: str = "rows"  # COUNTS: their members, for validity without a mask
-  bank: str | None = None  # rule of the shared summaries against the group index ("lt" | "ne")
-  bank_last: bool = False  # the shared summaries are each group's last position (validity without a mask)
-  construct: Construct | None = None
-  ext: bool = False  # merge another pass's partial softmax of the same queries
-  final: bool = True  # write the normalised output in the output dtype; else a partial (out, lse)
-  attend: bool = True
-
-  def groups(self, f: Frame) -> int:
-    return f.rows if self.view == "rows" else f.cols
-
-  def glen(self, f: Frame) -> int:
-    return f.cols if self.view == "rows" else f.rows
-
-  def tile(self, f: Frame) -> int:
-    return min(self.glen(f), f.tile)
-
-  def ids(self, g: Array, local: Array) -> tuple[Array, Array]:
-    """Frame (row, col) of local index `local` of group g."""
-    return (g, local) if self.view == "rows" else (local, g)
-
-
-# ----------------------------------------------------------------------------------------------- layouts
-
-def tok_shape(f: Frame, p: Pass, dim: int, dtype: Any) -> jax.ShapeDtypeStruct:
-  """A frame array as a pass writes it (`tok_out` gives the frame array back)."""
-  if f.packed:
-    if p.view == "cols":
-      return jax.ShapeDtypeStruct((f.batch, f.rows, f.cols * f.heads * dim), dtype)
-    return jax.ShapeDtypeStruct((f.batch, f.rows * f.cols, f.heads * dim), dtype)
-  if p.view == "cols":
-    return jax.ShapeDtypeStruct((f.batch, f.rows, f.cols, f.heads, dim), dtype)
-  return jax.ShapeDtypeStruct((f.batch, f.rows * f.cols, f.heads, dim), dtype)
-
-
-def tok_in(f: Frame, p: Pass, x: Array) -> Array:
-  """A frame array as a pass reads it: a column pass's view is a free reshape of it."""
-  if p.view != "cols":
-    return x
-  return x.reshape(f.batch, f.rows, -1) if f.packed else x.reshape(f.batch, f.rows, f.cols, *x.shape[2:])
-
-
-def tok_out(f: Frame, p: Pass, x: Array) -> Array:
-  if p.view != "cols":
-    return x
-  return x.reshape(f.batch, f.rows * f.cols, -1) if f.packed else x.reshape(f.batch, f.rows * f.cols,
-                                                                             *x.shape[3:])
-
-
-def grid(f: Frame, groups: int) -> tuple[int, int, int]:
-  """(batch, head blocks, groups): the groups innermost, so a head block's shared rows stay in VMEM."""
-  return (f.batch, f.heads // f.heads_per_block, groups)
-
-
-def _tok_spec(f: Frame, p: Pass, dim: int) -> pl.BlockSpec:
-  glen, hb = p.glen(f), f.heads_per_block
-  if f.packed:
-    if p.view == "cols":
-      return pl.BlockSpec((None, glen, dim), lambda b, h, g: (b, 0, g * f.heads + h))
-    return pl.BlockSpec((None, glen, dim), lambda b, h, g: (b, g, h))
-  if p.view == "cols":
-    return pl.BlockSpec((None, glen, None, hb, dim), lambda b, h, g: (b, 0, g, h, 0))
-  return pl.BlockSpec((None, glen, hb, dim), lambda b, h, g: (b, g, h, 0))
-
-
-def head_view(f: Frame, x: Array) -> Array:
-  """A per-head array [batch * heads, ...] as the kernels read it: [batch, head blocks, heads per block,
-  ...] (a free reshape; one head per block for heads-packed frames)."""
-  hb = f.heads_per_block
-  return x.reshape(f.batch, f.heads // hb, hb, *x.shape[1:])
-
-
-def head_unview(f: Frame, x: Array) -> Array:
-  return x.reshape(f.batch * f.heads, *x.shape[3:])
-
-
-def head_spec(f: Frame, block: tuple, index: Any) -> pl.BlockSpec:
-  """A per-head array's block for the program's heads (one head, squeezed, for heads-packed frames):
-  `block` and `index(g)` its per-head part (None: squeezed)."""
-  hb = None if f.packed else f.heads_per_block
-  return pl.BlockSpec((None, None, hb) + block, lambda b, h, g: (b, h, 0) + index(g))
-
+# ---------------------------------------------------------------------------------------------- layouts
 
 def _bank_spec(f: Frame, n: int, dim: int) -> pl.BlockSpec:
   """All n rows of a per-head bank [.., n, 1, dim] (read in the kernel as ref[rows, 0, :])."""
   return head_spec(f, (n, 1, dim), lambda g: (0, 0, 0))
-
-
-def row_spec(f: Frame, dim: int) -> pl.BlockSpec:
-  """The group's own row of a per-head [.., groups, 1, dim]."""
-  return head_spec(f, (None, 1, dim), lambda g: (g, 0, 0))
 
 
 def _partial_spec(f: Frame, n: int, dim: int) -> pl.BlockSpec:
@@ -218,13 +78,7 @@ def lse_shape(f: Frame, p: Pass) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct((f.batch * f.heads, p.groups(f), 1, p.glen(f)), F32)
 
 
-def accumulates_banks(f: Frame) -> bool:
-  """Whether gradients of shared rows accumulate over groups in one resident block (a TPU core and the
-  interpreter run a grid's programs in order), rather than as per-group partial sums (GPUs)."""
-  return not f.partial_banks
-
-
-# ------------------------------------------------------------------------------------------- validity
+# --------------------------------------------------------------------------------------------- validity
 
 def _key_valid(f: Frame, p: Pass, R: dict, g: Array, start: Any, n: int) -> Array:
   """[1, n] validity of the group's positions start..start+n."""
@@ -312,7 +166,7 @@ TOK_OUTPUTS = ("o", "kbar_tok", "vt_tok", "dq", "dk", "dv", "dpq", "dpk", "dxk",
 
 def _in_specs(f: Frame, p: Pass, names: tuple[str, ...], bank_rows: int) -> list[pl.BlockSpec]:
   d, dv, glen = f.d, f.dv, p.glen(f)
-  tok = functools.partial(_tok_spec, f, p)
+  tok = functools.partial(tok_spec, f, p)
   table = {"q": tok(d), "k": tok(d), "v": tok(dv), "pool_q": tok(d), "pool_k": tok(d), "xk": tok(d),
            "xv": tok(dv), "xk_bank": _bank_spec(f, f.rows, d), "bk": _bank_spec(f, bank_rows, d),
            "bv": _bank_spec(f, bank_rows, dv), "o_ext": tok(dv), "lse_ext": _lse_spec(f, p),
@@ -412,19 +266,6 @@ def _construct(f: Frame, p: Pass, R: dict, g: Array) -> None:
     R["vt_tok"][...] = vt.astype(R["vt_tok"].dtype)
 
 
-class Rows:
-  """Rows of a bank ref [n, 1, dim] as a [n, dim] ref: x[rows] reads, x[rows] += adds."""
-
-  def __init__(self, ref: Any):
-    self.ref = ref
-
-  def __getitem__(self, idx: Any) -> Array:
-    return self.ref[idx[0], 0, :]
-
-  def __setitem__(self, idx: Any, value: Array) -> None:
-    self.ref[idx[0], 0, :] = value
-
-
 def _sources(f: Frame, p: Pass, R: dict, g: Array, bank_rows: int):
   """The sources a query tile reads: (name, key ref, value ref, n, tile, rule, id kind, valid(start, n))."""
   out = []
@@ -493,53 +334,11 @@ HEAD_ARRAYS = ("lse", "lse_ext", "lse_fin", "bk", "bv", "xk_bank", "kbar_in", "d
                "kbar_row", "vt_row", "dbk", "dbv", "dxk_bank")
 
 
-def each_head(f: Frame, names: tuple, refs: tuple, outs: tuple, body, tok: tuple = TOK_INPUTS + TOK_OUTPUTS,
-              heads: tuple = HEAD_ARRAYS, extra: tuple = ()) -> None:
-  """body(R, g, head) for every head of the program's block, R its refs by name, g its group, head the
-  head's index: a frame array (`tok`) as the head's 2-D ref (copied out of the block into VMEM scratch, after
-  `refs`' arguments, and an output's back in after), a per-head array (`heads`) at the head, any other as it
-  is. `extra`: names of the scratch refs that follow the copies."""
-  n = len(names)
-  R = dict(zip(names, refs[:n], strict=True))
-  R.update(zip(extra, refs[len(refs) - len(extra):], strict=True))
-  # program ids are read outside the heads' loop: the interpreter binds them at the kernel's top level
-  g, block = pl.program_id(2), pl.program_id(1)
-  if f.packed:
-    body(R, g, block)
-    return
-  cur = dict(zip([m for m in names if m in tok], refs[n:len(refs) - len(extra)], strict=True))
-  hb = f.heads_per_block
-
-  def copy(j: Array, name: str, out: bool) -> None:
-    for jj in range(hb):
-      @pl.when(j == jj)
-      def _(jj=jj):
-        if out:
-          R[name][:, jj, :] = cur[name][...]
-        else:
-          cur[name][...] = R[name][:, jj, :]
-
-  def head(j, carry):
-    for name in cur:
-      if name not in outs:
-        copy(j, name, out=False)
-    view = {m: cur[m] if m in cur else (R[m].at[j] if m in heads else R[m]) for m in names}
-    body({**view, **{m: R[m] for m in extra}}, g, block * hb + j)
-    for name in cur:
-      if name in outs:
-        copy(j, name, out=True)
-    return carry
-
-  lax.fori_loop(0, hb, head, 0)
-
-
-def forward_kernel(*refs, f: Frame, p: Pass, names: tuple, outs: tuple, bank_rows: int) -> None:
-  def body(R, g, head):
-    if p.construct is not None:
-      _construct(f, p, R, g)
-    if p.attend:
-      _attend(f, p, R, g, bank_rows)
-  each_head(f, names, refs, outs, body)
+def forward_program(b: Array, R: dict, g: Array, head: Array, *, f: Frame, p: Pass, bank_rows: int) -> None:
+  if p.construct is not None:
+    _construct(f, p, R, g)
+  if p.attend:
+    _attend(f, p, R, g, bank_rows)
 
 
 def _attend_backward(f: Frame, p: Pass, R: dict, g: Array, bank_rows: int) -> dict[str, Any]:
@@ -640,11 +439,7 @@ def _construct_backward(f: Frame, p: Pass, R: dict, g: Array) -> dict[str, Array
   return out
 
 
-def backward_kernel(*refs, f: Frame, p: Pass, names: tuple, outs: tuple, bank_rows: int) -> None:
-  each_head(f, names, refs, outs, functools.partial(_backward_body, f, p, bank_rows))
-
-
-def _backward_body(f: Frame, p: Pass, bank_rows: int, R: dict, g: Array, head: Array) -> None:
+def backward_program(b: Array, R: dict, g: Array, head: Array, *, f: Frame, p: Pass, bank_rows: int) -> None:
   glen = p.glen(f)
   dq, dk, dv = jnp.zeros((glen, f.d), F32), jnp.zeros((glen, f.d), F32), jnp.zeros((glen, f.dv), F32)
   dpq = dpk = jnp.zeros((glen, f.d), F32)
@@ -687,39 +482,19 @@ def _add_shared(f: Frame, R: dict, name: str, x: Array, g: Array) -> None:
     ref[:, :] = x
 
 
-# --------------------------------------------------------------------------------------------- the calls
-
-def compiler_params(f: Frame, accumulate: bool) -> Any:
-  sem = ("parallel", "parallel", "arbitrary" if accumulate else "parallel")
-  return pltpu.CompilerParams(dimension_semantics=sem)
-
+# -------------------------------------------------------------------------------------------- the calls
 
 def _call(f: Frame, p: Pass, kernel, names: tuple, outs: tuple, args: dict, in_specs: list, out_specs: list,
-          out_shape: list, *, name: str, accumulate: bool = False, **kw):
-  """One pallas_call of a pass: frame arrays viewed as the pass reads them, per-head arrays as the kernels
-  do; per-head copies of the frame arrays' groups as VMEM scratch on TPU."""
-  scratch = []
-  if not f.packed:
-    dims = {n: a.shape[-1] for n, a in args.items()}
-    dims.update({n: s.shape[-1] for n, s in zip(outs, out_shape, strict=True)})
-    dtypes = {n: a.dtype for n, a in args.items()}
-    dtypes.update({n: s.dtype for n, s in zip(outs, out_shape, strict=True)})
-    scratch = [pltpu.VMEM((p.glen(f), dims[n]), dtypes[n]) for n in names if n in TOK_INPUTS + TOK_OUTPUTS]
+          out_shape: list, *, name: str, bank_rows: int, accumulate: bool = False) -> dict[str, Array]:
+  """One kernel call of a pass (`frames.call_kernel`): frame arrays viewed as the pass reads them."""
   ins = [n for n in names if n not in outs]
-  arrays = [tok_in(f, p, args[n]) if n in TOK_INPUTS else
-            (head_view(f, args[n]) if n in HEAD_ARRAYS else args[n]) for n in ins]
-  hb = f.heads_per_block
-  shapes = [jax.ShapeDtypeStruct((f.batch, f.heads // hb, hb) + s.shape[1:], s.dtype) if n in HEAD_ARRAYS
-            else s for n, s in zip(outs, out_shape, strict=True)]
-  res = pallas.platform_call(
-      functools.partial(kernel, f=f, p=p, names=names, outs=outs, **kw), gpu_params=GPU_PARAMS,
-      tpu_params=compiler_params(f, accumulate), platform=f.platform, grid=grid(f, p.groups(f)),
-      in_specs=in_specs,
-      out_specs=out_specs, out_shape=shapes, scratch_shapes=scratch, name=name,
-      **_aliases(ins, outs, arrays, shapes),
-  )(*arrays)
-  return {n: tok_out(f, p, x) if n in TOK_OUTPUTS else (head_unview(f, x) if n in HEAD_ARRAYS else x)
-          for n, x in zip(outs, res, strict=True)}
+  arrays = [tok_in(f, p, args[n]) if n in TOK_INPUTS else args[n] for n in ins]
+  res = frames.call_kernel(
+      f, functools.partial(kernel, f=f, p=p, bank_rows=bank_rows), name, p.groups(f), ins, in_specs, arrays,
+      list(outs), out_specs, out_shape, tok=TOK_INPUTS + TOK_OUTPUTS, heads=HEAD_ARRAYS, glen=p.glen(f),
+      aliases=_aliases(ins, outs, arrays, out_shape), accumulate=accumulate)
+  return {n: tok_out(f, p, x) if n in TOK_OUTPUTS else x for n, x in res.items()}
+
 
 
 # Outputs written over an input of the same shape and dtype: accumulated gradients, the merged output over the
@@ -735,7 +510,7 @@ def _aliases(ins: list[str], outs: tuple[str, ...], arrays: list[Array], shapes:
     j = out_at.get(ALIASES.get(n, ""))
     if j is not None and (arrays[i].shape, arrays[i].dtype) == (shapes[j].shape, shapes[j].dtype):
       aliases[i] = j
-  return {"input_output_aliases": aliases} if aliases else {}
+  return aliases
 
 
 def forward(f: Frame, p: Pass, args: dict[str, Array], *, out_dtype: Any, tok_dtype: Any, bank_rows: int = 0,
@@ -749,9 +524,9 @@ def forward(f: Frame, p: Pass, args: dict[str, Array], *, out_dtype: Any, tok_dt
             "kbar_row": jax.ShapeDtypeStruct((bh, groups, 1, f.d), F32),
             "vt_row": jax.ShapeDtypeStruct((bh, groups, 1, f.dv), F32),
             "kbar_tok": tok_shape(f, p, f.d, tok_dtype), "vt_tok": tok_shape(f, p, f.dv, tok_dtype)}
-  specs = {"o": _tok_spec(f, p, f.dv), "lse": _lse_spec(f, p), "kbar_row": row_spec(f, f.d),
-           "vt_row": row_spec(f, f.dv), "kbar_tok": _tok_spec(f, p, f.d), "vt_tok": _tok_spec(f, p, f.dv)}
-  return _call(f, p, forward_kernel, ins + outs, outs, args, _in_specs(f, p, ins, bank_rows),
+  specs = {"o": tok_spec(f, p, f.dv), "lse": _lse_spec(f, p), "kbar_row": row_spec(f, f.d),
+           "vt_row": row_spec(f, f.dv), "kbar_tok": tok_spec(f, p, f.d), "vt_tok": tok_spec(f, p, f.dv)}
+  return _call(f, p, forward_program, ins + outs, outs, args, _in_specs(f, p, ins, bank_rows),
                [specs[n] for n in outs], [shapes[n] for n in outs], bank_rows=bank_rows, name=f"{name}_fwd")
 
 
@@ -777,98 +552,7 @@ def backward(f: Frame, p: Pass, args: dict[str, Array], *, dtypes: dict[str, Any
         shapes.append(jax.ShapeDtypeStruct((bh, groups, rows, 1, dim), F32))
     else:
       dim = f.dv if n in ("dv", "dxv") else f.d
-      specs.append(_tok_spec(f, p, dim))
+      specs.append(tok_spec(f, p, dim))
       shapes.append(tok_shape(f, p, dim, dtypes[n]))
-  return _call(f, p, backward_kernel, ins + outs, outs, args, _in_specs(f, p, ins, bank_rows), specs, shapes,
+  return _call(f, p, backward_program, ins + outs, outs, args, _in_specs(f, p, ins, bank_rows), specs, shapes,
                accumulate=accumulate, bank_rows=bank_rows, name=f"{name}_bwd")
-
-
-# ---------------------------------------------------------------------------- kernels beyond the passes
-
-FRAME_INPUTS = ("q", "k", "v", "pool_q", "pool_k")
-
-def call_kernel(f: Frame, kernel, name: str, groups: int, ins: list[str], specs: list, args: list,
-                outs: list[str], out_specs: list, shapes: list, *, tok: tuple, heads: tuple,
-                loads: tuple = (), aliases: dict | None = None, accumulate: bool = False) -> dict[str, Array]:
-  """One pallas_call of a kernel over the frame's groups (grid `grid`), each head of a block run by
-  `each_head`: kernel(b, R, g, head). Per-head arrays (`heads`) are viewed per head block; frame arrays
-  (`tok`) get per-head VMEM copies on TPU. `loads`: frame arrays the kernel reads rows of with `TileLoader`
-  (whole, in HBM on TPU; each gets VMEM buffers for its copies)."""
-  names = tuple(ins + outs)
-  tok = tuple(n for n in tok if n not in loads)
-  scratch = []
-  by_name = dict(zip(ins, args, strict=True))
-  if not f.packed:
-    dims = {n: a.shape[-1] for n, a in by_name.items()}
-    dims.update({n: s.shape[-1] for n, s in zip(outs, shapes, strict=True)})
-    dtypes = {n: a.dtype for n, a in by_name.items()}
-    dtypes.update({n: s.dtype for n, s in zip(outs, shapes, strict=True)})
-    scratch = [pltpu.VMEM((f.cols, dims[n]), dtypes[n]) for n in names if n in tok]
-  extra = ()
-  if f.platform == "tpu":
-    hb = f.heads_per_block
-    for n in loads:
-      x = by_name[n]
-      extra += ("buf_all_" + n, "buf_" + n)
-      scratch += [pltpu.VMEM((f.cols, hb, x.shape[-1]), x.dtype), pltpu.VMEM((f.cols, x.shape[-1]), x.dtype)]
-  arrays = [head_view(f, a) if n in heads else a for n, a in zip(ins, args, strict=True)]
-  hb = f.heads_per_block
-  out_shapes = [jax.ShapeDtypeStruct((f.batch, f.heads // hb, hb) + s.shape[1:], s.dtype) if n in heads else s
-                for n, s in zip(outs, shapes, strict=True)]
-  body = functools.partial(_kernel_entry, kernel=kernel, f=f, names=names, outs=tuple(outs), tok=tok,
-                           heads=heads, extra=extra)
-  res = pallas.platform_call(
-      body, gpu_params=GPU_PARAMS, tpu_params=compiler_params(f, accumulate), platform=f.platform,
-      grid=grid(f, groups), in_specs=specs, out_specs=out_specs, out_shape=out_shapes, scratch_shapes=scratch,
-      name=name, **({"input_output_aliases": aliases} if aliases else {}),
-  )(*arrays)
-  return {n: head_unview(f, x) if n in heads else x for n, x in zip(outs, res, strict=True)}
-
-
-def _kernel_entry(*refs, kernel, f: Frame, names: tuple, outs: tuple, tok: tuple, heads: tuple,
-                  extra: tuple) -> None:
-  b = pl.program_id(0)
-  each_head(f, names, refs, outs, functools.partial(kernel, b), tok, heads, extra)
-
-
-def whole_spec(f: Frame, x: Array) -> pl.BlockSpec:
-  """A frame array a program copies tiles out of (`TileLoader`): left in HBM on TPU, whole elsewhere."""
-  if f.platform == "tpu":
-    return pl.BlockSpec(memory_space=pl.ANY)
-  return pl.BlockSpec(x.shape, lambda b, h, g: (0,) * x.ndim)
-
-
-class TileLoader:
-  """Loads row `i` of the frame (`cols` positions) of a frame array for a batch row and head: on TPU a copy
-  of that row of the head's block into VMEM, then the head's part; elsewhere a direct read. `valid` gives
-  its positions' validity, from a whole mask [batch, rows, 1, cols] where the plan is masked."""
-
-  def __init__(self, f: Frame, R: dict, b: Array, head: Array, mask: str = "mask"):
-    self.f, self.R, self.b, self.head, self.mask = f, R, b, head, mask
-
-  def __call__(self, name: str, i: Array, dim: int) -> Array:
-    f, b, head = self.f, self.b, self.head
-    rows = pl.ds(pl.multiple_of(i * f.cols, f.cols), f.cols)
-    if f.packed:
-      return self.R[name][b, rows, pl.ds(head * dim, dim)]
-    if f.platform != "tpu":
-      return self.R[name][b, rows, head, :]
-    hb = f.heads_per_block
-    block, cur = self.R["buf_all_" + name], self.R["buf_" + name]
-    within = lax.rem(head, jnp.int32(hb))
-    pltpu.sync_copy(self.R[name].at[b, rows, pl.ds(pl.multiple_of(head - within, hb), hb), :], block)
-    for jj in range(hb):
-      @pl.when(within == jj)
-      def _(jj=jj):
-        cur[...] = block[:, jj, :]
-    return cur[...]
-
-  def valid(self, i: Array, b: Array, shape: tuple[int, int]) -> Array:
-    """Validity of frame row i's positions as a row [1, cols] or a column [cols, 1]."""
-    f = self.f
-    axis = 1 if shape[0] == 1 else 0
-    ok = f.valid(i, lax.broadcasted_iota(jnp.int32, shape, axis))
-    if f.masked:
-      m = self.R[self.mask][b, pl.ds(i, 1), 0, :] > 0  # [1, cols]
-      ok = ok & (m if axis == 1 else tiles.column(m.astype(F32)) > 0)
-    return ok

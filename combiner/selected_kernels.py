@@ -25,8 +25,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from combiner import passes, tiles
-from combiner.passes import Frame
+from combiner import frames, tiles
+from combiner.frames import Frame
 from combiner.tiles import F32, NEG, Online
 
 Array = Any
@@ -89,7 +89,7 @@ def _own_visible(f: Frame, R: dict, g: Array, qs: int, t: int, ks: int, kt: int,
 def _main_body(b: Array, R: dict, g: Array, head: Array, *, f: Frame, causal: bool, count: int) -> None:
   T = f.cols
   t = min(T, f.tile)
-  load = passes.TileLoader(f, R, b, head, mask="mask_all")
+  load = frames.TileLoader(f, R, b, head, mask="mask_all")
   for i in range(T // t):
     qs = i * t
     q, kbar, vt, summary_vis, picked, sel = _sources(f, R, g, head, b, qs, t, causal, count)
@@ -118,7 +118,7 @@ def _main_backward_body(b: Array, R: dict, g: Array, head: Array, *, f: Frame, c
                         count: int) -> None:
   T = f.cols
   t = min(T, f.tile)
-  load = passes.TileLoader(f, R, b, head, mask="mask_all")
+  load = frames.TileLoader(f, R, b, head, mask="mask_all")
   dk_own = [jnp.zeros((t, f.d), F32) for _ in range(T // t)]
   dv_own = [jnp.zeros((t, f.dv), F32) for _ in range(T // t)]
   dbk, dbv = jnp.zeros((f.rows, f.d), F32), jnp.zeros((f.rows, f.dv), F32)
@@ -158,8 +158,8 @@ def _main_backward_body(b: Array, R: dict, g: Array, head: Array, *, f: Frame, c
   R["dk"][...] = tiles.stack_rows(dk_own, f.platform).astype(R["dk"].dtype)
   R["dv"][...] = tiles.stack_rows(dv_own, f.platform).astype(R["dv"].dtype)
   for name, x in (("dbk", dbk), ("dbv", dbv)):
-    ref = passes.Rows(R[name])
-    if passes.accumulates_banks(f):
+    ref = frames.Rows(R[name])
+    if frames.accumulates_banks(f):
       @pl.when(g == 0)
       def _(name=name):
         R[name][...] = jnp.zeros_like(R[name])
@@ -172,7 +172,7 @@ def _keys_backward_body(b: Array, R: dict, r: Array, head: Array, *, f: Frame, c
                         count: int) -> None:
   """dk, dv of key block r from the queries of every other block that chose it."""
   T = f.cols
-  load = passes.TileLoader(f, R, b, head, mask="mask_all")
+  load = frames.TileLoader(f, R, b, head, mask="mask_all")
   k, v = R["k"][...], R["v"][...]
   kdt = k.dtype
   valid = load.valid(r, b, (1, T))
@@ -207,11 +207,11 @@ def _tile_spec(f: Frame, dim: int) -> pl.BlockSpec:
 
 def _head_rows(f: Frame, dim: int) -> pl.BlockSpec:
   """The group's row [.., 1, cols] of a per-head [BH, groups, 1, cols]."""
-  return passes.head_spec(f, (None, 1, dim), lambda g: (g, 0, 0))
+  return frames.head_spec(f, (None, 1, dim), lambda g: (g, 0, 0))
 
 
 def _head_whole(f: Frame, shape: tuple) -> pl.BlockSpec:
-  return passes.head_spec(f, shape, lambda g: (0,) * len(shape))
+  return frames.head_spec(f, shape, lambda g: (0,) * len(shape))
 
 
 def _masks(f: Frame, a: dict) -> tuple[list[str], list, list]:
@@ -225,11 +225,11 @@ def _masks(f: Frame, a: dict) -> tuple[list[str], list, list]:
 
 
 def _call(f: Frame, kernel, *args, **kw) -> dict[str, Array]:
-  return passes.call_kernel(f, kernel, *args, tok=TOK, heads=HEADS, **kw)
+  return frames.call_kernel(f, kernel, *args, tok=TOK, heads=HEADS, **kw)
 
 
 def _whole_frames(f: Frame, a: dict, names: tuple[str, ...]) -> tuple[list[str], list, list]:
-  return list(names), [passes.whole_spec(f, a[n]) for n in names], [a[n] for n in names]
+  return list(names), [frames.whole_spec(f, a[n]) for n in names], [a[n] for n in names]
 
 
 def main_forward(f: Frame, a: dict, bank: tuple, out_dtype: Any, causal: bool, count: int) -> dict:
@@ -247,7 +247,7 @@ def main_forward(f: Frame, a: dict, bank: tuple, out_dtype: Any, causal: bool, c
             jax.ShapeDtypeStruct((f.batch * f.heads, f.rows, 1, f.cols), F32),
             jax.ShapeDtypeStruct((f.batch * f.heads, f.rows, f.cols, count), jnp.int32)]
   out_specs = [_tile_spec(f, f.dv), _head_rows(f, f.cols),
-               passes.head_spec(f, (None, f.cols, count), lambda g: (g, 0, 0))]
+               frames.head_spec(f, (None, f.cols, count), lambda g: (g, 0, 0))]
   return _call(f, functools.partial(_main_body, f=f, causal=causal, count=count), "combiner_selected_fwd",
                f.rows, ins, specs, args, outs, out_specs, shapes, loads=("k_all", "v_all"))
 
@@ -264,11 +264,11 @@ def main_backward(f: Frame, a: dict, bank: tuple, res: dict, do: Array, causal: 
   ins, specs, args = ins + n, specs + s_, args + x
   bh = f.batch * f.heads
   outs = ["dq", "dk", "dv", "dbk", "dbv", "delta"]
-  if passes.accumulates_banks(f):
+  if frames.accumulates_banks(f):
     bank_specs = [_head_whole(f, (f.rows, 1, dim)) for dim in (f.d, f.dv)]
     bank_shapes = [jax.ShapeDtypeStruct((bh, f.rows, 1, dim), F32) for dim in (f.d, f.dv)]
   else:
-    bank_specs = [passes.head_spec(f, (None, f.rows, 1, dim), lambda g: (g, 0, 0, 0))
+    bank_specs = [frames.head_spec(f, (None, f.rows, 1, dim), lambda g: (g, 0, 0, 0))
                   for dim in (f.d, f.dv)]
     bank_shapes = [jax.ShapeDtypeStruct((bh, f.rows, f.rows, 1, dim), F32) for dim in (f.d, f.dv)]
   out_specs = [_tile_spec(f, f.d), _tile_spec(f, f.d), _tile_spec(f, f.dv), *bank_specs,
@@ -277,7 +277,7 @@ def main_backward(f: Frame, a: dict, bank: tuple, res: dict, do: Array, causal: 
             jax.ShapeDtypeStruct((bh, f.rows, 1, f.cols), F32)]
   return _call(f, functools.partial(_main_backward_body, f=f, causal=causal, count=count),
                "combiner_selected_bwd", f.rows, ins, specs, args, outs, out_specs, shapes,
-               loads=("k_all", "v_all"), accumulate=passes.accumulates_banks(f))
+               loads=("k_all", "v_all"), accumulate=frames.accumulates_banks(f))
 
 
 def keys_backward(f: Frame, a: dict, res: dict, main: dict, do: Array, causal: bool, count: int) -> dict:
@@ -290,7 +290,7 @@ def keys_backward(f: Frame, a: dict, res: dict, main: dict, do: Array, causal: b
   n, s_, x = _masks(f, a)
   ins, specs, args = ins + n, specs + s_, args + x
   ins += ["q_all", "do_all"]
-  specs += [passes.whole_spec(f, a["q"]), passes.whole_spec(f, do)]
+  specs += [frames.whole_spec(f, a["q"]), frames.whole_spec(f, do)]
   args += [a["q"], do]
   outs = ["dk", "dv"]
   return _call(f, functools.partial(_keys_backward_body, f=f, causal=causal, count=count),

@@ -1,11 +1,11 @@
-"""Times the Combiner kernels' tile settings (combiner/passes.py) for a few ops on this accelerator.
+"""Times the Combiner kernels' tile settings (combiner/frames.py) for a few ops on this accelerator.
 
     python -m scripts.tune_kernels --ops combiner_fixed,combiner_mixture --length 16384
 
 Each variant sets the kernels' tile cap (queries and keys inside a group) and, on GPU, Triton's num_warps /
 num_stages in this process, recompiles every op's forward+backward (the benchmark's shapes: batch 1, 16
 heads, head_dim 64, causal, bfloat16) and prints the median time per call. Keep the best row's settings in
-combiner/passes.py (TILE, GPU_TILE, GPU_PARAMS) for the device it was measured on.
+combiner/frames.py (TILE, GPU_TILE, GPU_PARAMS) for the device it was measured on.
 """
 
 from __future__ import annotations
@@ -56,13 +56,13 @@ def main(argv: Sequence[str] | None = None) -> int:
   args = parser.parse_args(argv)
   from jax.experimental.pallas import triton as pltriton
 
-  from combiner import passes
+  from combiner import frames
 
   names = [n.strip() for n in args.ops.split(",") if n.strip()]
   print("tile warps stages  " + "  ".join(f"{n:>24s}" for n in names), flush=True)
   for tile, warps, stages in VARIANTS:
-    passes.TILE = passes.GPU_TILE = tile
-    passes.GPU_PARAMS = pltriton.CompilerParams(num_warps=warps, num_stages=stages)
+    frames.TILE = frames.GPU_TILE = tile
+    frames.GPU_PARAMS = pltriton.CompilerParams(num_warps=warps, num_stages=stages)
     cells = []
     for name in names:
       try:

@@ -20,7 +20,7 @@ import pytest
 import combiner
 from attention_baselines.dense import dense
 from attention_core import pallas
-from combiner import passes
+from combiner import frames
 from yoso.attention import yoso
 
 BATCH, HEADS, HEAD_DIM, VALUE_DIM = 2, 2, 8, 5
@@ -83,7 +83,7 @@ PLANS = {
         ("mixture_joint", 11, True))),
 ])
 def test_combiner_tpu_branch_equals_xla(monkeypatch, plan, length, causal):
-  monkeypatch.setattr(passes, "TILE", 16)
+  monkeypatch.setattr(frames, "TILE", 16)
   compare_simulated(PLANS[plan], length, causal=causal)
 
 

@@ -20,7 +20,7 @@ import pytest
 
 import combiner
 from attention_core import contract
-from combiner import kernel_plans, passes, sparse
+from combiner import frames, kernel_plans, sparse
 
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
 BATCH, HEADS, HEAD_DIM, VALUE_DIM = 2, 2, 8, 5
@@ -140,7 +140,7 @@ def test_gpu_layout_equals_xla(monkeypatch, plan, causal, pooling, deepsets):
 def test_logsparse_high_levels_equal_xla(monkeypatch, length, causal, pooling, deepsets):
   """Logsparse with tiles of 16 positions: the levels above a tile become span rows built over several tiles,
   read by the tiles of their sibling span (and, bidirectionally, of the reversed sequence)."""
-  monkeypatch.setattr(passes, "TILE", 16)
+  monkeypatch.setattr(frames, "TILE", 16)
   compare("logsparse" if pooling else "sparse_logsparse", length, None, causal, pooling, deepsets, seed=5)
 
 

@@ -14,7 +14,7 @@ import json
 
 import pytest
 
-from combiner import kernel_plans, passes
+from combiner import frames, kernel_plans
 from scripts import check_kernels, profile_ops, tune_kernels
 
 
@@ -103,14 +103,14 @@ def test_frames_follow_the_platform():
   assert kernel_plans.frame_cols(48, "tpu") == 64
   assert kernel_plans.packs_heads("gpu") and kernel_plans.partial_banks("gpu")
   assert not kernel_plans.packs_heads("tpu") and not kernel_plans.partial_banks("tpu")
-  assert passes.GPU_TILE <= passes.TILE
+  assert frames.GPU_TILE <= frames.TILE
 
 
 @pytest.mark.slow
 def test_tune_kernels_runs_every_variant(monkeypatch, capsys):
   monkeypatch.setattr(tune_kernels, "VARIANTS", tune_kernels.VARIANTS[:3])
   for name in ("TILE", "GPU_TILE", "GPU_PARAMS"):
-    monkeypatch.setattr(passes, name, getattr(passes, name))  # restored after the test
+    monkeypatch.setattr(frames, name, getattr(frames, name))  # restored after the test
   assert tune_kernels.main(["--ops", "combiner_fixed", "--length", "48", "--heads", "1", "--head_dim", "16",
                             "--dtype", "float32", "--repeats", "1"]) == 0
   rows = capsys.readouterr().out.strip().splitlines()[1:]
