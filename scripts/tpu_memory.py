@@ -29,7 +29,6 @@ from jax.sharding import PartitionSpec as P
 
 from attention_baselines import dense as dense_module
 from attention_baselines import splash as splash_op
-from attention_core import contract
 from attention_core import registry as ops_registry
 from scripts import compile_tpu  # noqa: F401  (sets libtpu's environment before jax loads)
 
@@ -71,10 +70,9 @@ def _contract_layout(kernel):
 
 
 def _implementation(spec) -> str:
-  """The value of the op's `implementation` that runs its TPU kernel when lowered for TPU."""
-  module = sys.modules[getattr(spec.fn, "func", spec.fn).__module__]
-  allowed = getattr(module, "IMPLEMENTATIONS", contract.IMPLEMENTATIONS)
-  return "pallas" if "pallas" in allowed else "auto"
+  """The value of the op's `implementation` that runs its TPU kernel when lowered for TPU (its registration's
+  `fused` path)."""
+  return "pallas" if "pallas" in spec.fused.values_on("tpu") else "auto"
 
 
 def op_fn(name: str, length: int):

@@ -25,7 +25,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from attention_core import hlo
+from attention_core import contract, hlo
 from attention_core import registry as ops_registry
 from scripts import compile_tpu  # noqa: F401  (sets libtpu's environment before jax loads)
 
@@ -56,7 +56,9 @@ def measure(name: str, length: int, causal: bool, device: Any, heads: int = HEAD
   def fwd_bwd(q, k, v):
     return jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2))(q, k, v)
 
-  compiled = jax.jit(fwd_bwd).lower(x, x, x).compile()
+  with contract.traced_for("tpu"):  # the TPU choices, whatever platform the caller traces for
+    lowered = jax.jit(fwd_bwd).lower(x, x, x)
+  compiled = lowered.compile()
   counts = hlo.device_ops(compiled.as_text())
   return {"ops": counts.ops, "custom_calls": counts.custom_calls, "fusions": counts.fusions,
           "temp_bytes": compiled.memory_analysis().temp_size_in_bytes}

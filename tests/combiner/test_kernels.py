@@ -238,7 +238,7 @@ def check_lowering(name, platform):
 
 
 def test_registry_and_model_config_carry_the_implementation():
-  """Ops that take `implementation` are found from their signature; the model passes
+  """Ops that take `implementation` declare it in their registration (`fused`); the model passes
   `config.model.attention.implementation` to them and rejects a specific choice for an op without one."""
   from attention_core import registry as ops_registry
   from configs import base
@@ -246,7 +246,7 @@ def test_registry_and_model_config_carry_the_implementation():
 
   for name in ("combiner_fixed", "combiner_logsparse", "combiner_axial_rowmajor", "combiner_axial_vertical",
                "combiner_axial_horizontal", "combiner_mixture", "combiner_mixture_joint", "sparse_fixed",
-               "sparse_logsparse", "sparse_axial"):
+               "sparse_logsparse", "sparse_axial", "combiner_fixed_select"):
     assert ops_registry.takes_implementation(ops_registry.get(name)), name
   assert not ops_registry.takes_implementation(ops_registry.OpSpec("plain", lambda q, k, v, *, causal: q))
 
