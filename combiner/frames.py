@@ -57,6 +57,7 @@ class Frame:
   platform: str  # "cpu" (interpret mode) | "gpu" | "tpu"
   masked: bool  # validity comes from mask arrays, else from positions alone
   partial_banks: bool = False  # gradients of shared rows as per-group partial sums (GPUs), see below
+  out_weight: float = 1.0  # the plan's output is this multiple of the passes' softmax (mean mixture: 1/2)
 
   @property
   def tile(self) -> int:

@@ -13,10 +13,13 @@ partial output is differentiated on its own:
              pass builds each position's in-row expectation ("own") and attends the own row, a column pass
              attends the pooled rows. Sparse axial: own row, then own column.
   mixture    joint: column pass (vertical spans), row pass (own row, vertical spans, horizontal spans built),
-             column pass (own column, horizontal spans); mean: the vertical and horizontal plans averaged.
+             column pass (own column, horizontal spans); mean: the vertical and horizontal plans averaged,
+             their backwards adding to the same gradients.
 
-Frame arrays are head-major on TPU and CPU, heads-packed on GPUs (`combiner.passes`); column passes on
-head-major frames read a column-major copy. Masks become per-view validity rows; without a mask validity is
+The axial plans keep only their output and log-sum-exp for the backward: the per-position span summaries
+(as large as the keys and values) are built again there by the passes that built them, construction only, so
+a layer holds as little as dense attention between its forward and backward. Frame arrays keep the op
+contract's layout (`combiner.frames`). Masks become per-view validity rows; without a mask validity is
 computed from positions inside the kernels.
 """
 
@@ -282,33 +285,41 @@ def _view_args(a: dict, view: str, extra: bool = False) -> dict[str, Array]:
 
 def _axial_forward(plan: Plan, a: dict):
   """Forward passes: vertical (columns, then rows), horizontal and rowmajor (rows, then columns), sparse
-  axial (rows, columns), joint mixture (columns, rows, columns); the last pass's output is final."""
+  axial (rows, columns), joint mixture (columns, rows, columns); the last pass's output is final. Residuals:
+  the output and its log-sum-exp (and rowmajor's per-row keys)."""
   f, ps = plan.frame, plan.passes
   kdt = a["q"].dtype
   fwd = functools.partial(passes.forward, f, tok_dtype=kdt, out_dtype=plan.out_dtype)
-  res: dict[str, Array] = {}
+  vertical = None
   if plan.name in ("vertical", "mixture_joint"):
-    c = fwd(ps[0], _view_args(a, "cols"), name="combiner_columns")
-    res["kbar_v"], res["vt_v"] = c["kbar_tok"], c["vt_tok"]
+    vertical = fwd(ps[0], _view_args(a, "cols"), name="combiner_columns")
     if plan.name == "vertical":
-      r = fwd(ps[1], {**_view_args(a, "rows", extra=True), "xk": c["kbar_tok"], "xv": c["vt_tok"],
-                      "o_ext": c["o"], "lse_ext": reorder_lse(c["lse"], f)}, name="combiner_rows")
-      return r["o"], {**res, "o": r["o"], "lse": r["lse"]}
+      r = fwd(ps[1], {**_view_args(a, "rows", extra=True), "xk": vertical["kbar_tok"],
+                      "xv": vertical["vt_tok"], "o_ext": vertical["o"],
+                      "lse_ext": reorder_lse(vertical["lse"], f)}, name="combiner_rows")
+      return r["o"], {"o": r["o"], "lse": r["lse"]}
   row_pass, col_pass = (ps[1], ps[2]) if plan.name == "mixture_joint" else ps
   row_args = _view_args(a, "rows", extra=plan.name == "mixture_joint")
-  if plan.name == "mixture_joint":
-    row_args.update(xk=res["kbar_v"], xv=res["vt_v"])
-  r = fwd(row_pass, row_args, name="combiner_rows")
+  if vertical is not None:
+    row_args.update(xk=vertical["kbar_tok"], xv=vertical["vt_tok"])
+  r = fwd(row_pass, {**row_args, **_common(a, ("kbar_in",))}, name="combiner_rows")
   col_args = {**_view_args(a, "cols", extra=True), "o_ext": r["o"], "lse_ext": reorder_lse(r["lse"], f)}
+  res = {}
   if plan.name in ("horizontal", "mixture_joint"):
-    res["kbar_h"], res["vt_h"] = r["kbar_tok"], r["vt_tok"]
     col_args.update(xk=r["kbar_tok"], xv=r["vt_tok"])
   elif plan.name == "rowmajor":
     res["kbar_rows"] = a["kbar_in"] if "kbar_in" in a else r["kbar_row"]
-    res["vt_h"] = r["vt_tok"]
     col_args.update(xk_bank=res["kbar_rows"], xv=r["vt_tok"])
   c = fwd(col_pass, col_args, name="combiner_columns")
   return c["o"], {**res, "o": c["o"], "lse": c["lse"]}
+
+
+def _rebuilt(plan: Plan, a: dict, p: Pass) -> dict[str, Array]:
+  """The span summaries pass p built in the forward, built again (its construction alone)."""
+  only = dataclasses.replace(p, own=None, extra=None, bank=None, ext=False, attend=False)
+  args = {**_view_args(a, p.view), **_common(a, ("kbar_in",))}
+  return passes.forward(plan.frame, only, args, tok_dtype=a["q"].dtype, out_dtype=plan.out_dtype,
+                        name="combiner_rebuild")
 
 
 _GRADS = {"q": "dq", "k": "dk", "v": "dv", "pool_q": "dpq", "pool_k": "dpk"}
@@ -319,38 +330,43 @@ def _carry(out: dict) -> dict[str, Array]:
   return {g + "_in": out[g] for g in _GRADS.values() if g in out}
 
 
-def _axial_backward(plan: Plan, a: dict, res: dict, do: Array) -> dict:
-  """The passes in reverse, each adding to dq, dk, dv (and DeepSets pools) in place, from the plan's final
-  log-sum-exp (`lse_fin`, in each pass's view)."""
+def _axial_backward(plan: Plan, a: dict, res: dict, do: Array, carry: dict | None = None) -> dict:
+  """The passes in reverse, each adding to dq, dk, dv (and DeepSets pools) in place (starting from `carry`,
+  the gradients of another plan, where given), from the plan's final log-sum-exp (`lse_fin`, in each pass's
+  view). The per-position summaries a backward pass reads are rebuilt just before it (`_rebuilt`)."""
   f, ps = plan.frame, plan.passes
   dt = _dtypes(a)
   tok_dt = {**dt, "dxk": a["q"].dtype, "dxv": a["q"].dtype}
   bwd = functools.partial(passes.backward, f, dtypes=tok_dt)
+  carry = carry or {}
   last_view = "rows" if plan.name == "vertical" else "cols"
   lse = {last_view: res["lse"], ("cols" if last_view == "rows" else "rows"): reorder_lse(res["lse"], f)}
   fin = {"do": do, "o_fin": res["o"]}
   if plan.name == "vertical":
     col, row = ps
-    r = bwd(row, {**_view_args(a, "rows", extra=True), "xk": res["kbar_v"], "xv": res["vt_v"], **fin,
-                  "lse_fin": lse["rows"]}, name="combiner_rows")
+    v = _rebuilt(plan, a, col)
+    r = bwd(row, {**_view_args(a, "rows", extra=True), "xk": v["kbar_tok"], "xv": v["vt_tok"], **fin,
+                  "lse_fin": lse["rows"], **carry}, name="combiner_rows")
     g = bwd(col, {**_view_args(a, "cols"), **fin, "lse_fin": lse["cols"], "dkbar_tok": r["dxk"],
                   "dvt_tok": r["dxv"], **_carry(r)}, name="combiner_columns")
     return {n: g[d] for n, d in _GRADS.items() if d in g}
   row_pass, col_pass = (ps[1], ps[2]) if plan.name == "mixture_joint" else ps
-  col_args = {**_view_args(a, "cols", extra=True), **fin, "lse_fin": lse["cols"]}
+  col_args = {**_view_args(a, "cols", extra=True), **fin, "lse_fin": lse["cols"], **carry}
   if plan.name in ("horizontal", "mixture_joint"):
-    col_args.update(xk=res["kbar_h"], xv=res["vt_h"])
+    h = _rebuilt(plan, a, row_pass)
+    col_args.update(xk=h["kbar_tok"], xv=h["vt_tok"])
   elif plan.name == "rowmajor":
-    col_args.update(xk_bank=res["kbar_rows"], xv=res["vt_h"])
+    col_args.update(xk_bank=res["kbar_rows"], xv=_rebuilt(plan, a, row_pass)["vt_tok"])
   c = bwd(col_pass, col_args, bank_rows=f.rows, name="combiner_columns")
   row_args = {**_view_args(a, "rows", extra=plan.name == "mixture_joint"), **fin, "lse_fin": lse["rows"],
-              **_carry(c)}
+              **_common(a, ("kbar_in",)), **_carry(c)}
   if plan.name in ("horizontal", "mixture_joint"):
     row_args.update(dkbar_tok=c["dxk"], dvt_tok=c["dxv"])
   elif plan.name == "rowmajor":
     row_args.update(dkbar_row=_bank_total(f, c["dxk_bank"]), dvt_tok=c["dxv"])
   if plan.name == "mixture_joint":
-    row_args.update(xk=res["kbar_v"], xv=res["vt_v"])
+    v = _rebuilt(plan, a, ps[0])
+    row_args.update(xk=v["kbar_tok"], xv=v["vt_tok"])
   g = bwd(row_pass, row_args, name="combiner_rows")
   if plan.name == "mixture_joint":  # the vertical spans' construction, by columns
     g = bwd(ps[0], {**_view_args(a, "cols"), "dkbar_tok": g["dxk"], "dvt_tok": g["dxv"], **_carry(g)},
@@ -361,12 +377,34 @@ def _axial_backward(plan: Plan, a: dict, res: dict, do: Array) -> dict:
   return grads
 
 
+def _halves(plan: Plan) -> tuple[Plan, Plan]:
+  """The mean mixture's vertical and horizontal plans (on its frame: output weight 1/2 each)."""
+  return (dataclasses.replace(plan, name="vertical", passes=plan.passes[:2]),
+          dataclasses.replace(plan, name="horizontal", passes=plan.passes[2:]))
+
+
+def _mixture_forward(plan: Plan, a: dict):
+  (vertical, horizontal), wide = _halves(plan), plan.out_dtype
+  o_v, res_v = _axial_forward(vertical, a)
+  o_h, res_h = _axial_forward(horizontal, a)
+  out = (0.5 * (o_v.astype(F32) + o_h.astype(F32))).astype(wide)
+  return out, (res_v, res_h)
+
+
+def _mixture_backward(plan: Plan, a: dict, res: tuple, do: Array) -> dict:
+  """The horizontal plan's backward, then the vertical plan's adding to the same gradients in place."""
+  vertical, horizontal = _halves(plan)
+  g = _axial_backward(horizontal, a, res[1], do)
+  return _axial_backward(vertical, a, res[0], do, carry={_GRADS[n] + "_in": x for n, x in g.items()
+                                                          if x is not None})
+
+
 _FORWARD = {"fixed": _fixed_forward, "fixed_select": _selected_forward, "vertical": _axial_forward,
-            "horizontal": _axial_forward,
-            "rowmajor": _axial_forward, "sparse_axial": _axial_forward, "mixture_joint": _axial_forward}
+            "horizontal": _axial_forward, "rowmajor": _axial_forward, "sparse_axial": _axial_forward,
+            "mixture_joint": _axial_forward, "mixture": _mixture_forward}
 _BACKWARD = {"fixed": _fixed_backward, "fixed_select": _selected_backward, "vertical": _axial_backward,
-             "horizontal": _axial_backward,
-             "rowmajor": _axial_backward, "sparse_axial": _axial_backward, "mixture_joint": _axial_backward}
+             "horizontal": _axial_backward, "rowmajor": _axial_backward, "sparse_axial": _axial_backward,
+             "mixture_joint": _axial_backward, "mixture": _mixture_backward}
 
 
 def _axial_passes(name: str, causal: bool, pooling: str, pools: bool, given_keys: bool) -> tuple[Pass, ...]:

@@ -354,6 +354,8 @@ def _attend_backward(f: Frame, p: Pass, R: dict, g: Array, bank_rows: int) -> di
   for i in range(n):
     qs = i * t
     q, do = R["q"][qs:qs + t, :], R["do"][qs:qs + t, :]
+    if f.out_weight != 1.0:  # the softmax's share of the output's gradient
+      do = (do.astype(F32) * f.out_weight).astype(do.dtype)
     delta = jnp.sum(do.astype(F32) * R["o_fin"][qs:qs + t, :].astype(F32), axis=1, keepdims=True)
     lse = tiles.column(R["lse_fin"][:, qs:qs + t])
     qid = qs + lax.broadcasted_iota(jnp.int32, (t, 1), 0)

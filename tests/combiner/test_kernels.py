@@ -120,6 +120,25 @@ def test_pallas_equals_xla_sweep(plan, length, size, causal, pooling, deepsets):
   compare(plan, length, size, causal, pooling, deepsets, seed=1)
 
 
+@pytest.mark.parametrize("causal", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_rowmajor_span_keys_equal_xla(causal):
+  """Rowmajor with learned span keys (`span_key_fn`): the kernels take the mapped keys as given rows and
+  return their gradient, which reaches k through the map."""
+  q, k, v, mask, cotangent, _ = inputs(11, 5, False)
+
+  def run(implementation, q, k, v):
+    def f(q, k, v):
+      return combiner.axial(q, k, v, row_length=4, direction="rowmajor", causal=causal, mask=mask,
+                            span_key_fn=lambda kb: 1.5 * jnp.tanh(kb) + 0.3, implementation=implementation)
+    out, vjp = jax.vjp(f, q, k, v)
+    return out, vjp(cotangent)
+
+  got = jax.jit(functools.partial(run, "pallas"), compiler_options=FAST_COMPILE)(q, k, v)
+  want = jax.jit(functools.partial(run, "xla"))(q, k, v)
+  for name, a, b in zip(("out", "dq", "dk", "dv"), jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=2e-5, err_msg=name)
+
+
 @pytest.mark.parametrize("plan,causal,pooling,deepsets", [
     ("fixed", True, "mean", True), ("sparse_fixed", False, None, False),
     pytest.param("axial_horizontal", False, "max", True, marks=pytest.mark.slow),
