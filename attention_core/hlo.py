@@ -153,7 +153,7 @@ def summary(hlo_text: str) -> dict[str, float]:
 
 # ------------------------------------------------------------------------------------------ device ops
 # Instructions that execute no work of their own: parameters, tuples and their elements, constants, bitcasts.
-BOOKKEEPING = ("parameter", "tuple", "get-tuple-element", "constant", "bitcast")
+BOOKKEEPING = ("parameter", "tuple", "get-tuple-element", "constant", "bitcast", "opt-barrier")
 _COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 

@@ -314,10 +314,12 @@ def _axial_forward(plan: Plan, a: dict):
   return c["o"], {**res, "o": c["o"], "lse": c["lse"]}
 
 
-def _rebuilt(plan: Plan, a: dict, p: Pass) -> dict[str, Array]:
-  """The span summaries pass p built in the forward, built again (its construction alone)."""
+def _rebuilt(plan: Plan, a: dict, p: Pass, after: Any) -> dict[str, Array]:
+  """The span summaries pass p built in the forward, built again (its construction alone) once `after` is
+  computed (an optimization barrier: else XLA may build them early and keep them as long as before)."""
   only = dataclasses.replace(p, own=None, extra=None, bank=None, ext=False, attend=False)
   args = {**_view_args(a, p.view), **_common(a, ("kbar_in",))}
+  args, _ = jax.lax.optimization_barrier((args, after))
   return passes.forward(plan.frame, only, args, tok_dtype=a["q"].dtype, out_dtype=plan.out_dtype,
                         name="combiner_rebuild")
 
@@ -344,7 +346,7 @@ def _axial_backward(plan: Plan, a: dict, res: dict, do: Array, carry: dict | Non
   fin = {"do": do, "o_fin": res["o"]}
   if plan.name == "vertical":
     col, row = ps
-    v = _rebuilt(plan, a, col)
+    v = _rebuilt(plan, a, col, (fin, carry))
     r = bwd(row, {**_view_args(a, "rows", extra=True), "xk": v["kbar_tok"], "xv": v["vt_tok"], **fin,
                   "lse_fin": lse["rows"], **carry}, name="combiner_rows")
     g = bwd(col, {**_view_args(a, "cols"), **fin, "lse_fin": lse["cols"], "dkbar_tok": r["dxk"],
@@ -353,10 +355,10 @@ def _axial_backward(plan: Plan, a: dict, res: dict, do: Array, carry: dict | Non
   row_pass, col_pass = (ps[1], ps[2]) if plan.name == "mixture_joint" else ps
   col_args = {**_view_args(a, "cols", extra=True), **fin, "lse_fin": lse["cols"], **carry}
   if plan.name in ("horizontal", "mixture_joint"):
-    h = _rebuilt(plan, a, row_pass)
+    h = _rebuilt(plan, a, row_pass, (fin, carry))
     col_args.update(xk=h["kbar_tok"], xv=h["vt_tok"])
   elif plan.name == "rowmajor":
-    col_args.update(xk_bank=res["kbar_rows"], xv=_rebuilt(plan, a, row_pass)["vt_tok"])
+    col_args.update(xk_bank=res["kbar_rows"], xv=_rebuilt(plan, a, row_pass, (fin, carry))["vt_tok"])
   c = bwd(col_pass, col_args, bank_rows=f.rows, name="combiner_columns")
   row_args = {**_view_args(a, "rows", extra=plan.name == "mixture_joint"), **fin, "lse_fin": lse["rows"],
               **_common(a, ("kbar_in",)), **_carry(c)}
@@ -365,7 +367,7 @@ def _axial_backward(plan: Plan, a: dict, res: dict, do: Array, carry: dict | Non
   elif plan.name == "rowmajor":
     row_args.update(dkbar_row=_bank_total(f, c["dxk_bank"]), dvt_tok=c["dxv"])
   if plan.name == "mixture_joint":
-    v = _rebuilt(plan, a, ps[0])
+    v = _rebuilt(plan, a, ps[0], _carry(c))
     row_args.update(xk=v["kbar_tok"], xv=v["vt_tok"])
   g = bwd(row_pass, row_args, name="combiner_rows")
   if plan.name == "mixture_joint":  # the vertical spans' construction, by columns

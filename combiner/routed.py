@@ -32,7 +32,7 @@ import numpy as np
 from attention_core import contract
 from attention_core.blocks import to_grid
 from attention_core.combine import Piece, attend, joint_softmax, weighted_sum
-from combiner import common
+from combiner import common, kernel_plans
 from combiner import pooling as pool_ops
 
 Array = Any
@@ -101,24 +101,53 @@ def _from_slots(t: Array, p: _Slots) -> Array:
   return jnp.take_along_axis(flat, p.slot_of[..., None], axis=2)
 
 
+@common.per_platform
 def routed(q: Array, k: Array, v: Array, *, cluster_ids: Array, num_clusters: int, causal: bool = False,
            mask: Array | None = None, pooling: str = "max", pool_q: Array | None = None,
-           pool_k: Array | None = None) -> Array:
+           pool_k: Array | None = None, implementation: str = "auto") -> Array:
   """Combiner-routed attention under the op contract.
 
   q, k: [batch, length, heads, head_dim]; v: [batch, length, heads, value_dim]; mask: [batch, length] bool.
   cluster_ids: int [batch, length, heads] in [0, num_clusters) (no gradient; e.g. nearest k-means centroid).
   pooling: "max" | "mean" over a span's real members; pool_q / pool_k (shaped like q) are pooled instead of
   q / k for the span abstractions. Returns [batch, length, heads, value_dim] in v's dtype.
+  implementation: "xla", "pallas" or "auto" (pallas on GPU/TPU). The bidirectional plan is Combiner-Fixed
+  over the slot order, blocks = chunks, so "pallas" runs it on Combiner-Fixed's kernels (`_on_kernels`);
+  the causal plan's prefix states follow position order across chunks and stay on the XLA path.
   """
   op = "combiner.routed"
-  x = common.prepare(q, k, v, mask, op=op, causal=causal, pooling=pooling, pool_q=pool_q, pool_k=pool_k)
   n = contract.check_positive_int(num_clusters, name="num_clusters", op=op)
+  if not causal and common.uses_kernels(implementation, op=op):
+    return _on_kernels(common.check(q, k, v, mask, op=op, causal=causal, pooling=pooling, pool_q=pool_q,
+                                    pool_k=pool_k), cluster_ids, n, pooling, op)
+  x = common.prepare(q, k, v, mask, op=op, causal=causal, pooling=pooling, pool_q=pool_q, pool_k=pool_k)
   batch, heads, length, _ = x.q.shape  # head-major
   ids = _check_cluster_ids(cluster_ids, (batch, length, heads), n, op).transpose(0, 2, 1)  # [b, h, L]
   part = _partition(jax.lax.stop_gradient(ids), x.mask, n)
   out = (_causal if causal else _bidirectional)(x, part, pooling)  # [b, h, L, dv]
   return common.finish(out, x)
+
+
+def _on_kernels(c: common.Checked, cluster_ids: Array, n: int, pooling: str, op: str) -> Array:
+  """The bidirectional plan on Combiner-Fixed's kernels: each head's tokens gathered in rank order ((cluster,
+  position), masked tokens last: the same chunks of w as `_partition`, in every head the real tokens first),
+  blocks of w attended as Combiner-Fixed bidirectional (own block exactly, every other block through its
+  summary; both indifferent to the order inside a block), the output scattered back to positions."""
+  batch, length, heads, _ = c.q.shape
+  ids = _check_cluster_ids(cluster_ids, (batch, length, heads), n, op)  # [b, L, h]
+  if c.mask is not None:
+    ids = jnp.where(c.mask[:, :, None], ids, n)
+  to_slot = jnp.argsort(jax.lax.stop_gradient(ids), axis=1, stable=True)  # [b, L(rank), h] -> position
+  to_pos = jnp.argsort(to_slot, axis=1)  # [b, L(position), h] -> rank
+
+  def ranked(t: Array | None) -> Array | None:  # [b, L, h, e] position order -> rank order
+    return None if t is None else jnp.take_along_axis(t, to_slot[..., None], axis=1)
+
+  real = None if c.mask is None else jnp.arange(length) < jnp.sum(c.mask, axis=1, keepdims=True)
+  w = -(-length // n)
+  out = kernel_plans.fixed(ranked(c.q), ranked(c.k), ranked(c.v), real, ranked(c.pool_q), ranked(c.pool_k),
+                           size=w, causal=False, pooling=pooling, platform=contract.backend())
+  return jnp.take_along_axis(out, to_pos[..., None], axis=1)  # [batch, length, heads, value_dim]
 
 
 def _bidirectional(x: common.Inputs, p: _Slots, pooling: str) -> Array:

@@ -211,6 +211,18 @@ class AttentionBase(nnx.Module):
     return self.decode_step(norm(x), cache, position)
 
 
+def implementation_of(config: ml_collections.ConfigDict, spec: ops_registry.OpSpec, name: str) -> str | None:
+  """The kernel choice `config.implementation` for an op that takes one (its registration's `fused` path),
+  None for an op without the choice; naming a choice for such an op is an error."""
+  implementation = str(config.get("implementation", None) or AUTO)
+  if ops_registry.takes_implementation(spec):
+    return implementation
+  if implementation != AUTO:
+    raise ValueError(f"attention op {name!r} does not take 'implementation' (got {implementation!r}); "
+                     "leave it 'auto'")
+  return None
+
+
 class OpAttention(AttentionBase):
   """Any registered pure op, chosen by `config.name`, with plan parameters `config.params`."""
 
@@ -229,12 +241,7 @@ class OpAttention(AttentionBase):
       raise ValueError(f"attention {self.op_name!r} does not support causal=False (encoders); "
                        "choose a bidirectional op")
     self.plan_params = plan_params(config, spec.plan, self.op_name, spec.inputs)
-    # Kernel choice, passed to ops that take it; naming one for an op without the choice is an error.
-    implementation = str(config.get("implementation", None) or AUTO)
-    self.implementation = implementation if ops_registry.takes_implementation(spec) else None
-    if self.implementation is None and implementation != AUTO:
-      raise ValueError(f"attention op {self.op_name!r} does not take 'implementation' "
-                       f"(got {implementation!r}); leave it 'auto'")
+    self.implementation = implementation_of(config, spec, self.op_name)
     self.recompute = bool(config.get("recompute", None) or False)
 
   @property

@@ -295,6 +295,8 @@ class RoutedCombinerAttention(attention.AttentionBase, _CentroidMixin):
                      dtype=dtype, rngs=rngs)
     params = attention.plan_params(config, self.PLAN, "combiner_routed")
     self.pooling = str(params.get("pooling", "max"))
+    self.implementation = attention.implementation_of(config, ops_registry.get("combiner_routed"),
+                                                      "combiner_routed")
     self.num_clusters, rows = _cluster_state(config, params, "combiner_routed")
     self._init_centroids(config, num_heads, rows, head_dim, layer)
 
@@ -305,7 +307,7 @@ class RoutedCombinerAttention(attention.AttentionBase, _CentroidMixin):
     clusters = _clusters_for(self.num_clusters, self.centroids.shape[1], x.shape[1], "combiner_routed")
     ids, aux = routed_clusters(q, k, self.centroids[:, :clusters], mask)  # ids: [batch, length, heads]
     o = combiner.routed(q, k, v, cluster_ids=ids, num_clusters=clusters, causal=self.causal, mask=mask,
-                        pooling=self.pooling)  # [batch, length, heads, head_dim]
+                        pooling=self.pooling, implementation=self.implementation)  # [b, L, heads, head_dim]
     self._update(aux, clusters, deterministic=deterministic)
     return self.output(o, deterministic=deterministic)
 

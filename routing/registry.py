@@ -13,7 +13,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from attention_core.registry import POSITIVE, TEXT, OpSpec, Param, register, sqrt_pow2
+from attention_core import contract
+from attention_core.registry import POSITIVE, TEXT, FusedPath, OpSpec, Param, register, sqrt_pow2
 
 # Combiner-routed is the Combiner's `routed` plan over routing's clusters: a declared peer dependency.
 from combiner.routed import routed
@@ -45,13 +46,14 @@ def routing_op(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None
 
 
 def combiner_routed_op(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None,
-                       num_clusters: int, pooling: str = "max") -> Array:
-  """Combiner-routed attention, clusters = nearest fixed centroid of the layer-normed query and key."""
+                       num_clusters: int, pooling: str = "max", implementation: str = "auto") -> Array:
+  """Combiner-routed attention, clusters = nearest fixed centroid of the layer-normed query and key
+  (bidirectional: on Combiner-Fixed's kernels under `implementation`)."""
   full = jnp.ones(q.shape[:2], bool) if mask is None else mask
   k_route = jnp.where(full[:, :, None, None], k, 0)  # masked keys: a cluster that ignores their values
   ids, _ = routed_clusters(q, k_route, _centroids(q, num_clusters), full)  # [batch, length, heads]
   return routed(q, k, v, cluster_ids=ids, num_clusters=num_clusters, causal=causal, mask=mask,
-                pooling=pooling)
+                pooling=pooling, implementation=implementation)
 
 
 register(OpSpec("routing", routing_op,
@@ -64,4 +66,5 @@ register(OpSpec("combiner_routed", combiner_routed_op,
                 params=lambda length: {"num_clusters": sqrt_pow2(length)},
                 module="models.routing_attention:RoutedCombinerAttention",
                 plan={"num_clusters": POSITIVE, "pooling": TEXT},
+                fused=FusedPath.declare(contract.IMPLEMENTATIONS, causal=False),
                 description="Combiner-learnable: full attention over k-means routed chunks, O(L^1.5 d)"))

@@ -157,3 +157,37 @@ def test_registered_ops_run_under_jit():
     params = ops_registry.bench_params(spec, 20)
     out = jax.jit(functools.partial(spec.fn, causal=True, **params))(q, q, q)
     assert out.shape == q.shape and bool(jnp.isfinite(out).all())
+
+
+@pytest.mark.parametrize("pooling,deepsets", [("max", True),
+                                              pytest.param("mean", False, marks=pytest.mark.slow)])
+def test_kernels_equal_xla(pooling, deepsets):
+  """The bidirectional plan on Combiner-Fixed's kernels (interpret mode) equals the XLA path: forward and the
+  gradients of q, k, v (and the DeepSets pools), with a mask, skewed clusters and value_dim != head_dim."""
+  q, k, v, ids, mask = (x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x
+                        for x in _inputs(3, 2, 13, 2, 8, 5, 4))
+  pools = [jax.random.normal(jax.random.key(s), q.shape) for s in (7, 8)] if deepsets else [None, None]
+  cotangent = jax.random.normal(jax.random.key(9), v.shape)
+
+  def run(implementation, q, k, v, pool_q, pool_k):
+    def f(q, k, v, pool_q, pool_k):
+      return combiner.routed(q, k, v, cluster_ids=ids, num_clusters=4, causal=False, mask=mask,
+                             pooling=pooling, pool_q=pool_q, pool_k=pool_k, implementation=implementation)
+    out, vjp = jax.vjp(f, q, k, v, *pools)
+    return out, vjp(cotangent)
+
+  got = jax.jit(functools.partial(run, "pallas"))(q, k, v, *pools)
+  want = jax.jit(functools.partial(run, "xla"))(q, k, v, *pools)
+  names = ("out", "dq", "dk", "dv") + (("dpool_q", "dpool_k") if deepsets else ())
+  for name, a, b in zip(names, jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=2e-5, err_msg=name)
+
+
+def test_causal_stays_on_xla():
+  """The causal plan has no kernel: "pallas" runs the XLA path (the registration declares kernels for the
+  bidirectional plan only)."""
+  q, k, v, ids, mask = _inputs(4, 1, 9, 2, 4, 4, 3)
+  run = functools.partial(combiner.routed, q, k, v, cluster_ids=ids, num_clusters=3, causal=True, mask=mask)
+  np.testing.assert_array_equal(np.asarray(run(implementation="pallas")),
+                                np.asarray(run(implementation="xla")))
+  assert not ops_registry.get("combiner_routed").fused.causal
