@@ -19,7 +19,7 @@ order (the model's sigmoid gates); without gates every branch weighs 1/3, so the
 Selection is per query and per head (the model has no grouped keys to share it over). Cost per query: L/s
 compressed logits + n * l' selected + w window keys, O(L * (L/s + n*l' + w) * d). implementation="xla"
 gathers the selected blocks per query over chunks of queries (`attention_core.selection`); "pallas" runs the
-selection and window branches in the fused kernel of `attention_core.selection_flash` (the compression
+selection and window branches in the fused kernel of `attention_baselines.selection_flash` (the compression
 branch and the block choice stay in XLA); "auto" takes it on GPU and TPU (per lowering platform), XLA on CPU.
 """
 
@@ -30,8 +30,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from attention_baselines import selection_flash
 from attention_baselines.common import from_rows, to_rows
-from attention_core import contract, selection_flash
+from attention_core import contract
 from attention_core.blocks import map_chunks, num_blocks
 from attention_core.combine import Piece, flag_nonfinite, flagged_sum, joint_softmax
 from attention_core.registry import sqrt_pow2
@@ -46,7 +47,7 @@ from attention_core.selection import (
 Array = Any
 MLP_PARTS = ("pos", "w1", "b1", "w2")  # the compression MLP's arrays, for keys and for values
 BRANCHES = 3  # gates: compression, selection, sliding window
-IMPLEMENTATIONS = selection_flash.IMPLEMENTATIONS  # "pallas": attention_core.selection_flash
+IMPLEMENTATIONS = selection_flash.IMPLEMENTATIONS  # "pallas": attention_baselines.selection_flash
 
 
 def auto_params(length: int) -> dict[str, int]:
@@ -169,8 +170,8 @@ def attend_rows(qs: Array, qpos: Array, gates: Array, kp: Array, vp: Array, real
   each of `query_chunks` chunks; gates [rows, Q, 3]) over keys kp [rows, P, d], values vp [rows, P, e] and key
   mask realp [rows, P], P a whole number of selection blocks, masked keys already zero, all in the softmax
   dtype; rows = batch x heads. Arguments checked by `nsa`. kernel_dtype: None for the XLA path, else the
-  selection and window branches run in `attention_core.selection_flash` on inputs of that dtype, for queries
-  at positions 0..P-1 (qpos = arange(P)). Returns [rows, Q, e]."""
+  selection and window branches run in `attention_baselines.selection_flash` on inputs of that dtype, for
+  queries at positions 0..P-1 (qpos = arange(P)). Returns [rows, Q, e]."""
   size, stride, sel = compress_block, compress_stride, select_block
   rows, padded, head_dim = kp.shape
   value_dim = vp.shape[-1]

@@ -1,4 +1,4 @@
-"""The selected-blocks kernel (attention_core/selection_flash.py) in interpret mode on CPU.
+"""The selected-blocks kernel (attention_baselines/selection_flash.py) in interpret mode on CPU.
 
 Against a from-definition float64 softmax over each query's set (its chosen blocks, or every block, with the
 causal and window rules and the key mask): outputs and gradients, several query tiles, several key tiles per
@@ -18,9 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from attention_baselines import selection_flash
 from attention_baselines.moba import moba
 from attention_baselines.nsa import nsa
-from attention_core import contract, pallas, selection_flash
+from attention_core import contract, pallas
 from tests.attention_baselines.definitions import inputs
 from tests.attention_baselines.test_moba import reference as moba_reference
 from tests.attention_baselines.test_nsa import PLAN as NSA_PLAN
