@@ -153,7 +153,8 @@ def adaptive_span(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | N
 
   q: [batch, L, heads, head_dim]; k: [batch, M + L, heads, head_dim]; v: [batch, M + L, heads, value_dim]
   (M >= 0 memory keys first, query i at position M + i; M > 0 needs causal); mask: [batch, M + L] bool.
-  spans: [heads] (or [1]) spans z in tokens, clamped to [0, max_span]; differentiable.
+  spans: [heads] (or [1]) spans z in tokens, clamped to [0, max_span] (a span outside reads as the nearer
+    end and gets no gradient); differentiable, one-sided at whole numbers (module docstring).
   max_span: static bound on the spans (the loop's static trip-count bound). ramp: R > 0.
   block_size: queries and keys per block of the loop.
   positions: None or [heads (or 1, shared), P, head_dim], P >= ceil(max_span + ramp): row x is the learned

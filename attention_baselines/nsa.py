@@ -9,9 +9,10 @@ Three branches, each with its own softmax over its own keys, summed with gates (
     MLP `relu(flatten(x + pos) @ w1 + b1) @ w2` with an intra-block position encoding `pos` [l, dim].
   * selection: the compression softmax weights p_i[c] score the selection blocks of l' = `select_block`
     positions: block b gets sum_c p_i[c] * (number of stride-s chunks that block c and block b share), the
-    paper's eq. 9. Query i keeps the `num_selected` best blocks among b <= i // l', always including its
-    own block, the block before it and the first block (in that order of priority; ties go to the lower
-    block), and attends exactly to their keys j <= i.
+    paper's eq. 9. Query i keeps `num_selected` = n blocks among b <= i // l': always its own block, the
+    block before it and the first block (the paper's local and initial blocks; they count toward n, as in
+    its n = 16, so n >= 3), then the best others by score (ties go to the lower block), and attends exactly
+    to their keys j <= i.
   * sliding window: the keys j with i - w < j <= i (w = `window`).
   out_i = g_i^cmp o_i^cmp + g_i^slc o_i^slc + g_i^win o_i^win with gates [batch, length, heads, 3] in that
 order (the model's sigmoid gates); without gates every branch weighs 1/3, so the rows sum to one.
@@ -47,6 +48,7 @@ from attention_core.selection import (
 Array = Any
 MLP_PARTS = ("pos", "w1", "b1", "w2")  # the compression MLP's arrays, for keys and for values
 BRANCHES = 3  # gates: compression, selection, sliding window
+FORCED = 3  # blocks every query selects: its own, the one before it, the first
 IMPLEMENTATIONS = selection_flash.IMPLEMENTATIONS  # "pallas": attention_baselines.selection_flash
 
 
@@ -57,6 +59,15 @@ def auto_params(length: int) -> dict[str, int]:
   compress = max(1, select // 2)
   return {"compress_block": compress, "compress_stride": max(1, compress // 2), "select_block": select,
           "num_selected": 16, "window": 8 * select}
+
+
+def check_num_selected(num_selected: Any, *, op: str) -> int:
+  """n, the blocks each query selects, counting its FORCED ones (own, previous, first): an int >= 3."""
+  if isinstance(num_selected, bool) or not isinstance(num_selected, int) or num_selected < FORCED:
+    raise ValueError(f"{op}: argument 'num_selected' must be an int >= {FORCED} (each query's own block, the "
+                     f"one before it and the first block are always selected and count toward it), got "
+                     f"{num_selected!r}")
+  return num_selected
 
 
 def check_mlp(op: str, prefix: str, arrays: tuple[Any, ...], heads: int, block: int, dim: int
@@ -111,7 +122,10 @@ def nsa(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None
   """Native Sparse Attention: gated compression, selection and sliding-window branches (module docstring).
 
   q, k: [batch, length, heads, head_dim]; v: [batch, length, heads, value_dim]; mask: [batch, length] bool.
-  gates: None (1/3 each) or [batch, length, heads, 3] (compression, selection, window).
+  num_selected: n, the selected blocks per query counting its forced ones (own, previous, first), as the
+    paper's n = 16; at least 3.
+  gates: None (the default: each branch weighs 1/3, so a row sums to one) or [batch, length, heads, 3]
+    (compression, selection, window: the model's sigmoid gates).
   cmp_key_*, cmp_value_*: the compression MLPs (all four arrays of a side, or none: mean pooling).
   query_chunks: queries run in this many sequential chunks (None = automatic, ~64 MB of gathered keys each).
   implementation: "xla" | "pallas" | "auto" (module docstring).
@@ -125,7 +139,7 @@ def nsa(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None
   size = contract.check_positive_int(compress_block, name="compress_block", op=op)
   stride = contract.check_positive_int(compress_stride, name="compress_stride", op=op)
   sel = contract.check_positive_int(select_block, name="select_block", op=op)
-  count = contract.check_positive_int(num_selected, name="num_selected", op=op)
+  count = check_num_selected(num_selected, op=op)
   width = contract.check_positive_int(window, name="window", op=op)
   contract.check_implementation(implementation, IMPLEMENTATIONS, op=op)
   fused = selection_flash.choose_implementation(implementation, q, k, v, sel, op=op, strict=True) == "pallas"

@@ -153,7 +153,9 @@ register(OpSpec(
     "nsa", nsa, bidirectional=False, params=nsa_params, bench_inputs=_nsa_inputs, decode=NSA,
     module="models.nsa_attention:NSAAttention",
     description="Native Sparse Attention: gated compressed (l=32, stride 16), top-16 selected (64-token "
-                "blocks) and sliding-window (512) branches, causal, O(L*(L/16 + n*64 + 512)*d)"))
+                "blocks; n >= 3 counts the own, previous and first blocks, always selected) and "
+                "sliding-window (512) branches, causal; without gates each branch weighs 1/3; "
+                "O(L*(L/16 + n*64 + 512)*d)"))
 register(OpSpec(
     "moba", moba, params=moba_params, decode=MOBA,
     description="MoBA: own block + top-k blocks by mean-pooled key score (k=3, B=min(512, L/16)), one "
@@ -172,15 +174,16 @@ def _adaptive_span_inputs(length: int, *, head_dim: int = 64) -> dict:
 register(OpSpec(
     "adaptive_span", adaptive_span, params=adaptive_span_params, bench_inputs=_adaptive_span_inputs,
     decode=ADAPTIVE_SPAN, module="models.adaptive_span_attention:AdaptiveSpanAttention",
-    description="adaptive attention span: a learned soft span per head (R=32), key blocks beyond the "
-                "largest span skipped, O(L*(max z + R)*d)"))
+    description="adaptive attention span: a learned soft span per head (R=32), clamped to [0, max_span] "
+                "(default max_span = L), key blocks beyond the largest span skipped, O(L*(max z + R)*d)"))
 
 
 register(OpSpec(
     "blockbert", blockbert, causal=False, params=lambda length: {"num_blocks": 2},
     module="models.blockbert_attention:BlockBERTAttention",
-    description="BlockBERT: n = 2 blocks, each head attends from block a to block a + s_h mod n (most heads "
-                "s = 0, about one in six shifted), O(L*(L/n)*d), bidirectional only"))
+    description="BlockBERT: n = 2 blocks (n above L is cut to L), each head attends from block a to block "
+                "a + s_h mod n (shifts=None: most heads s = 0, about one in six shifted), O(L*(L/n)*d), "
+                "bidirectional only"))
 
 
 def _etc_inputs(length: int) -> dict:
@@ -192,7 +195,9 @@ register(OpSpec(
     "etc", etc, causal=False, params=etc_params, bench_inputs=_etc_inputs,
     module="models.etc_attention:ETCAttention",
     description="ETC global-local: l2l radius 84 + l2g to one global token per 32 tokens, relative position "
-                "biases (k=12), O(L*(2r + L/32)*d), bidirectional only"))
+                "biases (k=12; one scalar per label and head, not ETC's relative key vectors), hard g2l mask "
+                "(hard_g2l=True); returns the long tokens' output only (return_global=True: also the global "
+                "tokens'), O(L*(2r + L/32)*d), bidirectional only"))
 
 
 def _transformer_xl_inputs(length: int, *, heads: int = 1, head_dim: int = 64) -> dict:
