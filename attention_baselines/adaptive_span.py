@@ -51,7 +51,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from attention_baselines import transformer_xl
+from attention_baselines import adaptive_span_flash, transformer_xl
 from attention_core import contract
 from attention_core.blocks import head_major, num_blocks, pad_to
 from attention_core.combine import flag_nonfinite, unflag
@@ -60,6 +60,7 @@ Array = Any
 OP = "adaptive_span"
 RAMP = 32  # the paper's R
 BLOCK = 64  # block size of the loop over key blocks (CPU: fewest wasted keys for spans of a few hundred)
+IMPLEMENTATIONS = adaptive_span_flash.IMPLEMENTATIONS  # "pallas": attention_baselines.adaptive_span_flash
 
 
 def auto_params(length: int) -> dict[str, int]:
@@ -146,9 +147,33 @@ class Plan(NamedTuple):
   max_span: float  # the clamp's upper end (where d/dz is the shrinking side's, `corner_band`)
 
 
+def choose_implementation(implementation: Any, positions: Any, *, strict: bool = False) -> Any:
+  """What the op runs where it is traced (`contract.backend`): "auto" is the kernels on GPU and TPU, XLA on
+  CPU, and XLA on GPUs with `positions` (`adaptive_span_flash.supports`). There an explicit "pallas" is XLA
+  too, and raises ValueError ("does not apply") when `strict` on a GPU host (the GPU branch of a program
+  traced elsewhere, for every platform, takes XLA). Unknown values are returned as they are (the op rejects
+  them in its own words)."""
+  if implementation not in IMPLEMENTATIONS:
+    return implementation
+  chosen = contract.resolve_implementation(implementation, IMPLEMENTATIONS, op=OP)
+  if chosen != "pallas" or adaptive_span_flash.supports(positions is not None):
+    return chosen
+  if strict and implementation == "pallas" and jax.default_backend() == "gpu":
+    raise ValueError(f"{OP}: argument 'implementation'='pallas' does not apply here: the kernels take "
+                     "relative positions on TPU only (Triton has no lane rotation); use 'auto' or 'xla'")
+  return "xla"
+
+
+def _choice(q: Any, k: Any, v: Any, *, implementation: Any = "auto", positions: Any = None, **_: Any) -> Any:
+  """What `adaptive_span` traces per platform (the key of `contract.per_platform_op`)."""
+  chosen = choose_implementation(implementation, positions)
+  return (chosen, adaptive_span_flash.tile_size(1 << 20)) if chosen == "pallas" else chosen
+
+
+@contract.per_platform_op(_choice)
 def adaptive_span(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None, spans: Array,
                   max_span: int, ramp: float = RAMP, block_size: int = BLOCK,
-                  positions: Array | None = None) -> Array:
+                  positions: Array | None = None, implementation: str = "auto") -> Array:
   """Softmax attention with a learned soft span per head (see the module docstring).
 
   q: [batch, L, heads, head_dim]; k: [batch, M + L, heads, head_dim]; v: [batch, M + L, heads, value_dim]
@@ -159,6 +184,9 @@ def adaptive_span(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | N
   block_size: queries and keys per block of the loop.
   positions: None or [heads (or 1, shared), P, head_dim], P >= ceil(max_span + ramp): row x is the learned
   embedding p_x of distance x (|i - j| bidirectionally), added to the keys; differentiable.
+  implementation: "xla" (the loop below), "pallas" (`attention_baselines.adaptive_span_flash`: the same
+  weights and derivatives in fused kernels, tiles of 128 on TPU, 64 on GPUs; with positions TPU only) or
+  "auto" (the kernels on GPU and TPU, per lowering platform, where they apply; XLA on CPU).
   Returns [batch, L, heads, value_dim] in v's dtype.
   """
   q, k, v, mask = check_inputs(q, k, v, mask)
@@ -166,6 +194,8 @@ def adaptive_span(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | N
   size = contract.check_positive_int(block_size, name="block_size", op=OP)
   ramp = check_ramp(ramp)
   max_span = check_max_span(max_span)
+  contract.check_implementation(implementation, IMPLEMENTATIONS, op=OP)
+  fused = choose_implementation(implementation, positions, strict=True) == "pallas"
   batch, length, heads, head_dim = q.shape
   memory = k.shape[1] - length
   if memory and not causal:
@@ -176,6 +206,13 @@ def adaptive_span(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | N
   memory -= drop
   ct = contract.softmax_dtype(q.dtype, k.dtype, v.dtype)
   z = clamp_spans(check_spans(spans, heads).astype(ct), max_span)  # [heads]
+  if fused:
+    p = None if positions is None else check_positions(positions, heads, head_dim, window(max_span, ramp))
+    dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
+    out = adaptive_span_flash.attend(*(head_major(x).astype(dtype) for x in (q, k, v)), mask, z, p,
+                                     causal=causal, ramp=ramp, max_span=max_span,
+                                     window=window(max_span, ramp))  # [batch, heads, L, value_dim]
+    return jnp.swapaxes(out, 1, 2).astype(v.dtype)
   size = min(size, length)
   n = num_blocks(length, size)
   lead = -memory % size
