@@ -41,6 +41,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -117,17 +118,45 @@ def token_neighbours(n: int, context: int, causal: bool) -> tuple[np.ndarray, ..
   return index, valid, kind, level, rank
 
 
-def _groups(index: np.ndarray, valid: np.ndarray, size: int) -> tuple[int, np.ndarray, np.ndarray]:
-  """A piece's static layout: the tokens' rows index, valid [n, O] are constant on groups of `size` tokens
-  aligned at some offset; returns (f, index [G, O], valid [G, O]): token i sits at i + f of G groups."""
-  n = index.shape[0]
-  for f in range(size):
-    count = -(-(n + f) // size)
-    first = np.clip(np.arange(count) * size - f, 0, n - 1)  # a token of each group
-    member = np.clip(np.arange(n) + f, 0, None) // size  # each token's group
-    if np.array_equal(index[first][member], index) and np.array_equal(valid[first][member], valid):
-      return f, index[first], valid[first]
-  raise AssertionError(f"{OP}: contextual nodes not shared by aligned groups of {size}")  # never: docstring
+def _context_nodes(nodes: list[tuple[Array, ...]], lvl: int, context: int, n: int
+                   ) -> tuple[int, int, tuple[Array, ...]]:
+  """The left contextual nodes of level `lvl` per aligned group of tokens (module docstring), from the level
+  arrays nodes[l] = (keys, values, real) [b, n >> l, ...], as (group size, front, (keys [b, G, k, h, d],
+  values, real [b, G, k])): token i sits at i + front of the G groups. Slot m >= 1 holds level-l node
+  (g >> 1) - m of group g = (i - c_l) >> (l - 1); slot 0 the level-(l - 1) node g where g is even, else
+  level-l node g >> 1; indices below 0 are no node (real False)."""
+  if lvl == 0:  # tokens i - 1 - m, one group per token
+    shifted = [tuple(_shift(x, 1 + m, n) for x in nodes[0]) for m in range(context)]
+    return 1, 0, tuple(jnp.stack(parts, axis=2) for parts in zip(*shifted, strict=True))
+  size = 1 << (lvl - 1)
+  c = context * ((1 << lvl) - 1) + 1
+  front = -c % size
+  count = -(-(n + front) // size)
+  first = -((c + front) // size)  # g of group 0
+  coarse = [jnp.repeat(x, 2, axis=1) for x in nodes[lvl]]  # entry j: level-l node j >> 1
+  fine = nodes[lvl - 1]  # entry j: level-(l - 1) node j
+  even = jnp.asarray((np.arange(count) + first) % 2 == 0)  # [G]
+  slots = []
+  for m in range(context):
+    picked = [_window(x, first - 2 * m, count) for x in coarse]  # level-l node (g >> 1) - m
+    if m == 0:
+      finer = [_window(x, first, count) for x in fine]
+      picked = [jnp.where(even.reshape((1, count) + (1,) * (a.ndim - 2)), b, a)
+                for a, b in zip(picked, finer, strict=True)]
+    slots.append(picked)
+  return size, front, tuple(jnp.stack(parts, axis=2) for parts in zip(*slots, strict=True))
+
+
+def _window(x: Array, start: int, count: int) -> Array:
+  """x[:, start:start + count] with zeros (False) for the entries outside x: [b, count, ...]."""
+  before, after = max(0, -start), max(0, start + count - x.shape[1])
+  x = jnp.pad(x, [(0, 0), (before, after)] + [(0, 0)] * (x.ndim - 2))
+  return jax.lax.slice_in_dim(x, start + before, start + before + count, axis=1)
+
+
+def _shift(x: Array, by: int, n: int) -> Array:
+  """x[:, i - by] for i < n (zeros, False, before the first): [b, n, ...]."""
+  return _window(x, -by, n)
 
 
 def relative_table(heads: int, head_dim: int, context: int, rel_self: Array | None, rel_left: Array | None,
@@ -225,39 +254,42 @@ def bp_transformer(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | 
     ks, vs = means(kt), means(vt)  # [b, n - 1, h, dim]
 
   # Tokens, one piece per level and side of one softmax: the tokens of an aligned group of 2^(l - 1) share the
-  # k nodes of level l (module docstring), gathered once per group, never per token.
-  index, valid_slot, kind, level, rank = token_neighbours(n, context, causal)  # [n, S]
+  # k nodes of level l (module docstring), read from the level arrays by pads, slices and repeats (no gather).
+  _, _, kind, level, rank = token_neighbours(n, context, causal)  # [n, S]
   labels = label_of(kind, level, rank, rows, context)  # [n, S]
-  zero = lambda x: jnp.zeros_like(x[:, :1])  # noqa: E731
-  node_k = jnp.concatenate([kt, ks, zero(kt)], axis=1)  # [b, 2n, h, d]: tokens, span nodes, a zero node
-  node_v = jnp.concatenate([vt, vs, zero(vt)], axis=1)
-  node_real = jnp.concatenate([token_real, span_real, zero(token_real)], axis=1)  # [b, 2n]
+  span = lambda x, lvl: x[:, span_offset(n, lvl):span_offset(n, lvl) + (n >> lvl)]  # noqa: E731
+  nodes = [(kt, vt, token_real)] + [(span(ks, lvl), span(vs, lvl), span(span_real, lvl))
+                                    for lvl in range(1, levels)]  # per level: [b, n >> l, ...]
   qr = None if table is None else jnp.einsum("bihd,hld->bhil", qt, table)  # [b, h, n, labels]
   self_logits = jnp.einsum("bihd,bihd->bhi", qt, kt)[..., None]  # [b, h, n, 1]
   if qr is not None:
     self_logits = self_logits + qr[..., :1]
   pieces = [Piece(self_logits * scale, token_real[:, None, :, None],
                   lambda w: jnp.einsum("bhio,bihd->bhid", w, vt))]
-  for lvl in range(levels):
-    for side in (1,) if causal else (1, 2):
+  for side in (1,) if causal else (1, 2):
+    # The right side is the left side on reversed positions (nodes reversed within each level).
+    flip = (lambda x: x) if side == 1 else (lambda x: jnp.flip(x, axis=1))  # noqa: E731
+    levels_of_side = [tuple(flip(x) for x in lvl_nodes) for lvl_nodes in nodes]
+    q_side = flip(qt)
+    for lvl in range(levels):
       slots = np.flatnonzero((level[0] == lvl) & (kind[0] == side))  # [O]: the k slots of this piece
-      size = 1 << max(lvl - 1, 0)
-      front, idx, ok = _groups(index[:, slots], valid_slot[:, slots], size)  # idx, ok: [G, O]
-      count = idx.shape[0]
+      size, front, (kn, vn, real) = _context_nodes(levels_of_side, lvl, context, n)  # [b, G, O, ...]
+      count = kn.shape[1]
       extent = [(0, 0), (front, count * size - n - front)]
-      kn, vn = node_k[:, idx], node_v[:, idx]  # [b, G, O, h, dim]
-      qg = jnp.pad(qt, extent + [(0, 0), (0, 0)]).reshape(batch, count, size, heads, head_dim)
+      qg = jnp.pad(q_side, extent + [(0, 0), (0, 0)]).reshape(batch, count, size, heads, head_dim)
       s = jnp.einsum("bcghd,bcohd->bhcgo", qg, kn).reshape(batch, heads, count * size, len(slots))
-      s = s[:, :, front:front + n]  # [b, h, n, O]
+      s = jnp.flip(s[:, :, front:front + n], 2) if side == 2 else s[:, :, front:front + n]  # [b, h, n, O]
       if qr is not None:
         s = s + qr[..., labels[0, slots]]
-      real = node_real[:, idx] & ok  # [b, G, O]
       valid = jnp.repeat(real, size, axis=1)[:, None, front:front + n]  # [b, 1, n, O]
+      valid = jnp.flip(valid, 2) if side == 2 else valid
 
-      def apply(w, vn=vn, count=count, size=size, extent=extent, front=front):
+      def apply(w, vn=vn, count=count, size=size, extent=extent, front=front, side=side):
+        w = jnp.flip(w, 2) if side == 2 else w
         w = jnp.pad(w, [(0, 0), (0, 0), *extent[1:], (0, 0)]).reshape(batch, heads, count, size, w.shape[-1])
         out = jnp.einsum("bhcgo,bcohd->bhcgd", w, vn).reshape(batch, heads, count * size, vn.shape[-1])
-        return out[:, :, front:front + n]  # [b, h, n, dv]
+        out = out[:, :, front:front + n]  # [b, h, n, dv]
+        return jnp.flip(out, 2) if side == 2 else out
 
       pieces.append(Piece(s * scale, valid, apply))
   token_out = joint_softmax(pieces)  # [b, h, n, dv]
