@@ -81,6 +81,7 @@ def test_fused_path_lowers_for_cuda():
     assert text.count("xla.gpu.triton") == kernels and "tpu_custom_call" not in text
 
 
+@pytest.mark.slow  # ~30 s of libtpu compile (the NSA TPU compile is -m slow in test_tpu_kernels_compile too)
 @pytest.mark.all_platforms
 def test_device_ops_within_three_times_splash():
   """v5e, L = 4096, bfloat16, 16 heads of 128, causal, fwd+bwd of the sum (q, k, v), the registry's
