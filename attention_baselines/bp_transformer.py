@@ -25,10 +25,11 @@ Logits are `q_a . (k_b + r_ab) / sqrt(d)`, one softmax per node over its edges.
 
 A token's at most 2k log2 n + 1 edges are one softmax over one piece per level and side: all k nodes of
 level l >= 1 depend on i through u >> (l - 1) only, so the tokens of each aligned group of 2^(l - 1) (aligned
-at c_l, or at -c_l on the right) share them: each piece gathers [groups, k] nodes once per group, never per
-token; span nodes of level l attend to their 2^l tokens as [n / 2^l, 2^l] blocks. O(k n log n) logits and
-O(k n d) gathered keys and values for the tokens, O(n log n d) for the span nodes; no [n, n] array is ever
-built. (`token_neighbours` lists the same edges per token, for the cached decoder and the tests.)
+at c_l, or at -c_l on the right) share them: each piece reads [groups, k] nodes, once per group, by pads,
+slices and repeats of the level arrays (`_context_nodes`; the right side is the left on reversed positions),
+never a gather; span nodes of level l attend to their 2^l tokens as [n / 2^l, 2^l] blocks. O(k n log n)
+logits and O(k n d) keys and values read for the tokens, O(n log n d) for the span nodes; no [n, n] array is
+ever built. (`token_neighbours` lists the same edges per token, for the cached decoder and the tests.)
 
 Without span-node states (`graph=False`, the op contract on L tokens: benchmarks, the op sweeps) a span
 node's query, key and value are the masked means of its tokens'; the model
