@@ -9,9 +9,16 @@ Positions are 0-based, s_ij = q_i . k_j / sqrt(d), x = i - j (causal: keys j <= 
 with R = `ramp` (the paper's 32). With `positions` p (the paper's learned relative position embeddings, one
 vector per distance, p_x [heads, head_dim]), s_ij = q_i . (k_j + p_{x_ij}) / sqrt(d); the paper is causal,
 and bidirectionally p is indexed by |i - j|, so it tells near from far but not left from right. Masked keys
-are dropped; keys with m_z(x) = 0 (x >= z + R) get weight exactly zero and gradient exactly zero, also with
-respect to z. The spans and p are model parameters (`models.adaptive_span_attention` owns them and the
-spans' L1 penalty); the op takes them as `spans` [heads] in tokens and `positions`.
+are dropped; keys with m_z(x) = 0 (x >= z + R) get weight exactly zero and gradient exactly zero, and those
+beyond z + R are never read. The spans and p are model parameters (`models.adaptive_span_attention` owns them
+and the spans' L1 penalty); the op takes them as `spans` [heads] in tokens, clamped to [0, max_span].
+
+d/dz where m has corners (x = z, where m leaves 1, and x = z + R, where it leaves 0; they matter at whole
+numbers z, above all z = 0, where every head starts and where the penalty sends it back): the derivative for
+a growing span, the right derivative (pairs z < x <= z + R, the key at x = z + R included although it
+weighs nothing), at every z but z = max_span, where the span can only shrink and d/dz is the left
+derivative (pairs z <= x < z + R). The clamp passes this derivative in full at both ends of [0, max_span]
+and none outside (`clamp_spans`).
 
 Keys may cover [memory; segment] (Transformer-XL's cache of earlier segments, which the paper trains the spans
 with): k, v and the key mask then hold M = k.shape[1] - q.shape[1] memory positions before the L of the
@@ -23,8 +30,8 @@ position, and the loop below runs over them unchanged.
 Compute is skipped beyond the largest current span: queries and keys are cut into blocks of `block_size`,
 and the forward and backward passes (one `jax.custom_vjp`) each loop with `lax.while_loop` over key-block
 offsets t (query block b meets key block b - t, and b + t when bidirectional), for t < T =
-ceil((max_h z_h + R + block_size - 1) / block_size): the offsets whose nearest query-key pair is closer than
-max z + R. The trip count T is computed from the spans at run time, so a layer costs
+floor((max_h z_h + R - 1) / block_size) + 2: the offsets whose nearest query-key pair is at most max z + R
+apart. The trip count T is computed from the spans at run time, so a layer costs
 O(L * (max z + R + block) * d) whatever `max_span` is; `max_span` bounds T statically (and the decoder's
 window) and clamps z. Blocks beyond T are never read: a NaN there stays out of every output and gradient.
 Inside the loop softmax runs online as in flash attention (running max, rescaled sums); the backward
@@ -44,7 +51,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from attention_baselines import transformer_xl
+from attention_baselines import adaptive_span_flash, transformer_xl
 from attention_core import contract
 from attention_core.blocks import head_major, num_blocks, pad_to
 from attention_core.combine import flag_nonfinite, unflag
@@ -53,6 +60,7 @@ Array = Any
 OP = "adaptive_span"
 RAMP = 32  # the paper's R
 BLOCK = 64  # block size of the loop over key blocks (CPU: fewest wasted keys for spans of a few hundred)
+IMPLEMENTATIONS = adaptive_span_flash.IMPLEMENTATIONS  # "pallas": attention_baselines.adaptive_span_flash
 
 
 def auto_params(length: int) -> dict[str, int]:
@@ -136,20 +144,49 @@ class Plan(NamedTuple):
   length: int  # L
   front: int  # key blocks before the segment's first (0 without memory)
   lead: int  # zero keys in front of the memory (0 without memory)
+  max_span: float  # the clamp's upper end (where d/dz is the shrinking side's, `corner_band`)
 
 
+def choose_implementation(implementation: Any, positions: Any, *, strict: bool = False) -> Any:
+  """What the op runs where it is traced (`contract.backend`): "auto" is the kernels on GPU and TPU, XLA on
+  CPU, and XLA on GPUs with `positions` (`adaptive_span_flash.supports`). There an explicit "pallas" is XLA
+  too, and raises ValueError ("does not apply") when `strict` on a GPU host (the GPU branch of a program
+  traced elsewhere, for every platform, takes XLA). Unknown values are returned as they are (the op rejects
+  them in its own words)."""
+  if implementation not in IMPLEMENTATIONS:
+    return implementation
+  chosen = contract.resolve_implementation(implementation, IMPLEMENTATIONS, op=OP)
+  if chosen != "pallas" or adaptive_span_flash.supports(positions is not None):
+    return chosen
+  if strict and implementation == "pallas" and jax.default_backend() == "gpu":
+    raise ValueError(f"{OP}: argument 'implementation'='pallas' does not apply here: the kernels take "
+                     "relative positions on TPU only (Triton has no lane rotation); use 'auto' or 'xla'")
+  return "xla"
+
+
+def _choice(q: Any, k: Any, v: Any, *, implementation: Any = "auto", positions: Any = None, **_: Any) -> Any:
+  """What `adaptive_span` traces per platform (the key of `contract.per_platform_op`)."""
+  chosen = choose_implementation(implementation, positions)
+  return (chosen, adaptive_span_flash.tile_size(1 << 20)) if chosen == "pallas" else chosen
+
+
+@contract.per_platform_op(_choice)
 def adaptive_span(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None, spans: Array,
                   max_span: int, ramp: float = RAMP, block_size: int = BLOCK,
-                  positions: Array | None = None) -> Array:
+                  positions: Array | None = None, implementation: str = "auto") -> Array:
   """Softmax attention with a learned soft span per head (see the module docstring).
 
   q: [batch, L, heads, head_dim]; k: [batch, M + L, heads, head_dim]; v: [batch, M + L, heads, value_dim]
   (M >= 0 memory keys first, query i at position M + i; M > 0 needs causal); mask: [batch, M + L] bool.
-  spans: [heads] (or [1]) spans z in tokens, clamped to [0, max_span]; differentiable.
+  spans: [heads] (or [1]) spans z in tokens, clamped to [0, max_span] (a span outside reads as the nearer
+    end and gets no gradient); differentiable, one-sided at whole numbers (module docstring).
   max_span: static bound on the spans (the loop's static trip-count bound). ramp: R > 0.
   block_size: queries and keys per block of the loop.
   positions: None or [heads (or 1, shared), P, head_dim], P >= ceil(max_span + ramp): row x is the learned
   embedding p_x of distance x (|i - j| bidirectionally), added to the keys; differentiable.
+  implementation: "xla" (the loop below), "pallas" (`attention_baselines.adaptive_span_flash`: the same
+  weights and derivatives in fused kernels, tiles of 128 on TPU, 64 on GPUs; with positions TPU only) or
+  "auto" (the kernels on GPU and TPU, per lowering platform, where they apply; XLA on CPU).
   Returns [batch, L, heads, value_dim] in v's dtype.
   """
   q, k, v, mask = check_inputs(q, k, v, mask)
@@ -157,6 +194,8 @@ def adaptive_span(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | N
   size = contract.check_positive_int(block_size, name="block_size", op=OP)
   ramp = check_ramp(ramp)
   max_span = check_max_span(max_span)
+  contract.check_implementation(implementation, IMPLEMENTATIONS, op=OP)
+  fused = choose_implementation(implementation, positions, strict=True) == "pallas"
   batch, length, heads, head_dim = q.shape
   memory = k.shape[1] - length
   if memory and not causal:
@@ -166,14 +205,21 @@ def adaptive_span(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | N
   k, v, mask = k[:, drop:], v[:, drop:], mask[:, drop:]  # [batch, M' + L, ...]
   memory -= drop
   ct = contract.softmax_dtype(q.dtype, k.dtype, v.dtype)
-  z = jnp.clip(check_spans(spans, heads).astype(ct), 0.0, float(max_span))  # [heads]
+  z = clamp_spans(check_spans(spans, heads).astype(ct), max_span)  # [heads]
+  if fused:
+    p = None if positions is None else check_positions(positions, heads, head_dim, window(max_span, ramp))
+    dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
+    out = adaptive_span_flash.attend(*(head_major(x).astype(dtype) for x in (q, k, v)), mask, z, p,
+                                     causal=causal, ramp=ramp, max_span=max_span,
+                                     window=window(max_span, ramp))  # [batch, heads, L, value_dim]
+    return jnp.swapaxes(out, 1, 2).astype(v.dtype)
   size = min(size, length)
   n = num_blocks(length, size)
   lead = -memory % size
   front = (lead + memory) // size
   # Static bound on the offsets: the largest span's T (at most every key block).
   bound = min(front + n, -(-(window(max_span, ramp) + size - 1) // size))
-  plan = Plan(causal, ramp, size, n, bound, length, front, lead)
+  plan = Plan(causal, ramp, size, n, bound, length, front, lead, float(max_span))
   qh, kh, vh = (head_major(x).astype(ct) for x in (q, k, v))  # [batch, heads, L or M' + L, dim]
   qh = qh * contract.logit_scale(head_dim)
   rows = None
@@ -181,19 +227,47 @@ def adaptive_span(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | N
     p = check_positions(positions, heads, head_dim, window(max_span, ramp)).astype(ct)
     p = jnp.broadcast_to(p, (heads, *p.shape[1:]))  # [heads, P, head_dim]
     rows = _position_rows(plan, p)  # [heads, (bound + 1) * size - 1, head_dim]
-    # Distances >= max z + R weigh nothing: their rows selected to zero, never read (a NaN there stays out).
-    reach = jnp.arange(rows.shape[1]) - (size - 1) < jnp.max(z) + ramp  # [rows]
+    # Distances > max z + R weigh nothing and reach no derivative: their rows selected to zero, never read (a
+    # NaN there stays out); distance max z + R itself weighs nothing but is in d/dz (`corner_band`).
+    reach = jnp.arange(rows.shape[1]) - (size - 1) <= jnp.max(z) + ramp  # [rows]
     rows = jnp.where(reach[None, :, None], rows, 0.0)
   out = _span_attention(plan, qh, kh, vh, mask, z, rows)  # [batch, heads, L, value_dim]
   return jnp.swapaxes(out, 1, 2).astype(v.dtype)  # [batch, L, heads, value_dim]
 
 
 def _trip_count(z: Array, plan: tuple) -> Array:
-  """T = ceil((max z + R + block - 1) / block), in [1, bound]: the key-block offsets that can reach a key
-  closer than max z + R to some query of the block (plan: a `Plan`, or its first five fields)."""
+  """T = floor((max z + R - 1) / block) + 2, in [1, bound]: the key-block offsets that can reach a key at
+  distance <= max z + R from some query of the block (offset t >= 1 starts at distance (t - 1) * block + 1;
+  the key at max z + R itself weighs nothing but is in d/dz, `corner_band`). plan: a `Plan`, or its first
+  five fields."""
   _, ramp, size, _, bound = plan[:5]
-  reach = (jnp.max(z) + ramp + size - 1) / size
-  return jnp.clip(jnp.ceil(reach).astype(jnp.int32), 1, bound)
+  reach = jnp.floor((jnp.max(z) + ramp - 1) / size) + 2
+  return jnp.clip(reach.astype(jnp.int32), 1, bound)
+
+
+@jax.custom_jvp
+def clamp_spans(spans: Array, max_span: float) -> Array:
+  """z = clip(spans, 0, max_span) [heads], whose derivative is 1 on the closed interval (at its ends too) and
+  0 outside: a span at 0 or max_span gets the one-sided derivative of `corner_band` in full (jnp.clip halves
+  it there)."""
+  return jnp.clip(spans, 0.0, max_span)
+
+
+@clamp_spans.defjvp
+def _clamp_spans_jvp(primals, tangents):
+  spans, max_span = primals
+  inside = (spans >= 0.0) & (spans <= max_span)
+  return clamp_spans(spans, max_span), jnp.where(inside, tangents[0], jnp.zeros_like(tangents[0]))
+
+
+def corner_band(x: Array, z: Array, ramp: float, max_span: float) -> Array:
+  """Which distances x carry dm/dz = 1/R (x and z broadcastable): z < x <= z + R, the derivative for a
+  growing span (the right derivative, both corners counted on that side: m stays 1 at x = z and leaves 0 at
+  x = z + R), except at z = max_span, where the span can only shrink: z <= x < z + R. At z = 0, where every
+  head starts and where the span penalty sends it back, growing is the only way a span can move."""
+  d = x - z
+  top = z >= max_span
+  return jnp.where(top, (d >= 0) & (d < ramp), (d > 0) & (d <= ramp))
 
 
 def _blocks(x: Array, n: int, size: int) -> Array:
@@ -237,18 +311,22 @@ def _step_count(plan: Plan, t_count: Array) -> tuple[Array, Array]:
   return plan.bound - t_count, plan.bound - 1 + t_count
 
 
-def _block_weights(plan: Plan, t: Array, real: Array, z: Array) -> tuple[Array, Array]:
+def _block_weights(plan: Plan, t: Array, real: Array, z: Array, band: bool = False) -> tuple[Array, ...]:
   """For offset t: (valid [batch, heads, n, size, size], soft mask m [heads, size, size]) of every query
   block b against key block b - t (real [batch, n, size]: its keys' mask); valid = real key, causal order,
-  m > 0. The distance (M + i) - j of a pair is t * size + its rows' difference: the layout aligns blocks."""
+  m > 0. The distance (M + i) - j of a pair is t * size + its rows' difference: the layout aligns blocks.
+  band: also the pairs in d/dz (real key, causal order, `corner_band`), [batch, heads, n, size, size]."""
   size = plan.size
   dist = t * size + jnp.arange(size)[:, None] - jnp.arange(size)[None, :]  # (M + i) - j: [size, size]
-  x = dist if plan.causal else jnp.abs(dist)
-  m = soft_mask(x.astype(z.dtype), z[:, None, None], plan.ramp)  # [heads, size, size]
-  valid = real[:, None, :, None, :] & (m > 0)[None, :, None]  # [batch, heads, n, size, size]
+  x = (dist if plan.causal else jnp.abs(dist)).astype(z.dtype)
+  m = soft_mask(x, z[:, None, None], plan.ramp)  # [heads, size, size]
+  pairs = real[:, None, :, None, :]  # [batch, 1, n, 1, size]
   if plan.causal:
-    valid = valid & (dist >= 0)
-  return valid, m
+    pairs = pairs & (dist >= 0)
+  valid = pairs & (m > 0)[None, :, None]  # [batch, heads, n, size, size]
+  if not band:
+    return valid, m
+  return valid, m, pairs & corner_band(x, z[:, None, None], plan.ramp, plan.max_span)[None, :, None]
 
 
 def _keys_at(x: Array, plan: Plan, t: Array, axis: int) -> Array:
@@ -348,8 +426,8 @@ def _span_attention_fwd(plan, q, k, v, mask, z, rows):
 def _span_attention_bwd(plan, saved, d_out):
   """Flash-attention backward over the same offsets: with a_ij = m_ij exp(s_ij - lse_i) and
   g_ij = dout_i . v_j - dout_i . out_i, ds_ij = a_ij g_ij, and dm_ij = exp(s_ij - lse_i) g_ij, which reaches
-  z_h as dm/dz = 1/R where 0 < m < 1. The position term's share of ds reaches q and the rows of p through
-  the pullback of `_position_logits` (a scatter-add by distance)."""
+  z_h as dm/dz = 1/R on the pairs of `corner_band`. The position term's share of ds reaches q and the rows of
+  p through the pullback of `_position_logits` (a scatter-add by distance)."""
   q, k, v, mask, z, rows, out, lse = saved
   size, n, ramp = plan.size, plan.n, plan.ramp
   batch, heads = q.shape[:2]
@@ -365,21 +443,21 @@ def _span_attention_bwd(plan, saved, d_out):
     dq, dk, dv, dz, drows = carry
     t = _offset(plan, u)
     kb, vb = _keys_at(kfin, plan, t, 2), _keys_at(vfin, plan, t, 2)  # [batch, heads, n, size, dim]
-    valid, m = _block_weights(plan, t, _real_at(plan, t, lay["real"]), z)
+    valid, m, band = _block_weights(plan, t, _real_at(plan, t, lay["real"]), z, band=True)
     s = jnp.einsum("bhnqd,bhnkd->bhnqk", qb, kb)  # [batch, heads, n, size, size]
     if rows is not None:
       pos, pull = jax.vjp(functools.partial(_position_logits, plan, t), qb, _near_rows(plan, t, rows))
       s = s + pos  # [batch, heads, n, size, size]
-    a = jnp.where(valid, m[None, :, None] * jnp.exp(jnp.where(valid, s, -jnp.inf) - lse[..., None]), 0.0)
+    e = jnp.exp(jnp.where(valid | band, s, -jnp.inf) - lse[..., None])  # e^s / Z: [batch, heads, n, q, k]
+    a = jnp.where(valid, m[None, :, None] * e, 0.0)
     g = jnp.einsum("bhnqd,bhnkd->bhnqk", dob, vb) - delta[..., None]
     ds = jnp.where(valid, a * g, 0.0)  # [batch, heads, n, size, size]
     dq = dq + jnp.einsum("bhnqk,bhnkd->bhnqd", ds, kb)
     # the key blocks' shares, put back in their place (wrapped blocks carry zeros: no valid pair)
     dk = dk + _to_keys(jnp.einsum("bhnqk,bhnqd->bhnkd", ds, qb), plan, t, 2)
     dv = dv + _to_keys(jnp.einsum("bhnqk,bhnqd->bhnkd", a, dob), plan, t, 2)
-    # dL/dm = e^s / Z * g = ds / m where m > 0; dm/dz = 1/R inside the ramp (0 < m < 1), else 0.
-    per_m = jnp.where((m > 0) & (m < 1), 1.0 / jnp.where(m > 0, m, 1.0), 0.0) / ramp  # [heads, size, size]
-    dz = dz + jnp.einsum("bhnqk,hqk->h", ds, per_m)
+    # dL/dm = e^s / Z * g; dm/dz = 1/R on the pairs of `corner_band` (the lower corner, m = 0, included).
+    dz = dz + jnp.sum(jnp.where(band, e * g, 0.0), axis=(0, 2, 3, 4)) / ramp
     if rows is not None:
       dq_pos, d_near = pull(ds)
       dq = dq + dq_pos

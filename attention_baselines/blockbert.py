@@ -71,8 +71,10 @@ def blockbert(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None 
   """Blockwise attention: query block a of head h attends to key block (a + shifts[h]) mod num_blocks.
 
   q, k: [batch, length, heads, head_dim]; v: [batch, length, heads, value_dim]; mask: [batch, length] bool.
-  num_blocks: n, at most the length (larger is cut to it). shifts: [heads] ints (a sequence or an int
-    array), None = `default_shifts(heads, n)`. Bidirectional only (causal=False).
+  num_blocks: n; a value above the length is cut to the length (every block then one position).
+  shifts: [heads] ints (a sequence or an int array); None (default) = `default_shifts(heads, n)`, the
+    paper's mix: most heads shift 0 (block-diagonal) and about one head in six shifted (12 heads, n = 2:
+    10 heads 0, 2 heads 1). Bidirectional only (causal=False).
   row_chunks: rows of batch x heads run in this many chunks (`attention_baselines.common.num_row_chunks`).
   Returns [batch, length, heads, value_dim] in v's dtype.
   """

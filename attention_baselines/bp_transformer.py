@@ -6,22 +6,30 @@ order (the op's `graph=True` input and output): the L tokens, then the span node
 bottom (level 1 first, the root last), each level in position order: (l, j) sits at L + n - n / 2^(l-1) + j.
 
 Edges (who attends to whom), each labelled with a relative position vector added to the key:
-- token i: itself (`r_self`); at each level l = 0..log2 n - 1, the k nodes of that level nearest to i that do
-  not contain i, on the left (a - 1, ..., a - k, with a = i >> l the level-l node holding i; `r_left[l, m]`
-  for the m-th nearest) and, bidirectionally, on the right (a + 1, ..., a + k; `r_right[l, m]`), level 0
-  being the tokens themselves. Left nodes end before i, so the causal form (left only) reads no span that
-  reaches i.
+- token i: itself (`r_self`) and its contextual nodes, which partition the rest of its context (every other
+  token, or every earlier one when causal, covered exactly once), as in the paper and the authors' released
+  code: on each side, k nodes per level l = 0, 1, ..., each level starting where the previous one ended (the
+  paper's p_0 = i + 1, p_l = p_{l-1} + k). Level 0 is the k tokens next to i; at level l >= 1, when the
+  boundary that level l - 1 left is not a boundary of level-l nodes, the first of the k nodes is the
+  level-(l - 1) node there (the released code's "overlap" step, which keeps the nodes from overlapping), the
+  others level-l nodes. Slot m of level l is labelled `r_left[l, m]` (left) or `r_right[l, m]` (right,
+  bidirectional only). In closed form, with u = i - c_l, c_l = k (2^l - 1) + 1 (left; the right side mirrors
+  it on n - 1 - i): level 0 reads tokens i - 1 - m; level l >= 1 reads, when bit l - 1 of u is 0, the
+  level-(l - 1) node u >> (l - 1) in slot 0, and level-l nodes (u >> l) - m in the other slots (all of them
+  when that bit is 1); nodes before the first (or after the last) do not exist. Left nodes end before i, so
+  the causal form (left only) reads no span that reaches i.
 - span node (l, j): its 2^l tokens (the paper's affiliated edges; `r_anc[l]`), in both forms: a span node is
   read only by tokens after its span, so reading its own tokens is causal for every token that uses it.
 Masked tokens, and span nodes whose tokens are all masked (padding up to n included), are dropped as keys.
 Logits are `q_a . (k_b + r_ab) / sqrt(d)`, one softmax per node over its edges.
 
-A token's at most 2k log2 n + 1 edges are one softmax over one piece per level: the 2^l tokens of a level-l
-group share their neighbours (the k nodes of that level on each side), so each level's keys and values are
-shifted per group ([n / 2^l, 2k] nodes), never gathered per token; span nodes of level l attend to their 2^l
-tokens as [n / 2^l, 2^l] blocks. O(k n log n) logits and O(k n d) gathered keys and values for the tokens,
-O(n log n d) for the span nodes; no [n, n] array is ever built. (`token_neighbours` lists the same edges per
-token, for the cached decoder.)
+A token's at most 2k log2 n + 1 edges are one softmax over one piece per level and side: all k nodes of
+level l >= 1 depend on i through u >> (l - 1) only, so the tokens of each aligned group of 2^(l - 1) (aligned
+at c_l, or at -c_l on the right) share them: each piece reads [groups, k] nodes, once per group, by pads,
+slices and repeats of the level arrays (`_context_nodes`; the right side is the left on reversed positions),
+never a gather; span nodes of level l attend to their 2^l tokens as [n / 2^l, 2^l] blocks. O(k n log n)
+logits and O(k n d) keys and values read for the tokens, O(n log n d) for the span nodes; no [n, n] array is
+ever built. (`token_neighbours` lists the same edges per token, for the cached decoder and the tests.)
 
 Without span-node states (`graph=False`, the op contract on L tokens: benchmarks, the op sweeps) a span
 node's query, key and value are the masked means of its tokens'; the model
@@ -34,6 +42,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -70,13 +79,23 @@ def span_offset(n: int, level: int) -> int:
   return n - (n >> (level - 1))
 
 
+def _left_nodes(i: np.ndarray, context: int, lvl: int, m: int) -> tuple[np.ndarray, np.ndarray]:
+  """(node level, node index) of slot m of level `lvl` on the left of tokens i (module docstring; an index
+  below 0 is no node)."""
+  if lvl == 0:
+    return np.zeros_like(i), i - 1 - m
+  u = i - (context * ((1 << lvl) - 1) + 1)
+  finer = (m == 0) & ((u >> (lvl - 1)) & 1 == 0)  # the level-(l - 1) node where level l - 1 ended
+  return np.where(finer, lvl - 1, lvl), np.where(finer, u >> (lvl - 1), (u >> lvl) - m)
+
+
 @functools.lru_cache(maxsize=64)
 def token_neighbours(n: int, context: int, causal: bool) -> tuple[np.ndarray, ...]:
-  """Static neighbour table of the n token nodes.
+  """Static neighbour table of the n token nodes (their contextual nodes, module docstring).
 
   Returns (index, valid, kind, level, rank), each [n, S], S = 1 + (1 or 2) * context * log2 n: the node index
   among the 2n nodes [tokens (n); span nodes (n - 1); one zero node], whether the slot holds an edge, and its
-  label: kind 0 self, 1 left, 2 right; the level; the rank m (0 = nearest)."""
+  label: kind 0 self, 1 left, 2 right; the slot's level l (its node is of level l or l - 1); the slot m."""
   levels = n.bit_length() - 1
   sides = (1,) if causal else (1, 2)
   width = 1 + len(sides) * context * levels
@@ -87,16 +106,58 @@ def token_neighbours(n: int, context: int, causal: bool) -> tuple[np.ndarray, ..
   index[:, 0], valid[:, 0] = i, True
   slot = 1
   for lvl in range(levels):
-    a, count = i >> lvl, n >> lvl
-    base = 0 if lvl == 0 else n + span_offset(n, lvl)
     for side in sides:
       for m in range(context):
-        j = a - 1 - m if side == 1 else a + 1 + m
+        at, j = _left_nodes(i if side == 1 else n - 1 - i, context, lvl, m)
+        count = n >> at
         ok = (j >= 0) & (j < count)
-        index[:, slot] = np.where(ok, base + j, 2 * n - 1)
+        j = j if side == 1 else count - 1 - j  # the right side mirrors the left
+        node = np.where(at == 0, j, n + n - (n >> np.maximum(at - 1, 0)) + j)  # tokens, then span_offset
+        index[:, slot] = np.where(ok, node, 2 * n - 1)
         valid[:, slot], kind[:, slot], level[:, slot], rank[:, slot] = ok, side, lvl, m
         slot += 1
   return index, valid, kind, level, rank
+
+
+def _context_nodes(nodes: list[tuple[Array, ...]], lvl: int, context: int, n: int
+                   ) -> tuple[int, int, tuple[Array, ...]]:
+  """The left contextual nodes of level `lvl` per aligned group of tokens (module docstring), from the level
+  arrays nodes[l] = (keys, values, real) [b, n >> l, ...], as (group size, front, (keys [b, G, k, h, d],
+  values, real [b, G, k])): token i sits at i + front of the G groups. Slot m >= 1 holds level-l node
+  (g >> 1) - m of group g = (i - c_l) >> (l - 1); slot 0 the level-(l - 1) node g where g is even, else
+  level-l node g >> 1; indices below 0 are no node (real False)."""
+  if lvl == 0:  # tokens i - 1 - m, one group per token
+    shifted = [tuple(_shift(x, 1 + m, n) for x in nodes[0]) for m in range(context)]
+    return 1, 0, tuple(jnp.stack(parts, axis=2) for parts in zip(*shifted, strict=True))
+  size = 1 << (lvl - 1)
+  c = context * ((1 << lvl) - 1) + 1
+  front = -c % size
+  count = -(-(n + front) // size)
+  first = -((c + front) // size)  # g of group 0
+  coarse = [jnp.repeat(x, 2, axis=1) for x in nodes[lvl]]  # entry j: level-l node j >> 1
+  fine = nodes[lvl - 1]  # entry j: level-(l - 1) node j
+  even = jnp.asarray((np.arange(count) + first) % 2 == 0)  # [G]
+  slots = []
+  for m in range(context):
+    picked = [_window(x, first - 2 * m, count) for x in coarse]  # level-l node (g >> 1) - m
+    if m == 0:
+      finer = [_window(x, first, count) for x in fine]
+      picked = [jnp.where(even.reshape((1, count) + (1,) * (a.ndim - 2)), b, a)
+                for a, b in zip(picked, finer, strict=True)]
+    slots.append(picked)
+  return size, front, tuple(jnp.stack(parts, axis=2) for parts in zip(*slots, strict=True))
+
+
+def _window(x: Array, start: int, count: int) -> Array:
+  """x[:, start:start + count] with zeros (False) for the entries outside x: [b, count, ...]."""
+  before, after = max(0, -start), max(0, start + count - x.shape[1])
+  x = jnp.pad(x, [(0, 0), (before, after)] + [(0, 0)] * (x.ndim - 2))
+  return jax.lax.slice_in_dim(x, start + before, start + before + count, axis=1)
+
+
+def _shift(x: Array, by: int, n: int) -> Array:
+  """x[:, i - by] for i < n (zeros, False, before the first): [b, n, ...]."""
+  return _window(x, -by, n)
 
 
 def relative_table(heads: int, head_dim: int, context: int, rel_self: Array | None, rel_left: Array | None,
@@ -193,44 +254,45 @@ def bp_transformer(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | 
         [_masked_mean(x, token_real, n, lvl) for lvl in range(1, levels + 1)] + [x[:, :0]], axis=1)
     ks, vs = means(kt), means(vt)  # [b, n - 1, h, dim]
 
-  # Tokens, one piece per level of one softmax: the 2^l tokens of a level-l group share their neighbours (the
-  # k nodes of that level on each side), so keys and values are shifted per group, never gathered per token.
-  sides = (1,) if causal else (1, 2)
-  offsets = [(side, m) for side in sides for m in range(context)]  # [O] (kind, rank)
-  width = len(offsets)
+  # Tokens, one piece per level and side of one softmax: the tokens of an aligned group of 2^(l - 1) share the
+  # k nodes of level l (module docstring), read from the level arrays by pads, slices and repeats (no gather).
+  _, _, kind, level, rank = token_neighbours(n, context, causal)  # [n, S]
+  labels = label_of(kind, level, rank, rows, context)  # [n, S]
+  span = lambda x, lvl: x[:, span_offset(n, lvl):span_offset(n, lvl) + (n >> lvl)]  # noqa: E731
+  nodes = [(kt, vt, token_real)] + [(span(ks, lvl), span(vs, lvl), span(span_real, lvl))
+                                    for lvl in range(1, levels)]  # per level: [b, n >> l, ...]
   qr = None if table is None else jnp.einsum("bihd,hld->bhil", qt, table)  # [b, h, n, labels]
   self_logits = jnp.einsum("bihd,bihd->bhi", qt, kt)[..., None]  # [b, h, n, 1]
   if qr is not None:
     self_logits = self_logits + qr[..., :1]
   pieces = [Piece(self_logits * scale, token_real[:, None, :, None],
                   lambda w: jnp.einsum("bhio,bihd->bhid", w, vt))]
-  for lvl in range(levels):
-    size, count = 1 << lvl, n >> lvl
-    if lvl == 0:
-      kl, vl, real = kt, vt, token_real
-    else:
-      start = span_offset(n, lvl)
-      kl, vl, real = ks[:, start:start + count], vs[:, start:start + count], span_real[:, start:start + count]
-    pad = [(0, 0), (context, context)]
-    kp, vp = (jnp.pad(x, pad + [(0, 0), (0, 0)]) for x in (kl, vl))  # [b, count + 2k, h, dim], zeros outside
-    rp = jnp.pad(real, pad)
-    shift = [(-1 - m if side == 1 else 1 + m) + context for side, m in offsets]
-    kn = jnp.stack([kp[:, o:o + count] for o in shift], axis=2)  # [b, count, O, h, d]
-    vn = jnp.stack([vp[:, o:o + count] for o in shift], axis=2)  # [b, count, O, h, dv]
-    rn = jnp.stack([rp[:, o:o + count] for o in shift], axis=2)  # [b, count, O]
-    qg = qt.reshape(batch, count, size, heads, head_dim)
-    s = jnp.einsum("bcghd,bcohd->bhcgo", qg, kn).reshape(batch, heads, n, width)  # [b, h, n, O]
-    if qr is not None:
-      labels = label_of(np.array([side for side, _ in offsets]), np.full(width, lvl),
-                        np.array([m for _, m in offsets]), rows, context)  # [O]
-      s = s + qr[..., labels]
-    valid = jnp.repeat(rn, size, axis=1)[:, None]  # [b, 1, n, O]
+  for side in (1,) if causal else (1, 2):
+    # The right side is the left side on reversed positions (nodes reversed within each level).
+    flip = (lambda x: x) if side == 1 else (lambda x: jnp.flip(x, axis=1))  # noqa: E731
+    levels_of_side = [tuple(flip(x) for x in lvl_nodes) for lvl_nodes in nodes]
+    q_side = flip(qt)
+    for lvl in range(levels):
+      slots = np.flatnonzero((level[0] == lvl) & (kind[0] == side))  # [O]: the k slots of this piece
+      size, front, (kn, vn, real) = _context_nodes(levels_of_side, lvl, context, n)  # [b, G, O, ...]
+      count = kn.shape[1]
+      extent = [(0, 0), (front, count * size - n - front)]
+      qg = jnp.pad(q_side, extent + [(0, 0), (0, 0)]).reshape(batch, count, size, heads, head_dim)
+      s = jnp.einsum("bcghd,bcohd->bhcgo", qg, kn).reshape(batch, heads, count * size, len(slots))
+      s = jnp.flip(s[:, :, front:front + n], 2) if side == 2 else s[:, :, front:front + n]  # [b, h, n, O]
+      if qr is not None:
+        s = s + qr[..., labels[0, slots]]
+      valid = jnp.repeat(real, size, axis=1)[:, None, front:front + n]  # [b, 1, n, O]
+      valid = jnp.flip(valid, 2) if side == 2 else valid
 
-    def apply(w, vn=vn, count=count, size=size):
-      w = w.reshape(batch, heads, count, size, width)
-      return jnp.einsum("bhcgo,bcohd->bhcgd", w, vn).reshape(batch, heads, n, vn.shape[-1])
+      def apply(w, vn=vn, count=count, size=size, extent=extent, front=front, side=side):
+        w = jnp.flip(w, 2) if side == 2 else w
+        w = jnp.pad(w, [(0, 0), (0, 0), *extent[1:], (0, 0)]).reshape(batch, heads, count, size, w.shape[-1])
+        out = jnp.einsum("bhcgo,bcohd->bhcgd", w, vn).reshape(batch, heads, count * size, vn.shape[-1])
+        out = out[:, :, front:front + n]  # [b, h, n, dv]
+        return jnp.flip(out, 2) if side == 2 else out
 
-    pieces.append(Piece(s * scale, valid, apply))
+      pieces.append(Piece(s * scale, valid, apply))
   token_out = joint_softmax(pieces)  # [b, h, n, dv]
   token_out = jnp.moveaxis(token_out, 1, 2)[:, :length]  # [b, L, h, dv]
   if not graph:

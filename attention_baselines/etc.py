@@ -186,10 +186,11 @@ def etc(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None
   q, k: [batch, L, heads, head_dim]; v: [batch, L, heads, value_dim]; mask: [batch, L] bool.
   segment_length s: long tokens per global token (g = ceil(L / s) global tokens); radius r: the l2l window
   |j - i| <= r; max_distance k and rel_bias [heads or 1, 2k + 3]: relative position biases (module
-  docstring); global_q/k/v: [batch, g, heads, dim] (None: segment means); hard_g2l: a global token reads
-  only its own segment's long tokens.
-  Returns the long tokens' output [batch, L, heads, value_dim] in v's dtype; with return_global, the pair
-  (long output, global output [batch, g, heads, value_dim]).
+  docstring): one learned scalar per label and head added to the logits, not ETC's relative key vectors;
+  global_q/k/v: [batch, g, heads, dim] (None: segment means); hard_g2l (default True, ETC's hard mask): a
+  global token reads only its own segment's long tokens (False: every long token).
+  Returns only the long tokens' output [batch, L, heads, value_dim] in v's dtype by default; with
+  return_global=True, the pair (long output, global output [batch, g, heads, value_dim]).
   """
   if contract.check_bool(causal, name="causal", op="etc"):
     raise ValueError("etc: argument 'causal' must be False: ETC attention is bidirectional only "

@@ -8,8 +8,8 @@ before its own, so no future block is ever chosen; ties go to the lower block), 
 real keys of the chosen blocks (causal: keys j <= i, so its own block is causal inside). Cost
 O(L * top_k * B * d) plus the O(L * L/B * d) gate. implementation="xla" gathers the chosen blocks per query
 over chunks of queries (`attention_core.selection`); "pallas" runs the fused kernel of
-`attention_core.selection_flash` on the same choice (the gate stays in XLA), which reads each query tile's
-chosen blocks in place; "auto" takes it on GPU and TPU (per lowering platform) and XLA on CPU.
+`attention_baselines.selection_flash` on the same choice (the gate stays in XLA), which reads each query
+tile's chosen blocks in place; "auto" takes it on GPU and TPU (per lowering platform) and XLA on CPU.
 """
 
 from __future__ import annotations
@@ -18,15 +18,16 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from attention_baselines import selection_flash
 from attention_baselines.common import from_rows
-from attention_core import contract, selection_flash
+from attention_core import contract
 from attention_core.blocks import map_chunks, num_blocks
 from attention_core.combine import flag_nonfinite, joint_softmax
 from attention_core.registry import sqrt_pow2
 from attention_core.selection import choose, chosen_piece, num_query_chunks, pad_length, rows_and_mask
 
 Array = Any
-IMPLEMENTATIONS = selection_flash.IMPLEMENTATIONS  # "pallas": attention_core.selection_flash
+IMPLEMENTATIONS = selection_flash.IMPLEMENTATIONS  # "pallas": attention_baselines.selection_flash
 
 
 def auto_params(length: int) -> dict[str, int]:
@@ -117,8 +118,8 @@ def _gate(qc: Array, qpos: Array, kbar: Array, filled: Array, *, size: int, caus
 
 def _moba_pallas(q: Array, k: Array, v: Array, mask: Array | None, *, causal: bool, size: int, count: int,
                  query_chunks: int | None) -> Array:
-  """`moba` through `attention_core.selection_flash`: the same gate and choice in the softmax dtype (XLA),
-  then the kernel over each query's chosen blocks, in the inputs' dtype (bfloat16 stays bfloat16)."""
+  """`moba` through `attention_baselines.selection_flash`: the same gate and choice in the softmax dtype
+  (XLA), then the kernel over each query's chosen blocks, in the inputs' dtype (bfloat16 stays bfloat16)."""
   op = "moba"
   batch, length, heads, head_dim = q.shape
   ct = contract.softmax_dtype(q.dtype, k.dtype, v.dtype)

@@ -9,9 +9,10 @@ Three branches, each with its own softmax over its own keys, summed with gates (
     MLP `relu(flatten(x + pos) @ w1 + b1) @ w2` with an intra-block position encoding `pos` [l, dim].
   * selection: the compression softmax weights p_i[c] score the selection blocks of l' = `select_block`
     positions: block b gets sum_c p_i[c] * (number of stride-s chunks that block c and block b share), the
-    paper's eq. 9. Query i keeps the `num_selected` best blocks among b <= i // l', always including its
-    own block, the block before it and the first block (in that order of priority; ties go to the lower
-    block), and attends exactly to their keys j <= i.
+    paper's eq. 9. Query i keeps `num_selected` = n blocks among b <= i // l': always its own block, the
+    block before it and the first block (the paper's local and initial blocks; they count toward n, as in
+    its n = 16, so n >= 3), then the best others by score (ties go to the lower block), and attends exactly
+    to their keys j <= i.
   * sliding window: the keys j with i - w < j <= i (w = `window`).
   out_i = g_i^cmp o_i^cmp + g_i^slc o_i^slc + g_i^win o_i^win with gates [batch, length, heads, 3] in that
 order (the model's sigmoid gates); without gates every branch weighs 1/3, so the rows sum to one.
@@ -19,7 +20,7 @@ order (the model's sigmoid gates); without gates every branch weighs 1/3, so the
 Selection is per query and per head (the model has no grouped keys to share it over). Cost per query: L/s
 compressed logits + n * l' selected + w window keys, O(L * (L/s + n*l' + w) * d). implementation="xla"
 gathers the selected blocks per query over chunks of queries (`attention_core.selection`); "pallas" runs the
-selection and window branches in the fused kernel of `attention_core.selection_flash` (the compression
+selection and window branches in the fused kernel of `attention_baselines.selection_flash` (the compression
 branch and the block choice stay in XLA); "auto" takes it on GPU and TPU (per lowering platform), XLA on CPU.
 """
 
@@ -29,9 +30,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from attention_baselines import selection_flash
 from attention_baselines.common import from_rows, to_rows
-from attention_core import contract, selection_flash
+from attention_core import contract
 from attention_core.blocks import map_chunks, num_blocks
 from attention_core.combine import Piece, flag_nonfinite, flagged_sum, joint_softmax
 from attention_core.registry import sqrt_pow2
@@ -46,7 +49,8 @@ from attention_core.selection import (
 Array = Any
 MLP_PARTS = ("pos", "w1", "b1", "w2")  # the compression MLP's arrays, for keys and for values
 BRANCHES = 3  # gates: compression, selection, sliding window
-IMPLEMENTATIONS = selection_flash.IMPLEMENTATIONS  # "pallas": attention_core.selection_flash
+FORCED = 3  # blocks every query selects: its own, the one before it, the first
+IMPLEMENTATIONS = selection_flash.IMPLEMENTATIONS  # "pallas": attention_baselines.selection_flash
 
 
 def auto_params(length: int) -> dict[str, int]:
@@ -56,6 +60,15 @@ def auto_params(length: int) -> dict[str, int]:
   compress = max(1, select // 2)
   return {"compress_block": compress, "compress_stride": max(1, compress // 2), "select_block": select,
           "num_selected": 16, "window": 8 * select}
+
+
+def check_num_selected(num_selected: Any, *, op: str) -> int:
+  """n, the blocks each query selects, counting its FORCED ones (own, previous, first): an int >= 3."""
+  if isinstance(num_selected, bool) or not isinstance(num_selected, int) or num_selected < FORCED:
+    raise ValueError(f"{op}: argument 'num_selected' must be an int >= {FORCED} (each query's own block, the "
+                     f"one before it and the first block are always selected and count toward it), got "
+                     f"{num_selected!r}")
+  return num_selected
 
 
 def check_mlp(op: str, prefix: str, arrays: tuple[Any, ...], heads: int, block: int, dim: int
@@ -79,19 +92,48 @@ def check_mlp(op: str, prefix: str, arrays: tuple[Any, ...], heads: int, block: 
   return pos, w1, b1, w2
 
 
-def _compress(x: Array, real: Array, mlp: tuple[Array, ...] | None, batch: int, dtype: Any) -> Array:
-  """x [rows, blocks, l, dim], real [rows, blocks, l] -> one vector per block [rows, blocks, dim_out]."""
+def _compress(x: Array, real: Array, mlp: tuple[Array, ...] | None, *, batch: int, block: int,
+              stride: int) -> tuple[Array, Array]:
+  """Compressed blocks of x [rows, P, dim] (masked keys zero; real [rows, P]; P whole chunks of `stride`):
+  block c covers [c·s, c·s + l), l = `block`. Returns (one vector per block [rows, C, dim_out], whether the
+  block holds a real key [rows, C]), C = P / s. Computed per stride chunk, never as [C, l, dim] blocks: block
+  c is its chunks c .. c + l/s - 1, the mean of their real rows, or the MLP's first layer as a sum over them
+  of (chunk + its slot's `pos`) @ (its slot's rows of w1)."""
+  rows, length, dim = x.shape
+  chunks, per_block = length // stride, block // stride
+  xc = pad_length(x, length + (per_block - 1) * stride).reshape(rows, -1, stride, dim)
+  if real is None:  # every key real: the blocks past the end hold fewer
+    rc = jnp.asarray(np.arange(chunks + per_block - 1) < chunks)[None, :, None]  # [1, chunks', 1]
+  else:
+    rc = pad_length(real, length + (per_block - 1) * stride, False).reshape(rows, -1, stride)
+  slide = lambda a: sum(a[:, t:t + chunks] for t in range(per_block))  # noqa: E731  chunks -> blocks
+  count = slide(jnp.sum(jnp.broadcast_to(rc, (rc.shape[0], chunks + per_block - 1, stride)), axis=-1,
+                        dtype=jnp.int32))  # [rows or 1, C] real keys per block
   if mlp is None:
-    count = jnp.sum(real, axis=-1)[..., None]
-    return jnp.sum(jnp.where(real[..., None], x, 0.0), axis=2) / jnp.maximum(count, 1).astype(dtype)
-  pos, w1, b1, w2 = (a.astype(dtype) for a in mlp)
-  rows, blocks, size, dim = x.shape
-  shape = (batch, rows // batch, blocks, size, dim)
-  x = jnp.where(real.reshape(shape[:-1])[..., None], x.reshape(shape) + pos[None, :, None], 0.0)
-  h = jnp.einsum("bhcx,hxy->bhcy", x.reshape(*shape[:3], size * dim), jnp.broadcast_to(
-      w1, (shape[1], *w1.shape[1:]))) + b1[None, :, None]
-  out = jnp.einsum("bhcy,hyz->bhcz", jax.nn.relu(h), jnp.broadcast_to(w2, (shape[1], *w2.shape[1:])))
-  return out.reshape(rows, blocks, -1)
+    total = slide(jnp.sum(jnp.where(rc[..., None], xc, 0.0), axis=2))  # [rows, C, dim]
+    return total / jnp.maximum(count, 1)[..., None].astype(x.dtype), count > 0
+  pos, w1, b1, w2 = (a.astype(x.dtype) for a in mlp)  # [H or 1, ...]: shared weights stay unbroadcast
+  heads = rows // batch
+  grid = (batch, heads, chunks + per_block - 1, stride)
+  xc, rc = xc.reshape(*grid, dim), jnp.broadcast_to(rc, (rows, *grid[2:])).reshape(grid)
+  w1 = w1.reshape(w1.shape[0], per_block, stride * dim, -1)
+  pos = pos.reshape(pos.shape[0], per_block, stride, dim)
+
+  def slot(t: int) -> Array:  # every chunk as slot t of a block: [rows, chunks', hidden]
+    xt = jnp.where(rc[..., None], xc + pos[None, :, t, None], 0.0).reshape(*grid[:3], stride * dim)
+    return _per_head("bhcx,hxy->bhcy", xt, w1[:, t]).reshape(rows, -1, w1.shape[-1])
+
+  bias = jnp.tile(jnp.broadcast_to(b1, (heads, b1.shape[-1])), (batch, 1))[:, None]  # [rows, 1, hidden]
+  h = jax.nn.relu(sum(slot(t)[:, t:t + chunks] for t in range(per_block)) + bias)  # [rows, C, hidden]
+  out = _per_head("bhcy,hyz->bhcz", h.reshape(batch, heads, chunks, -1), w2)
+  return out.reshape(rows, chunks, -1), count > 0
+
+
+def _per_head(spec: str, x: Array, w: Array) -> Array:
+  """einsum(spec, x, w) for weights w [H or 1, ...] per head or shared by the heads (no broadcast copy)."""
+  if w.shape[0] == 1:
+    return jnp.einsum(spec.replace(",h", ","), x, w[0])
+  return jnp.einsum(spec, x, w)
 
 
 def _choice(q: Any, k: Any, v: Any, *, implementation: Any = "auto", select_block: Any = 64, **_: Any) -> Any:
@@ -110,7 +152,10 @@ def nsa(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None
   """Native Sparse Attention: gated compression, selection and sliding-window branches (module docstring).
 
   q, k: [batch, length, heads, head_dim]; v: [batch, length, heads, value_dim]; mask: [batch, length] bool.
-  gates: None (1/3 each) or [batch, length, heads, 3] (compression, selection, window).
+  num_selected: n, the selected blocks per query counting its forced ones (own, previous, first), as the
+    paper's n = 16; at least 3.
+  gates: None (the default: each branch weighs 1/3, so a row sums to one) or [batch, length, heads, 3]
+    (compression, selection, window: the model's sigmoid gates).
   cmp_key_*, cmp_value_*: the compression MLPs (all four arrays of a side, or none: mean pooling).
   query_chunks: queries run in this many sequential chunks (None = automatic, ~64 MB of gathered keys each).
   implementation: "xla" | "pallas" | "auto" (module docstring).
@@ -124,7 +169,7 @@ def nsa(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None
   size = contract.check_positive_int(compress_block, name="compress_block", op=op)
   stride = contract.check_positive_int(compress_stride, name="compress_stride", op=op)
   sel = contract.check_positive_int(select_block, name="select_block", op=op)
-  count = contract.check_positive_int(num_selected, name="num_selected", op=op)
+  count = check_num_selected(num_selected, op=op)
   width = contract.check_positive_int(window, name="window", op=op)
   contract.check_implementation(implementation, IMPLEMENTATIONS, op=op)
   fused = selection_flash.choose_implementation(implementation, q, k, v, sel, op=op, strict=True) == "pallas"
@@ -145,32 +190,40 @@ def nsa(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None
   ct = contract.softmax_dtype(q.dtype, k.dtype, v.dtype)
   scale = contract.logit_scale(head_dim)
 
-  qh, kh, vh, real = rows_and_mask(q, k, v, mask, ct)  # [rows, length, dim], real [rows, length]
   padded = num_blocks(length, sel) * sel  # whole selection blocks, hence whole chunks of `stride`
-  gp = (jnp.full((qh.shape[0], length, BRANCHES), 1.0 / BRANCHES, ct) if gates is None
+  gp = (jnp.full((batch * heads, length, BRANCHES), 1.0 / BRANCHES, ct) if gates is None
         else to_rows(gates, ct))
-  n_chunks = query_chunks if query_chunks is not None else num_query_chunks(
-      qh.shape[0], padded, min(count, padded // sel) * sel * (head_dim + value_dim + 2) + padded // stride)
+  if fused:  # the kernels take q, k and v in their own dtype (bfloat16 stays bfloat16)
+    qh, kh, vh, real = rows_and_mask(q, k, v, mask, jnp.result_type(q.dtype, k.dtype, v.dtype))
+  else:
+    qh, kh, vh, real = rows_and_mask(q, k, v, mask, ct)  # [rows, length, dim], real [rows, length]
+  # Per query: the gathered keys of the XLA path, the block scores alone with the kernels.
+  per_query = padded // sel if fused else (
+      min(count, padded // sel) * sel * (head_dim + value_dim + 2) + padded // stride)
+  n_chunks = query_chunks if query_chunks is not None else num_query_chunks(qh.shape[0], padded, per_query)
   n_chunks = contract.check_positive_int(n_chunks, name="query_chunks", op=op)
-  out = attend_rows(pad_length(qh * scale, padded), jnp.arange(padded, dtype=jnp.int32),
-                    pad_length(gp, padded), pad_length(kh, padded), pad_length(vh, padded),
-                    pad_length(real, padded, False), batch=batch, compress_block=size, compress_stride=stride,
-                    select_block=sel, num_selected=count, window=width, key_mlp=key_mlp,
-                    value_mlp=value_mlp, query_chunks=n_chunks,
-                    kernel_dtype=jnp.result_type(q.dtype, k.dtype, v.dtype) if fused else None)
+  args = (pad_length(gp, padded), pad_length(kh, padded), pad_length(vh, padded),
+          pad_length(real, padded, False))
+  plan = dict(batch=batch, compress_block=size, compress_stride=stride, select_block=sel, num_selected=count,
+              window=width, key_mlp=key_mlp, value_mlp=value_mlp, query_chunks=n_chunks)
+  if fused:
+    if mask is None and padded == length:  # every key real: no mask to carry through the kernels
+      args = (*args[:3], None)
+    out = _attend_fused(pad_length(qh, padded), *args, **plan, scale=scale, dtype=ct)
+  else:
+    out = attend_rows(pad_length(qh * scale, padded), jnp.arange(padded, dtype=jnp.int32), *args, **plan)
   return from_rows(out[:, :length], batch, v.dtype)
 
 
 def attend_rows(qs: Array, qpos: Array, gates: Array, kp: Array, vp: Array, realp: Array, *, batch: int,
                 compress_block: int, compress_stride: int, select_block: int, num_selected: int, window: int,
                 key_mlp: tuple[Array, ...] | None, value_mlp: tuple[Array, ...] | None,
-                query_chunks: int, kernel_dtype: Any = None) -> Array:
+                query_chunks: int) -> Array:
   """NSA for the queries qs [rows, Q, d] (scaled, at positions qpos [Q], increasing and consecutive within
   each of `query_chunks` chunks; gates [rows, Q, 3]) over keys kp [rows, P, d], values vp [rows, P, e] and key
   mask realp [rows, P], P a whole number of selection blocks, masked keys already zero, all in the softmax
-  dtype; rows = batch x heads. Arguments checked by `nsa`. kernel_dtype: None for the XLA path, else the
-  selection and window branches run in `attention_core.selection_flash` on inputs of that dtype, for queries
-  at positions 0..P-1 (qpos = arange(P)). Returns [rows, Q, e]."""
+  dtype; rows = batch x heads. Arguments checked by `nsa`. The XLA path (`_attend_fused`: the kernels').
+  Returns [rows, Q, e]."""
   size, stride, sel = compress_block, compress_stride, select_block
   rows, padded, head_dim = kp.shape
   value_dim = vp.shape[-1]
@@ -178,17 +231,9 @@ def attend_rows(qs: Array, qpos: Array, gates: Array, kp: Array, vp: Array, real
   chunks, per_block = padded // stride, size // stride
   count = min(num_selected, nb)
   width = min(window, padded)
-  ct = kp.dtype
 
-  def blocks_of(x: Array, fill: Any = 0) -> Array:  # [rows, padded, D] -> [rows, chunks, l, D]
-    xc = pad_length(x, padded + (per_block - 1) * stride, fill)
-    xc = xc.reshape(rows, chunks + per_block - 1, stride, -1)
-    return jnp.concatenate([xc[:, t:t + chunks] for t in range(per_block)], axis=2)
-
-  rblk = blocks_of(realp[..., None], False)[..., 0]  # [rows, chunks, l]
-  ckeys = _compress(blocks_of(kp), rblk, key_mlp, batch, ct)  # [rows, C, d], C = chunks
-  cvalues = flag_nonfinite(_compress(blocks_of(vp), rblk, value_mlp, batch, ct))  # [rows, C, e + 1]
-  cvalid = jnp.any(rblk, axis=-1)  # [rows, C]
+  ckeys, cvalid = _compress(kp, realp, key_mlp, batch=batch, block=size, stride=stride)  # [rows, C, d]
+  cvalues = flag_nonfinite(_compress(vp, realp, value_mlp, batch=batch, block=size, stride=stride)[0])
   cend = jnp.arange(chunks) * stride + size - 1  # [C]: the last position of each compressed block
   kb = kp.reshape(rows, nb, sel, head_dim)
   vb = flag_nonfinite(vp).reshape(rows, nb, sel, value_dim + 1)
@@ -221,8 +266,6 @@ def attend_rows(qs: Array, qpos: Array, gates: Array, kp: Array, vp: Array, real
     forced = jnp.where(blocks == own, 3, jnp.where(blocks == own - 1, 2, jnp.where(blocks == 0, 1, 0)))
     visible = jnp.broadcast_to(blocks <= own, scores.shape)
     index, chosen = choose(scores, visible, jnp.broadcast_to(forced, scores.shape), count)
-    if kernel_dtype is not None:  # the kernels' ids per query (-1: slot left over)
-      return gc[..., 0:1] * o_cmp, jnp.where(chosen, index, -1)
     o_slc = joint_softmax([chosen_piece(qc, kb, vb, rb, index, chosen, qpos, True, 1.0)])
     # Sliding window: keys i - width < j <= i, one slice of the padded keys per chunk.
     start = qpos[0, 0]
@@ -236,10 +279,60 @@ def attend_rows(qs: Array, qpos: Array, gates: Array, kp: Array, vp: Array, real
     o_win = joint_softmax([Piece(wlogits, wvis, lambda w: flagged_sum("gqk,gke->gqe", w, vwin))])
     return gc[..., 0:1] * o_cmp + gc[..., 1:2] * o_slc + gc[..., 2:3] * o_win
 
-  if kernel_dtype is None:
-    return map_chunks(attend_chunk, (qs, qpos[None, :], gates), query_chunks, axis=1)  # [rows, Q, e]
-  o_cmp, ids = map_chunks(attend_chunk, (qs, qpos[None, :], gates), query_chunks, axis=1)  # [rows, P, ...]
-  qk, kk, vk = (x.astype(kernel_dtype) for x in (qs, kp, vp))  # qs is scaled already
-  o_slc = selection_flash.attend(qk, kk, vk, realp, ids, block=sel, causal=True, scale=1.0)
-  o_win = selection_flash.attend(qk, kk, vk, realp, None, block=sel, causal=True, window=width, scale=1.0)
-  return o_cmp + gates[..., 1:2] * o_slc.astype(ct) + gates[..., 2:3] * o_win.astype(ct)
+  return map_chunks(attend_chunk, (qs, qpos[None, :], gates), query_chunks, axis=1)  # [rows, Q, e]
+
+
+def overlaps(chunks: int, per_block: int, blocks: int, per_select: int) -> np.ndarray:
+  """[C, nb]: how many stride chunks compressed block c (chunks c .. c + per_block - 1) shares with selection
+  block b (chunks b * per_select ..), the weights of the paper's eq. 9."""
+  chunk = np.arange(chunks)[:, None] + np.arange(per_block)[None, :]  # [C, per_block]
+  return (chunk[:, :, None] // per_select == np.arange(blocks)).sum(1).astype(np.float32)
+
+
+def _attend_fused(qp: Array, gates: Array, kp: Array, vp: Array, realp: Array, *, batch: int,
+                  compress_block: int, compress_stride: int, select_block: int, num_selected: int,
+                  window: int, key_mlp: tuple[Array, ...] | None, value_mlp: tuple[Array, ...] | None,
+                  query_chunks: int, scale: float, dtype: Any) -> Array:
+  """`attend_rows` in the kernels, for the queries qp [rows, P, d] (unscaled; at positions 0..P-1) with q, k
+  and v in their own dtype: the compression branch and the selection blocks' scores are one pass of
+  `selection_flash` over the compressed keys (in `dtype`, the softmax dtype), compressed block c at position
+  c·s + l - 1 (its last token: causal) with values [phi_v | eq. 9's overlaps of c], whose softmax weights
+  times the overlaps are the block scores; the choice in XLA; then the selection and window branches."""
+  rows, padded, _ = kp.shape
+  size, stride, sel = compress_block, compress_stride, select_block
+  ct = dtype
+  value_dim = vp.shape[-1]
+  nb = padded // sel
+  count = min(num_selected, nb)
+  ckeys, cvalid = _compress(kp.astype(ct), realp, key_mlp, batch=batch, block=size, stride=stride)
+  cvalid = jnp.broadcast_to(cvalid, ckeys.shape[:2])  # [rows, C]
+  cvalues, _ = _compress(vp.astype(ct), realp, value_mlp, batch=batch, block=size, stride=stride)
+  chunks = ckeys.shape[1]
+  cblock = min(128, 1 << (chunks - 1).bit_length())
+  cpad = -(-chunks // cblock) * cblock  # compressed keys padded to whole kernel blocks, masked
+  per_block, per_select = size // stride, sel // stride
+  weights = jnp.asarray(overlaps(chunks, per_block, nb, per_select), ct)
+  width = 1 << (value_dim + nb - 1).bit_length()  # [phi_v | overlaps | zeros]: the kernel's power of two
+  values = jnp.concatenate([cvalues, jnp.broadcast_to(weights, (rows, chunks, nb)),
+                            jnp.zeros((rows, chunks, width - value_dim - nb), ct)], axis=-1)
+  creal = None if realp is None and cpad == chunks else pad_length(cvalid, cpad, False)  # None: all real
+  out = selection_flash.attend(qp.astype(ct), pad_length(ckeys, cpad), pad_length(values, cpad), creal, None,
+                               block=cblock, causal=True, scale=scale, key_stride=stride,
+                               key_offset=size - 1)  # [rows, P, width]
+  o_cmp, scores = out[..., :value_dim], jax.lax.stop_gradient(out[..., value_dim:value_dim + nb])
+  blocks = jnp.arange(nb)
+
+  def choose_chunk(tree: tuple[Array, Array]) -> Array:
+    sc, qpos = tree  # [rows, Q, nb], [1, Q]
+    own = (qpos // sel)[..., None]  # [1, Q, 1]
+    forced = jnp.where(blocks == own, 3, jnp.where(blocks == own - 1, 2, jnp.where(blocks == 0, 1, 0)))
+    # `choose` in one pass: a score is at most l/s (softmax weights times overlaps), so rank·(l/s + 1) puts
+    # the forced blocks first in their order; ties go to the lower block (top_k's).
+    key = jnp.where(blocks <= own, sc + (per_block + 1.0) * forced, -jnp.inf)
+    top, index = jax.lax.top_k(key, count)
+    return jnp.where(top > -jnp.inf, index, -1).astype(jnp.int32)  # [rows, Q, count]
+
+  ids = map_chunks(choose_chunk, (scores, jnp.arange(padded, dtype=jnp.int32)[None, :]), query_chunks, axis=1)
+  o_slc, o_win = selection_flash.attend(qp, kp, vp, realp, ids, block=sel, causal=True, scale=scale,
+                                        also_window=window)  # both branches in one pass over the keys
+  return (gates[..., 0:1] * o_cmp + gates[..., 1:2] * o_slc.astype(ct) + gates[..., 2:3] * o_win.astype(ct))

@@ -11,7 +11,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from attention_baselines.nsa import BRANCHES, MLP_PARTS, attend_rows, check_mlp
+from attention_baselines.nsa import BRANCHES, MLP_PARTS, attend_rows, check_mlp, check_num_selected
 from attention_core import contract
 from attention_core.blocks import num_blocks
 from attention_core.decode import Cache, Decoder, finish, token, write, zeros
@@ -48,8 +48,8 @@ def step(cache: Cache, q: Array, k: Array, v: Array, position: Any, *, pool_q: A
   g = (jnp.full((rows, 1, BRANCHES), 1.0 / BRANCHES, cache["k"].dtype) if gates is None
        else jnp.asarray(gates, cache["k"].dtype).reshape(rows, 1, BRANCHES))
   plan = {name: contract.check_positive_int(value, name=name, op=OP) for name, value in (
-      ("compress_stride", compress_stride), ("select_block", select_block), ("num_selected", num_selected),
-      ("window", window))}
+      ("compress_stride", compress_stride), ("select_block", select_block), ("window", window))}
+  plan["num_selected"] = check_num_selected(num_selected, op=OP)
   out = attend_rows((x.q * x.scale).reshape(rows, 1, head_dim), x.position[None], g,
                     cache["k"].reshape(rows, slots, head_dim), cache["v"].reshape(rows, slots, value_dim),
                     jnp.ones((rows, slots), bool), batch=batch, compress_block=size, **plan, key_mlp=key_mlp,

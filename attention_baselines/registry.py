@@ -189,7 +189,9 @@ register(OpSpec(
     plan={"compress_block": POSITIVE, "compress_stride": POSITIVE, "select_block": POSITIVE,
           "num_selected": INT, "window": INT, "query_chunks": CHUNKS},
     description="Native Sparse Attention: gated compressed (l=32, stride 16), top-16 selected (64-token "
-                "blocks) and sliding-window (512) branches, causal, O(L*(L/16 + n*64 + 512)*d)"))
+                "blocks; n >= 3 counts the own, previous and first blocks, always selected) and "
+                "sliding-window (512) branches, causal; without gates each branch weighs 1/3; "
+                "O(L*(L/16 + n*64 + 512)*d)"))
 register(OpSpec(
     "moba", moba, params=moba_params, decode=MOBA, fused=PALLAS,
     plan={"block_size": POSITIVE, "top_k": INT, "query_chunks": CHUNKS},
@@ -210,17 +212,18 @@ register(OpSpec(
     "adaptive_span", adaptive_span, params=adaptive_span_params, bench_inputs=_adaptive_span_inputs,
     decode=ADAPTIVE_SPAN, module="models.adaptive_span_attention:AdaptiveSpanAttention",
     plan={"max_span": POSITIVE, "ramp": FLOAT, "block_size": POSITIVE}, inputs=("spans", "positions"),
-    memory=True,
-    description="adaptive attention span: a learned soft span per head (R=32), key blocks beyond the "
-                "largest span skipped, O(L*(max z + R)*d)"))
+    memory=True, fused=PALLAS,
+    description="adaptive attention span: a learned soft span per head (R=32), clamped to [0, max_span] "
+                "(default max_span = L), key blocks beyond the largest span skipped, O(L*(max z + R)*d)"))
 
 
 register(OpSpec(
     "blockbert", blockbert, causal=False, params=lambda length: {"num_blocks": 2},
     module="models.blockbert_attention:BlockBERTAttention",
     plan={"num_blocks": POSITIVE, "row_chunks": CHUNKS}, inputs=("shifts",),
-    description="BlockBERT: n = 2 blocks, each head attends from block a to block a + s_h mod n (most heads "
-                "s = 0, about one in six shifted), O(L*(L/n)*d), bidirectional only"))
+    description="BlockBERT: n = 2 blocks (n above L is cut to L), each head attends from block a to block "
+                "a + s_h mod n (shifts=None: most heads s = 0, about one in six shifted), O(L*(L/n)*d), "
+                "bidirectional only"))
 
 
 def _etc_inputs(length: int, shape: Shape) -> dict:
@@ -234,7 +237,9 @@ register(OpSpec(
     plan={"segment_length": POSITIVE, "radius": INT, "max_distance": INT, "hard_g2l": FLAG,
           "return_global": FLAG},
     description="ETC global-local: l2l radius 84 + l2g to one global token per 32 tokens, relative position "
-                "biases (k=12), O(L*(2r + L/32)*d), bidirectional only"))
+                "biases (k=12; one scalar per label and head, not ETC's relative key vectors), hard g2l mask "
+                "(hard_g2l=True); returns the long tokens' output only (return_global=True: also the global "
+                "tokens'), O(L*(2r + L/32)*d), bidirectional only"))
 
 
 TRANSFORMER_XL_INPUTS = ("r", "u", "v_bias")

@@ -13,8 +13,9 @@ inputs (token + position embeddings) plus a learned vector per level.
 
 The module owns per layer the relative vectors added to the keys (zeros at first):
   rel_self              [heads, head_dim]          a token reading itself;
-  rel_left, rel_right   [heads, T, k, head_dim]    the m-th nearest context node of level l on each side
-                                                   (rel_right in bidirectional models only);
+  rel_left, rel_right   [heads, T, k, head_dim]    slot m of a token's contextual nodes of level l on each
+                                                   side (the op's partition of the context; rel_right in
+                                                   bidirectional models only);
   rel_anc               [heads, T, head_dim]       a span node of level l reading its tokens (row l - 1);
 T = log2 n at the model's sequence length (`seq_len`); longer sequences share the last row. `context` (k,
 plan parameter) is fixed at construction. Config fields besides `name`, `params`, `dropout_rate`:

@@ -99,16 +99,17 @@ def test_keys_beyond_the_largest_span_are_never_read(causal):
 
 
 def test_the_loop_runs_only_over_offsets_within_the_largest_span():
-  """T = ceil((max z + R + block - 1) / block): the trip count follows the spans, up to the static bound."""
+  """T = floor((max z + R - 1) / block) + 2: the trip count follows the spans, up to the static bound; a key
+  at distance exactly max z + R is read (it is in d/dz), as at max z = 97, R = 32, blocks of 64."""
   length, block, ramp = 8192, 64, 32.0
   n = length // block
   plan = (True, ramp, block, n, n, length)
-  for zmax, want in ((256.0, 6), (0.0, 2), (32.5, 2), (97.0, 3), (97.5, 4), (8192.0, n)):
+  for zmax, want in ((256.0, 6), (0.0, 2), (32.5, 2), (96.5, 3), (97.0, 4), (97.5, 4), (8192.0, n)):
     got = int(span_op._trip_count(jnp.array([1.0, zmax]), plan))
-    assert got == want == min(n, math.ceil((zmax + ramp + block - 1) / block)), (zmax, got, want)
-    # no pair of the offset after the last is closer than max z + R; some pair of the last one is
+    assert got == want == min(n, math.floor((zmax + ramp - 1) / block) + 2), (zmax, got, want)
+    # no pair of the offset after the last is at most max z + R apart; some pair of the last one is
     if want < n:
-      assert want * block - (block - 1) >= zmax + ramp > (want - 1) * block - (block - 1)
+      assert want * block - (block - 1) > zmax + ramp >= (want - 1) * block - (block - 1)
 
 
 @pytest.mark.slow  # fast sibling: tests/attention_core/test_decode.py steps the decoder at its automatic plan

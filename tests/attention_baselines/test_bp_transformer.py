@@ -1,14 +1,46 @@
 """BP-Transformer: the op against its graph written from the definition in float64 (an explicit [N, N]
-adjacency over tokens and span nodes, dense masked softmax with the relative vectors), causal and
-bidirectional, odd lengths (padding to a power of two), masks, span nodes as given states or as their tokens'
-means; causality by Jacobian; the model with span nodes carried through its blocks, forward and backward."""
+adjacency over tokens and span nodes built by walking the paper's p_l rule, dense masked softmax with the
+relative vectors), causal and bidirectional, odd lengths (padding to a power of two), masks, span nodes as
+given states or as their tokens' means; every token's contextual nodes cover its context exactly once;
+causality by Jacobian; the model with span nodes carried through its blocks, forward and backward."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from attention_baselines.bp_transformer import bp_transformer, num_span_nodes, tokens_in_graph, tree_size
+from attention_baselines.bp_transformer import (
+  bp_transformer,
+  num_span_nodes,
+  span_offset,
+  token_neighbours,
+  tokens_in_graph,
+  tree_size,
+)
+
+
+def contextual_nodes(length, k, i, causal):
+  """Token i's contextual nodes by the paper's rule, walked in token positions: on each side k nodes per
+  level, level 0 the k tokens next to i, each level starting where the previous one ended (p_0 = i + 1, p_l =
+  p_{l-1} + k); at level l, a boundary that is not one of level-l nodes first takes the level-(l - 1) node
+  there (the authors' released code). Returns [(side, level of the slot, slot m, node level, node index)]
+  for the nodes inside the padded tree."""
+  n = tree_size(length)
+  levels = n.bit_length() - 1
+  out = []
+  for side in ("left",) if causal else ("left", "right"):
+    edge = i if side == "left" else i + 1  # the covered context ends (left) or starts (right) here
+    for lvl in range(levels):
+      for m in range(k):
+        size = 1 << lvl
+        if lvl and edge % size:  # not a level-l boundary: the finer node first
+          size //= 2
+        start = edge - size if side == "left" else edge
+        node_level = size.bit_length() - 1
+        if 0 <= start and start + size <= n:
+          out.append((side, lvl, m, node_level, start >> node_level))
+        edge = start if side == "left" else edge + size
+  return out
 
 
 def _graph(length, k, causal, rows):
@@ -35,16 +67,11 @@ def _graph(length, k, causal, rows):
 
   for i in range(length):
     adj[i, i], label[i, i] = True, row("self")
-    for lvl in range(levels):
-      size = 1 << lvl
-      ranges = [(j, j * size, (j + 1) * size - 1) for j in range(n >> lvl)]
-      left = sorted([r for r in ranges if r[2] < i], key=lambda r: -r[2])[:k]  # nearest first, not holding i
-      right = sorted([r for r in ranges if r[1] > i], key=lambda r: r[1])[:k]
-      for side, chosen in (("left", left), ("right", [] if causal else right)):
-        for m, (j, _, _) in enumerate(chosen):
-          b = node_of[(lvl, j)]
-          if b is not None:
-            adj[i, b], label[i, b] = True, row(side, lvl, m)
+    for side, lvl, m, node_level, j in contextual_nodes(length, k, i, causal):
+      b = node_of[(node_level, j)]
+      if b is not None:
+        assert not adj[i, b]
+        adj[i, b], label[i, b] = True, row(side, lvl, m)
   for lvl, j in spans:
     a = node_of[(lvl, j)]
     for t in range(j << lvl, (j + 1) << lvl):
@@ -182,3 +209,51 @@ def test_graph_bookkeeping_and_bad_arguments():
     bp_transformer(q, q, q, causal=False, context=0)
   with pytest.raises(ValueError, match="rel_left"):
     bp_transformer(q, q, q, causal=False, context=2, rel_left=jnp.zeros((1, 3, 1, 4)))
+
+
+def test_contextual_nodes_cover_the_context_exactly_once():
+  """L = 1..67, k = 1, 2, 4, causal and bidirectional: each token's self edge and contextual nodes cover every
+  other token (every earlier one when causal) exactly once, in the op's own table (`token_neighbours`, the
+  cached decoder's) and in the definition's walk, which agree slot by slot."""
+  for length in range(1, 68):
+    n = tree_size(length)
+    for k in (1, 2, 4):
+      for causal in (True, False):
+        index, valid, kind, level, rank = token_neighbours(n, k, causal)
+        first, last = _node_ranges(n)
+        for i in range(length):
+          cover = np.zeros(n, int)
+          for b in index[i][valid[i]]:
+            cover[first[b]:last[b]] += 1
+          want = np.arange(n) <= i if causal else np.ones(n, bool)
+          assert np.array_equal(cover[:length], want[:length].astype(int)), (length, k, causal, i)
+          side_of = {"left": 1, "right": 2}
+          walked = {(side_of[side], lvl, m, _node_id(n, nl, j))
+                    for side, lvl, m, nl, j in contextual_nodes(length, k, i, causal)}
+          table = {(int(kind[i, s]), int(level[i, s]), int(rank[i, s]), int(index[i, s]))
+                   for s in range(1, index.shape[1]) if valid[i, s]}
+          assert table == walked, (length, k, causal, i)
+
+
+def _node_id(n, level, j):
+  return j if level == 0 else n + span_offset(n, level) + j
+
+
+def _node_ranges(n):
+  """The token range [first, last) of each of the 2n nodes (tokens, span nodes, the zero node)."""
+  first, last = list(range(n)), list(range(1, n + 1))
+  for lvl in range(1, n.bit_length()):
+    first += [j << lvl for j in range(n >> lvl)]
+    last += [(j + 1) << lvl for j in range(n >> lvl)]
+  return np.array(first + [0]), np.array(last + [0])
+
+
+@pytest.mark.parametrize("causal,hot,token,want", [(False, 2, 1, 0.25), (True, 1, 2, 1 / 3)])
+def test_uniform_weights_count_every_token_once(causal, hot, token, want):
+  """L = 4, k = 1, span nodes as their tokens' means, q = 0 (uniform weights over a token's edges), v one-hot
+  at token `hot`: token 1 reads tokens 0-3 once each (bidirectional: 1/4), token 2 reads tokens 0-2 once
+  (causal: 1/3); an overlapping graph (a span node over tokens already read) gives 0.375 and 0.5."""
+  q = jnp.zeros((1, 4, 1, 2))
+  v = jnp.zeros((1, 4, 1, 1)).at[0, hot].set(1.0)
+  out = bp_transformer(q, jax.random.normal(jax.random.key(0), (1, 4, 1, 2)), v, causal=causal, context=1)
+  np.testing.assert_allclose(float(out[0, token, 0, 0]), want, rtol=1e-6)

@@ -12,7 +12,9 @@ from jax.test_util import check_grads
 from attention_baselines.nsa import nsa
 from tests.attention_baselines.definitions import assert_masked_nonfinite_inert, inputs
 
-PLAN = dict(compress_block=4, compress_stride=2, select_block=4, num_selected=2, window=3)
+# Selection blocks of 2: 7 blocks at length 13-14, so a query past the third block has more than the forced
+# three to choose from and the fourth is chosen by score.
+PLAN = dict(compress_block=4, compress_stride=2, select_block=2, num_selected=4, window=3)
 
 
 def _softmax_out(logits, values):
@@ -105,7 +107,7 @@ def test_matches_the_definition_with_mlps_and_gates():
 
 # The second plan (non-overlapping compressed blocks, one selected block, window 1) runs with -m slow.
 @pytest.mark.parametrize("plan", [PLAN, pytest.param(dict(compress_block=4, compress_stride=4, select_block=8,
-                                                          num_selected=1, window=1), marks=pytest.mark.slow)])
+                                                          num_selected=3, window=1), marks=pytest.mark.slow)])
 def test_matches_the_definition_with_mean_pooling(plan):
   with jax.enable_x64(True):
     q, k, v, mask = inputs(4, length=14)
@@ -163,8 +165,9 @@ def test_bad_arguments_name_the_argument():
     nsa(q, k, v, causal=False)
   with pytest.raises(ValueError, match="'compress_stride'"):
     nsa(q, k, v, causal=True, compress_block=4, compress_stride=3, select_block=6)
-  with pytest.raises(ValueError, match="'num_selected'"):
-    nsa(q, k, v, causal=True, num_selected=0)
+  for n in (0, 2, 3.0):  # fewer than the three forced blocks, or not an int
+    with pytest.raises(ValueError, match="'num_selected' must be an int >= 3"):
+      nsa(q, k, v, causal=True, num_selected=n)
   with pytest.raises(ValueError, match="'gates'"):
     nsa(q, k, v, causal=True, gates=jnp.ones((2, 8, 2, 2)))
   _, _, kwargs = _mlps(2, 4, 3)

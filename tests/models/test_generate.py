@@ -43,7 +43,7 @@ MODEL_CASES = [("dense", {}), ("combiner_fixed", {"block_size": 4}),
                ("longformer", {"window": 3, "global_positions": (0, 7, -3)}),
                ("bigbird", {"block_size": 1, "num_random_blocks": 1}),
                ("moba", {"block_size": 4, "top_k": 2}),
-               ("nsa", {"compress_block": 4, "compress_stride": 2, "select_block": 4, "num_selected": 2,
+               ("nsa", {"compress_block": 4, "compress_stride": 2, "select_block": 4, "num_selected": 3,
                         "window": 3})]
 
 

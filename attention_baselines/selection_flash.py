@@ -73,6 +73,15 @@ class Plan(NamedTuple):
   window: int  # > 0: key j visible only when j > i - window
   scale: float
   ids: bool  # per-query block ids given (else every listed block)
+  key_stride: int = 1  # key j sits at position j * key_stride + key_offset (the rules compare positions)
+  key_offset: int = 0
+  also_window: int = 0  # > 0: a second softmax in the same pass, over every key j > i - also_window
+
+  @property
+  def sets(self) -> tuple[tuple[bool, int], ...]:
+    """The softmaxes of one pass: (whether the ids narrow it, its window) each."""
+    first = (self.ids, self.window)
+    return (first, (False, self.also_window)) if self.also_window else (first,)
 
 
 def tile_caps() -> tuple[int, int]:
@@ -159,15 +168,29 @@ def _stats_dtype(x: Array) -> Any:
   return jnp.float64 if x.dtype == jnp.float64 else jnp.float32
 
 
-def _rules(plan: Plan, qpos: Array, kpos: Array) -> Array | None:
-  """Structural visibility of keys at kpos for queries at qpos (broadcasting), None when there is no rule."""
+def _rules(plan: Plan, qpos: Array, kpos: Array, window: int) -> Array | None:
+  """Structural visibility of keys kpos (indices) for queries at qpos (broadcasting), None when there is no
+  rule; a key's position is kpos * key_stride + key_offset."""
+  if plan.key_stride != 1 or plan.key_offset:
+    kpos = kpos * plan.key_stride + plan.key_offset
   ok = None
   if plan.causal:
     ok = kpos <= qpos
-  if plan.window:
-    inside = kpos > qpos - plan.window
+  if window:
+    inside = kpos > qpos - window
     ok = inside if ok is None else ok & inside
   return ok
+
+
+def _visible(plan: Plan, code: Array, qpos: Array, kpos: Array, hit: Any) -> list[Array]:
+  """Per softmax of the pass (`Plan.sets`): which pairs it sees (real key, rules, and the query's ids)."""
+  out = []
+  for uses_ids, window in plan.sets:
+    ok = code > 0
+    rule = _rules(plan, qpos, kpos, window)
+    ok = ok if rule is None else ok & rule
+    out.append(ok & hit if uses_ids and hit is not None else ok)
+  return out
 
 
 def _hit(ids: Array, b: Array, axis: int) -> Array:
@@ -181,14 +204,15 @@ def _tiles_of_block(plan: Plan, b: Array, qmax: Any, body, carry):
   if plan.sub == 1:
     return body(0, carry)
   num = plan.sub
-  if plan.causal:
-    num = jnp.minimum(num, _div(jnp.maximum(qmax - b * plan.block, 0), plan.tile_k) + 1)
+  if plan.causal:  # the last key index qmax can see: (qmax - key_offset) // key_stride
+    last = _div(jnp.maximum(qmax - plan.key_offset, 0), plan.key_stride)
+    num = jnp.minimum(num, _div(jnp.maximum(last - b * plan.block, 0), plan.tile_k) + 1)
   return lax.fori_loop(0, num, body, carry)
 
 
 def _fwd_kernel(lists_ref, q_ref, k_ref, v_ref, code_ref, *refs, plan: Plan, width: int):
   ids_ref = refs[0] if plan.ids else None
-  o_ref, lse_ref = refs[-2:]
+  outs = refs[-2 * len(plan.sets):]  # (o, lse) per softmax
   t = pl.program_id(1)
   tq, tk = plan.tile_q, plan.tile_k
   q = q_ref[...]  # [tq, d]
@@ -203,45 +227,65 @@ def _fwd_kernel(lists_ref, q_ref, k_ref, v_ref, code_ref, *refs, plan: Plan, wid
     hit = _hit(ids, b, 1) if ids is not None else None  # [tq, 1]
 
     def tile(j, carry):
-      m, den, acc = carry
       kt = b * plan.sub + j
       k, v, code = k_ref[kt], _finite(v_ref[kt]), code_ref[kt]  # [tk, d], [tk, e], [1, tk]
-      s = pallas.dot(q, k, trans_b=True).astype(st) * plan.scale  # [tq, tk]
+      logits = pallas.dot(q, k, trans_b=True).astype(st) * plan.scale  # [tq, tk]
       kpos = b * plan.block + j * tk + lax.broadcasted_iota(jnp.int32, (1, tk), 1)
-      ok = code > 0
-      rule = _rules(plan, qpos, kpos)
-      ok = ok if rule is None else ok & rule
-      ok = ok if hit is None else ok & hit
-      # A visible key that held a NaN or Inf gets logit +inf: its query's max, weights and output turn NaN.
-      s = jnp.where(ok, jnp.where(code > VALID, jnp.inf, s), -jnp.inf)
-      m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
-      m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-      p = jnp.exp(s - m_safe)  # exactly 0 where invisible
-      alpha = jnp.exp(m - m_safe)
-      den = alpha * den + jnp.sum(p, axis=1, keepdims=True)
-      acc = alpha * acc + pallas.dot(p.astype(v.dtype), v).astype(st)
-      return m_new, den, acc
+      new = []
+      for (m, den, acc), ok in zip(carry, _visible(plan, code, qpos, kpos, hit), strict=True):
+        # A visible key that held a NaN or Inf gets logit +inf: its query's max, weights and output turn NaN.
+        s = jnp.where(ok, jnp.where(code > VALID, jnp.inf, logits), -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        p = jnp.exp(s - m_safe)  # exactly 0 where invisible
+        alpha = jnp.exp(m - m_safe)
+        new.append((m_new, alpha * den + jnp.sum(p, axis=1, keepdims=True),
+                    alpha * acc + pallas.dot(p.astype(v.dtype), v).astype(st)))
+      return tuple(new)
 
     return _tiles_of_block(plan, b, qmax, tile, carry)
 
-  init = (jnp.full((tq, 1), -jnp.inf, st), jnp.zeros((tq, 1), st), jnp.zeros(o_ref.shape, st))
-  m, den, acc = lax.fori_loop(0, entry(0), block, init)
-  nonempty = den > 0
-  safe = jnp.where(nonempty, den, 1.0)
-  o_ref[...] = (acc / safe).astype(o_ref.dtype)
-  lse_ref[...] = jnp.where(nonempty, m + jnp.log(safe), -jnp.inf).T.astype(lse_ref.dtype)  # [1, tq]
+  init = tuple((jnp.full((tq, 1), -jnp.inf, st), jnp.zeros((tq, 1), st), jnp.zeros(outs[0].shape, st))
+               for _ in plan.sets)
+  for (m, den, acc), o_ref, lse_ref in zip(lax.fori_loop(0, entry(0), block, init), outs[0::2], outs[1::2],
+                                           strict=True):
+    nonempty = den > 0
+    safe = jnp.where(nonempty, den, 1.0)
+    o_ref[...] = (acc / safe).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(nonempty, m + jnp.log(safe), -jnp.inf).T.astype(lse_ref.dtype)  # [1, tq]
 
 
-def _dq_kernel(lists_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, code_ref, *refs, plan: Plan,
-               width: int):
-  ids_ref = refs[0] if plan.ids else None
-  (dq_ref,) = refs[-1:]
+def _grads_of(plan: Plan, logits: Array, oks: list[Array], dos: list, lses: list, deltas: list, v: Array,
+              lhs: bool) -> tuple[Array, Array | None]:
+  """(ds, dv share) of one tile pair summed over the pass's softmaxes: p = e^(s - lse) where visible,
+  ds = p (do . v - delta); the dv share p^T do (lhs: [keys, queries] tiles, else None)."""
+  st = logits.dtype
+  ds, dv = 0.0, None
+  for ok, do, lse, delta in zip(oks, dos, lses, deltas, strict=True):
+    p = jnp.where(ok, jnp.exp(jnp.where(ok, logits, 0.0) - lse), 0.0)
+    if lhs:  # [tk, tq]: dp = v do^T
+      dp = pallas.dot(v, do, trans_b=True).astype(st)
+      share = pallas.dot(p.astype(do.dtype), do).astype(st)
+      dv = share if dv is None else dv + share
+    else:  # [tq, tk]
+      dp = pallas.dot(do, v, trans_b=True).astype(st)
+    ds = ds + p * (dp - delta)
+  return ds, dv
+
+
+def _dq_kernel(lists_ref, q_ref, *refs, plan: Plan, width: int):
+  n = len(plan.sets)
+  dos, lses, deltas = refs[0:3 * n:3], refs[1:3 * n:3], refs[2:3 * n:3]  # per softmax
+  k_ref, v_ref, code_ref = refs[3 * n:3 * n + 3]
+  ids_ref = refs[3 * n + 3] if plan.ids else None
+  dq_ref = refs[-1]
   t = pl.program_id(1)
   tq, tk = plan.tile_q, plan.tile_k
-  q, do = q_ref[...], do_ref[...]  # [tq, d], [tq, e]
+  q = q_ref[...]  # [tq, d]
   st = _stats_dtype(q)
-  lse, delta = lse_ref[...].T, delta_ref[...].T  # [tq, 1]
-  lse = jnp.where(lse == -jnp.inf, 0.0, lse)
+  dos = [r[...] for r in dos]  # [tq, e] each
+  lses = [jnp.where(r[...].T == -jnp.inf, 0.0, r[...].T) for r in lses]  # [tq, 1]
+  deltas = [r[...].T for r in deltas]
   qpos = t * tq + lax.broadcasted_iota(jnp.int32, (tq, 1), 0)
   qmax = t * tq + tq - 1
   ids = ids_ref[...] if plan.ids else None
@@ -254,15 +298,9 @@ def _dq_kernel(lists_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, code_
     def tile(j, dq):
       kt = b * plan.sub + j
       k, v, code = _finite(k_ref[kt]), _finite(v_ref[kt]), code_ref[kt]
-      s = pallas.dot(q, k, trans_b=True).astype(st) * plan.scale
+      logits = pallas.dot(q, k, trans_b=True).astype(st) * plan.scale
       kpos = b * plan.block + j * tk + lax.broadcasted_iota(jnp.int32, (1, tk), 1)
-      ok = code > 0
-      rule = _rules(plan, qpos, kpos)
-      ok = ok if rule is None else ok & rule
-      ok = ok if hit is None else ok & hit
-      p = jnp.where(ok, jnp.exp(jnp.where(ok, s, 0.0) - lse), 0.0)  # [tq, tk]
-      dp = pallas.dot(do, v, trans_b=True).astype(st)
-      ds = p * (dp - delta)
+      ds, _ = _grads_of(plan, logits, _visible(plan, code, qpos, kpos, hit), dos, lses, deltas, v, False)
       return dq + pallas.dot(ds.astype(k.dtype), k).astype(st) * plan.scale
 
     return _tiles_of_block(plan, b, qmax, tile, dq)
@@ -271,11 +309,13 @@ def _dq_kernel(lists_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, code_
   dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
-def _dkv_kernel(lists_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, code_ref, *refs, plan: Plan,
-                width: int):
+def _dkv_kernel(lists_ref, q_ref, *refs, plan: Plan, width: int):
   """dk, dv of one key tile from the query tiles its block's transposed list names, on [keys, queries]
   tiles (per-query rows broadcast over keys)."""
-  ids_ref = refs[0] if plan.ids else None
+  n = len(plan.sets)
+  dos, lses, deltas = refs[0:3 * n:3], refs[1:3 * n:3], refs[2:3 * n:3]
+  k_ref, v_ref, code_ref = refs[3 * n:3 * n + 3]
+  ids_ref = refs[3 * n + 3] if plan.ids else None
   dk_ref, dv_ref = refs[-2:]
   kt = pl.program_id(1)
   tq, tk = plan.tile_q, plan.tile_k
@@ -289,22 +329,14 @@ def _dkv_kernel(lists_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, code
   def body(i, carry):
     dk, dv = carry
     t = entry(1 + i)
-    q, do = q_ref[t], do_ref[t]  # [tq, d], [tq, e]
-    lse, delta = lse_ref[t], delta_ref[t]  # [1, tq]
-    lse = jnp.where(lse == -jnp.inf, 0.0, lse)
+    q = q_ref[t]  # [tq, d]
     qpos = t * tq + lax.broadcasted_iota(jnp.int32, (1, tq), 1)
-    s = pallas.dot(k, q, trans_b=True).astype(st) * plan.scale  # [tk, tq]
-    ok = code > 0
-    rule = _rules(plan, qpos, kpos)
-    ok = ok if rule is None else ok & rule
-    if ids_ref is not None:
-      ok = ok & _hit(ids_ref[t], b, 0)  # ids [K, tq] -> [1, tq]
-    p = jnp.where(ok, jnp.exp(jnp.where(ok, s, 0.0) - lse), 0.0)  # [tk, tq]
-    dv = dv + pallas.dot(p.astype(do.dtype), do).astype(st)
-    dp = pallas.dot(v, do, trans_b=True).astype(st)
-    ds = p * (dp - delta)
-    dk = dk + pallas.dot(ds.astype(q.dtype), q).astype(st) * plan.scale
-    return dk, dv
+    logits = pallas.dot(k, q, trans_b=True).astype(st) * plan.scale  # [tk, tq]
+    hit = _hit(ids_ref[t], b, 0) if ids_ref is not None else None  # ids [K, tq] -> [1, tq]
+    ds, share = _grads_of(plan, logits, _visible(plan, code, qpos, kpos, hit), [r[t] for r in dos],
+                          [jnp.where(r[t] == -jnp.inf, 0.0, r[t]) for r in lses], [r[t] for r in deltas], v,
+                          True)
+    return dk + pallas.dot(ds.astype(q.dtype), q).astype(st) * plan.scale, dv + share
 
   zeros = (jnp.zeros(dk_ref.shape, st), jnp.zeros(dv_ref.shape, st))
   dk, dv = lax.fori_loop(0, entry(0), body, zeros)
@@ -359,54 +391,58 @@ def _zero_cotangent(x: Array | None) -> Any:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _flash(platform: str | None, plan: Plan, q: Array, k: Array, v: Array, aux: _Aux) -> tuple[Array, Array]:
+def _flash(platform: str | None, plan: Plan, q: Array, k: Array, v: Array, aux: _Aux) -> tuple[Array, ...]:
   return _flash_fwd(platform, plan, q, k, v, aux)[0]
 
 
 def _flash_fwd(platform, plan, q, k, v, aux):
+  """(out per softmax of the pass), residuals."""
   rows, nt, tq, _ = q.shape
   e = v.shape[-1]
   ids_specs = [_one(aux.ids)] if plan.ids else []
   ids_args = [aux.ids] if plan.ids else []
-  o, lse = _call(
+  outs = _call(
       platform, functools.partial(_fwd_kernel, plan=plan), (rows, nt),
       [_one(q), _whole(k), _whole(v), _whole(aux.code), *ids_specs], aux.lists, _width(aux.lists, nt),
       lambda r, t: t,
       out_specs=[pl.BlockSpec((None, None, tq, e), lambda r, t: (r, t, 0, 0)),
-                 pl.BlockSpec((None, None, 1, tq), lambda r, t: (r, t, 0, 0))],
+                 pl.BlockSpec((None, None, 1, tq), lambda r, t: (r, t, 0, 0))] * len(plan.sets),
       out_shape=[jax.ShapeDtypeStruct((rows, nt, tq, e), q.dtype),
-                 jax.ShapeDtypeStruct((rows, nt, 1, tq), _stats_dtype(q))],
+                 jax.ShapeDtypeStruct((rows, nt, 1, tq), _stats_dtype(q))] * len(plan.sets),
       name="selection_flash_fwd",
   )(aux.lists, q, k, v, aux.code, *ids_args)
-  return o, (q, k, v, aux, o, lse)
+  os, lses = tuple(outs[0::2]), tuple(outs[1::2])
+  return os, (q, k, v, aux, os, lses)
 
 
-def _flash_bwd(platform, plan, res, do):
-  q, k, v, aux, o, lse = res
+def _flash_bwd(platform, plan, res, dos):
+  q, k, v, aux, os, lses = res
   rows, nt, tq, _ = q.shape
   nk = k.shape[1]
   st = _stats_dtype(q)
-  delta = jnp.sum(do.astype(st) * o.astype(st), axis=-1)[:, :, None, :]  # [rows, nt, 1, tq]
-  do = do.astype(q.dtype)
+  per_set = []  # (do, lse, delta) per softmax
+  for do, o, lse in zip(dos, os, lses, strict=True):
+    delta = jnp.sum(do.astype(st) * o.astype(st), axis=-1)[:, :, None, :]  # [rows, nt, 1, tq]
+    per_set += [do.astype(q.dtype), lse, delta]
   ids_specs = [_one(aux.ids)] if plan.ids else []
   ids_args = [aux.ids] if plan.ids else []
   dq = _call(
       platform, functools.partial(_dq_kernel, plan=plan), (rows, nt),
-      [_one(q), _one(do), _one(lse), _one(delta), _whole(k), _whole(v), _whole(aux.code), *ids_specs],
+      [_one(q), *map(_one, per_set), _whole(k), _whole(v), _whole(aux.code), *ids_specs],
       aux.lists, _width(aux.lists, nt), lambda r, t: t,
       out_specs=_one(q), out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), name="selection_flash_dq",
-  )(aux.lists, q, do, lse, delta, k, v, aux.code, *ids_args)
+  )(aux.lists, q, *per_set, k, v, aux.code, *ids_args)
   sub = plan.sub
   idst_specs = [_whole(aux.ids_t)] if plan.ids else []
   idst_args = [aux.ids_t] if plan.ids else []
   dk, dv = _call(
       platform, functools.partial(_dkv_kernel, plan=plan), (rows, nk),
-      [_whole(q), _whole(do), _whole(lse), _whole(delta), _one(k), _one(v), _one(aux.code_t), *idst_specs],
+      [_whole(q), *map(_whole, per_set), _one(k), _one(v), _one(aux.code_t), *idst_specs],
       aux.lists_t, _width(aux.lists_t, nk // sub), lambda r, t: _div(t, sub),
       out_specs=[_one(k), _one(v)],
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
       name="selection_flash_dkv",
-  )(aux.lists_t, q, do, lse, delta, k, v, aux.code_t, *idst_args)
+  )(aux.lists_t, q, *per_set, k, v, aux.code_t, *idst_args)
   return dq, dk, dv, jax.tree.map(_zero_cotangent, aux, is_leaf=lambda x: x is None)
 
 
@@ -415,14 +451,20 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 def _lists(member: Array, most: int) -> Array:
   """member [rows, n, m] bool -> [rows, 1, n * W] int32, list after list: the count, then the members
-  ascending (at most `most`), W a power of two (Triton's block sizes); slots past the count are never read."""
+  ascending (at most `most`), W a power of two (Triton's block sizes); slots past the count are never read.
+  A numpy member (the static rules) gives numpy lists: constants of the program."""
+  if isinstance(member, np.ndarray):
+    m = member.shape[-1]
+    order = np.argsort(np.where(member, np.arange(m), m + np.arange(m)), axis=-1, kind="stable")
+    out = np.concatenate([member.sum(-1, keepdims=True), order[..., :min(most, m)]], axis=-1)
+    out = np.pad(out, ((0, 0), (0, 0), (0, _pow2(out.shape[-1]) - out.shape[-1]))).astype(np.int32)
+    return out.reshape(out.shape[0], 1, -1)
   m = member.shape[-1]
   index = jnp.arange(m, dtype=jnp.int32)
   order = jnp.argsort(jnp.where(member, index, m + index), axis=-1)[..., :min(most, m)].astype(jnp.int32)
   count = jnp.sum(member, axis=-1, dtype=jnp.int32)[..., None]
-  out = jnp.concatenate([count, order], axis=-1)
-  out = pad_to(out, _pow2(out.shape[-1]), 2)
-  return out.reshape(out.shape[0], 1, -1)  # [rows, 1, n * W]
+  spare = jnp.zeros((*count.shape[:-1], _pow2(1 + order.shape[-1]) - 1 - order.shape[-1]), jnp.int32)
+  return jnp.concatenate([count, order, spare], axis=-1).reshape(count.shape[0], 1, -1)  # [rows, 1, n * W]
 
 
 def _width(lists: Array, n: int) -> int:
@@ -430,15 +472,19 @@ def _width(lists: Array, n: int) -> int:
   return lists.shape[-1] // n
 
 
-def attend(q: Array, k: Array, v: Array, real: Array, ids: Array | None, *, block: int, causal: bool,
-           window: int = 0, scale: float) -> Array:
+def attend(q: Array, k: Array, v: Array, real: Array | None, ids: Array | None, *, block: int, causal: bool,
+           window: int = 0, scale: float, key_stride: int = 1, key_offset: int = 0,
+           also_window: int = 0) -> Any:
   """Each query's softmax over the valid keys of its blocks.
 
-  q [rows, P, d]: query i at position i; k [rows, N, d], v [rows, N, e], real [rows, N] bool key mask, N a
-  whole number of blocks of `block` keys; ids [rows, P, K] int32: the blocks each query attends (-1 =
-  unused), or None: every block. causal: keys j <= i only; window > 0: keys j > i - window only. scale: the
-  logit scale. Returns [rows, P, e] in q's dtype (queries with no visible key get 0); differentiable in q,
-  k and v.
+  q [rows, P, d]: query i at position i; k [rows, N, d], v [rows, N, e], real [rows, N] bool key mask (None:
+  every key real), N a whole number of blocks of `block` keys; ids [rows, P, K] int32: the blocks each query
+  attends (-1 = unused), or None: every block. causal: keys j <= i only; window > 0: keys j > i - window only.
+  scale: the logit scale. key_stride, key_offset: key j sits at position j * key_stride + key_offset for the
+  rules (NSA's compressed block j ends there). also_window > 0: a second softmax in the same pass over the
+  keys, every key j with i - also_window < j (and j <= i when causal), ids aside (NSA's window branch beside
+  its selection). Returns [rows, P, e] in q's dtype (queries with no visible key get 0), or with also_window
+  the pair (the ids' softmax, the window's); differentiable in q, k and v.
   """
   rows, length, d = q.shape
   n, e = k.shape[1], v.shape[-1]
@@ -449,44 +495,51 @@ def attend(q: Array, k: Array, v: Array, real: Array, ids: Array | None, *, bloc
   sub = -(-block // tk)
   nt = -(-length // tq)
   dp, ep = _pow2(d), _pow2(e)
-  plan = Plan(block, tk, sub, tq, bool(causal), int(window), float(scale), ids is not None)
+  plan = Plan(block, tk, sub, tq, bool(causal), int(window), float(scale), ids is not None, int(key_stride),
+              int(key_offset), int(also_window))
 
   def key_tiles(x: Array) -> Array:  # [rows, N, w] -> [rows, nb * sub, tk, w]
     x = pad_to(x.reshape(rows, nb, block, x.shape[-1]), sub * tk, 2)
     return x.reshape(rows, nb * sub, tk, x.shape[-1])
 
   finite = jnp.all(jnp.isfinite(k), axis=-1) & jnp.all(jnp.isfinite(v), axis=-1)
-  code = jnp.where(real, jnp.where(finite, VALID, NONFINITE), 0.0).astype(jnp.float32)  # [rows, N]
+  code = jnp.where(finite, VALID, NONFINITE)  # [rows, N]
+  code = (code if real is None else jnp.where(real, code, 0.0)).astype(jnp.float32)
   code = key_tiles(code[..., None])  # [rows, nb * sub, tk, 1]
   qt = pad_to(pad_to(q, nt * tq, 1), dp, 2).reshape(rows, nt, tq, dp)
   kt = key_tiles(pad_to(k.astype(q.dtype), dp, 2))
   vt = key_tiles(pad_to(v.astype(q.dtype), ep, 2))
 
-  tile_of = jnp.arange(nt * tq, dtype=jnp.int32) // tq
-  if ids is not None:
-    count = ids.shape[-1]
-    idp = pad_to(pad_to(ids.astype(jnp.int32), nt * tq, 1, -1), _pow2(count), 2, -1)  # [rows, nt * tq, K]
-    # The union of each query tile's choices: a scatter of its queries' ids (-1 lands in a dropped column).
-    member = jnp.zeros((rows, nt, nb + 1), bool).at[
-        jnp.arange(rows)[:, None, None], tile_of[None, :, None], jnp.where(idp >= 0, idp, nb)].set(True)
-    member = member[..., :nb]
-    most = min(nb, tq * count)
-    ids4 = idp.reshape(rows, nt, tq, -1)
-    aux_ids, aux_ids_t = ids4, jnp.swapaxes(ids4, 2, 3)
-  else:  # every block a rule lets some query of the tile see
+  def seen_by_rule(w: int) -> np.ndarray:  # [nt, nb]: the blocks the rules let some query of a tile see
     first = np.arange(nt) * tq  # [nt] the tile's first and last query
     last = first + tq - 1
-    starts = np.arange(nb) * block  # [nb]
-    ends = starts + block - 1
+    starts = np.arange(nb) * block * key_stride + key_offset  # [nb] the blocks' first and last key positions
+    ends = starts + (block - 1) * key_stride
     seen = np.ones((nt, nb), bool)
     if causal:
       seen &= starts[None, :] <= last[:, None]
-    if window:
-      seen &= ends[None, :] > first[:, None] - window
-    member = jnp.broadcast_to(jnp.asarray(seen), (rows, nt, nb))
+    if w:
+      seen &= ends[None, :] > first[:, None] - w
+    return seen
+
+  also = seen_by_rule(also_window) if also_window else np.zeros((nt, nb), bool)
+  if ids is not None:
+    count = ids.shape[-1]
+    idp = pad_to(pad_to(ids.astype(jnp.int32), nt * tq, 1, -1), _pow2(count), 2, -1)  # [rows, nt * tq, K]
+    # The union of each query tile's choices, one fused compare-and-reduce (-1 matches no block).
+    member = jnp.any(idp.reshape(rows, nt, -1)[..., None] == jnp.arange(nb, dtype=jnp.int32), axis=2)
+    member = member | also[None] if also_window else member
+    most = min(nb, tq * count + int(also.sum(-1).max(initial=0)))
+    lists = [_lists(member, most), _lists(jnp.swapaxes(member, 1, 2), nt)]
+    ids4 = idp.reshape(rows, nt, tq, -1)
+    aux_ids, aux_ids_t = ids4, jnp.swapaxes(ids4, 2, 3)
+  else:  # every block a rule lets some query of the tile see: the same static lists for every row
+    seen = seen_by_rule(window) | also
     most = int(seen.sum(-1).max(initial=1))
+    lists = [jnp.broadcast_to(x, (rows, *x.shape[1:])) for x in (
+        _lists(seen[None], most), _lists(seen.T[None], nt))]
     aux_ids = aux_ids_t = None
-  aux = _Aux(jnp.swapaxes(code, 2, 3), code, _lists(member, most), _lists(jnp.swapaxes(member, 1, 2), nt),
-             aux_ids, aux_ids_t)
-  out = _flash(contract.traced_platform(), plan, qt, kt, vt, aux)  # [rows, nt, tq, ep]
-  return out.reshape(rows, nt * tq, ep)[:, :length, :e]
+  aux = _Aux(jnp.swapaxes(code, 2, 3), code, *lists, aux_ids, aux_ids_t)
+  outs = [o.reshape(rows, nt * tq, ep)[:, :length, :e]  # [rows, nt, tq, ep] each
+          for o in _flash(contract.traced_platform(), plan, qt, kt, vt, aux)]
+  return tuple(outs) if also_window else outs[0]

@@ -1,4 +1,4 @@
-"""The selected-blocks kernel (attention_core/selection_flash.py) in interpret mode on CPU.
+"""The selected-blocks kernel (attention_baselines/selection_flash.py) in interpret mode on CPU.
 
 Against a from-definition float64 softmax over each query's set (its chosen blocks, or every block, with the
 causal and window rules and the key mask): outputs and gradients, several query tiles, several key tiles per
@@ -18,9 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from attention_baselines import selection_flash
 from attention_baselines.moba import moba
 from attention_baselines.nsa import nsa
-from attention_core import contract, pallas, selection_flash
+from attention_core import contract, pallas
 from tests.attention_baselines.definitions import inputs
 from tests.attention_baselines.test_moba import reference as moba_reference
 from tests.attention_baselines.test_nsa import PLAN as NSA_PLAN
@@ -31,19 +32,19 @@ TRITON_OK = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
 FAST_COMPILE = (("xla_backend_optimization_level", 0),)  # interpreted kernels compile slowly
 
 
-def definition(q, k, v, real, ids, *, block, causal, window, scale):
+def definition(q, k, v, real, ids, *, block, causal, window, scale, key_stride=1, key_offset=0):
   """Softmax of query i over the keys j of its set: real[j], j's block among ids[i] (every block for None),
-  j <= i when causal, j > i - window when window > 0. q [rows, P, d], k [rows, N, d]: jnp float64, so that
-  its gradients are the definition's too."""
+  position p_j = j * key_stride + key_offset <= i when causal, p_j > i - window when window > 0. q [rows, P,
+  d], k [rows, N, d]: jnp float64, so that its gradients are the definition's too."""
   n, length = k.shape[1], q.shape[1]
-  kpos, qpos = jnp.arange(n), jnp.arange(length)[:, None]
+  kpos, qpos = jnp.arange(n) * key_stride + key_offset, jnp.arange(length)[:, None]
   ok = real[:, None, :]
   if causal:
     ok = ok & (kpos <= qpos)
   if window:
     ok = ok & (kpos > qpos - window)
   if ids is not None:
-    ok = ok & jnp.any(ids[..., None] == (kpos // block), axis=-2)  # [rows, P, N]
+    ok = ok & jnp.any(ids[..., None] == (jnp.arange(n) // block), axis=-2)  # [rows, P, N]
   s = jnp.where(ok, jnp.einsum("rqd,rkd->rqk", q, k) * scale, -jnp.inf)
   top = jnp.max(s, axis=-1, keepdims=True)
   w = jnp.where(ok, jnp.exp(s - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)
@@ -72,9 +73,40 @@ def _random_case(seed, *, rows, length, block, causal, chosen):
 
 # (causal, window, chosen blocks per query or 0 = every block, block). Tile caps of 16 give several query
 # tiles and, for blocks over 16 keys, several key tiles per block, with its ragged padding.
-# (causal, window, chosen blocks per query or 0 = every block, block). Tile caps of 16 give several query
-# tiles and, for blocks over 16 keys, several key tiles per block, with its ragged padding.
 KERNEL_CASES = [(True, 0, 3, 3), (False, 0, 2, 40), (True, 9, 0, 20)]
+
+
+@pytest.mark.parametrize("stride,offset,also_window", [(3, 5, 0), (2, 3, 6),
+                                                       pytest.param(1, 0, 11, marks=pytest.mark.slow)])
+def test_strided_key_positions_and_a_second_window_softmax(monkeypatch, stride, offset, also_window):
+  """Keys at positions j * stride + offset under the causal rule (NSA's compressed blocks), and with
+  also_window a second softmax in the same pass over the keys inside the window (NSA's window branch): each
+  output and the gradients of their sum equal the definition's, float64, several tiles."""
+  monkeypatch.setattr(selection_flash, "TILE_CAPS", (16, 16))
+  with jax.enable_x64(True):
+    q, k, v, real, ids = _random_case(stride + offset, rows=2, length=37, block=4, causal=True, chosen=2)
+    plan = dict(block=4, causal=True, window=0, scale=0.4, key_stride=stride, key_offset=offset)
+    cots = [jnp.asarray(np.random.default_rng(i).normal(size=(2, 37, 6))) for i in (1, 2)]
+
+    def kernel(q, k, v):
+      out = selection_flash.attend(q, k, v, real, ids, **plan, also_window=also_window)
+      return out if also_window else (out,)
+
+    def want(q, k, v):
+      outs = [definition(q, k, v, real, ids, **plan)]
+      if also_window:
+        outs.append(definition(q, k, v, real, None, **dict(plan, window=also_window)))
+      return tuple(outs)
+
+    def loss(f, q, k, v):
+      return sum(jnp.sum(o * c) for o, c in zip(f(q, k, v), cots, strict=False))
+
+    got, expected = jax.jit(kernel)(q, k, v), jax.jit(want)(q, k, v)
+    for a, b in zip(got, expected, strict=True):
+      np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-13)
+    grads = [jax.jit(jax.grad(functools.partial(loss, f), argnums=(0, 1, 2)))(q, k, v)
+             for f in (kernel, want)]
+    _close(grads[0], grads[1], 1e-11, 1e-12)
 
 
 @pytest.mark.slow  # ~5 s a case in interpret mode on a loaded 2-core machine
