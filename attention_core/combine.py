@@ -98,7 +98,7 @@ def normalize(p: Partial) -> Array:
 
 # Pieces with at most this many logits per query are normalised before `apply` (weights times 1/denom) instead
 # of after it (summed outputs times 1/denom). For the single-logit pieces of logsparse that saves much of the
-# fwd+bwd time and temp memory (docs/benchmarks.md, "Design measurements"): the after-form's backward
+# fwd+bwd time and temp memory (docs/benchmarks_design.md, "Design measurements"): the after-form's backward
 # reduces cotangent x output over value_dim for every piece. Wide pieces keep the after-form, which scales
 # Q x value_dim numbers instead of Q x n.
 NORMALIZE_WEIGHTS_MAX_LOGITS = 8

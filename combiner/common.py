@@ -2,7 +2,7 @@
 
 Plans compute in the head-major layout [batch, heads, length, dim]: batch and heads then lead every batched
 matmul, which XLA runs without the transposes that the contract's [batch, length, heads, dim] would cost at
-each einsum (docs/benchmarks.md, "Design measurements").
+each einsum (docs/benchmarks_design.md, "Design measurements").
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ def level_pieces(x: common.Inputs, pooling: str | None) -> list[Piece]:
     blocks = k_prev.shape[2]
     qb = to_grid(x.q, blocks, size, 2)  # [batch, heads, blocks, size, head_dim]
     # Contractions and outer products stay einsums: XLA:CPU runs broadcast-multiply-reduce forms of them
-    # many times slower, above all in the backward pass (docs/benchmarks.md, "Design measurements").
+    # many times slower, above all in the backward pass (docs/benchmarks_design.md, "Design measurements").
     logits = jnp.einsum("bhnqd,bhnd->bhnq", qb, k_prev) * x.scale  # [batch, heads, blocks, size]
     valid = jnp.broadcast_to(ok_prev[..., None], (*ok_prev.shape, size))  # [batch, 1, blocks, size]
     pieces.append(Piece(from_grid(logits, length, 2)[..., None], from_grid(valid, length, 2)[..., None],

@@ -352,7 +352,7 @@ def make_source(config: Any, split: str):
     parens = bool(pipeline.cfg_get(config, "listops_parens", False))
     # Every token takes >= 2 bytes of the file (a character and a space), so the kept uint8 ids of the whole
     # split take at most half its size (~100 MB for the 96K training rows); a kept record skips the line's
-    # parse and encoding on every read (docs/benchmarks.md, "Input pipeline costs").
+    # parse and encoding on every read (docs/benchmarks_training.md, "Input pipeline costs").
     cap_mb = float(pipeline.cfg_get(config, "cache_in_memory", 512))
     keep = _KeepListOpsIds(parens) if os.path.getsize(path) / 2 <= cap_mb * 2**20 else None
     source = TsvSource(path, _parse_listops, malformed=Malformed(config), header="Source", keep=keep)

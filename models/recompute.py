@@ -1,7 +1,7 @@
 """Attention whose backward pass recomputes it from its inputs: nothing of the op's intermediates is kept.
 
 For dense attention the kept intermediates are the [batch, heads, L, L] probabilities of every layer, which
-at long lengths outgrow the rest of the step's memory (docs/benchmarks.md, "Training throughput");
+at long lengths outgrow the rest of the step's memory (docs/benchmarks_training.md, "Training throughput");
 recomputing costs one extra forward pass of the op only.
 
 Why not `jax.checkpoint` / `nnx.remat` (`model.remat`): XLA:CPU removes optimisation barriers before

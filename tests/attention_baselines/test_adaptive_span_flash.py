@@ -189,7 +189,7 @@ def test_every_kernel_compiles_for_tpu(gen):
 def test_device_ops_within_three_times_splash():
   """v5e, L = 4096, bfloat16, 16 heads of 128, causal, fwd+bwd of the sum (q, k, v): at most 3x Splash dense's
   58 device ops (the XLA path's loop over key-block offsets ran about 800)."""
-  from tests.attention_baselines.device_ops import count
+  from attention_core.hlo import device_ops
 
-  found = count(_tpu_program("v5e", 4096, heads=16, head_dim=128, all_grads=False).as_text())
+  found = device_ops(_tpu_program("v5e", 4096, heads=16, head_dim=128, all_grads=False).as_text())
   assert found.ops <= 3 * SPLASH_DENSE_OPS, found

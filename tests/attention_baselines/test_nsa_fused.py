@@ -90,8 +90,8 @@ def test_device_ops_within_three_times_splash():
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
+  from attention_core.hlo import device_ops
   from scripts import compile_tpu
-  from tests.attention_baselines.device_ops import count
 
   g = compile_tpu.GENERATIONS["v5e"]
   device = compile_tpu.devices(compile_tpu.Slice(g, min(g.shapes)))[0]
@@ -101,7 +101,7 @@ def test_device_ops_within_three_times_splash():
                            sharding=NamedSharding(jax.sharding.Mesh(np.array([device]), ("x",)), P()))
   loss = lambda q, k, v: jnp.sum(spec.fn(q, k, v, causal=True, **params).astype(jnp.float32))  # noqa: E731
   text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, x, x).compile().as_text()
-  found = count(text)
+  found = device_ops(text)
   assert text.count("selection_flash") and found.ops <= 3 * SPLASH_DENSE_OPS, found
 
 
