@@ -332,6 +332,12 @@ def _carry(out: dict) -> dict[str, Array]:
   return {g + "_in": out[g] for g in _GRADS.values() if g in out}
 
 
+def _pool_carry(carry: dict) -> dict[str, Array]:
+  """The DeepSets pools' gradients of `carry`, for the pass that builds summaries (the first pass of a plan's
+  backward reads no pools)."""
+  return {n: x for n, x in carry.items() if n in ("dpq_in", "dpk_in")}
+
+
 def _axial_backward(plan: Plan, a: dict, res: dict, do: Array, carry: dict | None = None) -> dict:
   """The passes in reverse, each adding to dq, dk, dv (and DeepSets pools) in place (starting from `carry`,
   the gradients of another plan, where given), from the plan's final log-sum-exp (`lse_fin`, in each pass's
@@ -350,7 +356,7 @@ def _axial_backward(plan: Plan, a: dict, res: dict, do: Array, carry: dict | Non
     r = bwd(row, {**_view_args(a, "rows", extra=True), "xk": v["kbar_tok"], "xv": v["vt_tok"], **fin,
                   "lse_fin": lse["rows"], **carry}, name="combiner_rows")
     g = bwd(col, {**_view_args(a, "cols"), **fin, "lse_fin": lse["cols"], "dkbar_tok": r["dxk"],
-                  "dvt_tok": r["dxv"], **_carry(r)}, name="combiner_columns")
+                  "dvt_tok": r["dxv"], **_pool_carry(carry), **_carry(r)}, name="combiner_columns")
     return {n: g[d] for n, d in _GRADS.items() if d in g}
   row_pass, col_pass = (ps[1], ps[2]) if plan.name == "mixture_joint" else ps
   col_args = {**_view_args(a, "cols", extra=True), **fin, "lse_fin": lse["cols"], **carry}
@@ -361,7 +367,7 @@ def _axial_backward(plan: Plan, a: dict, res: dict, do: Array, carry: dict | Non
     col_args.update(xk_bank=res["kbar_rows"], xv=_rebuilt(plan, a, row_pass, (fin, carry))["vt_tok"])
   c = bwd(col_pass, col_args, bank_rows=f.rows, name="combiner_columns")
   row_args = {**_view_args(a, "rows", extra=plan.name == "mixture_joint"), **fin, "lse_fin": lse["rows"],
-              **_common(a, ("kbar_in",)), **_carry(c)}
+              **_common(a, ("kbar_in",)), **_pool_carry(carry), **_carry(c)}
   if plan.name in ("horizontal", "mixture_joint"):
     row_args.update(dkbar_tok=c["dxk"], dvt_tok=c["dxv"])
   elif plan.name == "rowmajor":
@@ -455,19 +461,22 @@ def axial(q: Array, k: Array, v: Array, mask: Array | None, pool_q: Array | None
   Combiner-Mixture (direction "mixture", `normalize` "mean" | "joint") on the kernels.
   q, k: [batch, length, heads, head_dim]; v: [..., value_dim] -> [batch, length, heads, value_dim].
   kbar (rowmajor): the span keys [batch, rows, heads, head_dim] to use instead of the pooled rows."""
-  if direction == "mixture" and normalize == "mean":
-    parts = [axial(q, k, v, mask, pool_q, pool_k, row_length=row_length, direction=d, causal=causal,
-                   pooling=pooling, platform=platform) for d in ("vertical", "horizontal")]
-    return (0.5 * (parts[0].astype(F32) + parts[1].astype(F32))).astype(v.dtype)
-  name = {"mixture": "mixture_joint", None: "sparse_axial"}.get(direction, direction)
+  name = {"mixture": "mixture_joint" if normalize == "joint" else "mixture", None: "sparse_axial"}.get(
+      direction, direction)
   rows = frame_rows(-(-q.shape[1] // row_length), platform)
   f = make_frame(q, v, mask, row_length, rows, platform)
   pools = pool_q is not None
-  plan = Plan(f, name, _axial_passes(name, causal, pooling, pools, kbar is not None), pooling, causal, pools,
-              jnp.dtype(v.dtype))
+  if name == "mixture":  # the vertical plan's passes, then the horizontal plan's: each half of the output
+    f = dataclasses.replace(f, out_weight=0.5)
+    ps = tuple(p for half in ("vertical", "horizontal")
+               for p in _axial_passes(half, causal, pooling, pools, False))
+  else:
+    ps = _axial_passes(name, causal, pooling, pools, kbar is not None)
+  plan = Plan(f, name, ps, pooling, causal, pools, jnp.dtype(v.dtype))
   a = _arrays(f, q, k, v, pool_q, pool_k, _kernel_dtypes(q, k, v))
   if mask is not None:
-    a.update(_validity(name, mask_frame(mask, f), causal))
+    for half in (("vertical", "horizontal") if name == "mixture" else (name,)):
+      a.update(_validity(half, mask_frame(mask, f), causal))
   if kbar is not None:  # [batch, rows, heads, d] -> [BH, frame rows, 1, d]
     kb = jnp.pad(kbar, ((0, 0), (0, f.rows - kbar.shape[1]), (0, 0), (0, 0)))
     a["kbar_in"] = jnp.swapaxes(kb, 1, 2).reshape(f.batch * f.heads, f.rows, 1, f.d).astype(F32)
