@@ -139,7 +139,8 @@ def _xla(q: Array, k: Array, v: Array, mask: Array, causal: bool) -> Array:
   length = q.shape[1]
   ct = contract.softmax_dtype(q.dtype, k.dtype, v.dtype)
   # Head-major, so batch and heads lead both batched matmuls: on CPU faster than the XLA path of
-  # jax.nn.dot_product_attention and than the [b, q, h, k] layout (docs/benchmarks_design.md, "Design measurements").
+  # jax.nn.dot_product_attention and than the [b, q, h, k] layout
+  # (docs/benchmarks_design.md, "Design measurements").
   v = jnp.where(mask[:, :, None, None], v, 0)  # a masked key's weight is 0, and 0 * NaN would still be NaN
   qh, kh, vh = (jnp.swapaxes(t.astype(ct), 1, 2) for t in (q, k, v))  # [batch, heads, length, dim]
   logits = jnp.einsum("bhqd,bhkd->bhqk", qh, kh) * contract.logit_scale(q.shape[-1])  # [b, heads, L_q, L_k]

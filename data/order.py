@@ -67,8 +67,8 @@ class EpochPermutation:
 
   Why not grain's index shuffle (`MapDataset.shuffle`, `IndexSampler`): it cycle-walks a domain of at least
   2^16 per record, which is most of a small pipeline's cost; a cached permutation is an array lookup at any
-  size, and a batch of positions is one vectorised lookup (timings: docs/benchmarks_training.md, "Input pipeline
-  costs").
+  size, and a batch of positions is one vectorised lookup (timings: docs/benchmarks_training.md,
+  "Input pipeline costs").
 
   Memory: one int32 key per record for each of at most `cache_epochs` epochs (the current and the next, so a
   batch or the reading threads crossing an epoch boundary do not recompute it): 4 MB per million records per

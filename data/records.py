@@ -72,8 +72,8 @@ class VirtualRecords:
   For benchmarks on small generated data: a mock split is timed at the size of the real split it stands for,
   so that what scales with the split (the epoch permutation's memory and its once-per-epoch cost, epochs
   being rarer) is the real one's. (A record order's per-record cost can also depend on the split's size:
-  grain's index shuffle costs far more per record on a tiny split than on a real one; docs/benchmarks_training.md,
-  "Input pipeline costs".)
+  grain's index shuffle costs far more per record on a tiny split than on a real one;
+  docs/benchmarks_training.md, "Input pipeline costs".)
   """
 
   def __init__(self, source: Any, size: int):
@@ -98,11 +98,11 @@ class InMemorySource:
   """A random-access source of dict records read once into column arrays (`config.data.cache_in_memory`).
 
   Reading a record through tfds (an ArrayRecord lookup and a protobuf decode per record) can cost more than a
-  small model's step leaves per example (docs/benchmarks_training.md, "Input pipeline costs"); a small split read once
-  (one sequential pass) is then served at the cost of a slice. Columns: equal-shaped arrays and scalars are
-  stacked, `str`/`bytes` are concatenated with offsets; each record is given back with the types the source
-  gave (str stays str, 0-d arrays stay NumPy values), so the per-record functions see the same values and the
-  batches are the same.
+  small model's step leaves per example (docs/benchmarks_training.md, "Input pipeline costs"); a small split
+  read once (one sequential pass) is then served at the cost of a slice. Columns: equal-shaped arrays and
+  scalars are stacked, `str`/`bytes` are concatenated with offsets; each record is given back with the types
+  the source gave (str stays str, 0-d arrays stay NumPy values), so the per-record functions see the same
+  values and the batches are the same.
   """
 
   def __init__(self, source: Any, name: str):

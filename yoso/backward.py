@@ -12,10 +12,11 @@ paper's estimator (section 3.3, Table 1); the tables are in `yoso.tables`.
 `backward_features=s` is a cheaper, linear-in-d alternative: per hash, the
 value space is sketched with `s` random orthonormal directions scaled so that `E[R R^T] = I`, i.e. `dY . v`
 becomes `(dY R) . (v R)`: still unbiased, O(L*m*s*d), but the sketch multiplies the gradient variance of dQ/dK
-by roughly `e/s` (the measured errors are in docs/benchmarks_design.md, "YOSO design measurements"). Sketches of
-s <= SCATTER_FEATURES = 2 directions skip the chunked matmuls: their tables are plain segment sums of s*d-wide
-rows, so the backward is two forward-like passes over the hashes. The price is the variance: a small model
-trains measurably worse with s=1 than with the exact form, which is why the exact form stays the default.
+by roughly `e/s` (the measured errors are in docs/benchmarks_design.md, "YOSO design measurements"). Sketches
+of s <= SCATTER_FEATURES = 2 directions skip the chunked matmuls: their tables are plain segment sums of
+s*d-wide rows, so the backward is two forward-like passes over the hashes. The price is the variance: a small
+model trains measurably worse with s=1 than with the exact form, which is why the exact form stays the
+default.
 Cost ceiling of the exact form: its tables cost 4*L*m*d*e multiply-adds (build and read, dQ and dK) against
 dense's ~6*L^2*d, a ratio of 3L/(2*m*e) before padding and sorting. The chain rule
 through the l2-normalisations of q, k and of the output is ordinary autodiff.
@@ -81,8 +82,8 @@ def sketch_directions(rng: Array, batch: int, heads: int, num_hashes: int, value
 
 # Up to this length the exact backward runs on dense collision counts (`_counts_backward`): the same sums,
 # O(L^2 * (m + d)) in large matmuls instead of O(L * m * d * e) in padded per-bucket tables (timings in
-# docs/benchmarks_design.md). Counts would still win a little above this length, but beyond it the backward stays
-# linear in L as the op promises; only "short" sequences take the quadratic form.
+# docs/benchmarks_design.md). Counts would still win a little above this length, but beyond it the backward
+# stays linear in L as the op promises; only "short" sequences take the quadratic form.
 COUNTS_MAX_LENGTH = 2048
 # The causal exact backward's counts limit: its linear alternative (running sums of e*d-wide rows) is slower
 # than the quadratic counts far beyond this length; the limit bounds the counts' [L, L] matrices per group
