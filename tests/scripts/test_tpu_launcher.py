@@ -547,6 +547,8 @@ def test_the_compile_check_runs_first_with_the_config_flags(capsys):
 def test_no_slice_is_created_when_the_config_does_not_fit(tmp_path):
   """The real launcher, with a `gcloud` on PATH that records its calls: the compile check of a batch no chip
   holds fails, so gcloud is never called."""
+  import scripts.compile_tpu  # noqa: F401  (libtpu for this process, as for the launcher's compile check)
+
   pytest.importorskip("libtpu")
   log = tmp_path / "gcloud.log"
   (tmp_path / "gcloud").write_text(f"#!/bin/sh\necho \"$@\" >> {log}\n")
