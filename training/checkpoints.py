@@ -314,12 +314,12 @@ def write_failed(directory: Any, error: str) -> CheckpointWriteFailed:
   removed = remove_half_written(directory) if jax.process_index() == 0 else []
   intact = intact_steps(directory)
   last = intact[-1] if intact else None
-  gone = f"; half-written step {', '.join(n.split('.')[0] for n in removed)} removed" if removed else ""
-  where = (f"the last intact checkpoint is step {last}{gone}; free space (or fix the storage) and rerun to "
-           f"resume from it" if last is not None else
-           f"no checkpoint was completed{gone}; free space (or fix the storage) and rerun to start again")
+  gone = f"half-written step {', '.join(n.split('.')[0] for n in removed)} removed; " if removed else ""
+  where = (f"the last intact checkpoint is step {last}: free space (or fix the storage) and rerun to resume "
+           "from it" if last is not None else
+           "no checkpoint was completed: free space (or fix the storage) and rerun to start again")
   return CheckpointWriteFailed(
-      f"writing a checkpoint to {directory} failed: {error}; {where}",
+      f"writing a checkpoint to {directory} failed: {error}; {gone}{where}",
       status_fields={"cause": "checkpoint_write", "checkpoint_dir": directory, "os_error": error,
                      "last_intact_step": last})
 

@@ -195,6 +195,8 @@ def after_failure(workdir: str, code: int, stderr_tail: list[str], told: dict[st
   """A failed child: the failure recorded unless it is already (see the module docstring); the exit status
   to leave with (75 when a host was lost)."""
   index, count = told.get("process_index"), told.get("process_count")
+  if index is None and code >= 0:  # it stopped before joining the run (a bad flag): nothing to account for
+    return code
   if index != 0:
     time.sleep(OTHERS_WAIT_S)
   record = run_status.read_record(workdir, "failed")
