@@ -25,7 +25,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 STEPS = 20
 ARGS = ["train.py", "--config", "configs/default.py:smoke", f"--config.train.num_steps={STEPS}",
         "--config.train.checkpoint_every=5", "--config.train.log_every=5", "--noprogress"]
-TMPFS_KB, FILLER_KB = 4096, 3350  # about 750 KB free: one checkpoint of the smoke model (~440 KB), not two
+TMPFS_KB, FILLER_KB = 4096, 3300  # about 800 KB free: one checkpoint of the smoke model (~440 KB), not two
+# One CPU device, the default compiler settings: the checkpoints' sizes the free space is chosen for.
+ENV = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
 FSIZE_LIMIT = 64 * 1024  # bytes; a checkpoint's largest data file is larger
 
 # Inside the private mount namespace: the tmpfs, the filler, the run, the filler removed, the rerun; what the
@@ -66,7 +68,7 @@ def _after_last_training_line(log: str) -> list[str]:
 def _uninterrupted(tmp_path) -> dict:
   workdir = str(tmp_path / "straight")
   subprocess.run([sys.executable, *ARGS, "--workdir", workdir], cwd=ROOT, check=True, capture_output=True,
-                 timeout=600)
+                 timeout=600, env=dict(os.environ, **ENV))
   with open(os.path.join(workdir, "metrics.json")) as f:
     return {k: v for k, v in json.load(f).items() if k != "start_step"}
 
@@ -81,7 +83,7 @@ def test_a_full_disk_during_a_save_is_one_line_and_the_rerun_resumes(tmp_path):
   mnt.mkdir()
   out.mkdir()
   script = DRIVER.format(tmpfs_kb=TMPFS_KB, filler_kb=FILLER_KB, args=" ".join(ARGS))
-  env = dict(os.environ, MNT=str(mnt), OUT=str(out), ROOT=ROOT, PYTHON=sys.executable)
+  env = dict(os.environ, **ENV, MNT=str(mnt), OUT=str(out), ROOT=ROOT, PYTHON=sys.executable)
   done = subprocess.run([*ns, "bash", "-c", script], env=env, capture_output=True, text=True, timeout=1200)
   assert done.returncode == 0, done.stderr[-3000:]
   first = (out / "first.log").read_text()
@@ -127,7 +129,7 @@ def _fallback_file_size_limit(tmp_path) -> None:
     resource.setrlimit(resource.RLIMIT_FSIZE, (FSIZE_LIMIT, FSIZE_LIMIT))
 
   first = subprocess.run([sys.executable, *ARGS, "--workdir", workdir], cwd=ROOT, capture_output=True,
-                         text=True, timeout=600, preexec_fn=limit)
+                         text=True, timeout=600, preexec_fn=limit, env=dict(os.environ, **ENV))
   log = first.stdout + first.stderr
   assert first.returncode == 1, log[-3000:]
   after = _after_last_training_line(first.stdout + first.stderr)
@@ -141,7 +143,7 @@ def _fallback_file_size_limit(tmp_path) -> None:
   assert failed["cause"] == "checkpoint_write" and failed["last_intact_step"] is None
   assert not any("tmp" in n for n in os.listdir(os.path.join(workdir, "checkpoints")))
   second = subprocess.run([sys.executable, *ARGS, "--workdir", workdir], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)
+                          text=True, timeout=600, env=dict(os.environ, **ENV))
   assert second.returncode == 0, (second.stdout + second.stderr)[-3000:]
   with open(os.path.join(workdir, "metrics.json")) as f:
     resumed = {k: v for k, v in json.load(f).items() if k != "start_step"}
