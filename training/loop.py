@@ -8,7 +8,10 @@
   SIGTERM (preemption) to any process stops every process at the same step (training/preemption.py), which
   each saves before returning. A NaN/Inf loss or gradient stops the run with a clear message naming the first
   bad step; the last good checkpoint stays (the bad step is never applied, and no state after it is saved).
-  A non-finite final evaluation raises after its metrics are written.
+  A non-finite final evaluation raises after its metrics are written. A checkpoint the storage refuses raises
+  CheckpointWriteFailed (one line: the directory, the OS error, the last intact step; the half-written step
+  removed); a collective that lost the other end in a run of several processes raises HostLost
+  (training/supervisor.py), recorded with cause `host_lost`.
 - The host never waits for a step's result to start the next: the steps' metrics stay on the devices and are
   fetched together at log steps and before every checkpoint save (at most two steps are left in flight, so
   the host stays close behind). The finiteness of each step is read then, so a bad step stops the run at the
