@@ -48,12 +48,13 @@ exit 0
 '''
 
 
-def _namespace() -> list[str] | None:
-  """The unshare command that lets this process mount a tmpfs of its own, or None."""
+def _namespace(directory) -> list[str] | None:
+  """The unshare command under which this process can mount a tmpfs of its own on `directory`, or None."""
   if shutil.which("unshare") is None:
     return None
   for cmd in (["unshare", "--mount"], ["unshare", "--user", "--map-root-user", "--mount"]):
-    probe = subprocess.run([*cmd, "sh", "-c", "mount -t tmpfs -o size=64k tmpfs /mnt"], capture_output=True)
+    probe = subprocess.run([*cmd, "mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(directory)],
+                           capture_output=True)
     if probe.returncode == 0:
       return cmd
   return None
@@ -75,13 +76,13 @@ def _uninterrupted(tmp_path) -> dict:
 
 @pytest.mark.slow
 def test_a_full_disk_during_a_save_is_one_line_and_the_rerun_resumes(tmp_path):
-  ns = _namespace()
-  if ns is None:
-    _fallback_file_size_limit(tmp_path)
-    return
   mnt, out = tmp_path / "mnt", tmp_path / "out"
   mnt.mkdir()
   out.mkdir()
+  ns = _namespace(mnt)
+  if ns is None:
+    _fallback_file_size_limit(tmp_path)
+    return
   script = DRIVER.format(tmpfs_kb=TMPFS_KB, filler_kb=FILLER_KB, args=" ".join(ARGS))
   env = dict(os.environ, **ENV, MNT=str(mnt), OUT=str(out), ROOT=ROOT, PYTHON=sys.executable)
   done = subprocess.run([*ns, "bash", "-c", script], env=env, capture_output=True, text=True, timeout=1200)
