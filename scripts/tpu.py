@@ -37,7 +37,8 @@ worker 0's disk):
   it when a process of the run stopped sending heartbeats: training/supervisor.py), or train.py gone from
   worker 0 for `--grace_s` seconds without a final record (the launcher then writes that record itself).
   What is left of the run is stopped on every worker and train.py starts again on the slice, resuming from
-  the last intact checkpoint; a slice that is no longer ACTIVE is recreated first.
+  the last intact checkpoint; a slice that is no longer ACTIVE, or whose workers cannot all be reached, is
+  recreated first.
 - preemptions and lost hosts together restart at most `--max_restarts` times; past that, a run that keeps
   failing (a deterministic crash) stops with its account and the log's last lines; exit 1.
 - a gcloud or ssh error (ssh's exit status 255, a gcloud failure, a timeout) is retried `--retries` times,

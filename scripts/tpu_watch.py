@@ -212,6 +212,17 @@ def restart_training(args: argparse.Namespace, run: Runner) -> None:
   start_training(args, run)
 
 
+def restarted(args: argparse.Namespace, run: Runner) -> bool:
+  """restart_training after a lost host; False when the slice cannot take it (a worker does not answer: the
+  dead host is still part of it), so that the watch hands it back to be recreated."""
+  try:
+    restart_training(args, run)
+  except LauncherError as e:
+    print(f"train.py cannot start again on {args.name} ({e}): recreating the slice", flush=True)
+    return False
+  return True
+
+
 def write_record(args: argparse.Namespace, run: Runner, name: str, record: dict[str, Any]) -> None:
   """A status record of the launcher's own (what the slice tells when train.py could write none)."""
   text = run_status.record_json(record)
@@ -376,7 +387,8 @@ def watch(args: argparse.Namespace, run: Runner, restarts: Restarts) -> dict[str
         raise _failure(failed)
       restarts.next(f"a host was lost at step {failed.get('step')} ({failed.get('error')}); the slice is "
                     "ACTIVE: starting train.py again", _failure(failed))
-      restart_training(args, run)
+      if not restarted(args, run):
+        return None
       seen, changed_at, stopped_at = None, time.monotonic(), None
       continue
     fingerprint = json.dumps([records.get(n) for n in ("started", "heartbeat", "preempted")], sort_keys=True)
@@ -399,7 +411,8 @@ def watch(args: argparse.Namespace, run: Runner, restarts: Restarts) -> dict[str
           continue
         lost = lost_without_record(args, run, last_step)
         restarts.next(f"{lost}; the slice is ACTIVE: starting train.py again", lost)
-        restart_training(args, run)
+        if not restarted(args, run):
+          return None
         seen, changed_at, stopped_at = None, time.monotonic(), None
         continue
     if now - changed_at >= args.stall_s:

@@ -92,6 +92,8 @@ if argv[:3] == ["compute", "tpus", "queued-resources"]:
       fail(NOT_FOUND.format("delete"))
     shutil.rmtree(p("workers"), ignore_errors=True)  # the stand-ins see their HOME go and stop
     os.remove(p("state"))
+    if os.path.exists(p("worker1_dead")):  # a new slice has no dead host
+      os.remove(p("worker1_dead"))
   else:
     fail("unknown verb " + verb)
 elif argv[:3] == ["compute", "tpus", "tpu-vm"]:
@@ -102,6 +104,8 @@ elif argv[:3] == ["compute", "tpus", "tpu-vm"]:
   if state != "ACTIVE":
     fail("ssh: connect to host 10.130.0.2 port 22: Connection timed out", 255)
   worker = flag(argv, "--worker")
+  if scenario.get("unreachable") and os.path.exists(p("worker1_dead")) and worker in ("all", "1"):
+    fail("ssh: connect to host 10.130.0.3 port 22: No route to host", 255)  # the dead host is still in it
   homes = sorted(os.listdir(p("workers"))) if worker == "all" else [worker]
   if argv[3] == "scp":
     for w in homes:

@@ -2,8 +2,9 @@
 
 Fast, with train.py's stand-in: a worker whose host dies (its stand-in exits, the other's is stopped the way
 JAX stops it, and reports through training/supervisor.py) is met like a preemption: train.py starts again on
-the slice and resumes; a train.py that vanishes at the same step every time (a deterministic hard crash) is
-restarted --max_restarts times, then the launcher stops with the account and the log's last lines.
+the slice and resumes, or the slice is recreated when the dead worker cannot be reached; a train.py that
+vanishes at the same step every time (a deterministic hard crash) is restarted --max_restarts times, then the
+launcher stops with the account and the log's last lines.
 
 Slow, with the real train.py: two workers train through jax.distributed on localhost; the test kills worker
 1's whole process tree (its host dies) after the first checkpoint; worker 0's supervisor records the loss,
@@ -41,6 +42,18 @@ def test_a_lost_host_restarts_training_on_the_slice(world):
   assert w.verbs() == ["create", "train", "stop", "train", "delete"] and w.gone()
   assert w.record("started")["step"] == 2 and w.record("finished")["step"] == 6  # resumed
   assert "training finished at step 6" in proc.stdout
+
+
+def test_a_lost_host_the_slice_cannot_reach_recreates_the_slice(world):
+  """The dead worker stays part of the ACTIVE slice (ssh to it fails): the slice is recreated and training
+  resumes from the workdir."""
+  w = world(mode="host_dies", unreachable=True)
+  proc = w.launch("--delete_after", "--retries", "1")
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  assert "train.py cannot start again on t1 (compute tpus tpu-vm ssh failed 2 times" in proc.stdout
+  assert "recreating the slice" in proc.stdout and "restart 2" in proc.stdout
+  assert w.verbs() == ["create", "train", "stop", "stop", "delete", "create", "train", "delete"] and w.gone()
+  assert w.record("started")["step"] == 2 and w.record("finished")["step"] == 6
 
 
 def test_a_deterministic_hard_crash_stops_after_its_restarts(world):
