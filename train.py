@@ -21,7 +21,13 @@ state (checkpoints.py), the workdir's config checks (config_io.py), and the loop
   says so (log, `<workdir>/status/kernel_check.json`); a kernel named explicitly stops the run (exit 1).
 - Processes: `--multihost` on Cloud TPU pods and under SLURM (scripts/slurm.py writes the sbatch script);
   elsewhere `--coordinator_address --num_processes --process_id`
-  (runtime/distributed.py). Each process feeds its own shard of every global batch.
+  (runtime/distributed.py). Each process feeds its own shard of every global batch. Each process trains in a
+  child of its own supervisor (training/supervisor.py): when a host is lost (a process stops sending
+  heartbeats for `--host_timeout_s`), JAX stops the others and a supervisor records the cause and the last
+  intact step in `<workdir>/status/failed.json` (exit 75); rerunning resumes.
+- A checkpoint the storage refuses (a full disk, a quota, a read-only filesystem) stops the run with one
+  `ERROR:` line naming the checkpoints directory, the OS error and the last intact step (exit 1, also in
+  failed.json); the half-written step is removed, and a rerun after freeing space resumes from that step.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from typing import Any
 import ml_collections
 
 from runtime import cli, distributed
-from training import command_line, config_io
+from training import command_line, config_io, supervisor
 
 
 def _flags():
@@ -75,16 +81,21 @@ def main(argv: list[str]) -> None:
     return
   cli.workdir_dir("--workdir", flags.workdir, must_exist=False)
   cli.positive("--heartbeat_s", flags.heartbeat_s)
+  cli.at_least("--host_timeout_s", flags.host_timeout_s, 1)
+  workdir = flags.workdir
+  if workdir is None:
+    name = os.path.splitext(os.path.basename(config_io.config_path_of(flags)))[0]
+    workdir = os.path.join("workdirs", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+  if distributed.requested(flags) and not supervisor.is_child():  # one process of several: supervised
+    sys.exit(supervisor.supervise([os.path.abspath(sys.argv[0]), *sys.argv[1:], f"--workdir={workdir}"],
+                                  workdir))
   config = command_line.checked_config(flags)  # before any model is built or anything written
   import jax
 
   from training import checkpoints, experiment, kernel_check, loop, status
 
   distributed.initialize_from_flags(flags)
-  workdir = flags.workdir
-  if workdir is None:
-    name = os.path.splitext(os.path.basename(config_io.config_path_of(flags)))[0]
-    workdir = os.path.join("workdirs", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+  supervisor.tell(process_index=jax.process_index(), process_count=jax.process_count())
   try:
     info = experiment.dataset_info(config)
     chance = chance_accuracy(config, info)
@@ -96,10 +107,11 @@ def main(argv: list[str]) -> None:
     if not isinstance(e, config_io.ConfigMismatch):  # the workdir is another run's: nothing is written there
       status.record_failure(workdir, e, enabled=jax.process_index() == 0)
     if not isinstance(e, (loop.TrainingDiverged, loop.NonFiniteEvaluation, config_io.ConfigMismatch,
-                          checkpoints.UnrestorableCheckpoint, kernel_check.KernelCheckFailed)):
+                          checkpoints.UnrestorableCheckpoint, checkpoints.CheckpointWriteFailed,
+                          kernel_check.KernelCheckFailed, supervisor.HostLost)):
       raise
     print(f"ERROR: {e}", file=sys.stderr, flush=True)
-    sys.exit(1)
+    sys.exit(supervisor.EXIT_HOST_LOST if isinstance(e, supervisor.HostLost) else 1)
   if "accuracy" in result["metrics"] and chance:
     print(f"accuracy {100 * result['metrics']['accuracy']:.1f}% vs chance {100 * chance:.1f}%", flush=True)
 

@@ -95,13 +95,55 @@ def one_of(name: str, value: Any, allowed: Iterable[Any]) -> None:
 
 
 def workdir_dir(flag: str, workdir: str | None, *, must_exist: bool) -> None:
-  """A local workdir flag must name a directory (not a file); gs:// paths are not checked here."""
+  """A local workdir flag must name a directory (not a file); gs:// paths are not checked here. A workdir to
+  be written (`must_exist=False`) must also be one the OS lets this process create and write: a path under a
+  file, too long a name, a read-only or forbidden place is refused here, before anything starts."""
   if not workdir or "://" in workdir:
     return
   if os.path.exists(workdir) and not os.path.isdir(workdir):
     raise UsageError(f"{flag} {workdir} is a file, not a directory")
   if must_exist and not os.path.isdir(workdir):
     raise UsageError(f"{flag} {workdir}: no such directory (a train.py workdir)")
+  if not must_exist:
+    _check_writable_dir(flag, workdir)
+
+
+def _check_writable_dir(flag: str, workdir: str) -> None:
+  """Makes the missing directories of `workdir` and a file in it, then removes what it made: whatever the OS
+  refuses on the way is a UsageError naming the path and the OS's reason. Nothing is left behind."""
+  path = os.path.abspath(os.path.expanduser(workdir))
+  parent = path
+  while not os.path.lexists(parent):  # the nearest part of the path that exists
+    parent = os.path.dirname(parent)
+  if not os.path.isdir(parent):
+    raise UsageError(f"{flag} {workdir}: {parent} is a file, so no directory can be made under it")
+  made = []
+  try:
+    for part in _missing_parts(path, parent):
+      os.mkdir(part)
+      made.append(part)
+    probe = os.path.join(path, f".write-check-{os.getpid()}")
+    with open(probe, "w") as f:
+      f.write("x")
+    os.remove(probe)
+  except OSError as e:
+    where = f" ({e.filename})" if e.filename and os.fspath(e.filename) != path else ""
+    raise UsageError(f"{flag} {workdir}: the OS refuses it{where}: {e.strerror or e}") from e
+  finally:
+    for part in reversed(made):
+      try:
+        os.rmdir(part)
+      except OSError:
+        pass
+
+
+def _missing_parts(path: str, existing: str) -> list[str]:
+  """The directories from just below `existing` down to `path`, top first."""
+  parts = []
+  while path != existing:
+    parts.append(path)
+    path = os.path.dirname(path)
+  return parts[::-1]
 
 
 # ------------------------------------------------------------------------------------------------------------

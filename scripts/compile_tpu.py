@@ -33,12 +33,33 @@ import subprocess
 import sys
 from typing import Any
 
-# Before jax and libtpu load: the host's devices are never used (compile only), other processes on this host
-# may hold libtpu's lock, and libtpu would warn that it is not on a TPU VM.
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
-os.environ.setdefault("TPU_HOST_BOUNDS", "1,1,1")
+# libtpu, the TPU compiler, is for the processes that compile for TPUs, and importing this module is how a
+# script or test says it is one. libtpu is installed apart from the environment's packages
+# (`pip install --target <venv>/tpu-compiler -r requirements-tpu-compile.txt`; LSA_TPU_COMPILER names another
+# directory), so that JAX elsewhere never finds it: a CPU run would otherwise initialise it at every start
+# (errors about TPU_WORKER_HOSTNAMES and host bounds) and processes would contend for its lock file. This puts
+# that directory on sys.path (a libtpu among the packages is used as it is) and sets libtpu's environment for
+# compiling only: the host's devices are never used, every process loads its own libtpu without the lock,
+# and libtpu asks no metadata server what TPU it is on.
+TPU_COMPILER_ENV = "LSA_TPU_COMPILER"
+TPU_COMPILER = os.environ.get(TPU_COMPILER_ENV) or os.path.join(sys.prefix, "tpu-compiler")
+
+
+def _use_libtpu() -> None:
+  if os.path.isdir(TPU_COMPILER) and TPU_COMPILER not in sys.path:
+    sys.path.append(TPU_COMPILER)
+  for name, value in (("JAX_PLATFORMS", "cpu"), ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1"),
+                      ("TPU_WORKER_HOSTNAMES", "localhost"), ("TPU_HOST_BOUNDS", "1,1,1"),
+                      ("TPU_SKIP_MDS_QUERY", "1")):
+    os.environ.setdefault(name, value)
+  if "jax" in sys.modules:  # JAX read JAX_PLATFORMS when it was imported: its devices must stay the CPU's
+    import jax
+
+    if not jax.config.jax_platforms:
+      jax.config.update("jax_platforms", os.environ["JAX_PLATFORMS"])
+
+
+_use_libtpu()
 
 if __package__ in (None, ""):  # run as a file (scripts/tpu.py does): the repository root is the import root
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

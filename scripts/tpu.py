@@ -27,11 +27,20 @@ Every `--poll_s` seconds the watch reads the queued resource's state, whether tr
 worker 0's disk):
 
 - finished: prints the final metrics; exit 0.
-- failed, no new record for `--stall_s` seconds (a hung step or collective), or train.py gone from worker 0
-  for `--grace_s` seconds without a final record: prints the failure and the log's last lines; exit 1.
+- failed by an error of the run (cause `exception` or `checkpoint_write`: a restart would repeat it), or no
+  new record for `--stall_s` seconds (a hung step or collective): prints the failure and the log's last
+  lines; exit 1.
 - preempted (the queued resource SUSPENDED/FAILED or gone): deletes it, creates it again, and training
-  resumes from the workdir's checkpoint (at most `--max_restarts` times). A `preempted` record (SIGTERM)
-  while the slice stays ACTIVE starts train.py again on it.
+  resumes from the workdir's checkpoint. A `preempted` record (SIGTERM) while the slice stays ACTIVE starts
+  train.py again on it.
+- a lost host, met like a preemption: a `failed` record with cause `host_lost` (train.py's supervisor writes
+  it when a process of the run stopped sending heartbeats: training/supervisor.py), or train.py gone from
+  worker 0 for `--grace_s` seconds without a final record (the launcher then writes that record itself).
+  What is left of the run is stopped on every worker and train.py starts again on the slice, resuming from
+  the last intact checkpoint; a slice that is no longer ACTIVE, or whose workers cannot all be reached, is
+  recreated first.
+- preemptions and lost hosts together restart at most `--max_restarts` times; past that, a run that keeps
+  failing (a deterministic crash) stops with its account and the log's last lines; exit 1.
 - a gcloud or ssh error (ssh's exit status 255, a gcloud failure, a timeout) is retried `--retries` times,
   waiting `--backoff_s` seconds and doubling; it is never taken as an answer. When it persists, run stops
   with exit 1.
@@ -252,7 +261,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   p.add_argument("--retries", type=int, default=5, help="retries of a failed gcloud/ssh command")
   p.add_argument("--backoff_s", type=float, default=10, help="seconds before the first retry (then doubling)")
   p.add_argument("--query_timeout_s", type=float, default=300, help="time limit of one query (an error)")
-  p.add_argument("--max_restarts", type=int, default=20, help="give up after this many preemptions")
+  p.add_argument("--max_restarts", type=int, default=20,
+                 help="give up after this many restarts (preemptions and lost hosts together)")
   p.add_argument("--delete_after", action="store_true",
                  help="run: delete the slice when run ends, however it ends")
   p.add_argument("--delete_on_failure", action="store_true",

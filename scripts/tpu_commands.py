@@ -195,6 +195,22 @@ def train_cmds(args: argparse.Namespace) -> list[list[str]]:
                         f"echo \"train.py already runs (pid $pid)\"; else {start}; fi")]
 
 
+def stop_cmd(args: argparse.Namespace) -> list[str]:
+  """On every worker, train.py (the process group ~/train.pid names: its supervisor and the training) killed
+  where it still runs: what is left of a run that lost a host, before it starts again."""
+  return ssh_cmd(args, f'{_ALIVE}; if [ $alive = yes ]; then kill -KILL -- -"$pid" 2>/dev/null || '
+                       'kill -KILL "$pid"; echo "stopped train.py (pid $pid)"; fi; true')
+
+
+def write_record_cmd(args: argparse.Namespace, name: str, text: str) -> list[str]:
+  """A status record written on worker 0's disk (a workdir there), replaced whole as train.py does."""
+  target = record_path(args, name)
+  quoted = shlex.quote(target)
+  write = f"printf '%s' {shlex.quote(text)} > {quoted}.tmp && mv {quoted}.tmp {quoted}"
+  return ssh_cmd(args, f"cd {REMOTE_DIR} && mkdir -p {shlex.quote(os.path.dirname(target))} && {write}",
+                 worker="0")
+
+
 # One chip of worker 0 for a process of its own: the slice's other hosts run nothing yet, so the check must
 # not wait for them (the TPU runtime's variables for independent processes on one host).
 ONE_CHIP = "TPU_CHIPS_PER_PROCESS_BOUNDS=1,1,1 TPU_PROCESS_BOUNDS=1,1,1 TPU_VISIBLE_DEVICES=0"

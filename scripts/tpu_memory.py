@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 from attention_baselines import dense as dense_module
 from attention_baselines import splash as splash_op
 from attention_core import registry as ops_registry
-from scripts import compile_tpu  # noqa: F401  (sets libtpu's environment before jax loads)
+from scripts import compile_tpu  # noqa: F401  (libtpu for this process: scripts/compile_tpu.py)
 
 HEADS, HEAD_DIM = 16, 128
 

@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from attention_core import contract, hlo
 from attention_core import registry as ops_registry
-from scripts import compile_tpu  # noqa: F401  (sets libtpu's environment before jax loads)
+from scripts import compile_tpu  # noqa: F401  (libtpu for this process: scripts/compile_tpu.py)
 
 HEADS, HEAD_DIM, DTYPE = 16, 128, jnp.bfloat16
 COMBINER = ("combiner_fixed", "combiner_logsparse", "combiner_axial_rowmajor", "combiner_axial_vertical",

@@ -1,5 +1,6 @@
 """What scripts/tpu.py does with its commands: runs them with retries (`Runner`), keeps the slice, reads the
-run's records and watches training to its end (see scripts/tpu.py's docstring for what each outcome does)."""
+run's records and watches training to its end (see scripts/tpu.py's docstring for what each outcome does).
+A lost host is met like a preemption: the run starts again and resumes from its last intact checkpoint."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -24,8 +26,10 @@ from scripts.tpu_commands import (
   probe_cmd,
   record_path,
   setup_cmds,
+  stop_cmd,
   tail_cmd,
   train_cmds,
+  write_record_cmd,
 )
 from training import status as run_status  # no jax: the records' names and paths
 
@@ -202,6 +206,36 @@ def start_training(args: argparse.Namespace, run: Runner) -> None:
   perform(args, run, train_cmds(args))
 
 
+def restart_training(args: argparse.Namespace, run: Runner) -> None:
+  """train.py again on every worker of the slice, after what is left of the last attempt is stopped."""
+  call(args, run, stop_cmd(args))
+  start_training(args, run)
+
+
+def restarted(args: argparse.Namespace, run: Runner) -> bool:
+  """restart_training after a lost host; False when the slice cannot take it (a worker does not answer: the
+  dead host is still part of it), so that the watch hands it back to be recreated."""
+  try:
+    restart_training(args, run)
+  except LauncherError as e:
+    print(f"train.py cannot start again on {args.name} ({e}): recreating the slice", flush=True)
+    return False
+  return True
+
+
+def write_record(args: argparse.Namespace, run: Runner, name: str, record: dict[str, Any]) -> None:
+  """A status record of the launcher's own (what the slice tells when train.py could write none)."""
+  text = run_status.record_json(record)
+  if not is_gcs(args.workdir):
+    call(args, run, write_record_cmd(args, name, text), quiet=True, timeout=args.query_timeout_s)
+    return
+  with tempfile.NamedTemporaryFile("w", prefix="scripts-tpu-", suffix=".json") as f:
+    f.write(text)
+    f.flush()
+    call(args, run, ["gcloud", "storage", "cp", f.name, record_path(args, name)], quiet=True,
+         timeout=args.query_timeout_s)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Reading the run's state
 
@@ -280,6 +314,8 @@ def _failure(record: dict[str, Any]) -> TrainingFailed:
   lines = []
   if record.get("traceback"):
     lines += ["traceback (last lines):", *record["traceback"]]
+  if record.get("stderr_tail"):
+    lines += ["the lost process's last lines:", *record["stderr_tail"]]
   if record.get("log_tail"):
     lines += ["log (last lines):", *record["log_tail"]]
   return TrainingFailed(f"training failed at step {record.get('step')}: {record.get('error')}", lines)
@@ -290,21 +326,28 @@ def _failure(record: dict[str, Any]) -> TrainingFailed:
 
 
 class Restarts:
-  """Counts preemptions (recreated slices and restarted train.py) against --max_restarts."""
+  """Counts preemptions and lost hosts (recreated slices and restarted train.py) against --max_restarts."""
 
   def __init__(self, limit: int):
     self.limit, self.count = limit, 0
 
-  def next(self, why: str) -> None:
+  def next(self, why: str, failure: TrainingFailed | None = None) -> None:
+    """Counts one restart; past the limit, a lost host's `failure` (the run's account, its log's last lines)
+    is raised, or for a preemption a LauncherError."""
     self.count += 1
     if self.count > self.limit:
+      if failure is not None:
+        raise TrainingFailed(f"{failure} (it failed so {self.count} times: --max_restarts={self.limit}); "
+                             "giving up", failure.lines)
       raise LauncherError(f"preempted {self.count} times (--max_restarts={self.limit}); giving up ({why})")
     print(f"{why}: restart {self.count}", flush=True)
 
 
 def watch(args: argparse.Namespace, run: Runner, restarts: Restarts) -> dict[str, Any] | None:
   """Until training ends on this slice: the `finished` record, None when the slice was preempted (to be
-  recreated); raises TrainingFailed when training failed, stalled or vanished."""
+  recreated); raises TrainingFailed when training failed by an error of its own or stalled, or lost a host
+  (a `host_lost` record, or train.py gone without a record) more often than --max_restarts allows; a lost
+  host below that starts train.py again on the slice."""
   if run.dry_run:
     run.note(f"every {args.poll_s:g}s: the queued resource's state, whether train.py runs on worker 0, and "
              f"the run's records in {args.workdir}/{run_status.DIR}/")
@@ -339,7 +382,15 @@ def watch(args: argparse.Namespace, run: Runner, restarts: Restarts) -> dict[str
     if "finished" in records:
       return records["finished"]
     if "failed" in records:
-      raise _failure(records["failed"])
+      failed = records["failed"]
+      if failed.get("cause") not in run_status.RESTARTABLE:  # an error of the run: a restart repeats it
+        raise _failure(failed)
+      restarts.next(f"a host was lost at step {failed.get('step')} ({failed.get('error')}); the slice is "
+                    "ACTIVE: starting train.py again", _failure(failed))
+      if not restarted(args, run):
+        return None
+      seen, changed_at, stopped_at = None, time.monotonic(), None
+      continue
     fingerprint = json.dumps([records.get(n) for n in ("started", "heartbeat", "preempted")], sort_keys=True)
     if fingerprint != seen:
       seen, changed_at = fingerprint, now
@@ -358,11 +409,30 @@ def watch(args: argparse.Namespace, run: Runner, restarts: Restarts) -> dict[str
           start_training(args, run)
           seen, changed_at, stopped_at = None, time.monotonic(), None
           continue
-        raise TrainingFailed(f"train.py is no longer running on worker 0 and wrote no final record (last "
-                             f"step seen: {last_step})", ["log (last lines):", *log_tail(args, run)])
+        lost = lost_without_record(args, run, last_step)
+        restarts.next(f"{lost}; the slice is ACTIVE: starting train.py again", lost)
+        if not restarted(args, run):
+          return None
+        seen, changed_at, stopped_at = None, time.monotonic(), None
+        continue
     if now - changed_at >= args.stall_s:
       raise TrainingFailed(f"training stalled: no new status record for {args.stall_s:g}s (last step seen: "
                            f"{last_step})", ["log (last lines):", *log_tail(args, run)])
+
+
+def lost_without_record(args: argparse.Namespace, run: Runner, last_step: int | None) -> TrainingFailed:
+  """train.py gone from worker 0 without a final record (its host died, it was killed, it crashed hard): the
+  launcher's own `failed` record (cause host_lost) and the account, with worker 0's last log lines."""
+  lines = log_tail(args, run)
+  error = ("HostLost: train.py is no longer running on worker 0 and wrote no final record (its host died, "
+           f"it was killed or it crashed); the last step seen was {last_step}")
+  record = {"state": "failed", "time": time.time(), "step": last_step, "error": error, "cause": "host_lost",
+            "reported_by": "launcher", "log_tail": lines[-run_status.LOG_TAIL_LINES:]}
+  try:
+    write_record(args, run, "failed", record)
+  except LauncherError as e:  # the account below still says it all
+    print(f"could not write the failed record: {e}", flush=True)
+  return TrainingFailed(f"training failed at step {last_step}: {error}", ["log (last lines):", *lines])
 
 
 def run_until_done(args: argparse.Namespace, run: Runner, commit: str | None) -> dict[str, Any]:

@@ -226,3 +226,118 @@ def restore_or_init(mgr: Any, exp: Experiment, data_iter: Any, *, set_aside: boo
   print(f"resumed from {mgr.directory} at step {state.step}", flush=True)
   return state
 
+# -----------------------------------------------------------------------------------------------------------
+# Failed writes: a full disk, a quota, a read-only or failing filesystem, a storage service's refusal
+
+
+class CheckpointWriteFailed(RuntimeError):
+  """Writing a checkpoint failed. The message (one line) names the checkpoints directory, the error and the
+  last intact step; `status_fields` are what the run's failed record adds (training/status.py)."""
+
+  def __init__(self, message: str, *, status_fields: dict[str, Any]):
+    super().__init__(message)
+    self.status_fields = status_fields
+
+
+def write_error(e: BaseException) -> str | None:
+  """`[Errno 28] No space left on device` for an exception that is a failed write (an OSError anywhere in its
+  chain, or tensorstore's error, which carries the OS error code in its text); None for anything else."""
+  import os
+  import re
+
+  seen = set()
+  while e is not None and id(e) not in seen:
+    seen.add(id(e))
+    if isinstance(e, OSError) and e.errno:
+      return f"[Errno {e.errno}] {e.strerror or os.strerror(e.errno)}"
+    m = re.search(r"os_error_code='?(\d+)", str(e))
+    if m:
+      return f"[Errno {m.group(1)}] {os.strerror(int(m.group(1)))}"
+    if re.search(r"\b(Error|Failed) writing\b", str(e)):  # a storage service's refusal (gs://)
+      return short(str(e).splitlines()[0], 200)
+    e = e.__cause__ or e.__context__
+  return None
+
+
+def intact_steps(directory: Any) -> list[int]:
+  """The steps in `directory` whose write completed (orbax's finalized steps), oldest first; [] when the
+  directory cannot be read."""
+  import orbax.checkpoint as ocp
+
+  try:
+    return sorted(ocp.utils.checkpoint_steps(paths.path(directory)))
+  except Exception:  # an unreadable directory: no step can be vouched for
+    return []
+
+
+def remove_half_written(directory: Any) -> list[str]:
+  """Removes the temporary directories of steps whose write did not complete (`<step>.orbax-checkpoint-tmp*`
+  on a local disk, where orbax renames a step into place once it is whole) and returns their names. Finished
+  steps are not touched. An object store's unfinished step (no rename there) is left for the next restore."""
+  import orbax.checkpoint as ocp
+
+  removed = []
+  try:
+    for entry in paths.path(directory).iterdir():
+      if ocp.utils.is_tmp_checkpoint(entry):
+        paths.rmtree(entry)
+        removed.append(entry.name)
+  except Exception as e:  # the report of the failure that got here matters more
+    print(f"could not remove a half-written checkpoint in {directory}: {type(e).__name__}: {short(e)}",
+          file=sys.stderr, flush=True)
+  return removed
+
+
+class reporting_write_errors:  # noqa: N801 (a context manager, used as `with reporting_write_errors(mgr):`)
+  """Around the calls that write or wait for a checkpoint: a failed write becomes CheckpointWriteFailed, once
+  process 0 has removed the half-written step (which frees the space the report itself needs)."""
+
+  def __init__(self, mgr: Any):
+    self.mgr = mgr
+
+  def __enter__(self) -> None:
+    _quiet_failed_writes()
+
+  def __exit__(self, kind: Any, e: BaseException | None, tb: Any) -> bool:
+    if e is None or isinstance(e, CheckpointWriteFailed) or not isinstance(e, Exception):
+      return False
+    error = write_error(e)
+    if error is None:
+      return False
+    raise write_failed(self.mgr.directory, error) from e
+
+
+def write_failed(directory: Any, error: str) -> CheckpointWriteFailed:
+  """The report of a failed write in `directory`: the half-written steps removed (process 0), the last
+  intact step found."""
+  directory = str(directory)
+  removed = remove_half_written(directory) if jax.process_index() == 0 else []
+  intact = intact_steps(directory)
+  last = intact[-1] if intact else None
+  gone = f"half-written step {', '.join(n.split('.')[0] for n in removed)} removed; " if removed else ""
+  where = (f"the last intact checkpoint is step {last}: free space (or fix the storage) and rerun to resume "
+           "from it" if last is not None else
+           "no checkpoint was completed: free space (or fix the storage) and rerun to start again")
+  return CheckpointWriteFailed(
+      f"writing a checkpoint to {directory} failed: {error}; {gone}{where}",
+      status_fields={"cause": "checkpoint_write", "checkpoint_dir": directory, "os_error": error,
+                     "last_intact_step": last})
+
+
+def _quiet_failed_writes() -> None:
+  """orbax logs a failed background write from each of its threads, with a traceback (a screen per failure);
+  the loop reports it in one line (CheckpointWriteFailed), so those log records, and only those, are
+  dropped, as are the "Event loop is closed" errors of its abandoned writes (`_quiet_abandoned_reads`)."""
+  import logging
+
+  _quiet_abandoned_reads()
+  logger = logging.getLogger("absl")
+  if any(getattr(f, "quiet_failed_writes", False) for f in logger.filters):
+    return
+
+  def keep(record: logging.LogRecord) -> bool:
+    exc = record.exc_info[1] if record.exc_info else None
+    return not ("orbax" in record.pathname and exc is not None and write_error(exc) is not None)
+
+  keep.quiet_failed_writes = True
+  logger.addFilter(keep)

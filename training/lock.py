@@ -44,8 +44,18 @@ def _alive(holder: dict[str, Any], stale_s: float) -> bool:
       return False
     except PermissionError:
       return True
-    return True
+    return not _zombie(holder["pid"])
   return time.time() - float(holder.get("refreshed", 0.0)) < stale_s
+
+
+def _zombie(pid: int) -> bool:
+  """A process that has ended but is not yet reaped (a killed run whose parent died with it), where /proc
+  tells."""
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+  except (OSError, IndexError):
+    return False
 
 
 def describe(holder: dict[str, Any]) -> str:

@@ -8,7 +8,10 @@
   SIGTERM (preemption) to any process stops every process at the same step (training/preemption.py), which
   each saves before returning. A NaN/Inf loss or gradient stops the run with a clear message naming the first
   bad step; the last good checkpoint stays (the bad step is never applied, and no state after it is saved).
-  A non-finite final evaluation raises after its metrics are written.
+  A non-finite final evaluation raises after its metrics are written. A checkpoint the storage refuses raises
+  CheckpointWriteFailed (one line: the directory, the OS error, the last intact step; the half-written step
+  removed); a collective that lost the other end in a run of several processes raises HostLost
+  (training/supervisor.py), recorded with cause `host_lost`.
 - The host never waits for a step's result to start the next: the steps' metrics stay on the devices and are
   fetched together at log steps and before every checkpoint save (at most two steps are left in flight, so
   the host stays close behind). The finiteness of each step is read then, so a bad step stops the run at the
@@ -49,9 +52,15 @@ import numpy as np
 from configs import validation
 from models import metrics as metrics_lib
 from runtime import paths
-from training import config_io, kernel_check, steps, throughput
+from training import config_io, kernel_check, steps, supervisor, throughput
 from training import status as run_status
-from training.checkpoints import checkpoint_manager, restore_or_init, save_checkpoint
+from training.checkpoints import (
+  CheckpointWriteFailed,
+  checkpoint_manager,
+  reporting_write_errors,
+  restore_or_init,
+  save_checkpoint,
+)
 from training.experiment import Experiment, TrainState, create_dataset
 from training.lock import WorkdirLock, acquire_everywhere
 from training.preemption import Preemption
@@ -161,15 +170,18 @@ def _host_reads() -> Any:
 
 def _close(mgr: Any) -> None:
   """Closes the checkpoint manager, which waits for the write in flight. When an exception is already on its
-  way out (a diverged loss, a failed evaluation), a failure of that write is reported, not raised over it."""
-  failing = sys.exc_info()[0] is not None
+  way out (a diverged loss, a failed evaluation), a failure of that write is reported, not raised over it;
+  after a failed write (CheckpointWriteFailed, already reported) nothing more is said."""
+  failing = sys.exc_info()[1]
   try:
-    mgr.close()
+    with reporting_write_errors(mgr):
+      mgr.close()
   except Exception as e:
-    if not failing:
+    if failing is None:
       raise
-    print(f"WARNING: the checkpoint write in flight failed too: {type(e).__name__}: {e}", file=sys.stderr,
-          flush=True)
+    if not isinstance(failing, CheckpointWriteFailed):
+      print(f"WARNING: the checkpoint write in flight failed too: {type(e).__name__}: {e}", file=sys.stderr,
+            flush=True)
 
 
 # -----------------------------------------------------------------------------------------------------------
@@ -229,7 +241,7 @@ def start_run(config: ml_collections.ConfigDict, workdir: str, *, allow_change: 
   print(f"task={exp.task} data={config.data.name} attention={config.model.attention.name} "
         f"params={n_params:,} mesh={dict(exp.mesh.shape)} steps={state.step}->{config.train.num_steps} "
         f"workdir={workdir}", flush=True)
-  status = run_status.Status(workdir, enabled=is_main, every_s=heartbeat_s)
+  status = run_status.Status(workdir, enabled=is_main, every_s=heartbeat_s, relay=supervisor.relay_record)
   status.started(step=state.step, num_steps=int(config.train.num_steps), hosts=jax.process_count(),
                  devices=jax.device_count(), device_kind=jax.devices()[0].device_kind,
                  mesh=dict(exp.mesh.shape))
@@ -357,7 +369,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, progr
       result["metrics"] = final_evaluation(run, window)
     result.update(step=run.state.step, state=run.state, preempted=why is not None)
   except BaseException as e:
-    run.status.failed(e, step=run.state.step)
+    lost = supervisor.lost_host(e, workdir)  # a collective whose other end went away
+    run.status.failed(lost or e, step=run.state.step)
+    if lost is not None:
+      raise lost from e
     raise
   finally:
     profile.close()
@@ -416,11 +431,12 @@ def train(run: Run, window: Window, preempt: Preemption, profile: Any, bar: Any,
       _log_scalars(run.writer, "train", line, step)
     if preempted or stop or step % ckpt_every == 0 or step == num_steps:
       window.read()  # no state after a non-finite step is ever saved
-      with _host_reads():
+      with _host_reads(), reporting_write_errors(run.mgr):  # a failed write: one line, the last intact step
         save_checkpoint(run.mgr, run.state, run.data_iter)
       window.last_saved = step
     if preempted or stop:
-      run.mgr.wait_until_finished()  # the step is on disk before the run says it stopped
+      with reporting_write_errors(run.mgr):
+        run.mgr.wait_until_finished()  # the step is on disk before the run says it stopped
       why = preempt.reason() if preempted else f"stop_after={hooks.stop_after}"
       _say(bar, f"{why}: saved checkpoint at step {step} in {run.mgr.directory}; rerun to resume")
       return why
@@ -446,14 +462,16 @@ def final_evaluation(run: Run, window: Window) -> dict[str, Any]:
   split, step = run.config.eval_split, run.state.step
   with _host_reads():
     if run.mgr.latest_step() != step:
-      save_checkpoint(run.mgr, run.state, run.data_iter)
+      with reporting_write_errors(run.mgr):
+        save_checkpoint(run.mgr, run.state, run.data_iter)
     metrics = run.exp.evaluate(run.state)
   metrics.update(step=step, split=split, start_step=run.start)
   print(f"final eval {split} @ {step}: " + format_metrics(metrics), flush=True)
   _log_scalars(run.writer, f"eval_{split}", {k: v for k, v in metrics.items() if isinstance(v, float)}, step)
   if jax.process_index() == 0:
     config_io.write_json(paths.join(run.workdir, "metrics.json"), metrics)
-  run.mgr.wait_until_finished()  # the final write (it overlapped the evaluation); its errors fail the run
+  with reporting_write_errors(run.mgr):
+    run.mgr.wait_until_finished()  # the final write (it overlapped the evaluation); its errors fail the run
   return metrics
 
 

@@ -10,10 +10,17 @@ a `gs://` object as one upload: runtime/paths.py), so a reader never sees half a
   (a hung step or collective stops it, which is the point).
 - one final record: `finished.json` (step, the final evaluation's metrics), `failed.json` (the exception as
   one line, the last traceback lines, the exit status, the last lines of the log when the environment variable
-  TRAINING_LOG names it), or `preempted.json` (step and reason: SIGTERM or a planned stop; the run resumes
-  from its checkpoint when started again).
+  TRAINING_LOG names it, and its `cause`), or `preempted.json` (step and reason: SIGTERM or a planned stop;
+  the run resumes from its checkpoint when started again).
 
-Every record has `state` (its name), `time` (Unix seconds) and `step`. Other processes write nothing.
+A failure's `cause` says what a watcher can do about it: `exception` (an error of the run itself: restarting
+repeats it), `checkpoint_write` (the storage refused a checkpoint: `checkpoint_dir`, `os_error` and
+`last_intact_step` say where and why; someone must free space or fix the storage), or `host_lost` (a process
+of a multi-host run died or stopped answering: training/supervisor.py; starting the run again resumes it from
+its last intact checkpoint, as after a preemption).
+
+Every record has `state` (its name), `time` (Unix seconds) and `step`. Only process 0 writes them, but for a
+lost host, which the supervisor of whichever process is left reports.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 DIR = "status"
@@ -34,6 +42,7 @@ RECORDS = ("started", "heartbeat", *FINAL)
 LOG_ENV = "TRAINING_LOG"  # the launcher points this at the run's log file (its tail goes into failed.json)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOG_TAIL_LINES = 40
+RESTARTABLE = ("host_lost",)  # failure causes that starting the run again can cure (scripts/tpu.py does)
 
 
 def record_path(workdir: str, name: str) -> str:
@@ -91,39 +100,66 @@ def log_tail(path: str | None = None, lines: int = LOG_TAIL_LINES) -> list[str]:
     return []
 
 
-class Status:
-  """The records of one run; a no-op where `enabled` is False (processes other than 0)."""
+def record_json(record: dict[str, Any]) -> str:
+  """A record as its file holds it: standard JSON (NaN/Inf as null)."""
+  return json.dumps(_finite(record), indent=2, allow_nan=False) + "\n"
 
-  def __init__(self, workdir: str, *, enabled: bool = True, every_s: float = 60.0):
+
+def read_record(workdir: str, name: str) -> dict[str, Any]:
+  """A record of the workdir, {} when there is none or it cannot be read."""
+  from runtime import paths
+
+  try:
+    record = json.loads(paths.read_text(record_path(workdir, name)))
+  except (OSError, ValueError):
+    return {}
+  return record if isinstance(record, dict) else {}
+
+
+class Status:
+  """The records of one run; a no-op where `enabled` is False (processes other than 0), but for the final
+  records, which go to `relay` when given (training/supervisor.py: written if process 0 writes none)."""
+
+  def __init__(self, workdir: str, *, enabled: bool = True, every_s: float = 60.0,
+               relay: Callable[[dict[str, Any]], None] | None = None):
     self.workdir = os.fspath(workdir)
     self.enabled = enabled
     self.every_s = float(every_s)
+    self.relay = relay
     self.step: int | None = None
+    self.started_at: float | None = None  # when this attempt started (its own records are newer)
     self._last_beat: float | None = None
     self.final: str | None = None  # the final record written, if any
+    self._unwritable: set[str] = set()  # records whose last write failed (reported once, not at every beat)
 
   def write(self, name: str, **fields: Any) -> None:
-    """Replaces `<name>.json`; a failed write is reported on stderr, never raised (it must not stop training
-    nor hide the error being reported)."""
-    if not self.enabled:
-      return
-    from runtime import paths
-
+    """Replaces `<name>.json`; a failed write is reported on stderr (once until a write of that record
+    succeeds again), never raised (it must not stop training nor hide the error being reported)."""
     if fields.get("step") is not None:
       self.step = int(fields["step"])
     record = {"state": name, "time": time.time(), **fields, "step": self.step}
-    try:
-      paths.write_text(record_path(self.workdir, name),
-                       json.dumps(_finite(record), indent=2, allow_nan=False) + "\n")
-    except Exception as e:  # a transient storage error
-      print(f"could not write {record_path(self.workdir, name)}: {one_line(e)}", file=sys.stderr, flush=True)
+    if not self.enabled:
+      if self.relay is not None and name in FINAL:
+        self.relay(record)
       return
+    from runtime import paths
+
+    try:
+      paths.write_text(record_path(self.workdir, name), record_json(record))
+    except Exception as e:  # a transient storage error, a full disk
+      if name not in self._unwritable:
+        print(f"could not write {record_path(self.workdir, name)}: {one_line(e)}", file=sys.stderr,
+              flush=True)
+      self._unwritable.add(name)
+      return
+    self._unwritable.discard(name)
     if name in FINAL:
       self.final = name
 
   def started(self, *, step: int, num_steps: int | None = None, hosts: int | None = None,
               devices: int | None = None, **extra: Any) -> None:
     """A new attempt: the final records of an earlier one go, then `started`."""
+    self.started_at = time.time()
     if not self.enabled:
       return
     from runtime import paths
@@ -156,12 +192,17 @@ class Status:
 
   def failed(self, exc: BaseException, *, exit_status: int = 1, step: int | None = None,
              **fields: Any) -> None:
-    """The failure as one line, the traceback's last lines and the log's; marks `exc` as recorded."""
+    """The failure as one line, the traceback's last lines and the log's, its cause (`cause` in `fields` or
+    the exception's `status_fields`, else "exception"); marks `exc` as recorded. The first failure of an
+    attempt is its cause: one recorded since it started (another process's, by its supervisor) stays."""
     if step is not None:
       self.step = int(step)
     tb = "".join(traceback.format_exception(exc)).rstrip().splitlines()[-20:]
-    self.write("failed", error=one_line(exc), exit_status=exit_status, traceback=tb, log_tail=log_tail(),
-               **fields)
+    fields = {"cause": "exception", **getattr(exc, "status_fields", {}), **fields}
+    earlier = read_record(self.workdir, "failed") if self.enabled and self.started_at is not None else {}
+    if float(earlier.get("time", 0)) < (self.started_at or math.inf):
+      self.write("failed", error=one_line(exc), exit_status=exit_status, traceback=tb, log_tail=log_tail(),
+                 **fields)
     try:
       exc.status_recorded = True  # train.py's own failure path does not write it again
     except AttributeError:

@@ -228,8 +228,9 @@ def test_auto_exports_splash_for_tpu(name):
 
 
 def _compile_for_v5e(name, causal, length, head_dim, dtype=jnp.bfloat16):
+  from scripts import compile_tpu  # libtpu for this process (scripts/compile_tpu.py)
+
   pytest.importorskip("libtpu")
-  from scripts import compile_tpu
 
   devices = compile_tpu.devices(compile_tpu.Slice(compile_tpu.GENERATIONS["v5e"], 1))
   mesh = jax.sharding.Mesh(np.array(devices[:1]), ("data",))

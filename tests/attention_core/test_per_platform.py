@@ -9,27 +9,22 @@ skipped where libtpu is not installed.
 
 from __future__ import annotations
 
-import os
 import re
 
-# Before libtpu loads: compile-only devices, whatever other processes hold (as in scripts.compile_tpu).
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
-os.environ.setdefault("TPU_HOST_BOUNDS", "1,1,1")
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-import combiner  # noqa: E402
-from attention_baselines import common as baselines_common  # noqa: E402
-from attention_baselines import dense as dense_module  # noqa: E402
-from attention_core import contract  # noqa: E402
-from combiner import kernel_plans  # noqa: E402
-from yoso import attention as yoso_attention  # noqa: E402
+import combiner
+from attention_baselines import common as baselines_common
+from attention_baselines import dense as dense_module
+from attention_core import contract
+from combiner import kernel_plans
+from scripts import compile_tpu  # noqa: F401  (libtpu for this process: scripts/compile_tpu.py)
+from yoso import attention as yoso_attention
 
 MOSAIC, TRITON = "tpu_custom_call", "xla.gpu.triton"
 pytestmark = pytest.mark.all_platforms  # these tests are about the per-platform staging itself

@@ -22,6 +22,8 @@ import re
 
 import pytest
 
+from scripts import compile_tpu  # libtpu for this process (scripts/compile_tpu.py)
+
 pytest.importorskip("libtpu")
 
 import jax  # noqa: E402
@@ -35,7 +37,6 @@ from attention_core import registry as ops_registry  # noqa: E402
 from attention_core import sharding  # noqa: E402
 from configs import arguments  # noqa: E402
 from models.transformer import CAUSAL_TASKS  # noqa: E402
-from scripts import compile_tpu  # noqa: E402  (sets libtpu's environment before it loads)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 GENERATIONS = tuple(compile_tpu.GENERATIONS)  # v4, v5e, v5p, v6e

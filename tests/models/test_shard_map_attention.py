@@ -3,7 +3,6 @@
 devices (tests/conftest.py) a model's forward pass and gradients equal the one-device run, and for a TPU
 topology (libtpu, compile only) the fused kernels compile without gathering q, k, v or the output."""
 
-import os
 import re
 
 import jax
@@ -153,10 +152,9 @@ def test_no_mesh_or_one_device_calls_the_op_directly():
 
 def tpu_mesh(data: int, model: int) -> jax.sharding.Mesh:
   """Compile-only v5e:2x4 devices (libtpu's topology description) as a data x seq x model mesh."""
+  from scripts import compile_tpu  # noqa: F401  (libtpu for this process: scripts/compile_tpu.py)
+
   pytest.importorskip("libtpu")
-  for name, value in (("ALLOW_MULTIPLE_LIBTPU_LOAD", "1"), ("TPU_WORKER_HOSTNAMES", "localhost"),
-                      ("TPU_HOST_BOUNDS", "1,1,1")):
-    os.environ.setdefault(name, value)
   from jax.experimental import topologies
 
   topo = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x4")

@@ -73,3 +73,19 @@ def test_argument_parser_errors_are_one_line(capsys, monkeypatch):
   assert e.value.code == 2
   err = capsys.readouterr().err
   assert err.count("\n") == 1 and err.startswith("ERROR: argument --n: invalid int value")
+
+
+def test_a_workdir_to_write_is_checked_with_the_os_and_nothing_is_left(tmp_path):
+  """Missing directories are made and a file written to find what the OS refuses, then removed again."""
+  new = tmp_path / "a" / "b" / "run"
+  cli.workdir_dir("--workdir", str(new), must_exist=False)
+  assert sorted(p.name for p in tmp_path.iterdir()) == []
+  (tmp_path / "run").mkdir()
+  cli.workdir_dir("--workdir", str(tmp_path / "run"), must_exist=False)
+  assert list((tmp_path / "run").iterdir()) == []
+  (tmp_path / "file").write_text("x")
+  with pytest.raises(cli.UsageError, match=r"--workdir .*/file/run: .*/file is a file, so no directory"):
+    cli.workdir_dir("--workdir", str(tmp_path / "file" / "run"), must_exist=False)
+  with pytest.raises(cli.UsageError, match=r"the OS refuses it .*: File name too long"):
+    cli.workdir_dir("--workdir", str(tmp_path / ("x" * 300) / "run"), must_exist=False)
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "run"]

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+import scripts.compile_tpu  # noqa: F401  (libtpu for this process, as for the script's own)
+
 pytest.importorskip("libtpu")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository

@@ -92,6 +92,8 @@ if argv[:3] == ["compute", "tpus", "queued-resources"]:
       fail(NOT_FOUND.format("delete"))
     shutil.rmtree(p("workers"), ignore_errors=True)  # the stand-ins see their HOME go and stop
     os.remove(p("state"))
+    if os.path.exists(p("worker1_dead")):  # a new slice has no dead host
+      os.remove(p("worker1_dead"))
   else:
     fail("unknown verb " + verb)
 elif argv[:3] == ["compute", "tpus", "tpu-vm"]:
@@ -102,6 +104,8 @@ elif argv[:3] == ["compute", "tpus", "tpu-vm"]:
   if state != "ACTIVE":
     fail("ssh: connect to host 10.130.0.2 port 22: Connection timed out", 255)
   worker = flag(argv, "--worker")
+  if scenario.get("unreachable") and os.path.exists(p("worker1_dead")) and worker in ("all", "1"):
+    fail("ssh: connect to host 10.130.0.3 port 22: No route to host", 255)  # the dead host is still in it
   homes = sorted(os.listdir(p("workers"))) if worker == "all" else [worker]
   if argv[3] == "scp":
     for w in homes:
@@ -124,6 +128,9 @@ elif argv[:2] == ["storage", "cat"]:
   if not os.path.isfile(gs(argv[2])):
     fail(NO_MATCH.format("cat"))
   sys.stdout.write(open(gs(argv[2])).read())
+elif argv[:2] == ["storage", "cp"]:
+  os.makedirs(os.path.dirname(gs(argv[3])), exist_ok=True)
+  shutil.copy(argv[2], gs(argv[3]))
 elif argv[:2] == ["storage", "rm"]:
   if not os.path.isfile(gs(argv[2])):
     fail(NO_MATCH.format("rm"))
@@ -180,6 +187,8 @@ ckpt = os.path.join(workdir, "checkpoint")
 start = int(open(ckpt).read()) if os.path.exists(ckpt) else 0
 run = status.Status(workdir, enabled=worker == 0, every_s=scenario["heartbeat_s"])
 run.started(step=start, num_steps=steps, hosts=scenario["workers"], devices=4 * scenario["workers"])
+if worker == 0:
+  open(os.path.join(workdir, "config.json"), "w").write("{}")  # this run owns it (the supervisor checks)
 print(f"training from step {start} with {argv}", flush=True)
 step = start
 try:
@@ -190,13 +199,26 @@ try:
     print(f"step {step}: loss={1 / step:.3f}", flush=True)
     if mode == "crash" and step == 3:
       raise RuntimeError("stand-in crash at step 3")
+    if mode == "vanish" and step == 3:  # every attempt: gone without a record (a hard crash)
+      os._exit(137)
+    if mode == "host_dies" and step == 3 and start == 0:  # worker 1's host dies; worker 0 is stopped by JAX
+      if worker == 1:
+        open(os.path.join(world, "worker1_dead"), "w").close()
+        os._exit(137)
+      while not os.path.exists(os.path.join(world, "worker1_dead")):
+        time.sleep(0.01)
+      from training import supervisor  # what train.py's supervisor does for its aborted child
+      jax_says = ["UNAVAILABLE: The following tasks are unhealthy (stopped sending heartbeats):", "1",
+                  "The tasks have crashed."]
+      sys.exit(supervisor.after_failure(workdir, -6, jax_says, {"process_index": 0, "process_count": 2},
+                                        since=run.started_at))
     if mode == "stall" and step == 3:
       deadline = time.time() + 30
       while world_up() and time.time() < deadline:
         time.sleep(0.05)
       sys.exit(143)
     if worker == 0:
-      os.makedirs(workdir, exist_ok=True)
+      os.makedirs(os.path.join(workdir, "checkpoints", str(step)), exist_ok=True)  # a finished step
       with open(ckpt + ".tmp", "w") as f:
         f.write(str(step))
       os.replace(ckpt + ".tmp", ckpt)
@@ -259,6 +281,8 @@ class World:
         out.append("train")
       elif c[:4] == ["compute", "tpus", "tpu-vm", "ssh"] and "scripts.check_kernels" in c[-1]:
         out.append("check_kernels")
+      elif c[:4] == ["compute", "tpus", "tpu-vm", "ssh"] and "kill -KILL" in c[-1]:
+        out.append("stop")
     return out
 
   def record(self, name, workdir="bucket/run"):
@@ -272,17 +296,22 @@ class World:
     (self.root / "state").unlink(missing_ok=True)
 
 
-@pytest.fixture
-def world(tmp_path):
-  worlds = []
+def worlds(tmp_path):
+  """make(**scenario) -> a new World under tmp_path; every one cleaned up when the generator ends."""
+  made = []
 
   def make(**scenario):
-    worlds.append(World(tmp_path / f"world{len(worlds)}", **scenario))
-    return worlds[-1]
+    made.append(World(tmp_path / f"world{len(made)}", **scenario))
+    return made[-1]
 
   yield make
-  for w in worlds:
+  for w in made:
     w.cleanup()
+
+
+@pytest.fixture
+def world(tmp_path):
+  yield from worlds(tmp_path)
 
 
 def test_finished_run_prints_its_metrics_and_deletes_the_slice(world):
@@ -522,6 +551,8 @@ def test_the_compile_check_runs_first_with_the_config_flags(capsys):
 def test_no_slice_is_created_when_the_config_does_not_fit(tmp_path):
   """The real launcher, with a `gcloud` on PATH that records its calls: the compile check of a batch no chip
   holds fails, so gcloud is never called."""
+  import scripts.compile_tpu  # noqa: F401  (libtpu for this process, as for the launcher's compile check)
+
   pytest.importorskip("libtpu")
   log = tmp_path / "gcloud.log"
   (tmp_path / "gcloud").write_text(f"#!/bin/sh\necho \"$@\" >> {log}\n")

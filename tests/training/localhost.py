@@ -6,6 +6,11 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
+# The two-process run the multi-process tests interrupt, and their reference: 20 steps, a checkpoint every 5.
+STEPS, EVERY = 20, 5
+CONFIG = ["--config", "configs/default.py:smoke", f"--config.train.num_steps={STEPS}",
+          f"--config.train.checkpoint_every={EVERY}", "--config.train.log_every=5"]
+_REFERENCE: dict[str, str] = {}
 
 
 def launch(script: str, args: list[str], workdir: str, *, processes: int = 2,
@@ -41,3 +46,22 @@ def finish(procs: list[subprocess.Popen], timeout: float = 400) -> list[str]:
   for p, out in zip(procs, outputs, strict=True):
     assert p.returncode == 0, out[-4000:]
   return outputs
+
+
+def uninterrupted(base: str) -> str:
+  """The workdir of an uninterrupted two-process run of CONFIG under `base` (one per test process: the
+  reference every interrupted run must end equal to)."""
+  if "workdir" not in _REFERENCE:
+    workdir = os.path.join(base, "uninterrupted", "run")
+    os.makedirs(os.path.dirname(workdir))
+    finish(launch("train.py", [*CONFIG, "--noprogress"], workdir))
+    _REFERENCE["workdir"] = workdir
+  return _REFERENCE["workdir"]
+
+
+def final_metrics(workdir: str) -> dict:
+  """metrics.json without what differs between an interrupted run and its reference (the start step)."""
+  import json
+
+  with open(os.path.join(workdir, "metrics.json")) as f:
+    return {k: v for k, v in json.load(f).items() if k != "start_step"}

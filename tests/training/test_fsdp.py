@@ -5,7 +5,6 @@ LM's state (from its shardings, nothing allocated), training steps on 8 simulate
 (and a checkpoint written under FSDP resumed on one device), and the TPU compiler's per-chip argument bytes
 with and without FSDP (libtpu, ahead of time)."""
 
-import os
 
 import jax
 import numpy as np
@@ -167,11 +166,9 @@ def test_scanned_layers_on_fsdp_match_unrolled_layers_on_one_device():
 @pytest.fixture
 def tpu_slice():
   """A compile-only v5e:2x4 slice (8 chips) from libtpu's topology description."""
+  from scripts import compile_tpu  # libtpu for this process (scripts/compile_tpu.py)
+
   pytest.importorskip("libtpu")
-  for name, value in (("ALLOW_MULTIPLE_LIBTPU_LOAD", "1"), ("TPU_WORKER_HOSTNAMES", "localhost"),
-                      ("TPU_HOST_BOUNDS", "1,1,1")):
-    os.environ.setdefault(name, value)
-  from scripts import compile_tpu
 
   gen, _ = compile_tpu.parse_topology("v5e-8")
   sl = compile_tpu.Slice(gen, 8)

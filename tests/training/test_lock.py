@@ -47,6 +47,15 @@ def test_a_live_holder_refuses_and_a_gone_one_is_taken_over(tmp_path, capsys):
   lock.acquire()
   assert "taking over the lock of a run that is gone" in capsys.readouterr().out
   lock.release()
+  # Ended but not reaped (a killed run whose parent died with it): gone too.
+  zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+  while open(f"/proc/{zombie.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+    time.sleep(0.01)
+  _holder(wd, pid=zombie.pid)
+  lock = WorkdirLock(wd)
+  lock.acquire()
+  zombie.wait()
+  lock.release()
   # Another host: alive while it refreshes, taken over once stale.
   _holder(wd, host="elsewhere", pid=1)
   with pytest.raises(WorkdirLocked, match="on elsewhere"):

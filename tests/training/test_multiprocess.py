@@ -1,7 +1,8 @@
 """Two JAX processes on localhost (2 CPU devices each) train like one process with 4 devices (to float
 rounding), resume bit-exactly after SIGKILL, and shard the data disjointly; eval.py runs the same way. SIGTERM
 to one of them stops both at the same step, saved, with exit 0, and the resumed run ends as the uninterrupted
-one. Plus the flag checks."""
+one. kill -9 of one host (its supervisor, its training with it): the survivor's supervisor records the cause
+and the last intact step, and the rerun ends as the uninterrupted one. Plus the flag checks."""
 
 import hashlib
 import json
@@ -15,21 +16,16 @@ import numpy as np
 import pytest
 
 from runtime import distributed
+from tests.training.localhost import CONFIG, EVERY, STEPS, final_metrics, uninterrupted
 from tests.training.localhost import finish as _finish
 from tests.training.localhost import launch as _launch
 from training import checkpoints, experiment
 
-STEPS, EVERY = 20, 5
-CONFIG = ["--config", "configs/default.py:smoke", f"--config.train.num_steps={STEPS}",
-          f"--config.train.checkpoint_every={EVERY}", "--config.train.log_every=5"]
 
-
-@pytest.fixture(scope="module")
+@pytest.fixture
 def straight(tmp_path_factory):
   """An uninterrupted two-process run: the reference every interrupted run must end equal to."""
-  workdir = str(tmp_path_factory.mktemp("straight") / "run")
-  _finish(_launch("train.py", [*CONFIG, "--noprogress"], workdir))
-  return workdir
+  return uninterrupted(str(tmp_path_factory.getbasetemp()))
 
 
 def _saved_steps(workdir: str) -> list[int]:
@@ -169,12 +165,65 @@ def test_sigterm_to_one_process_stops_both_at_the_same_step(tmp_path, straight):
   # 3. Rerun: both resume from that step, finish, and end with the uninterrupted run's final metrics.
   outputs = _finish(_launch("train.py", [*CONFIG, "--noprogress"], workdir))
   assert all(f"at step {step}" in out for out in outputs), outputs[0][-3000:]
-  metrics = []
-  for wd in (workdir, straight):
-    with open(os.path.join(wd, "metrics.json")) as f:
-      metrics.append({k: v for k, v in json.load(f).items() if k != "start_step"})
+  metrics = [final_metrics(workdir), final_metrics(straight)]
   assert metrics[0] == metrics[1] and metrics[0]["step"] == STEPS, metrics
   assert os.path.exists(os.path.join(workdir, "status", "finished.json"))
+
+
+def _kill_host_after_a_checkpoint(workdir: str, victim: int, after: int) -> tuple[dict, float, list[str]]:
+  """Two processes train; once a checkpoint newer than `after` is complete, process `victim`'s host dies
+  (its supervisor is killed, and its training with it). Returns the survivor's failed record, the seconds
+  from the kill to the record, and both logs."""
+  procs = _launch("train.py", [*CONFIG, "--noprogress", "--host_timeout_s=10"], workdir)
+  record = os.path.join(workdir, "status", "failed.json")
+  try:
+    deadline = time.time() + 400
+    while max(_saved_steps(workdir), default=-1) <= after:
+      assert time.time() < deadline and all(p.poll() is None for p in procs), open(procs[0].log_path).read()
+      time.sleep(0.05)
+    procs[victim].send_signal(signal.SIGKILL)
+    killed = time.time()
+    while not os.path.exists(record) and time.time() - killed < 120:
+      time.sleep(0.05)
+    seconds = time.time() - killed
+    procs[1 - victim].wait(timeout=120)
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+      p.wait()
+  logs = [open(p.log_path).read() for p in procs]
+  assert os.path.exists(record), logs[1 - victim][-4000:]
+  assert procs[1 - victim].returncode == 75, logs[1 - victim][-4000:]  # a host was lost: start again
+  assert logs[1 - victim].rstrip().splitlines()[-1].startswith("ERROR: a host of this run was lost: ")
+  with open(record) as f:
+    return json.load(f), seconds, logs
+
+
+@pytest.mark.slow
+def test_a_lost_host_is_recorded_and_the_rerun_ends_as_the_uninterrupted_run(tmp_path, straight):
+  """kill -9 of one host of two (its supervisor and its training), then of the other in the rerun: the
+  survivor records the cause within 2 minutes each time, and a third run ends as the uninterrupted one."""
+  workdir = str(tmp_path / "run")
+  # 1. Process 1's host dies: JAX stops process 0, whose supervisor records it.
+  failed, seconds, _ = _kill_host_after_a_checkpoint(workdir, victim=1, after=-1)
+  print(f"process 1 killed: failed.json {seconds:.1f}s later: {failed['error']}")
+  assert seconds < 120 and failed["cause"] == "host_lost" and failed["lost_processes"] == [1], failed
+  assert failed["reported_by"] == 0 and "process 1 of 2 stopped sending heartbeats" in failed["error"]
+  first = failed["last_intact_step"]
+  assert first in _saved_steps(workdir) and f"the last intact checkpoint is step {first}" in failed["error"]
+  # 2. The rerun resumes from it; the coordinator's host dies after its next checkpoint: process 1 records it.
+  failed, seconds, logs = _kill_host_after_a_checkpoint(workdir, victim=0, after=first)
+  print(f"process 0 killed: failed.json {seconds:.1f}s later: {failed['error']}")
+  assert f"resumed from {workdir}/checkpoints at step {first}" in logs[1], logs[1][-3000:]
+  assert seconds < 120 and failed["cause"] == "host_lost" and failed["reported_by"] == 1, failed
+  assert "the coordinator (process 0 of 2) stopped answering" in failed["error"], failed
+  second = failed["last_intact_step"]
+  assert first < second < STEPS
+  # 3. Rerun: resumes from the last intact step (a half-written one set aside) and ends as the uninterrupted.
+  outputs = _finish(_launch("train.py", [*CONFIG, "--noprogress"], workdir))
+  assert all(f"at step {second}" in out for out in outputs), outputs[0][-3000:]
+  assert final_metrics(workdir) == final_metrics(straight)
 
 
 def test_distributed_flags_checked_and_optional():

@@ -78,6 +78,9 @@ FAST = [
     (["-m", "scripts.benchmark", "--heads=0"], "--heads"),
     (["-m", "scripts.benchmark", "--time_budget_s=-1"], "--time_budget_s"),
     (["train.py", "--config", "configs/nope.py"], "--config"),
+    # workdirs the OS refuses: under a file, a name too long for the filesystem
+    (["train.py", "--config", SMOKE, "--workdir", "{file}/run"], "--workdir"),
+    (["train.py", "--config", SMOKE, "--workdir", "{w}/" + "x" * 300 + "/run"], "--workdir"),
     (["train.py", "--config", f"{SMOKE},layrs=2"], "layrs"),
     (["train.py", "--config", f"{SMOKE},layers=x"], "layers"),
     # a ValueError of the config file's own get_config, with its message
