@@ -150,12 +150,12 @@ def _tpu_program(gen: str, length: int, *, heads: int, head_dim: int, all_grads:
   """jax.grad of sum(adaptive_span) compiled for one chip of `gen`, bfloat16, batch 1, implementation="auto",
   with the registry's stand-ins (spans, position table): as constants and gradients of q, k, v, or
   (all_grads) as arguments with theirs too."""
-  pytest.importorskip("libtpu")  # requirements-tpu-compile.txt
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
   from scripts import compile_tpu
 
+  pytest.importorskip("libtpu")  # requirements-tpu-compile.txt
   g = compile_tpu.GENERATIONS[gen]
   device = compile_tpu.devices(compile_tpu.Slice(g, min(g.shapes)))[0]
   spec = ops_registry.get("adaptive_span")

@@ -86,13 +86,13 @@ def test_fused_path_lowers_for_cuda():
 def test_device_ops_within_three_times_splash():
   """v5e, L = 4096, bfloat16, 16 heads of 128, causal, fwd+bwd of the sum (q, k, v), the registry's
   stand-in compression MLPs: at most 3x Splash dense's 58 device ops."""
-  pytest.importorskip("libtpu")  # requirements-tpu-compile.txt
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
   from attention_core.hlo import device_ops
   from scripts import compile_tpu
 
+  pytest.importorskip("libtpu")  # requirements-tpu-compile.txt
   g = compile_tpu.GENERATIONS["v5e"]
   device = compile_tpu.devices(compile_tpu.Slice(g, min(g.shapes)))[0]
   spec = ops_registry.get("nsa")

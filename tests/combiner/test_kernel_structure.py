@@ -17,9 +17,11 @@ import functools
 
 import pytest
 
+from scripts import compile_tpu  # noqa: F401  (libtpu for this process: scripts/compile_tpu.py)
+
 pytest.importorskip("libtpu")
 
-from scripts import tpu_structure  # noqa: E402  (sets libtpu's environment before jax loads)
+from scripts import tpu_structure  # noqa: E402
 
 LENGTH, HEADS = 2048, 8
 OPS_BOUND = 1.5  # x dense attention's device ops
