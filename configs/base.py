@@ -11,8 +11,8 @@ import ml_collections
 
 # Logical parameter axis -> mesh axis (None = replicated). FSDP splits the model width of every weight (and
 # its optimizer moments) over the "fsdp" axis; model parallelism splits heads, MLP and vocabulary.
-# "layers": the leading axis of stacked blocks (`model.scan_layers`, models/stacked.py), replicated: every device
-# holds every layer's share of the other axes.
+# "layers": the leading axis of stacked blocks (`model.scan_layers`, models/stacked.py), replicated: every
+# device holds every layer's share of the other axes.
 SHARDING_RULES = (("embed", "fsdp"), ("mlp", "model"), ("heads", "model"), ("kv", None), ("vocab", "model"),
                   ("layers", None))
 

@@ -64,11 +64,12 @@ def layer(module: nnx.Module, i: int) -> nnx.Module:
 
 
 def scan(module: nnx.Module, fn: Callable[[nnx.Module, Any, Any], tuple[Any, Any]], carry: Any,
-         xs: Any = None, *, remat: bool = False, policy: Any = None) -> tuple[Any, Any]:
+         xs: Any = None, *, remat: bool = False, policy: Any = None, update: bool = True) -> tuple[Any, Any]:
   """carry, ys = for each layer i of the stacked `module`: carry, y_i = fn(layer_i, carry, xs_i), by
-  `jax.lax.scan`; ys stacked on a leading layer axis. The state the layers leave (random streams advanced,
-  routing centroids updated, values sown) is written back into `module`, stacked. remat: `jax.checkpoint` the
-  layer with `policy` (each layer recomputed in the backward pass from its input)."""
+  `jax.lax.scan`; ys stacked on a leading layer axis. With `update`, the state the layers leave (random
+  streams advanced, routing centroids updated, values sown) is written back into `module`, stacked; without,
+  it is dropped (decoding, which changes no state, may then run inside another transform). remat:
+  `jax.checkpoint` the layer with `policy` (each layer recomputed in the backward pass from its input)."""
   graphdef, params, other = nnx.split(module, nnx.Param, ...)
 
   def body(carry, inputs):
@@ -80,7 +81,8 @@ def scan(module: nnx.Module, fn: Callable[[nnx.Module, Any, Any], tuple[Any, Any
   if remat:
     body = jax.checkpoint(body, policy=policy)
   carry, (ys, after) = jax.lax.scan(body, carry, (params, other, xs))
-  nnx.update(module, after)
+  if update:
+    nnx.update(module, after)
   return carry, ys
 
 

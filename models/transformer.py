@@ -253,7 +253,7 @@ class Encoder(nnx.Module):
     axis; then, for graph attentions, the nodes' own."""
     if self.scanned:
       _, cache = stacked.scan(self.blocks, lambda block, _, __: (None, block.attention.init_cache(
-          batch, max_length)), None)
+          batch, max_length)), None, update=False)
       caches = [cache]
     else:
       caches = [block.attention.init_cache(batch, max_length) for block in self.blocks]
@@ -266,7 +266,7 @@ class Encoder(nnx.Module):
     the nodes' one) -> (x, the updated caches)."""
     if self.scanned:
       x, cache = stacked.scan(self.blocks, lambda block, x, cache: block.decode(x, cache, position), x,
-                              caches[0])  # cache: the layers' caches stacked
+                              caches[0], update=False)  # cache: the layers' caches stacked
       return x, [cache]
     new = []
     for block, cache in zip(self.blocks, caches, strict=True):
