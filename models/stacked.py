@@ -92,29 +92,41 @@ def _key_of(stream: nnx.RngStream) -> Any:
 
 def reseed(node: Any, **stream_keys: Any) -> None:
   """`nnx.reseed(node, **stream_keys)`, where a stacked module's streams (keys with a leading layer axis)
-  get the keys its unstacked layers' streams would get: layer 0's streams in graph order, then layer 1's."""
+  get the keys its unstacked layers' streams would get: layer 0's streams in graph order, then layer 1's.
+  Those are computed for all layers at once (`fold_in` of the stream's counts, vectorized), so the program
+  does not grow with the depth."""
   rngs = nnx.Rngs(**stream_keys)
   streams = [s for _, s in nnx.iter_graph(node)
              if isinstance(s, nnx.RngStream) and s.key.tag in stream_keys]
   i = 0
   while i < len(streams):
     if _key_of(streams[i]).ndim == 0:
-      key = rngs[streams[i].key.tag]()
-      streams[i].key.set_value(key)
+      streams[i].key.set_value(rngs[streams[i].key.tag]())
       streams[i].count.set_value(jnp.zeros((), jnp.uint32))
       i += 1
       continue
-    # A stacked module's streams follow one another in graph order: its layers' streams, layer-major.
+    # A stacked module's streams follow one another in graph order.
     n = _key_of(streams[i]).shape[0]
     j = i
     while j < len(streams) and _key_of(streams[j]).shape == (n,):
       j += 1
-    run = streams[i:j]
-    keys = [[rngs[s.key.tag]() for s in run] for _ in range(n)]  # [layer][stream]
-    for k, s in enumerate(run):
-      s.key.set_value(jnp.stack([keys[layer_][k] for layer_ in range(n)]))
-      s.count.set_value(jnp.zeros((n,), jnp.uint32))
+    _reseed_stacked(rngs, streams[i:j], n)
     i = j
+
+
+def _reseed_stacked(rngs: nnx.Rngs, run: list[nnx.RngStream], n: int) -> None:
+  """Unstacked, layer l's k-th stream of a tag would take that tag's (c0 + l * S + k)-th key, where S is the
+  number of the tag's streams in a layer and c0 the tag's count before them."""
+  for tag in dict.fromkeys(s.key.tag for s in run):
+    members = [s for s in run if s.key.tag == tag]
+    source = rngs[tag]
+    base, c0 = source.key[...], source.count[...]
+    layer_ = jnp.arange(n, dtype=jnp.uint32)
+    for k, s in enumerate(members):
+      counts = c0 + layer_ * len(members) + k  # [layers]
+      s.key.set_value(jax.vmap(jax.random.fold_in, in_axes=(None, 0))(base, counts))
+      s.count.set_value(jnp.zeros((n,), jnp.uint32))
+    source.count.set_value(c0 + n * len(members))
 
 
 # -----------------------------------------------------------------------------------------------------------
