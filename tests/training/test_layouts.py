@@ -105,6 +105,18 @@ def test_a_workdir_from_before_stacking_resumes_evaluates_and_samples(tmp_path):
   np.testing.assert_allclose(resumed["metrics"]["loss"], straight["metrics"]["loss"], rtol=1e-6)
 
 
+@pytest.mark.slow  # ~30 s: two short runs
+def test_a_stacked_run_resumes_exactly(tmp_path):
+  config = _config(True, **{"train.num_steps": 4, "train.checkpoint_every": 2})
+  straight = loop.train_and_evaluate(config, str(tmp_path / "straight"), progress=False)
+  with loop.testing_hooks(stop_after=2):
+    loop.train_and_evaluate(config, str(tmp_path / "resumed"), progress=False)
+  resumed = loop.train_and_evaluate(config, str(tmp_path / "resumed"), progress=False)
+  assert resumed["start_step"] == 2
+  _assert_same_bits({"p": resumed["state"].params, "o": resumed["state"].opt_state},
+                    {"p": straight["state"].params, "o": straight["state"].opt_state})
+
+
 def _train_step_ops(layers: int, scan: bool) -> int:
   """StableHLO operations of the jitted train step (optimizer, clipping, reseeding included), lowered only."""
   from scripts.compile_tpu import stablehlo_ops
