@@ -47,22 +47,6 @@ def is_stacked(v: nnx.Variable) -> bool:
   return bool(axes) and axes[0] == LAYERS
 
 
-def num_layers(module: nnx.Module) -> int:
-  """The leading size of a stacked module's variables."""
-  return int(jax.tree.leaves(nnx.state(module))[0].shape[0])
-
-
-def layer(module: nnx.Module, i: int) -> nnx.Module:
-  """A copy of layer i of a stacked module, as the unstacked module it was (its own logical axes)."""
-  graphdef, state = nnx.split(module)
-
-  def take(v):
-    value = v[...][i]
-    return v.copy(value, out_sharding=v.get_metadata("out_sharding")[1:]) if is_stacked(v) else v.copy(value)
-
-  return nnx.merge(graphdef, jax.tree.map(take, state, is_leaf=lambda x: isinstance(x, nnx.Variable)))
-
-
 def scan(module: nnx.Module, fn: Callable[[nnx.Module, Any, Any], tuple[Any, Any]], carry: Any,
          xs: Any = None, *, remat: bool = False, policy: Any = None, update: bool = True) -> tuple[Any, Any]:
   """carry, ys = for each layer i of the stacked `module`: carry, y_i = fn(layer_i, carry, xs_i), by
