@@ -26,6 +26,17 @@ from flax import nnx
 LAYERS = "layers"  # the logical name of the leading axis of stacked variables
 
 
+def build(make: Callable[[nnx.Rngs], nnx.Module], rngs: nnx.Rngs) -> nnx.Module:
+  """make(rngs), traced on its own (`nnx.jit`) when the model is built inside a trace (jit, eval_shape).
+
+  There each random draw of a constructor costs time in proportion to the trace it is drawn in (flax compares
+  the new stream count's sharding, and JAX describes a tracer's origin by walking the whole trace), so L
+  layers built in one trace cost O(L^2) and in one trace each O(L). Eagerly (no trace) it is make(rngs)."""
+  if any(isinstance(stream.count[...], jax.core.Tracer) for _, stream in rngs.items()):
+    return nnx.jit(make)(rngs)
+  return make(rngs)
+
+
 def _with_layer_axis(v: nnx.Variable) -> nnx.Variable:
   axes = v.get_metadata("out_sharding", None)
   return v if axes is None else v.copy(out_sharding=(LAYERS, *axes))

@@ -163,8 +163,8 @@ class Encoder(nnx.Module):
     self.pos = PositionEmbedding(cfg, seq_len, dtype=dtype, rngs=rngs)
     self.positions = self.pos.kind != "none"
     self.dropout = nnx.Dropout(cfg.dropout_rate, rngs=rngs)
-    blocks = [Block(cfg, causal=causal, dtype=dtype, rngs=rngs, layer=i, seq_len=seq_len)
-              for i in range(cfg.num_layers)]
+    blocks = [stacked.build(lambda rngs, i=i: Block(cfg, causal=causal, dtype=dtype, rngs=rngs, layer=i,
+                                                    seq_len=seq_len), rngs) for i in range(cfg.num_layers)]
     self.num_layers = len(blocks)
     # model.scan_layers: the blocks as one module whose variables are stacked on a leading layer axis, run by
     # one lax.scan (models/stacked.py). Blocks with a segment memory stay one module per layer, unrolled.
