@@ -11,7 +11,10 @@ import ml_collections
 
 # Logical parameter axis -> mesh axis (None = replicated). FSDP splits the model width of every weight (and
 # its optimizer moments) over the "fsdp" axis; model parallelism splits heads, MLP and vocabulary.
-SHARDING_RULES = (("embed", "fsdp"), ("mlp", "model"), ("heads", "model"), ("kv", None), ("vocab", "model"))
+# "layers": the leading axis of stacked blocks (`model.scan_layers`, models/stacked.py), replicated: every
+# device holds every layer's share of the other axes.
+SHARDING_RULES = (("embed", "fsdp"), ("mlp", "model"), ("heads", "model"), ("kv", None), ("vocab", "model"),
+                  ("layers", None))
 
 
 def attention_config(name: str = "combiner_fixed") -> ml_collections.ConfigDict:
@@ -73,7 +76,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.model.max_len = 0  # position table length; 0 = the data's seq_len
   c.model.classifier_pool = "CLS"  # "CLS" (first position) | "MEAN" (padding-aware)
   c.model.remat = "none"  # "full" | "minimal": recompute each block (or its attention core) in the backward
-  # One lax.scan over the blocks instead of num_layers unrolled copies: the same parameters and results.
+  # The blocks' parameters stacked on a leading layer axis, run by one lax.scan (models/stacked.py): the same
+  # values and results as num_layers unrolled blocks, in a train step that does not grow with depth.
   c.model.scan_layers = False
   c.model.attention = attention_config()
   # Segment recurrence (lm, an attention declaring a memory, ordered data): each block keeps its last mem_len

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from models import layers, registry
+from models import layers, registry, stacked
 from runtime import cli
 
 Array = Any
@@ -163,19 +163,25 @@ class Encoder(nnx.Module):
     self.pos = PositionEmbedding(cfg, seq_len, dtype=dtype, rngs=rngs)
     self.positions = self.pos.kind != "none"
     self.dropout = nnx.Dropout(cfg.dropout_rate, rngs=rngs)
-    self.blocks = nnx.List([Block(cfg, causal=causal, dtype=dtype, rngs=rngs, layer=i, seq_len=seq_len)
-                            for i in range(cfg.num_layers)])
+    blocks = [stacked.build(lambda rngs, i=i: Block(cfg, causal=causal, dtype=dtype, rngs=rngs, layer=i,
+                                                    seq_len=seq_len), rngs) for i in range(cfg.num_layers)]
+    self.num_layers = len(blocks)
+    # model.scan_layers: the blocks as one module whose variables are stacked on a leading layer axis, run by
+    # one lax.scan (models/stacked.py). Blocks with a segment memory stay one module per layer, unrolled.
+    self.scanned = bool(cfg.get("scan_layers", False) and blocks and not int(cfg.get("mem_len", 0) or 0))
+    if self.scanned:
+      _check_scannable(blocks, cfg.attention.name)
+      self.blocks = stacked.stack(blocks)
+    else:
+      self.blocks = nnx.List(blocks)
     self.norm = layers.LayerNorm(cfg.features, dtype=dtype, rngs=rngs)
     # Graph attentions (BP-Transformer) carry node states beside the tokens through every block: their module
     # names the class that makes them (`GRAPH_NODES`: appends them, then `tokens` drops them).
-    graph = type(self.blocks[0].attention).GRAPH_NODES if self.blocks else None
+    graph = type(blocks[0].attention).GRAPH_NODES if blocks else None
     self.graph_nodes = graph(cfg.features, seq_len, dtype=dtype, rngs=rngs) if graph is not None else None
     self.remat = cfg.get("remat", "none")
     if self.remat not in REMAT:
       raise ValueError(f"model.remat must be one of {list(REMAT)}, got {self.remat!r}")
-    self.scan_layers = bool(cfg.get("scan_layers", False))
-    if self.scan_layers and len(self.blocks) > 1:
-      _check_scannable(self.blocks, cfg.attention.name)
 
   def __call__(self, ids: Array, mask: Array | None, *, deterministic: bool,
                memory: list[dict[str, Array]] | None = None) -> Array | tuple[Array, list[dict[str, Array]]]:
@@ -189,8 +195,12 @@ class Encoder(nnx.Module):
       return self._with_memory(x, mask, memory, deterministic)
     if self.graph_nodes is not None:
       x, mask = self.graph_nodes(x, mask)  # [batch, length + extra nodes, features]
-    if self.scan_layers and len(self.blocks) > 1:
-      x = _scan_blocks(self.blocks, x, mask, deterministic, self.remat)
+    if self.scanned:
+      def layer(block, x, _):
+        return block(x, mask, deterministic=deterministic), None  # [batch, length, features]
+
+      x, _ = stacked.scan(self.blocks, layer, x, remat=self.remat != "none",
+                          policy=_REMAT_POLICY.get(self.remat))
     else:
       for block in self.blocks:
         if self.remat != "none":
@@ -203,8 +213,8 @@ class Encoder(nnx.Module):
 
   def _with_memory(self, x: Array, mask: Array | None, memory: list[dict[str, Array]],
                    deterministic: bool) -> tuple[Array, list[dict[str, Array]]]:
-    if len(memory) != len(self.blocks):
-      raise ValueError(f"memory has {len(memory)} layers, the model {len(self.blocks)}")
+    if len(memory) != self.num_layers:
+      raise ValueError(f"memory has {len(memory)} layers, the model {self.num_layers}")
     if mask is None:
       mask = jnp.ones(x.shape[:2], bool)
     new = []
@@ -227,7 +237,7 @@ class Encoder(nnx.Module):
 
   def decode(self, ids: Array, caches: list[Any], position: Array | None = None) -> tuple[Array, list[Any]]:
     """ids [batch, 1] at `position` (or a prompt [batch, P] at [0, P) when position is None) -> normed
-    features [batch, length, features] and the updated per-layer caches."""
+    features [batch, length, features] and the updated caches (`init_cache`)."""
     if self.graph_nodes is not None:
       return _decode_graph(self, ids, caches, position)
     x = self.embed(ids)  # [batch, P or 1, features]
@@ -235,11 +245,34 @@ class Encoder(nnx.Module):
       x = x + self.pos(ids.shape[1])[None]
     elif self.positions:
       x = x + self.pos.at(position)[None, None]
+    x, new = self._decode_blocks(x, caches, position)
+    return self.norm(x), new
+
+  def init_cache(self, batch: int, max_length: int) -> list[Any]:
+    """The blocks' decoding caches: one per block, or for stacked blocks one whose arrays have a leading layer
+    axis; then, for graph attentions, the nodes' own."""
+    if self.scanned:
+      _, cache = stacked.scan(self.blocks, lambda block, _, __: (None, block.attention.init_cache(
+          batch, max_length)), None, update=False)
+      caches = [cache]
+    else:
+      caches = [block.attention.init_cache(batch, max_length) for block in self.blocks]
+    if self.graph_nodes is not None:
+      caches.append(self.graph_nodes.init_cache(batch, max_length))
+    return caches
+
+  def _decode_blocks(self, x: Array, caches: list[Any], position: Array | None) -> tuple[Array, list[Any]]:
+    """x [batch, length, features] through the blocks' `decode` with their caches (`init_cache`'s, without
+    the nodes' one) -> (x, the updated caches)."""
+    if self.scanned:
+      x, cache = stacked.scan(self.blocks, lambda block, x, cache: block.decode(x, cache, position), x,
+                              caches[0], update=False)  # cache: the layers' caches stacked
+      return x, [cache]
     new = []
     for block, cache in zip(self.blocks, caches, strict=True):
       x, cache = block.decode(x, cache, position)
       new.append(cache)
-    return self.norm(x), new
+    return x, new
 
 
 def _decode_graph(encoder: Encoder, ids: Array, caches: list[Any],
@@ -259,10 +292,7 @@ def _decode_graph(encoder: Encoder, ids: Array, caches: list[Any],
     x = x + encoder.pos.at(position)[None, None]
   nodes, node_cache = encoder.graph_nodes.step(x, caches[-1], position)
   x = jnp.concatenate([x, nodes], axis=1)  # [batch, 1 + nodes, features]
-  new = []
-  for block, cache in zip(encoder.blocks, caches[:-1], strict=True):
-    x, cache = block.decode(x, cache, position)
-    new.append(cache)
+  x, new = encoder._decode_blocks(x, caches[:-1], position)
   return encoder.norm(x[:, :1]), new + [node_cache]
 
 
@@ -282,12 +312,7 @@ def _compress(block: Block, mem: dict[str, Array], x: Array, mask: Array, evicte
   return {"compressed": both[:, both.shape[1] - n:], "compressed_valid": both_valid[:, both.shape[1] - n:]}
 
 
-# model.scan_layers: one `lax.scan` over the blocks' parameters stacked at call time, so the compiler sees one
-# block; parameters and the blocks' other state stay per block, so checkpoints and results are the unrolled
-# model's (segment memory and graph attentions run unrolled).
-
-
-def _check_scannable(blocks: Any, attention: str) -> None:
+def _check_scannable(blocks: list[Block], attention: str) -> None:
   """A one-line config error when the blocks differ in structure (an attention that varies by layer)."""
   first = nnx.graphdef(blocks[0])
   for i, block in enumerate(blocks[1:], 1):
@@ -295,26 +320,6 @@ def _check_scannable(blocks: Any, attention: str) -> None:
       raise cli.mark_usage(ValueError(
           f"config.model.scan_layers=True needs blocks of one structure; attention {attention!r} builds "
           f"block {i} differently from block 0 (a per-layer choice): set scan_layers=False"))
-
-
-def _scan_blocks(blocks: Any, x: Array, mask: Array | None, deterministic: bool, remat: str) -> Array:
-  """x [batch, length, features] through every block by `lax.scan` over their stacked parameters."""
-  splits = [nnx.split(block, nnx.Param, ...) for block in blocks]
-  graphdef = splits[0][0]
-  params = jax.tree.map(lambda *a: jnp.stack(a), *[p for _, p, _ in splits])  # leading axis: the layer
-  other = jax.tree.map(lambda *a: jnp.stack(a), *[o for _, _, o in splits])
-
-  def body(x, layer):
-    block = nnx.merge(graphdef, *layer)
-    x = block(x, mask, deterministic=deterministic)  # [batch, length, features]
-    return x, nnx.state(block, nnx.Not(nnx.Param))
-
-  if remat != "none":
-    body = jax.checkpoint(body, policy=_REMAT_POLICY[remat])
-  x, after = jax.lax.scan(body, x, (params, other))
-  for i, block in enumerate(blocks):
-    nnx.update(block, jax.tree.map(lambda a, i=i: a[i], after))
-  return x
 
 
 def _block_call(block: Block, x: Array, mask: Array | None, deterministic: bool) -> Array:
@@ -439,8 +444,8 @@ class Transformer(nnx.Module):
                    compressed_valid=jnp.zeros((batch, n_cm), bool))
       return out
 
-    return {"layers": [layer() for _ in self.encoder.blocks], "token": jnp.zeros((batch,), jnp.int32),
-            "token_valid": jnp.zeros((batch,), bool)}
+    return {"layers": [layer() for _ in range(self.encoder.num_layers)],
+            "token": jnp.zeros((batch,), jnp.int32), "token_valid": jnp.zeros((batch,), bool)}
 
   def _lm_with_memory(self, batch: dict[str, Array], memory: dict[str, Any],
                       deterministic: bool) -> tuple[Array, dict[str, Any]]:
@@ -467,10 +472,7 @@ class Transformer(nnx.Module):
     """Empty per-layer caches for `batch` sequences of up to `max_length` tokens."""
     if self.task not in CAUSAL_TASKS:
       raise ValueError(f"cached decoding needs a causal task {CAUSAL_TASKS}, got {self.task!r}")
-    caches = [block.attention.init_cache(batch, max_length) for block in self.encoder.blocks]
-    if self.encoder.graph_nodes is not None:  # graph attentions: the nodes' own cache comes last
-      caches.append(self.encoder.graph_nodes.init_cache(batch, max_length))
-    return caches
+    return self.encoder.init_cache(batch, max_length)
 
   def decode(self, cache: list[Any], tokens: Array, position: Array) -> tuple[Array, list[Any]]:
     """tokens [batch]: the tokens at position - 1 (ignored at position 0) -> float32 logits [batch, vocab] for

@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import subprocess
 import sys
+import time
 from typing import Any
 
 # libtpu, the TPU compiler, is for the processes that compile for TPUs, and importing this module is how a
@@ -143,6 +145,8 @@ class Result:
   memory: dict[str, int] = dataclasses.field(default_factory=dict)
   flops: float = 0.0
   bytes_accessed: float = 0.0
+  program_ops: int = 0  # operations of the step's StableHLO program (`stablehlo_ops`)
+  compile_s: float = 0.0  # seconds this host took to lower and compile the step
 
   @property
   def total(self) -> int:
@@ -181,6 +185,16 @@ def batch_shapes(task: str, batch: int, length: int, sharding: Any, sentences: i
   return out
 
 
+_OPERATION = re.compile(r'^\s*(?:%[^=]*=\s*)?"?(?:[a-z_]+\.[a-z_.]+|return\b)')  # `%x = stablehlo.add`
+
+
+def stablehlo_ops(text: str) -> int:
+  """The operations of a lowered program (`jax.jit(f).lower(...).as_text()`, StableHLO in MLIR's text
+  form): one per line that starts with one, whatever its dialect (stablehlo, func, sdy, ...); a loop body
+  counts once."""
+  return sum(1 for line in text.splitlines() if _OPERATION.match(line))
+
+
 def first_line(e: BaseException) -> str:
   lines = [line.strip() for line in str(e).splitlines() if line.strip()]
   return (lines[0] if lines else type(e).__name__)[:400]
@@ -210,8 +224,10 @@ def compile_step(config: Any, sl: Slice) -> Result:
   if state.get("memory") is not None:  # segment recurrence: the step also reads and returns the memory
     shapes["reset"] = jax.ShapeDtypeStruct((batch,), jnp.bool_, sharding=shapes["valid"].sharding)
     args += (state["memory"],)
+  start = time.perf_counter()
   try:
-    compiled = exp.jitted_train_step().lower(*args).compile()
+    lowered = exp.jitted_train_step().lower(*args)
+    compiled = lowered.compile()
   except Exception as e:  # the compiler's error (XlaRuntimeError, Mosaic, ...), reported in one line
     line = first_line(e)
     fits = not any(s in line for s in ("RESOURCE_EXHAUSTED", "Ran out of memory"))
@@ -224,7 +240,8 @@ def compile_step(config: Any, sl: Slice) -> Result:
   cost = compiled.cost_analysis()
   cost = (cost[0] if cost else {}) if isinstance(cost, (list, tuple)) else (cost or {})
   r = Result(sl, "fits", "", mesh, memory, float(cost.get("flops", 0.0)),
-             float(cost.get("bytes accessed", 0.0)))
+             float(cost.get("bytes accessed", 0.0)), stablehlo_ops(lowered.as_text()),
+             time.perf_counter() - start)
   if r.total > sl.gen.hbm_bytes:
     r.status = "too big"
     r.message = (f"needs {r.total / GiB:.2f} GiB of HBM per chip, a {sl.gen.name} chip has "
@@ -337,7 +354,9 @@ def report(label: str, r: Result, batch: int) -> str:
            f"  {'step FLOPs':<32}{r.flops:>14.4g}",
            f"  {'step bytes accessed':<32}{r.bytes_accessed:>14.4g}",
            f"  {'roofline step time':<32}{_seconds(r.step_s):>14}  ({bound(r)}-bound at "
-           f"{g.peak_flops / 1e12:g} TFLOP/s, {g.hbm_bandwidth / 1e9:g} GB/s)"]
+           f"{g.peak_flops / 1e12:g} TFLOP/s, {g.hbm_bandwidth / 1e9:g} GB/s)",
+           f"{'step program':<34}{r.program_ops:>14,}  StableHLO operations",
+           f"{'lowered and compiled here in':<34}{_seconds(r.compile_s):>14}"]
   return "\n".join(lines)
 
 
@@ -373,7 +392,7 @@ DOC_CONFIGS = (
   "configs/hibert.py:summarise", "configs/bp_transformer.py", "configs/bp_transformer.py:imdb",
   "configs/bp_transformer.py:sst5", "configs/blockbert.py", "configs/blockbert.py:seq_len=1024",
 )
-DOC_TIMEOUT_S = 900  # one (config, generation) search
+DOC_TIMEOUT_S = 7200  # one (config, generation) search (a bound on a runaway compile, not a budget)
 NOT_MEASURED = "not measured yet"
 
 DOC_INTRO = """# Which TPU slice each paper config needs

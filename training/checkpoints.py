@@ -28,7 +28,7 @@ import jax
 import ml_collections
 
 from runtime import paths
-from training import integrity
+from training import integrity, layouts
 from training.experiment import Experiment, TrainState
 
 UNRESTORABLE = "unrestorable_checkpoints"
@@ -117,7 +117,9 @@ def restore_checkpoint(mgr: Any, exp: Experiment, data_iter: Any | None,
   target = exp.abstract_state()
   if not jax.tree.leaves(target["rest"]):
     del target["rest"]
-  items = {"state": ocp.args.StandardRestore(target), "meta": ocp.args.JsonRestore()}
+  saved_in = layouts.saved_layout(mgr, step, exp, target)  # a step saved with the blocks in the other layout
+  items = {"state": ocp.args.StandardRestore(target if saved_in is None else saved_in),
+           "meta": ocp.args.JsonRestore()}
   step_dir = paths.join(mgr.directory, str(step))
   if data_iter is not None:
     from data import resume  # a state this pipeline cannot continue: a clear error
@@ -129,6 +131,8 @@ def restore_checkpoint(mgr: Any, exp: Experiment, data_iter: Any | None,
       resume.restore_iterator(step_dir, data_iter)
     tree = restored["state"]
     integrity.verify(tree, restored["meta"].get("checksums"))  # bits changed after the write
+    if saved_in is not None:
+      tree = layouts.convert(tree, target)  # stacked or split along the layer axis, bit for bit
     check_finite(tree["params"], "parameters")
     check_finite(tree["opt_state"], "optimizer state")
     restored_step = int(restored["meta"]["step"])

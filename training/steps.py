@@ -25,6 +25,7 @@ import optax
 from flax import nnx
 
 from models import metrics as metrics_lib
+from models import stacked
 from training import recurrence
 
 REST = nnx.Not(nnx.Any(nnx.Param, nnx.RngState))  # non-gradient module state carried through the step
@@ -54,7 +55,7 @@ def merged_model(ctx: StepContext, params: Any, rng: Any, rest: Any, key: jax.Ar
     rest = jax.lax.with_sharding_constraint(rest, ctx.compute_shardings[1])
   model = nnx.merge(ctx.graphdef, params, rng, rest, copy=True)
   k_drop, k_att = jax.random.split(key)
-  nnx.reseed(model, dropout=k_drop, attention=k_att)
+  stacked.reseed(model, dropout=k_drop, attention=k_att)
   return model
 
 

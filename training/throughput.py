@@ -32,10 +32,11 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+from flax import nnx
 
 from attention_core import registry as op_registry
 from models import attention as model_attention
-from models import transformer
+from models import stacked, transformer
 from runtime import tpu_generations
 from training import recurrence
 
@@ -199,13 +200,16 @@ def _not_a_matmul(path: str) -> bool:
 def matmul_params(abstract_params: Any) -> tuple[int, int]:
   """(per-token, per-example) parameter counts of the model's matrices: ndim >= 2, without the embedding and
   position tables and without biases (per-head biases are 2-d); per-example = those outside the encoder (the
-  caller adds an LM head to the per-token ones; a classifier's pooled MLP stays per example)."""
+  caller adds an LM head to the per-token ones; a classifier's pooled MLP stays per example). Stacked blocks'
+  layer axis (models/stacked.py) is not a matrix dimension."""
   per_token = per_example = 0
-  for path, leaf in jax.tree_util.tree_leaves_with_path(abstract_params):
+  for path, leaf in jax.tree_util.tree_leaves_with_path(abstract_params,
+                                                        is_leaf=lambda x: isinstance(x, nnx.Variable)):
     key = jax.tree_util.keystr(path)
-    if len(np.shape(leaf)) < 2 or _not_a_matmul(key):
+    shape = np.shape(leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf)
+    if len(shape) - stacked.is_stacked(leaf) < 2 or _not_a_matmul(key):
       continue
-    size = int(np.prod(np.shape(leaf)))
+    size = int(np.prod(shape))
     if key.startswith("['encoder']"):
       per_token += size
     else:

@@ -16,9 +16,9 @@ from models.bp_transformer_attention import SpanNodes
 LENGTH, VOCAB = 11, 13  # 11 tokens: padded to n = 16, 15 span nodes
 
 
-def _cfg(layers=2):
+def _cfg(layers=2, scan=False):
   c = base.base_config().model
-  c.num_layers, c.features, c.num_heads, c.mlp_dim = layers, 16, 2, 32
+  c.num_layers, c.features, c.num_heads, c.mlp_dim, c.scan_layers = layers, 16, 2, 32, scan
   c.attention = base.attention_config("bp_transformer")
   c.attention.params.context = 1
   return c
@@ -73,10 +73,11 @@ def test_decoder_forward_backward_carries_span_nodes_and_is_causal():
 
 
 @pytest.mark.slow  # three compiles (forward, prefill's scan, a step): ~10 s
-def test_cached_decoding_equals_the_forward_pass():
+@pytest.mark.parametrize("scan", [False, True])  # blocks stacked: decoded by one scan over the layers
+def test_cached_decoding_equals_the_forward_pass(scan):
   """Prefill of a 3-token prompt, then one step per token: every position's logits equal the forward pass's
   over max_length = 11 tokens (span nodes completed on the way are cached per layer)."""
-  model = transformer.build_model(_cfg(), task="lm", vocab_size=VOCAB, seq_len=LENGTH)
+  model = transformer.build_model(_cfg(scan=scan), task="lm", vocab_size=VOCAB, seq_len=LENGTH)
   ids = jnp.asarray(np.random.default_rng(3).integers(0, VOCAB, size=(2, LENGTH)), jnp.int32)
   want = model({"inputs": ids}, deterministic=True)  # [2, L, vocab]
   graphdef, state = nnx.split(model)

@@ -20,7 +20,7 @@ def test_op_without_decoder_names_it():
 
 
 def _model(attention: str, params: dict, *, task: str = "lm", seq_len: int = 20, position: str = "learned",
-           deepsets: bool = False):
+           deepsets: bool = False, scan: bool = False):
   import ml_collections
 
   from models import transformer
@@ -28,7 +28,7 @@ def _model(attention: str, params: dict, *, task: str = "lm", seq_len: int = 20,
   cfg = ml_collections.ConfigDict({
       "num_layers": 2, "features": 16, "num_heads": 2, "mlp_dim": 32, "dropout_rate": 0.0, "dtype": "float32",
       "position_embedding": position, "image_shape": (2, 2, 5),
-      "attention": {"name": attention, "params": params, "dropout_rate": 0.0}})
+      "attention": {"name": attention, "params": params, "dropout_rate": 0.0}, "scan_layers": scan})
   if deepsets:
     cfg.attention.deepsets = True
   return transformer.build_model(cfg, task=task, vocab_size=11, seq_len=seq_len, seed=0)
@@ -62,6 +62,21 @@ def test_model_decode_equals_forward(name, params, decoding_matches_forward):
   model = _model(name, params, deepsets=name == "combiner_fixed", position="factorized" if name == "dense"
                  else "learned")
   decoding_matches_forward(model, length)
+
+
+@pytest.mark.parametrize("name,params", [
+    ("combiner_axial_rowmajor", {"row_length": 4}),
+    pytest.param("combiner_fixed", {"block_size": 4}, marks=pytest.mark.slow)])
+def test_stacked_blocks_decode_as_the_forward_pass(name, params, decoding_matches_forward):
+  """Blocks stacked on a layer axis (model.scan_layers) decode by one scan over the layers and their stacked
+  caches; the logits are the forward pass's, which are the per-layer model's."""
+  model = _model(name, params, scan=True)
+  assert model.encoder.scanned
+  decoding_matches_forward(model, 20)
+  tokens = jax.random.randint(jax.random.key(5), (2, 20), 0, 11)
+  per_layer = _model(name, params)
+  np.testing.assert_allclose(model({"inputs": tokens}, deterministic=True),
+                             per_layer({"inputs": tokens}, deterministic=True), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow

@@ -29,10 +29,24 @@ def test_smoke_config_compiles_and_prints_the_table():
   assert out.returncode == 0, out.stderr
   head = "configs/default.py:smoke on v5e-1 (1 chip, topology v5e:1x1, mesh data=1 fsdp=1 seq=1 model=1"
   assert head in out.stdout
-  for row in ("HBM: arguments", "HBM: temporaries", "HBM: outputs", "step FLOPs", "step bytes accessed"):
+  for row in ("HBM: arguments", "HBM: temporaries", "HBM: outputs", "step FLOPs", "step bytes accessed",
+              "StableHLO operations", "lowered and compiled here in"):
     assert row in out.stdout
   assert "of 16 GiB" in out.stdout and "roofline step time" in out.stdout
   assert "Traceback" not in out.stderr
+
+
+@pytest.mark.slow
+def test_stacked_blocks_compile_and_their_program_does_not_grow_with_depth():
+  """The Table 4 image model's blocks, stacked (scan_layers), at 2 and 8 layers: the TPU compiler compiles
+  the step, whose StableHLO program has the same size at both depths (within 5%)."""
+  ops = []
+  for layers in (2, 8):
+    out = compile_tpu("--config", f"configs/cifar10.py:main,smoke,layers={layers}", "--topology", "v5e-1")
+    assert out.returncode == 0, out.stderr
+    (row,) = [line for line in out.stdout.splitlines() if "StableHLO operations" in line]
+    ops.append(int(row.split()[2].replace(",", "")))
+  assert ops[1] <= 1.05 * ops[0], ops
 
 
 @pytest.mark.slow

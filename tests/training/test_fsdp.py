@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from configs import default, validation, wiki40b
+from models import stacked
 from runtime.cli import UsageError
 from training import checkpoints, experiment
 from training import mesh as mesh_lib
@@ -142,22 +143,28 @@ def test_twenty_fsdp_steps_match_one_device_and_resume_there(tmp_path):
 
 
 @pytest.mark.slow
-def test_scanned_layers_on_fsdp_match_unrolled_layers_on_one_device():
-  """model.scan_layers on the 8-device FSDP mesh (the stacked parameters gathered per layer inside the scan)
-  trains as the unrolled model on one device: the same losses over six steps and the same parameters."""
+def test_scanned_layers_on_fsdp_and_seq_match_unrolled_layers_on_one_device():
+  """model.scan_layers (the blocks' parameters stacked on a replicated leading layer axis, split over fsdp
+  along their width) on an 8-device mesh with fsdp = 4 and seq = 2 (the sequence-parallel Combiner inside the
+  scan) trains as the unrolled model on one device: the same losses over six steps and the same parameters."""
   def config(scan):
     c = default.get_config("smoke,attention=combiner_fixed")
     c.model.num_layers, c.model.scan_layers = 3, scan
+    c.mesh.seq = 2 if scan else 1
     return c
 
   scanned = experiment.Experiment(config(True), devices=jax.devices()[:8])
   unrolled = experiment.Experiment(config(False), devices=jax.devices()[:1])
+  assert dict(scanned.mesh.shape) == {"data": 1, "fsdp": 4, "seq": 2, "model": 1}
   stream = iter(experiment.create_dataset(config(True), "train", batch_size=8, seed=0))
   batches = [next(stream) for _ in range(6)]
   s8, losses8 = run(scanned, batches)
   s1, losses1 = run(unrolled, batches)
   np.testing.assert_allclose(losses8, losses1, rtol=1e-5)
-  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(s8.params), jax.tree.leaves(s1.params),
+  up = s8.params["encoder"]["blocks"]["mlp"]["up"]["kernel"].get_value()  # [layers, embed, mlp]
+  assert up.shape[0] == 3 and up.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", None)
+  per_layer = stacked.convert(s8.params, like=s1.params)
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(per_layer), jax.tree.leaves(s1.params),
                           strict=True):
     if "['key']['bias']" not in jax.tree_util.keystr(path):  # softmax ignores it: its gradient is roundoff
       np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-3, atol=1e-5)

@@ -28,9 +28,11 @@ def _tiny_dense(num_layers=2, features=32, heads=2, head_dim=32, mlp_dim=48):
   return cfg
 
 
-def test_model_flops_match_a_hand_count_on_a_tiny_dense_model():
+@pytest.mark.parametrize("scan", [False, True])  # blocks stacked: their layer axis is no matrix dimension
+def test_model_flops_match_a_hand_count_on_a_tiny_dense_model(scan):
   layers, f, h, d, m, vocab, batch, length = 2, 32, 2, 32, 48, 11, 3, 64
   cfg = _tiny_dense(layers, f, h, d, m)
+  cfg.scan_layers = scan
   params = nnx.state(nnx.eval_shape(lambda: transformer.build_model(cfg, task="lm", vocab_size=vocab,
                                                                     seq_len=length)), nnx.Param)
   flops = throughput.model_flops(cfg, task="lm", abstract_params=params, batch=batch, seq_len=length)
