@@ -19,6 +19,9 @@ when the op is traced:
     context (`jax.set_mesh`), or inside another partitioned op: the op is called as it is.
   * A caller that knows its placement passes it (`call(..., placement=, mesh=)`); the models do
     (`attention_core.sharding.attend`: the batch over "data"/"fsdp", the heads over "model").
+A placement that splits nothing still runs under shard_map, every device running the whole op (a fused
+kernel runs only on device-local arrays). One that leaves a mesh axis unused (the batch over one axis of
+two) has its own VJP (`_stacked_vjp`), so that no gradient crosses devices either.
 
 The sequence: q typed as sharded along its length over an Explicit axis runs the op's sequence-parallel form
 (its registration's `seq_parallel`, over that axis) where it has one; otherwise the sequence is gathered
@@ -45,6 +48,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import importlib
 import inspect
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -313,7 +317,8 @@ def _axes(entry: Any) -> tuple[str, ...]:
 def _seq_form(op: Callable[..., Any], kwargs: dict[str, Any]) -> tuple[Callable[..., Any], dict] | None:
   """(the sequence-parallel form registered for op called with kwargs, its keyword arguments), or None
   when it has none or the form does not take every argument given (the fused-path choice aside)."""
-  from attention_core import registry  # the registry imports the op packages, which import this module
+  # Read by name, as the registry reads the op packages: it imports contract, which imports this module.
+  registry = importlib.import_module("attention_core.registry")
 
   for name in registry.names():
     spec = registry.get(name)
