@@ -221,3 +221,40 @@ def test_bad_input_gets_the_ops_own_error():
       jax.jit(lambda q: fixed(q, q, q, causal=True, block_size=0))(qs)
     with pytest.raises(ValueError, match="rank 4"):
       jax.jit(lambda q: fixed(q[..., 0], q[..., 0], q[..., 0], causal=True, block_size=8))(qs)
+
+
+def _fused_ops() -> list[str]:
+  from attention_core import registry
+
+  return sorted(registry.fused_ops())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", _fused_ops())
+def test_every_fused_op_sharded_equals_one_device(name):
+  """Every op with a fused path, its kernel interpreted where it runs on CPU (else its XLA path: Splash's
+  TPU kernels compile in test_partition_tpu.py), with a key mask: forward and gradients on a (2, 4) mesh equal
+  one device's (NSA's per-head weights split with the heads). Batch and heads both split; ops that draw from
+  a key split the batch alone (their heads shards draw their own functions), which leaves "cols" unused: the
+  op's own VJP."""
+  from attention_core import registry
+
+  spec, path = registry.get(name), registry.fused_path(registry.get(name))
+  value = next((v for v in path.kernels if "cpu" in path.platforms.get(v, ("cpu",))), path.reference)
+  q, k, v = inputs(batch=2, length=64)
+  mask = jax.random.bernoulli(jax.random.key(9), 0.8, (2, 64)).at[:, 0].set(True)
+  params = {**registry.bench_params(spec, 64, batch=2, heads=4, head_dim=8, dtype=jnp.float32),
+            path.argument: value}
+  arrays = {n: x for n, x in params.items() if isinstance(x, jax.Array)}
+  if name == "nsa":  # its compression weights one per head (stand-ins are shared: a leading axis of 1)
+    arrays = {n: x * (1 + 0.1 * jnp.arange(4.0)).reshape(4, *[1] * (x.ndim - 1)) for n, x in arrays.items()}
+  static = {n: x for n, x in params.items() if n not in arrays}
+  causal = spec.causal and path.causal
+
+  def op(q, k, v, **xs):
+    return spec.fn(q, k, v, causal=causal, mask=mask, **static, **xs)
+
+  keyed = any(jnp.issubdtype(x.dtype, jax.dtypes.prng_key) for x in arrays.values())
+  got = fwd_grads(op, q, k, v, mesh(), P("rows") if keyed else BOTH, **arrays)
+  assert_same(got[:2], fwd_grads(op, q, k, v, **arrays)[:2], tol=1e-4)
+  assert hlo.collectives(got[2]) == []

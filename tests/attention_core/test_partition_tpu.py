@@ -1,9 +1,10 @@
 """Every op with a fused kernel, called directly inside a plain jax.jit with q, k, v sharded over the batch,
 the heads or both of a 4-chip TPU mesh with arbitrary axis names, compiles for TPU (libtpu ahead of time) with
 its Mosaic kernels in the program and no collective but the loss's reduction (attention_core.partition).
-The fast run compiles one case per kernel family on v5e (batch and heads both split, forward + backward;
-the ops of test_tpu_kernels_compile.SLOW_TO_COMPILE repeat a family and run with `-m slow`); `-m slow` also
-compiles the batch-only and heads-only splits, the forward alone, and v6e. Skipped without libtpu."""
+The fast run compiles one case per op on v5e (batch and heads both split, forward + backward), but for the
+ops of test_tpu_kernels_compile.SLOW_TO_COMPILE, which repeat a kernel family (`-m slow`); `-m slow` also
+compiles the batch-only and heads-only splits and the forward alone; `-m tpu_grid` every case on v6e too
+(`cases`). Skipped without libtpu."""
 
 from __future__ import annotations
 
@@ -28,19 +29,27 @@ BATCH, LENGTH, HEADS, HEAD_DIM = 4, 1024, 4, 128
 
 
 def cases() -> list:
-  fast, slow = [], []
-  for name in kernels.FUSED:
-    for gen in ("v5e", "v6e"):
+  """(generation, op, split, backward): fast, the representative (v5e, both, forward + backward) of every
+  op not in SLOW_TO_COMPILE; slow, every other split and the forward alone of those ops, the representative of
+  the SLOW_TO_COMPILE ops (their kernel families are compiled fast already) and one v6e case; the rest
+  (`-m tpu_grid`) every case on v6e and the other cases of the SLOW_TO_COMPILE ops."""
+  out = []
+  for gen in ("v5e", "v6e"):
+    for name in kernels.FUSED:
+      repeat = name in kernels.SLOW_TO_COMPILE
       for split in SPLITS:
         for backward in (True, False):
-          param = (gen, name, split, backward)
-          is_fast = (gen, split, backward) == ("v5e", "both", True) and name not in kernels.SLOW_TO_COMPILE
-          ident = f"{gen}-{name}-{split}-{'fwd+bwd' if backward else 'fwd'}"
-          if is_fast:
-            fast.append(pytest.param(*param, id=ident))
+          representative = (split, backward) == ("both", True)
+          if gen == "v5e" and representative and not repeat:
+            marks = []
+          elif gen == "v5e" and (representative or not repeat) or (gen, name) == ("v6e", "combiner_fixed") \
+              and representative:
+            marks = [pytest.mark.slow]
           else:
-            slow.append(pytest.param(*param, id=ident, marks=pytest.mark.slow))
-  return fast + slow
+            marks = [pytest.mark.tpu_grid]
+          out.append(pytest.param(gen, name, split, backward, marks=marks,
+                                  id=f"{gen}-{name}-{split}-{'fwd+bwd' if backward else 'fwd'}"))
+  return out
 
 
 def compiled_text(gen: str, name: str, spec: P, backward: bool, kind=AxisType.Explicit) -> str:
