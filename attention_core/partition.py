@@ -100,7 +100,8 @@ def free_axes(mesh: Any) -> tuple[str, ...]:
 
 
 def dividing(axes: Sequence[str], sizes: dict[str, int], n: int) -> tuple[str, ...]:
-  """The axes of `axes` (in order, each while the product of those kept divides n) that split n."""
+  """The axes of `axes` that split n: in order, each one of size > 1 whose size times the product of those
+  kept so far divides n."""
   kept, parts = [], 1
   for a in axes:
     if sizes[a] > 1 and n % (parts * sizes[a]) == 0:
@@ -445,4 +446,5 @@ def partitioned(op: Callable[..., Array], *, per_head: Sequence[str] = ()) -> Ca
       return op(*args, **kwargs)
     return call(op, *args, kwargs, kinds=kinds, op=run)
 
+  run.partitions_itself = True
   return run

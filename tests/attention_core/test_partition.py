@@ -4,6 +4,8 @@ sharded over the batch and/or the heads of a mesh with arbitrary axis names, on 
 weights follow the heads, keys fold in the heads shard, a sharded sequence runs the op's sequence-parallel
 form (or is gathered), on Explicit and Auto axes."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -101,6 +103,17 @@ def test_sharded_equals_one_device(split, kind):
     assert hlo.collectives(text) == []
   if kind == EXPLICIT:
     assert padded(out.sharding.spec) == padded(SPLITS[split])
+
+
+def test_every_registered_op_with_a_fused_path_partitions_itself():
+  """The registry's ops with a fused path go through contract.per_platform_op, which partitions them (a new
+  op with a kernel is checked here without being named)."""
+  from attention_core import registry
+
+  for name in registry.fused_ops():
+    fn = registry.get(name).fn
+    fn = fn.func if isinstance(fn, functools.partial) else fn
+    assert getattr(fn, "partitions_itself", False), f"{name}: {fn.__name__} is not a per_platform_op"
 
 
 def test_auto_placement_follows_the_data_x_model_layout():
