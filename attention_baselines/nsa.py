@@ -141,7 +141,8 @@ def _choice(q: Any, k: Any, v: Any, *, implementation: Any = "auto", select_bloc
   return selection_flash.per_platform_key(implementation, q, k, v, select_block, op="nsa")
 
 
-@contract.per_platform_op(_choice)
+@contract.per_platform_op(_choice, per_head=tuple(f"cmp_{side}_{part}" for side in ("key", "value")
+                                                   for part in MLP_PARTS))
 def nsa(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None, compress_block: int = 32,
         compress_stride: int = 16, select_block: int = 64, num_selected: int = 16, window: int = 512,
         gates: Array | None = None, cmp_key_pos: Array | None = None, cmp_key_w1: Array | None = None,

@@ -18,6 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from attention_core import partition
+
 Array = Any  # jax.Array; kept loose so numpy inputs are accepted and converted.
 
 
@@ -141,14 +143,17 @@ def _traced_for_call(platforms: tuple[str, ...], fn: Callable[[], Any]) -> Any:
     return fn()
 
 
-def per_platform_op(key: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-  """Decorator: every call op(*args, **kw) runs through `per_platform`, its branches keyed by
-  key(*args, **kw) (which must not raise on bad arguments: the op rejects them in its own words)."""
+def per_platform_op(key: Callable[..., Any], *, per_head: tuple[str, ...] = ()
+                    ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+  """Decorator of the ops with fused paths: every call op(*args, **kw) runs through `per_platform`, its
+  branches keyed by key(*args, **kw) (which must not raise on bad arguments: the op rejects them in its own
+  words), and the op partitions itself (`partition.partitioned`: under any jit, on any mesh, each device
+  runs it on its batch rows and heads). per_head: the op's per-head weight arguments (leading heads axis)."""
   def wrap(op: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(op)
     def run(*args: Any, **kw: Any) -> Any:
       return per_platform(lambda: op(*args, **kw), key=lambda: key(*args, **kw))
-    return run
+    return partition.partitioned(run, per_head=per_head)
   return wrap
 
 

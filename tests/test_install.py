@@ -35,6 +35,17 @@ def test_installed_packages_are_the_op_packages_and_what_they_import():
 
 
 @pytest.mark.slow
+def test_readme_snippet_runs_as_pasted_on_simulated_devices(tmp_path):
+  """The snippet from this checkout (no install), in a fresh process that simulates its own 8 CPU devices:
+  the sharded call returns q's sharding and the one-device result."""
+  (tmp_path / "snippet.py").write_text(readme_snippet())
+  run = subprocess.run([sys.executable, "snippet.py"], cwd=tmp_path, capture_output=True, text=True,
+                       env={"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)})
+  assert run.returncode == 0, run.stderr[-3000:]
+  assert run.stdout.splitlines()[1] == "P('rows', None, 'cols', None) True", run.stdout
+
+
+@pytest.mark.slow
 def test_pip_install_then_readme_snippet(tmp_path):
   source = tmp_path / "source"
   source.mkdir()
@@ -55,3 +66,4 @@ def test_pip_install_then_readme_snippet(tmp_path):
                        text=True, env={"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"})
   assert run.returncode == 0, run.stderr[-3000:]
   assert run.stdout.startswith("(2, 1024, 4, 64) (2, 1024, 4, 64)"), run.stdout
+  assert "P('rows', None, 'cols', None) True" in run.stdout, run.stdout  # the sharded call

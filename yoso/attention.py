@@ -220,6 +220,7 @@ def yoso_e(q: Array, k: Array, v: Array, *, tau: int, causal: bool = False, mask
 
 
 
+@contract.per_platform_op(_formulation_choice, per_head=("conv_kernel",))  # the conv partitions too
 def yoso_c(q: Array, k: Array, v: Array, *, rng: Array, num_hashes: int, tau: int, conv_kernel: Array,
            causal: bool = False, mask: Array | None = None, normalize_output: bool = True,
            hash: str = "gaussian", backward: str = "sampled", backward_features: int | None = None,
