@@ -84,6 +84,7 @@ def fixed(q: Array, k: Array, v: Array, *, block_size: int, causal: bool, mask: 
 SELECT = 4  # spans per query attended exactly by default (`combiner_fixed_select`)
 
 
+@common.per_platform
 def fixed_select(q: Array, k: Array, v: Array, *, block_size: int, causal: bool, mask: Array | None = None,
                  pooling: str = "max", pool_q: Array | None = None, pool_k: Array | None = None,
                  select: int = SELECT, implementation: str = "auto",

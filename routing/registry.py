@@ -17,6 +17,7 @@ from attention_core import contract
 from attention_core.registry import POSITIVE, TEXT, FusedPath, OpSpec, Param, register, sqrt_pow2
 
 # Combiner-routed is the Combiner's `routed` plan over routing's clusters: a declared peer dependency.
+from combiner import common
 from combiner.routed import routed
 from routing import kmeans
 from routing.attention import routed_clusters, routing_attention
@@ -48,10 +49,22 @@ def routing_op(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None
 def combiner_routed_op(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None,
                        num_clusters: int, pooling: str = "max", implementation: str = "auto") -> Array:
   """Combiner-routed attention, clusters = nearest fixed centroid of the layer-normed query and key
-  (bidirectional: on Combiner-Fixed's kernels under `implementation`)."""
+  (bidirectional: on Combiner-Fixed's kernels under `implementation`). The centroids are made for every head
+  here and the rest partitions itself (`_routed_by`), each device routing its heads by theirs."""
+  return _routed_by(q, k, v, centroids=_centroids(q, num_clusters), causal=causal, mask=mask,
+                    num_clusters=num_clusters, pooling=pooling, implementation=implementation)
+
+
+combiner_routed_op.partitions_itself = True  # through `_routed_by` (attention_core.partition)
+
+
+@contract.per_platform_op(common.plan_choice, per_head=("centroids",))
+def _routed_by(q: Array, k: Array, v: Array, *, centroids: Array, causal: bool, mask: Array | None,
+               num_clusters: int, pooling: str, implementation: str) -> Array:
+  """`combiner_routed_op` with its centroids [heads, clusters, head_dim] given."""
   full = jnp.ones(q.shape[:2], bool) if mask is None else mask
   k_route = jnp.where(full[:, :, None, None], k, 0)  # masked keys: a cluster that ignores their values
-  ids, _ = routed_clusters(q, k_route, _centroids(q, num_clusters), full)  # [batch, length, heads]
+  ids, _ = routed_clusters(q, k_route, centroids, full)  # [batch, length, heads]
   return routed(q, k, v, cluster_ids=ids, num_clusters=num_clusters, causal=causal, mask=mask,
                 pooling=pooling, implementation=implementation)
 

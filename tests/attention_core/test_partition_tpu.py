@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import pytest
 
+from scripts import compile_tpu  # noqa: F401  (libtpu for this process: scripts/compile_tpu.py)
+
 pytest.importorskip("libtpu")
 
 import jax  # noqa: E402
