@@ -380,6 +380,13 @@ def _contract_shaped(q: Any, k: Any, v: Any, mask: Any) -> bool:
   return mask is None or (_is_array(mask) and tuple(mask.shape) == tuple(k.shape[:2]))
 
 
+def _name(op: Callable[..., Any]) -> str:
+  """module.name of an op, through functools.partial (the models bind plan parameters so)."""
+  while isinstance(op, functools.partial):
+    op = op.func
+  return f"{getattr(op, '__module__', None)}.{getattr(op, '__qualname__', type(op).__name__)}"
+
+
 def call(fn: Callable[..., Array], q: Array, k: Array, v: Array, kwargs: dict[str, Any], *,
          kinds: dict[str, str] | None = None, placement: Placement | None = None, mesh: Any = None,
          op: Callable[..., Any] | None = None) -> Array:
@@ -388,7 +395,7 @@ def call(fn: Callable[..., Array], q: Array, k: Array, v: Array, kwargs: dict[st
   the types give. op: the registered op (whose sequence-parallel form to look up), default fn."""
   op = fn if op is None else op
   kinds = dict(kinds or {})
-  name = f"{op.__module__}.{op.__name__}"
+  name = _name(op)
 
   def direct() -> Array:
     return fn(q, k, v, **kwargs)
@@ -437,11 +444,10 @@ def partitioned(op: Callable[..., Array], *, per_head: Sequence[str] = ()) -> Ca
   any mesh, each device runs it on its batch rows and heads. per_head: its per-head weight arguments (a
   leading heads axis)."""
   kinds = {n: HEADS for n in per_head}
-  parameters = list(inspect.signature(op).parameters)[:3]
 
   @functools.wraps(op)
   def run(*args: Any, **kwargs: Any) -> Array:
-    args = list(args) + [kwargs.pop(p) for p in parameters[len(args):] if p in kwargs]
+    args = list(args) + [kwargs.pop(p) for p in ("q", "k", "v")[len(args):] if p in kwargs]  # contract names
     if len(args) != 3:
       return op(*args, **kwargs)
     return call(op, *args, kwargs, kinds=kinds, op=run)
