@@ -7,7 +7,8 @@ block), all under one softmax. A frame row is a block (`combiner.passes`):
   spans      the blocks' summaries (the "block" construction of combiner.passes);
   main       per block: the own block, the bank of summaries less each query's choice, and the chosen blocks'
              tokens, copied in from HBM (on TPU) for the blocks some query of the block chose; the choices
-             are written out, int32 per query and slot (-1 for an unused slot);
+             are written out, int32 per slot and query (-1 for an unused slot; queries on the lanes, so the
+             keys' backward can hold a head's whole table in VMEM);
   main bwd   per block: dq from all three, the own block's dk and dv, the summaries' gradients;
   keys bwd   per block of keys: dk and dv from the queries that chose it (read from the choices);
   spans bwd  the construction's gradients (combiner.passes).
@@ -57,6 +58,16 @@ def _choose(f: Frame, q: Array, kbar: Array, visible: Array, count: int) -> tupl
     picked = picked | (ids == idx)
     sel = jnp.where(slots == t, jnp.where(idx < nb, idx, -1), sel)
   return picked, sel
+
+
+def _slot_rows(sel: Array) -> Array:
+  """sel [t, count] int32 -> [count, t]: queries on the lanes (a [t, count] table pads count to 128 lanes)."""
+  x = sel.astype(F32)  # block indices are exact in float32
+  rows = lax.broadcasted_iota(jnp.int32, (sel.shape[1], sel.shape[0]), 0)
+  out = jnp.zeros(rows.shape, F32)
+  for s in range(sel.shape[1]):
+    out = jnp.where(rows == s, _lane(x, s).T, out)
+  return out.astype(jnp.int32)
 
 
 def _bank_visible(f: Frame, R: dict, g: Array, t: int, causal: bool) -> Array:
@@ -111,7 +122,7 @@ def _main_body(b: Array, R: dict, g: Array, head: Array, *, f: Frame, causal: bo
     o, lse = tiles.finish(st)
     R["o"][qs:qs + t, :] = o.astype(R["o"].dtype)
     R["lse"][:, qs:qs + t] = lse.T
-    R["sel"][qs:qs + t, :] = sel
+    R["sel"][:, qs:qs + t] = _slot_rows(sel)
 
 
 def _main_backward_body(b: Array, R: dict, g: Array, head: Array, *, f: Frame, causal: bool,
@@ -178,8 +189,8 @@ def _keys_backward_body(b: Array, R: dict, r: Array, head: Array, *, f: Frame, c
   valid = load.valid(r, b, (1, T))
 
   def group(g, acc):
-    sel = R["sel_all"][g]  # [T, count]
-    chose = jnp.max(jnp.where(sel == r, 1.0, 0.0), axis=1, keepdims=True)  # [T, 1]
+    sel = R["sel_all"][g]  # [count, T]
+    chose = tiles.column(jnp.max(jnp.where(sel == r, 1.0, 0.0), axis=0, keepdims=True))  # [T, 1]
     seen = (g > r) if causal else (g != r)
 
     def grad(acc):
@@ -233,7 +244,7 @@ def _whole_frames(f: Frame, a: dict, names: tuple[str, ...]) -> tuple[list[str],
 
 
 def main_forward(f: Frame, a: dict, bank: tuple, out_dtype: Any, causal: bool, count: int) -> dict:
-  """o [frame], lse [BH, blocks, 1, cols], sel [BH, blocks, cols, count] int32."""
+  """o [frame], lse [BH, blocks, 1, cols], sel [BH, blocks, count, cols] int32."""
   ins = ["q", "k", "v", "bk", "bv"]
   specs = [_tile_spec(f, f.d), _tile_spec(f, f.d), _tile_spec(f, f.dv), _head_whole(f, (f.rows, 1, f.d)),
            _head_whole(f, (f.rows, 1, f.dv))]
@@ -245,9 +256,9 @@ def main_forward(f: Frame, a: dict, bank: tuple, out_dtype: Any, causal: bool, c
   outs = ["o", "lse", "sel"]
   shapes = [jax.ShapeDtypeStruct(a["v"].shape, out_dtype),
             jax.ShapeDtypeStruct((f.batch * f.heads, f.rows, 1, f.cols), F32),
-            jax.ShapeDtypeStruct((f.batch * f.heads, f.rows, f.cols, count), jnp.int32)]
+            jax.ShapeDtypeStruct((f.batch * f.heads, f.rows, count, f.cols), jnp.int32)]
   out_specs = [_tile_spec(f, f.dv), _head_rows(f, f.cols),
-               frames.head_spec(f, (None, f.cols, count), lambda g: (g, 0, 0))]
+               frames.head_spec(f, (None, count, f.cols), lambda g: (g, 0, 0))]
   return _call(f, functools.partial(_main_body, f=f, causal=causal, count=count), "combiner_selected_fwd",
                f.rows, ins, specs, args, outs, out_specs, shapes, loads=("k_all", "v_all"))
 
@@ -283,7 +294,7 @@ def main_backward(f: Frame, a: dict, bank: tuple, res: dict, do: Array, causal: 
 def keys_backward(f: Frame, a: dict, res: dict, main: dict, do: Array, causal: bool, count: int) -> dict:
   """dk, dv of each block from the queries that chose it, added to the main backward's."""
   ins = ["k", "v", "sel_all", "lse_all", "delta_all", "dk_in", "dv_in"]
-  specs = [_tile_spec(f, f.d), _tile_spec(f, f.dv), _head_whole(f, (f.rows, f.cols, count)),
+  specs = [_tile_spec(f, f.d), _tile_spec(f, f.dv), _head_whole(f, (f.rows, count, f.cols)),
            _head_whole(f, (f.rows, 1, f.cols)), _head_whole(f, (f.rows, 1, f.cols)), _tile_spec(f, f.d),
            _tile_spec(f, f.dv)]
   args = [a["k"], a["v"], res["sel"], res["lse"], main["delta"], main["dk"], main["dv"]]

@@ -40,3 +40,12 @@ def test_plan_compiles_to_few_device_ops_and_little_memory(name):
   assert got["custom_calls"] >= 1, f"{name}: no kernel in the TPU program"
   assert got["ops"] <= OPS_BOUND * dense["ops"], (name, got, dense)
   assert got["temp_bytes"] <= tpu_structure.qkv_bytes(LENGTH, HEADS), (name, got)
+
+
+@pytest.mark.slow  # ~25 s of libtpu compile
+def test_selected_spans_fit_vmem_at_16k():
+  """Combiner-Fixed with selected spans at 16K tokens (128 blocks): the keys' backward reads a head's whole
+  table of choices, which fits VMEM only with the queries on the lanes (slots on the lanes padded 4 to 128:
+  132 MiB of VMEM for 128 on a v5e)."""
+  got = tpu_structure.measure("combiner_fixed_select", 16384, True, tpu_structure.device("v5e"), 16)
+  assert got["custom_calls"] >= 1 and got["temp_bytes"] <= tpu_structure.qkv_bytes(16384, 16), got
