@@ -10,7 +10,9 @@ two, the op's other automatic parameters and its benchmark stand-ins for model-o
 per op, length and direction: the device operations the compiled program executes
 (`attention_core.hlo.device_ops`: each an HBM round trip on a TPU), its custom calls (kernels), its fusions,
 the temporaries XLA allocates in HBM, and two ratios: device ops over dense attention's (Splash on TPU) at the
-same shape, temporaries over the bytes of q + k + v. Exit status 0, or 2 for a bad flag (one line).
+same shape, temporaries over the bytes of q + k + v. `--cotangent input` takes the output's cotangent as an
+argument (a layer's backward in training) instead of the gradients of the sum, whose broadcast cotangent XLA
+may materialise once per layout its readers take. Exit status 0, or 2 for a bad flag (one line).
 """
 
 from __future__ import annotations
@@ -47,8 +49,12 @@ def op_fn(name: str, length: int, causal: bool, heads: int = HEADS):
   return lambda q, k, v: spec.fn(q, k, v, causal=causal, **params)
 
 
-def measure(name: str, length: int, causal: bool, device: Any, heads: int = HEADS) -> dict[str, float]:
-  """Device ops, custom calls, fusions and temporary bytes of the op's forward+backward on `device`."""
+def measure(name: str, length: int, causal: bool, device: Any, heads: int = HEADS,
+            cotangent: str = "sum") -> dict[str, float]:
+  """Device ops, custom calls, fusions and temporary bytes of the op's forward+backward on `device`.
+  cotangent: "sum", the gradients of sum(out) (XLA makes the cotangent, a broadcast of ones, and may make it
+  once per layout its readers take, as temporaries); "input", the cotangent an argument, as a layer gets it
+  in training."""
   fn = op_fn(name, length, causal, heads)
   mesh = jax.sharding.Mesh(np.array([device]), ("x",))
   x = jax.ShapeDtypeStruct((1, length, heads, HEAD_DIM), DTYPE, sharding=NamedSharding(mesh, P()))
@@ -56,8 +62,11 @@ def measure(name: str, length: int, causal: bool, device: Any, heads: int = HEAD
   def fwd_bwd(q, k, v):
     return jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2))(q, k, v)
 
+  def vjp(q, k, v, ct):
+    return jax.vjp(fn, q, k, v)[1](ct)
+
   with contract.traced_for("tpu"):  # the TPU choices, whatever platform the caller traces for
-    lowered = jax.jit(fwd_bwd).lower(x, x, x)
+    lowered = jax.jit(fwd_bwd).lower(x, x, x) if cotangent == "sum" else jax.jit(vjp).lower(x, x, x, x)
   compiled = lowered.compile()
   counts = hlo.device_ops(compiled.as_text())
   return {"ops": counts.ops, "custom_calls": counts.custom_calls, "fusions": counts.fusions,
@@ -74,18 +83,19 @@ def device(generation: str) -> Any:
   return compile_tpu.devices(compile_tpu.Slice(gen, min(gen.shapes)))[0]
 
 
-def rows(names: list[str], lengths: list[int], directions: list[bool], generations: list[str]):
+def rows(names: list[str], lengths: list[int], directions: list[bool], generations: list[str],
+         cotangent: str = "sum"):
   """Yields one result dict per (generation, length, direction, op), the dense baseline first."""
   for gen_name in generations:
     chip = device(gen_name)
     for length in lengths:
       for causal in directions:
-        base = measure(BASELINE, length, causal, chip)
+        base = measure(BASELINE, length, causal, chip, cotangent=cotangent)
         for name in [BASELINE] + [n for n in names if n != BASELINE]:
           spec = ops_registry.get(name)
           if not (spec.causal if causal else spec.bidirectional):
             continue
-          got = base if name == BASELINE else measure(name, length, causal, chip)
+          got = base if name == BASELINE else measure(name, length, causal, chip, cotangent=cotangent)
           yield {"op": name, "generation": gen_name, "length": length, "causal": causal, **got,
                  "ops_ratio": got["ops"] / base["ops"], "temp_ratio": got["temp_bytes"] / qkv_bytes(length)}
 
@@ -96,6 +106,8 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--lengths", default="4096,16384")
   parser.add_argument("--directions", default="causal,bidirectional")
   parser.add_argument("--generations", default="v5e", help=", ".join(compile_tpu.GENERATIONS))
+  parser.add_argument("--cotangent", default="sum", choices=("sum", "input"),
+                      help="sum: gradients of sum(out); input: the output's cotangent an argument (training)")
   parser.add_argument("--markdown", action="store_true", help="a markdown table (docs/benchmarks.md)")
   args = parser.parse_args(argv)
   names = [n for n in args.ops.split(",") if n]
@@ -117,7 +129,7 @@ def main(argv: list[str]) -> int:
   header = ("| op | TPU | L | direction | device ops | custom calls | fusions | temporaries MiB | "
             "ops / dense | temporaries / (q+k+v) |")
   print(header + "\n|" + "---|" * 10 if args.markdown else header.replace("|", " ").strip(), flush=True)
-  for r in rows(names, lengths, directions, generations):
+  for r in rows(names, lengths, directions, generations, args.cotangent):
     cells = [r["op"], r["generation"], r["length"], "causal" if r["causal"] else "bidirectional", r["ops"],
              r["custom_calls"], r["fusions"], f"{r['temp_bytes'] / 2**20:.1f}", f"{r['ops_ratio']:.2f}",
              f"{r['temp_ratio']:.2f}"]
