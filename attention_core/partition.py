@@ -49,7 +49,6 @@ import contextvars
 import dataclasses
 import functools
 import importlib
-import inspect
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -321,20 +320,20 @@ def _seq_form(op: Callable[..., Any], kwargs: dict[str, Any]) -> tuple[Callable[
   # Read by name, as the registry reads the op packages: it imports contract, which imports this module.
   registry = importlib.import_module("attention_core.registry")
 
+  missing = object()
   for name in registry.names():
     spec = registry.get(name)
     fn, bound = (spec.fn.func, spec.fn.keywords) if isinstance(spec.fn, functools.partial) else (spec.fn, {})
-    if spec.seq_parallel is None or fn is not op:
+    # A registration that binds arguments is this call only where the call passes the same values.
+    differs = any(kwargs.get(k, missing) != x for k, x in bound.items())
+    if spec.seq_parallel is None or fn is not op or differs:
       continue
-    defaults = inspect.signature(fn).parameters
-    if any(kwargs.get(k, defaults[k].default if k in defaults else None) != v for k, v in bound.items()):
-      continue
+    # The form takes what the registration declares (its plan, the model's inputs; tests/attention_core/
+    # test_registry.py holds them against each other), not the op's kernel choice.
     path = registry.fused_path(spec)
     rest = {k: x for k, x in kwargs.items() if path is None or k != path.argument}
-    accepted = inspect.signature(spec.seq_parallel).parameters
-    if all(k in accepted for k in rest):
-      return spec.seq_parallel, rest
-    return None
+    takes = {"causal", "mask", *spec.plan, *spec.inputs}
+    return (spec.seq_parallel, rest) if set(rest) - set(bound) <= takes else None
   return None
 
 

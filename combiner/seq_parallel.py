@@ -210,15 +210,21 @@ _local.defvjp(_local_fwd, _local_bwd)
 
 
 def fixed(q: Array, k: Array, v: Array, *, block_size: int, causal: bool, mask: Array | None = None,
-          pooling: str = "max", pool_q: Array | None = None, pool_k: Array | None = None, mesh: Any = None,
-          axis: str = sharding.SEQ_AXIS, chunk_blocks: int | None = None) -> Array:
+          pooling: str = "max", pool_q: Array | None = None, pool_k: Array | None = None, select: int = 0,
+          query_chunks: int | None = None, mesh: Any = None, axis: str = sharding.SEQ_AXIS,
+          chunk_blocks: int | None = None) -> Array:
   """Combiner-Fixed with the sequence split over mesh axis `axis`; equals `combiner.fixed` (same arguments).
 
   q, k: [batch, length, heads, head_dim]; v: [batch, length, heads, value_dim]; length must be a multiple of
-  (devices along `axis`) x block_size. chunk_blocks: blocks per step of the local computation (None = all).
+  (devices along `axis`) x block_size. chunk_blocks: blocks per step of the local computation (None = all);
+  query_chunks (the one-device XLA path's query chunking) is taken and has nothing to chunk here. Selected
+  spans (select > 0) have no sequence-parallel form.
   """
   op = "combiner.seq_parallel.fixed"
   contract.check_choice(pooling, name="pooling", allowed=POOLINGS, op=op)
+  if select != 0:
+    raise ValueError(f"{op}: select must be 0 (selected spans have no sequence-parallel form), "
+                     f"got {select!r}")
   return _run(op, q, k, v, block_size=block_size, causal=causal, mask=mask, pooling=pooling, pool_q=pool_q,
               pool_k=pool_k, mesh=mesh, axis=axis, chunk_blocks=chunk_blocks)
 

@@ -112,3 +112,15 @@ def test_plan_parameter_kinds():
   with pytest.raises(ValueError, match="flag must be a bool"):
     ops_registry.FLAG.check(1, name="flag")
   ops_registry.TUPLE.check([0, -1], name="global_blocks")  # a list (JSON) passes for a tuple
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if ops_registry.get(n).seq_parallel is not None])
+def test_sequence_parallel_form_takes_what_the_registration_declares(name):
+  """attention_core.partition hands a sequence-split call to the op's sequence-parallel form when the call's
+  keywords are among the registration's plan and inputs: the form must take them all."""
+  spec = ops_registry.get(name)
+  form = spec.seq_parallel
+  bound = set(form.keywords) if isinstance(form, functools.partial) else set()
+  taken = set(inspect.signature(form).parameters) - bound
+  assert {"causal", "mask", *spec.plan, *spec.inputs} <= taken, sorted(
+      {"causal", "mask", *spec.plan, *spec.inputs} - taken)
