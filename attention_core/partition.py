@@ -126,11 +126,11 @@ def auto_placement(mesh: Any, batch: int, heads: int) -> Placement:
 # One call: its arrays with kinds, and the op on one device's block of them
 
 
-def _is_key(x: Any) -> bool:
+def _is_key(x: Any) -> bool:  # an argument's value sorted by kind (module docstring), not a capability probe
   return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
-def _is_array(x: Any) -> bool:
+def _is_array(x: Any) -> bool:  # the same: arrays and tracers are split, other values passed as they are
   return hasattr(x, "shape") and hasattr(x, "dtype") and not callable(x)
 
 

@@ -25,7 +25,7 @@ from runtime import paths
 
 def _part(key: Any) -> str:
   for field in ("key", "idx", "name"):  # DictKey, SequenceKey, GetAttrKey (orbax's metadata: DictKey)
-    if hasattr(key, field):
+    if hasattr(key, field):  # a tree path's entry, whichever of JAX's key classes it is
       return str(getattr(key, field))
   return str(key)
 
