@@ -319,7 +319,10 @@ class TileLoader:
     hb = f.heads_per_block
     block, cur = self.R["buf_all_" + name], self.R["buf_" + name]
     within = lax.rem(head, jnp.int32(hb))
-    pltpu.sync_copy(self.R[name].at[b, rows, pl.ds(pl.multiple_of(head - within, hb), hb), :], block)
+    # A block of all the heads starts at 0: a traced start Mosaic cannot prove a multiple of the (2, 128) tile
+    # of a [1, dim] bfloat16 head block (one head per chip) fails to compile.
+    first = 0 if hb == f.heads else pl.multiple_of(head - within, hb)
+    pltpu.sync_copy(self.R[name].at[b, rows, pl.ds(first, hb), :], block)
     for jj in range(hb):
       @pl.when(within == jj)
       def _(jj=jj):
