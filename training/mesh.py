@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import ml_collections
 from flax import nnx
+from jax.experimental import mesh_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -29,7 +30,12 @@ def make_mesh(config: ml_collections.ConfigDict, devices: list | None = None) ->
   """Mesh (data, fsdp, seq, model) from `config.mesh` (sizes as `mesh_sizes` resolves them)."""
   devices = list(devices if devices is not None else jax.devices())
   auto = (jax.sharding.AxisType.Auto,) * len(AXES)
-  return jax.make_mesh(mesh_sizes(config, len(devices)), AXES, axis_types=auto, devices=devices)
+  sizes = mesh_sizes(config, len(devices))
+  try:
+    return jax.make_mesh(sizes, AXES, axis_types=auto, devices=devices)
+  except NotImplementedError:  # a logical axis no product of the torus' axes gives (2 of a 4x4x4 v5p slice)
+    grid = mesh_utils.create_device_mesh(sizes, devices, allow_split_physical_axes=True)
+    return jax.sharding.Mesh(grid, AXES, axis_types=auto)
 
 
 def mesh_sizes(config: ml_collections.ConfigDict, n: int) -> tuple[int, ...]:

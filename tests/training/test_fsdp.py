@@ -194,6 +194,22 @@ def test_tpu_slices_are_served_by_data_x_fsdp(tpu_slice):
   assert compile_tpu.unservable(config, sl) is None
 
 
+def test_a_mesh_axis_no_torus_axis_gives_splits_physical_axes():
+  """A v5p slice of 64 chips is a 4x4x4 torus; a mesh axis of 2 (the chips a batch leaves to seq) is no
+  product of its axes, which jax.make_mesh refuses: make_mesh then splits physical axes."""
+  from scripts import compile_tpu  # libtpu for this process (scripts/compile_tpu.py)
+
+  pytest.importorskip("libtpu")
+
+  gen, _ = compile_tpu.parse_topology("v5p-128")
+  devices = compile_tpu.devices(compile_tpu.Slice(gen, 64))
+  config = default.get_config("smoke")
+  config.mesh.data, config.mesh.fsdp, config.mesh.seq, config.mesh.model = 1, 32, 2, 1
+  mesh = mesh_lib.make_mesh(config, devices)
+  assert dict(mesh.shape) == {"data": 1, "fsdp": 32, "seq": 2, "model": 1}
+  assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in devices)
+
+
 @pytest.mark.slow
 def test_tpu_fsdp_step_compiles_with_smaller_arguments(tpu_slice):
   """The TPU compiler compiles the FSDP train step for v5e:2x4; its per-chip arguments (parameters, Adam
