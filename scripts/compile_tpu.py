@@ -406,13 +406,13 @@ since XLA's cost analysis counts a loop body once and does not see inside Pallas
 searched over the generation's sizes; where the config's global batch cannot split over a slice's chips (the
 mesh's data x fsdp must divide it), the chips it leaves go to the seq axis (each sequence split over them),
 and the row names that mesh (`mesh.seq=N`: train with `--config.mesh.seq=N`).
-Check one config and slice before creating it: `python -m scripts.compile_tpu --config configs/X.py
---topology v5e-16` (scripts/tpu.py does so itself). On a 2-core host one compile takes from seconds to a few
-minutes; the deepest model, `cifar10.py:main` (128 layers), compiles for v5e-4 in about a minute and a half
-(85 s; a step of 4,028 StableHLO operations, as many as at 32 layers): its blocks are scanned with their
-parameters stacked on a layers axis, so the compiler sees one block and one optimizer update whatever the
-depth. `--docs docs/tpu.md` compiles the rows
-the table does not hold (delete a row, or the file, to measure it again) and keeps the others.
+Check one config and slice before creating it: `python -m scripts.compile_tpu --config configs/X.py --topology
+v5e-16` (scripts/tpu.py does so itself). On a 2-core host one compile takes from seconds to a few minutes; the
+deepest model, `cifar10.py:main` (128 layers), compiles for v5e-4 in about a minute and a half (85 s; a step
+of 4,028 StableHLO operations, as many as at 32 layers): its blocks are scanned with their parameters stacked
+on a layers axis, so the compiler sees one block and one optimizer update whatever the depth. `--docs
+docs/tpu.md` compiles the rows the table does not hold (delete a row, or the file, to measure it again) and
+keeps the others.
 
 """
 
