@@ -86,7 +86,11 @@ def lost_host(e: BaseException, workdir: str) -> HostLost | None:
   found = next((t for t in text if PEER_GONE.search(t)), None)
   if found is None:
     return None
-  return account(f"the connection to another process broke ({' '.join(found.split())[:300]})", workdir, [])
+  # A collective's error does not name the other end; of two processes it is the one that is not this one.
+  count, me = jax.process_count(), jax.process_index()
+  lost = [1 - me] if count == 2 else []
+  peer = f"process {lost[0]} of {count}" if lost else "another process"
+  return account(f"the connection to {peer} broke ({' '.join(found.split())[:300]})", workdir, lost)
 
 
 # -----------------------------------------------------------------------------------------------------------
@@ -204,8 +208,11 @@ def after_failure(workdir: str, code: int, stderr_tail: list[str], told: dict[st
   if code < 0:  # ended by a signal: this process wrote nothing
     what, lost = cause(stderr_tail, -code, index, count)
     lost_host_ = account(what, workdir, lost)
-    if not any(line.startswith("ERROR: a host of this run was lost") for line in stderr_tail):
+    said = [line for line in stderr_tail if line.startswith("ERROR: a host of this run was lost")]
+    if not said:
       print(f"ERROR: {lost_host_}", file=sys.stderr, flush=True)  # the child said nothing of it
+    elif stderr_tail[-1] != said[-1]:  # JAX's abort dump came after the child's account: the account last
+      print(said[-1], file=sys.stderr, flush=True)
     if not recorded and _owned(workdir):
       status = run_status.Status(workdir)
       status.step = run_status.read_record(workdir, "heartbeat").get("step")  # the step training reached

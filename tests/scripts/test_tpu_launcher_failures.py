@@ -141,7 +141,9 @@ def test_a_dead_host_comes_back_with_the_same_final_metrics(world, tmp_path_fact
       launcher.kill()
   print(f"failed.json {reported_s:.1f}s after the kill: {failed['error']}")
   assert failed["cause"] == "host_lost" and failed["lost_processes"] == [1], failed
-  assert "process 1 of 2 stopped sending heartbeats" in failed["error"]
+  # The survivor hears of it from JAX's heartbeats, or first from a collective whose other end is gone.
+  assert ("process 1 of 2 stopped sending heartbeats" in failed["error"]
+          or "the connection to process 1 of 2 broke" in failed["error"]), failed["error"]
   assert launcher.returncode == 0, out[-6000:]
   assert "a host was lost" in out and "restart 1" in out
   assert w.verbs() == ["create", "train", "stop", "train", "delete"]

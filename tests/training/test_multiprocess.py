@@ -209,7 +209,9 @@ def test_a_lost_host_is_recorded_and_the_rerun_ends_as_the_uninterrupted_run(tmp
   failed, seconds, _ = _kill_host_after_a_checkpoint(workdir, victim=1, after=-1)
   print(f"process 1 killed: failed.json {seconds:.1f}s later: {failed['error']}")
   assert seconds < 120 and failed["cause"] == "host_lost" and failed["lost_processes"] == [1], failed
-  assert failed["reported_by"] == 0 and "process 1 of 2 stopped sending heartbeats" in failed["error"]
+  # The survivor hears of it from JAX's heartbeats, or first from a collective whose other end is gone.
+  assert failed["reported_by"] == 0 and ("process 1 of 2 stopped sending heartbeats" in failed["error"]
+                                         or "the connection to process 1 of 2 broke" in failed["error"])
   first = failed["last_intact_step"]
   assert first in _saved_steps(workdir) and f"the last intact checkpoint is step {first}" in failed["error"]
   # 2. The rerun resumes from it; the coordinator's host dies after its next checkpoint: process 1 records it.
@@ -217,7 +219,8 @@ def test_a_lost_host_is_recorded_and_the_rerun_ends_as_the_uninterrupted_run(tmp
   print(f"process 0 killed: failed.json {seconds:.1f}s later: {failed['error']}")
   assert f"resumed from {workdir}/checkpoints at step {first}" in logs[1], logs[1][-3000:]
   assert seconds < 120 and failed["cause"] == "host_lost" and failed["reported_by"] == 1, failed
-  assert "the coordinator (process 0 of 2) stopped answering" in failed["error"], failed
+  assert ("the coordinator (process 0 of 2) stopped answering" in failed["error"]
+          or "the connection to process 0 of 2 broke" in failed["error"]), failed
   second = failed["last_intact_step"]
   assert first < second < STEPS
   # 3. Rerun: resumes from the last intact step (a half-written one set aside) and ends as the uninterrupted.
