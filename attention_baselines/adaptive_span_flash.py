@@ -189,24 +189,8 @@ def _loop(lo: Any, hi: Any, streams: list[_Stream], body, carry, scratch):
     return [pltpu.make_async_copy(s.src.at[s.index(i)], buf.at[slot], sems.at[n, slot])
             for n, (s, buf) in enumerate(zip(streams, bufs, strict=True))]
 
-  @pl.when(lo < hi)
-  def _():
-    for copy in copies(lo, 0):
-      copy.start()
-
-  def step(i, c):
-    slot = (i - lo) % 2
-
-    @pl.when(i + 1 < hi)
-    def _():
-      for copy in copies(i + 1, 1 - slot):
-        copy.start()
-
-    for copy in copies(i, slot):
-      copy.wait()
-    return body(i, [buf[slot] for buf in bufs], c)
-
-  return lax.fori_loop(lo, hi, step, carry)
+  return pallas.prefetched_loop(lo, hi, copies, lambda i, slot, c: body(i, [buf[slot] for buf in bufs], c),
+                                carry)
 
 
 def _key_range(plan: Plan, qtile: Any, trips: Any) -> tuple[Any, Any]:

@@ -86,3 +86,28 @@ def dot(a: Array, b: Array, trans_a: bool = False, trans_b: bool = False) -> Arr
   out = jnp.float64 if jnp.float64 in (a.dtype, b.dtype) else jnp.float32
   dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
   return lax.dot_general(a, b, dims, preferred_element_type=out)
+
+
+def prefetched_loop(lo: Any, hi: Any, copies: Any, step: Any, carry: Any) -> Any:
+  """fori_loop over [lo, hi) whose iteration i reads tiles copied from HBM into one of two VMEM slots (TPU):
+  copies(i, slot) gives iteration i's DMA copies into `slot`; the next iteration's copies start before
+  step(i, slot, carry) runs, so each copy runs under the previous tile's work."""
+  @pl.when(lo < hi)
+  def _():
+    for copy in copies(lo, 0):
+      copy.start()
+
+  def body(i, c):
+    slot = (i - lo) % 2
+
+    @pl.when(i + 1 < hi)
+    def _():
+      for copy in copies(i + 1, 1 - slot):
+        copy.start()
+
+    for copy in copies(i, slot):
+      copy.wait()
+    return step(i, slot, c)
+
+  return lax.fori_loop(lo, hi, body, carry)
+

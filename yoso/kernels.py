@@ -316,24 +316,10 @@ def _pair_kernel_tpu(ranges_ref, a_codes_ref, x_ref, b_codes_hbm, y_hbm, z_hbm, 
             pltpu.make_async_copy(y_hbm.at[group, rows, :], y_buf.at[slot], sems.at[1, slot]),
             pltpu.make_async_copy(z_hbm.at[group, rows, :], z_buf.at[slot], sems.at[2, slot])]
 
-  @pl.when(lo < hi)
-  def _():
-    for copy in copies(lo, 0):
-      copy.start()
-
-  def step(b, acc):
-    slot = (b - lo) % 2
-
-    @pl.when(b + 1 < hi)
-    def _():
-      for copy in copies(b + 1, 1 - slot):
-        copy.start()
-
-    for copy in copies(b, slot):
-      copy.wait()
+  def step(b, slot, acc):
     return _pair_step(x, a_codes_ref[...], codes_buf[slot], y_buf[slot], z_buf[slot], acc, operands)
 
-  acc = lax.fori_loop(lo, hi, step, jnp.zeros(out_ref.shape, _sum_dtype(x_ref)))
+  acc = pallas.prefetched_loop(lo, hi, copies, step, jnp.zeros(out_ref.shape, _sum_dtype(x_ref)))
   out_ref[...] = acc.astype(out_ref.dtype)
 
 
