@@ -17,7 +17,9 @@ bank rows it read, per reading tile; one program per span sums them and computes
 over its tiles; one program per tile adds the high spans' in-span gradients and routes the pooled gradients
 to its rows. The sparse counterpart (pooling None) takes each span's last position as its summary: in a tile
 that is the rule "j + 1 = i with its low bits cleared at a set bit", for a high span a copied row.
-The bidirectional plan runs the same kernels, without D_i, on the reversed sequence and merges the two.
+The bidirectional plan runs the same kernels, without D_i, on the reversed sequence and merges the two: the
+reversed direction's kernels read and write the arrays themselves, tiles in reverse order and rows flipped in
+VMEM (`Frame.reverse`), and add their gradients to the forward direction's in place.
 """
 
 from __future__ import annotations
@@ -44,8 +46,9 @@ Array = Any
 # HBM by the per-span ones; per-head arrays ([batch * heads, ...]) at the program's heads
 # (`frames.head_spec`).
 
-TOK = ("q", "k", "v", "pool_q", "pool_k", "o_ext", "do", "o_fin", "dq_in", "dk_in", "dv_in", "dpq_in",
-       "dpk_in", "o", "dq", "dk", "dv", "dpq", "dpk")
+GRADS = ("dq", "dk", "dv", "dpq", "dpk")
+TOK = ("q", "k", "v", "pool_q", "pool_k", "o_ext", "do", "o_fin", *(n + "_in" for n in GRADS),
+       *(n + "_acc" for n in GRADS), "o", *GRADS)
 HEADS = ("lse", "lse_ext", "lse_fin", "bk", "bv", "bstats", "dhk", "dhv", "kbar", "vt", "qbar", "stats",
          "dkbar", "dvt", "dqbar", "ties_q", "ties_k", "stats2")
 
@@ -53,6 +56,8 @@ HEADS = ("lse", "lse_ext", "lse_fin", "bk", "bv", "bstats", "dhk", "dhv", "kbar"
 def _tile_spec(f: Frame, dim: int) -> pl.BlockSpec:
   if f.packed:
     return pl.BlockSpec((None, f.cols, dim), lambda b, h, g: (b, g, h))
+  if f.reverse:  # the reversed sequence's tile g is the array's tile rows-1-g (rows flipped in VMEM)
+    return pl.BlockSpec((None, f.cols, f.heads_per_block, dim), lambda b, h, g: (b, f.rows - 1 - g, h, 0))
   return pl.BlockSpec((None, f.cols, f.heads_per_block, dim), lambda b, h, g: (b, g, h, 0))
 
 
@@ -141,12 +146,11 @@ def _main_backward_kernel_body(b: Array, R: dict, g: Array, head: Array, *, f: F
       dpk = dpk + _route_low(pk, valid_col, dy.pooling, level, k, cnt, dkbar)
   if not dy.pools:
     dq, dk = dq + dpq, dk + dpk
-  else:
-    R["dpq"][...] = dpq.astype(R["dpq"].dtype)
-    R["dpk"][...] = dpk.astype(R["dpk"].dtype)
-  R["dq"][...] = dq.astype(R["dq"].dtype)
-  R["dk"][...] = dk.astype(R["dk"].dtype)
-  R["dv"][...] = dv.astype(R["dv"].dtype)
+  out = {"dq": dq, "dk": dk, "dv": dv, **({"dpq": dpq, "dpk": dpk} if dy.pools else {})}
+  for n, x in out.items():
+    if n + "_acc" in R:  # the other direction's gradients, added in place
+      x = x + R[n + "_acc"][...].astype(F32)
+    R[n][...] = x.astype(R[n].dtype)
 
 
 # ------------------------------------------------------------------------------------------- high spans
@@ -373,7 +377,9 @@ def main_forward(f: Frame, dy: Dyadic, a: dict, bank: dict, out_dtype: Any, ext:
   return r["o"], r["lse"]
 
 
-def main_backward(f: Frame, dy: Dyadic, a: dict, bank: dict, do: Array, o: Array, lse: Array) -> dict:
+def main_backward(f: Frame, dy: Dyadic, a: dict, bank: dict, do: Array, o: Array, lse: Array,
+                  acc: dict | None = None) -> dict:
+  """The main program's gradients; `acc` (dq, dk, dv[, dpq, dpk]) are added to them in place."""
   ins, specs, args = _tile_inputs(f, dy, a)
   if dy.high:
     ins += ["bk", "bv", "bstats"]
@@ -382,8 +388,13 @@ def main_backward(f: Frame, dy: Dyadic, a: dict, bank: dict, do: Array, o: Array
   ins += ["do", "o_fin", "lse_fin"]
   specs += [_tile_spec(f, f.dv), _tile_spec(f, f.dv), _lse(f)]
   args += [do, o, lse]
-  outs = ["dq", "dk", "dv"] + (["dpq", "dpk"] if dy.pools else []) + (["dhk", "dhv"] if dy.high else [])
+  grads = ["dq", "dk", "dv"] + (["dpq", "dpk"] if dy.pools else [])
+  outs = grads + (["dhk", "dhv"] if dy.high else [])
   dims = {"dq": f.d, "dk": f.d, "dv": f.dv, "dpq": f.d, "dpk": f.d}
+  if acc is not None:
+    ins += [n + "_acc" for n in grads]
+    specs += [_tile_spec(f, dims[n]) for n in grads]
+    args += [acc[n] for n in grads]
   dtypes = {"dq": a["q"].dtype, "dk": a["k"].dtype, "dv": a["v"].dtype,
             "dpq": a.get("pool_q", a["q"]).dtype, "dpk": a.get("pool_k", a["k"]).dtype}
   out_specs, shapes = [], []
@@ -395,8 +406,9 @@ def main_backward(f: Frame, dy: Dyadic, a: dict, bank: dict, do: Array, o: Array
       dim = f.d if n == "dhk" else f.dv
       out_specs.append(frames.head_spec(f, (None, dy.high_rows, dim), lambda g: (g, 0, 0)))
       shapes.append(_head_shape(f, f.rows, dy.high_rows, dim))
+  aliases = None if acc is None else {ins.index(n + "_acc"): i for i, n in enumerate(grads)}
   return _call(f, functools.partial(_main_backward_kernel_body, f=f, dy=dy), "combiner_dyadic_bwd", f.rows,
-               ins, specs, args, outs, out_specs, shapes)
+               ins, specs, args, outs, out_specs, shapes, aliases=aliases)
 
 
 def spans_backward(f: Frame, dy: Dyadic, a: dict, bank: dict, main: dict) -> dict:
@@ -440,9 +452,11 @@ def direction_forward(f: Frame, dy: Dyadic, a: dict, out_dtype: Any, ext: tuple 
   return o, lse, bank
 
 
-def direction_backward(f: Frame, dy: Dyadic, a: dict, bank: dict, do: Array, o: Array, lse: Array) -> dict:
-  """Gradients of one direction given the plan's final output and log-sum-exp (in this direction's frame)."""
-  main = main_backward(f, dy, a, bank, do, o, lse)
+def direction_backward(f: Frame, dy: Dyadic, a: dict, bank: dict, do: Array, o: Array, lse: Array,
+                       acc: dict | None = None) -> dict:
+  """Gradients of one direction given the plan's final output and log-sum-exp (in this direction's frame),
+  added in place to `acc` (the other direction's) where given."""
+  main = main_backward(f, dy, a, bank, do, o, lse, acc)
   if not dy.high:
     return main
   sb = spans_backward(f, dy, a, bank, main)

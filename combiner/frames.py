@@ -58,6 +58,10 @@ class Frame:
   masked: bool  # validity comes from mask arrays, else from positions alone
   partial_banks: bool = False  # gradients of shared rows as per-group partial sums (GPUs), see below
   out_weight: float = 1.0  # the plan's output is this multiple of the passes' softmax (mean mixture: 1/2)
+  # The kernels see the sequence reversed: frame row r is the frame arrays' row rows-1-r, its positions in
+  # reverse order (rows flipped in VMEM as they are copied in and out). Heads-blocked frames without padding
+  # (length == rows * cols) only; masks and per-head arrays are given in the reversed order.
+  reverse: bool = False
 
   @property
   def tile(self) -> int:
@@ -230,10 +234,14 @@ def each_head(f: Frame, names: tuple, refs: tuple, outs: tuple, body, tok: tuple
     for name in cur:
       if name not in outs:
         copy(j, name, out=False)
+        if f.reverse:
+          cur[name][...] = tiles.flip_rows(cur[name][...])
     view = {m: cur[m] if m in cur else (R[m].at[j] if m in heads else R[m]) for m in names}
     body({**view, **{m: R[m] for m in extra}}, g, block * hb + j)
     for name in cur:
       if name in outs:
+        if f.reverse:
+          cur[name][...] = tiles.flip_rows(cur[name][...])
         copy(j, name, out=True)
     return carry
 
@@ -310,6 +318,12 @@ class TileLoader:
     self.f, self.R, self.b, self.head, self.mask = f, R, b, head, mask
 
   def __call__(self, name: str, i: Array, dim: int) -> Array:
+    f = self.f
+    if f.reverse:
+      return tiles.flip_rows(self._load(name, f.rows - 1 - i, dim))
+    return self._load(name, i, dim)
+
+  def _load(self, name: str, i: Array, dim: int) -> Array:
     f, b, head = self.f, self.b, self.head
     rows = pl.ds(pl.multiple_of(i * f.cols, f.cols), f.cols)
     if f.packed:

@@ -507,7 +507,12 @@ def _flip_lse(f: Frame, lse: Array) -> Array:
   return _flip(f, lse.reshape(lse.shape[0], -1)).reshape(lse.shape)
 
 
-def _reversed(a: dict) -> dict:
+def _reversed(a: dict, fr: Frame) -> dict:
+  """The reversed direction's arrays: the plan's own where its kernels read them reversed (`fr.reverse`),
+  else the flipped copies (`_r`); its mask is always the flipped one."""
+  if fr.reverse:
+    return {n: x for n, x in a.items() if n in frames.FRAME_INPUTS} | (
+        {"mask": a["mask_r"]} if "mask_r" in a else {})
   return {n[:-2]: x for n, x in a.items() if n.endswith("_r")}
 
 
@@ -516,8 +521,9 @@ def _dyadic_forward(plan: Plan, a: dict):
   fwd, rev = plan.passes  # Dyadic descriptions (rev None when causal)
   ext, res_r = None, None
   if rev is not None:
-    o_r, lse_r, bank_r = dyadic_kernels.direction_forward(f, rev, _reversed(a), a["q"].dtype)
-    ext = (_flip(f, o_r), _flip_lse(f, lse_r))
+    fr = rev.frame
+    o_r, lse_r, bank_r = dyadic_kernels.direction_forward(fr, rev, _reversed(a, fr), a["q"].dtype)
+    ext = (o_r if fr.reverse else _flip(f, o_r), _flip_lse(f, lse_r))
     res_r = bank_r
   o, lse, bank = dyadic_kernels.direction_forward(f, fwd, a, plan.out_dtype, ext)
   return o, (o, lse, bank, res_r)
@@ -528,9 +534,12 @@ def _dyadic_backward(plan: Plan, a: dict, res: tuple, do: Array) -> dict:
   fwd, rev = plan.passes
   o, lse, bank, bank_r = res
   g = dyadic_kernels.direction_backward(f, fwd, a, bank, do, o, lse)
+  if rev is not None and rev.frame.reverse:  # the reversed direction adds its gradients to g in place
+    g = dyadic_kernels.direction_backward(rev.frame, rev, _reversed(a, rev.frame), bank_r, do, o,
+                                          _flip_lse(f, lse), acc=g)
   grads = {"q": g["dq"], "k": g["dk"], "v": g["dv"], "pool_q": g.get("dpq"), "pool_k": g.get("dpk")}
-  if rev is not None:
-    gr = dyadic_kernels.direction_backward(f, rev, _reversed(a), bank_r, _flip(f, do), _flip(f, o),
+  if rev is not None and not rev.frame.reverse:
+    gr = dyadic_kernels.direction_backward(f, rev, _reversed(a, f), bank_r, _flip(f, do), _flip(f, o),
                                            _flip_lse(f, lse))
     grads.update(q_r=gr["dq"], k_r=gr["dk"], v_r=gr["dv"], pool_q_r=gr.get("dpq"), pool_k_r=gr.get("dpk"))
   return grads
@@ -550,17 +559,21 @@ def logsparse(q: Array, k: Array, v: Array, mask: Array | None, pool_q: Array | 
   pools = pool_q is not None
   levels = (length - 1).bit_length()
   fwd = dyadic_kernels.Dyadic(f, levels, pooling, pools, with_self=True, ext=not causal and length > 1)
+  # The reversed direction reads the arrays reversed in its kernels where the frame has no padding (its
+  # tiles are then the arrays' tiles backwards); else it runs on flipped copies.
+  fr = dataclasses.replace(f, reverse=not f.packed and f.rows * f.cols == length)
   rev = (None if causal or length == 1 else
-         dyadic_kernels.Dyadic(f, levels, pooling, pools, with_self=False, ext=False))
+         dyadic_kernels.Dyadic(fr, levels, pooling, pools, with_self=False, ext=False))
   plan = Plan(f, "logsparse", (fwd, rev), pooling, causal, pools, jnp.dtype(v.dtype))
   kdt = _kernel_dtypes(q, k, v)
   a = _arrays(f, q, k, v, pool_q, pool_k, kdt)
   if mask is not None:
     a["mask"] = view_rows(mask_frame(mask, f), "rows")
   if rev is not None:
-    flipped = [None if x is None else jnp.flip(x, axis=1) for x in (q, k, v, pool_q, pool_k)]
-    for n, x in _arrays(f, *flipped, kdt).items():
-      a[n + "_r"] = x
+    if not fr.reverse:
+      flipped = [None if x is None else jnp.flip(x, axis=1) for x in (q, k, v, pool_q, pool_k)]
+      for n, x in _arrays(f, *flipped, kdt).items():
+        a[n + "_r"] = x
     if mask is not None:
       a["mask_r"] = view_rows(mask_frame(jnp.flip(mask, axis=1), f), "rows")
   return from_frame(_run(plan, a), f, f.dv)

@@ -74,6 +74,20 @@ def take_lane(x: Array, i: int) -> Array:
   return jnp.sum(jnp.where(lanes == i, x, jnp.zeros_like(x)), axis=1, keepdims=True)
 
 
+def flip_rows(x: Array) -> Array:
+  """x [n, w] (n a power of two) with its rows in reverse order: row r <- row n-1-r, i.e. r XOR (n-1), one
+  butterfly stage per bit (two sublane rolls and a select), in float32 so packed bfloat16 rows roll too. Exact
+  and NaN-safe, unlike a one-hot matmul (Mosaic has no `rev`)."""
+  n = x.shape[0]
+  y = x.astype(F32)
+  rows = lax.broadcasted_iota(jnp.int32, y.shape, 0)
+  s = 1
+  while s < n:
+    y = jnp.where((rows & s) == 0, pltpu.roll(y, n - s, 0), pltpu.roll(y, s, 0))  # row r + s | row r - s
+    s *= 2
+  return y.astype(x.dtype)
+
+
 def min_rows(platform: str) -> int:
   """The fewest rows a matmul operand is given: a TPU sublane tile (8), Triton's smallest dot (16)."""
   return 16 if platform == "gpu" else 8

@@ -70,13 +70,15 @@ PLANS = {
 
 
 # (plan, length, causal): ragged lengths (not multiples of the block or row), both directions, a key mask;
-# logsparse at 40 tokens in tiles of 16 (below) reaches the levels built over several tiles.
+# logsparse at 40 tokens in tiles of 16 (below) reaches the levels built over several tiles; at 48 (whole
+# tiles) the bidirectional plan's reversed half reads the arrays' tiles backwards.
 @pytest.mark.slow  # about 20 s a case: the interpreter runs the kernels' TPU branch op by op
 @pytest.mark.parametrize("plan,length,causal", [
     ("fixed", 13, True),
     *(pytest.param(*case) for case in (
         ("fixed", 13, False), ("fixed_select", 21, True), ("sparse_fixed", 13, False),
-        ("logsparse", 13, True), ("logsparse", 40, False), ("sparse_logsparse", 40, True),
+        ("logsparse", 13, True), ("logsparse", 40, False), ("logsparse", 48, False),
+        ("sparse_logsparse", 40, True),
         ("axial_rowmajor", 11, True),
         ("axial_vertical", 11, True), ("axial_vertical", 11, False), ("axial_horizontal", 11, True),
         ("sparse_axial", 11, False), ("mixture", 11, True), ("mixture", 11, False),

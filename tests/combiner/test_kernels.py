@@ -12,6 +12,7 @@ platforms=["tpu"] (Mosaic) and ["cuda"] (Triton).
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -161,6 +162,26 @@ def test_logsparse_high_levels_equal_xla(monkeypatch, length, causal, pooling, d
   read by the tiles of their sibling span (and, bidirectionally, of the reversed sequence)."""
   monkeypatch.setattr(frames, "TILE", 16)
   compare("logsparse" if pooling else "sparse_logsparse", length, None, causal, pooling, deepsets, seed=5)
+
+
+@pytest.mark.parametrize("length,pooling,deepsets", [
+    (64, "max", True), pytest.param(32, "mean", False, marks=pytest.mark.slow),
+    pytest.param(128, None, False, marks=pytest.mark.slow)])
+def test_bidirectional_logsparse_reads_the_reversed_tiles(monkeypatch, length, pooling, deepsets):
+  """Without padding (length a multiple of the tile) the reversed half of bidirectional logsparse reads q, k,
+  v, do and o backwards in its kernels, rows flipped in VMEM, writes its output and adds its gradients in
+  place, in the arrays' order: equal to the XLA plan, and the compiled program flips no [batch, L, heads,
+  dim] array."""
+  monkeypatch.setattr(frames, "TILE", 16)
+  name = "logsparse" if pooling else "sparse_logsparse"
+  compare(name, length, None, False, pooling, deepsets, seed=6)
+  q, k, v, mask, cotangent, _ = inputs(length, 6, False)
+  fn = op(name, None)
+  grads = jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v, causal=False, mask=mask, implementation="pallas")
+                                           * cotangent), argnums=(0, 1, 2))
+  hlo = jax.jit(grads).lower(q, k, v).compile().as_text()
+  flips = re.findall(rf"f32\[{BATCH},{length},{HEADS},\d+\]\S* reverse\(", hlo)
+  assert not flips, flips
 
 
 def test_fully_masked_rows_and_nan_keys_stay_finite():
