@@ -13,8 +13,10 @@ partial output is differentiated on its own:
              pass builds each position's in-row expectation ("own") and attends the own row, a column pass
              attends the pooled rows. Sparse axial: own row, then own column.
   mixture    joint: column pass (vertical spans), row pass (own row, vertical spans, horizontal spans built),
-             column pass (own column, horizontal spans); mean: the vertical and horizontal plans averaged,
-             their backwards adding to the same gradients.
+             column pass (own column, horizontal spans); its row pass's backward runs in two parts (own row
+             and horizontal construction, then the vertical spans) so the two summary families are never
+             held together; mean: the vertical and horizontal plans averaged, their backwards adding to the
+             same gradients.
 
 The axial plans keep only their output and log-sum-exp for the backward: the per-position span summaries
 (as large as the keys and values) are built again there by the passes that built them, construction only, so
@@ -373,12 +375,18 @@ def _axial_backward(plan: Plan, a: dict, res: dict, do: Array, carry: dict | Non
   elif plan.name == "rowmajor":
     row_args.update(dkbar_row=_bank_total(f, c["dxk_bank"]), dvt_tok=c["dxv"])
   if plan.name == "mixture_joint":
-    v = _rebuilt(plan, a, ps[0], _carry(c))
-    row_args.update(xk=v["kbar_tok"], xv=v["vt_tok"])
-  g = bwd(row_pass, row_args, name="combiner_rows")
-  if plan.name == "mixture_joint":  # the vertical spans' construction, by columns
-    g = bwd(ps[0], {**_view_args(a, "cols"), "dkbar_tok": g["dxk"], "dvt_tok": g["dxv"], **_carry(g)},
-            name="combiner_columns")
+    # The row pass's backward in two (each part's gradients need only the final lse and o): its own row and
+    # the horizontal spans' construction, which reads their gradients; then the vertical spans, rebuilt only
+    # now, so the two families of per-position arrays are never held together.
+    own = bwd(dataclasses.replace(row_pass, extra=None), row_args, name="combiner_rows")
+    v = _rebuilt(plan, a, ps[0], _carry(own))
+    g = bwd(dataclasses.replace(row_pass, own=None, construct=None),
+            {**row_args, "xk": v["kbar_tok"], "xv": v["vt_tok"], **_carry(own)}, name="combiner_rows")
+    # the vertical spans' construction, by columns (the DeepSets pools' gradients so far from `own`)
+    g = bwd(ps[0], {**_view_args(a, "cols"), "dkbar_tok": g["dxk"], "dvt_tok": g["dxv"], **_carry(own),
+                    **_carry(g)}, name="combiner_columns")
+  else:
+    g = bwd(row_pass, row_args, name="combiner_rows")
   grads = {n: g[d] for n, d in _GRADS.items() if d in g}
   if plan.name == "rowmajor" and "kbar_in" in a:
     grads["kbar_in"] = _bank_total(f, c["dxk_bank"])

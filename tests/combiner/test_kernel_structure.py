@@ -49,3 +49,15 @@ def test_selected_spans_fit_vmem_at_16k():
   132 MiB of VMEM for 128 on a v5e)."""
   got = tpu_structure.measure("combiner_fixed_select", 16384, True, tpu_structure.device("v5e"), 16)
   assert got["custom_calls"] >= 1 and got["temp_bytes"] <= tpu_structure.qkv_bytes(16384, 16), got
+
+
+@pytest.mark.slow  # ~40 s of libtpu compile
+@pytest.mark.parametrize("name", ["combiner_mixture_joint", "combiner_logsparse"])
+def test_layer_backward_temporaries_stay_within_qkv_at_16k(name):
+  """At 16K tokens, as a layer's backward runs in training (the output's cotangent an argument): the joint
+  mixture never holds its vertical and horizontal per-position summaries together (its row pass's backward
+  runs in two parts), and bidirectional logsparse reads the reversed sequence in its kernels (no reversed
+  copies of q, k, v, do and o). The bound allows the log-sum-exp rows beside the three arrays' worth (dense
+  attention itself takes 1.01x here)."""
+  got = tpu_structure.measure(name, 16384, False, tpu_structure.device("v5e"), 16, cotangent="input")
+  assert got["custom_calls"] >= 1 and got["temp_bytes"] <= 1.01 * tpu_structure.qkv_bytes(16384, 16), got
