@@ -37,9 +37,9 @@ def auto_params(length: int) -> dict[str, int]:
   return {"block_size": min(512, max(sqrt_pow2(length), sixteenth)), "top_k": 3}
 
 
-def _choice(q: Any, k: Any, v: Any, *, implementation: Any = "auto", block_size: Any = 512, **_: Any) -> Any:
+def _choice(*_: Any, implementation: Any = "auto", **__: Any) -> Any:
   """What `moba` traces per platform (the key of `contract.per_platform_op`)."""
-  return selection_flash.per_platform_key(implementation, q, k, v, block_size, op="moba")
+  return selection_flash.per_platform_key(implementation, op="moba")
 
 
 @contract.per_platform_op(_choice)
@@ -59,7 +59,7 @@ def moba(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = Non
   size = contract.check_positive_int(block_size, name="block_size", op=op)
   count = contract.check_positive_int(top_k, name="top_k", op=op)
   contract.check_implementation(implementation, IMPLEMENTATIONS, op=op)
-  if selection_flash.choose_implementation(implementation, q, k, v, size, op=op, strict=True) == "pallas":
+  if selection_flash.choose_implementation(implementation, op=op) == "pallas":
     return _moba_pallas(q, k, v, mask, causal=causal, size=size, count=count, query_chunks=query_chunks)
   batch, length, heads, head_dim = q.shape
   value_dim = v.shape[-1]

@@ -136,9 +136,9 @@ def _per_head(spec: str, x: Array, w: Array) -> Array:
   return jnp.einsum(spec, x, w)
 
 
-def _choice(q: Any, k: Any, v: Any, *, implementation: Any = "auto", select_block: Any = 64, **_: Any) -> Any:
+def _choice(*_: Any, implementation: Any = "auto", **__: Any) -> Any:
   """What `nsa` traces per platform (the key of `contract.per_platform_op`)."""
-  return selection_flash.per_platform_key(implementation, q, k, v, select_block, op="nsa")
+  return selection_flash.per_platform_key(implementation, op="nsa")
 
 
 @contract.per_platform_op(_choice, per_head=tuple(f"cmp_{side}_{part}" for side in ("key", "value")
@@ -158,7 +158,8 @@ def nsa(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None
   gates: None (the default: each branch weighs 1/3, so a row sums to one) or [batch, length, heads, 3]
     (compression, selection, window: the model's sigmoid gates).
   cmp_key_*, cmp_value_*: the compression MLPs (all four arrays of a side, or none: mean pooling).
-  query_chunks: queries run in this many sequential chunks (None = automatic, ~64 MB of gathered keys each).
+  query_chunks: queries run in this many sequential chunks (None = automatic: ~64 MB of gathered keys each on
+  the XLA path, one with the kernels).
   implementation: "xla" | "pallas" | "auto" (module docstring).
   Returns [batch, length, heads, value_dim] in v's dtype.
   """
@@ -173,7 +174,7 @@ def nsa(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None
   count = check_num_selected(num_selected, op=op)
   width = contract.check_positive_int(window, name="window", op=op)
   contract.check_implementation(implementation, IMPLEMENTATIONS, op=op)
-  fused = selection_flash.choose_implementation(implementation, q, k, v, sel, op=op, strict=True) == "pallas"
+  fused = selection_flash.choose_implementation(implementation, op=op) == "pallas"
   if size % stride or sel % stride:
     raise ValueError(f"{op}: argument 'compress_stride' ({stride}) must divide compress_block ({size}) and "
                      f"select_block ({sel})")
@@ -198,10 +199,11 @@ def nsa(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None
     qh, kh, vh, real = rows_and_mask(q, k, v, mask, jnp.result_type(q.dtype, k.dtype, v.dtype))
   else:
     qh, kh, vh, real = rows_and_mask(q, k, v, mask, ct)  # [rows, length, dim], real [rows, length]
-  # Per query: the gathered keys of the XLA path, the block scores alone with the kernels.
-  per_query = padded // sel if fused else (
-      min(count, padded // sel) * sel * (head_dim + value_dim + 2) + padded // stride)
-  n_chunks = query_chunks if query_chunks is not None else num_query_chunks(qh.shape[0], padded, per_query)
+  # Per query, the gathered keys of the XLA path. The kernels' block scores come out whole from the
+  # compression pass, so choosing from them in chunks saves nothing and costs a loop: one chunk.
+  per_query = min(count, padded // sel) * sel * (head_dim + value_dim + 2) + padded // stride
+  n_chunks = query_chunks if query_chunks is not None else (
+      1 if fused else num_query_chunks(qh.shape[0], padded, per_query))
   n_chunks = contract.check_positive_int(n_chunks, name="query_chunks", op=op)
   args = (pad_length(gp, padded), pad_length(kh, padded), pad_length(vh, padded),
           pad_length(real, padded, False))

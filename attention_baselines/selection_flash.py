@@ -26,11 +26,12 @@ product, a per-key code marks keys that had any, and a query that sees such a ke
 while one behind a mask, a rule or an unchosen block is inert. Matmuls take the input dtype and accumulate in
 float32 (float64 stays float64, interpret mode).
 
-Blocks: on TPU the whole row's keys and values (forward) or queries and output cotangents (dk/dv) are one
-VMEM block per row, read at the listed tiles: `fits_vmem` says whether a shape fits (a budget under v4's 16
-MiB of scoped VMEM), and `choose_implementation` makes the ops' "auto" keep XLA where it does not. GPUs read
-the same refs from HBM, tile by tile. `lax.platform_dependent` picks Triton on GPU, Mosaic on TPU and
-interpret mode on CPU (`attention_core.pallas.platform_call`).
+Blocks: on TPU a row's keys and values (forward, dq) or queries and output cotangents (dk/dv) stay in HBM and
+a program copies in just the blocks its list names, two VMEM slots, the next block's copy running under
+this block's products (`attention_core.pallas.prefetched_loop`), so VMEM holds no whole row at any length;
+each program's list is its own SMEM block. GPUs and interpret mode read the same tiles from the row's ref.
+`lax.platform_dependent` picks Triton on GPU, Mosaic on TPU and interpret mode on CPU
+(`attention_core.pallas.platform_call`).
 """
 
 from __future__ import annotations
@@ -54,9 +55,9 @@ TILE_CAPS = (128, 128)  # (query, key) tile caps on TPU (128 lanes) and in inter
 GPU_TILE_CAPS = (64, 64)  # on GPUs, as combiner.flash
 MIN_TILE = 16
 VALID, NONFINITE = 1.0, 2.0  # key codes; 0 marks an invalid key
-# Whole-row VMEM blocks on TPU (double-buffered by the pipeline) must stay within this many bytes; the default
-# scoped VMEM is 16 MiB on v4 and v5e.
-VMEM_BUDGET = 12 << 20
+# Entries of a block list at the least: a TPU program reads its own list as an SMEM block, whose last
+# dimension Mosaic wants a multiple of 128.
+LIST_WIDTH = 128
 
 GPU_PARAMS = pltriton.CompilerParams(num_warps=4, num_stages=2)
 TPU_PARAMS = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel"))
@@ -108,49 +109,21 @@ def tiles(length: int, block: int) -> tuple[int, int]:
   return _tile(min(block, length), cap_q), _tile(block, cap_k)
 
 
-def fits_vmem(length: int, head_dim: int, value_dim: int, itemsize: int, block: int) -> bool:
-  """Whether the TPU kernels' whole-row blocks (keys and values, or queries and output cotangents, with lanes
-  padded to 128 and double-buffered) fit `VMEM_BUDGET` at this length."""
-  tile_q, tile_k = tiles(length, block)
-  keys = -(-length // block) * (-(-block // tile_k) * tile_k)
-  queries = -(-length // tile_q) * tile_q
-  lanes = lambda w: -(-_pow2(w) // 128) * 128  # noqa: E731
-  rows = max(keys, queries)
-  return 2 * rows * (lanes(head_dim) + lanes(value_dim)) * itemsize + 4 * rows * 8 * 4 <= VMEM_BUDGET
-
-
 IMPLEMENTATIONS = ("auto", "xla", "pallas")  # the ops' `implementation` values (registry.fused_path)
 
 
-def choose_implementation(implementation: Any, q: Any, k: Any, v: Any, block: Any, *, op: str,
-                          strict: bool = False) -> Any:
+def choose_implementation(implementation: Any, *, op: str) -> Any:
   """What an op running its selected blocks here (moba, nsa) runs where it is traced (`contract.backend`):
-  "auto" is the kernel on GPU, and on TPU where its whole-row blocks fit VMEM (`fits_vmem`), else XLA;
-  "pallas" on TPU where they do not fit raises ValueError ("does not apply") when `strict`. Unknown values
-  and bad arguments (which the op rejects in its own words) are returned as they are.
-  q, k, v: [batch, length, heads, dim] arrays (or shape structs); block: the block size the kernel gets."""
+  "auto" is the kernel on GPU and TPU (on TPU it copies in only the blocks it reads, so any length fits),
+  XLA on CPU. Unknown values (which the op rejects in its own words) are returned as they are."""
   if implementation not in IMPLEMENTATIONS:
     return implementation
-  chosen = contract.resolve_implementation(implementation, IMPLEMENTATIONS, op=op)
-  shaped = all(hasattr(x, "dtype") and len(getattr(x, "shape", ())) == 4 for x in (q, k, v))
-  if chosen != "pallas" or contract.backend() != "tpu" or not shaped or not isinstance(block, int):
-    return chosen
-  length = q.shape[1]
-  itemsize = jnp.dtype(jnp.result_type(q.dtype, k.dtype, v.dtype)).itemsize
-  if fits_vmem(length, q.shape[-1], v.shape[-1], itemsize, max(1, min(block, length))):
-    return chosen
-  if implementation == "auto":
-    return "xla"
-  if strict:
-    raise ValueError(f"{op}: argument 'implementation'='pallas' does not apply here: a row's keys and values "
-                     f"at length {length} exceed the TPU kernel's VMEM budget ({VMEM_BUDGET >> 20} MiB); use "
-                     "'auto' or 'xla'")
-  return chosen
+  return contract.resolve_implementation(implementation, IMPLEMENTATIONS, op=op)
 
 
-def per_platform_key(implementation: Any, q: Any, k: Any, v: Any, block: Any, *, op: str) -> Any:
+def per_platform_key(implementation: Any, *, op: str) -> Any:
   """What such an op's trace depends on per platform (the key of `contract.per_platform_op`)."""
-  chosen = choose_implementation(implementation, q, k, v, block, op=op)
+  chosen = choose_implementation(implementation, op=op)
   return (chosen, tile_caps()) if chosen == "pallas" else chosen
 
 
@@ -210,25 +183,41 @@ def _tiles_of_block(plan: Plan, b: Array, qmax: Any, body, carry):
   return lax.fori_loop(0, num, body, carry)
 
 
-def _fwd_kernel(lists_ref, q_ref, k_ref, v_ref, code_ref, *refs, plan: Plan, width: int):
-  ids_ref = refs[0] if plan.ids else None
-  outs = refs[-2 * len(plan.sets):]  # (o, lse) per softmax
+def _blocks(sub: int, entry, srcs: list, body, carry, scratch: tuple):
+  """carry after body(b, tile_of, carry) for the blocks b = entry(1 + s), s < entry(0), of the program's
+  list; tile_of(n, j) is key (or query) tile j of block b of srcs[n], a row's tiles [n, a, c]: read from the
+  ref, or on TPU (scratch: a two-slot VMEM buffer [2, sub, a, c] per src, then DMA semaphores [srcs, 2]) from
+  the block's copy out of HBM, the next block's copy started before this block's work."""
+  if not scratch:
+    def step(s, c):
+      b = entry(1 + s)
+      return body(b, lambda n, j: srcs[n][b * sub + j], c)
+    return lax.fori_loop(0, entry(0), step, carry)
+  bufs, sems = scratch[:-1], scratch[-1]
+
+  def copies(s, slot):
+    start = entry(1 + s) * sub
+    return [pltpu.make_async_copy(src.at[pl.ds(start, sub)], buf.at[slot], sems.at[n, slot])
+            for n, (src, buf) in enumerate(zip(srcs, bufs, strict=True))]
+
+  return pallas.prefetched_loop(
+      0, entry(0), copies, lambda s, slot, c: body(entry(1 + s), lambda n, j: bufs[n][slot, j], c), carry)
+
+
+def _fwd_kernel(R: dict, scratch: tuple, *, plan: Plan):
   t = pl.program_id(1)
   tq, tk = plan.tile_q, plan.tile_k
-  q = q_ref[...]  # [tq, d]
+  q = R["q"][...]  # [tq, d]
   st = _stats_dtype(q)
   qpos = t * tq + lax.broadcasted_iota(jnp.int32, (tq, 1), 0)
   qmax = t * tq + tq - 1
-  ids = ids_ref[...] if plan.ids else None  # [tq, K]
-  entry = _entries(lists_ref, t, width)
+  ids = R["ids"][...] if plan.ids else None  # [tq, K]
 
-  def block(s, carry):
-    b = entry(1 + s)
+  def block(b, tile_of, carry):
     hit = _hit(ids, b, 1) if ids is not None else None  # [tq, 1]
 
     def tile(j, carry):
-      kt = b * plan.sub + j
-      k, v, code = k_ref[kt], _finite(v_ref[kt]), code_ref[kt]  # [tk, d], [tk, e], [1, tk]
+      k, v, code = tile_of(0, j), _finite(tile_of(1, j)), tile_of(2, j)  # [tk, d], [tk, e], [1, tk]
       logits = pallas.dot(q, k, trans_b=True).astype(st) * plan.scale  # [tq, tk]
       kpos = b * plan.block + j * tk + lax.broadcasted_iota(jnp.int32, (1, tk), 1)
       new = []
@@ -245,14 +234,15 @@ def _fwd_kernel(lists_ref, q_ref, k_ref, v_ref, code_ref, *refs, plan: Plan, wid
 
     return _tiles_of_block(plan, b, qmax, tile, carry)
 
-  init = tuple((jnp.full((tq, 1), -jnp.inf, st), jnp.zeros((tq, 1), st), jnp.zeros(outs[0].shape, st))
+  e = R["o0"].shape[-1]
+  init = tuple((jnp.full((tq, 1), -jnp.inf, st), jnp.zeros((tq, 1), st), jnp.zeros((tq, e), st))
                for _ in plan.sets)
-  for (m, den, acc), o_ref, lse_ref in zip(lax.fori_loop(0, entry(0), block, init), outs[0::2], outs[1::2],
-                                           strict=True):
+  final = _blocks(plan.sub, _entries(R["lists"]), [R["k"], R["v"], R["code"]], block, init, scratch)
+  for n, (m, den, acc) in enumerate(final):
     nonempty = den > 0
     safe = jnp.where(nonempty, den, 1.0)
-    o_ref[...] = (acc / safe).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(nonempty, m + jnp.log(safe), -jnp.inf).T.astype(lse_ref.dtype)  # [1, tq]
+    R[f"o{n}"][...] = (acc / safe).astype(R[f"o{n}"].dtype)
+    R[f"lse{n}"][...] = jnp.where(nonempty, m + jnp.log(safe), -jnp.inf).T.astype(R[f"lse{n}"].dtype)
 
 
 def _grads_of(plan: Plan, logits: Array, oks: list[Array], dos: list, lses: list, deltas: list, v: Array,
@@ -273,31 +263,30 @@ def _grads_of(plan: Plan, logits: Array, oks: list[Array], dos: list, lses: list
   return ds, dv
 
 
-def _dq_kernel(lists_ref, q_ref, *refs, plan: Plan, width: int):
-  n = len(plan.sets)
-  dos, lses, deltas = refs[0:3 * n:3], refs[1:3 * n:3], refs[2:3 * n:3]  # per softmax
-  k_ref, v_ref, code_ref = refs[3 * n:3 * n + 3]
-  ids_ref = refs[3 * n + 3] if plan.ids else None
-  dq_ref = refs[-1]
+def _per_set(R: dict, plan: Plan, tile_of=None) -> tuple[list, list, list]:
+  """(do, lse, delta) of each softmax of the pass: the program's own tiles, or tile_of(name)'s."""
+  get = tile_of or (lambda name: R[name][...])
+  n = range(len(plan.sets))
+  return [get(f"do{i}") for i in n], [get(f"lse{i}") for i in n], [get(f"delta{i}") for i in n]
+
+
+def _dq_kernel(R: dict, scratch: tuple, *, plan: Plan):
   t = pl.program_id(1)
   tq, tk = plan.tile_q, plan.tile_k
-  q = q_ref[...]  # [tq, d]
+  q = R["q"][...]  # [tq, d]
   st = _stats_dtype(q)
-  dos = [r[...] for r in dos]  # [tq, e] each
-  lses = [jnp.where(r[...].T == -jnp.inf, 0.0, r[...].T) for r in lses]  # [tq, 1]
-  deltas = [r[...].T for r in deltas]
+  dos, lses, deltas = _per_set(R, plan)  # [tq, e], [1, tq], [1, tq] each
+  lses = [jnp.where(x.T == -jnp.inf, 0.0, x.T) for x in lses]  # [tq, 1]
+  deltas = [x.T for x in deltas]
   qpos = t * tq + lax.broadcasted_iota(jnp.int32, (tq, 1), 0)
   qmax = t * tq + tq - 1
-  ids = ids_ref[...] if plan.ids else None
-  entry = _entries(lists_ref, t, width)
+  ids = R["ids"][...] if plan.ids else None
 
-  def block(s, dq):
-    b = entry(1 + s)
+  def block(b, tile_of, dq):
     hit = _hit(ids, b, 1) if ids is not None else None
 
     def tile(j, dq):
-      kt = b * plan.sub + j
-      k, v, code = _finite(k_ref[kt]), _finite(v_ref[kt]), code_ref[kt]
+      k, v, code = _finite(tile_of(0, j)), _finite(tile_of(1, j)), tile_of(2, j)
       logits = pallas.dot(q, k, trans_b=True).astype(st) * plan.scale
       kpos = b * plan.block + j * tk + lax.broadcasted_iota(jnp.int32, (1, tk), 1)
       ds, _ = _grads_of(plan, logits, _visible(plan, code, qpos, kpos, hit), dos, lses, deltas, v, False)
@@ -305,72 +294,85 @@ def _dq_kernel(lists_ref, q_ref, *refs, plan: Plan, width: int):
 
     return _tiles_of_block(plan, b, qmax, tile, dq)
 
-  dq = lax.fori_loop(0, entry(0), block, jnp.zeros(dq_ref.shape, st))
-  dq_ref[...] = dq.astype(dq_ref.dtype)
+  dq = _blocks(plan.sub, _entries(R["lists"]), [R["k"], R["v"], R["code"]], block,
+               jnp.zeros(R["dq"].shape, st), scratch)
+  R["dq"][...] = dq.astype(R["dq"].dtype)
 
 
-def _dkv_kernel(lists_ref, q_ref, *refs, plan: Plan, width: int):
+def _dkv_kernel(R: dict, scratch: tuple, *, plan: Plan):
   """dk, dv of one key tile from the query tiles its block's transposed list names, on [keys, queries]
   tiles (per-query rows broadcast over keys)."""
-  n = len(plan.sets)
-  dos, lses, deltas = refs[0:3 * n:3], refs[1:3 * n:3], refs[2:3 * n:3]
-  k_ref, v_ref, code_ref = refs[3 * n:3 * n + 3]
-  ids_ref = refs[3 * n + 3] if plan.ids else None
-  dk_ref, dv_ref = refs[-2:]
   kt = pl.program_id(1)
-  tq, tk = plan.tile_q, plan.tile_k
+  tk = plan.tile_k
   b = _div(kt, plan.sub)
   j = kt - b * plan.sub
-  k, v, code = k_ref[...], _finite(v_ref[...]), code_ref[...]  # [tk, d], [tk, e], [tk, 1]
+  k, v, code = R["k"][...], _finite(R["v"][...]), R["code"][...]  # [tk, d], [tk, e], [tk, 1]
   st = _stats_dtype(k)
   kpos = b * plan.block + j * tk + lax.broadcasted_iota(jnp.int32, (tk, 1), 0)
-  entry = _entries(lists_ref, b, width)
+  names = ["q", *(n for x in ("do", "lse", "delta") for n in _per_set_names(plan, x))]
+  names += ["ids"] if plan.ids else []  # the streams, in `_flash_bwd`'s order
 
-  def body(i, carry):
+  def body(t, tile_of, carry):
     dk, dv = carry
-    t = entry(1 + i)
-    q = q_ref[t]  # [tq, d]
-    qpos = t * tq + lax.broadcasted_iota(jnp.int32, (1, tq), 1)
+    got = {n: tile_of(i, 0) for i, n in enumerate(names)}
+    q = got["q"]  # [tq, d]
+    qpos = t * plan.tile_q + lax.broadcasted_iota(jnp.int32, (1, plan.tile_q), 1)
     logits = pallas.dot(k, q, trans_b=True).astype(st) * plan.scale  # [tk, tq]
-    hit = _hit(ids_ref[t], b, 0) if ids_ref is not None else None  # ids [K, tq] -> [1, tq]
-    ds, share = _grads_of(plan, logits, _visible(plan, code, qpos, kpos, hit), [r[t] for r in dos],
-                          [jnp.where(r[t] == -jnp.inf, 0.0, r[t]) for r in lses], [r[t] for r in deltas], v,
-                          True)
+    hit = _hit(got["ids"], b, 0) if plan.ids else None  # ids [K, tq] -> [1, tq]
+    dos, lses, deltas = _per_set(R, plan, got.__getitem__)
+    ds, share = _grads_of(plan, logits, _visible(plan, code, qpos, kpos, hit), dos,
+                          [jnp.where(x == -jnp.inf, 0.0, x) for x in lses], deltas, v, True)
     return dk + pallas.dot(ds.astype(q.dtype), q).astype(st) * plan.scale, dv + share
 
-  zeros = (jnp.zeros(dk_ref.shape, st), jnp.zeros(dv_ref.shape, st))
-  dk, dv = lax.fori_loop(0, entry(0), body, zeros)
-  dk_ref[...] = dk.astype(dk_ref.dtype)
-  dv_ref[...] = dv.astype(dv_ref.dtype)
+  zeros = (jnp.zeros(R["dk"].shape, st), jnp.zeros(R["dv"].shape, st))
+  dk, dv = _blocks(1, _entries(R["lists"]), [R[n] for n in names], body, zeros, scratch)
+  R["dk"][...] = dk.astype(R["dk"].dtype)
+  R["dv"][...] = dv.astype(R["dv"].dtype)
 
 
-def _entries(lists_ref, index: Array, width: int):
-  """Entry s of list `index` (a query tile's or a key block's): lists_ref holds the whole row's lists (TPU,
-  [1, n * width]) or that list alone (GPU and interpret mode, [1, width])."""
-  base = index * width if lists_ref.shape[-1] > width else 0
-  return lambda s: lists_ref[0, base + s]
+def _entries(lists_ref):
+  """Entry s of the program's list ([1, W]: its count, then its blocks or query tiles)."""
+  return lambda s: lists_ref[0, s]
 
 
-def _call(platform: str | None, kernel, grid, in_specs, lists: Array, width: int, which, **kw):
-  """pallas_call per platform with `lists` [rows, 1, n * width] first: on TPU the whole row's lists as one
-  SMEM block (Mosaic wants a block's last two dims whole or (8, 128)-aligned; its scalars are loop bounds and
-  indices), elsewhere the list which(r, t) of grid step (r, t) alone (a power-of-two block for Triton)."""
-  kernel = functools.partial(kernel, width=width)
-  tile = pl.BlockSpec((None, 1, width), lambda r, t: (r, 0, which(r, t)))
-  smem = pl.BlockSpec((None, 1, lists.shape[-1]), lambda r, t: (r, 0, 0), memory_space=pltpu.SMEM)
-  return pallas.platform_call(kernel, gpu_params=GPU_PARAMS, tpu_params=TPU_PARAMS, platform=platform,
-                              grid=grid, in_specs=[tile, *in_specs],
-                              tpu_kw={"in_specs": [smem, *in_specs]}, **kw)
+def _call(platform: str | None, kernel, name: str, grid: tuple[int, int], operands: list, outputs: list,
+          width: int, which, block: int):
+  """One pallas_call per platform of kernel(R, scratch) over grid (rows, n), R its refs by name.
+  operands: (name, array, kind), kind "lists" (the int32 lists [rows, 1, n' * width]: the program's own,
+  which(r, t), in SMEM on TPU), "tile" (tile t of row r: [rows, n, a, c] -> [a, c]) or "row" (row r's
+  tiles [n, a, c], looped over: one VMEM block off TPU; on TPU left in HBM, `block` tiles copied in at a time
+  into two VMEM slots each, then DMA semaphores [rows, 2] as scratch). outputs: (name, shape struct), each
+  the grid step's tile."""
+  names = [n for n, _, _ in operands] + [n for n, _ in outputs]
+  rows = [(n, x) for n, x, kind in operands if kind == "row"]
 
+  def spec(x, kind, on_tpu):
+    if kind == "lists":
+      return pl.BlockSpec((None, 1, width), lambda r, t: (r, 0, which(r, t)),
+                          memory_space=pltpu.SMEM if on_tpu else None)
+    if kind == "tile":
+      return pl.BlockSpec((None, None, *x.shape[2:]), lambda r, t: (r, t, 0, 0))
+    if on_tpu:
+      return pl.BlockSpec(memory_space=pl.ANY)
+    return pl.BlockSpec((None, *x.shape[1:]), lambda r, t: (r, 0, 0, 0))
 
-def _whole(x: Array) -> pl.BlockSpec:
-  """Every tile of row r: [rows, n, a, b] -> [n, a, b]."""
-  return pl.BlockSpec((None, *x.shape[1:]), lambda r, t: (r, 0, 0, 0))
+  def entry(*refs, on_tpu):
+    R = dict(zip(names, refs[:len(names)], strict=True))
+    if on_tpu:  # a streamed operand's view of the program's row in HBM
+      for n, _ in rows:
+        R[n] = R[n].at[pl.program_id(0)]
+    kernel(R, tuple(refs[len(names):]))
 
-
-def _one(x: Array) -> pl.BlockSpec:
-  """Tile t of row r: [rows, n, a, b] -> [a, b]."""
-  return pl.BlockSpec((None, None, *x.shape[2:]), lambda r, t: (r, t, 0, 0))
+  scratch = [pltpu.VMEM((2, block, *x.shape[2:]), x.dtype) for _, x in rows]
+  scratch.append(pltpu.SemaphoreType.DMA((len(rows), 2)))
+  return pallas.platform_call(
+      functools.partial(entry, on_tpu=False), gpu_params=GPU_PARAMS, tpu_params=TPU_PARAMS,
+      tpu_kernel=functools.partial(entry, on_tpu=True), platform=platform, grid=grid,
+      in_specs=[spec(x, kind, False) for _, x, kind in operands],
+      tpu_kw={"in_specs": [spec(x, kind, True) for _, x, kind in operands], "scratch_shapes": scratch},
+      out_specs=[pl.BlockSpec((None, None, *x.shape[2:]), lambda r, t: (r, t, 0, 0)) for _, x in outputs],
+      out_shape=[x for _, x in outputs], name=name,
+  )(*[x for _, x, _ in operands])
 
 
 class _Aux(NamedTuple):  # the non-differentiable kernel inputs
@@ -395,54 +397,52 @@ def _flash(platform: str | None, plan: Plan, q: Array, k: Array, v: Array, aux: 
   return _flash_fwd(platform, plan, q, k, v, aux)[0]
 
 
+def _per_set_names(plan: Plan, *kinds: str) -> list[str]:
+  return [f"{x}{i}" for i in range(len(plan.sets)) for x in kinds]
+
+
 def _flash_fwd(platform, plan, q, k, v, aux):
   """(out per softmax of the pass), residuals."""
   rows, nt, tq, _ = q.shape
   e = v.shape[-1]
-  ids_specs = [_one(aux.ids)] if plan.ids else []
-  ids_args = [aux.ids] if plan.ids else []
-  outs = _call(
-      platform, functools.partial(_fwd_kernel, plan=plan), (rows, nt),
-      [_one(q), _whole(k), _whole(v), _whole(aux.code), *ids_specs], aux.lists, _width(aux.lists, nt),
-      lambda r, t: t,
-      out_specs=[pl.BlockSpec((None, None, tq, e), lambda r, t: (r, t, 0, 0)),
-                 pl.BlockSpec((None, None, 1, tq), lambda r, t: (r, t, 0, 0))] * len(plan.sets),
-      out_shape=[jax.ShapeDtypeStruct((rows, nt, tq, e), q.dtype),
-                 jax.ShapeDtypeStruct((rows, nt, 1, tq), _stats_dtype(q))] * len(plan.sets),
-      name="selection_flash_fwd",
-  )(aux.lists, q, k, v, aux.code, *ids_args)
+  operands = [("lists", aux.lists, "lists"), ("q", q, "tile"), ("k", k, "row"), ("v", v, "row"),
+              ("code", aux.code, "row")] + ([("ids", aux.ids, "tile")] if plan.ids else [])
+  shapes = [jax.ShapeDtypeStruct((rows, nt, tq, e), q.dtype), jax.ShapeDtypeStruct((rows, nt, 1, tq),
+                                                                                   _stats_dtype(q))]
+  outs = _call(platform, functools.partial(_fwd_kernel, plan=plan), "selection_flash_fwd", (rows, nt),
+               operands, list(zip(_per_set_names(plan, "o", "lse"), shapes * len(plan.sets), strict=True)),
+               _width(aux.lists, nt), lambda r, t: t, plan.sub)
   os, lses = tuple(outs[0::2]), tuple(outs[1::2])
   return os, (q, k, v, aux, os, lses)
 
 
 def _flash_bwd(platform, plan, res, dos):
   q, k, v, aux, os, lses = res
-  rows, nt, tq, _ = q.shape
+  rows, nt, _, _ = q.shape
   nk = k.shape[1]
   st = _stats_dtype(q)
   per_set = []  # (do, lse, delta) per softmax
   for do, o, lse in zip(dos, os, lses, strict=True):
     delta = jnp.sum(do.astype(st) * o.astype(st), axis=-1)[:, :, None, :]  # [rows, nt, 1, tq]
     per_set += [do.astype(q.dtype), lse, delta]
-  ids_specs = [_one(aux.ids)] if plan.ids else []
-  ids_args = [aux.ids] if plan.ids else []
-  dq = _call(
-      platform, functools.partial(_dq_kernel, plan=plan), (rows, nt),
-      [_one(q), *map(_one, per_set), _whole(k), _whole(v), _whole(aux.code), *ids_specs],
-      aux.lists, _width(aux.lists, nt), lambda r, t: t,
-      out_specs=_one(q), out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), name="selection_flash_dq",
-  )(aux.lists, q, *per_set, k, v, aux.code, *ids_args)
+  set_names = _per_set_names(plan, "do", "lse", "delta")
+  ids = [("ids", aux.ids, "tile")] if plan.ids else []
+  dq = _call(platform, functools.partial(_dq_kernel, plan=plan), "selection_flash_dq", (rows, nt),
+             [("lists", aux.lists, "lists"), ("q", q, "tile"),
+              *((n, x, "tile") for n, x in zip(set_names, per_set, strict=True)),
+              ("k", k, "row"), ("v", v, "row"), ("code", aux.code, "row"), *ids],
+             [("dq", jax.ShapeDtypeStruct(q.shape, q.dtype))], _width(aux.lists, nt), lambda r, t: t,
+             plan.sub)[0]
   sub = plan.sub
-  idst_specs = [_whole(aux.ids_t)] if plan.ids else []
-  idst_args = [aux.ids_t] if plan.ids else []
-  dk, dv = _call(
-      platform, functools.partial(_dkv_kernel, plan=plan), (rows, nk),
-      [_whole(q), *map(_whole, per_set), _one(k), _one(v), _one(aux.code_t), *idst_specs],
-      aux.lists_t, _width(aux.lists_t, nk // sub), lambda r, t: _div(t, sub),
-      out_specs=[_one(k), _one(v)],
-      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-      name="selection_flash_dkv",
-  )(aux.lists_t, q, *per_set, k, v, aux.code_t, *idst_args)
+  # the kernel's streams in `_dkv_kernel`'s order: q, then do, lse, delta of each softmax, then the ids
+  by_kind = dict(zip(set_names, per_set, strict=True))
+  streamed = [("q", q)] + [(n, by_kind[n]) for x in ("do", "lse", "delta")
+                           for n in _per_set_names(plan, x)] + ([("ids", aux.ids_t)] if plan.ids else [])
+  dk, dv = _call(platform, functools.partial(_dkv_kernel, plan=plan), "selection_flash_dkv", (rows, nk),
+                 [("lists", aux.lists_t, "lists"), *((n, x, "row") for n, x in streamed),
+                  ("k", k, "tile"), ("v", v, "tile"), ("code", aux.code_t, "tile")],
+                 [(n, jax.ShapeDtypeStruct(x.shape, x.dtype)) for n, x in (("dk", k), ("dv", v))],
+                 _width(aux.lists_t, nk // sub), lambda r, t: _div(t, sub), 1)
   return dq, dk, dv, jax.tree.map(_zero_cotangent, aux, is_leaf=lambda x: x is None)
 
 
@@ -451,20 +451,26 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 def _lists(member: Array, most: int) -> Array:
   """member [rows, n, m] bool -> [rows, 1, n * W] int32, list after list: the count, then the members
-  ascending (at most `most`), W a power of two (Triton's block sizes); slots past the count are never read.
+  ascending (at most `most`), W = `_list_width`; slots past the count are never read.
   A numpy member (the static rules) gives numpy lists: constants of the program."""
   if isinstance(member, np.ndarray):
     m = member.shape[-1]
     order = np.argsort(np.where(member, np.arange(m), m + np.arange(m)), axis=-1, kind="stable")
     out = np.concatenate([member.sum(-1, keepdims=True), order[..., :min(most, m)]], axis=-1)
-    out = np.pad(out, ((0, 0), (0, 0), (0, _pow2(out.shape[-1]) - out.shape[-1]))).astype(np.int32)
+    out = np.pad(out, ((0, 0), (0, 0), (0, _list_width(out.shape[-1]) - out.shape[-1]))).astype(np.int32)
     return out.reshape(out.shape[0], 1, -1)
   m = member.shape[-1]
   index = jnp.arange(m, dtype=jnp.int32)
   order = jnp.argsort(jnp.where(member, index, m + index), axis=-1)[..., :min(most, m)].astype(jnp.int32)
   count = jnp.sum(member, axis=-1, dtype=jnp.int32)[..., None]
-  spare = jnp.zeros((*count.shape[:-1], _pow2(1 + order.shape[-1]) - 1 - order.shape[-1]), jnp.int32)
+  spare = jnp.zeros((*count.shape[:-1], _list_width(1 + order.shape[-1]) - 1 - order.shape[-1]), jnp.int32)
   return jnp.concatenate([count, order, spare], axis=-1).reshape(count.shape[0], 1, -1)  # [rows, 1, n * W]
+
+
+def _list_width(entries: int) -> int:
+  """W for lists of `entries` entries: a power of two (Triton's blocks), at least `LIST_WIDTH` (Mosaic's SMEM
+  blocks)."""
+  return max(LIST_WIDTH, _pow2(entries))
 
 
 def _width(lists: Array, n: int) -> int:
