@@ -20,6 +20,7 @@ import argparse
 import difflib
 import os
 import re
+import stat
 import sys
 from collections.abc import Callable, Iterable
 from typing import Any, NoReturn
@@ -100,7 +101,7 @@ def workdir_dir(flag: str, workdir: str | None, *, must_exist: bool) -> None:
   file, too long a name, a read-only or forbidden place is refused here, before anything starts."""
   if not workdir or "://" in workdir:
     return
-  if os.path.exists(workdir) and not os.path.isdir(workdir):
+  if _not_a_directory(workdir):
     raise UsageError(f"{flag} {workdir} is a file, not a directory")
   if must_exist and not os.path.isdir(workdir):
     raise UsageError(f"{flag} {workdir}: no such directory (a train.py workdir)")
@@ -108,33 +109,55 @@ def workdir_dir(flag: str, workdir: str | None, *, must_exist: bool) -> None:
     _check_writable_dir(flag, workdir)
 
 
-def _check_writable_dir(flag: str, workdir: str) -> None:
-  """Makes the missing directories of `workdir` and a file in it, then removes what it made: whatever the OS
-  refuses on the way is a UsageError naming the path and the OS's reason. Nothing is left behind."""
-  path = os.path.abspath(os.path.expanduser(workdir))
-  parent = path
-  while not os.path.lexists(parent):  # the nearest part of the path that exists
-    parent = os.path.dirname(parent)
-  if not os.path.isdir(parent):
-    raise UsageError(f"{flag} {workdir}: {parent} is a file, so no directory can be made under it")
-  made = []
+def _not_a_directory(path: str) -> bool:
+  """Whether `path` exists and is not a directory, in one look (another process may make or remove it)."""
   try:
-    for part in _missing_parts(path, parent):
-      os.mkdir(part)
-      made.append(part)
-    probe = os.path.join(path, f".write-check-{os.getpid()}")
-    with open(probe, "w") as f:
-      f.write("x")
-    os.remove(probe)
-  except OSError as e:
-    where = f" ({e.filename})" if e.filename and os.fspath(e.filename) != path else ""
-    raise UsageError(f"{flag} {workdir}: the OS refuses it{where}: {e.strerror or e}") from e
-  finally:
-    for part in reversed(made):
-      try:
-        os.rmdir(part)
-      except OSError:
-        pass
+    return not stat.S_ISDIR(os.stat(path).st_mode)
+  except OSError:
+    return False
+
+
+def _check_writable_dir(flag: str, workdir: str, *, tries: int = 20) -> None:
+  """Makes the missing directories of `workdir` and a file in it, then removes what it made: whatever the OS
+  refuses on the way is a UsageError naming the path and the OS's reason. Nothing is left behind. The
+  processes of a multi-host run check the same local path at once: a directory another one just made is
+  used as it is (and may stay, empty, when the other's check was still in it), and one removed under this
+  check is made again (`tries` times)."""
+  path = os.path.abspath(os.path.expanduser(workdir))
+  for _ in range(tries):
+    parent = path
+    while not os.path.lexists(parent):  # the nearest part of the path that exists
+      parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+      if not os.path.lexists(parent):  # removed by another process since
+        continue
+      raise UsageError(f"{flag} {workdir}: {parent} is a file, so no directory can be made under it")
+    made = []
+    try:
+      for part in _missing_parts(path, parent):
+        try:
+          os.mkdir(part)
+          made.append(part)
+        except FileExistsError:
+          if not os.path.isdir(part):
+            raise
+      probe = os.path.join(path, f".write-check-{os.getpid()}")
+      with open(probe, "w") as f:
+        f.write("x")
+      os.remove(probe)
+      return
+    except FileNotFoundError:  # another process removed a directory of the path under this check
+      pass
+    except OSError as e:
+      where = f" ({e.filename})" if e.filename and os.fspath(e.filename) != path else ""
+      raise UsageError(f"{flag} {workdir}: the OS refuses it{where}: {e.strerror or e}") from e
+    finally:
+      for part in reversed(made):
+        try:
+          os.rmdir(part)
+        except OSError:  # another process's check is still in it, or the OS refuses: it stays
+          pass
+  raise UsageError(f"{flag} {workdir}: its directories keep disappearing while it is checked")
 
 
 def _missing_parts(path: str, existing: str) -> list[str]:

@@ -90,7 +90,9 @@ def lost_host(e: BaseException, workdir: str) -> HostLost | None:
   count, me = jax.process_count(), jax.process_index()
   lost = [1 - me] if count == 2 else []
   peer = f"process {lost[0]} of {count}" if lost else "another process"
-  return account(f"the connection to {peer} broke ({' '.join(found.split())[:300]})", workdir, lost)
+  lost_ = account(f"the connection to {peer} broke ({' '.join(found.split())[:300]})", workdir, lost)
+  lost_.status_fields["reported_by"] = me  # process 0 records it itself; the others' supervisors relay it
+  return lost_
 
 
 # -----------------------------------------------------------------------------------------------------------

@@ -89,3 +89,50 @@ def test_a_workdir_to_write_is_checked_with_the_os_and_nothing_is_left(tmp_path)
   with pytest.raises(cli.UsageError, match=r"the OS refuses it .*: File name too long"):
     cli.workdir_dir("--workdir", str(tmp_path / ("x" * 300) / "run"), must_exist=False)
   assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "run"]
+
+
+_RACE = """
+import sys
+from multiprocessing.connection import Client
+from runtime import cli
+base, port, rounds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+with Client(("localhost", port)) as go:
+  for i in range(rounds):
+    go.recv()  # every process starts round i together
+    cli.workdir_dir("--workdir", f"{base}/{i}/a/run", must_exist=False)
+    go.send(i)
+"""
+
+
+def test_processes_checking_one_new_workdir_at_once_all_pass(tmp_path):
+  """The processes of a multi-host run on one machine check the same new workdir at the same moment: a
+  directory another one just made (or removed) is no refusal, and no probe file is left. Real processes,
+  released together each round."""
+  import subprocess
+  import time
+  from multiprocessing.connection import Listener
+
+  from tests.training.localhost import ROOT
+
+  rounds, count = 60, 4
+  with Listener(("localhost", 0)) as listener:
+    args = [sys.executable, "-c", _RACE, str(tmp_path), str(listener.address[1]), str(rounds)]
+    procs = [subprocess.Popen(args, cwd=ROOT, stderr=subprocess.PIPE, text=True) for _ in range(count)]
+    conns = [listener.accept() for _ in procs]
+    for i in range(rounds):
+      for c in conns:
+        c.send(i)
+      for c in conns:
+        try:
+          assert c.recv() == i
+        except EOFError:  # a process ended: the others wait for a round that will not come
+          time.sleep(1)
+          for p in procs:
+            if p.poll() is None:
+              p.kill()
+          raise AssertionError(f"round {i}: {[p.communicate()[1] for p in procs if p.returncode]}") from None
+  assert [p.wait(timeout=60) for p in procs] == [0] * count
+  # No probe file is left; at most the workdir's own directories, made by one process while another's check
+  # was in them (the run makes them next anyway).
+  left = {str(p.relative_to(tmp_path / p.relative_to(tmp_path).parts[0])) for p in tmp_path.rglob("*")}
+  assert left <= {".", "a", "a/run"}, left
