@@ -1,12 +1,13 @@
 """Span abstractions: coordinate-wise max or mean pooling over the real (unmasked) members of a span.
 
 Pooling is kept as (value, count) statistics until it is finalised, so that empty spans are known and dropped.
-Exclusive prefix statistics come from `jax.lax.cummax` / `cumsum`, "all members but one" from a top-2 (or
-total-minus-self) reduction, block statistics from reshape-and-reduce; nothing of size L^2 is formed.
+Exclusive prefix statistics come from `cummax` (below) / `jax.lax.cumsum`, "all members but one" from a top-2
+(or total-minus-self) reduction, block statistics from reshape-and-reduce; nothing of size L^2 is formed.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -39,10 +40,50 @@ def inclusive_scan_stats(x: Array, valid: Array, axis: int, kind: str, *, revers
   """Statistics over the members up to and including (or from, `reverse`) each position along `axis`."""
   xm = masked(x, valid, kind)
   if kind == "max":
-    value = jax.lax.cummax(xm, axis=axis, reverse=reverse)
+    value = cummax(xm, axis, reverse)
   else:
     value = jax.lax.cumsum(xm, axis=axis, reverse=reverse)
   return Stats(value, jax.lax.cumsum(valid.astype(jnp.int32), axis=axis, reverse=reverse))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def cummax(x: Array, axis: int, reverse: bool = False) -> Array:
+  """`jax.lax.cummax` whose gradient is that of a max over each prefix: the cotangent of prefix t goes to the
+  members equal to its max, split evenly between ties (as `jnp.max`'s). JAX differentiates cummax through an
+  associative scan, log2(n) levels of slices and pads in both passes; this backward is a few cumulative ops
+  and one gather along `axis`."""
+  return jax.lax.cummax(x, axis=axis, reverse=reverse)
+
+
+def _cummax_fwd(x: Array, axis: int, reverse: bool):
+  m = jax.lax.cummax(x, axis=axis, reverse=reverse)
+  return m, (x, m)
+
+
+def _cummax_bwd(axis: int, reverse: bool, res: tuple, g: Array):
+  # "Earlier" and "later" are in scan order (decreasing index when `reverse`). The prefix max m is
+  # nondecreasing, so the prefixes whose max a member s equals form a run [s, e(s)) of equal m: s gets the
+  # cotangents h_t = g_t / n_t of that run, n_t the members tied at prefix t's max.
+  x, m = res
+  n = x.shape[axis]
+  acc = jnp.promote_types(x.dtype, jnp.float32)
+  tie = x == m  # member s attains its prefix's max
+  run_start = m != shift(m, axis, reverse, -jnp.inf)  # a new max begins a run
+  ties = jax.lax.cumsum(tie.astype(jnp.int32), axis=axis, reverse=reverse)
+  count = ties - jax.lax.cummax(jnp.where(run_start, ties - 1, 0), axis=axis, reverse=reverse)  # n_t >= 1
+  after = jax.lax.cumsum(g.astype(acc) / count, axis=axis, reverse=not reverse)  # sum of h over t at/after s
+  order = jax.lax.broadcasted_iota(jnp.int32, x.shape, axis)
+  order = n - 1 - order if reverse else order  # scan position
+  next_start = jax.lax.cummin(jnp.where(run_start, order, n), axis=axis, reverse=not reverse)
+  end = shift(next_start, axis, not reverse, n)  # e(s): the first run start after s, n past the end
+  pad = [(0, 0)] * x.ndim
+  pad[axis] = (1, 0) if reverse else (0, 1)  # a zero where e(s) = n
+  index = n - end if reverse else end
+  beyond = jnp.take_along_axis(jnp.pad(after, pad), index, axis=axis)
+  return (jnp.where(tie, after - beyond, 0).astype(x.dtype),)
+
+
+cummax.defvjp(_cummax_fwd, _cummax_bwd)
 
 
 def exclusive_scan_stats(x: Array, valid: Array, axis: int, kind: str, *, reverse: bool = False) -> Stats:
