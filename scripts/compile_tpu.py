@@ -5,7 +5,7 @@ r"""Compiles a config's whole train step for a Cloud TPU slice on this machine, 
         --config.train.batch_size=64
     python -m scripts.compile_tpu --config configs/wiki40b.py --topology v5p     # the smallest v5p slice
     python -m scripts.compile_tpu --list_topologies
-    python -m scripts.compile_tpu --docs docs/tpu.md                             # the table of docs/tpu.md
+    python -m scripts.compile_tpu --docs docs/tpu.md --docs_jobs 4               # the table of docs/tpu.md
 
 libtpu runs the real TPU compiler ahead of time on the host's CPU (`jax.experimental.topologies`), so no TPU
 is needed. The step is the one train.py runs: `Experiment` (training/) builds the model, optimizer, state
@@ -27,11 +27,13 @@ the compiler's first error line). scripts/tpu.py runs this check before it creat
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -412,7 +414,7 @@ deepest model, `cifar10.py:main` (128 layers), compiles for v5e-4 in about a min
 of 4,028 StableHLO operations, as many as at 32 layers): its blocks are scanned with their parameters stacked
 on a layers axis, so the compiler sees one block and one optimizer update whatever the depth. `--docs
 docs/tpu.md` compiles the rows the table does not hold (delete a row, or the file, to measure it again) and
-keeps the others.
+keeps the others; `--docs_jobs 4` measures four rows at once, on a host with the cores for them.
 
 """
 
@@ -430,15 +432,20 @@ def measured_rows(path: str) -> dict[tuple[str, str], str]:
   return rows
 
 
-def write_docs(path: str, configs: tuple[str, ...] = DOC_CONFIGS) -> int:
-  """One subprocess of this module per (config, generation) with --markdown, for the rows the table at
-  `path` does not hold yet (delete a row, or the file, to measure it again); the file is rewritten after
-  each row, so an interrupted run keeps the rows it finished and the next run goes on from there."""
+def write_docs(path: str, configs: tuple[str, ...] = DOC_CONFIGS, jobs: int = 1) -> int:
+  """One subprocess of this module per (config, generation) with --markdown, `jobs` at a time, for the rows
+  the table at `path` does not hold yet (delete a row, or the file, to measure it again); the file is
+  rewritten after each row, so an interrupted run keeps the rows it finished and the next run goes on from
+  there. A compile uses the host's cores unevenly (the TPU compiler is mostly one thread), so on a host with
+  cores to spare several searches at once finish the table sooner."""
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   done = measured_rows(path)
   table = {(label, gen): done.get((label, gen), f"| `{label}` | {gen} | {NOT_MEASURED} | | | |")
            for label in configs for gen in GENERATIONS}
-  for (label, gen) in [key for key in table if key not in done]:
+  lock = threading.Lock()
+
+  def measure(key: tuple[str, str]) -> None:
+    label, gen = key
     cmd = [sys.executable, "-m", "scripts.compile_tpu", "--config", label, "--topology", gen, "--markdown"]
     try:
       out = subprocess.run(cmd, cwd=root, text=True, capture_output=True, check=False, timeout=DOC_TIMEOUT_S)
@@ -446,10 +453,15 @@ def write_docs(path: str, configs: tuple[str, ...] = DOC_CONFIGS) -> int:
       why = (out.stderr.strip().splitlines() or ["no output"])[-1][:300]
     except subprocess.TimeoutExpired:
       row, why = None, f"{NOT_MEASURED} (the slice search takes over {DOC_TIMEOUT_S // 60} minutes here)"
-    table[(label, gen)] = row or f"| `{label}` | {gen} | {why.replace('|', '/')} | | | |"
-    print(table[(label, gen)], flush=True)
-    with open(path, "w") as f:
-      f.write(DOC_INTRO + "\n".join([MARKDOWN_HEADER, *table.values()]) + "\n")
+    with lock:
+      table[key] = row or f"| `{label}` | {gen} | {why.replace('|', '/')} | | | |"
+      print(table[key], flush=True)
+      with open(path, "w") as f:
+        f.write(DOC_INTRO + "\n".join([MARKDOWN_HEADER, *table.values()]) + "\n")
+
+  with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+    for future in [pool.submit(measure, key) for key in table if key not in done]:
+      future.result()
   return 0
 
 
@@ -471,6 +483,7 @@ def _flags():
   flags.DEFINE_bool("list_topologies", False, "list the accelerator types --topology takes, then exit")
   flags.DEFINE_bool("markdown", False, "print one row of the docs/tpu.md table instead of the report")
   flags.DEFINE_string("docs", None, "write the table of every paper config by generation to this file")
+  flags.DEFINE_integer("docs_jobs", 1, "with --docs: how many rows to measure at once (one process each)")
   return flags.FLAGS
 
 
@@ -496,7 +509,8 @@ def main(argv: list[str]) -> None:
             f"{g.hbm_bandwidth / 1e9:g} GB/s per chip)")
     return
   if flags.docs:
-    sys.exit(write_docs(flags.docs))
+    cli.at_least("--docs_jobs", flags.docs_jobs, 1)
+    sys.exit(write_docs(flags.docs, jobs=flags.docs_jobs))
   cli.at_least("--num_slices", flags.num_slices, 1)
   if not flags.topology:
     raise cli.UsageError(f"--topology is required: one of {allowed()}")

@@ -156,19 +156,25 @@ def test_tpu_memory_reports_temporaries_against_splash():
 
 @pytest.mark.slow
 def test_docs_table_measures_only_the_rows_it_lacks(tmp_path):
-  """`--docs` keeps every measured row of an existing table and measures the missing ones: here one
-  (the default config on v5e, searched over every v5e slice the global batch allows)."""
+  """`--docs` keeps every measured row of an existing table and measures the missing ones: here two at once
+  (the default config on v5e and v6e, each searched over the generation's slices the global batch allows)."""
   from scripts import compile_tpu as ct
 
   rows = [f"| `{label}` | {gen} | yes | 0.01 of 1 GiB | {gen}-x | 1 ms (kept) |"
           for label in ct.DOC_CONFIGS for gen in ct.GENERATIONS]
-  missing = rows.index("| `configs/default.py` | v5e | yes | 0.01 of 1 GiB | v5e-x | 1 ms (kept) |")
-  rows[missing] = f"| `configs/default.py` | v5e | {ct.NOT_MEASURED} | | | |"
+  missing = [rows.index(f"| `configs/default.py` | {gen} | yes | 0.01 of 1 GiB | {gen}-x | 1 ms (kept) |")
+             for gen in ("v5e", "v6e")]
+  for i in missing:
+    rows[i] = rows[i].split(" yes ")[0] + f" {ct.NOT_MEASURED} | | | |"
   path = tmp_path / "tpu.md"
   path.write_text(ct.DOC_INTRO + ct.MARKDOWN_HEADER + "\n" + "\n".join(rows) + "\n")
-  out = compile_tpu("--docs", str(path))
+  out = compile_tpu("--docs", str(path), "--docs_jobs", "2")  # the two rows at once
   assert out.returncode == 0, out.stderr
   table = [line for line in path.read_text().splitlines() if line.startswith("| `")]
   assert len(table) == len(rows)
-  assert table[:missing] + table[missing + 1:] == rows[:missing] + rows[missing + 1:]
-  assert table[missing].startswith("| `configs/default.py` | v5e | yes | ") and "v5e-1" in table[missing]
+  kept = [i for i in range(len(rows)) if i not in missing]
+  assert [table[i] for i in kept] == [rows[i] for i in kept]
+  for i, gen in zip(missing, ("v5e", "v6e"), strict=True):
+    assert table[i].startswith(f"| `configs/default.py` | {gen} | yes | ") and f"{gen}-1" in table[i]
+  bad = compile_tpu("--docs", str(path), "--docs_jobs", "0")
+  assert bad.returncode == 2 and bad.stderr.strip().splitlines() == ["ERROR: --docs_jobs must be >= 1, got 0"]
