@@ -35,7 +35,7 @@ TILE = 128  # query / key tile cap inside a group (TPU lanes; also interpret mod
 GPU_TILE = 64  # smaller tiles keep more Triton programs in flight
 GPU_PARAMS = pltriton.CompilerParams(num_warps=4, num_stages=2)
 HEAD_BLOCK = 8  # heads per program on TPU: their blocks fit a v4 core's 16 MiB of VMEM
-KINDS = ("block", "last", "prefix", "all_but_one", "own")
+KINDS = ("block", "last", "prefix", "upto", "all_but_one", "own")
 COUNTS = ("vertical_causal", "vertical", "horizontal", "rows")  # how `extra` summaries' members are counted
 
 

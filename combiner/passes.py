@@ -6,9 +6,10 @@ columns (group c = frame column c). One program holds its group in VMEM and, in 
 
   construct  builds the group's span summaries (`Construct`): pooled keys, and the in-span expected values of
              the pooled queries, an attention over the group's keys. "block": one summary per group; "last":
-             the group's last position; "prefix": per position, the rows before it; "all_but_one": per
-             position, every other row; "own": per position its own query (the group's pooled query where
-             the position is masked) against the whole group, with one pooled key per group;
+             the group's last position; "prefix": per position, the rows before it ("upto": and itself);
+             "all_but_one": per position, every other row; "own": per position its own query (the group's
+             pooled query where the position is masked) against the whole group, with one pooled key per
+             group;
   attend     runs one online softmax of the group's queries over its own keys (`own`), per-position summaries
              of the group from another pass (`extra`) and summaries shared by all groups (`bank`, one row per
              group), merged with another pass's partial softmax of the same queries (`ext`).
@@ -141,14 +142,16 @@ def _names(f: Frame, p: Pass, backward: bool) -> tuple[tuple[str, ...], tuple[st
       outs += ["o", "lse"]
     if c is not None:
       outs += {"block": ["kbar_row", "vt_row"], "last": ["kbar_row", "vt_row"],
-               "prefix": ["kbar_tok", "vt_tok"], "all_but_one": ["kbar_tok", "vt_tok"],
+               "prefix": ["kbar_tok", "vt_tok"], "upto": ["kbar_tok", "vt_tok"],
+               "all_but_one": ["kbar_tok", "vt_tok"],
                "own": ([] if c.given_keys else ["kbar_row"]) + ["vt_tok"]}[c.kind]
     return tuple(ins), tuple(outs)
   if p.attend:
     ins += ["do", "o_fin", "lse_fin"]
   if c is not None:
     ins += {"block": ["dkbar_row", "dvt_row"], "last": ["dkbar_row", "dvt_row"],
-            "prefix": ["dkbar_tok", "dvt_tok"], "all_but_one": ["dkbar_tok", "dvt_tok"],
+            "prefix": ["dkbar_tok", "dvt_tok"], "upto": ["dkbar_tok", "dvt_tok"],
+            "all_but_one": ["dkbar_tok", "dvt_tok"],
             "own": ["dkbar_row", "dvt_tok"]}[c.kind]
   ins += ["dq_in", "dk_in", "dv_in"] + (["dpq_in", "dpk_in"] if c is not None and c.pools else [])
   outs = ["dq", "dk", "dv"] + (["dpq", "dpk"] if c is not None and c.pools else [])
@@ -206,9 +209,10 @@ def _pooled(f: Frame, p: Pass, R: dict, valid_col: Array):
     qbar, qcnt = tiles.pool_block(pq, valid_col, c.pooling)
     kbar, kcnt = tiles.pool_block(pk, valid_col, c.pooling)
     return tiles.rows_of(qbar, tiles.min_rows(f.platform)), qcnt, kbar, kcnt
-  if c.kind == "prefix":
-    qbar, cnt = tiles.pool_prefix(pq, valid_col, c.pooling, f.platform)
-    kbar, _ = tiles.pool_prefix(pk, valid_col, c.pooling, f.platform)
+  if c.kind in ("prefix", "upto"):
+    pool = tiles.pool_upto if c.kind == "upto" else tiles.pool_prefix
+    qbar, cnt = pool(pq, valid_col, c.pooling, f.platform)
+    kbar, _ = pool(pk, valid_col, c.pooling, f.platform)
     return qbar, cnt, kbar, cnt
   if c.kind == "all_but_one":
     qbar, cnt = tiles.pool_all_but_one(pq, valid_col, c.pooling)
@@ -426,9 +430,10 @@ def _construct_backward(f: Frame, p: Pass, R: dict, g: Array) -> dict[str, Array
     out["dpq"] = tiles.route_block(pq, valid_col, c.pooling, tiles.take_row(queries, 0), qcnt,
                                    tiles.take_row(dqbar, 0))
     out["dpk"] = tiles.route_block(pk, valid_col, c.pooling, kbar, kcnt, dkbar)
-  elif c.kind == "prefix":
-    out["dpq"] = tiles.route_prefix(pq, valid_col, c.pooling, qcnt, dqbar, f.platform)
-    out["dpk"] = tiles.route_prefix(pk, valid_col, c.pooling, kcnt, dkbar, f.platform)
+  elif c.kind in ("prefix", "upto"):
+    upto = c.kind == "upto"
+    out["dpq"] = tiles.route_prefix(pq, valid_col, c.pooling, qcnt, dqbar, f.platform, upto)
+    out["dpk"] = tiles.route_prefix(pk, valid_col, c.pooling, kcnt, dkbar, f.platform, upto)
   elif c.kind == "all_but_one":
     out["dpq"] = tiles.route_all_but_one(pq, valid_col, c.pooling, qcnt, dqbar)
     out["dpk"] = tiles.route_all_but_one(pk, valid_col, c.pooling, kcnt, dkbar)

@@ -32,7 +32,7 @@ import numpy as np
 from attention_core import contract
 from attention_core.blocks import to_grid
 from attention_core.combine import Piece, attend, joint_softmax, weighted_sum
-from combiner import common, kernel_plans
+from combiner import common, kernel_plans, routed_kernels
 from combiner import pooling as pool_ops
 
 Array = Any
@@ -113,13 +113,18 @@ def routed(q: Array, k: Array, v: Array, *, cluster_ids: Array, num_clusters: in
   q / k for the span abstractions. Returns [batch, length, heads, value_dim] in v's dtype.
   implementation: "xla", "pallas" or "auto" (pallas on GPU/TPU). The bidirectional plan is Combiner-Fixed
   over the slot order, blocks = chunks, so "pallas" runs it on Combiner-Fixed's kernels (`_on_kernels`);
-  the causal plan's prefix states follow position order across chunks and stay on the XLA path.
+  the causal plan runs on its own (`combiner.routed_kernels`): a slot-layout pass for the own chunk and the
+  prefix states, a position-layout kernel for the other chunks' states.
   """
   op = "combiner.routed"
   n = contract.check_positive_int(num_clusters, name="num_clusters", op=op)
-  if not causal and common.uses_kernels(implementation, op=op):
-    return _on_kernels(common.check(q, k, v, mask, op=op, causal=causal, pooling=pooling, pool_q=pool_q,
-                                    pool_k=pool_k), cluster_ids, n, pooling, op)
+  if common.uses_kernels(implementation, op=op):
+    c = common.check(q, k, v, mask, op=op, causal=causal, pooling=pooling, pool_q=pool_q, pool_k=pool_k)
+    if not causal:
+      return _on_kernels(c, cluster_ids, n, pooling, op)
+    ids = _check_cluster_ids(cluster_ids, c.q.shape[:3], n, op)
+    return routed_kernels.causal(c.q, c.k, c.v, c.mask, c.pool_q, c.pool_k, ids, num_clusters=n,
+                                 pooling=pooling, platform=contract.backend())
   x = common.prepare(q, k, v, mask, op=op, causal=causal, pooling=pooling, pool_q=pool_q, pool_k=pool_k)
   batch, heads, length, _ = x.q.shape  # head-major
   ids = _check_cluster_ids(cluster_ids, (batch, length, heads), n, op).transpose(0, 2, 1)  # [b, h, L]

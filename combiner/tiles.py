@@ -301,29 +301,42 @@ def pool_prefix(x: Array, valid: Array, kind: str, platform: str) -> tuple[Array
   return jnp.where(cnt > 0, _running_max(jnp.where(valid, x, NEG), platform), 0.0), cnt
 
 
-def route_prefix(x: Array, valid: Array, kind: str, cnt: Array, g: Array, platform: str) -> Array:
-  """Gradient [n, d] of `pool_prefix` for pooled gradients g [n, d].
+def pool_upto(x: Array, valid: Array, kind: str, platform: str) -> tuple[Array, Array]:
+  """Per row j, the span of the valid rows up to and including j: (pooled [n, d], count [n, 1])."""
+  xv = jnp.where(valid, x, 0.0)
+  cnt = _tri_sum(valid.astype(F32), True) + valid.astype(F32)
+  if kind == "mean":
+    return (_tri_sum(xv, True) + xv) / jnp.maximum(cnt, 1.0), cnt
+  xm = jnp.where(valid, x, NEG)
+  return jnp.where(cnt > 0, jnp.maximum(_running_max(xm, platform), xm), 0.0), cnt
 
-  Mean: row s receives g[j] / cnt[j] from every later row j. Max: the maximum over the rows before j sits at
-  the last "record" before j (a valid row greater than every valid row before it; a tie is no record, so
-  ties go to the earlier row). Record s thus owns the rows j in (s, r], r its next record (or the last row),
-  and receives P[r] - P[s], P the inclusive prefix sums of g; P at the next record comes from a reverse
-  log-step fill.
+
+def route_prefix(x: Array, valid: Array, kind: str, cnt: Array, g: Array, platform: str,
+                 upto: bool = False) -> Array:
+  """Gradient [n, d] of `pool_prefix` (`pool_upto` if upto) for pooled gradients g [n, d].
+
+  Mean: row s receives g[j] / cnt[j] from every later row j (and from itself, upto). Max: the maximum over
+  the rows before j sits at the last "record" before j (a valid row greater than every valid row before it;
+  a tie is no record, so ties go to the earlier row). Record s thus owns the rows j in (s, r] ([s, r), upto),
+  r its next record (or past the last row), and receives S[r] - S[s], S the inclusive (exclusive, upto)
+  prefix sums of g; S at the next record comes from a reverse log-step fill.
   """
   n = x.shape[0]
   g = jnp.where(cnt > 0, g, 0.0)
   if kind == "mean":
-    return jnp.where(valid, _tri_sum(g / jnp.maximum(cnt, 1.0), False), 0.0)
+    share = g / jnp.maximum(cnt, 1.0)
+    return jnp.where(valid, _tri_sum(share, False) + (share if upto else 0.0), 0.0)
   xm = jnp.where(valid, x, NEG)
   record = valid & (xm > _running_max(xm, platform))
-  incl = _tri_sum(g, True) + g  # P
-  val = _shift(jnp.where(record, incl, 0.0), -1, 0.0, platform)  # P of the record at j + 1, if one
+  before = _tri_sum(g, True)
+  sums = before if upto else before + g  # S
+  val = _shift(jnp.where(record, sums, 0.0), -1, 0.0, platform)  # S of the record at j + 1, if one
   has = _shift(record.astype(F32), -1, 0.0, platform)
   k = 1
-  while k < n:  # val[j] <- P of the first record after j
+  while k < n:  # val[j] <- S of the first record after j
     later, later_has = _shift(val, -k, 0.0, platform), _shift(has, -k, 0.0, platform)
     val = jnp.where(has > 0, val, later)
     has = jnp.maximum(has, later_has)
     k *= 2
-  end = jnp.where(has > 0, val, take_row(incl, n - 1))
-  return jnp.where(record, end - incl, 0.0)
+  end = jnp.where(has > 0, val, take_row(before + g, n - 1))
+  return jnp.where(record, end - sums, 0.0)

@@ -49,7 +49,8 @@ def routing_op(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None
 def combiner_routed_op(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None,
                        num_clusters: int, pooling: str = "max", implementation: str = "auto") -> Array:
   """Combiner-routed attention, clusters = nearest fixed centroid of the layer-normed query and key
-  (bidirectional: on Combiner-Fixed's kernels under `implementation`). The centroids are made for every head
+  (on kernels under `implementation`: Combiner-Fixed's when bidirectional, `combiner.routed_kernels` when
+  causal). The centroids are made for every head
   here and the rest partitions itself (`_routed_by`), each device routing its heads by theirs."""
   return _routed_by(q, k, v, centroids=_centroids(q, num_clusters), causal=causal, mask=mask,
                     num_clusters=num_clusters, pooling=pooling, implementation=implementation)
@@ -79,5 +80,5 @@ register(OpSpec("combiner_routed", combiner_routed_op,
                 params=lambda length: {"num_clusters": sqrt_pow2(length)},
                 module="models.routing_attention:RoutedCombinerAttention",
                 plan={"num_clusters": POSITIVE, "pooling": TEXT},
-                fused=FusedPath.declare(contract.IMPLEMENTATIONS, causal=False),
+                fused=FusedPath.declare(contract.IMPLEMENTATIONS),
                 description="Combiner-learnable: full attention over k-means routed chunks, O(L^1.5 d)"))

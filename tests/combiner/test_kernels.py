@@ -245,6 +245,9 @@ LOWERING_OPS = {
                                                 implementation="pallas"),
     "logsparse": lambda q, k, v: combiner.logsparse(q, k, v, causal=False, implementation="pallas"),
     "sparse_logsparse": lambda q, k, v: sparse.logsparse(q, k, v, causal=True, implementation="pallas"),
+    "routed_causal": lambda q, k, v: combiner.routed(
+        q, k, v, cluster_ids=jnp.arange(q.size // q.shape[-1]).reshape(q.shape[:3]) % 32, num_clusters=32,
+        causal=True, implementation="pallas"),
 }
 # The Triton custom call carries no cross-version compatibility guarantee, so export must be told to allow it.
 TRITON_OK = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]

@@ -9,7 +9,7 @@ import pytest
 
 import combiner
 from attention_core import registry as ops_registry
-from combiner import reference
+from combiner import kernel_plans, reference
 
 
 @functools.partial(jax.jit, static_argnames=("num_clusters", "causal", "pooling"))
@@ -159,35 +159,98 @@ def test_registered_ops_run_under_jit():
     assert out.shape == q.shape and bool(jnp.isfinite(out).all())
 
 
-@pytest.mark.parametrize("pooling,deepsets", [("max", True),
-                                              pytest.param("mean", False, marks=pytest.mark.slow)])
-def test_kernels_equal_xla(pooling, deepsets):
-  """The bidirectional plan on Combiner-Fixed's kernels (interpret mode) equals the XLA path: forward and the
-  gradients of q, k, v (and the DeepSets pools), with a mask, skewed clusters and value_dim != head_dim."""
+def _kernels_against_xla(causal, pooling, deepsets, *, length=13, clusters=4, masked=True, seed=3):
+  """(pallas, xla): the output and the gradients of q, k, v (and the DeepSets pools) of sum(out * cotangent),
+  float32, skewed clusters, value_dim != head_dim; padded query rows (don't-care) carry no cotangent and
+  are compared as zeros."""
   q, k, v, ids, mask = (x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x
-                        for x in _inputs(3, 2, 13, 2, 8, 5, 4))
+                        for x in _inputs(seed, 2, length, 2, 8, 5, clusters))
+  mask = mask if masked else None
   pools = [jax.random.normal(jax.random.key(s), q.shape) for s in (7, 8)] if deepsets else [None, None]
-  cotangent = jax.random.normal(jax.random.key(9), v.shape)
+  real = jnp.ones(q.shape[:2], bool) if mask is None else mask
+  cotangent = jnp.where(real[:, :, None, None], jax.random.normal(jax.random.key(9), v.shape), 0.0)
 
   def run(implementation, q, k, v, pool_q, pool_k):
     def f(q, k, v, pool_q, pool_k):
-      return combiner.routed(q, k, v, cluster_ids=ids, num_clusters=4, causal=False, mask=mask,
+      return combiner.routed(q, k, v, cluster_ids=ids, num_clusters=clusters, causal=causal, mask=mask,
                              pooling=pooling, pool_q=pool_q, pool_k=pool_k, implementation=implementation)
     out, vjp = jax.vjp(f, q, k, v, *pools)
-    return out, vjp(cotangent)
+    return (jnp.where(real[:, :, None, None], out, 0.0), *vjp(cotangent))
 
   got = jax.jit(functools.partial(run, "pallas"))(q, k, v, *pools)
   want = jax.jit(functools.partial(run, "xla"))(q, k, v, *pools)
-  names = ("out", "dq", "dk", "dv") + (("dpool_q", "dpool_k") if deepsets else ())
+  return got, want, ("out", "dq", "dk", "dv") + (("dpool_q", "dpool_k") if deepsets else ())
+
+
+def _assert_equal(got, want, names, tol=2e-5):
   for name, a, b in zip(names, jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=2e-5, err_msg=name)
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=tol, rtol=tol, err_msg=name)
 
 
-def test_causal_stays_on_xla():
-  """The causal plan has no kernel: "pallas" runs the XLA path (the registration declares kernels for the
-  bidirectional plan only)."""
-  q, k, v, ids, mask = _inputs(4, 1, 9, 2, 4, 4, 3)
-  run = functools.partial(combiner.routed, q, k, v, cluster_ids=ids, num_clusters=3, causal=True, mask=mask)
-  np.testing.assert_array_equal(np.asarray(run(implementation="pallas")),
-                                np.asarray(run(implementation="xla")))
-  assert not ops_registry.get("combiner_routed").fused.causal
+@pytest.mark.parametrize("causal,pooling,deepsets", [
+    (False, "max", True), (True, "max", True),
+    pytest.param(False, "mean", False, marks=pytest.mark.slow),
+    pytest.param(True, "mean", False, marks=pytest.mark.slow)])
+def test_kernels_equal_xla(causal, pooling, deepsets):
+  """Both directions on their kernels (interpret mode) equal the XLA path: bidirectional on Combiner-Fixed's,
+  causal on `combiner.routed_kernels` (the own chunk and prefix states in slot layout, the other chunks'
+  states in position layout), with a mask and chunks straddling clusters."""
+  _assert_equal(*_kernels_against_xla(causal, pooling, deepsets))
+
+
+@pytest.mark.slow  # two query and key tiles per block in interpret mode: about 15 s
+def test_causal_kernels_equal_xla_over_several_tiles_without_a_mask():
+  """Chunks of 150 (frame rows of two 128-position tiles): the summary kernel's masks across key tiles and
+  the slot pass's prefix states across its tiles; no mask (validity from positions alone)."""
+  _assert_equal(*_kernels_against_xla(True, "max", False, length=300, clusters=2, masked=False), tol=5e-5)
+
+
+def test_causal_kernels_in_the_gpu_layout(monkeypatch):
+  """The GPU layout (heads packed, one head a program; `kernel_plans.packs_heads`), in interpret mode."""
+  monkeypatch.setattr(kernel_plans, "packs_heads", lambda platform: True)
+  monkeypatch.setattr(kernel_plans, "partial_banks", lambda platform: True)
+  _assert_equal(*_kernels_against_xla(True, "max", False, length=11, clusters=3))
+
+
+def test_prefix_poolings_through_each_position_match_their_definition():
+  """`tiles.pool_upto` (the span of the valid rows up to and including each row) and its gradient
+  (`route_prefix(upto=True)`) against the definition, max and mean, with invalid rows, in float32."""
+  from combiner import tiles
+
+  n, d = 12, 3
+  x = jax.random.normal(jax.random.key(0), (n, d))
+  valid = (jnp.arange(n) % 4 != 1)[:, None]
+  g = jax.random.normal(jax.random.key(1), (n, d))
+  for kind in ("max", "mean"):
+    def definition(x, kind=kind):
+      rows = []
+      for j in range(n):
+        members = [x[i] for i in range(j + 1) if bool(valid[i, 0])]
+        if not members:
+          rows.append(jnp.zeros(d))
+        else:
+          stack = jnp.stack(members)
+          rows.append(jnp.max(stack, axis=0) if kind == "max" else jnp.mean(stack, axis=0))
+      return jnp.stack(rows)
+
+    pooled, cnt = tiles.pool_upto(x, valid, kind, "cpu")
+    np.testing.assert_allclose(np.asarray(pooled), np.asarray(definition(x)), atol=1e-6, err_msg=kind)
+    want = jax.vjp(definition, x)[1](g)[0]
+    got = tiles.route_prefix(x, valid, kind, cnt, g, "cpu", upto=True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, err_msg=kind)
+
+
+def test_causal_kernels_keep_nonfinite_masked_and_future_values_from_visible_outputs():
+  """On its kernels, the causal plan selects rather than multiplies: NaN or Inf at masked keys and values,
+  or at future values, leaves every visible output as it was (16 tokens in chunks of 4)."""
+  q, k, v, ids, mask = (x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x
+                        for x in _inputs(5, 2, 16, 2, 8, 8, 4))
+  run = jax.jit(lambda k, v: combiner.routed(q, k, v, cluster_ids=ids, num_clusters=4, causal=True, mask=mask,
+                                             implementation="pallas"))
+  clean = np.asarray(run(k, v))
+  future = jnp.arange(16)[None, :] > 9
+  for bad in (jnp.nan, jnp.inf):
+    for where, visible, keys in ((~mask, mask, True), (future, ~future & mask, False)):
+      plant = lambda x, where=where, bad=bad: jnp.where(where[:, :, None, None], bad, x)  # noqa: E731
+      out = np.asarray(run(plant(k) if keys else k, plant(v)))
+      np.testing.assert_array_equal(out[np.asarray(visible)], clean[np.asarray(visible)])
