@@ -17,8 +17,8 @@ Causal routed attention (paper eq. 12, `combiner.routed`) has two halves living 
 Gradients come from the final log-sum-exp: the summary kernel's backward gives dq and the states'
 gradients, which flow back to slot layout (a scatter-add of the base states', a permutation of the
 per-token ones) into the slot pass's backward (its own-chunk attention and the prefix states'
-construction). Between forward and backward only the output and its log-sum-exp are kept: the backward
-builds the slot layout and the states again (in one program with its forward, XLA shares the gathers).
+construction). Between forward and backward the output, its log-sum-exp and the prefix states are kept; the
+backward gathers from them again (in one program with its forward, XLA shares those gathers).
 Padded query rows are don't-care (they see every base state), as the op contract allows.
 """
 
@@ -54,9 +54,6 @@ class _Plan:
     return Pass("rows", own="le", construct=Construct("upto", self.pooling, "le", pools=self.pools),
                 final=False)
 
-  @property
-  def states(self) -> Pass:
-    return Pass("rows", construct=Construct("upto", self.pooling, "le", pools=self.pools), attend=False)
 
 
 # ------------------------------------------------------------------------------------- the summary kernel
@@ -247,7 +244,8 @@ def _states(plan: _Plan, a: dict, kbar: Array, vt: Array) -> dict[str, Array]:
 
 
 def _forward(plan: _Plan, a: dict):
-  """(output [batch, length, heads, dv], its log-sum-exp [BH, blocks, 1, cols] in the position frame)."""
+  """(output [batch, length, heads, dv], (its log-sum-exp [BH, blocks, 1, cols] in the position frame, the
+  prefix states' keys and values: slot frame arrays))."""
   fs, fb = plan.slots, plan.blocks
   kdt = a["q"].dtype
   sa = _slot_arrays(plan, a)
@@ -259,7 +257,7 @@ def _forward(plan: _Plan, a: dict):
           "cid": a["cid"], "bvalid": a["bvalid"]}
   m = _summary_call(plan, _summary_forward, args, {"o": plan.out_dtype, "lse": F32},
                     "combiner_routed_summaries_fwd")
-  return kernel_plans.from_frame(m["o"], fb, fb.dv), m["lse"]
+  return kernel_plans.from_frame(m["o"], fb, fb.dv), (m["lse"], s["kbar_tok"], s["vt_tok"])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -268,17 +266,15 @@ def _run(plan: _Plan, a: dict) -> Array:
 
 
 def _run_fwd(plan: _Plan, a: dict):
-  out, lse = _forward(plan, a)
-  return out, (a, out, lse)
+  out, res = _forward(plan, a)
+  return out, (a, out, *res)
 
 
 def _run_bwd(plan: _Plan, residuals: tuple, do: Array):
-  a, out, lse = residuals
+  a, out, lse, kbar, vt = residuals
   fs, fb = plan.slots, plan.blocks
-  kdt = a["q"].dtype
   sa = _slot_arrays(plan, a)
-  s = passes.forward(fs, plan.states, sa, out_dtype=kdt, tok_dtype=kdt, name="combiner_routed_states")
-  st = _states(plan, a, s["kbar_tok"], s["vt_tok"])
+  st = _states(plan, a, kbar, vt)
   args = {"q": kernel_plans.to_frame(a["q"], fb), **st, "cid": a["cid"], "bvalid": a["bvalid"],
           "do": kernel_plans.to_frame(do, fb), "o_fin": kernel_plans.to_frame(out, fb), "lse_fin": lse}
   m = _summary_call(plan, _summary_backward, args,
