@@ -8,7 +8,8 @@ matmul precision differ. For every registered op with a fused path (`attention_c
 Combiner plans and sparse counterparts' implementation="pallas", dense's "flash" (bfloat16 inputs against
 "xla" on float32 copies), the Splash baselines' "splash", YOSO's formulation="onehot" and "pallas" against
 "sorted" with the same hashes), each value that runs on this platform against the op's XLA value, in every
-direction it runs fused, with a random key mask, max/mean pooling, DeepSets pools and value_dim != head_dim
+direction it runs fused, with a random key mask (padded query rows are don't-care: finite, not compared, no
+cotangent), max/mean pooling, DeepSets pools and value_dim != head_dim
 across the cases where the op takes them, it prints the relative L2 error ||got - want|| / ||want|| of the
 output and of the gradients of sum(out * cotangent), and exits 1 when any is above its tolerance or not
 finite. Tolerances allow the accelerator's reduced-precision matmul inputs (TF32 for float32, bfloat16), which
@@ -32,18 +33,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from attention_core import registry
+from training.kernel_check import relative_error
 
 TOLERANCE = {"float32": 1e-2, "bfloat16": 5e-2}
 # Fused values that take half-precision inputs only (cuDNN flash): run in bfloat16 against the reference on
 # float32 copies of the same inputs.
 HALF_PRECISION_ONLY = ("flash",)
-
-
-def _relative_error(got: Any, want: Any) -> float:
-  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-  if not np.all(np.isfinite(got)):
-    return float("inf")
-  return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
 
 
 def _inputs(key: Any, batch: int, length: int, heads: int, head_dim: int, value_dim: int, dtype: Any):
@@ -57,15 +52,21 @@ def _inputs(key: Any, batch: int, length: int, heads: int, head_dim: int, value_
 
 
 def _errors(fn_got: Callable[..., Any], fn_want: Callable[..., Any], args: Sequence[Any], cot: Any,
-            names: Sequence[str]) -> dict[str, float]:
-  """Relative errors of out and of d sum(out * cot) / d args between two implementations."""
+            names: Sequence[str], real: Any) -> dict[str, float]:
+  """Relative errors of out and of d sum(out * cot) / d args between two implementations. Padded query rows
+  (`real` [batch, length] False) are don't-care under the op contract: they carry no cotangent, and their
+  outputs must be finite but are not compared."""
+  rows = np.asarray(real)[:, :, None, None]
+
   def run(fn, *xs):
     out, vjp = jax.vjp(fn, *xs)
-    return (out, *vjp(cot.astype(out.dtype)))
+    return (out, *vjp(jnp.where(rows, cot, 0).astype(out.dtype)))
 
   got = jax.jit(functools.partial(run, fn_got))(*args)
   want = jax.jit(functools.partial(run, fn_want))(*args)
-  return {name: _relative_error(a, b) for name, a, b in zip(("out", *names), got, want, strict=True)}
+  errors = {"out": relative_error(got[0], want[0], rows)}
+  errors.update({name: relative_error(a, b) for name, a, b in zip(names, got[1:], want[1:], strict=True)})
+  return errors
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,7 +147,7 @@ def check(case: Case, args: argparse.Namespace, key: Any) -> dict[str, float]:
 
   names = ("dq", "dk", "dv") + (("dpool_q", "dpool_k") if case.deepsets else ())
   return _errors(functools.partial(op, case.value), functools.partial(op, case.reference), (q, k, v, *pools),
-                 cot.astype(jnp.float32) if half else cot, names)
+                 cot.astype(jnp.float32) if half else cot, names, mask)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -110,10 +110,15 @@ def _one_line(exc: BaseException, limit: int = 300) -> str:
   return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
-def _relative_error(got: Any, want: Any) -> float:
+def relative_error(got: Any, want: Any, rows: Any = None) -> float:
+  """||got - want|| / ||want||, inf where got is not finite; `rows` (broadcasting to got, bool) limits the
+  comparison to those entries (padded query rows are don't-care under the op contract: finite, not
+  compared)."""
   got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
   if not np.all(np.isfinite(got)):
     return float("inf")
+  if rows is not None:
+    got, want = np.where(rows, got, 0.0), np.where(rows, want, 0.0)
   return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
 
 
@@ -202,13 +207,15 @@ def compare(config: ml_collections.ConfigDict, choice: Choice, platform: str, *,
   xla = Layer(with_choice(config, choice.field, choice.xla), small.heads, small.length, causal)
   _, params, rest = small.build()
   x, mask, cot = _inputs(config, 1, small.length, seed=1)
+  real = np.asarray(mask)[:, :, None]  # padded query rows are don't-care: finite, not compared, no cotangent
+  cot = jnp.where(real, cot, 0).astype(cot.dtype)
   got = jax.jit(small.forward_backward(platform))(params, rest, x, mask, cot)
   want = jax.jit(xla.forward_backward(platform))(params, rest, x, mask, cot)
-  errors = {"out": _relative_error(got[0], want[0]), "d_x": _relative_error(got[2], want[2])}
+  errors = {"out": relative_error(got[0], want[0], real), "d_x": relative_error(got[2], want[2])}
   # All parameter gradients as one vector: a bias the softmax ignores (the key's) has a gradient near zero.
   flat = [np.concatenate([np.ravel(np.asarray(a, np.float64)) for a in jax.tree.leaves(g)] or [np.zeros(0)])
           for g in (got[1], want[1])]
-  errors["d_params"] = _relative_error(*flat)
+  errors["d_params"] = relative_error(*flat)
   return errors
 
 
