@@ -135,7 +135,7 @@ class Plan:
   select: int = 0  # fixed with selected spans: spans per query attended exactly
 
 
-def _kernel_dtypes(q: Array, k: Array, v: Array) -> Any:
+def kernel_dtype(q: Array, k: Array, v: Array) -> Any:
   dt = jnp.result_type(q.dtype, k.dtype, v.dtype)
   return dt if jnp.dtype(dt).itemsize < 4 else F32
 
@@ -166,7 +166,7 @@ def _run_bwd(plan: Plan, residual: tuple, do: Array):
 _run.defvjp(_run_fwd, _run_bwd)
 
 
-def _dtypes(arrays: dict) -> dict[str, Any]:
+def grad_dtypes(arrays: dict) -> dict[str, Any]:
   """Gradient dtypes: each input's own."""
   out = {"dq": arrays["q"].dtype, "dk": arrays["k"].dtype, "dv": arrays["v"].dtype}
   if "pool_q" in arrays:
@@ -199,7 +199,7 @@ def _fixed_forward(plan: Plan, a: dict):
 def _fixed_backward(plan: Plan, a: dict, res: tuple, do: Array) -> dict:
   f, (spans, main) = plan.frame, plan.passes
   kbar, vt, o, lse = res
-  dt = _dtypes(a)
+  dt = grad_dtypes(a)
   m = passes.backward(f, main, {**_common(a, ("q", "k", "v", "mask", "bank_valid")), "bk": kbar, "bv": vt,
                                 "do": do, "o_fin": o, "lse_fin": lse}, dtypes=dt, bank_rows=f.rows,
                       name="combiner_main")
@@ -235,7 +235,7 @@ def _selected_backward(plan: Plan, a: dict, res: tuple, do: Array) -> dict:
   s = passes.backward(f, spans, {**_common(a, ("q", "k", "v", "pool_q", "pool_k", "mask")),
                                  "dkbar_row": _bank_total(f, b["dbk"]), "dvt_row": _bank_total(f, b["dbv"]),
                                  "dq_in": b["dq"], "dk_in": k["dk"], "dv_in": k["dv"]},
-                      dtypes=_dtypes(a), name="combiner_spans")
+                      dtypes=grad_dtypes(a), name="combiner_spans")
   return {"q": s["dq"], "k": s["dk"], "v": s["dv"], "pool_q": s.get("dpq"), "pool_k": s.get("dpk")}
 
 
@@ -260,7 +260,7 @@ def fixed(q: Array, k: Array, v: Array, mask: Array | None, pool_q: Array | None
   main = Pass("rows", own="le" if causal else "all", bank="lt" if causal else "ne", bank_last=pooling is None)
   name = "fixed_select" if select else "fixed"
   plan = Plan(f, name, (spans, main), pooling, causal, pools, jnp.dtype(v.dtype), min(select, rows))
-  a = _arrays(f, q, k, v, pool_q, pool_k, _kernel_dtypes(q, k, v))
+  a = _arrays(f, q, k, v, pool_q, pool_k, kernel_dtype(q, k, v))
   if mask is not None:
     mf = mask_frame(mask, f)
     a["mask"] = view_rows(mf, "rows")
@@ -345,7 +345,7 @@ def _axial_backward(plan: Plan, a: dict, res: dict, do: Array, carry: dict | Non
   the gradients of another plan, where given), from the plan's final log-sum-exp (`lse_fin`, in each pass's
   view). The per-position summaries a backward pass reads are rebuilt just before it (`_rebuilt`)."""
   f, ps = plan.frame, plan.passes
-  dt = _dtypes(a)
+  dt = grad_dtypes(a)
   tok_dt = {**dt, "dxk": a["q"].dtype, "dxv": a["q"].dtype}
   bwd = functools.partial(passes.backward, f, dtypes=tok_dt)
   carry = carry or {}
@@ -481,7 +481,7 @@ def axial(q: Array, k: Array, v: Array, mask: Array | None, pool_q: Array | None
   else:
     ps = _axial_passes(name, causal, pooling, pools, kbar is not None)
   plan = Plan(f, name, ps, pooling, causal, pools, jnp.dtype(v.dtype))
-  a = _arrays(f, q, k, v, pool_q, pool_k, _kernel_dtypes(q, k, v))
+  a = _arrays(f, q, k, v, pool_q, pool_k, kernel_dtype(q, k, v))
   if mask is not None:
     for half in (("vertical", "horizontal") if name == "mixture" else (name,)):
       a.update(_validity(half, mask_frame(mask, f), causal))
@@ -573,7 +573,7 @@ def logsparse(q: Array, k: Array, v: Array, mask: Array | None, pool_q: Array | 
   rev = (None if causal or length == 1 else
          dyadic_kernels.Dyadic(fr, levels, pooling, pools, with_self=False, ext=False))
   plan = Plan(f, "logsparse", (fwd, rev), pooling, causal, pools, jnp.dtype(v.dtype))
-  kdt = _kernel_dtypes(q, k, v)
+  kdt = kernel_dtype(q, k, v)
   a = _arrays(f, q, k, v, pool_q, pool_k, kdt)
   if mask is not None:
     a["mask"] = view_rows(mask_frame(mask, f), "rows")

@@ -290,8 +290,8 @@ def _run_bwd(plan: _Plan, residuals: tuple, do: Array):
   g = passes.backward(fs, plan.spans, {
       **sa, "do": _to_slots(plan, a, do), "o_fin": _to_slots(plan, a, out), "lse_fin": lse_slots,
       "dkbar_tok": state_grads(m["dku"], m["dkb"], fs.d), "dvt_tok": state_grads(m["dvu"], m["dvb"], fs.dv),
-      "dq_in": _to_slots(plan, a, kernel_plans.from_frame(m["dq"], fb, fb.d))}, dtypes=_grad_dtypes(a),
-      name="combiner_routed_spans")
+      "dq_in": _to_slots(plan, a, kernel_plans.from_frame(m["dq"], fb, fb.d))},
+      dtypes=kernel_plans.grad_dtypes(a), name="combiner_routed_spans")
   grads = {"q": _to_positions(plan, a, g["dq"], fs.d), "k": _to_positions(plan, a, g["dk"], fs.d),
            "v": _to_positions(plan, a, g["dv"], fs.dv)}
   if "dpq" in g:
@@ -300,13 +300,6 @@ def _run_bwd(plan: _Plan, residuals: tuple, do: Array):
 
 
 _run.defvjp(_run_fwd, _run_bwd)
-
-
-def _grad_dtypes(a: dict) -> dict[str, Any]:
-  out = {"dq": a["q"].dtype, "dk": a["k"].dtype, "dv": a["v"].dtype}
-  if "pool_q" in a:
-    out.update(dpq=a["pool_q"].dtype, dpk=a["pool_k"].dtype)
-  return out
 
 
 def causal(q: Array, k: Array, v: Array, mask: Array | None, pool_q: Array | None, pool_k: Array | None,
@@ -320,7 +313,7 @@ def causal(q: Array, k: Array, v: Array, mask: Array | None, pool_q: Array | Non
   blocks = dataclasses.replace(slots, masked=False)
   plan = _Plan(slots, blocks, kernel_plans.frame_cols(chunks, platform), pooling, pool_q is not None,
                jnp.dtype(v.dtype))
-  kdt = kernel_plans._kernel_dtypes(q, k, v)
+  kdt = kernel_plans.kernel_dtype(q, k, v)
   a = {"q": q.astype(kdt), "k": k.astype(kdt), "v": v.astype(kdt)}
   if pool_q is not None:
     a["pool_q"], a["pool_k"] = pool_q, pool_k
