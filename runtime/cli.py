@@ -139,7 +139,7 @@ def _check_writable_dir(flag: str, workdir: str, *, tries: int = 20) -> None:
           os.mkdir(part)
           made.append(part)
         except FileExistsError:
-          if not os.path.isdir(part):
+          if not stat.S_ISDIR(os.stat(part).st_mode):  # gone since (FileNotFoundError: again) or a file
             raise
       probe = os.path.join(path, f".write-check-{os.getpid()}")
       with open(probe, "w") as f:
