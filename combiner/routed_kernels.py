@@ -30,6 +30,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from combiner import frames, kernel_plans, passes, tiles
@@ -337,28 +338,33 @@ def _orders(plan: _Plan, ids: Array, mask: Array | None, n: int) -> dict[str, Ar
   ids = jnp.where(real[:, :, None], ids, n)
   iota = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32)[None, :, None], ids.shape)
   sorted_ids, ranked = jax.lax.sort((ids, iota), dimension=1, num_keys=1)  # rank -> position (stable)
-  key = 2 * (iota // w) + (sorted_ids == n).astype(jnp.int32)  # 2 * chunk + padding, per rank
+  # Static index arithmetic in numpy: constants of the program, not device ops.
+  rank_chunk = np.arange(length, dtype=np.int32)[None, :, None] // w  # [1, L, 1]
+  key = 2 * rank_chunk + (sorted_ids == n).astype(jnp.int32)  # 2 * chunk + padding, per rank
   _, to_slot = jax.lax.sort((key, ranked), dimension=1, num_keys=2)  # [b, L(slot), h] -> position
   to_pos = jnp.argsort(to_slot, axis=1).astype(jnp.int32)  # [b, L(position), h] -> slot
   chunk = to_pos // w  # [b, L, h]
-  b_ix = jnp.arange(batch, dtype=jnp.int32)[:, None, None]
-  h_ix = jnp.arange(heads, dtype=jnp.int32)[None, None, :]
+  b_ix = np.arange(batch, dtype=np.int32)[:, None, None]
+  h_ix = np.arange(heads, dtype=np.int32)[None, None, :]
   bh = b_ix * heads + h_ix  # [b, 1, h]
   frame_at = chunk * cols + to_pos % w  # [b, L, h]: each position's token in the slot frame
   # base states: the real members of each chunk before each block (real ones come first in their chunk)
   member_block = jnp.pad(to_slot, ((0, 0), (0, chunks * w - length), (0, 0)), constant_values=length) // w
-  real_slot = jnp.arange(chunks * w) < jnp.sum(real, axis=1, keepdims=True)  # [b, slots]
+  if mask is None:
+    real_slot = np.arange(chunks * w)[None] < length  # [1, slots]
+  else:
+    real_slot = np.arange(chunks * w)[None] < jnp.sum(real, axis=1, keepdims=True)  # [b, slots]
   member_block = jnp.where(real_slot[:, :, None], member_block, chunks).reshape(batch, chunks, w, heads)
-  before = jnp.sum(member_block[:, None] < jnp.arange(chunks)[None, :, None, None, None], axis=3)
+  before = jnp.sum(member_block[:, None] < np.arange(chunks)[None, :, None, None, None], axis=3)
   before = before.transpose(0, 3, 1, 2).astype(jnp.int32)  # [b, h, block, chunk]
-  base_at = jnp.arange(chunks, dtype=jnp.int32) * cols + jnp.maximum(before - 1, 0)
+  base_at = np.arange(chunks, dtype=np.int32) * cols + jnp.maximum(before - 1, 0)
   slots_n = chunks * cols
   bh_major = bh[:, 0, :]  # [b, h]
   return {
       "slot_rows": ((b_ix * length + to_slot) * heads + h_ix).reshape(-1, 1),
       "pos_rows": ((b_ix * slots_n + frame_at) * heads + h_ix).reshape(-1, 1),
       "base_rows": ((b_ix[:, :, :, None] * slots_n + base_at) * heads
-                    + jnp.arange(heads, dtype=jnp.int32)[None, :, None, None]).reshape(-1, 1),
+                    + np.arange(heads, dtype=np.int32)[None, :, None, None]).reshape(-1, 1),
       "lse_rows": (bh_major[:, :, None] * slots_n + frame_at.transpose(0, 2, 1)).reshape(-1, 1),
       "lse_slot_rows": (bh_major[:, :, None] * (fb.rows * fb.cols)
                         + ((to_slot // w) * fb.cols + to_slot % w).transpose(0, 2, 1)).reshape(-1, 1),

@@ -8,10 +8,12 @@ modules named in the registrations, which own and update the centroids instead.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from attention_core import contract
 from attention_core.registry import POSITIVE, TEXT, FusedPath, OpSpec, Param, register, sqrt_pow2
@@ -19,16 +21,25 @@ from attention_core.registry import POSITIVE, TEXT, FusedPath, OpSpec, Param, re
 # Combiner-routed is the Combiner's `routed` plan over routing's clusters: a declared peer dependency.
 from combiner import common
 from combiner.routed import routed
-from routing import kmeans
+from routing import kmeans, nearest_kernel
 from routing.attention import routed_clusters, routing_attention
 
 Array = Any
 CENTROID_SEED = 0
 
 
-def _centroids(q: Array, clusters: int) -> Array:
-  """Fixed [heads, clusters, head_dim] centroids for q [batch, length, heads, head_dim]."""
-  return kmeans.init_centroids(jax.random.key(CENTROID_SEED), q.shape[2], clusters, q.shape[3])
+def _centroids(q: Array, clusters: int) -> np.ndarray:
+  """Fixed [heads, clusters, head_dim] centroids for q [batch, length, heads, head_dim]: a constant of the
+  compiled program, not a random draw and normalisation run at every call."""
+  return _fixed_centroids(int(q.shape[2]), int(clusters), int(q.shape[3]))
+
+
+@functools.cache
+def _fixed_centroids(heads: int, clusters: int, head_dim: int) -> np.ndarray:
+  with jax.ensure_compile_time_eval():  # evaluated now, also when called under a trace
+    out = np.asarray(kmeans.init_centroids(jax.random.key(CENTROID_SEED), heads, clusters, head_dim))
+  out.flags.writeable = False
+  return out
 
 
 def routing_op(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None, num_clusters: int,
@@ -62,10 +73,15 @@ combiner_routed_op.partitions_itself = True  # through `_routed_by` (attention_c
 @contract.per_platform_op(common.plan_choice, per_head=("centroids",))
 def _routed_by(q: Array, k: Array, v: Array, *, centroids: Array, causal: bool, mask: Array | None,
                num_clusters: int, pooling: str, implementation: str) -> Array:
-  """`combiner_routed_op` with its centroids [heads, clusters, head_dim] given."""
-  full = jnp.ones(q.shape[:2], bool) if mask is None else mask
-  k_route = jnp.where(full[:, :, None, None], k, 0)  # masked keys: a cluster that ignores their values
-  ids, _ = routed_clusters(q, k_route, centroids, full)  # [batch, length, heads]
+  """`combiner_routed_op` with its centroids [heads, clusters, head_dim] given. The plan ranks masked tokens
+  after every real one whatever their ids, so only real tokens' ids matter here; on kernels they come from
+  one kernel (`routing.nearest_kernel`) instead of XLA's layer norms, scores and argmax."""
+  platform = contract.backend()
+  if common.uses_kernels(implementation, op="combiner_routed") and nearest_kernel.supported(q, platform):
+    ids = nearest_kernel.nearest(q, k, centroids, platform=platform)  # [batch, length, heads]
+  else:
+    full = jnp.ones(q.shape[:2], bool) if mask is None else mask
+    ids, _ = routed_clusters(q, k, centroids, full)  # [batch, length, heads]
   return routed(q, k, v, cluster_ids=ids, num_clusters=num_clusters, causal=causal, mask=mask,
                 pooling=pooling, implementation=implementation)
 

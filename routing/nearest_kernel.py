@@ -1,0 +1,111 @@
+"""Combiner-routed's routing decision on one Pallas kernel: each token's nearest centroid to its layer-normed
+query and key together (`routing.attention.routed_clusters`' ids), without the [batch, heads, clusters, L]
+float32 scores or the layer-normed copies of q and k in HBM.
+
+One program per (batch row, head, tile of `TILE` positions) reads its tile of q and k in the op contract's
+layout ([tile, head_dim], strided over the heads), layer-norms both in float32, takes the scores of every
+centroid against each ([clusters, tile], float32-accumulating dots, clusters on sublanes) and writes their
+sum's argmax (the first maximum, as `jnp.argmax`): lane-dense int32 rows. Same kernel on TPU (Mosaic), GPU
+(Triton: clusters padded to a power of two of at least 16 rows, the padding scored -inf) and CPU (interpret
+mode). The dots run at each compiler's precision, so a token whose two best centroids score within rounding
+of each other may go either way, on the kernel as between XLA programs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as pltriton
+
+from attention_core import contract, pallas
+from attention_core.norm import layer_norm
+
+Array = Any
+TILE = 1024  # positions per program at most: its [clusters, TILE] float32 scores take 1 MiB at 256 clusters
+VMEM_BUDGET = 6 << 20  # TPU: bytes of q and k blocks per program, double-buffered (sublanes padded)
+HEAD_BLOCK = 8  # TPU: heads per program (all of them when 8 does not divide the heads)
+GPU_TILE = 128  # positions per Triton program: [clusters, 128] float32 scores in registers
+GPU_MIN_ROWS = 16  # Triton's smallest dot dimension
+
+
+def supported(q: Array, platform: str) -> bool:
+  """Whether the kernel serves q [batch, length, heads, head_dim] on `platform` (Triton needs a
+  power-of-two head_dim of at least 16)."""
+  d = int(q.shape[-1])
+  return platform != "gpu" or (d >= GPU_MIN_ROWS and d & (d - 1) == 0)
+
+
+def _tile(length: int, per_head: bool, block_bytes: int) -> int:
+  """Positions per program: a power of two on GPUs (Triton's blocks); on TPU a whole row or a multiple of
+  128 lanes, its q and k blocks (double-buffered) within VMEM_BUDGET."""
+  if per_head:
+    return min(GPU_TILE, max(GPU_MIN_ROWS, 1 << (length - 1).bit_length()))
+  tile = TILE
+  while tile > 128 and 4 * tile * block_bytes > VMEM_BUDGET:
+    tile //= 2
+  return length if length <= tile else tile
+
+
+def _nearest(q: Array, k: Array, c: Array, clusters: int) -> Array:
+  """q, k: [tile, d]; c: [rows >= clusters, d] -> [1, tile] int32 nearest centroid."""
+  qn = layer_norm(q)  # [tile, d] float32 (float64 inputs stay float64)
+  kn = layer_norm(k)
+  c = c.astype(qn.dtype)
+  s = pallas.dot(c, qn, trans_b=True) + pallas.dot(c, kn, trans_b=True)  # [rows, tile]
+  row = lax.broadcasted_iota(jnp.int32, s.shape, 0)
+  s = jnp.where(row < clusters, s, -jnp.inf)
+  best = jnp.max(s, axis=0, keepdims=True)  # [1, tile]
+  first = jnp.min(jnp.where((s == best) | (s != s), row, clusters), axis=0, keepdims=True)  # NaN: its own
+  return jnp.minimum(first, clusters - 1)
+
+
+def _kernel(q_ref, k_ref, c_ref, o_ref, *, clusters: int, heads: int | None) -> None:
+  """One head (GPU: q_ref, k_ref [tile, d], c_ref [rows, d], o_ref [tile]) or a block of `heads` (TPU:
+  [tile, heads, d], [heads, rows, d], [heads, tile]; each head's strided rows loaded from VMEM)."""
+  if heads is None:
+    o_ref[...] = _nearest(q_ref[...], k_ref[...], c_ref[...], clusters)[0]
+    return
+  for h in range(heads):
+    o_ref[pl.ds(h, 1), :] = _nearest(q_ref[:, h, :], k_ref[:, h, :], c_ref[h], clusters)
+
+
+def nearest(q: Array, k: Array, centroids: Array, *, platform: str | None = None,
+            per_head: bool | None = None) -> Array:
+  """ids [batch, length, heads] int32: argmax_c LN(q)·centroids[h, c] + LN(k)·centroids[h, c].
+
+  q, k: [batch, length, heads, head_dim]; centroids: [heads, clusters, head_dim] (no gradient flows).
+  platform: the one the call is lowered for (default: the traced platform, `contract.backend()`).
+  per_head: the GPU layout, one head per program (default: on GPUs only; the tests run it interpreted)."""
+  platform = platform or contract.backend()
+  per_head = platform == "gpu" if per_head is None else per_head
+  batch, length, heads, d = q.shape
+  clusters = int(centroids.shape[1])
+  q, k = lax.stop_gradient(q), lax.stop_gradient(k)
+  c = lax.stop_gradient(centroids).astype(jnp.float32 if q.dtype != jnp.float64 else q.dtype)
+  rows = clusters
+  if per_head:  # one head per program: Triton reads its strided [tile, d] rows
+    rows = max(GPU_MIN_ROWS, 1 << (clusters - 1).bit_length())
+    c = jnp.pad(c, ((0, 0), (0, rows - clusters), (0, 0)))
+    hb, tok_block, c_block, o_block = None, (None, None), (None, rows, d), (None, None)
+  else:  # a block of heads per program: Mosaic's blocks keep [heads, d] whole in their last two dimensions
+    hb = HEAD_BLOCK if heads % HEAD_BLOCK == 0 else heads
+    tok_block, c_block, o_block = (None, hb), (hb, rows, d), (None, hb)
+  sublanes = 32 // q.dtype.itemsize  # a TPU tile's rows of this dtype: a block of heads pads to them
+  tile = _tile(length, per_head, -(-(hb or 1) // sublanes) * sublanes * d * q.dtype.itemsize)
+  grid = (batch, heads // (hb or 1), pl.cdiv(length, tile))
+  tok = pl.BlockSpec((tok_block[0], tile, tok_block[1], d), lambda b, h, i: (b, i, h, 0))
+  out = pallas.platform_call(
+      lambda *refs: _kernel(*refs, clusters=clusters, heads=hb),
+      gpu_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+      tpu_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel")),
+      platform=platform, grid=grid,
+      in_specs=[tok, tok, pl.BlockSpec(c_block, lambda b, h, i: (h, 0, 0))],
+      out_specs=pl.BlockSpec((*o_block, tile), lambda b, h, i: (b, h, i)),
+      out_shape=jax.ShapeDtypeStruct((batch, heads, length), jnp.int32), name="routing_nearest",
+  )(q, k, c)
+  return out.transpose(0, 2, 1)  # [batch, length, heads]
