@@ -166,6 +166,43 @@ def _run_bwd(plan: Plan, residual: tuple, do: Array):
 _run.defvjp(_run_fwd, _run_bwd)
 
 
+# A plan over a permutation of each head's tokens (the bidirectional routed plan's rank order), gathered
+# inside the custom_vjp: the permutation's transpose is the inverse permutation, so the cotangents move by
+# gathers too (autodiff of a gather is a scatter-add, on TPU a sort and several passes), the backward's
+# gathers of q, k and v are the forward's (XLA shares them) and none clamps its indices.
+
+def _permuted(x: Array, order: Array) -> Array:
+  """x [batch, length, heads, dim] with row i of each head taken from row order[b, i, h]."""
+  return jnp.take_along_axis(x, order[..., None], axis=1, mode="promise_in_bounds")
+
+
+def _ordered_frames(plan: Plan, raw: dict, extra: dict, order: Array) -> dict:
+  return {**{n: to_frame(_permuted(x, order), plan.frame) for n, x in raw.items()}, **extra}
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _run_ordered(plan: Plan, raw: dict, extra: dict, order: Array, inverse: Array) -> Array:
+  return _run_ordered_fwd(plan, raw, extra, order, inverse)[0]
+
+
+def _run_ordered_fwd(plan: Plan, raw: dict, extra: dict, order: Array, inverse: Array):
+  f = plan.frame
+  out, res = _FORWARD[plan.name](plan, _ordered_frames(plan, raw, extra, order))
+  return _permuted(from_frame(out, f, f.dv), inverse), (raw, extra, order, inverse, res)
+
+
+def _run_ordered_bwd(plan: Plan, residual: tuple, do: Array):
+  raw, extra, order, inverse, res = residual
+  f = plan.frame
+  a = _ordered_frames(plan, raw, extra, order)
+  grads = _BACKWARD[plan.name](plan, a, res, to_frame(_permuted(do, order), f))
+  dims = {n: x.shape[-1] for n, x in raw.items()}
+  return ({n: _permuted(from_frame(grads[n], f, dims[n]), inverse) for n in raw}, None, None, None)
+
+
+_run_ordered.defvjp(_run_ordered_fwd, _run_ordered_bwd)
+
+
 def grad_dtypes(arrays: dict) -> dict[str, Any]:
   """Gradient dtypes: each input's own."""
   out = {"dq": arrays["q"].dtype, "dk": arrays["k"].dtype, "dv": arrays["v"].dtype}
@@ -248,10 +285,14 @@ def _arrays(f: Frame, q: Array, k: Array, v: Array, pool_q: Array | None, pool_k
 
 
 def fixed(q: Array, k: Array, v: Array, mask: Array | None, pool_q: Array | None, pool_k: Array | None, *,
-          size: int, causal: bool, pooling: str | None, platform: str, select: int = 0) -> Array:
+          size: int, causal: bool, pooling: str | None, platform: str, select: int = 0,
+          order: tuple[Array, Array] | None = None) -> Array:
   """Combiner-Fixed (pooling "max" | "mean"), Sparse-Fixed (pooling None) or Combiner-Fixed with each
   query's `select` best spans attended exactly (`combiner.selected_kernels`) on the kernels.
-  q, k: [batch, length, heads, head_dim]; v: [..., value_dim] -> [batch, length, heads, value_dim]."""
+  q, k: [batch, length, heads, head_dim]; v: [..., value_dim] -> [batch, length, heads, value_dim].
+  order: (order, inverse) int [batch, length, heads], a permutation of each head's tokens and its inverse:
+  the plan runs over the tokens in that order (row i of a head is token order[b, i, h]; mask, when given,
+  is in that order) and the output comes back in the tokens' own order."""
   rows = -(-q.shape[1] // size)
   f = make_frame(q, v, mask, size, rows, platform)
   pools = pool_q is not None
@@ -260,13 +301,19 @@ def fixed(q: Array, k: Array, v: Array, mask: Array | None, pool_q: Array | None
   main = Pass("rows", own="le" if causal else "all", bank="lt" if causal else "ne", bank_last=pooling is None)
   name = "fixed_select" if select else "fixed"
   plan = Plan(f, name, (spans, main), pooling, causal, pools, jnp.dtype(v.dtype), min(select, rows))
-  a = _arrays(f, q, k, v, pool_q, pool_k, kernel_dtype(q, k, v))
+  extra = {}
   if mask is not None:
     mf = mask_frame(mask, f)
-    a["mask"] = view_rows(mf, "rows")
+    extra["mask"] = view_rows(mf, "rows")
     ok = mf[:, :, f.span - 1] if pooling is None else jnp.any(mf, axis=2)
-    a["bank_valid"] = ok.astype(F32)[:, None, :]
-  return from_frame(_run(plan, a), f, f.dv)
+    extra["bank_valid"] = ok.astype(F32)[:, None, :]
+  kdt = kernel_dtype(q, k, v)
+  if order is not None:
+    raw = {"q": q.astype(kdt), "k": k.astype(kdt), "v": v.astype(kdt)}
+    if pool_q is not None:
+      raw.update(pool_q=pool_q, pool_k=pool_k)
+    return _run_ordered(plan, raw, extra, *order)
+  return from_frame(_run(plan, {**_arrays(f, q, k, v, pool_q, pool_k, kdt), **extra}), f, f.dv)
 
 
 # ------------------------------------------------------------------------------------------------ axial

@@ -144,15 +144,11 @@ def _on_kernels(c: common.Checked, cluster_ids: Array, n: int, pooling: str, op:
     ids = jnp.where(c.mask[:, :, None], ids, n)
   to_slot = jnp.argsort(jax.lax.stop_gradient(ids), axis=1, stable=True)  # [b, L(rank), h] -> position
   to_pos = jnp.argsort(to_slot, axis=1)  # [b, L(position), h] -> rank
-
-  def ranked(t: Array | None) -> Array | None:  # [b, L, h, e] position order -> rank order
-    return None if t is None else jnp.take_along_axis(t, to_slot[..., None], axis=1)
-
   real = None if c.mask is None else jnp.arange(length) < jnp.sum(c.mask, axis=1, keepdims=True)
   w = -(-length // n)
-  out = kernel_plans.fixed(ranked(c.q), ranked(c.k), ranked(c.v), real, ranked(c.pool_q), ranked(c.pool_k),
-                           size=w, causal=False, pooling=pooling, platform=contract.backend())
-  return jnp.take_along_axis(out, to_pos[..., None], axis=1)  # [batch, length, heads, value_dim]
+  return kernel_plans.fixed(c.q, c.k, c.v, real, c.pool_q, c.pool_k, size=w, causal=False, pooling=pooling,
+                            platform=contract.backend(), order=(to_slot.astype(jnp.int32),
+                                                                to_pos.astype(jnp.int32)))
 
 
 def _bidirectional(x: common.Inputs, p: _Slots, pooling: str) -> Array:

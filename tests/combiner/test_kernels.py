@@ -21,6 +21,7 @@ import pytest
 
 import combiner
 from attention_core import contract
+from attention_core import registry as ops_registry
 from combiner import frames, kernel_plans, sparse
 
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
@@ -248,6 +249,8 @@ LOWERING_OPS = {
     "routed_causal": lambda q, k, v: combiner.routed(
         q, k, v, cluster_ids=jnp.arange(q.size // q.shape[-1]).reshape(q.shape[:3]) % 32, num_clusters=32,
         causal=True, implementation="pallas"),
+    "routed_op": lambda q, k, v: ops_registry.get("combiner_routed").fn(
+        q, k, v, causal=False, num_clusters=32, implementation="pallas"),
 }
 # The Triton custom call carries no cross-version compatibility guarantee, so export must be told to allow it.
 TRITON_OK = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
