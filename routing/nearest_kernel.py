@@ -2,13 +2,14 @@
 query and key together (`routing.attention.routed_clusters`' ids), without the [batch, heads, clusters, L]
 float32 scores or the layer-normed copies of q and k in HBM.
 
-One program per (batch row, head, tile of `TILE` positions) reads its tile of q and k in the op contract's
-layout ([tile, head_dim], strided over the heads), layer-norms both in float32, takes the scores of every
-centroid against each ([clusters, tile], float32-accumulating dots, clusters on sublanes) and writes their
-sum's argmax (the first maximum, as `jnp.argmax`): lane-dense int32 rows. Same kernel on TPU (Mosaic), GPU
-(Triton: clusters padded to a power of two of at least 16 rows, the padding scored -inf) and CPU (interpret
-mode). The dots run at each compiler's precision, so a token whose two best centroids score within rounding
-of each other may go either way, on the kernel as between XLA programs.
+One program per (batch row, block of heads, tile of positions) reads its tiles of q and k in the op
+contract's layout (on TPU [tile, 8 heads, head_dim] blocks, each head's rows loaded strided from VMEM; on GPUs
+one head per program, [tile, head_dim] read strided from HBM), layer-norms them in float32, takes the
+scores of every centroid against both ([clusters, tile], float32-accumulating dots, clusters on sublanes) and
+writes their sum's argmax (the first maximum, as `jnp.argmax`): lane-dense int32 rows. The same kernel runs
+on TPU (Mosaic), GPU (Triton: clusters padded to a power of two of at least 16 rows, the padding scored -inf)
+and CPU (interpret mode). The dots run at each compiler's precision, so a token whose two best centroids
+score within rounding of each other may go either way, on the kernel as between XLA programs.
 """
 
 from __future__ import annotations
