@@ -27,7 +27,8 @@ def _want(q, k, c):
 @pytest.mark.parametrize("per_head", [False, True], ids=["tpu_layout", "gpu_layout"])
 @pytest.mark.parametrize("b,n,h,d,clusters,dtype", [
     (2, 37, 3, 16, 4, jnp.float32),  # one partial tile, heads in one block
-    (1, 2500, 16, 32, 7, jnp.bfloat16),  # several tiles (the last partial), two blocks of 8 heads
+    pytest.param(1, 2500, 16, 32, 7, jnp.bfloat16,  # several tiles (the last partial), two blocks of 8 heads
+                 marks=pytest.mark.slow),
     (1, 130, 2, 8, 1, jnp.float32),  # one cluster
 ])
 def test_equals_xla_ids(per_head, b, n, h, d, clusters, dtype):
@@ -74,7 +75,7 @@ def test_lowers_for_accelerators(platform):
   assert "routing_nearest" in text and ("tpu_custom_call" if platform == "tpu" else "xla.gpu.triton") in text
 
 
-@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("causal", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_op_on_kernels_equals_xla_path(causal):
   """combiner_routed under implementation="pallas" (its ids from the kernel, masked keys not zeroed) equals
   the XLA path, non-finite values at masked keys included."""
