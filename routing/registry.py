@@ -1,8 +1,8 @@
 """Registers the routing attentions: pure ops for the benchmark, and the model modules that own the centroids.
 
-The registered functions return only the output. Their k-means centroids come from a fixed key (a stand-in for
-trained state, same for every call), with the benchmark's setting clusters = window = sqrt(L) rounded up to a
-power of two, shared QK and the op's default membership (exactly causal in decoders). Models use the
+The registered functions return only the output. Their k-means centroids come from a fixed seed (a stand-in
+for trained state, same for every call), with the benchmark's setting clusters = window = sqrt(L) rounded up
+to a power of two, shared QK and the op's default membership (exactly causal in decoders). Models use the
 modules named in the registrations, which own and update the centroids instead.
 """
 
@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -21,7 +20,7 @@ from attention_core.registry import POSITIVE, TEXT, FusedPath, OpSpec, Param, re
 # Combiner-routed is the Combiner's `routed` plan over routing's clusters: a declared peer dependency.
 from combiner import common
 from combiner.routed import routed
-from routing import kmeans, nearest_kernel
+from routing import nearest_kernel
 from routing.attention import routed_clusters, routing_attention
 
 Array = Any
@@ -36,8 +35,11 @@ def _centroids(q: Array, clusters: int) -> np.ndarray:
 
 @functools.cache
 def _fixed_centroids(heads: int, clusters: int, head_dim: int) -> np.ndarray:
-  with jax.ensure_compile_time_eval():  # evaluated now, also when called under a trace
-    out = np.asarray(kmeans.init_centroids(jax.random.key(CENTROID_SEED), heads, clusters, head_dim))
+  """Layer-normed standard normals (as `kmeans.init_centroids`) drawn by numpy: made on the host, whatever
+  the devices or mesh the op is traced for."""
+  x = np.random.default_rng(CENTROID_SEED).standard_normal((heads, clusters, head_dim)).astype(np.float32)
+  x = x - x.mean(axis=-1, keepdims=True)
+  out = x / np.sqrt(np.square(x).mean(axis=-1, keepdims=True) + np.float32(1e-6))
   out.flags.writeable = False
   return out
 
