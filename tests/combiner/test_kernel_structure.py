@@ -50,8 +50,8 @@ def test_routed_plan_compiles_to_its_kernels(causal):
   docs/benchmarks.md has the figures); temporaries within q + k + v."""
   got = tpu_structure.measure("combiner_routed", LENGTH, causal, tpu_structure.device("v5e"), HEADS)
   dense = _dense()
-  kernels = 6 if causal else 3
-  assert got["custom_calls"] >= kernels, f"combiner_routed: its kernels are not in the TPU program: {got}"
+  # five kernels either way: the nearest centroids, then two passes forward and two backward
+  assert got["custom_calls"] >= 5, f"combiner_routed: its kernels are not in the TPU program: {got}"
   assert got["ops"] <= (1.7 if causal else OPS_BOUND) * dense["ops"], (got, dense)
   assert got["temp_bytes"] <= tpu_structure.qkv_bytes(LENGTH, HEADS), got
 
