@@ -124,10 +124,12 @@ def test_yoso_pallas_formulation_equals_sorted(causal, features, length, monkeyp
 
 
 @pytest.mark.slow
-def test_causal_routed_tpu_branch_equals_xla(monkeypatch):
-  """The causal routed plan's kernels (`combiner.routed_kernels`) in the TPU interpreter with its race
-  detector: chunks of 20 in frame rows of two 16-position tiles, a key mask, skewed clusters. Padded query
-  rows are don't-care: they carry no cotangent and are compared as zeros."""
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+def test_routed_tpu_branch_equals_xla(monkeypatch, causal):
+  """The routed plan's kernels in the TPU interpreter with its race detector (causal: its own,
+  `combiner.routed_kernels`; bidirectional: Combiner-Fixed's over the rank order, gathered inside the
+  custom_vjp): chunks of 20 in frame rows of two 16-position tiles, a key mask, skewed clusters. Padded
+  query rows are don't-care: they carry no cotangent and are compared as zeros."""
   monkeypatch.setattr(frames, "TILE", 16)
   q, k, v, mask, cotangent = inputs(40)
   ids = jnp.minimum(jax.random.randint(jax.random.PRNGKey(3), (BATCH, 40, HEADS), 0, 4), 1)
@@ -135,7 +137,7 @@ def test_causal_routed_tpu_branch_equals_xla(monkeypatch):
 
   def run(implementation):
     def op(q, k, v):
-      out = combiner.routed(q, k, v, cluster_ids=ids, num_clusters=2, causal=True, mask=mask,
+      out = combiner.routed(q, k, v, cluster_ids=ids, num_clusters=2, causal=causal, mask=mask,
                             implementation=implementation)
       return jnp.where(mask[:, :, None, None], out, 0.0)
     return value_and_grads(op, q, k, v, cotangent)
