@@ -276,12 +276,19 @@ def _selected_backward(plan: Plan, a: dict, res: tuple, do: Array) -> dict:
   return {"q": s["dq"], "k": s["dk"], "v": s["dv"], "pool_q": s.get("dpq"), "pool_k": s.get("dpk")}
 
 
+def inputs(q: Array, k: Array, v: Array, pool_q: Array | None, pool_k: Array | None,
+           kdt: Any) -> dict[str, Array]:
+  """A plan's token arrays by name, in the op contract's layout: q, k, v in the kernels' dtype `kdt`
+  (`kernel_dtype`), the DeepSets pools (when given) as they are."""
+  a = {"q": q.astype(kdt), "k": k.astype(kdt), "v": v.astype(kdt)}
+  if pool_q is not None:
+    a["pool_q"], a["pool_k"] = pool_q, pool_k
+  return a
+
+
 def _arrays(f: Frame, q: Array, k: Array, v: Array, pool_q: Array | None, pool_k: Array | None,
             kdt: Any) -> dict[str, Array]:
-  a = {"q": to_frame(q.astype(kdt), f), "k": to_frame(k.astype(kdt), f), "v": to_frame(v.astype(kdt), f)}
-  if pool_q is not None:
-    a["pool_q"], a["pool_k"] = to_frame(pool_q, f), to_frame(pool_k, f)
-  return a
+  return {n: to_frame(x, f) for n, x in inputs(q, k, v, pool_q, pool_k, kdt).items()}
 
 
 def fixed(q: Array, k: Array, v: Array, mask: Array | None, pool_q: Array | None, pool_k: Array | None, *,
@@ -309,10 +316,7 @@ def fixed(q: Array, k: Array, v: Array, mask: Array | None, pool_q: Array | None
     extra["bank_valid"] = ok.astype(F32)[:, None, :]
   kdt = kernel_dtype(q, k, v)
   if order is not None:
-    raw = {"q": q.astype(kdt), "k": k.astype(kdt), "v": v.astype(kdt)}
-    if pool_q is not None:
-      raw.update(pool_q=pool_q, pool_k=pool_k)
-    return _run_ordered(plan, raw, extra, *order)
+    return _run_ordered(plan, inputs(q, k, v, pool_q, pool_k, kdt), extra, *order)
   return from_frame(_run(plan, {**_arrays(f, q, k, v, pool_q, pool_k, kdt), **extra}), f, f.dv)
 
 

@@ -314,10 +314,7 @@ def causal(q: Array, k: Array, v: Array, mask: Array | None, pool_q: Array | Non
   blocks = dataclasses.replace(slots, masked=False)
   plan = _Plan(slots, blocks, kernel_plans.frame_cols(chunks, platform), pooling, pool_q is not None,
                jnp.dtype(v.dtype))
-  kdt = kernel_plans.kernel_dtype(q, k, v)
-  a = {"q": q.astype(kdt), "k": k.astype(kdt), "v": v.astype(kdt)}
-  if pool_q is not None:
-    a["pool_q"], a["pool_k"] = pool_q, pool_k
+  a = kernel_plans.inputs(q, k, v, pool_q, pool_k, kernel_plans.kernel_dtype(q, k, v))
   a.update(_orders(plan, jax.lax.stop_gradient(cluster_ids), mask, num_clusters))
   if mask is not None:
     real = jnp.arange(length) < jnp.sum(mask, axis=1, keepdims=True)  # slot layout: real tokens first
