@@ -279,11 +279,11 @@ def _run_bwd(plan: _Plan, residuals: tuple, do: Array):
   args = {"q": kernel_plans.to_frame(a["q"], fb), **st, "cid": a["cid"], "bvalid": a["bvalid"],
           "do": kernel_plans.to_frame(do, fb), "o_fin": kernel_plans.to_frame(out, fb), "lse_fin": lse}
   m = _summary_call(plan, _summary_backward, args,
-                    {"dq": a["q"].dtype, "dku": F32, "dvu": F32, "dkb": F32, "dvb": F32},
+                    {"dq": a["q"].dtype, "dku": a["q"].dtype, "dvu": a["q"].dtype, "dkb": F32, "dvb": F32},
                     "combiner_routed_summaries_bwd")
 
   def state_grads(tok: Array, bank: Array, dim: int) -> Array:  # -> the prefix states' gradients (f32)
-    x = _to_slots(plan, a, kernel_plans.from_frame(tok, fb, dim))
+    x = _to_slots(plan, a, kernel_plans.from_frame(tok, fb, dim).astype(F32))
     bank = bank[:, :, :fs.rows].reshape(-1, dim)
     return _scatter_add(x.reshape(-1, dim), a["base_rows"], bank).reshape(x.shape)
 
