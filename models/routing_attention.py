@@ -7,7 +7,9 @@ layer with one output projection. Layers not listed in `routing_layers` use loca
 PG-19 setting routes only the last layers); they own no centroids.
 
 `RoutedCombinerAttention` ("combiner_routed"): every head is Combiner-learnable (Combiner paper section 4.4),
-the cluster of each token being its nearest centroid.
+the cluster of each token being its nearest centroid. Where the attention runs on kernels, the clusters and
+the query-only and key-only assignments of the k-means update come from one kernel
+(`routing.registry.routed_assignments`).
 
 Cached decoding (`init_cache` / `decode_step` / `prefill`, see `models.transformer`): `RoutingAttention` with
 membership "nearest" (`routing.decode`); balanced membership and `RoutedCombinerAttention` raise a ValueError,
@@ -55,8 +57,9 @@ import combiner
 from attention_core import registry as ops_registry
 from models import attention
 from routing import decode, kmeans
-from routing.attention import routed_clusters, routing_attention
+from routing.attention import routed_aux, routing_attention
 from routing.local import local_attention
+from routing.registry import routed_assignments
 
 Array = Any
 # "auto" clusters depend on the length, unknown at construction: allocate this many centroids and use the
@@ -305,7 +308,10 @@ class RoutedCombinerAttention(attention.AttentionBase, _CentroidMixin):
     if mask is None:
       mask = jnp.ones(x.shape[:2], bool)
     clusters = _clusters_for(self.num_clusters, self.centroids.shape[1], x.shape[1], "combiner_routed")
-    ids, aux = routed_clusters(q, k, self.centroids[:, :clusters], mask)  # ids: [batch, length, heads]
+    centroids = self.centroids[:, :clusters]
+    # ids [batch, length, heads]; q_ids, k_ids [batch, heads, length]: on one kernel where the attention is
+    ids, q_ids, k_ids = routed_assignments(q, k, centroids, implementation=self.implementation)
+    aux = routed_aux(q, k, q_ids, k_ids, centroids, mask)
     o = combiner.routed(q, k, v, cluster_ids=ids, num_clusters=clusters, causal=self.causal, mask=mask,
                         pooling=self.pooling, implementation=self.implementation)  # [b, L, heads, head_dim]
     self._update(aux, clusters, deterministic=deterministic)

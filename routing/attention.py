@@ -314,6 +314,30 @@ def cluster_aux(qn: Array, kn: Array, q_assign: Array, k_assign: Array, centroid
   return RoutingAux(stats, commit)
 
 
+def _normed(q: Array, k: Array) -> tuple[Array, Array]:
+  """Layer-normed q, k [batch, length, heads, head_dim] in the softmax dtype (float32, or float64)."""
+  ct = contract.softmax_dtype(q.dtype, k.dtype)
+  return layer_norm(q.astype(ct)), layer_norm(k.astype(ct))
+
+
+def nearest_assignments(q: Array, k: Array, centroids: Array) -> tuple[Array, Array, Array]:
+  """Each token's nearest centroid to its layer-normed query and key together (ids [batch, length, heads]),
+  to its query alone and to its key alone ([batch, heads, length] each): `routing.nearest_kernel`'s XLA form.
+  q, k: [batch, length, heads, head_dim]; centroids: [heads, clusters, head_dim]."""
+  qn, kn = _normed(q, k)
+  q_scores, k_scores = kmeans.scores(qn, centroids), kmeans.scores(kn, centroids)  # [b, h, clusters, L]
+  ids = kmeans.nearest_centroid(q_scores + k_scores).transpose(0, 2, 1)  # [batch, length, heads]
+  return ids, kmeans.nearest_centroid(q_scores), kmeans.nearest_centroid(k_scores)
+
+
+def routed_aux(q: Array, k: Array, q_assign: Array, k_assign: Array, centroids: Array,
+               mask: Array) -> RoutingAux:
+  """Combiner-routed's k-means statistics and commitment loss, from the query-only and key-only assignments
+  ([batch, heads, length]) of `nearest_assignments`."""
+  qn, kn = _normed(q, k)
+  return cluster_aux(qn, kn, q_assign, k_assign, centroids, mask)
+
+
 def routed_clusters(q: Array, k: Array, centroids: Array, mask: Array) -> tuple[Array, RoutingAux]:
   """Combiner-routed's partition: one cluster per token and head, shared by its query and key.
 
@@ -321,11 +345,5 @@ def routed_clusters(q: Array, k: Array, centroids: Array, mask: Array) -> tuple[
   causality itself, so no shared QK is needed). q, k: [batch, length, heads, head_dim]; centroids: [heads,
   clusters, head_dim]; mask: [batch, length]. Returns (ids [batch, length, heads], the k-means statistics).
   """
-  ct = contract.softmax_dtype(q.dtype, k.dtype)
-  qn, kn = layer_norm(q.astype(ct)), layer_norm(k.astype(ct))  # [batch, length, heads, head_dim]
-  # [batch, heads, clusters, L]
-  q_scores, k_scores = kmeans.scores(qn, centroids), kmeans.scores(kn, centroids)
-  ids = kmeans.nearest_centroid(q_scores + k_scores).transpose(0, 2, 1)  # [batch, length, heads]
-  aux = cluster_aux(qn, kn, kmeans.nearest_centroid(q_scores), kmeans.nearest_centroid(k_scores), centroids,
-                    mask)
-  return ids, aux
+  ids, q_assign, k_assign = nearest_assignments(q, k, centroids)
+  return ids, routed_aux(q, k, q_assign, k_assign, centroids, mask)

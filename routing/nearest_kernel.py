@@ -1,15 +1,17 @@
 """Combiner-routed's routing decision on one Pallas kernel: each token's nearest centroid to its layer-normed
-query and key together (`routing.attention.routed_clusters`' ids), without the [batch, heads, clusters, L]
+query and key together (`routing.attention.nearest_assignments`' ids), without the [batch, heads, clusters, L]
 float32 scores or the layer-normed copies of q and k in HBM.
 
 One program per (batch row, block of heads, tile of positions) reads its tiles of q and k in the op
 contract's layout (on TPU [tile, 8 heads, head_dim] blocks, each head's rows loaded strided from VMEM; on GPUs
 one head per program, [tile, head_dim] read strided from HBM), layer-norms them in float32, takes the
 scores of every centroid against both ([clusters, tile], float32-accumulating dots, clusters on sublanes) and
-writes their sum's argmax (the first maximum, as `jnp.argmax`): lane-dense int32 rows. The same kernel runs
-on TPU (Mosaic), GPU (Triton: clusters padded to a power of two of at least 16 rows, the padding scored -inf)
-and CPU (interpret mode). The dots run at each compiler's precision, so a token whose two best centroids
-score within rounding of each other may go either way, on the kernel as between XLA programs.
+writes their sum's argmax (the first maximum, as `jnp.argmax`): lane-dense int32 rows. With `sides` it also
+writes each score's own argmax, the query-only and key-only assignments a model's k-means update uses
+(`models.routing_attention`), from the same scores. The same kernel runs on TPU (Mosaic), GPU (Triton:
+clusters padded to a power of two of at least 16 rows, the padding scored -inf) and CPU (interpret mode).
+The dots run at each compiler's precision, so a token whose two best centroids score within rounding of each
+other may go either way, on the kernel as between XLA programs.
 """
 
 from __future__ import annotations
@@ -52,12 +54,9 @@ def _tile(length: int, per_head: bool, block_bytes: int) -> int:
   return length if length <= tile else tile
 
 
-def _nearest(q: Array, k: Array, c: Array, clusters: int) -> Array:
-  """q, k: [tile, d]; c: [rows >= clusters, d] -> [1, tile] int32 nearest centroid."""
-  qn = layer_norm(q)  # [tile, d] float32 (float64 inputs stay float64)
-  kn = layer_norm(k)
-  c = c.astype(qn.dtype)
-  s = pallas.dot(c, qn, trans_b=True) + pallas.dot(c, kn, trans_b=True)  # [rows, tile]
+def _first_max(s: Array, clusters: int) -> Array:
+  """s: [rows >= clusters, tile] scores -> [1, tile] int32: the first row of the maximum among the first
+  `clusters` (a NaN column: its first NaN row, clamped into range)."""
   row = lax.broadcasted_iota(jnp.int32, s.shape, 0)
   s = jnp.where(row < clusters, s, -jnp.inf)
   best = jnp.max(s, axis=0, keepdims=True)  # [1, tile]
@@ -65,23 +64,41 @@ def _nearest(q: Array, k: Array, c: Array, clusters: int) -> Array:
   return jnp.minimum(first, clusters - 1)
 
 
-def _kernel(q_ref, k_ref, c_ref, o_ref, *, clusters: int, heads: int | None) -> None:
-  """One head (GPU: q_ref, k_ref [tile, d], c_ref [rows, d], o_ref [tile]) or a block of `heads` (TPU:
-  [tile, heads, d], [heads, rows, d], [heads, tile]; each head's strided rows loaded from VMEM)."""
+def _nearest(q: Array, k: Array, c: Array, clusters: int, sides: bool) -> list[Array]:
+  """q, k: [tile, d]; c: [rows >= clusters, d] -> [1, tile] int32 nearest centroids: to the query and key
+  together, and with `sides` also to the query alone and the key alone."""
+  qn = layer_norm(q)  # [tile, d] float32 (float64 inputs stay float64)
+  kn = layer_norm(k)
+  c = c.astype(qn.dtype)
+  sq, sk = pallas.dot(c, qn, trans_b=True), pallas.dot(c, kn, trans_b=True)  # [rows, tile]
+  both = _first_max(sq + sk, clusters)
+  return [both, _first_max(sq, clusters), _first_max(sk, clusters)] if sides else [both]
+
+
+def _kernel(q_ref, k_ref, c_ref, *o_refs, clusters: int, heads: int | None) -> None:
+  """One head (GPU: q_ref, k_ref [tile, d], c_ref [rows, d], each o_ref [tile]) or a block of `heads` (TPU:
+  [tile, heads, d], [heads, rows, d], [heads, tile]; each head's strided rows loaded from VMEM). o_refs: the
+  joint ids, then (when given) the query-only and key-only ones."""
+  sides = len(o_refs) > 1
   if heads is None:
-    o_ref[...] = _nearest(q_ref[...], k_ref[...], c_ref[...], clusters)[0]
+    for o_ref, ids in zip(o_refs, _nearest(q_ref[...], k_ref[...], c_ref[...], clusters, sides), strict=True):
+      o_ref[...] = ids[0]
     return
   for h in range(heads):
-    o_ref[pl.ds(h, 1), :] = _nearest(q_ref[:, h, :], k_ref[:, h, :], c_ref[h], clusters)
+    ids = _nearest(q_ref[:, h, :], k_ref[:, h, :], c_ref[h], clusters, sides)
+    for o_ref, x in zip(o_refs, ids, strict=True):
+      o_ref[pl.ds(h, 1), :] = x
 
 
 def nearest(q: Array, k: Array, centroids: Array, *, platform: str | None = None,
-            per_head: bool | None = None) -> Array:
+            per_head: bool | None = None, sides: bool = False) -> Any:
   """ids [batch, length, heads] int32: argmax_c LN(q)·centroids[h, c] + LN(k)·centroids[h, c].
 
   q, k: [batch, length, heads, head_dim]; centroids: [heads, clusters, head_dim] (no gradient flows).
   platform: the one the call is lowered for (default: the traced platform, `contract.backend()`).
-  per_head: the GPU layout, one head per program (default: on GPUs only; the tests run it interpreted)."""
+  per_head: the GPU layout, one head per program (default: on GPUs only; the tests run it interpreted).
+  sides: also the query's and the key's own nearest centroids, as the k-means updates use them: returns
+  (ids, q_ids [batch, heads, length], k_ids [batch, heads, length]) from the same scores."""
   platform = platform or contract.backend()
   per_head = platform == "gpu" if per_head is None else per_head
   batch, length, heads, d = q.shape
@@ -100,13 +117,15 @@ def nearest(q: Array, k: Array, centroids: Array, *, platform: str | None = None
   tile = _tile(length, per_head, -(-(hb or 1) // sublanes) * sublanes * d * q.dtype.itemsize)
   grid = (batch, heads // (hb or 1), pl.cdiv(length, tile))
   tok = pl.BlockSpec((tok_block[0], tile, tok_block[1], d), lambda b, h, i: (b, i, h, 0))
-  out = pallas.platform_call(
+  outs = 3 if sides else 1
+  ids = pallas.platform_call(
       lambda *refs: _kernel(*refs, clusters=clusters, heads=hb),
       gpu_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
       tpu_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel")),
       platform=platform, grid=grid,
       in_specs=[tok, tok, pl.BlockSpec(c_block, lambda b, h, i: (h, 0, 0))],
-      out_specs=pl.BlockSpec((*o_block, tile), lambda b, h, i: (b, h, i)),
-      out_shape=jax.ShapeDtypeStruct((batch, heads, length), jnp.int32), name="routing_nearest",
+      out_specs=[pl.BlockSpec((*o_block, tile), lambda b, h, i: (b, h, i))] * outs,
+      out_shape=[jax.ShapeDtypeStruct((batch, heads, length), jnp.int32)] * outs, name="routing_nearest",
   )(q, k, c)
-  return out.transpose(0, 2, 1)  # [batch, length, heads]
+  both = ids[0].transpose(0, 2, 1)  # [batch, length, heads]
+  return (both, ids[1], ids[2]) if sides else both

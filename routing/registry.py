@@ -21,7 +21,7 @@ from attention_core.registry import POSITIVE, TEXT, FusedPath, OpSpec, Param, re
 from combiner import common
 from combiner.routed import routed
 from routing import nearest_kernel
-from routing.attention import routed_clusters, routing_attention
+from routing.attention import nearest_assignments, routing_attention
 
 Array = Any
 CENTROID_SEED = 0
@@ -72,20 +72,44 @@ def combiner_routed_op(q: Array, k: Array, v: Array, *, causal: bool, mask: Arra
 combiner_routed_op.partitions_itself = True  # through `_routed_by` (attention_core.partition)
 
 
+def _nearest(q: Array, k: Array, centroids: Array, implementation: str, sides: bool) -> Any:
+  """`routing.nearest_kernel.nearest` where the attention runs on kernels and the kernel serves q, else its
+  XLA form: the joint ids [batch, length, heads] (sides: and the query-only and key-only [batch, heads,
+  length]). Unpartitioned: called inside the partitioned ops below."""
+  platform = contract.backend()
+  if common.uses_kernels(implementation, op="combiner_routed") and nearest_kernel.supported(q, platform):
+    return nearest_kernel.nearest(q, k, centroids, platform=platform, sides=sides)
+  ids = nearest_assignments(q, k, centroids)
+  return ids if sides else ids[0]
+
+
 @contract.per_platform_op(common.plan_choice, per_head=("centroids",))
 def _routed_by(q: Array, k: Array, v: Array, *, centroids: Array, causal: bool, mask: Array | None,
                num_clusters: int, pooling: str, implementation: str) -> Array:
   """`combiner_routed_op` with its centroids [heads, clusters, head_dim] given. The plan ranks masked tokens
   after every real one whatever their ids, so only real tokens' ids matter here; on kernels they come from
   one kernel (`routing.nearest_kernel`) instead of XLA's layer norms, scores and argmax."""
-  platform = contract.backend()
-  if common.uses_kernels(implementation, op="combiner_routed") and nearest_kernel.supported(q, platform):
-    ids = nearest_kernel.nearest(q, k, centroids, platform=platform)  # [batch, length, heads]
-  else:
-    full = jnp.ones(q.shape[:2], bool) if mask is None else mask
-    ids, _ = routed_clusters(q, k, centroids, full)  # [batch, length, heads]
+  ids = _nearest(q, k, centroids, implementation, sides=False)  # [batch, length, heads]
   return routed(q, k, v, cluster_ids=ids, num_clusters=num_clusters, causal=causal, mask=mask,
                 pooling=pooling, implementation=implementation)
+
+
+def routed_assignments(q: Array, k: Array, centroids: Array, *, implementation: str = "auto"
+                       ) -> tuple[Array, Array, Array]:
+  """Combiner-routed's clusters and the k-means assignments of its training step, on one kernel where the
+  attention runs on kernels: (ids [batch, length, heads], q_ids and k_ids [batch, heads, length]; see
+  `routing.attention.nearest_assignments`). Partitions itself as the ops do (each device its heads' ids)."""
+  ids = _assignments(q, k, k, centroids=centroids, implementation=implementation)  # [batch, length, heads, 3]
+  return ids[..., 0], ids[..., 1].transpose(0, 2, 1), ids[..., 2].transpose(0, 2, 1)
+
+
+@contract.per_platform_op(common.plan_choice, per_head=("centroids",))
+def _assignments(q: Array, k: Array, v: Array, *, centroids: Array, implementation: str) -> Array:
+  """`routed_assignments` stacked on a last axis [batch, length, heads, 3] (the partitioned form's output:
+  per position and head). v: unused (k again; the partitioned form takes the op contract's q, k, v)."""
+  del v
+  ids, q_ids, k_ids = _nearest(q, k, centroids, implementation, sides=True)
+  return jnp.stack([ids, q_ids.transpose(0, 2, 1), k_ids.transpose(0, 2, 1)], axis=-1)
 
 
 register(OpSpec("routing", routing_op,

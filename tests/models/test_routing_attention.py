@@ -132,6 +132,62 @@ def test_sharded_ema_update_equals_one_device():
   assert np.abs(np.asarray(one) - np.asarray(m.centroids[...])).max() > 0
 
 
+def _train_step(module, x, mask, mesh=None):
+  """jit of one training call (EMA on) and the gradients of a weighted sum of its output: (output,
+  centroids after the update, sown aux loss, parameter gradients); under `mesh` the batch is split over
+  "data" and the heads of the attention over "model" (the ops partition themselves)."""
+  graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+  weights = jax.random.normal(jax.random.key(5), (x.shape[0], LENGTH, FEATURES))
+  weights = weights * mask[..., None]  # padded rows' outputs are don't-care (the op contract)
+
+  def loss(params, rest, x, mask):
+    m = nnx.merge(graphdef, params, rest, copy=True)
+    y = m(x, mask, deterministic=False)
+    aux = jax.tree.leaves(nnx.pop(m, nnx.Intermediate))[0]
+    return jnp.sum(y * weights), (y, m.centroids[...], aux)
+
+  step = jax.grad(loss, has_aux=True)
+  if mesh is not None:
+    x, mask = (jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (x, mask))
+    with jax.set_mesh(mesh):
+      grads, out = jax.jit(step)(params, rest, x, mask)
+  else:
+    grads, out = jax.jit(step)(params, rest, x, mask)
+  return (*out, grads)
+
+
+@pytest.mark.parametrize("causal", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_routed_combiner_on_kernels_trains_as_the_xla_path(causal):
+  """implementation="pallas" (interpreted here): the clusters and the k-means assignments of the training
+  step from one routing kernel, the attention on the plan's kernels. Output, centroid update, commitment
+  loss and gradients equal the XLA path's, with padding."""
+  x = _x(seed=4)
+  mask = jnp.arange(LENGTH)[None, :] < jnp.array([[LENGTH], [LENGTH - 6]])
+  got, want = (_train_step(_build("combiner_routed", causal=causal, implementation=impl), x, mask)
+               for impl in ("pallas", "xla"))
+  real = np.asarray(mask)[..., None]
+  np.testing.assert_allclose(np.where(real, got[0], 0.0), np.where(real, want[0], 0.0), rtol=2e-5, atol=2e-5)
+  for a, b in zip(jax.tree.leaves(got[1:]), jax.tree.leaves(want[1:]), strict=True):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-5)
+  initial = np.asarray(_build("combiner_routed").centroids[...])
+  assert float(got[2]) > 0 and np.abs(np.asarray(got[1]) - initial).max() > 0
+
+
+def test_routed_combiner_on_kernels_sharded_equals_one_device():
+  """The training step with the routing kernel on a data x model mesh of 8 simulated devices (batch and
+  heads split; the kernels run per device): output, centroid update, loss and gradients as on one device."""
+  x = _x(batch=8, seed=6)
+  mask = jnp.arange(LENGTH)[None, :] < (LENGTH - jnp.arange(8)[:, None])
+  m = _build("combiner_routed", implementation="pallas")
+  mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2,
+                       devices=jax.devices()[:8])
+  got, want = _train_step(m, x, mask, mesh), _train_step(m, x, mask)
+  real = np.asarray(mask)[..., None]
+  got, want = (np.where(real, got[0], 0.0), *got[1:]), (np.where(real, want[0], 0.0), *want[1:])
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-5)
+
+
 def test_centroids_survive_a_checkpoint_round_trip(tmp_path):
   m = _build("routing")
   _, state, _ = _step(m, _x(), deterministic=False)

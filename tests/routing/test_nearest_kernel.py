@@ -1,6 +1,7 @@
-"""routing.nearest_kernel: Combiner-routed's nearest-centroid ids on one Pallas kernel, against the XLA path
-(`routing.attention.routed_clusters`), interpreted on CPU in both layouts and in the TPU interpreter, and
-lowered for TPU (Mosaic) and CUDA (Triton)."""
+"""routing.nearest_kernel: Combiner-routed's nearest-centroid ids (and the query-only and key-only ones of the
+training step) on one Pallas kernel, against the XLA path (`routing.attention.nearest_assignments`),
+interpreted on CPU in both layouts and in the TPU interpreter, and lowered for TPU (Mosaic) and CUDA
+(Triton)."""
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +11,7 @@ import pytest
 from attention_core import pallas
 from attention_core import registry as ops_registry
 from routing import kmeans, nearest_kernel
-from routing.attention import routed_clusters
+from routing.attention import nearest_assignments
 
 
 def _inputs(seed, b, n, h, d, clusters, dtype=jnp.float32):
@@ -20,8 +21,10 @@ def _inputs(seed, b, n, h, d, clusters, dtype=jnp.float32):
   return q, k, kmeans.init_centroids(ks[2], h, clusters, d)
 
 
-def _want(q, k, c):
-  return np.asarray(routed_clusters(q, k, c, jnp.ones(q.shape[:2], bool))[0])  # [b, n, h]
+def _want(q, k, c, sides=False):
+  """The XLA path's joint ids [b, n, h] (sides: and the query-only, key-only [b, h, n])."""
+  ids = [np.asarray(x) for x in nearest_assignments(q, k, c)]
+  return ids if sides else ids[0]
 
 
 @pytest.mark.parametrize("per_head", [False, True], ids=["tpu_layout", "gpu_layout"])
@@ -36,6 +39,11 @@ def test_equals_xla_ids(per_head, b, n, h, d, clusters, dtype):
   got = jax.jit(lambda q, k, c: nearest_kernel.nearest(q, k, c, platform="cpu", per_head=per_head))(q, k, c)
   assert got.shape == (b, n, h) and got.dtype == jnp.int32
   np.testing.assert_array_equal(np.asarray(got), _want(q, k, c))
+  sides = jax.jit(lambda q, k, c: nearest_kernel.nearest(q, k, c, platform="cpu", per_head=per_head,
+                                                         sides=True))(q, k, c)
+  assert [x.shape for x in sides] == [(b, n, h), (b, h, n), (b, h, n)]
+  for a, want in zip(sides, _want(q, k, c, sides=True), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), want)
 
 
 def test_float64_inputs_stay_float64():
@@ -59,18 +67,20 @@ def test_nonfinite_token_changes_only_its_own_id():
 def test_tpu_branch_in_the_tpu_interpreter_has_no_races():
   q, k, c = _inputs(5, 1, 300, 8, 16, 5, jnp.bfloat16)
   with pallas.simulate("tpu", detect_races=True):
-    got = jax.block_until_ready(jax.jit(lambda q, k, c: nearest_kernel.nearest(q, k, c))(q, k, c))
+    got = jax.block_until_ready(jax.jit(lambda q, k, c: nearest_kernel.nearest(q, k, c, sides=True))(q, k, c))
     assert not pallas.races_found()
-  np.testing.assert_array_equal(np.asarray(got), _want(q, k, c))
+  for a, want in zip(got, _want(q, k, c, sides=True), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), want)
 
 
 @pytest.mark.all_platforms
+@pytest.mark.parametrize("sides", [False, True])
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
-def test_lowers_for_accelerators(platform):
+def test_lowers_for_accelerators(platform, sides):
   spec = jax.ShapeDtypeStruct((1, 2048, 16, 64), jnp.bfloat16)
   cent = jax.ShapeDtypeStruct((16, 48, 64), jnp.float32)
   target = "gpu" if platform == "cuda" else platform
-  fn = jax.jit(lambda q, k, c: nearest_kernel.nearest(q, k, c, platform=target))
+  fn = jax.jit(lambda q, k, c: nearest_kernel.nearest(q, k, c, platform=target, sides=sides))
   text = fn.trace(spec, spec, cent).lower(lowering_platforms=(platform,)).as_text()
   assert "routing_nearest" in text and ("tpu_custom_call" if platform == "tpu" else "xla.gpu.triton") in text
 
