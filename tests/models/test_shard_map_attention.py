@@ -176,11 +176,13 @@ def large_collectives(text: str, elements: int) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,data,model",
-                         [(n, d, m) for n in ("combiner_fixed", "yoso") for d, m in MESHES[1::-1]])
+                         [(n, d, m) for n in ("combiner_fixed", "yoso") for d, m in MESHES[1::-1]]
+                         + [("combiner_routed", 4, 2)])
 def test_tpu_fused_kernels_compile_sharded_without_gathering_qkv(name, data, model):
   """The real TPU compiler (Mosaic kernels) compiles a model's forward + backward with the batch over "data"
   and heads over "model"; no q, k, v or output-sized array is all-gathered or all-to-all'd (parameter
-  all-gathers are at most mlp_dim x features, far below one device's q)."""
+  all-gathers are at most mlp_dim x features, far below one device's q). combiner_routed: its clusters from
+  the routing kernel, per device."""
   mesh = tpu_mesh(data, model)
   batch, length, heads, head_dim = 8, 512, 8, 16
   cfg, task = model_config(name, heads)
@@ -203,5 +205,6 @@ def test_tpu_fused_kernels_compile_sharded_without_gathering_qkv(name, data, mod
   step = sharding.traced_in(mesh, jax.grad(loss))
   text = jax.jit(step).lower(shaped(params), shaped(rest), ids).compile().as_text()
   assert "tpu_custom_call" in text  # the Mosaic kernels are in the program
+  assert name != "combiner_routed" or "routing_nearest" in text
   local_q = batch // data * length * heads // model * head_dim
   assert not large_collectives(text, local_q)
