@@ -137,8 +137,8 @@ def _summary_backward(b: Array, R: dict, g: Array, head: Array, *, f: Frame, ban
   for j in range(n):
     R["dku"][j * t:(j + 1) * t, :] = dku[j].astype(R["dku"].dtype)
     R["dvu"][j * t:(j + 1) * t, :] = dvu[j].astype(R["dvu"].dtype)
-  R["dkb"][...] = dkb
-  R["dvb"][...] = dvb
+  R["dkb"][...] = dkb.astype(R["dkb"].dtype)
+  R["dvb"][...] = dvb.astype(R["dvb"].dtype)
 
 
 _TOK = ("q", "ku", "vu", "o_ext", "do", "o_fin", "o", "dq", "dku", "dvu")
@@ -165,7 +165,7 @@ def _summary_call(plan: _Plan, program, args: dict[str, Array], outs: dict[str, 
     if n == "lse":
       return jax.ShapeDtypeStruct((bh, f.rows, 1, f.cols), F32)
     if n in ("dkb", "dvb"):
-      return jax.ShapeDtypeStruct((bh, f.rows, bank, dims[n]), F32)
+      return jax.ShapeDtypeStruct((bh, f.rows, bank, dims[n]), dtype)
     return frames.tok_shape(f, _ROWS, dims[n], dtype)
 
   ins = list(args)
@@ -279,12 +279,12 @@ def _run_bwd(plan: _Plan, residuals: tuple, do: Array):
   args = {"q": kernel_plans.to_frame(a["q"], fb), **st, "cid": a["cid"], "bvalid": a["bvalid"],
           "do": kernel_plans.to_frame(do, fb), "o_fin": kernel_plans.to_frame(out, fb), "lse_fin": lse}
   m = _summary_call(plan, _summary_backward, args,
-                    {"dq": a["q"].dtype, "dku": a["q"].dtype, "dvu": a["q"].dtype, "dkb": F32, "dvb": F32},
+                    {"dq": a["q"].dtype, "dku": a["q"].dtype, "dvu": a["q"].dtype, "dkb": a["q"].dtype, "dvb": a["q"].dtype},
                     "combiner_routed_summaries_bwd")
 
   def state_grads(tok: Array, bank: Array, dim: int) -> Array:  # -> the prefix states' gradients (f32)
-    x = _to_slots(plan, a, kernel_plans.from_frame(tok, fb, dim).astype(F32))
-    bank = bank[:, :, :fs.rows].reshape(-1, dim)
+    x = _to_slots(plan, a, kernel_plans.from_frame(tok, fb, dim)).astype(F32)
+    bank = bank[:, :, :fs.rows].reshape(-1, dim).astype(F32)
     return _scatter_add(x.reshape(-1, dim), a["base_rows"], bank).reshape(x.shape)
 
   lse_slots = _row_frame(_gather(lse, a["lse_slot_rows"], (fs.batch * fs.heads, fs.length), True), fs)
