@@ -278,9 +278,10 @@ def _run_bwd(plan: _Plan, residuals: tuple, do: Array):
   st = _states(plan, a, kbar, vt)
   args = {"q": kernel_plans.to_frame(a["q"], fb), **st, "cid": a["cid"], "bvalid": a["bvalid"],
           "do": kernel_plans.to_frame(do, fb), "o_fin": kernel_plans.to_frame(out, fb), "lse_fin": lse}
-  m = _summary_call(plan, _summary_backward, args,
-                    {"dq": a["q"].dtype, "dku": a["q"].dtype, "dvu": a["q"].dtype, "dkb": a["q"].dtype, "dvb": a["q"].dtype},
-                    "combiner_routed_summaries_bwd")
+  # The states' gradients in the inputs' dtype (each one float32 sum, rounded once): float32 only for the
+  # sum over the blocks sharing a block-start state, which halves the largest temporaries.
+  outs = {n: a["q"].dtype for n in ("dq", "dku", "dvu", "dkb", "dvb")}
+  m = _summary_call(plan, _summary_backward, args, outs, "combiner_routed_summaries_bwd")
 
   def state_grads(tok: Array, bank: Array, dim: int) -> Array:  # -> the prefix states' gradients (f32)
     x = _to_slots(plan, a, kernel_plans.from_frame(tok, fb, dim)).astype(F32)
