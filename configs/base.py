@@ -79,6 +79,10 @@ def base_config() -> ml_collections.ConfigDict:
   # The blocks' parameters stacked on a leading layer axis, run by one lax.scan (models/stacked.py): the same
   # values and results as num_layers unrolled blocks, in a train step that does not grow with depth.
   c.model.scan_layers = False
+  # With scan_layers: layers per iteration of the scanned loop (jax.lax.scan's unroll). More compiles a larger
+  # loop body for fewer trips; scripts/compile_tpu.py compiles 2 to count a layer's cost, which XLA's cost
+  # analysis counts once however many trips the loop makes.
+  c.model.scan_unroll = 1
   c.model.attention = attention_config()
   # Segment recurrence (lm, an attention declaring a memory, ordered data): each block keeps its last mem_len
   # inputs as extra keys for the same rows of the next batch (docs/design.md section 6). 0 = no memory.

@@ -82,6 +82,7 @@ def validate(c: ml_collections.ConfigDict, attention_names: Any = None) -> None:
                          f"trained with a {what})")
   in_range("config.model.dropout_rate", m.dropout_rate, 0, 1, "[)")
   one_of("config.model.remat", m.remat, ("none", "full", "minimal"))
+  at_least("config.model.scan_unroll", m.get("scan_unroll", 1), 1, " (layers per scanned loop iteration)")
   one_of("config.model.dtype", m.dtype, ("float32", "bfloat16", "float16", "float64"))
   att = m.attention
   if attention_names is not None:

@@ -58,13 +58,21 @@ def is_stacked(v: nnx.Variable) -> bool:
   return bool(axes) and axes[0] == LAYERS
 
 
+def depths(node: Any) -> set[int]:
+  """The layer counts of the stacked modules in `node` (their variables' leading layer axis); {} for none."""
+  leaves = jax.tree.leaves(nnx.state(node), is_leaf=lambda x: isinstance(x, nnx.Variable))
+  return {int(v.shape[0]) for v in leaves if is_stacked(v)}
+
+
 def scan(module: nnx.Module, fn: Callable[[nnx.Module, Any, Any], tuple[Any, Any]], carry: Any,
-         xs: Any = None, *, remat: bool = False, policy: Any = None, update: bool = True) -> tuple[Any, Any]:
+         xs: Any = None, *, remat: bool = False, policy: Any = None, update: bool = True,
+         unroll: int = 1) -> tuple[Any, Any]:
   """carry, ys = for each layer i of the stacked `module`: carry, y_i = fn(layer_i, carry, xs_i), by
   `jax.lax.scan`; ys stacked on a leading layer axis. With `update`, the state the layers leave (random
   streams advanced, routing centroids updated, values sown) is written back into `module`, stacked; without,
   it is dropped (decoding, which changes no state, may then run inside another transform). remat:
-  `jax.checkpoint` the layer with `policy` (each layer recomputed in the backward pass from its input)."""
+  `jax.checkpoint` the layer with `policy` (each layer recomputed in the backward pass from its input).
+  unroll: layers per iteration of the loop (`jax.lax.scan`'s; the same results)."""
   graphdef, params, other = nnx.split(module, nnx.Param, ...)
 
   def body(carry, inputs):
@@ -75,7 +83,7 @@ def scan(module: nnx.Module, fn: Callable[[nnx.Module, Any, Any], tuple[Any, Any
 
   if remat:
     body = jax.checkpoint(body, policy=policy)
-  carry, (ys, after) = jax.lax.scan(body, carry, (params, other, xs))
+  carry, (ys, after) = jax.lax.scan(body, carry, (params, other, xs), unroll=unroll)
   if update:
     nnx.update(module, after)
   return carry, ys

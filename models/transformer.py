@@ -182,6 +182,7 @@ class Encoder(nnx.Module):
     self.remat = cfg.get("remat", "none")
     if self.remat not in REMAT:
       raise ValueError(f"model.remat must be one of {list(REMAT)}, got {self.remat!r}")
+    self.scan_unroll = int(cfg.get("scan_unroll", 1))  # at least 1 (configs/validation.py)
 
   def __call__(self, ids: Array, mask: Array | None, *, deterministic: bool,
                memory: list[dict[str, Array]] | None = None) -> Array | tuple[Array, list[dict[str, Array]]]:
@@ -200,7 +201,7 @@ class Encoder(nnx.Module):
         return block(x, mask, deterministic=deterministic), None  # [batch, length, features]
 
       x, _ = stacked.scan(self.blocks, layer, x, remat=self.remat != "none",
-                          policy=_REMAT_POLICY.get(self.remat))
+                          policy=_REMAT_POLICY.get(self.remat), unroll=self.scan_unroll)
     else:
       for block in self.blocks:
         if self.remat != "none":

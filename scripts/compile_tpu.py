@@ -149,6 +149,8 @@ class Result:
   bytes_accessed: float = 0.0
   program_ops: int = 0  # operations of the step's StableHLO program (`stablehlo_ops`)
   compile_s: float = 0.0  # seconds this host took to lower and compile the step
+  scanned_layers: int = 0  # the layers of the step's loop over stacked blocks (models/stacked.py); 0: none
+  uncounted_layers: int = 0  # of those, the ones flops and bytes_accessed leave out (`every_layer_counted`)
 
   @property
   def total(self) -> int:
@@ -210,6 +212,7 @@ def compile_step(config: Any, sl: Slice) -> Result:
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
+  from models import stacked
   from training.experiment import Experiment
 
   try:
@@ -241,9 +244,12 @@ def compile_step(config: Any, sl: Slice) -> Result:
   memory["total"] = sum(memory.values())
   cost = compiled.cost_analysis()
   cost = (cost[0] if cost else {}) if isinstance(cost, (list, tuple)) else (cost or {})
+  depth = stacked.depths(exp.abstract_model)
+  layers = max(depth) if len(depth) == 1 else 0
   r = Result(sl, "fits", "", mesh, memory, float(cost.get("flops", 0.0)),
              float(cost.get("bytes accessed", 0.0)), stablehlo_ops(lowered.as_text()),
-             time.perf_counter() - start)
+             time.perf_counter() - start, scanned_layers=layers,
+             uncounted_layers=layers - _counted(layers, int(config.model.get("scan_unroll", 1))))
   if r.total > sl.gen.hbm_bytes:
     r.status = "too big"
     r.message = (f"needs {r.total / GiB:.2f} GiB of HBM per chip, a {sl.gen.name} chip has "
@@ -251,7 +257,8 @@ def compile_step(config: Any, sl: Slice) -> Result:
   return r
 
 
-def search(config: Any, gen: Generation, sizes: list[int], num_slices: int) -> tuple[Result, list[Result]]:
+def search(config: Any, gen: Generation, sizes: list[int], num_slices: int,
+           count_layers: bool = True) -> tuple[Result, list[Result]]:
   """The smallest of `sizes` (chips, ascending) the step fits or fails to compile on, and the smaller slices
   compiled on the way that it does not fit; when it fits none, the largest. Slices whose mesh the config
   cannot build, or whose data x fsdp axes do not divide the global batch, are passed over without compiling;
@@ -259,7 +266,8 @@ def search(config: Any, gen: Generation, sizes: list[int], num_slices: int) -> t
   then bisected (a step's HBM per chip does not grow with the slice), so a search compiles once, or about
   1 + log2(len(sizes)) times. Searching a generation (several sizes), a slice whose chips the global batch
   cannot split over gives the chips it leaves to the seq axis (`with_seq_axis`), so that a config with a
-  small or odd batch is still told the slice it needs and the mesh that serves it."""
+  small or odd batch is still told the slice it needs and the mesh that serves it. count_layers: the result's
+  FLOPs and bytes count every layer of a scanned model (`every_layer_counted`, one more compile)."""
   candidates, refused = [], None
   for chips in sizes:
     sl = Slice(gen, chips, num_slices)
@@ -276,9 +284,12 @@ def search(config: Any, gen: Generation, sizes: list[int], num_slices: int) -> t
   def compile_at(i: int) -> Result:
     return compile_step(candidates[i][1], candidates[i][0])
 
+  def counted(i: int, r: Result) -> Result:
+    return every_layer_counted(candidates[i][1], r) if count_layers else r
+
   results = {0: compile_at(0)}
   if results[0].status != "too big" or len(candidates) == 1:
-    return results[0], []
+    return counted(0, results[0]), []
   lo, hi = 1, len(candidates) - 1
   while lo < hi:
     mid = (lo + hi) // 2
@@ -288,7 +299,35 @@ def search(config: Any, gen: Generation, sizes: list[int], num_slices: int) -> t
     else:
       hi = mid
   found = results.get(lo) or compile_at(lo)
-  return found, [r for i, r in sorted(results.items()) if i < lo]
+  return counted(lo, found), [r for i, r in sorted(results.items()) if i < lo]
+
+
+def _counted(layers: int, unroll: int) -> int:
+  """How many layers XLA's cost analysis counts in a scan over `layers` with `unroll` layers per iteration:
+  the loop's body once (`unroll` layers) and the remainder, which jax.lax.scan runs after the loop."""
+  trips, remainder = divmod(layers, unroll)
+  return (unroll if trips else 0) + remainder
+
+
+def every_layer_counted(config: Any, r: Result) -> Result:
+  """`r` with a scanned model's every layer in its FLOPs and bytes. XLA's cost analysis counts a loop's body
+  once, so for a step whose blocks are scanned (`model.scan_layers`) it sees one layer of L. The step is
+  compiled again on the same slice with twice the layers per loop iteration (`model.scan_unroll`); the
+  difference is one layer's forward and backward, added for each layer the first compile did not count."""
+  layers, unroll = r.scanned_layers, int(config.model.get("scan_unroll", 1))
+  if r.status != "fits" or not r.uncounted_layers:
+    return r
+  wider = config.copy_and_resolve_references()
+  wider.model.scan_unroll = 2 * unroll
+  r2 = compile_step(wider, r.slice)
+  if not r2.memory:  # the larger body failed to compile: the loop's layers stay counted once
+    return r
+  per = _counted(layers, 2 * unroll) - _counted(layers, unroll)  # >= 1: some layers are uncounted
+  missing = r.uncounted_layers
+  return dataclasses.replace(
+      r, flops=r.flops + missing * max(r2.flops - r.flops, 0.0) / per,
+      bytes_accessed=r.bytes_accessed + missing * max(r2.bytes_accessed - r.bytes_accessed, 0.0) / per,
+      compile_s=r.compile_s + r2.compile_s, uncounted_layers=0)
 
 
 def with_seq_axis(config: Any, sl: Slice) -> Any | None:
@@ -359,6 +398,9 @@ def report(label: str, r: Result, batch: int) -> str:
            f"{g.peak_flops / 1e12:g} TFLOP/s, {g.hbm_bandwidth / 1e9:g} GB/s)",
            f"{'step program':<34}{r.program_ops:>14,}  StableHLO operations",
            f"{'lowered and compiled here in':<34}{_seconds(r.compile_s):>14}"]
+  if r.uncounted_layers:
+    lines.insert(-2, f"  (FLOPs and bytes count {r.scanned_layers - r.uncounted_layers} of the "
+                     f"{r.scanned_layers} scanned layers: --count_layers counts them all)")
   return "\n".join(lines)
 
 
@@ -404,10 +446,12 @@ paper variant, as train.py would run it, at its own global batch) compiled ahead
 for each generation, searching the smallest slice the step fits (`--topology v5e` etc.). "HBM per chip" is
 what that slice's chips need (arguments, temporaries, outputs, code) against their HBM. The step time is a
 roofline estimate, max(FLOPs / peak bf16 FLOP/s, bytes accessed / HBM bandwidth), per chip: a lower bound,
-since XLA's cost analysis counts a loop body once and does not see inside Pallas kernels. Slices are
-searched over the generation's sizes; where the config's global batch cannot split over a slice's chips (the
-mesh's data x fsdp must divide it), the chips it leaves go to the seq axis (each sequence split over them),
-and the row names that mesh (`mesh.seq=N`: train with `--config.mesh.seq=N`).
+since XLA's cost analysis counts a loop body once and does not see inside Pallas kernels. The loop over a
+scanned model's layers is the exception: the step is compiled a second time with two layers per iteration
+(`model.scan_unroll=2`), and the difference, one layer's forward and backward, is counted for every layer.
+Slices are searched over the generation's sizes; where the config's global batch cannot split over a slice's
+chips (the mesh's data x fsdp must divide it), the chips it leaves go to the seq axis (each sequence split
+over them), and the row names that mesh (`mesh.seq=N`: train with `--config.mesh.seq=N`).
 Check one config and slice before creating it: `python -m scripts.compile_tpu --config configs/X.py --topology
 v5e-16` (scripts/tpu.py does so itself). On a 2-core host one compile takes from seconds to a few minutes; the
 deepest model, `cifar10.py:main` (128 layers), compiles for v5e-4 in about a minute and a half (85 s; a step
@@ -481,6 +525,8 @@ def _flags():
                       "generation alone (v5e: the smallest slice that fits)")
   flags.DEFINE_integer("num_slices", 1, "compile for this many such slices (multislice)")
   flags.DEFINE_bool("list_topologies", False, "list the accelerator types --topology takes, then exit")
+  flags.DEFINE_bool("count_layers", True, "a scanned model: compile its step once more, with two layers per "
+                    "loop iteration, so that its FLOPs and bytes (the roofline) count every layer, not one")
   flags.DEFINE_bool("markdown", False, "print one row of the docs/tpu.md table instead of the report")
   flags.DEFINE_string("docs", None, "write the table of every paper config by generation to this file")
   flags.DEFINE_integer("docs_jobs", 1, "with --docs: how many rows to measure at once (one process each)")
@@ -520,7 +566,7 @@ def main(argv: list[str]) -> None:
     raise cli.UsageError(str(e)) from None
   config = command_line.checked_config(flags)
   label = flags["config"].config_filename
-  r, skipped = search(config, gen, sizes, flags.num_slices)
+  r, skipped = search(config, gen, sizes, flags.num_slices, flags.count_layers)
   batch = int(config.train.batch_size)
   if flags.markdown:
     print(markdown_row(label, gen, r), flush=True)

@@ -222,7 +222,8 @@ def kernel_check_cmd(args: argparse.Namespace) -> list[str]:
 
 
 def compile_check_cmd(args: argparse.Namespace) -> list[str]:
-  """scripts/compile_tpu.py for --config on --accelerator, with the train flags after `--` it understands."""
+  """scripts/compile_tpu.py for --config on --accelerator, with the train flags after `--` it understands; it
+  checks the fit only (--nocount_layers: no second compile of a scanned model for its roofline)."""
   config, colon, arg = args.config.partition(":")
   if not os.path.isabs(config) and not os.path.exists(config):
     config = os.path.join(ROOT, config)  # train.py reads it relative to the repository root
@@ -235,7 +236,7 @@ def compile_check_cmd(args: argparse.Namespace) -> list[str]:
       if "=" not in a and rest and not rest[0].startswith("--"):
         forwarded.append(rest.pop(0))
   return [sys.executable, os.path.join(ROOT, "scripts", "compile_tpu.py"), "--config", config + colon + arg,
-          "--topology", args.accelerator, *forwarded]
+          "--nocount_layers", "--topology", args.accelerator, *forwarded]
 
 
 def logs_cmd(args: argparse.Namespace) -> list[str]:

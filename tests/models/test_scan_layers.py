@@ -1,6 +1,6 @@
 """model.scan_layers: the blocks as one lax.scan over their parameters stacked at call time compute what the
 unrolled blocks do (loss, logits, gradients, sown losses, and the state the blocks update: random streams,
-routing centroids, Performer features), with and without remat; the model's program (forward and gradient)
+routing centroids, Performer features), with and without remat, one or two layers per loop iteration; the model's program (forward and gradient)
 stops growing with depth; an attention whose blocks differ by layer is a one-line config error."""
 
 import jax
@@ -72,6 +72,13 @@ def test_scanned_blocks_compute_what_unrolled_blocks_do(name):
 @pytest.mark.slow
 def test_scanned_blocks_with_remat():
   _same("dense", remat="full")
+
+
+@pytest.mark.slow
+def test_scanned_blocks_two_per_iteration():
+  """model.scan_unroll=2 over 3 layers: one loop trip of two layers and the third after it, recomputed in the
+  backward pass; the same results as unrolled blocks."""
+  _same("routing", remat="full", scan_unroll=2)
 
 
 def _hlo_size(layers: int, scan: bool) -> int:

@@ -50,6 +50,29 @@ def test_stacked_blocks_compile_and_their_program_does_not_grow_with_depth():
 
 
 @pytest.mark.slow
+def test_a_scanned_step_counts_every_layer():
+  """XLA's cost analysis counts a loop's body once, so a scanned step's FLOPs and bytes cover one of its
+  layers. Counted by a second compile (two layers per loop iteration), they equal the same model's unrolled:
+  the FLOPs to 1%, the bytes (besides the loop's own slicing) to 10%. Five layers: the loop's remainder,
+  run after it, is counted too. An unscanned step is left as compiled."""
+  from configs import cifar10
+  from scripts import compile_tpu as ct
+
+  one_chip = ct.Slice(ct.GENERATIONS["v5e"], 1)
+  scanned = cifar10.get_config("main,smoke,layers=5")
+  raw = ct.compile_step(scanned, one_chip)
+  assert raw.status == "fits" and raw.scanned_layers == 5
+  counted = ct.every_layer_counted(scanned, raw)
+  unrolled_config = cifar10.get_config("main,smoke,layers=5,scan_layers=False")
+  unrolled = ct.compile_step(unrolled_config, one_chip)
+  assert unrolled.scanned_layers == 0 and ct.every_layer_counted(unrolled_config, unrolled) is unrolled
+  assert raw.flops < 0.5 * unrolled.flops  # what the loop hides
+  assert counted.flops == pytest.approx(unrolled.flops, rel=0.01)
+  assert counted.bytes_accessed == pytest.approx(unrolled.bytes_accessed, rel=0.1)
+  assert counted.memory == raw.memory and counted.compile_s > raw.compile_s
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("config", ["configs/transformer_xl.py:smoke", "configs/hibert.py:pretrain,smoke"])
 def test_configs_with_other_batch_layouts_compile(config):
   """A segment-recurrence config's step also reads and returns the memory (and the batch's reset rows);

@@ -240,6 +240,7 @@ def test_failing_evaluation_keeps_the_checkpoint_of_its_step(trained, tmp_path, 
     ("train.eval_every", -2, r"eval_every must be >= 0"),
     ("train.num_steps", -5, r"num_steps must be >= 0"),
     ("train.eval_batches", 0, r"eval_batches must be >= 1 or -1"),
+    ("model.scan_unroll", 0, r"config.model.scan_unroll must be >= 1 \(layers per scanned loop iteration\)"),
 ])
 def test_bad_config_values_are_clear_errors_before_compiling(tmp_path, monkeypatch, field, value, message):
   monkeypatch.setattr(loop, "Experiment", None)  # reaching the model build would be a TypeError
