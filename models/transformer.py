@@ -167,8 +167,8 @@ class Encoder(nnx.Module):
                                                     seq_len=seq_len), rngs) for i in range(cfg.num_layers)]
     self.num_layers = len(blocks)
     # model.scan_layers: the blocks as one module whose variables are stacked on a leading layer axis, run by
-    # one lax.scan (models/stacked.py). Blocks with a segment memory stay one module per layer, unrolled.
-    self.scanned = bool(cfg.get("scan_layers", False) and blocks and not int(cfg.get("mem_len", 0) or 0))
+    # one lax.scan (models/stacked.py); a segment memory's layers are stacked for the scan and split after it.
+    self.scanned = bool(cfg.get("scan_layers", False) and blocks)
     if self.scanned:
       _check_scannable(blocks, cfg.attention.name)
       self.blocks = stacked.stack(blocks)
@@ -218,22 +218,18 @@ class Encoder(nnx.Module):
       raise ValueError(f"memory has {len(memory)} layers, the model {self.num_layers}")
     if mask is None:
       mask = jnp.ones(x.shape[:2], bool)
+    if self.scanned:  # each layer's memory arrays stacked [layers, ...], scanned with the blocks, then split
+      def layer(block, x, mem):
+        return _memory_layer(block, x, mask, mem, deterministic, "none")
+
+      x, new = stacked.scan(self.blocks, layer, x, jax.tree.map(lambda *a: jnp.stack(a), *memory),
+                            remat=self.remat != "none", policy=_REMAT_POLICY.get(self.remat),
+                            unroll=self.scan_unroll)
+      return self.norm(x), [jax.tree.map(lambda a, i=i: a[i], new) for i in range(self.num_layers)]
     new = []
     for block, mem in zip(self.blocks, memory, strict=True):
-      hidden, valid = mem["hidden"], mem["valid"]  # [batch, M, features], [batch, M]
-      m = hidden.shape[1]
-      both = jnp.concatenate([hidden, x.astype(hidden.dtype)], axis=1)  # [batch, M + length, features]
-      both_valid = jnp.concatenate([valid, mask.astype(bool)], axis=1)  # [batch, M + length]
-      keep = both.shape[1] - m  # the first position kept
-      new.append({"hidden": jax.lax.stop_gradient(both[:, keep:]), "valid": both_valid[:, keep:]})
-      if "compressed" in mem:  # the block reads [compressed; memory] and compresses what the FIFO evicts
-        new[-1].update(_compress(block, mem, x, mask, both[:, :keep], both_valid[:, :keep], deterministic))
-        hidden = jnp.concatenate([mem["compressed"], hidden], axis=1)  # [batch, n_cm + M, features]
-        valid = jnp.concatenate([mem["compressed_valid"], valid], axis=1)
-      if self.remat != "none":
-        x = _REMATTED_MEMORY_BLOCK[self.remat](block, x, mask, hidden, valid, deterministic)
-      else:
-        x = block(x, mask, deterministic=deterministic, memory=hidden, memory_mask=valid)
+      x, layer_mem = _memory_layer(block, x, mask, mem, deterministic, self.remat)
+      new.append(layer_mem)
     return self.norm(x), new  # [batch, length, features]
 
   def decode(self, ids: Array, caches: list[Any], position: Array | None = None) -> tuple[Array, list[Any]]:
@@ -295,6 +291,26 @@ def _decode_graph(encoder: Encoder, ids: Array, caches: list[Any],
   x = jnp.concatenate([x, nodes], axis=1)  # [batch, 1 + nodes, features]
   x, new = encoder._decode_blocks(x, caches[:-1], position)
   return encoder.norm(x[:, :1]), new + [node_cache]
+
+
+def _memory_layer(block: Block, x: Array, mask: Array, mem: dict[str, Array], deterministic: bool,
+                  remat: str) -> tuple[Array, dict[str, Array]]:
+  """One block over x [batch, length, features] reading its memory `mem` (hidden [batch, M, features], valid
+  [batch, M]; with a compressed memory also compressed [batch, n_cm, features], compressed_valid) -> (x, the
+  memory it leaves: the last M of [memory; x], no gradient, and the compressed FIFO updated)."""
+  hidden, valid = mem["hidden"], mem["valid"]
+  m = hidden.shape[1]
+  both = jnp.concatenate([hidden, x.astype(hidden.dtype)], axis=1)  # [batch, M + length, features]
+  both_valid = jnp.concatenate([valid, mask.astype(bool)], axis=1)  # [batch, M + length]
+  keep = both.shape[1] - m  # the first position kept
+  new = {"hidden": jax.lax.stop_gradient(both[:, keep:]), "valid": both_valid[:, keep:]}
+  if "compressed" in mem:  # the block reads [compressed; memory] and compresses what the FIFO evicts
+    new.update(_compress(block, mem, x, mask, both[:, :keep], both_valid[:, :keep], deterministic))
+    hidden = jnp.concatenate([mem["compressed"], hidden], axis=1)  # [batch, n_cm + M, features]
+    valid = jnp.concatenate([mem["compressed_valid"], valid], axis=1)
+  if remat != "none":
+    return _REMATTED_MEMORY_BLOCK[remat](block, x, mask, hidden, valid, deterministic), new
+  return block(x, mask, deterministic=deterministic, memory=hidden, memory_mask=valid), new
 
 
 def _compress(block: Block, mem: dict[str, Array], x: Array, mask: Array, evicted: Array,

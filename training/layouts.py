@@ -49,7 +49,7 @@ def saved_paths(mgr: Any, step: int) -> frozenset[tuple[str, ...]] | None:
 
 def _other_layout(exp: Any) -> Any | None:
   """The run's experiment with `model.scan_layers` flipped (the other layout), or None when it has no other
-  (blocks that differ, or keep a segment memory, are never stacked)."""
+  (blocks that differ are never stacked)."""
   from training.experiment import Experiment
 
   config = copy.deepcopy(exp.config)

@@ -54,6 +54,59 @@ def _same(name: str, **fields):
   return unrolled
 
 
+MEM = 4  # memory positions per layer
+
+
+def _memory_cfg(name: str, scan: bool, **fields):
+  cfg = _cfg(name, 3, scan, mem_len=MEM, **fields)
+  if name == "compressive":  # a compressed FIFO too, its reconstruction loss sown
+    cfg.compressed_mem_len = 4
+    cfg.attention.update(compression="conv", compression_rate=2, reconstruction_loss=0.5)
+  return cfg
+
+
+def _memory_step(name: str, scan: bool, **fields):
+  """Loss, logits, the memory left, sown values, state and gradients of the second of two segments, each
+  reading the memory the one before left (the first an empty one)."""
+  model = transformer.build_model(_memory_cfg(name, scan, **fields), task="lm", vocab_size=VOCAB,
+                                  seq_len=LENGTH)
+  batch = batch_for("lm", np.random.default_rng(0))
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+  def loss_fn(params):
+    m = nnx.merge(graphdef, params, rest, copy=True)
+    _, memory = m({"inputs": batch["inputs"][:, ::-1]}, deterministic=False, memory=m.init_memory(2, MEM))
+    logits, memory = m(batch, deterministic=False, memory=memory)
+    sown = nnx.pop(m, nnx.Intermediate)
+    loss = metrics.loss_and_sums("lm", logits, batch)[0]
+    return loss, (logits, memory, sown, nnx.state(m, nnx.Not(nnx.Param)))
+
+  (loss, aux), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(params)
+  return (loss, *aux, grads)
+
+
+@pytest.mark.slow  # ~20 s on 2 cores each
+@pytest.mark.parametrize("name,fields", [
+    ("transformer_xl", {}),
+    ("compressive", {"remat": "full"}),  # the compression recomputed with the block
+    ("adaptive_span", {"scan_unroll": 2}),  # a sown span penalty; one loop trip of two layers, then the third
+])
+def test_scanned_blocks_with_a_segment_memory(name, fields):
+  """A memory's layers are stacked for the scan and split after it: the same logits, memory left (one entry
+  per layer), sown losses, state and gradients as unrolled blocks."""
+  unrolled, scanned = _memory_step(name, False, **fields), _memory_step(name, True, **fields)
+  for what, a, b in zip(("loss", "logits", "memory", "sown", "state", "grads"), unrolled, scanned, strict=True):
+    if what in ("sown", "state", "grads"):
+      b = stacked.convert(b, like=a)
+    assert jax.tree.structure(a) == jax.tree.structure(b), what
+    for x, y in zip(_plain(a), _plain(b), strict=True):
+      np.testing.assert_allclose(y, x, rtol=1e-5, atol=1e-6, err_msg=f"{name}: {what}")
+  assert len(scanned[2]["layers"]) == 3 and np.isfinite(scanned[0])
+  if name != "transformer_xl":
+    assert jax.tree.leaves(scanned[3]), "the blocks' sown losses reach the train step"
+  assert any(np.any(np.asarray(layer["valid"])) for layer in scanned[2]["layers"])
+
+
 @pytest.mark.slow  # ~18 s on 2 cores: two jitted training forwards and gradients per attention
 @pytest.mark.parametrize("name", [
     "dense",
