@@ -57,8 +57,8 @@ def _tile_spec(f: Frame, dim: int) -> pl.BlockSpec:
   if f.packed:
     return pl.BlockSpec((None, f.cols, dim), lambda b, h, g: (b, g, h))
   if f.reverse:  # the reversed sequence's tile g is the array's tile rows-1-g (rows flipped in VMEM)
-    return pl.BlockSpec((None, f.cols, f.heads_per_block, dim), lambda b, h, g: (b, f.rows - 1 - g, h, 0))
-  return pl.BlockSpec((None, f.cols, f.heads_per_block, dim), lambda b, h, g: (b, g, h, 0))
+    return frames.head_block_spec(f, (None, f.cols), dim, lambda b, h, g: (b, f.rows - 1 - g, h))
+  return frames.head_block_spec(f, (None, f.cols), dim, lambda b, h, g: (b, g, h))
 
 
 def _full(f: Frame, shape: tuple[int, ...]) -> pl.BlockSpec:

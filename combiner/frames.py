@@ -34,7 +34,7 @@ Array = Any
 TILE = 128  # query / key tile cap inside a group (TPU lanes; also interpret mode)
 GPU_TILE = 64  # smaller tiles keep more Triton programs in flight
 GPU_PARAMS = pltriton.CompilerParams(num_warps=4, num_stages=2)
-HEAD_BLOCK = 8  # heads per program on TPU: their blocks fit a v4 core's 16 MiB of VMEM
+HEAD_BLOCK = 8  # heads per program on TPU at most: their blocks fit a v4 core's 16 MiB of VMEM
 KINDS = ("block", "last", "prefix", "upto", "all_but_one", "own")
 COUNTS = ("vertical_causal", "vertical", "horizontal", "rows")  # how `extra` summaries' members are counted
 
@@ -69,11 +69,24 @@ class Frame:
 
   @property
   def heads_per_block(self) -> int:
-    """Heads one program runs: 1 for heads-packed frames; else up to HEAD_BLOCK (a block's heads are its
-    second-minor axis: a multiple of 8 or all of them)."""
+    """Heads one program runs: 1 for heads-packed frames; else HEAD_BLOCK, all the heads when there are
+    fewer, or the largest divisor of the heads below HEAD_BLOCK (12 heads: 6, in blocks of their own axis,
+    `split_heads`)."""
     if self.packed:
       return 1
-    return HEAD_BLOCK if self.heads % HEAD_BLOCK == 0 else self.heads
+    if self.heads % HEAD_BLOCK == 0:
+      return HEAD_BLOCK
+    if self.heads < HEAD_BLOCK:
+      return self.heads
+    return max(n for n in range(1, HEAD_BLOCK) if self.heads % n == 0)
+
+  @property
+  def split_heads(self) -> bool:
+    """Whether the kernels see frame arrays with their heads axis split, [.., heads / hb, hb, dim]: Mosaic
+    takes a block's second-minor axis whole or in multiples of 8, so a block of hb heads that is neither
+    must be a whole axis of its own (a free reshape)."""
+    hb = self.heads_per_block
+    return not self.packed and hb != self.heads and hb % 8 != 0
 
   def valid(self, r: Array, c: Array) -> Array:
     """Validity of frame position (r, c) from positions alone."""
@@ -150,14 +163,24 @@ def grid(f: Frame, groups: int) -> tuple[int, int, int]:
 
 
 def tok_spec(f: Frame, p: Pass, dim: int) -> pl.BlockSpec:
-  glen, hb = p.glen(f), f.heads_per_block
+  glen = p.glen(f)
   if f.packed:
     if p.view == "cols":
       return pl.BlockSpec((None, glen, dim), lambda b, h, g: (b, 0, g * f.heads + h))
     return pl.BlockSpec((None, glen, dim), lambda b, h, g: (b, g, h))
   if p.view == "cols":
-    return pl.BlockSpec((None, glen, None, hb, dim), lambda b, h, g: (b, 0, g, h, 0))
-  return pl.BlockSpec((None, glen, hb, dim), lambda b, h, g: (b, g, h, 0))
+    return head_block_spec(f, (None, glen, None), dim, lambda b, h, g: (b, 0, g, h))
+  return head_block_spec(f, (None, glen), dim, lambda b, h, g: (b, g, h))
+
+
+def head_block_spec(f: Frame, lead: tuple, dim: int, index: Any) -> pl.BlockSpec:
+  """A block of the program's heads of a frame array (not heads-packed): `lead` the block's dims before the
+  heads axis, index(b, h, g) the block's index there and at the head block h; the heads axis split in two
+  where `f.split_heads` (the array viewed [.., heads / hb, hb, dim] by `call_kernel`)."""
+  hb = f.heads_per_block
+  if f.split_heads:
+    return pl.BlockSpec((*lead, None, hb, dim), lambda b, h, g: (*index(b, h, g), 0, 0))
+  return pl.BlockSpec((*lead, hb, dim), lambda b, h, g: (*index(b, h, g), 0))
 
 
 def head_view(f: Frame, x: Array) -> Array:
@@ -266,6 +289,13 @@ def call_kernel(f: Frame, kernel, name: str, groups: int, ins: list[str], specs:
   TPU. `loads`: frame arrays the kernel reads rows of with `TileLoader` (whole, in HBM on TPU; each gets VMEM
   buffers for its copies). `aliases`: {input index: output index} written in place."""
   names = tuple(ins + outs)
+  if f.split_heads:  # frame arrays [.., heads, dim] viewed [.., heads / hb, hb, dim] (`head_block_spec`)
+    framed = set(tok) | set(loads)
+    args = [_split(f, a) if n in framed else a for n, a in zip(ins, args, strict=True)]
+    specs = [whole_spec(f, a) if n in loads else s for n, s, a in zip(ins, specs, args, strict=True)]
+    split_outs = [n in framed for n in outs]
+    shapes = [jax.ShapeDtypeStruct(_split_shape(f, s.shape), s.dtype) if split else s
+              for s, split in zip(shapes, split_outs, strict=True)]
   tok = tuple(n for n in tok if n not in loads)
   scratch = []
   by_name = dict(zip(ins, args, strict=True))
@@ -293,7 +323,21 @@ def call_kernel(f: Frame, kernel, name: str, groups: int, ins: list[str], specs:
       grid=grid(f, groups), in_specs=specs, out_specs=out_specs, out_shape=out_shapes, scratch_shapes=scratch,
       name=name, **({"input_output_aliases": aliases} if aliases else {}),
   )(*arrays)
-  return {n: head_unview(f, x) if n in heads else x for n, x in zip(outs, res, strict=True)}
+  res = [head_unview(f, x) if n in heads else x for n, x in zip(outs, res, strict=True)]
+  if f.split_heads:
+    res = [x.reshape(*x.shape[:-3], f.heads, x.shape[-1]) if split else x
+           for x, split in zip(res, split_outs, strict=True)]
+  return dict(zip(outs, res, strict=True))
+
+
+def _split_shape(f: Frame, shape: tuple) -> tuple:
+  hb = f.heads_per_block
+  return (*shape[:-2], shape[-2] // hb, hb, shape[-1])
+
+
+def _split(f: Frame, x: Array) -> Array:
+  """A frame array [.., heads, dim] as [.., heads / hb, hb, dim] (a free reshape)."""
+  return x.reshape(_split_shape(f, x.shape))
 
 
 def _kernel_entry(*refs, kernel, f: Frame, names: tuple, outs: tuple, tok: tuple, heads: tuple,
@@ -328,15 +372,20 @@ class TileLoader:
     rows = pl.ds(pl.multiple_of(i * f.cols, f.cols), f.cols)
     if f.packed:
       return self.R[name][b, rows, pl.ds(head * dim, dim)]
-    if f.platform != "tpu":
-      return self.R[name][b, rows, head, :]
     hb = f.heads_per_block
-    block, cur = self.R["buf_all_" + name], self.R["buf_" + name]
     within = lax.rem(head, jnp.int32(hb))
-    # A block of all the heads starts at 0: a traced start Mosaic cannot prove a multiple of the (2, 128) tile
-    # of a [1, dim] bfloat16 head block (one head per chip) fails to compile.
-    first = 0 if hb == f.heads else pl.multiple_of(head - within, hb)
-    pltpu.sync_copy(self.R[name].at[b, rows, pl.ds(first, hb), :], block)
+    if f.platform != "tpu":
+      if f.split_heads:
+        return self.R[name][b, rows, lax.div(head, jnp.int32(hb)), within, :]
+      return self.R[name][b, rows, head, :]
+    block, cur = self.R["buf_all_" + name], self.R["buf_" + name]
+    if f.split_heads:
+      pltpu.sync_copy(self.R[name].at[b, rows, lax.div(head, jnp.int32(hb)), :, :], block)
+    else:
+      # A block of all the heads starts at 0: a traced start Mosaic cannot prove a multiple of the (2, 128)
+      # tile of a [1, dim] bfloat16 head block (one head per chip) fails to compile.
+      first = 0 if hb == f.heads else pl.multiple_of(head - within, hb)
+      pltpu.sync_copy(self.R[name].at[b, rows, pl.ds(first, hb), :], block)
     for jj in range(hb):
       @pl.when(within == jj)
       def _(jj=jj):

@@ -213,7 +213,7 @@ def _keys_backward_body(b: Array, R: dict, r: Array, head: Array, *, f: Frame, c
 def _tile_spec(f: Frame, dim: int) -> pl.BlockSpec:
   if f.packed:
     return pl.BlockSpec((None, f.cols, dim), lambda b, h, g: (b, g, h))
-  return pl.BlockSpec((None, f.cols, f.heads_per_block, dim), lambda b, h, g: (b, g, h, 0))
+  return frames.head_block_spec(f, (None, f.cols), dim, lambda b, h, g: (b, g, h))
 
 
 def _head_rows(f: Frame, dim: int) -> pl.BlockSpec:

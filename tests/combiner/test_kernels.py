@@ -49,20 +49,20 @@ def op(plan: str, size: int):
   return lambda q, k, v, *, pooling=None, pool_q=None, pool_k=None, **kw: fn(q, k, v, **kw)
 
 
-def inputs(length: int, seed: int, deepsets: bool):
+def inputs(length: int, seed: int, deepsets: bool, heads: int = HEADS):
   keys = jax.random.split(jax.random.PRNGKey(seed), 7)
-  shape = (BATCH, length, HEADS, HEAD_DIM)
+  shape = (BATCH, length, heads, HEAD_DIM)
   q, k = (jax.random.normal(kk, shape) for kk in keys[:2])
-  v = jax.random.normal(keys[2], (BATCH, length, HEADS, VALUE_DIM))
+  v = jax.random.normal(keys[2], (BATCH, length, heads, VALUE_DIM))
   mask = jax.random.bernoulli(keys[3], 0.75, (BATCH, length)).at[:, 0].set(True)
   cotangent = jax.random.normal(keys[4], v.shape)
   pools = [jax.random.normal(kk, shape) for kk in keys[5:]] if deepsets else [None, None]
   return q, k, v, mask, cotangent, pools
 
 
-def compare(plan, length, size, causal, pooling, deepsets, seed=0):
+def compare(plan, length, size, causal, pooling, deepsets, seed=0, heads=HEADS):
   """Forward and gradients of the pallas implementation against the xla one."""
-  q, k, v, mask, cotangent, (pool_q, pool_k) = inputs(length, seed, deepsets)
+  q, k, v, mask, cotangent, (pool_q, pool_k) = inputs(length, seed, deepsets, heads)
   fn = op(plan, size)
 
   def run(implementation, q, k, v, pool_q, pool_k):
@@ -120,6 +120,20 @@ def test_pallas_equals_xla(plan, length, size, causal, pooling, deepsets):
 @pytest.mark.parametrize("plan,length,size,causal,pooling,deepsets", SWEEP_CASES)
 def test_pallas_equals_xla_sweep(plan, length, size, causal, pooling, deepsets):
   compare(plan, length, size, causal, pooling, deepsets, seed=1)
+
+
+@pytest.mark.parametrize("plan,length,size,causal,pooling,deepsets", [
+    ("fixed", 13, 4, True, "max", False),
+    pytest.param("fixed_select", 21, 4, True, "mean", False, marks=pytest.mark.slow),  # rows loaded from HBM
+    pytest.param("axial_vertical", 11, 4, False, "max", True, marks=pytest.mark.slow),  # column passes
+    pytest.param("logsparse", 13, None, False, "max", False, marks=pytest.mark.slow),  # reversed tiles
+])
+def test_heads_in_blocks_of_their_own_axis(plan, length, size, causal, pooling, deepsets):
+  """12 heads run 6 to a program: a block of heads neither whole nor a multiple of 8 is read from the frame
+  arrays viewed [.., 2, 6, dim] (all 12 in one block overflowed a v4 core's VMEM at d = 64 in float32)."""
+  f = kernel_plans.make_frame(jnp.zeros((1, 16, 12, 8)), jnp.zeros((1, 16, 12, 8)), None, 4, 4, "tpu")
+  assert (f.heads_per_block, f.split_heads) == (6, True)
+  compare(plan, length, size, causal, pooling, deepsets, heads=12)
 
 
 @pytest.mark.parametrize("causal", [True, pytest.param(False, marks=pytest.mark.slow)])
