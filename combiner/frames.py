@@ -7,9 +7,10 @@ being a frame row or, for a column pass, a frame column.
 Frame arrays keep the op contract's layout, [batch, rows * cols, heads, dim], so no layout copy runs around
 the kernels. On TPU (and in interpret mode) a program reads a group of a block of `heads_per_block` heads,
 [group length, heads, dim] (a column pass reads the same array as [batch, rows, cols, heads, dim], one column
-at a time), and runs its heads one after the other (`each_head`), each copied out of the block in VMEM; on
-GPUs a program runs one head, Triton reading its strided tile of [batch, L, heads * dim]. Per-head arrays are
-[batch * heads, ...], viewed per head block. `call_kernel` is the one pallas_call every kernel goes through;
+at a time; a block of 6 of 12 heads from the array viewed [.., 2, 6, dim], `Frame.split_heads`), and runs
+its heads one after the other (`each_head`), each copied out of the block in VMEM; on GPUs a program runs one
+head, Triton reading its strided tile of [batch, L, heads * dim]. Per-head arrays are [batch * heads, ...],
+viewed per head block. `call_kernel` is the one pallas_call every kernel goes through;
 `TileLoader` copies other frame rows in from HBM.
 """
 
