@@ -1,7 +1,8 @@
 """model.scan_layers: the blocks as one lax.scan over their parameters stacked at call time compute what the
 unrolled blocks do (loss, logits, gradients, sown losses, and the state the blocks update: random streams,
-routing centroids, Performer features), with and without remat, one or two layers per loop iteration; the model's program (forward and gradient)
-stops growing with depth; an attention whose blocks differ by layer is a one-line config error."""
+routing centroids, Performer features), with and without remat, one or two layers per loop iteration, and
+with a segment memory; the model's program (forward and gradient) stops growing with depth; an attention
+whose blocks differ by layer is a one-line config error."""
 
 import jax
 import jax.numpy as jnp
@@ -95,7 +96,8 @@ def test_scanned_blocks_with_a_segment_memory(name, fields):
   """A memory's layers are stacked for the scan and split after it: the same logits, memory left (one entry
   per layer), sown losses, state and gradients as unrolled blocks."""
   unrolled, scanned = _memory_step(name, False, **fields), _memory_step(name, True, **fields)
-  for what, a, b in zip(("loss", "logits", "memory", "sown", "state", "grads"), unrolled, scanned, strict=True):
+  names = ("loss", "logits", "memory", "sown", "state", "grads")
+  for what, a, b in zip(names, unrolled, scanned, strict=True):
     if what in ("sown", "state", "grads"):
       b = stacked.convert(b, like=a)
     assert jax.tree.structure(a) == jax.tree.structure(b), what
