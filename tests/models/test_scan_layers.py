@@ -44,14 +44,20 @@ def _plain(tree):
           for x in leaves]
 
 
-def _same(name: str, **fields):
-  unrolled, scanned = _step(name, False, **fields), _step(name, True, **fields)
-  for what, a, b in zip(("loss", "logits", "sown", "state", "grads"), unrolled, scanned, strict=True):
+def _assert_same(name: str, names: tuple[str, ...], unrolled: tuple, scanned: tuple) -> None:
+  """The scanned model's results equal the unrolled one's, the blocks' entries of sown values, state and
+  gradients converted from their stacked layout."""
+  for what, a, b in zip(names, unrolled, scanned, strict=True):
     if what in ("sown", "state", "grads"):  # the blocks' entries stacked on a leading layer axis
       b = stacked.convert(b, like=a)
     assert jax.tree.structure(a) == jax.tree.structure(b), what
     for x, y in zip(_plain(a), _plain(b), strict=True):
       np.testing.assert_allclose(y, x, rtol=1e-5, atol=1e-6, err_msg=f"{name}: {what}")
+
+
+def _same(name: str, **fields):
+  unrolled, scanned = _step(name, False, **fields), _step(name, True, **fields)
+  _assert_same(name, ("loss", "logits", "sown", "state", "grads"), unrolled, scanned)
   return unrolled
 
 
@@ -96,13 +102,7 @@ def test_scanned_blocks_with_a_segment_memory(name, fields):
   """A memory's layers are stacked for the scan and split after it: the same logits, memory left (one entry
   per layer), sown losses, state and gradients as unrolled blocks."""
   unrolled, scanned = _memory_step(name, False, **fields), _memory_step(name, True, **fields)
-  names = ("loss", "logits", "memory", "sown", "state", "grads")
-  for what, a, b in zip(names, unrolled, scanned, strict=True):
-    if what in ("sown", "state", "grads"):
-      b = stacked.convert(b, like=a)
-    assert jax.tree.structure(a) == jax.tree.structure(b), what
-    for x, y in zip(_plain(a), _plain(b), strict=True):
-      np.testing.assert_allclose(y, x, rtol=1e-5, atol=1e-6, err_msg=f"{name}: {what}")
+  _assert_same(name, ("loss", "logits", "memory", "sown", "state", "grads"), unrolled, scanned)
   assert len(scanned[2]["layers"]) == 3 and np.isfinite(scanned[0])
   if name != "transformer_xl":
     assert jax.tree.leaves(scanned[3]), "the blocks' sown losses reach the train step"
