@@ -7,10 +7,10 @@ being a frame row or, for a column pass, a frame column.
 Frame arrays keep the op contract's layout, [batch, rows * cols, heads, dim], so no layout copy runs around
 the kernels. On TPU (and in interpret mode) a program reads a group of a block of `heads_per_block` heads,
 [group length, heads, dim] (a column pass reads the same array as [batch, rows, cols, heads, dim], one column
-at a time; a block of 6 of 12 heads from the array viewed [.., 2, 6, dim], `Frame.split_heads`), and runs
-its heads one after the other (`each_head`), each copied out of the block in VMEM; on GPUs a program runs one
-head, Triton reading its strided tile of [batch, L, heads * dim]. Per-head arrays are [batch * heads, ...],
-viewed per head block. `call_kernel` is the one pallas_call every kernel goes through;
+at a time), from the array in the view `Frame.layout` gives it (6 heads of 64: [.., heads * 64] in blocks of
+384 lanes), and runs its heads one after the other (`each_head`), each copied out of the block in VMEM; on
+GPUs a program runs one head, Triton reading its strided tile of [batch, L, heads * dim]. Per-head arrays are
+[batch * heads, ...], viewed per head block. `call_kernel` is the one pallas_call every kernel goes through;
 `TileLoader` copies other frame rows in from HBM.
 """
 
@@ -71,8 +71,7 @@ class Frame:
   @property
   def heads_per_block(self) -> int:
     """Heads one program runs: 1 for heads-packed frames; else HEAD_BLOCK, all the heads when there are
-    fewer, or the largest divisor of the heads below HEAD_BLOCK (12 heads: 6, in blocks of their own axis,
-    `split_heads`)."""
+    fewer, or the largest divisor of the heads below HEAD_BLOCK (12 heads: 6, `layout`)."""
     if self.packed:
       return 1
     if self.heads % HEAD_BLOCK == 0:
@@ -81,13 +80,24 @@ class Frame:
       return self.heads
     return max(n for n in range(1, HEAD_BLOCK) if self.heads % n == 0)
 
-  @property
-  def split_heads(self) -> bool:
-    """Whether the kernels see frame arrays with their heads axis split, [.., heads / hb, hb, dim]: Mosaic
-    takes a block's second-minor axis whole or in multiples of 8, so a block of hb heads that is neither
-    must be a whole axis of its own (a free reshape)."""
+  def layout(self, dim: int, columns: bool = False) -> str:
+    """How the kernels see a frame array [.., heads, dim] on TPU and in interpret mode (not heads-packed), in
+    blocks of `heads_per_block` heads. A VMEM block's last two axes take whole (8, 128) tiles (float32;
+    (16, 128) in bfloat16), so a [hb, dim] block of 6 heads of 64 fills 6 of 8 rows and 64 of 128 lanes: 2.7x
+    its bytes. So:
+    "fold": [.., heads * dim], blocks of hb * dim lanes, where dim is not a multiple of 128 and hb * dim is
+      (or, but for a column pass, hb is all the heads); a column pass's view [batch, rows, cols, heads, dim]
+      folds its columns in too, [batch, rows, cols * heads * dim];
+    "split": [.., heads / hb, hb, dim], the block's heads an axis of their own, where hb is neither all the
+      heads nor a multiple of 8 (Mosaic takes a block's second-minor axis whole or in multiples of 8);
+    "heads": [.., heads, dim] as it is.
+    Each is a reshape. A model's projections give q, k and v as [.., heads * dim], a row pass's fold; XLA
+    tiles a TPU array over its last two axes, so the others may take it a relayout (a column pass's fold one
+    of its own: fewer device ops and temporaries, at 12 heads of 64, than the heads' axis in every view)."""
     hb = self.heads_per_block
-    return not self.packed and hb != self.heads and hb % 8 != 0
+    if dim % 128 and (hb * dim % 128 == 0 or (hb == self.heads and not columns)):
+      return "fold"
+    return "split" if hb != self.heads and hb % 8 else "heads"
 
   def valid(self, r: Array, c: Array) -> Array:
     """Validity of frame position (r, c) from positions alone."""
@@ -175,11 +185,19 @@ def tok_spec(f: Frame, p: Pass, dim: int) -> pl.BlockSpec:
 
 
 def head_block_spec(f: Frame, lead: tuple, dim: int, index: Any) -> pl.BlockSpec:
-  """A block of the program's heads of a frame array (not heads-packed): `lead` the block's dims before the
-  heads axis, index(b, h, g) the block's index there and at the head block h; the heads axis split in two
-  where `f.split_heads` (the array viewed [.., heads / hb, hb, dim] by `call_kernel`)."""
+  """A block of the program's heads of a frame array (not heads-packed) of `dim` per head, in its
+  `f.layout` (the view `call_kernel` gives it): `lead` the block's dims before the heads axis (a column
+  pass's ends with its squeezed column), index(b, h, g) the block's index there and at the head block h."""
   hb = f.heads_per_block
-  if f.split_heads:
+  columns = lead[-1] is None
+  layout = f.layout(dim, columns)
+  if layout == "fold" and columns:  # [batch, rows, cols * heads * dim]: column g's head block h
+    blocks = f.heads // hb
+    return pl.BlockSpec((*lead[:-1], hb * dim),
+                        lambda b, h, g: (*index(b, h, g)[:-2], index(b, h, g)[-2] * blocks + h))
+  if layout == "fold":
+    return pl.BlockSpec((*lead, hb * dim), index)
+  if layout == "split":
     return pl.BlockSpec((*lead, None, hb, dim), lambda b, h, g: (*index(b, h, g), 0, 0))
   return pl.BlockSpec((*lead, hb, dim), lambda b, h, g: (*index(b, h, g), 0))
 
@@ -246,13 +264,16 @@ def each_head(f: Frame, names: tuple, refs: tuple, outs: tuple, body, tok: tuple
   hb = f.heads_per_block
 
   def copy(j: Array, name: str, out: bool) -> None:
+    dim = cur[name].shape[-1]
+    fold = len(R[name].shape) == 2  # a block [glen, hb * dim] (`Frame.layout`), else [glen, hb, dim]
     for jj in range(hb):
       @pl.when(j == jj)
       def _(jj=jj):
+        at = (slice(None), slice(jj * dim, (jj + 1) * dim)) if fold else (slice(None), jj, slice(None))
         if out:
-          R[name][:, jj, :] = cur[name][...]
+          R[name][at] = cur[name][...]
         else:
-          cur[name][...] = R[name][:, jj, :]
+          cur[name][...] = R[name][at]
 
   def head(j, carry):
     for name in cur:
@@ -290,29 +311,28 @@ def call_kernel(f: Frame, kernel, name: str, groups: int, ins: list[str], specs:
   TPU. `loads`: frame arrays the kernel reads rows of with `TileLoader` (whole, in HBM on TPU; each gets VMEM
   buffers for its copies). `aliases`: {input index: output index} written in place."""
   names = tuple(ins + outs)
-  if f.split_heads:  # frame arrays [.., heads, dim] viewed [.., heads / hb, hb, dim] (`head_block_spec`)
-    framed = set(tok) | set(loads)
-    args = [_split(f, a) if n in framed else a for n, a in zip(ins, args, strict=True)]
+  framed = set(tok) | set(loads)  # frame arrays: viewed in their `f.layout` on TPU and in interpret mode
+  dims = {n: a.shape[-1] for n, a in zip(ins, args, strict=True)}
+  dims.update({n: s.shape[-1] for n, s in zip(outs, shapes, strict=True)})
+  dtypes = {n: a.dtype for n, a in zip(ins, args, strict=True)}
+  dtypes.update({n: s.dtype for n, s in zip(outs, shapes, strict=True)})
+  out_frames = {n: tuple(s.shape) for n, s in zip(outs, shapes, strict=True)}
+  if not f.packed:
+    args = [_view(f, a) if n in framed else a for n, a in zip(ins, args, strict=True)]
     specs = [whole_spec(f, a) if n in loads else s for n, s, a in zip(ins, specs, args, strict=True)]
-    split_outs = [n in framed for n in outs]
-    shapes = [jax.ShapeDtypeStruct(_split_shape(f, s.shape), s.dtype) if split else s
-              for s, split in zip(shapes, split_outs, strict=True)]
+    shapes = [jax.ShapeDtypeStruct(_view_shape(f, s.shape), s.dtype) if n in framed else s
+              for n, s in zip(outs, shapes, strict=True)]
   tok = tuple(n for n in tok if n not in loads)
   scratch = []
-  by_name = dict(zip(ins, args, strict=True))
   if not f.packed:
-    dims = {n: a.shape[-1] for n, a in by_name.items()}
-    dims.update({n: s.shape[-1] for n, s in zip(outs, shapes, strict=True)})
-    dtypes = {n: a.dtype for n, a in by_name.items()}
-    dtypes.update({n: s.dtype for n, s in zip(outs, shapes, strict=True)})
     scratch = [pltpu.VMEM((glen or f.cols, dims[n]), dtypes[n]) for n in names if n in tok]
   extra = ()
   if f.platform == "tpu":
     hb = f.heads_per_block
     for n in loads:
-      x = by_name[n]
+      block = (hb * dims[n],) if f.layout(dims[n]) == "fold" else (hb, dims[n])
       extra += ("buf_all_" + n, "buf_" + n)
-      scratch += [pltpu.VMEM((f.cols, hb, x.shape[-1]), x.dtype), pltpu.VMEM((f.cols, x.shape[-1]), x.dtype)]
+      scratch += [pltpu.VMEM((f.cols, *block), dtypes[n]), pltpu.VMEM((f.cols, dims[n]), dtypes[n])]
   arrays = [head_view(f, a) if n in heads else a for n, a in zip(ins, args, strict=True)]
   hb = f.heads_per_block
   out_shapes = [jax.ShapeDtypeStruct((f.batch, f.heads // hb, hb) + s.shape[1:], s.dtype) if n in heads else s
@@ -325,20 +345,26 @@ def call_kernel(f: Frame, kernel, name: str, groups: int, ins: list[str], specs:
       name=name, **({"input_output_aliases": aliases} if aliases else {}),
   )(*arrays)
   res = [head_unview(f, x) if n in heads else x for n, x in zip(outs, res, strict=True)]
-  if f.split_heads:
-    res = [x.reshape(*x.shape[:-3], f.heads, x.shape[-1]) if split else x
-           for x, split in zip(res, split_outs, strict=True)]
+  if not f.packed:
+    res = [x.reshape(out_frames[n]) if n in framed else x for n, x in zip(outs, res, strict=True)]
   return dict(zip(outs, res, strict=True))
 
 
-def _split_shape(f: Frame, shape: tuple) -> tuple:
-  hb = f.heads_per_block
-  return (*shape[:-2], shape[-2] // hb, hb, shape[-1])
+def _view_shape(f: Frame, shape: tuple) -> tuple:
+  """A frame array's shape, [.., heads, dim] ([batch, rows, cols, heads, dim] for a column pass), in its
+  `f.layout`."""
+  hb, dim, columns = f.heads_per_block, shape[-1], len(shape) == 5
+  layout = f.layout(dim, columns)
+  if layout == "fold":
+    return (*shape[:-3], shape[-3] * shape[-2] * dim) if columns else (*shape[:-2], shape[-2] * dim)
+  if layout == "split":
+    return (*shape[:-2], shape[-2] // hb, hb, dim)
+  return tuple(shape)
 
 
-def _split(f: Frame, x: Array) -> Array:
-  """A frame array [.., heads, dim] as [.., heads / hb, hb, dim] (a free reshape)."""
-  return x.reshape(_split_shape(f, x.shape))
+def _view(f: Frame, x: Array) -> Array:
+  """A frame array [.., heads, dim] in its `f.layout(dim)` (a free reshape)."""
+  return x.reshape(_view_shape(f, x.shape))
 
 
 def _kernel_entry(*refs, kernel, f: Frame, names: tuple, outs: tuple, tok: tuple, heads: tuple,
@@ -374,14 +400,20 @@ class TileLoader:
     if f.packed:
       return self.R[name][b, rows, pl.ds(head * dim, dim)]
     hb = f.heads_per_block
-    within = lax.rem(head, jnp.int32(hb))
+    layout = f.layout(dim)
+    blk, within = lax.div(head, jnp.int32(hb)), lax.rem(head, jnp.int32(hb))
     if f.platform != "tpu":
-      if f.split_heads:
-        return self.R[name][b, rows, lax.div(head, jnp.int32(hb)), within, :]
+      if layout == "fold":
+        return self.R[name][b, rows, pl.ds(head * dim, dim)]
+      if layout == "split":
+        return self.R[name][b, rows, blk, within, :]
       return self.R[name][b, rows, head, :]
     block, cur = self.R["buf_all_" + name], self.R["buf_" + name]
-    if f.split_heads:
-      pltpu.sync_copy(self.R[name].at[b, rows, lax.div(head, jnp.int32(hb)), :, :], block)
+    if layout == "fold":
+      first = 0 if hb == f.heads else pl.multiple_of(blk * (hb * dim), hb * dim)
+      pltpu.sync_copy(self.R[name].at[b, rows, pl.ds(first, hb * dim)], block)
+    elif layout == "split":
+      pltpu.sync_copy(self.R[name].at[b, rows, blk, :, :], block)
     else:
       # A block of all the heads starts at 0: a traced start Mosaic cannot prove a multiple of the (2, 128)
       # tile of a [1, dim] bfloat16 head block (one head per chip) fails to compile.
@@ -390,7 +422,7 @@ class TileLoader:
     for jj in range(hb):
       @pl.when(within == jj)
       def _(jj=jj):
-        cur[...] = block[:, jj, :]
+        cur[...] = block[:, jj * dim:(jj + 1) * dim] if layout == "fold" else block[:, jj, :]
     return cur[...]
 
   def valid(self, i: Array, b: Array, shape: tuple[int, int]) -> Array:

@@ -3,10 +3,12 @@
     python -m scripts.tpu_structure                                   # the Combiner plans, 4K and 16K, v5e
     python -m scripts.tpu_structure --ops combiner_fixed,nsa --lengths 4096 --generations v4,v6e
     python -m scripts.tpu_structure --directions causal --markdown
+    python -m scripts.tpu_structure --heads 12 --head_dim 64 --lengths 4096     # the paper models' heads
 
 Compiles jax.grad of sum(op(q, k, v)) for one chip of each generation with libtpu ahead of time (bfloat16,
-batch 1, 16 heads of head_dim 128, `implementation="auto"`, block and row sizes sqrt(L) rounded to a power of
-two, the op's other automatic parameters and its benchmark stand-ins for model-owned arguments) and prints,
+batch 1, 16 heads of head_dim 128 unless --heads / --head_dim say otherwise, `implementation="auto"`, block
+and row sizes sqrt(L) rounded to a power of two, the op's other automatic parameters and its benchmark
+stand-ins for model-owned arguments) and prints,
 per op, length and direction: the device operations the compiled program executes
 (`attention_core.hlo.device_ops`: each an HBM round trip on a TPU), its custom calls (kernels), its fusions,
 the temporaries XLA allocates in HBM, and two ratios: device ops over dense attention's (Splash on TPU) at the
@@ -38,26 +40,26 @@ COMBINER = ("combiner_fixed", "combiner_logsparse", "combiner_axial_rowmajor", "
 BASELINE = "dense"
 
 
-def op_fn(name: str, length: int, causal: bool, heads: int = HEADS):
+def op_fn(name: str, length: int, causal: bool, heads: int = HEADS, head_dim: int = HEAD_DIM):
   """(q, k, v) -> out, the op at `length` with its automatic parameters (block/row sizes sqrt(L), a power of
   two) and benchmark stand-ins, under implementation "auto" where it takes one."""
   spec = ops_registry.get(name)
   block = 1 << round(np.log2(np.sqrt(length)))
-  params = ops_registry.bench_params(spec, length, batch=1, heads=heads, head_dim=HEAD_DIM,
-                                     value_dim=HEAD_DIM, dtype=DTYPE)
+  params = ops_registry.bench_params(spec, length, batch=1, heads=heads, head_dim=head_dim,
+                                     value_dim=head_dim, dtype=DTYPE)
   params.update({k: block for k in ("block_size", "row_length") if k in params})
   return lambda q, k, v: spec.fn(q, k, v, causal=causal, **params)
 
 
 def measure(name: str, length: int, causal: bool, device: Any, heads: int = HEADS,
-            cotangent: str = "sum") -> dict[str, float]:
+            cotangent: str = "sum", head_dim: int = HEAD_DIM) -> dict[str, float]:
   """Device ops, custom calls, fusions and temporary bytes of the op's forward+backward on `device`.
   cotangent: "sum", the gradients of sum(out) (XLA makes the cotangent, a broadcast of ones, and may make it
   once per layout its readers take, as temporaries); "input", the cotangent an argument, as a layer gets it
   in training."""
-  fn = op_fn(name, length, causal, heads)
+  fn = op_fn(name, length, causal, heads, head_dim)
   mesh = jax.sharding.Mesh(np.array([device]), ("x",))
-  x = jax.ShapeDtypeStruct((1, length, heads, HEAD_DIM), DTYPE, sharding=NamedSharding(mesh, P()))
+  x = jax.ShapeDtypeStruct((1, length, heads, head_dim), DTYPE, sharding=NamedSharding(mesh, P()))
 
   def fwd_bwd(q, k, v):
     return jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2))(q, k, v)
@@ -73,8 +75,8 @@ def measure(name: str, length: int, causal: bool, device: Any, heads: int = HEAD
           "temp_bytes": compiled.memory_analysis().temp_size_in_bytes}
 
 
-def qkv_bytes(length: int, heads: int = HEADS) -> int:
-  return 3 * length * heads * HEAD_DIM * jnp.dtype(DTYPE).itemsize
+def qkv_bytes(length: int, heads: int = HEADS, head_dim: int = HEAD_DIM) -> int:
+  return 3 * length * heads * head_dim * jnp.dtype(DTYPE).itemsize
 
 
 def device(generation: str) -> Any:
@@ -84,20 +86,23 @@ def device(generation: str) -> Any:
 
 
 def rows(names: list[str], lengths: list[int], directions: list[bool], generations: list[str],
-         cotangent: str = "sum"):
+         cotangent: str = "sum", heads: int = HEADS, head_dim: int = HEAD_DIM):
   """Yields one result dict per (generation, length, direction, op), the dense baseline first."""
   for gen_name in generations:
     chip = device(gen_name)
     for length in lengths:
       for causal in directions:
-        base = measure(BASELINE, length, causal, chip, cotangent=cotangent)
+        shape = {"heads": heads, "head_dim": head_dim}
+        base = measure(BASELINE, length, causal, chip, cotangent=cotangent, **shape)
         for name in [BASELINE] + [n for n in names if n != BASELINE]:
           spec = ops_registry.get(name)
           if not (spec.causal if causal else spec.bidirectional):
             continue
-          got = base if name == BASELINE else measure(name, length, causal, chip, cotangent=cotangent)
+          got = base if name == BASELINE else measure(name, length, causal, chip, cotangent=cotangent,
+                                                      **shape)
           yield {"op": name, "generation": gen_name, "length": length, "causal": causal, **got,
-                 "ops_ratio": got["ops"] / base["ops"], "temp_ratio": got["temp_bytes"] / qkv_bytes(length)}
+                 "ops_ratio": got["ops"] / base["ops"],
+                 "temp_ratio": got["temp_bytes"] / qkv_bytes(length, heads, head_dim)}
 
 
 def main(argv: list[str]) -> int:
@@ -108,8 +113,14 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--generations", default="v5e", help=", ".join(compile_tpu.GENERATIONS))
   parser.add_argument("--cotangent", default="sum", choices=("sum", "input"),
                       help="sum: gradients of sum(out); input: the output's cotangent an argument (training)")
+  parser.add_argument("--heads", type=int, default=HEADS)
+  parser.add_argument("--head_dim", type=int, default=HEAD_DIM)
   parser.add_argument("--markdown", action="store_true", help="a markdown table (docs/benchmarks.md)")
   args = parser.parse_args(argv)
+  for flag, value in (("--heads", args.heads), ("--head_dim", args.head_dim)):
+    if value < 1:
+      print(f"ERROR: {flag} must be at least 1, got {value}", file=sys.stderr)
+      return 2
   names = [n for n in args.ops.split(",") if n]
   known = ops_registry.names()
   generations = args.generations.split(",")
@@ -129,7 +140,7 @@ def main(argv: list[str]) -> int:
   header = ("| op | TPU | L | direction | device ops | custom calls | fusions | temporaries MiB | "
             "ops / dense | temporaries / (q+k+v) |")
   print(header + "\n|" + "---|" * 10 if args.markdown else header.replace("|", " ").strip(), flush=True)
-  for r in rows(names, lengths, directions, generations, args.cotangent):
+  for r in rows(names, lengths, directions, generations, args.cotangent, args.heads, args.head_dim):
     cells = [r["op"], r["generation"], r["length"], "causal" if r["causal"] else "bidirectional", r["ops"],
              r["custom_calls"], r["fusions"], f"{r['temp_bytes'] / 2**20:.1f}", f"{r['ops_ratio']:.2f}",
              f"{r['temp_ratio']:.2f}"]

@@ -27,10 +27,11 @@ BATCH, HEADS, HEAD_DIM, VALUE_DIM = 2, 2, 8, 5
 FAST_COMPILE = {"xla_backend_optimization_level": 0}  # interpreted programs compile slowly
 
 
-def inputs(length: int, value_dim: int = VALUE_DIM, seed: int = 0):
+def inputs(length: int, value_dim: int = VALUE_DIM, seed: int = 0, heads: int = HEADS,
+           head_dim: int = HEAD_DIM):
   keys = jax.random.split(jax.random.PRNGKey(seed), 5)
-  q, k = (jax.random.normal(kk, (BATCH, length, HEADS, HEAD_DIM)) for kk in keys[:2])
-  v = jax.random.normal(keys[2], (BATCH, length, HEADS, value_dim))
+  q, k = (jax.random.normal(kk, (BATCH, length, heads, head_dim)) for kk in keys[:2])
+  v = jax.random.normal(keys[2], (BATCH, length, heads, value_dim))
   mask = jax.random.bernoulli(keys[3], 0.75, (BATCH, length)).at[:, 0].set(True)
   return q, k, v, mask, jax.random.normal(keys[4], v.shape)
 
@@ -40,9 +41,10 @@ def value_and_grads(fn, q, k, v, cotangent):
   return (out, *vjp(cotangent))
 
 
-def compare_simulated(op, length, *, value_dim=VALUE_DIM, atol=2e-5, rtol=2e-5, **kw):
+def compare_simulated(op, length, *, value_dim=VALUE_DIM, heads=HEADS, head_dim=HEAD_DIM, atol=2e-5,
+                      rtol=2e-5, **kw):
   """op(..., implementation="auto") run as on a TPU, in the interpreter, against implementation="xla"."""
-  q, k, v, mask, cotangent = inputs(length, value_dim)
+  q, k, v, mask, cotangent = inputs(length, value_dim, heads=heads, head_dim=head_dim)
   run = functools.partial(value_and_grads, cotangent=cotangent)
   with pallas.simulate("tpu", detect_races=True):
     got = jax.jit(lambda q, k, v: run(lambda *a: op(*a, mask=mask, implementation="auto", **kw), q, k, v),
@@ -87,6 +89,17 @@ PLANS = {
 def test_combiner_tpu_branch_equals_xla(monkeypatch, plan, length, causal):
   monkeypatch.setattr(frames, "TILE", 16)
   compare_simulated(PLANS[plan], length, causal=causal)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan,length,causal", [("fixed_select", 21, True), ("axial_vertical", 11, False)])
+def test_heads_folded_into_lanes_in_tpu_interpreter(monkeypatch, plan, length, causal):
+  """Blocks of 2 of 4 heads of 64 folded into 128 lanes (`frames.Frame.layout`): the second block's DMA
+  copies of rows from HBM start at lane 128 (fixed_select), a column pass reads [batch, rows, cols * heads *
+  64] (axial_vertical); the values (dim 5) take blocks of their own axis."""
+  monkeypatch.setattr(frames, "TILE", 16)
+  monkeypatch.setattr(frames, "HEAD_BLOCK", 2)
+  compare_simulated(PLANS[plan], length, heads=4, head_dim=64, causal=causal)
 
 
 @pytest.mark.parametrize("causal", [False, pytest.param(True, marks=pytest.mark.slow)])

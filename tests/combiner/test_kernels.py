@@ -49,20 +49,22 @@ def op(plan: str, size: int):
   return lambda q, k, v, *, pooling=None, pool_q=None, pool_k=None, **kw: fn(q, k, v, **kw)
 
 
-def inputs(length: int, seed: int, deepsets: bool, heads: int = HEADS):
+def inputs(length: int, seed: int, deepsets: bool, heads: int = HEADS, head_dim: int = HEAD_DIM,
+           value_dim: int = VALUE_DIM):
   keys = jax.random.split(jax.random.PRNGKey(seed), 7)
-  shape = (BATCH, length, heads, HEAD_DIM)
+  shape = (BATCH, length, heads, head_dim)
   q, k = (jax.random.normal(kk, shape) for kk in keys[:2])
-  v = jax.random.normal(keys[2], (BATCH, length, heads, VALUE_DIM))
+  v = jax.random.normal(keys[2], (BATCH, length, heads, value_dim))
   mask = jax.random.bernoulli(keys[3], 0.75, (BATCH, length)).at[:, 0].set(True)
   cotangent = jax.random.normal(keys[4], v.shape)
   pools = [jax.random.normal(kk, shape) for kk in keys[5:]] if deepsets else [None, None]
   return q, k, v, mask, cotangent, pools
 
 
-def compare(plan, length, size, causal, pooling, deepsets, seed=0, heads=HEADS):
+def compare(plan, length, size, causal, pooling, deepsets, seed=0, heads=HEADS, head_dim=HEAD_DIM,
+            value_dim=VALUE_DIM):
   """Forward and gradients of the pallas implementation against the xla one."""
-  q, k, v, mask, cotangent, (pool_q, pool_k) = inputs(length, seed, deepsets, heads)
+  q, k, v, mask, cotangent, (pool_q, pool_k) = inputs(length, seed, deepsets, heads, head_dim, value_dim)
   fn = op(plan, size)
 
   def run(implementation, q, k, v, pool_q, pool_k):
@@ -132,8 +134,29 @@ def test_heads_in_blocks_of_their_own_axis(plan, length, size, causal, pooling, 
   """12 heads run 6 to a program: a block of heads neither whole nor a multiple of 8 is read from the frame
   arrays viewed [.., 2, 6, dim] (all 12 in one block overflowed a v4 core's VMEM at d = 64 in float32)."""
   f = kernel_plans.make_frame(jnp.zeros((1, 16, 12, 8)), jnp.zeros((1, 16, 12, 8)), None, 4, 4, "tpu")
-  assert (f.heads_per_block, f.split_heads) == (6, True)
+  assert (f.heads_per_block, f.layout(8)) == (6, "split")
   compare(plan, length, size, causal, pooling, deepsets, heads=12)
+
+
+@pytest.mark.parametrize("plan,length,size,causal,pooling,deepsets,head_dim,value_dim,layouts", [
+    ("fixed", 13, 4, True, "max", False, 64, 64, ("fold", "fold", "fold")),
+    pytest.param("fixed_select", 21, 4, True, "mean", False, 64, 5, ("fold", "fold", "split"),
+                 marks=pytest.mark.slow),  # rows loaded from HBM
+    pytest.param("axial_vertical", 11, 4, False, "max", True, 64, 8, ("fold", "fold", "split"),
+                 marks=pytest.mark.slow),  # column passes: [batch, rows, cols * heads * 64]
+    pytest.param("logsparse", 13, None, True, "mean", False, 128, 64, ("split", "split", "fold"),
+                 marks=pytest.mark.slow)])
+def test_heads_folded_into_lanes(monkeypatch, plan, length, size, causal, pooling, deepsets, head_dim,
+                                 value_dim, layouts):
+  """Blocks of 2 of 4 heads (HEAD_BLOCK 2) in `Frame.layout`'s views: heads of 64 folded into 128-lane
+  blocks, [.., heads * 64] (the second block at lane 128; a column pass's columns folded in too), beside heads
+  of 5, 8 or 128 in blocks of their own axis."""
+  monkeypatch.setattr(frames, "HEAD_BLOCK", 2)
+  f = kernel_plans.make_frame(jnp.zeros((1, 16, 4, head_dim)), jnp.zeros((1, 16, 4, value_dim)), None, 4, 4,
+                              "tpu")
+  got = (f.layout(head_dim), f.layout(head_dim, columns=True), f.layout(value_dim))
+  assert (f.heads_per_block, *got) == (2, *layouts)
+  compare(plan, length, size, causal, pooling, deepsets, heads=4, head_dim=head_dim, value_dim=value_dim)
 
 
 @pytest.mark.parametrize("causal", [True, pytest.param(False, marks=pytest.mark.slow)])
