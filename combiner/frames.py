@@ -4,14 +4,14 @@ A plan lays the sequence out as a frame of `rows` x `cols` positions (a Combiner
 a logsparse tile per frame row). A kernel runs one program per (batch row, block of heads, group), a group
 being a frame row or, for a column pass, a frame column.
 
-Frame arrays keep the op contract's layout, [batch, rows * cols, heads, dim], so no layout copy runs around
-the kernels. On TPU (and in interpret mode) a program reads a group of a block of `heads_per_block` heads,
-[group length, heads, dim] (a column pass reads the same array as [batch, rows, cols, heads, dim], one column
-at a time), from the array in the view `Frame.layout` gives it (6 heads of 64: [.., heads * 64] in blocks of
-384 lanes), and runs its heads one after the other (`each_head`), each copied out of the block in VMEM; on
-GPUs a program runs one head, Triton reading its strided tile of [batch, L, heads * dim]. Per-head arrays are
-[batch * heads, ...], viewed per head block. `call_kernel` is the one pallas_call every kernel goes through;
-`TileLoader` copies other frame rows in from HBM.
+Frame arrays keep the op contract's layout, [batch, rows * cols, heads, dim], reshaped but never transposed
+around the kernels. On TPU (and in interpret mode) a program reads a group of a block of `heads_per_block`
+heads, [group length, heads, dim] (a column pass reads the same array as [batch, rows, cols, heads, dim], one
+column at a time), from the array in the view `Frame.layout` gives it (6 heads of 64: [.., heads * 64] in
+blocks of 384 lanes), and runs its heads one after the other (`each_head`), each copied out of the block in
+VMEM; on GPUs a program runs one head, Triton reading its strided tile of [batch, L, heads * dim]. Per-head
+arrays are [batch * heads, ...], viewed per head block. `call_kernel` is the one pallas_call every kernel
+goes through; `TileLoader` copies other frame rows in from HBM.
 """
 
 from __future__ import annotations
@@ -363,7 +363,7 @@ def _view_shape(f: Frame, shape: tuple) -> tuple:
 
 
 def _view(f: Frame, x: Array) -> Array:
-  """A frame array [.., heads, dim] in its `f.layout(dim)` (a free reshape)."""
+  """A frame array [.., heads, dim] in its `f.layout` (a reshape)."""
   return x.reshape(_view_shape(f, x.shape))
 
 
