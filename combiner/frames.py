@@ -92,8 +92,8 @@ class Frame:
       heads nor a multiple of 8 (Mosaic takes a block's second-minor axis whole or in multiples of 8);
     "heads": [.., heads, dim] as it is.
     Each is a reshape. A model's projections give q, k and v as [.., heads * dim], a row pass's fold; XLA
-    tiles a TPU array over its last two axes, so the others may take it a relayout (a column pass's fold one
-    of its own: fewer device ops and temporaries, at 12 heads of 64, than the heads' axis in every view)."""
+    tiles a TPU array over its last two axes, so the other views may cost a relayout (a column pass's fold
+    one of its own, where padded [hb, dim] blocks cost one in every view)."""
     hb = self.heads_per_block
     if dim % 128 and (hb * dim % 128 == 0 or (hb == self.heads and not columns)):
       return "fold"
@@ -192,9 +192,10 @@ def head_block_spec(f: Frame, lead: tuple, dim: int, index: Any) -> pl.BlockSpec
   columns = lead[-1] is None
   layout = f.layout(dim, columns)
   if layout == "fold" and columns:  # [batch, rows, cols * heads * dim]: column g's head block h
-    blocks = f.heads // hb
-    return pl.BlockSpec((*lead[:-1], hb * dim),
-                        lambda b, h, g: (*index(b, h, g)[:-2], index(b, h, g)[-2] * blocks + h))
+    def folded(b, h, g):
+      *lead_index, column, _ = index(b, h, g)
+      return (*lead_index, column * (f.heads // hb) + h)
+    return pl.BlockSpec((*lead[:-1], hb * dim), folded)
   if layout == "fold":
     return pl.BlockSpec((*lead, hb * dim), index)
   if layout == "split":

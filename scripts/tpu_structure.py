@@ -88,11 +88,11 @@ def device(generation: str) -> Any:
 def rows(names: list[str], lengths: list[int], directions: list[bool], generations: list[str],
          cotangent: str = "sum", heads: int = HEADS, head_dim: int = HEAD_DIM):
   """Yields one result dict per (generation, length, direction, op), the dense baseline first."""
+  shape = {"heads": heads, "head_dim": head_dim}
   for gen_name in generations:
     chip = device(gen_name)
     for length in lengths:
       for causal in directions:
-        shape = {"heads": heads, "head_dim": head_dim}
         base = measure(BASELINE, length, causal, chip, cotangent=cotangent, **shape)
         for name in [BASELINE] + [n for n in names if n != BASELINE]:
           spec = ops_registry.get(name)

@@ -213,10 +213,10 @@ def tpu_devices(gen: str, chips: int = 1) -> list:
 
 def lowered(names: list[str], case: Case, mesh: jax.sharding.Mesh, spec: P | None = None, batch: int = BATCH):
   """jax.grad (q, k, v) of the sum of the ops' outputs, lowered for the mesh's TPU devices as TPUs trace."""
-  spec, heads = P() if spec is None else spec, case.heads
+  spec = P() if spec is None else spec
   placed = NamedSharding(mesh, spec)
-  qk = jax.ShapeDtypeStruct((batch, case.length, heads, case.head_dim), case.dtype, sharding=placed)
-  v = jax.ShapeDtypeStruct((batch, case.length, heads, case.value_dim or case.head_dim), case.dtype,
+  qk = jax.ShapeDtypeStruct((batch, case.length, case.heads, case.head_dim), case.dtype, sharding=placed)
+  v = jax.ShapeDtypeStruct((batch, case.length, case.heads, case.value_dim or case.head_dim), case.dtype,
                            sharding=placed)
   mask = jax.ShapeDtypeStruct((batch, case.length), jnp.bool_, sharding=NamedSharding(mesh, P(*spec[:2])))
 
@@ -253,10 +253,10 @@ def test_fused_kernels_compile_for_tpu(gen, case, name):
     ("combiner_axial_vertical", Case(12288, 64, "float32", True, heads=12, source="imagenet64.py:main")),
     ("combiner_mixture", Case(8192, 64, "float32", True, heads=12, source="wiki40b.py:seq_len=8192"))])
 def test_twelve_heads_fit_v4_vmem(name, case):
-  """12 heads of 64 in float32, as the paper's ImageNet-64 and 8K-token models have. Run all 12 in one
-  program (12 is not a multiple of 8), the axial backward's windows took 25.1 MiB of VMEM, over a v4 core's 16
-  MiB; in blocks of 6 heads, [6, 64] blocks padded to (8, 128) tiles, the mixture's row backward (15 windows)
-  took 16.35 MiB. Folded into 384 lanes (`combiner.frames.Frame.layout`) they fit."""
+  """12 heads of 64 in float32, as the paper's ImageNet-64 and 8K-token models have. All 12 in one program
+  (12 is not a multiple of 8), the axial backward's windows overflowed a v4 core's 16 MiB of VMEM; in blocks
+  of 6 heads, [6, 64] blocks padded to (8, 128) tiles, the mixture's row backward (15 windows) did. Folded
+  into 384 lanes (`combiner.frames.Frame.layout`) they fit."""
   mesh = jax.sharding.Mesh(np.array(tpu_devices("v4")[:1]), ("data",))
   lowered([name], case, mesh, batch=1).compile()
 

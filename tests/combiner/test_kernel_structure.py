@@ -61,7 +61,7 @@ def test_routed_plan_compiles_to_its_kernels(causal):
 def test_paper_heads_stay_within_the_bounds(name):
   """12 heads of 64, as the paper's ImageNet-64 and 8K-token models have: the kernels read them folded into
   384-lane blocks (`combiner.frames.Frame.layout`). As blocks [6, 64] of their own axis, padded to (8, 128)
-  tiles, XLA copied every frame array into that layout: 8x q + k + v of temporaries for the mixture at 4K."""
+  tiles, XLA copied every frame array into that layout, and the mixture's temporaries exceeded q + k + v."""
   chip = tpu_structure.device("v5e")
   got = tpu_structure.measure(name, LENGTH, True, chip, 12, head_dim=64)
   dense = tpu_structure.measure("dense", LENGTH, True, chip, 12, head_dim=64)
