@@ -62,6 +62,8 @@ def get_config(arg: str | None = None):
     c.model.mem_len = 64
     c.model.attention.params.max_span = 64
     c.optimizer.warmup_steps = 1
+  if large and "smoke" not in flags:  # 24 layers over a cache of 8192: scanned and recomputed (docs/tpu.md)
+    base.scanned_and_recomputed(c)
   if "max_span" in values:
     c.model.attention.params.max_span = int(values.pop("max_span"))
   for key in ("mem_len", "eval_mem_len"):

@@ -39,6 +39,17 @@ def attention_config(name: str = "combiner_fixed") -> ml_collections.ConfigDict:
   return att
 
 
+def scanned_and_recomputed(c: ml_collections.ConfigDict) -> None:
+  """A deep paper-scale model's blocks stacked and scanned (one block to compile, models/stacked.py), each
+  recomputed in the backward pass from its input (`model.remat = "full"`): the step keeps one block's
+  intermediates instead of every layer's, which sets the TPU slice such a model needs (docs/tpu.md). A
+  scanned step without recompute keeps more than the unrolled one: every value its backward pass reads
+  crosses the loop as a stacked array, where an unrolled program's compiler may fuse cheap ones into the
+  backward pass instead."""
+  c.model.scan_layers = True
+  c.model.remat = "full"
+
+
 def base_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.seed = 0

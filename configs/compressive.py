@@ -69,6 +69,8 @@ def get_config(arg: str | None = None):
     c.model.mem_len = 48
     c.model.compressed_mem_len = 32
     c.optimizer.lr = 1e-3
+  else:  # 24-36 layers with their memories: scanned and recomputed, to compile and fit (docs/tpu.md)
+    base.scanned_and_recomputed(c)
   for key in lengths:
     if key in values:
       c.model[key] = int(values.pop(key))

@@ -48,11 +48,9 @@ def image_config(name: str, image_shape: tuple[int, int, int], arg: str | None, 
     c.model.num_heads = main["heads"]
     c.model.mlp_dim = main["mlp_dim"]
     c.model.dropout_rate = main["dropout"]
-    c.model.scan_layers = True  # 30-128 layers: one stacked, scanned block to compile (models/stacked.py)
-    # Each block recomputed in the backward pass from its input, as Child et al. train their 128-layer
-    # CIFAR-10 model (attention and feed-forward activations recomputed): the step keeps one block's
-    # intermediates instead of every layer's, which sets the TPU slice these models need (docs/tpu.md).
-    c.model.remat = "full"
+    # 30-128 layers, scanned, each block recomputed in the backward pass from its input, as Child et al.
+    # train their 128-layer CIFAR-10 model (attention and feed-forward activations recomputed).
+    base.scanned_and_recomputed(c)
     c.optimizer.lr = main["lr"]
     c.train.num_steps = main["steps"]
   if "smoke" in flags:
