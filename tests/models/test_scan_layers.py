@@ -96,7 +96,8 @@ def _memory_step(name: str, scan: bool, **fields):
 @pytest.mark.parametrize("name,fields", [
     ("transformer_xl", {}),
     ("compressive", {"remat": "full"}),  # the compression recomputed with the block
-    ("adaptive_span", {"scan_unroll": 2, "remat": "full"}),  # sown span penalty; 2 layers a trip
+    ("adaptive_span", {"scan_unroll": 2}),  # a sown span penalty; one loop trip of two layers, then the third
+    ("adaptive_span", {"remat": "full"}),  # as configs/adaptive_span.py:large runs it
 ])
 def test_scanned_blocks_with_a_segment_memory(name, fields):
   """A memory's layers are stacked for the scan and split after it: the same logits, memory left (one entry
