@@ -32,6 +32,7 @@ Array = Any
 TILE = 1024  # positions per program at most: its [clusters, TILE] float32 scores take 1 MiB at 256 clusters
 VMEM_BUDGET = 6 << 20  # TPU: bytes of q and k blocks per program, double-buffered (sublanes padded)
 HEAD_BLOCK = 8  # TPU: heads per program (all of them when 8 does not divide the heads)
+STEP = 128  # TPU: positions per loop step inside a program (a long straight-line body compiles slowly)
 GPU_TILE = 128  # positions per Triton program: [clusters, 128] float32 scores in registers
 GPU_MIN_ROWS = 16  # Triton's smallest dot dimension
 
@@ -84,10 +85,24 @@ def _kernel(q_ref, k_ref, c_ref, *o_refs, clusters: int, heads: int | None) -> N
     for o_ref, ids in zip(o_refs, _nearest(q_ref[...], k_ref[...], c_ref[...], clusters, sides), strict=True):
       o_ref[...] = ids[0]
     return
-  for h in range(heads):
-    ids = _nearest(q_ref[:, h, :], k_ref[:, h, :], c_ref[h], clusters, sides)
-    for o_ref, x in zip(o_refs, ids, strict=True):
-      o_ref[pl.ds(h, 1), :] = x
+  tile = q_ref.shape[0]
+  steps, rest = divmod(tile, STEP)
+
+  def part(start: Any, size: int) -> None:  # positions start..start+size of every head in the block
+    rows = pl.ds(start, size)
+    for h in range(heads):
+      ids = _nearest(q_ref[rows, h, :], k_ref[rows, h, :], c_ref[h], clusters, sides)
+      for o_ref, x in zip(o_refs, ids, strict=True):
+        o_ref[pl.ds(h, 1), rows] = x
+
+  def step(i: Array, carry: Any) -> Any:
+    part(pl.multiple_of(i * STEP, STEP), STEP)
+    return carry
+
+  if steps:
+    lax.fori_loop(0, steps, step, 0)
+  if rest:
+    part(steps * STEP, rest)
 
 
 def nearest(q: Array, k: Array, centroids: Array, *, platform: str | None = None,
