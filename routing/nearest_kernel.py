@@ -3,15 +3,15 @@ query and key together (`routing.attention.nearest_assignments`' ids), without t
 float32 scores or the layer-normed copies of q and k in HBM.
 
 One program per (batch row, block of heads, tile of positions) reads its tiles of q and k in the op
-contract's layout (on TPU [tile, 8 heads, head_dim] blocks, each head's rows loaded strided from VMEM; on GPUs
-one head per program, [tile, head_dim] read strided from HBM), layer-norms them in float32, takes the
-scores of every centroid against both ([clusters, tile], float32-accumulating dots, clusters on sublanes) and
-writes their sum's argmax (the first maximum, as `jnp.argmax`): lane-dense int32 rows. With `sides` it also
-writes each score's own argmax, the query-only and key-only assignments a model's k-means update uses
-(`models.routing_attention`), from the same scores. The same kernel runs on TPU (Mosaic), GPU (Triton:
-clusters padded to a power of two of at least 16 rows, the padding scored -inf) and CPU (interpret mode).
-The dots run at each compiler's precision, so a token whose two best centroids score within rounding of each
-other may go either way, on the kernel as between XLA programs.
+contract's layout (on TPU [tile, 8 heads, head_dim] blocks, each head's rows loaded strided from VMEM in
+steps of 128 positions; on GPUs one head per program, [tile, head_dim] read strided from HBM), layer-norms
+them in float32, takes the scores of every centroid against both ([clusters, tile], float32-accumulating
+dots, clusters on sublanes) and writes their sum's argmax (the first maximum, as `jnp.argmax`): lane-dense
+int32 rows. With `sides` it also writes each score's own argmax, the query-only and key-only assignments a
+model's k-means update uses (`models.routing_attention`), from the same scores. The same kernel runs on TPU
+(Mosaic), GPU (Triton: clusters padded to a power of two of at least 16 rows, the padding scored -inf) and
+CPU (interpret mode). The dots run at each compiler's precision, so a token whose two best centroids score
+within rounding of each other may go either way, on the kernel as between XLA programs.
 """
 
 from __future__ import annotations
