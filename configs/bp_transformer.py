@@ -29,7 +29,9 @@ This config: the same layers, widths, heads, k and lengths, `attention=bp_transf
            pre-LN blocks. LM: enwik8 or text8 in shuffled windows of 512 (data/characters.py), evaluated at
            the training length, no auxiliary per-layer losses, untied embeddings: 41.7M parameters (38M in the
            paper), of which the relative vectors take 3.5M (k = 64 per level for log2 512 = 9 levels, per head
-           and layer). Classification (data/text.py): no GloVe here, so the inputs are pieces of a
+           and layer); its blocks scanned and each recomputed in the backward pass (`model.scan_layers`,
+           `model.remat=full`: the compiler sees one block of this many-op attention, not twelve).
+           Classification (data/text.py): no GloVe here, so the inputs are pieces of a
            SentencePiece vocabulary trained at prepare time on the training split (IMDB 32K, SST-5 8K pieces)
            and embeddings learned from scratch; `[bos] + pieces` cut to seq_len 2048 (IMDB: reviews average
            about 230 words, the longest about 2,500, so only a few are cut; an estimate, not measured here) or
@@ -113,6 +115,8 @@ def get_config(arg: str | None = None):
     k = min(k, 4)  # the smoke length has 6 levels
     if variant != "lm":
       c.data.vocab_size = 256  # the stand-in's SentencePiece model has 200 pieces
+  elif variant == "lm":  # 12 blocks of an op-heavy attention: scanned and recomputed (docs/tpu.md)
+    base.scanned_and_recomputed(c)
   context = int(values.pop("context")) if "context" in values else k
   arguments.apply_common(c, values)
   if c.model.attention.name == "bp_transformer":

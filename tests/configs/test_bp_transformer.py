@@ -35,12 +35,16 @@ def test_paper_settings(arg, name, length, layers, features, heads, mlp, k):
   else:
     assert info.task == "lm" and (c.optimizer.lr, c.train.batch_size, c.optimizer.clip_norm) == (4.1e-4, 64,
                                                                                                   0.25)
+  # the 12-layer language model's blocks are scanned and recomputed (its compile sees one block)
+  assert (m.scan_layers, m.remat) == ((True, "full") if arg in ("", "text8") else (False, "none"))
 
 
 def test_arguments():
   assert bp_transformer.get_config("imdb,context=8").model.attention.params.context == 8
   assert "context" not in bp_transformer.get_config("sst5,attention=dense").model.attention.params
   assert bp_transformer.get_config("imdb,smoke").model.attention.params.context == 4
+  smoke, unscanned = bp_transformer.get_config("smoke"), bp_transformer.get_config("scan_layers=False")
+  assert not smoke.model.scan_layers and not unscanned.model.scan_layers and unscanned.model.remat == "full"
   with pytest.raises(ValueError, match="pick one of"):
     bp_transformer.get_config("imdb,sst5")
 
