@@ -47,8 +47,8 @@ Cost:      not measured at paper scale. `:smoke`, `:text8,smoke`, `:imdb,smoke`,
            minute on a CPU, mostly compilation.
 Variants:  `text8`, `imdb`, `sst5`, `context=K` (k), `seq_len=...`, `attention=...` (another attention on the
            same task; `context` then does not apply), `smoke`; `scan_layers=False,remat=none` unrolls the LM's
-           blocks and keeps their activations (on v5p-8: a roofline step a quarter shorter, 87 GiB of HBM per
-           chip instead of 12, and a compile of about 25 minutes instead of 5.5 on a 2-core host).
+           blocks and keeps their activations: no recompute, for several times the HBM per chip and a much
+           longer compile (docs/tpu.md).
 """
 
 from configs import arguments, base
