@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import ml_collections
 
-# Logical parameter axis -> mesh axis (None = replicated). FSDP splits the model width of every weight (and
-# its optimizer moments) over the "fsdp" axis; model parallelism splits heads, MLP and vocabulary.
+# Logical parameter axis -> mesh axis, or a tuple of them (None = replicated). FSDP splits the model width of
+# every weight (and its optimizer moments) over the "fsdp" and "seq" axes (the devices that split a sequence
+# need the same weights); model parallelism splits heads, MLP and vocabulary.
 # "layers": the leading axis of stacked blocks (`model.scan_layers`, models/stacked.py), replicated: every
 # device holds every layer's share of the other axes.
-SHARDING_RULES = (("embed", "fsdp"), ("mlp", "model"), ("heads", "model"), ("kv", None), ("vocab", "model"),
-                  ("layers", None))
+SHARDING_RULES = (("embed", ("fsdp", "seq")), ("mlp", "model"), ("heads", "model"), ("kv", None),
+                  ("vocab", "model"), ("layers", None))
 
 
 def attention_config(name: str = "combiner_fixed") -> ml_collections.ConfigDict:

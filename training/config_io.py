@@ -210,7 +210,8 @@ def load_config(workdir: str, step: int | None = None) -> ml_collections.ConfigD
   c = ml_collections.ConfigDict(d)
   if c.model.get("image_shape") is not None:
     c.model.image_shape = tuple(c.model.image_shape)
-  c.sharding_rules = tuple(tuple(r) for r in c.sharding_rules)
+  c.sharding_rules = tuple((name, tuple(axis) if isinstance(axis, list) else axis)
+                           for name, axis in c.sharding_rules)
   with c.model.attention.unlocked():
     c.model.attention.params = ml_collections.ConfigDict(c.model.attention.get("params") or {},
                                                          type_safe=False)

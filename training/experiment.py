@@ -9,8 +9,8 @@
   donated state, traced with the mesh as JAX's context mesh
   (`attention_core.sharding.traced_in`): attention ops run per device on its batch rows and heads, and split
   the sequence over the "seq" axis when it is > 1 (combiner/seq_parallel.py). Batches are sharded over
-  ("data", "fsdp"); parameters and optimizer moments over "fsdp" by the rules (FSDP, training/mesh.py), and
-  the partitioner gathers each layer's weights for its compute.
+  ("data", "fsdp"); parameters and optimizer moments over "fsdp" and "seq" by the rules (FSDP,
+  training/mesh.py), and the partitioner gathers each layer's weights for its compute.
 - Segment recurrence (`config.model.mem_len` > 0): the state also carries the model's memory, which the steps
   take and return (training/recurrence.py).
 - Warm start: a model class may name, in its `WARM_START` ("package.module:function"), what a run's state
@@ -123,16 +123,17 @@ class Experiment:
       return jax.tree.map(lambda _: self.replicated, abs_opt)
 
   def _gathered(self, shardings: Any) -> Any:
-    """The parameters' shardings for compute: FSDP's "fsdp" axis removed (None when there is none, so the
-    step is unchanged). Gathering them in the step lets the partitioner keep activations split over the
-    batch: with a weight split along its contraction (embed) dimension it would otherwise move activations."""
-    if dict(self.mesh.shape).get("fsdp", 1) == 1:
+    """The parameters' shardings for compute: split over "model" alone, the data-parallel axes that store
+    them (FSDP's "fsdp" and "seq") removed; None when the mesh has none of those, so the step is unchanged.
+    Gathering them in the step lets the partitioner keep activations split over the batch: with a weight
+    split along its contraction (embed) dimension it would otherwise move activations."""
+    if all(dict(self.mesh.shape).get(axis, 1) == 1 for axis in ("fsdp", "seq")):
       return None
 
     def drop(spec):
       def one(axes):
-        kept = tuple(a for a in (axes if isinstance(axes, tuple) else (axes,)) if a not in (None, "fsdp"))
-        return kept[0] if len(kept) == 1 else (kept or None)
+        kept = tuple(a for a in (axes if isinstance(axes, tuple) else (axes,)) if a == "model")
+        return kept[0] if kept else None
 
       return P(*(one(axes) for axes in spec))
 

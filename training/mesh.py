@@ -1,9 +1,10 @@
 """The device mesh (data, fsdp, seq, model) and the shardings of parameters by logical-axis rules.
 
 Data parallelism runs over two axes: the batch is split over ("data", "fsdp") together; parameters and
-optimizer state are split over "fsdp" along their "embed" dimension (`configs/base.py: SHARDING_RULES`, the
-MaxText rule) and XLA's SPMD partitioner gathers each layer's weights where they are used and reduce-scatters
-their gradients (fully sharded data parallelism). On "data" devices hold whole copies. By default every
+optimizer state are split over "fsdp" and "seq" along their "embed" dimension (`configs/base.py:
+SHARDING_RULES`, the MaxText rule) and XLA's SPMD partitioner gathers each layer's weights where they are used
+and reduce-scatters their gradients (fully sharded data parallelism; the devices that split a sequence hold
+the same weights, so they share them out too). On "data" devices hold whole copies. By default every
 data-parallel device is an fsdp one; `config.mesh.fsdp=1` gives plain data parallelism.
 """
 
@@ -66,20 +67,23 @@ def data_parallel_size(mesh: jax.sharding.Mesh) -> int:
 
 
 def logical_to_mesh(spec: Any, shape: tuple[int, ...], rules: dict[str, Any], mesh: jax.sharding.Mesh) -> P:
-  """Maps logical axis names to mesh axes; a dimension the mesh axis does not divide stays replicated, and so
-  does one whose mesh axis has a single device or is not in the mesh (a one-device mesh gives replicated
-  specs throughout)."""
+  """Maps logical axis names to mesh axes. A rule names one mesh axis or a tuple of them, the dimension then
+  split over their product ("embed" over ("fsdp", "seq"), as MaxText splits it over its fsdp and sequence
+  axes). Axes with a single device, not in the mesh, or taken by an earlier dimension are left out, and the
+  last ones are dropped until the rest divide the dimension; none left is replicated (so a one-device mesh
+  gives replicated specs throughout)."""
   names = tuple(spec) if spec is not None else ()
   sizes = dict(mesh.shape)
   out = []
   used = set()
   for dim, name in zip(shape, names + (None,) * (len(shape) - len(names)), strict=True):
-    axis = rules.get(name) if name is not None else None
-    if axis is not None and (axis in used or sizes.get(axis, 1) == 1 or dim % sizes[axis] != 0):
-      axis = None
-    if axis is not None:
-      used.add(axis)
-    out.append(axis)
+    rule = rules.get(name) if name is not None else None
+    rule = (rule,) if isinstance(rule, str) else tuple(rule or ())
+    axes = [axis for axis in rule if axis not in used and sizes.get(axis, 1) > 1]
+    while axes and dim % math.prod(sizes[axis] for axis in axes):
+      axes.pop()
+    used.update(axes)
+    out.append(tuple(axes) if len(axes) > 1 else (axes[0] if axes else None))
   return P(*out)
 
 

@@ -48,8 +48,8 @@ class StepContext:
 
 def merged_model(ctx: StepContext, params: Any, rng: Any, rest: Any, key: jax.Array) -> nnx.Module:
   """The model with `params`, `rest` and fresh random streams from `key`, new variables in this trace. Under
-  FSDP the parameters are gathered over "fsdp" for compute (the partitioner all-gathers each weight for its
-  uses and reduce-scatters its gradient), which keeps activations split over the batch."""
+  FSDP the parameters are gathered over "fsdp" and "seq" for compute (the partitioner all-gathers each weight
+  for its uses and reduce-scatters its gradient), which keeps activations split over the batch."""
   if ctx.compute_shardings is not None:
     params = jax.lax.with_sharding_constraint(params, ctx.compute_shardings[0])
     rest = jax.lax.with_sharding_constraint(rest, ctx.compute_shardings[1])

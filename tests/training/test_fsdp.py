@@ -84,6 +84,46 @@ def test_sequence_parallel_ops_split_the_batch_over_fsdp():
   assert sharding.seq_specs(mesh, "seq", 3, 2)[0] == jax.sharding.PartitionSpec(None, "seq", None, None)
 
 
+def test_a_rule_of_several_mesh_axes_splits_over_their_product():
+  """("fsdp", "seq") on a mesh of fsdp 2 x seq 4: a dimension 8 divides is split over both, one only 2 divides
+  over fsdp, an odd one not at all; an axis an earlier dimension took, or of one device, is left out."""
+  c = default.get_config("smoke")
+  c.mesh.seq = 4
+  mesh = mesh_lib.make_mesh(c, jax.devices()[:8])
+  rules = {"embed": ("fsdp", "seq"), "mlp": "fsdp", "kv": ("model", "seq")}
+  P = jax.sharding.PartitionSpec
+
+  def spec(names, shape):
+    return mesh_lib.logical_to_mesh(names, shape, rules, mesh)
+
+  assert spec(("embed", "kv"), (64, 8)) == P(("fsdp", "seq"), None)  # seq taken; model has one device
+  assert spec(("embed",), (6,)) == P("fsdp")
+  assert spec(("embed",), (5,)) == P(None)
+  assert spec(("mlp", "embed"), (4, 64)) == P("fsdp", "seq")
+  assert spec(("kv", "embed"), (8, 64)) == P("seq", "fsdp")
+  one = mesh_lib.make_mesh(default.get_config("smoke"), jax.devices()[:1])
+  assert mesh_lib.logical_to_mesh(("embed",), (64,), rules, one) == P(None)
+
+
+def test_sequence_parallel_devices_share_out_the_state_too():
+  """The paper-scale LM with seq = 4 (so fsdp = 2) on 8 devices: parameters and Adam moments are split over
+  fsdp x seq along the width, 1/8 per device as with fsdp = 8, and the step gathers them over both (the
+  compute shardings keep "model" alone). With fsdp = 1 and seq = 8 they are split over seq."""
+  for fsdp, seq in ((-1, 4), (1, 8)):
+    c = wiki40b.get_config("features=1024,heads=16,mlp_dim=4096")
+    c.mesh.fsdp, c.mesh.seq = fsdp, seq
+    exp = experiment.Experiment(c, devices=jax.devices()[:8])
+    state = exp.abstract_state()
+    tree = {"params": state["params"], "opt_state": state["opt_state"]}
+    total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+    assert mesh_lib.per_device_bytes(tree) <= 1.3 * total / 8
+    width = ("fsdp", "seq") if fsdp == -1 else "seq"
+    embed = exp.param_shardings["encoder"]["embed"]["embedding"].get_value()
+    assert embed.spec == jax.sharding.PartitionSpec(None, width)
+    compute = exp.compute_shardings[0]["encoder"]["embed"]["embedding"].get_value()
+    assert compute.spec == jax.sharding.PartitionSpec(None, None)
+
+
 @pytest.mark.parametrize("devices,fsdp", [(1, -1), (8, 1)])
 def test_one_device_and_plain_data_parallel_replicate_everything(devices, fsdp):
   """On one device, and with fsdp = 1, every array is whole on every device, as before FSDP."""
@@ -144,9 +184,10 @@ def test_twenty_fsdp_steps_match_one_device_and_resume_there(tmp_path):
 
 @pytest.mark.slow
 def test_scanned_layers_on_fsdp_and_seq_match_unrolled_layers_on_one_device():
-  """model.scan_layers (the blocks' parameters stacked on a replicated leading layer axis, split over fsdp
-  along their width) on an 8-device mesh with fsdp = 4 and seq = 2 (the sequence-parallel Combiner inside the
-  scan) trains as the unrolled model on one device: the same losses over six steps and the same parameters."""
+  """model.scan_layers (the blocks' parameters stacked on a replicated leading layer axis, split over fsdp x
+  seq along their width) on an 8-device mesh with fsdp = 4 and seq = 2 (the sequence-parallel Combiner inside
+  the scan) trains as the unrolled model on one device: the same losses over six steps and the same
+  parameters."""
   def config(scan):
     c = default.get_config("smoke,attention=combiner_fixed")
     c.model.num_layers, c.model.scan_layers = 3, scan
@@ -162,7 +203,7 @@ def test_scanned_layers_on_fsdp_and_seq_match_unrolled_layers_on_one_device():
   s1, losses1 = run(unrolled, batches)
   np.testing.assert_allclose(losses8, losses1, rtol=1e-5)
   up = s8.params["encoder"]["blocks"]["mlp"]["up"]["kernel"].get_value()  # [layers, embed, mlp]
-  assert up.shape[0] == 3 and up.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", None)
+  assert up.shape[0] == 3 and up.sharding.spec == jax.sharding.PartitionSpec(None, ("fsdp", "seq"), None)
   per_layer = stacked.convert(s8.params, like=s1.params)
   for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(per_layer), jax.tree.leaves(s1.params),
                           strict=True):
