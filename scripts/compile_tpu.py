@@ -451,7 +451,8 @@ scanned model's layers is the exception: the step is compiled a second time with
 (`model.scan_unroll=2`), and the difference, one layer's forward and backward, is counted for every layer.
 Slices are searched over the generation's sizes; where the config's global batch cannot split over a slice's
 chips (the mesh's data x fsdp must divide it), the chips it leaves go to the seq axis (each sequence split
-over them), and the row names that mesh (`mesh.seq=N`: train with `--config.mesh.seq=N`).
+over them, and the parameters and optimizer state with the fsdp axis), and the row names that mesh
+(`mesh.seq=N`: train with `--config.mesh.seq=N`).
 Check one config and slice before creating it: `python -m scripts.compile_tpu --config configs/X.py --topology
 v5e-16` (scripts/tpu.py does so itself). On a 2-core host one compile takes from seconds to a few minutes; the
 deepest model, `cifar10.py:main` (128 layers), compiles for v5e-4 in about a minute and a half (85 s; a step
