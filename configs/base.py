@@ -135,6 +135,7 @@ def base_config() -> ml_collections.ConfigDict:
   # -1 = the devices the other axes leave (training/mesh.py: seq/model take them first, then fsdp, then data).
   # The batch is split over data x fsdp; fsdp devices also split parameters and optimizer state (FSDP), so by
   # default every data-parallel device holds 1/n of them; fsdp = 1: plain data parallelism (whole copies).
+  # seq devices split them as well (SHARDING_RULES), beside fsdp.
   c.mesh.data = -1
   c.mesh.fsdp = -1
   c.mesh.seq = 1  # sequence parallelism: each sequence split over this many devices (ops with that form)
