@@ -50,22 +50,27 @@ def test_bad_mesh_value_is_one_line_naming_the_field(field, value):
   assert str(e.value).startswith(f"config.mesh.{field} must be ") and "\n" not in str(e.value)
 
 
-def paper_lm(fsdp):
+def paper_lm(fsdp, seq=1):
   """The paper-scale LM: 12 layers, width 1024 (16 heads, MLP 4096), SentencePiece 32K, on 8 devices."""
   c = wiki40b.get_config("features=1024,heads=16,mlp_dim=4096")
-  c.mesh.fsdp = fsdp
+  c.mesh.fsdp, c.mesh.seq = fsdp, seq
   return experiment.Experiment(c, devices=jax.devices()[:8])
+
+
+def state_bytes(exp):
+  """(bytes of parameters + Adam moments on the fullest device, their total bytes), from the shardings."""
+  state = exp.abstract_state()
+  tree = {"params": state["params"], "opt_state": state["opt_state"]}
+  return mesh_lib.per_device_bytes(tree), sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
 def test_paper_lm_state_per_device_is_an_eighth_under_fsdp():
   """Parameters + Adam moments: <= 1.3 x total / 8 per device with FSDP (the whole of it without: the mesh
   then has data = 8, fsdp = 1, and every spec is replicated, as on one device below)."""
   exp = paper_lm(-1)
-  state = exp.abstract_state()
-  tree = {"params": state["params"], "opt_state": state["opt_state"]}
-  total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+  per_device, total = state_bytes(exp)
   assert total > 2.5e9  # ~218M parameters, and two Adam moments, in float32
-  assert mesh_lib.per_device_bytes(tree) <= 1.3 * total / 8
+  assert per_device <= 1.3 * total / 8
   # Every matrix is split along its width: the token embedding, an MLP weight, the output head.
   params = exp.param_shardings
   assert params["encoder"]["embed"]["embedding"].get_value().spec == jax.sharding.PartitionSpec(None, "fsdp")
@@ -110,13 +115,9 @@ def test_sequence_parallel_devices_share_out_the_state_too():
   fsdp x seq along the width, 1/8 per device as with fsdp = 8, and the step gathers them over both (the
   compute shardings keep "model" alone). With fsdp = 1 and seq = 8 they are split over seq."""
   for fsdp, seq in ((-1, 4), (1, 8)):
-    c = wiki40b.get_config("features=1024,heads=16,mlp_dim=4096")
-    c.mesh.fsdp, c.mesh.seq = fsdp, seq
-    exp = experiment.Experiment(c, devices=jax.devices()[:8])
-    state = exp.abstract_state()
-    tree = {"params": state["params"], "opt_state": state["opt_state"]}
-    total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
-    assert mesh_lib.per_device_bytes(tree) <= 1.3 * total / 8
+    exp = paper_lm(fsdp, seq)
+    per_device, total = state_bytes(exp)
+    assert per_device <= 1.3 * total / 8
     width = ("fsdp", "seq") if fsdp == -1 else "seq"
     embed = exp.param_shardings["encoder"]["embed"]["embedding"].get_value()
     assert embed.spec == jax.sharding.PartitionSpec(None, width)
