@@ -23,13 +23,17 @@ Edges (who attends to whom), each labelled with a relative position vector added
 Masked tokens, and span nodes whose tokens are all masked (padding up to n included), are dropped as keys.
 Logits are `q_a . (k_b + r_ab) / sqrt(d)`, one softmax per node over its edges.
 
-A token's at most 2k log2 n + 1 edges are one softmax over one piece per level and side: all k nodes of
-level l >= 1 depend on i through u >> (l - 1) only, so the tokens of each aligned group of 2^(l - 1) (aligned
-at c_l, or at -c_l on the right) share them: each piece reads [groups, k] nodes, once per group, by pads,
-slices and repeats of the level arrays (`_context_nodes`; the right side is the left on reversed positions),
-never a gather; span nodes of level l attend to their 2^l tokens as [n / 2^l, 2^l] blocks. O(k n log n)
-logits and O(k n d) keys and values read for the tokens, O(n log n d) for the span nodes; no [n, n] array is
-ever built. (`token_neighbours` lists the same edges per token, for the cached decoder and the tests.)
+A token's at most 2k log2 n + 1 edges are one softmax. Its level-l nodes other than slot 0's finer one are
+the level-l nodes A - m below an anchor A (A = i - 1 at level 0, u >> l above), shared by the 2^l tokens of
+one anchor (aligned at c_l, or at -c_l on the right). So the tokens are laid out in blocks of k - 1 anchors,
+and each block reads one window of 2(k - 1) consecutive level-l nodes (or, where a level has no more, all of
+them), taken from the level array by a pad, a reshape and one concatenation whatever k is (`_Band`); a
+static mask keeps each token's own k, and the relative vectors follow as one Toeplitz table per level. The
+finer nodes are one per aligned group of 2^(l - 1) tokens. The right side is the left on reversed
+positions; span nodes of level l attend to their 2^l tokens as [n / 2^l, 2^l] blocks. No gather, and a
+program whose size does not grow with k; O(k n log n) logits (at most twice the edges) and O(n log n d)
+for the span nodes; no [n, n] array is ever built. (`token_neighbours` lists the same edges per token, for
+the cached decoder and the tests.)
 
 Without span-node states (`graph=False`, the op contract on L tokens: benchmarks, the op sweeps) a span
 node's query, key and value are the masked means of its tokens'; the model
@@ -39,6 +43,7 @@ node's query, key and value are the masked means of its tokens'; the model
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -47,7 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attention_core import contract
-from attention_core.combine import Piece, attend_zeros_hidden, joint_softmax
+from attention_core.combine import Piece, attend_zeros_hidden, flag_nonfinite, joint_softmax, unflag
 
 Array = Any
 OP = "bp_transformer"
@@ -119,33 +124,80 @@ def token_neighbours(n: int, context: int, causal: bool) -> tuple[np.ndarray, ..
   return index, valid, kind, level, rank
 
 
-def _context_nodes(nodes: list[tuple[Array, ...]], lvl: int, context: int, n: int
-                   ) -> tuple[int, int, tuple[Array, ...]]:
-  """The left contextual nodes of level `lvl` per aligned group of tokens (module docstring), from the level
-  arrays nodes[l] = (keys, values, real) [b, n >> l, ...], as (group size, front, (keys [b, G, k, h, d],
-  values, real [b, G, k])): token i sits at i + front of the G groups. Slot m >= 1 holds level-l node
-  (g >> 1) - m of group g = (i - c_l) >> (l - 1); slot 0 the level-(l - 1) node g where g is even, else
-  level-l node g >> 1; indices below 0 are no node (real False)."""
-  if lvl == 0:  # tokens i - 1 - m, one group per token
-    shifted = [tuple(_shift(x, 1 + m, n) for x in nodes[0]) for m in range(context)]
-    return 1, 0, tuple(jnp.stack(parts, axis=2) for parts in zip(*shifted, strict=True))
-  size = 1 << (lvl - 1)
-  c = context * ((1 << lvl) - 1) + 1
-  front = -c % size
-  count = -(-(n + front) // size)
-  first = -((c + front) // size)  # g of group 0
-  coarse = [jnp.repeat(x, 2, axis=1) for x in nodes[lvl]]  # entry j: level-l node j >> 1
-  fine = nodes[lvl - 1]  # entry j: level-(l - 1) node j
-  even = jnp.asarray((np.arange(count) + first) % 2 == 0)  # [G]
-  slots = []
-  for m in range(context):
-    picked = [_window(x, first - 2 * m, count) for x in coarse]  # level-l node (g >> 1) - m
-    if m == 0:
-      finer = [_window(x, first, count) for x in fine]
-      picked = [jnp.where(even.reshape((1, count) + (1,) * (a.ndim - 2)), b, a)
-                for a, b in zip(picked, finer, strict=True)]
-    slots.append(picked)
-  return size, front, tuple(jnp.stack(parts, axis=2) for parts in zip(*slots, strict=True))
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Band:
+  """Level `lvl`'s left contextual nodes as blocks of consecutive anchors (module docstring), static.
+
+  A token's anchor is A = i - 1 at level 0 and A = (i - c_l) >> l above; it reads the level-l nodes A - m of
+  its slots m (all k, or 1..k - 1 when slot 0 holds the finer node). The `per` tokens of one anchor are
+  consecutive, so the tokens are laid out as `blocks` blocks of `anchors` anchors (token i at row
+  i + front), and block j reads the `width` level-l nodes from start + j * anchors: the 2 * anchors around
+  its own anchors (anchors >= k - 1) or, when the level has at most that many, all of them (one block).
+  Column c of the row of anchor p (in its block) holds slot m = p - c + shift; `valid` [blocks * rows,
+  width] says which (row, column) pairs are edges of the graph.
+  """
+
+  per: int
+  anchors: int
+  blocks: int
+  width: int
+  front: int
+  start: int
+  shift: int
+  banded: bool
+  valid: np.ndarray
+
+  @property
+  def rows(self) -> int:
+    return self.anchors * self.per
+
+
+@functools.lru_cache(maxsize=256)
+def _band(n: int, context: int, lvl: int) -> _Band:
+  """The blocked layout of level `lvl` of a tree of n leaves with k = `context` nodes per level."""
+  count = n >> lvl  # the level's nodes (level 0: the tokens)
+  per = 1 << lvl
+  c = context * (per - 1) + 1  # c_l (level 0: 1, its anchor i - 1)
+  a0 = -(c // per) if c % per == 0 else -(c // per) - 1  # the anchor of token 0: floor(-c / per)
+  front = -(c + a0 * per)  # token 0's row
+  last = (n - 1 - c) // per  # the anchor of the last token
+  half = max(context - 1, 1)
+  if count <= 2 * half:
+    anchors, blocks, width, start, banded = last - a0 + 1, 1, count, 0, False
+  else:
+    anchors, width, start, banded = half, 2 * half, a0 - half, True
+    blocks = -(-(front + n) // (anchors * per))
+  shift = a0 - start
+  r = np.arange(blocks * anchors * per)[:, None]
+  i, col = r - front, np.arange(width)[None, :]
+  node = start + (r // (anchors * per)) * anchors * banded + col
+  m = (r // per) % anchors - col + shift
+  ok = (i >= 0) & (i < n) & (node >= 0) & (node < count) & (m >= 0) & (m < context)
+  if lvl:
+    ok &= ~((((i - c) >> (lvl - 1)) % 2 == 0) & (m == 0))  # an even group's slot 0 is the finer node
+  return _Band(per, anchors, blocks, width, front, start, shift, banded, ok)
+
+
+def _band_nodes(x: Array, band: _Band) -> Array:
+  """A level array [b, count, ...] -> each block's window of nodes [b, blocks, width, ...] (zeros, False,
+  outside the level)."""
+  if not band.banded:
+    return x[:, None]
+  x = _window(x, band.start, (band.blocks + 1) * band.anchors)
+  x = x.reshape(x.shape[0], band.blocks + 1, band.anchors, *x.shape[2:])
+  return jnp.concatenate([x[:, :-1], x[:, 1:]], axis=2)  # block j: anchors j - 1 and j of the level
+
+
+def _band_table(vectors: Array, band: _Band) -> Array:
+  """The level's k relative vectors [h, k, d] -> each (anchor p, column c) pair's [h, anchors, width, d]:
+  slot p - c + shift's vector, zeros outside 0..k - 1. A Toeplitz arrangement by one tile and one reshape:
+  row p of the tiled sequence E (E[j] = slot shift + anchors - 1 - j), read with rows one shorter, starts at
+  E[anchors - 1 - p]."""
+  heads, k, _ = vectors.shape
+  b, length = band.anchors, band.width + band.anchors
+  e = _window(jnp.flip(vectors, axis=1), k - band.shift - b, length)  # [h, length, d]
+  tiled = jnp.tile(e[:, None], (1, b, 1, 1)).reshape(heads, b * length, -1)
+  return tiled[:, b - 1:b - 1 + b * (length - 1)].reshape(heads, b, length - 1, -1)[:, :, :band.width]
 
 
 def _window(x: Array, start: int, count: int) -> Array:
@@ -155,9 +207,74 @@ def _window(x: Array, start: int, count: int) -> Array:
   return jax.lax.slice_in_dim(x, start + before, start + before + count, axis=1)
 
 
-def _shift(x: Array, by: int, n: int) -> Array:
-  """x[:, i - by] for i < n (zeros, False, before the first): [b, n, ...]."""
-  return _window(x, -by, n)
+def _level_piece(q: Array, nodes: tuple[Array, ...], vectors: Array | None, band: _Band, n: int,
+                 scale: float, flip: Any) -> Piece:
+  """The piece of one level and side: q [b, n, h, d] (the side's order), the level's (keys, flagged values,
+  real) [b, count, ...] and its relative vectors [h, k, d] (or None) -> logits [b, h, n, width] over each
+  token's block window, valid where the band says and the node is real; its apply gives flagged sums."""
+  batch, _, heads, head_dim = q.shape
+  kn, vn, real = (_band_nodes(x, band) for x in nodes)  # [b, blocks, width, ...]
+  rows = band.blocks * band.rows
+  extent = [(0, 0), (0, 0), (band.front, rows - n - band.front), (0, 0)]
+  qb = _window(q, -band.front, rows).reshape(batch, band.blocks, band.rows, heads, head_dim)
+  s = jnp.einsum("bjrhd,bjchd->bhjrc", qb, kn)  # [b, h, blocks, rows, width]
+  if vectors is not None:
+    rel = jnp.broadcast_to(_band_table(vectors, band), (heads, band.anchors, band.width, head_dim))
+    qa = qb.reshape(batch, band.blocks, band.anchors, band.per, heads, head_dim)
+    s = s + jnp.einsum("bjpshd,hpcd->bhjpsc", qa, rel).reshape(s.shape)
+  valid = jnp.asarray(band.valid).reshape(1, 1, band.blocks, band.rows, band.width) & real[:, None, :, None]
+  cut = lambda x: flip(x.reshape(*x.shape[:2], rows, band.width)[:, :, band.front:band.front + n])  # noqa: E731
+
+  def apply(w: Array) -> Array:  # [b, h, n, width] -> [b, h, n, dv + 1]
+    w = jnp.pad(flip(w), extent).reshape(batch, heads, band.blocks, band.rows, band.width)
+    out = jnp.einsum("bhjrc,bjchd->bhjrd", w, vn).reshape(batch, heads, rows, vn.shape[-1])
+    return flip(out[:, :, band.front:band.front + n])
+
+  return Piece(cut(s) * scale, cut(valid), apply)
+
+
+def _finer_piece(q: Array, nodes: tuple[Array, ...], vector: Array | None, lvl: int, context: int, n: int,
+                 scale: float, flip: Any) -> Piece:
+  """Slot 0 of level `lvl` >= 1 where it holds the level-(l - 1) node g = (i - c_l) >> (l - 1) (g even):
+  one node per aligned group of 2^(l - 1) tokens. q [b, n, h, d], the level-(l - 1) arrays (keys, flagged
+  values, real), the slot's relative vector [h, d] (or None) -> logits [b, h, n, 1]."""
+  batch, _, heads, head_dim = q.shape
+  size = 1 << (lvl - 1)
+  c = context * ((1 << lvl) - 1) + 1
+  front = -c % size
+  count = -(-(n + front) // size)
+  first = -((c + front) // size)  # g of group 0
+  kn, vn, real = (_window(x, first, count) for x in nodes)  # [b, G, ...]
+  even = jnp.asarray((np.arange(count) + first) % 2 == 0)  # [G]
+  extent = [(0, 0), (0, 0), (front, count * size - n - front)]
+  qg = _window(q, -front, count * size).reshape(batch, count, size, heads, head_dim)
+  s = jnp.einsum("bgshd,bghd->bhgs", qg, kn).reshape(batch, heads, count * size)
+  cut = lambda x: flip(x[:, :, front:front + n, None])  # noqa: E731  [b, h, n, 1]
+  s = cut(s)
+  if vector is not None:
+    s = s + flip(jnp.einsum("bihd,hd->bhi", q, jnp.broadcast_to(vector, (heads, head_dim))))[..., None]
+  valid = jnp.repeat(real & even, size, axis=1)[:, None]  # [b, 1, G * size]
+
+  def apply(w: Array) -> Array:  # [b, h, n, 1] -> [b, h, n, dv + 1]
+    w = jnp.pad(flip(w[..., 0]), extent).reshape(batch, heads, count, size)
+    out = jnp.einsum("bhgs,bghd->bhgsd", w, vn).reshape(batch, heads, count * size, vn.shape[-1])
+    return flip(out[:, :, front:front + n])
+
+  return Piece(s * scale, cut(valid), apply)
+
+
+def _joined(pieces: list[Piece]) -> Piece:
+  """Pieces of the same rows as one, their columns side by side: one softmax pass instead of one per
+  piece (a token's edges are spread over 2 log2 n + 1 small pieces)."""
+  widths = np.cumsum([0] + [p.logits.shape[-1] for p in pieces])
+  logits = jnp.concatenate([p.logits for p in pieces], axis=-1)
+  valid = jnp.concatenate([jnp.broadcast_to(p.valid, (*p.valid.shape[:-1], p.logits.shape[-1]))
+                           for p in pieces], axis=-1)
+
+  def apply(w: Array) -> Array:
+    return sum(p.apply(w[..., a:b]) for p, a, b in zip(pieces, widths[:-1], widths[1:], strict=True))
+
+  return Piece(logits, valid, apply)
 
 
 def relative_table(heads: int, head_dim: int, context: int, rel_self: Array | None, rel_left: Array | None,
@@ -254,46 +371,37 @@ def bp_transformer(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | 
         [_masked_mean(x, token_real, n, lvl) for lvl in range(1, levels + 1)] + [x[:, :0]], axis=1)
     ks, vs = means(kt), means(vt)  # [b, n - 1, h, dim]
 
-  # Tokens, one piece per level and side of one softmax: the tokens of an aligned group of 2^(l - 1) share the
-  # k nodes of level l (module docstring), read from the level arrays by pads, slices and repeats (no gather).
-  _, _, kind, level, rank = token_neighbours(n, context, causal)  # [n, S]
-  labels = label_of(kind, level, rank, rows, context)  # [n, S]
+  # Tokens, one softmax over their own key and one piece per level and side (and the finer slot 0's): the
+  # tokens of one anchor share its nodes, and consecutive anchors read overlapping windows of the level
+  # arrays, taken by pads, reshapes and one concatenation (module docstring; no gather). A window also holds
+  # nodes a token does not read (later ones, when causal): the values are flagged once (`flag_nonfinite`) so
+  # that a non-finite one there never reaches the token's output.
   span = lambda x, lvl: x[:, span_offset(n, lvl):span_offset(n, lvl) + (n >> lvl)]  # noqa: E731
-  nodes = [(kt, vt, token_real)] + [(span(ks, lvl), span(vs, lvl), span(span_real, lvl))
-                                    for lvl in range(1, levels)]  # per level: [b, n >> l, ...]
-  qr = None if table is None else jnp.einsum("bihd,hld->bhil", qt, table)  # [b, h, n, labels]
-  self_logits = jnp.einsum("bihd,bihd->bhi", qt, kt)[..., None]  # [b, h, n, 1]
-  if qr is not None:
-    self_logits = self_logits + qr[..., :1]
-  pieces = [Piece(self_logits * scale, token_real[:, None, :, None],
-                  lambda w: jnp.einsum("bhio,bihd->bhid", w, vt))]
+  vtf, vsf = flag_nonfinite(vt), flag_nonfinite(vs)  # [b, n or n - 1, h, dv + 1]
+  nodes = [(kt, vtf, token_real)] + [(span(ks, lvl), span(vsf, lvl), span(span_real, lvl))
+                                     for lvl in range(1, levels)]  # per level: [b, n >> l, ...]
+  self_logits = jnp.einsum("bihd,bihd->bhi", qt, kt)  # [b, h, n]
+  if table is not None:
+    self_vector = jnp.broadcast_to(table[:, 0], (heads, head_dim))
+    self_logits = self_logits + jnp.einsum("bihd,hd->bhi", qt, self_vector)
+  pieces = [Piece(self_logits[..., None] * scale, token_real[:, None, :, None],
+                  lambda w: jnp.einsum("bhio,bihd->bhid", w, vtf))]
   for side in (1,) if causal else (1, 2):
     # The right side is the left side on reversed positions (nodes reversed within each level).
     flip = (lambda x: x) if side == 1 else (lambda x: jnp.flip(x, axis=1))  # noqa: E731
+    flip_rows = (lambda x: x) if side == 1 else (lambda x: jnp.flip(x, axis=2))  # noqa: E731
     levels_of_side = [tuple(flip(x) for x in lvl_nodes) for lvl_nodes in nodes]
     q_side = flip(qt)
     for lvl in range(levels):
-      slots = np.flatnonzero((level[0] == lvl) & (kind[0] == side))  # [O]: the k slots of this piece
-      size, front, (kn, vn, real) = _context_nodes(levels_of_side, lvl, context, n)  # [b, G, O, ...]
-      count = kn.shape[1]
-      extent = [(0, 0), (front, count * size - n - front)]
-      qg = jnp.pad(q_side, extent + [(0, 0), (0, 0)]).reshape(batch, count, size, heads, head_dim)
-      s = jnp.einsum("bcghd,bcohd->bhcgo", qg, kn).reshape(batch, heads, count * size, len(slots))
-      s = jnp.flip(s[:, :, front:front + n], 2) if side == 2 else s[:, :, front:front + n]  # [b, h, n, O]
-      if qr is not None:
-        s = s + qr[..., labels[0, slots]]
-      valid = jnp.repeat(real, size, axis=1)[:, None, front:front + n]  # [b, 1, n, O]
-      valid = jnp.flip(valid, 2) if side == 2 else valid
-
-      def apply(w, vn=vn, count=count, size=size, extent=extent, front=front, side=side):
-        w = jnp.flip(w, 2) if side == 2 else w
-        w = jnp.pad(w, [(0, 0), (0, 0), *extent[1:], (0, 0)]).reshape(batch, heads, count, size, w.shape[-1])
-        out = jnp.einsum("bhcgo,bcohd->bhcgd", w, vn).reshape(batch, heads, count * size, vn.shape[-1])
-        out = out[:, :, front:front + n]  # [b, h, n, dv]
-        return jnp.flip(out, 2) if side == 2 else out
-
-      pieces.append(Piece(s * scale, valid, apply))
-  token_out = joint_softmax(pieces)  # [b, h, n, dv]
+      first = int(label_of(np.int32(side), np.int32(lvl), np.int32(0), rows, context))  # slot 0's table row
+      vectors = None if table is None else table[:, first:first + context]  # [h, k, d]
+      pieces.append(_level_piece(q_side, levels_of_side[lvl], vectors, _band(n, context, lvl), n, scale,
+                                 flip_rows))
+      if lvl:
+        vector = None if table is None else table[:, first]  # [h, d]
+        finer = levels_of_side[lvl - 1]
+        pieces.append(_finer_piece(q_side, finer, vector, lvl, context, n, scale, flip_rows))
+  token_out = unflag(joint_softmax([_joined(pieces)]))  # [b, h, n, dv]
   token_out = jnp.moveaxis(token_out, 1, 2)[:, :length]  # [b, L, h, dv]
   if not graph:
     return token_out.astype(v.dtype)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from attention_baselines.bp_transformer import (
+  _band,
   bp_transformer,
   num_span_nodes,
   span_offset,
@@ -140,14 +141,15 @@ def _stack(t, causal):
                          np.asarray(right).reshape(h, -1, d), np.asarray(t["rel_anc"])], axis=1)
 
 
-# Fast: odd lengths (padding) in both directions, with and without span-node states; the rest (a power of two,
-# k = 1 and 3, one level row shared by every level, a single token) repeat them with -m slow (a compile each).
-FAST = {(13, 2, 3, False, True), (13, 2, 3, True, True), (11, 3, 1, True, False)}
+# Fast: odd lengths (padding) in both directions, with and without span-node states, and a length whose levels
+# read several overlapping windows; the rest (k = 9 over 6 levels, a power of two, k = 1 and 3, one level row
+# shared by every level, a single token) repeat them with -m slow (a compile each).
+FAST = {(13, 2, 3, False, True), (13, 2, 3, True, True), (11, 3, 1, True, False), (40, 4, 2, False, True)}
 CASES = [pytest.param(*c, marks=() if c in FAST else pytest.mark.slow)
          for c in [(13, 2, 3, False, True), (13, 2, 3, True, True), (11, 3, 1, True, False),
-                   (13, 2, 3, False, False), (8, 1, 4, False, True), (8, 1, 4, True, False),
-                   (5, 3, 1, False, True), (5, 3, 1, True, True), (1, 2, 2, False, True),
-                   (1, 2, 2, True, False)]]
+                   (40, 4, 2, False, True), (57, 9, 6, True, False), (13, 2, 3, False, False),
+                   (8, 1, 4, False, True), (8, 1, 4, True, False), (5, 3, 1, False, True),
+                   (5, 3, 1, True, True), (1, 2, 2, False, True), (1, 2, 2, True, False)]]
 
 
 @pytest.fixture
@@ -257,3 +259,28 @@ def test_uniform_weights_count_every_token_once(causal, hot, token, want):
   v = jnp.zeros((1, 4, 1, 1)).at[0, hot].set(1.0)
   out = bp_transformer(q, jax.random.normal(jax.random.key(0), (1, 4, 1, 2)), v, causal=causal, context=1)
   np.testing.assert_allclose(float(out[0, token, 0, 0]), want, rtol=1e-6)
+
+
+def test_level_windows_hold_exactly_the_tables_edges():
+  """n = 1..256, k = 1..9 and 64: the op's blocked windows of each level (valid entries, read as token, slot m
+  and node) and the finer slot 0 hold exactly the left edges of `token_neighbours`, each once."""
+  for n in (1, 2, 4, 8, 16, 32, 64, 256):
+    for k in (*range(1, 10), 64):
+      index, valid, kind, level, rank = token_neighbours(n, k, True)
+      want = sorted((i, int(level[i, s]), int(rank[i, s]), int(index[i, s]))
+                    for i in range(n) for s in range(1, index.shape[1]) if valid[i, s])
+      got = []
+      for lvl in range(n.bit_length() - 1):
+        band = _band(n, k, lvl)
+        rows, cols = np.nonzero(band.valid)
+        node = band.start + (rows // band.rows) * band.anchors * band.banded + cols
+        m = (rows // band.per) % band.anchors - cols + band.shift
+        got += [(int(r) - band.front, lvl, int(mm), _node_id(n, lvl, int(j)))
+                for r, mm, j in zip(rows, m, node, strict=True)]
+        if lvl:
+          c = k * ((1 << lvl) - 1) + 1
+          for i in range(n):
+            g = (i - c) >> (lvl - 1)
+            if g % 2 == 0 and 0 <= g < n >> (lvl - 1):
+              got.append((i, lvl, 0, _node_id(n, lvl - 1, g)))
+      assert sorted(got) == want, (n, k)
