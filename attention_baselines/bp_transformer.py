@@ -23,17 +23,21 @@ Edges (who attends to whom), each labelled with a relative position vector added
 Masked tokens, and span nodes whose tokens are all masked (padding up to n included), are dropped as keys.
 Logits are `q_a . (k_b + r_ab) / sqrt(d)`, one softmax per node over its edges.
 
-A token's at most 2k log2 n + 1 edges are one softmax. Its level-l nodes other than slot 0's finer one are
-the level-l nodes A - m below an anchor A (A = i - 1 at level 0, u >> l above), shared by the 2^l tokens of
-one anchor (aligned at c_l, or at -c_l on the right). So the tokens are laid out in blocks of k - 1 anchors,
-and each block reads one window of 2(k - 1) consecutive level-l nodes (or, where a level has no more, all of
-them), taken from the level array by a pad, a reshape and one concatenation whatever k is (`_Band`); a
-static mask keeps each token's own k, and the relative vectors follow as one Toeplitz table per level. The
-finer nodes are one per aligned group of 2^(l - 1) tokens. The right side is the left on reversed
-positions; span nodes of level l attend to their 2^l tokens as [n / 2^l, 2^l] blocks. No gather, and a
-program whose size does not grow with k; O(k n log n) logits (at most twice the edges) and O(n log n d)
-for the span nodes; no [n, n] array is ever built. (`token_neighbours` lists the same edges per token, for
-the cached decoder and the tests.)
+A token's at most 2k log2 n + 1 edges are one softmax over pieces of static layout, built from pads,
+slices and reshapes of the level arrays, never a gather. A token's level-l nodes other than slot 0's finer
+one are the level-l nodes A - m below its anchor A (A = i - 1 at level 0, u >> l above), so the tokens of
+one anchor, or of one aligned group of 2^(l - 1) (aligned at c_l, or at -c_l on the right), share them:
+- k up to 8: one piece per level and side with one column per slot, each group's k nodes stacked from k
+  shifted copies of the level arrays (`_context_nodes`): exactly the edges, in a program that grows with k;
+- larger k: blocks of ceil((k - 1) / 4) consecutive anchors read one window of consecutive level-l nodes,
+  cut by a pad, a reshape and at most 5 shifted slices whatever k is (`_Band`); a static mask keeps each
+  token's own k (a window is 1.1-1.43x k nodes, 1.25x for k = 16, 32, 64; a level with fewer nodes is
+  read whole), the relative vectors follow as one Toeplitz table per level, and the finer
+  nodes are a piece of one column. A window also holds nodes its token does not read (later ones, when
+  causal), so the values are flagged once (`flag_nonfinite`): a non-finite one there never reaches it.
+The right side is the left on reversed positions; span nodes of level l attend to their 2^l tokens as
+[n / 2^l, 2^l] blocks. O(k n log n) logits and O(n log n d) for the span nodes; no [n, n] array is ever
+built. (`token_neighbours` lists the same edges per token, for the cached decoder and the tests.)
 
 Without span-node states (`graph=False`, the op contract on L tokens: benchmarks, the op sweeps) a span
 node's query, key and value are the masked means of its tokens'; the model
@@ -124,6 +128,68 @@ def token_neighbours(n: int, context: int, causal: bool) -> tuple[np.ndarray, ..
   return index, valid, kind, level, rank
 
 
+def _context_nodes(nodes: list[tuple[Array, ...]], lvl: int, context: int, n: int
+                   ) -> tuple[int, int, tuple[Array, ...]]:
+  """The left contextual nodes of level `lvl` per aligned group of tokens (module docstring), from the level
+  arrays nodes[l] = (keys, values, real) [b, n >> l, ...], as (group size, front, (keys [b, G, k, h, d],
+  values, real [b, G, k])): token i sits at i + front of the G groups. Slot m >= 1 holds level-l node
+  (g >> 1) - m of group g = (i - c_l) >> (l - 1); slot 0 the level-(l - 1) node g where g is even, else
+  level-l node g >> 1; indices below 0 are no node (real False)."""
+  if lvl == 0:  # tokens i - 1 - m, one group per token
+    shifted = [tuple(_shift(x, 1 + m, n) for x in nodes[0]) for m in range(context)]
+    return 1, 0, tuple(jnp.stack(parts, axis=2) for parts in zip(*shifted, strict=True))
+  size = 1 << (lvl - 1)
+  c = context * ((1 << lvl) - 1) + 1
+  front = -c % size
+  count = -(-(n + front) // size)
+  first = -((c + front) // size)  # g of group 0
+  coarse = [jnp.repeat(x, 2, axis=1) for x in nodes[lvl]]  # entry j: level-l node j >> 1
+  fine = nodes[lvl - 1]  # entry j: level-(l - 1) node j
+  even = jnp.asarray((np.arange(count) + first) % 2 == 0)  # [G]
+  slots = []
+  for m in range(context):
+    picked = [_window(x, first - 2 * m, count) for x in coarse]  # level-l node (g >> 1) - m
+    if m == 0:
+      finer = [_window(x, first, count) for x in fine]
+      picked = [jnp.where(even.reshape((1, count) + (1,) * (a.ndim - 2)), b, a)
+                for a, b in zip(picked, finer, strict=True)]
+    slots.append(picked)
+  return size, front, tuple(jnp.stack(parts, axis=2) for parts in zip(*slots, strict=True))
+
+
+def _shift(x: Array, by: int, n: int) -> Array:
+  """x[:, i - by] for i < n (zeros, False, before the first): [b, n, ...]."""
+  return _window(x, -by, n)
+
+
+def _stacked_piece(q: Array, nodes: list[tuple[Array, ...]], vectors: Array | None, lvl: int, context: int,
+                   n: int, scale: float, flip: Any) -> Piece:
+  """The piece of one level and side for small k: q [b, n, h, d] (the side's order), every level's (keys,
+  values, real) and the level's relative vectors [h, k, d] (or None) -> logits [b, h, n, k], one column per
+  slot, its nodes stacked from k shifted copies of the level arrays (`_context_nodes`)."""
+  batch, _, heads, head_dim = q.shape
+  size, front, (kn, vn, real) = _context_nodes(nodes, lvl, context, n)  # [b, G, k, ...]
+  count = kn.shape[1]
+  extent = [(0, 0), (0, 0), (front, count * size - n - front)]
+  qg = _window(q, -front, count * size).reshape(batch, count, size, heads, head_dim)
+  s = jnp.einsum("bcghd,bcohd->bhcgo", qg, kn).reshape(batch, heads, count * size, context)
+  s = s[:, :, front:front + n]
+  if vectors is not None:
+    s = s + jnp.einsum("bihd,hmd->bhim", q, jnp.broadcast_to(vectors, (heads, context, head_dim)))
+  valid = jnp.repeat(real, size, axis=1)[:, None, front:front + n]  # [b, 1, n, k]
+
+  def apply(w: Array) -> Array:  # [b, h, n, k] -> [b, h, n, dv]
+    w = jnp.pad(flip(w), [*extent, (0, 0)]).reshape(batch, heads, count, size, context)
+    out = jnp.einsum("bhcgo,bcohd->bhcgd", w, vn).reshape(batch, heads, count * size, vn.shape[-1])
+    return flip(out[:, :, front:front + n])
+
+  return Piece(flip(s) * scale, flip(valid), apply)
+
+
+_STACKED_MAX = 8  # k up to this: one column per slot (`_stacked_piece`); above: windows (`_Band`)
+_SHIFTS = 4  # at most this many block shifts per window: blocks of ceil((k - 1) / 4) anchors
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Band:
   """Level `lvl`'s left contextual nodes as blocks of consecutive anchors (module docstring), static.
@@ -131,15 +197,16 @@ class _Band:
   A token's anchor is A = i - 1 at level 0 and A = (i - c_l) >> l above; it reads the level-l nodes A - m of
   its slots m (all k, or 1..k - 1 when slot 0 holds the finer node). The `per` tokens of one anchor are
   consecutive, so the tokens are laid out as `blocks` blocks of `anchors` anchors (token i at row
-  i + front), and block j reads the `width` level-l nodes from start + j * anchors: the 2 * anchors around
-  its own anchors (anchors >= k - 1) or, when the level has at most that many, all of them (one block).
-  Column c of the row of anchor p (in its block) holds slot m = p - c + shift; `valid` [blocks * rows,
-  width] says which (row, column) pairs are edges of the graph.
+  i + front), and block j reads the `width` level-l nodes from start + j * anchors: its own anchors' and the
+  `shifts` blocks of nodes before them (shifts * anchors >= k - 1) or, when the level has no more, all of
+  them (one block). Column c of the row of anchor p (in its block) holds slot m = p - c + shift; `valid`
+  [blocks * rows, width] says which (row, column) pairs are edges of the graph.
   """
 
   per: int
   anchors: int
   blocks: int
+  shifts: int
   width: int
   front: int
   start: int
@@ -161,11 +228,12 @@ def _band(n: int, context: int, lvl: int) -> _Band:
   a0 = -(c // per) if c % per == 0 else -(c // per) - 1  # the anchor of token 0: floor(-c / per)
   front = -(c + a0 * per)  # token 0's row
   last = (n - 1 - c) // per  # the anchor of the last token
-  half = max(context - 1, 1)
-  if count <= 2 * half:
-    anchors, blocks, width, start, banded = last - a0 + 1, 1, count, 0, False
+  anchors = max(1, -(-(context - 1) // _SHIFTS))
+  shifts = -(-(context - 1) // anchors)
+  if count <= (shifts + 1) * anchors:
+    anchors, blocks, shifts, width, start, banded = last - a0 + 1, 1, 0, count, 0, False
   else:
-    anchors, width, start, banded = half, 2 * half, a0 - half, True
+    width, start, banded = (shifts + 1) * anchors, a0 - shifts * anchors, True
     blocks = -(-(front + n) // (anchors * per))
   shift = a0 - start
   r = np.arange(blocks * anchors * per)[:, None]
@@ -175,7 +243,7 @@ def _band(n: int, context: int, lvl: int) -> _Band:
   ok = (i >= 0) & (i < n) & (node >= 0) & (node < count) & (m >= 0) & (m < context)
   if lvl:
     ok &= ~((((i - c) >> (lvl - 1)) % 2 == 0) & (m == 0))  # an even group's slot 0 is the finer node
-  return _Band(per, anchors, blocks, width, front, start, shift, banded, ok)
+  return _Band(per, anchors, blocks, shifts, width, front, start, shift, banded, ok)
 
 
 def _band_nodes(x: Array, band: _Band) -> Array:
@@ -183,9 +251,10 @@ def _band_nodes(x: Array, band: _Band) -> Array:
   outside the level)."""
   if not band.banded:
     return x[:, None]
-  x = _window(x, band.start, (band.blocks + 1) * band.anchors)
-  x = x.reshape(x.shape[0], band.blocks + 1, band.anchors, *x.shape[2:])
-  return jnp.concatenate([x[:, :-1], x[:, 1:]], axis=2)  # block j: anchors j - 1 and j of the level
+  x = _window(x, band.start, (band.blocks + band.shifts) * band.anchors)
+  x = x.reshape(x.shape[0], band.blocks + band.shifts, band.anchors, *x.shape[2:])
+  parts = [x[:, s:s + band.blocks] for s in range(band.shifts + 1)]  # block j: node blocks j .. j + shifts
+  return jnp.concatenate(parts, axis=2)
 
 
 def _band_table(vectors: Array, band: _Band) -> Array:
@@ -261,20 +330,6 @@ def _finer_piece(q: Array, nodes: tuple[Array, ...], vector: Array | None, lvl: 
     return flip(out[:, :, front:front + n])
 
   return Piece(s * scale, cut(valid), apply)
-
-
-def _joined(pieces: list[Piece]) -> Piece:
-  """Pieces of the same rows as one, their columns side by side: one softmax pass instead of one per
-  piece (a token's edges are spread over 2 log2 n + 1 small pieces)."""
-  widths = np.cumsum([0] + [p.logits.shape[-1] for p in pieces])
-  logits = jnp.concatenate([p.logits for p in pieces], axis=-1)
-  valid = jnp.concatenate([jnp.broadcast_to(p.valid, (*p.valid.shape[:-1], p.logits.shape[-1]))
-                           for p in pieces], axis=-1)
-
-  def apply(w: Array) -> Array:
-    return sum(p.apply(w[..., a:b]) for p, a, b in zip(pieces, widths[:-1], widths[1:], strict=True))
-
-  return Piece(logits, valid, apply)
 
 
 def relative_table(heads: int, head_dim: int, context: int, rel_self: Array | None, rel_left: Array | None,
@@ -377,7 +432,8 @@ def bp_transformer(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | 
   # nodes a token does not read (later ones, when causal): the values are flagged once (`flag_nonfinite`) so
   # that a non-finite one there never reaches the token's output.
   span = lambda x, lvl: x[:, span_offset(n, lvl):span_offset(n, lvl) + (n >> lvl)]  # noqa: E731
-  vtf, vsf = flag_nonfinite(vt), flag_nonfinite(vs)  # [b, n or n - 1, h, dv + 1]
+  windows = context > _STACKED_MAX
+  vtf, vsf = (flag_nonfinite(vt), flag_nonfinite(vs)) if windows else (vt, vs)  # [b, n or n - 1, h, dv (+ 1)]
   nodes = [(kt, vtf, token_real)] + [(span(ks, lvl), span(vsf, lvl), span(span_real, lvl))
                                      for lvl in range(1, levels)]  # per level: [b, n >> l, ...]
   self_logits = jnp.einsum("bihd,bihd->bhi", qt, kt)  # [b, h, n]
@@ -395,13 +451,17 @@ def bp_transformer(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | 
     for lvl in range(levels):
       first = int(label_of(np.int32(side), np.int32(lvl), np.int32(0), rows, context))  # slot 0's table row
       vectors = None if table is None else table[:, first:first + context]  # [h, k, d]
+      if not windows:
+        pieces.append(_stacked_piece(q_side, levels_of_side, vectors, lvl, context, n, scale, flip_rows))
+        continue
       pieces.append(_level_piece(q_side, levels_of_side[lvl], vectors, _band(n, context, lvl), n, scale,
                                  flip_rows))
       if lvl:
         vector = None if table is None else table[:, first]  # [h, d]
         finer = levels_of_side[lvl - 1]
         pieces.append(_finer_piece(q_side, finer, vector, lvl, context, n, scale, flip_rows))
-  token_out = unflag(joint_softmax([_joined(pieces)]))  # [b, h, n, dv]
+  token_out = joint_softmax(pieces)  # [b, h, n, dv (+ 1)]
+  token_out = unflag(token_out) if windows else token_out
   token_out = jnp.moveaxis(token_out, 1, 2)[:, :length]  # [b, L, h, dv]
   if not graph:
     return token_out.astype(v.dtype)
