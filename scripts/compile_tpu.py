@@ -459,9 +459,8 @@ deepest model, `cifar10.py:main` (128 layers), compiles for v5e-4 in about a min
 of 4,028 StableHLO operations, as many as at 32 layers): its blocks are scanned with their parameters stacked
 on a layers axis, so the compiler sees one block and one optimizer update whatever the depth. Compressive
 and Adaptive Span's `large` model scan their blocks and recompute them likewise (the 36-layer PG-19 model
-compiles for v5p-8 in about two minutes), and so does BP-Transformer's language model, whose attention's
-many operations still take about five and a half minutes per compile (v5p-8: a step of 50,194 StableHLO
-operations; its twelve blocks unrolled took about 25 minutes).
+compiles for v5p-8 in about two minutes), and so does BP-Transformer's language model (v5p-8: a step of
+11,552 StableHLO operations, about four and a half minutes for the two compiles of `--count_layers`).
 `--docs docs/tpu.md` compiles the rows the table does not hold (delete a row, or the file, to measure it
 again) and keeps the others; `--docs_jobs 4` measures four rows at once, on a host with the cores for them.
 
