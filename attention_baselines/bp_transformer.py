@@ -32,9 +32,9 @@ one anchor, or of one aligned group of 2^(l - 1) (aligned at c_l, or at -c_l on 
 - larger k: blocks of ceil((k - 1) / 4) consecutive anchors read one window of consecutive level-l nodes,
   cut by a pad, a reshape and at most 5 shifted slices whatever k is (`_Band`); a static mask keeps each
   token's own k (a window is 1.1-1.43x k nodes, 1.25x for k = 16, 32, 64; a level with fewer nodes is
-  read whole), the relative vectors follow as one Toeplitz table per level, and the finer
-  nodes are a piece of one column. A window also holds nodes its token does not read (later ones, when
-  causal), so the values are flagged once (`flag_nonfinite`): a non-finite one there never reaches it.
+  read whole), the relative vectors follow as one Toeplitz table per level, and the finer nodes are a
+  piece of one column. A window also holds nodes its token does not read (later ones, when causal), so
+  the values are flagged once (`flag_nonfinite`): a non-finite one there never reaches it.
 The right side is the left on reversed positions; span nodes of level l attend to their 2^l tokens as
 [n / 2^l, 2^l] blocks. O(k n log n) logits and O(n log n d) for the span nodes; no [n, n] array is ever
 built. (`token_neighbours` lists the same edges per token, for the cached decoder and the tests.)
@@ -278,9 +278,10 @@ def _window(x: Array, start: int, count: int) -> Array:
 
 def _level_piece(q: Array, nodes: tuple[Array, ...], vectors: Array | None, band: _Band, n: int,
                  scale: float, flip: Any) -> Piece:
-  """The piece of one level and side: q [b, n, h, d] (the side's order), the level's (keys, flagged values,
-  real) [b, count, ...] and its relative vectors [h, k, d] (or None) -> logits [b, h, n, width] over each
-  token's block window, valid where the band says and the node is real; its apply gives flagged sums."""
+  """The piece of one level and side for k above 8: q [b, n, h, d] (the side's order), the level's (keys,
+  flagged values, real) [b, count, ...] and its relative vectors [h, k, d] (or None) -> logits
+  [b, h, n, width] over each token's block window, valid where the band says and the node is real; its
+  apply gives flagged sums."""
   batch, _, heads, head_dim = q.shape
   kn, vn, real = (_band_nodes(x, band) for x in nodes)  # [b, blocks, width, ...]
   rows = band.blocks * band.rows
@@ -426,11 +427,10 @@ def bp_transformer(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | 
         [_masked_mean(x, token_real, n, lvl) for lvl in range(1, levels + 1)] + [x[:, :0]], axis=1)
     ks, vs = means(kt), means(vt)  # [b, n - 1, h, dim]
 
-  # Tokens, one softmax over their own key and one piece per level and side (and the finer slot 0's): the
-  # tokens of one anchor share its nodes, and consecutive anchors read overlapping windows of the level
-  # arrays, taken by pads, reshapes and one concatenation (module docstring; no gather). A window also holds
-  # nodes a token does not read (later ones, when causal): the values are flagged once (`flag_nonfinite`) so
-  # that a non-finite one there never reaches the token's output.
+  # Tokens, one softmax over their own key and one piece per level and side (module docstring; no gather):
+  # for k up to 8 one column per slot; above, windows of consecutive anchors' nodes and a piece for the finer
+  # slot 0, whose windows also hold nodes a token does not read (later ones, when causal): their values are
+  # flagged once (`flag_nonfinite`) so that a non-finite one there never reaches the token's output.
   span = lambda x, lvl: x[:, span_offset(n, lvl):span_offset(n, lvl) + (n >> lvl)]  # noqa: E731
   windows = context > _STACKED_MAX
   vtf, vsf = (flag_nonfinite(vt), flag_nonfinite(vs)) if windows else (vt, vs)  # [b, n or n - 1, h, dv (+ 1)]
