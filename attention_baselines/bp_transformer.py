@@ -128,6 +128,18 @@ def token_neighbours(n: int, context: int, causal: bool) -> tuple[np.ndarray, ..
   return index, valid, kind, level, rank
 
 
+def _groups(n: int, context: int, lvl: int) -> tuple[int, int, int, np.ndarray]:
+  """Level `lvl` >= 1's aligned groups of 2^(l - 1) tokens, g = (i - c_l) >> (l - 1): (size, front, first,
+  even [G]): token i sits at row i + front of the G groups, group 0 is g = first, `even` says which g are
+  even (slot 0 holds their level-(l - 1) node g)."""
+  size = 1 << (lvl - 1)
+  c = context * ((1 << lvl) - 1) + 1
+  front = -c % size
+  count = -(-(n + front) // size)
+  first = -((c + front) // size)
+  return size, front, first, (np.arange(count) + first) % 2 == 0
+
+
 def _context_nodes(nodes: list[tuple[Array, ...]], lvl: int, context: int, n: int
                    ) -> tuple[int, int, tuple[Array, ...]]:
   """The left contextual nodes of level `lvl` per aligned group of tokens (module docstring), from the level
@@ -138,14 +150,11 @@ def _context_nodes(nodes: list[tuple[Array, ...]], lvl: int, context: int, n: in
   if lvl == 0:  # tokens i - 1 - m, one group per token
     shifted = [tuple(_shift(x, 1 + m, n) for x in nodes[0]) for m in range(context)]
     return 1, 0, tuple(jnp.stack(parts, axis=2) for parts in zip(*shifted, strict=True))
-  size = 1 << (lvl - 1)
-  c = context * ((1 << lvl) - 1) + 1
-  front = -c % size
-  count = -(-(n + front) // size)
-  first = -((c + front) // size)  # g of group 0
+  size, front, first, even = _groups(n, context, lvl)
+  count = even.size
   coarse = [jnp.repeat(x, 2, axis=1) for x in nodes[lvl]]  # entry j: level-l node j >> 1
   fine = nodes[lvl - 1]  # entry j: level-(l - 1) node j
-  even = jnp.asarray((np.arange(count) + first) % 2 == 0)  # [G]
+  even = jnp.asarray(even)
   slots = []
   for m in range(context):
     picked = [_window(x, first - 2 * m, count) for x in coarse]  # level-l node (g >> 1) - m
@@ -162,31 +171,31 @@ def _shift(x: Array, by: int, n: int) -> Array:
   return _window(x, -by, n)
 
 
-def _stacked_piece(q: Array, nodes: list[tuple[Array, ...]], vectors: Array | None, lvl: int, context: int,
-                   n: int, scale: float, flip: Any) -> Piece:
-  """The piece of one level and side for small k: q [b, n, h, d] (the side's order), every level's (keys,
-  values, real) and the level's relative vectors [h, k, d] (or None) -> logits [b, h, n, k], one column per
-  slot, its nodes stacked from k shifted copies of the level arrays (`_context_nodes`)."""
+def _group_piece(q: Array, size: int, front: int, nodes: tuple[Array, ...], vectors: Array | None, n: int,
+                 scale: float, flip: Any) -> Piece:
+  """The piece of the O slots that each aligned group of `size` tokens reads (token i at row i + front):
+  q [b, n, h, d] (the side's order), the groups' (keys [b, G, O, h, d], values, real [b, G, O]) and the
+  slots' relative vectors [h, O, d] (or None) -> logits [b, h, n, O]."""
   batch, _, heads, head_dim = q.shape
-  size, front, (kn, vn, real) = _context_nodes(nodes, lvl, context, n)  # [b, G, k, ...]
-  count = kn.shape[1]
+  kn, vn, real = nodes
+  count, slots = real.shape[1:]
   extent = [(0, 0), (0, 0), (front, count * size - n - front)]
   qg = _window(q, -front, count * size).reshape(batch, count, size, heads, head_dim)
-  s = jnp.einsum("bcghd,bcohd->bhcgo", qg, kn).reshape(batch, heads, count * size, context)
+  s = jnp.einsum("bcghd,bcohd->bhcgo", qg, kn).reshape(batch, heads, count * size, slots)
   s = s[:, :, front:front + n]
   if vectors is not None:
-    s = s + jnp.einsum("bihd,hmd->bhim", q, jnp.broadcast_to(vectors, (heads, context, head_dim)))
-  valid = jnp.repeat(real, size, axis=1)[:, None, front:front + n]  # [b, 1, n, k]
+    s = s + jnp.einsum("bihd,hmd->bhim", q, jnp.broadcast_to(vectors, (heads, slots, head_dim)))
+  valid = jnp.repeat(real, size, axis=1)[:, None, front:front + n]  # [b, 1, n, O]
 
-  def apply(w: Array) -> Array:  # [b, h, n, k] -> [b, h, n, dv]
-    w = jnp.pad(flip(w), [*extent, (0, 0)]).reshape(batch, heads, count, size, context)
+  def apply(w: Array) -> Array:  # [b, h, n, O] -> [b, h, n, dv]
+    w = jnp.pad(flip(w), [*extent, (0, 0)]).reshape(batch, heads, count, size, slots)
     out = jnp.einsum("bhcgo,bcohd->bhcgd", w, vn).reshape(batch, heads, count * size, vn.shape[-1])
     return flip(out[:, :, front:front + n])
 
   return Piece(flip(s) * scale, flip(valid), apply)
 
 
-_STACKED_MAX = 8  # k up to this: one column per slot (`_stacked_piece`); above: windows (`_Band`)
+_STACKED_MAX = 8  # k up to this: one column per slot (`_context_nodes`); above: windows (`_Band`)
 _SHIFTS = 4  # at most this many block shifts per window: blocks of ceil((k - 1) / 4) anchors
 
 
@@ -305,32 +314,14 @@ def _level_piece(q: Array, nodes: tuple[Array, ...], vectors: Array | None, band
 
 def _finer_piece(q: Array, nodes: tuple[Array, ...], vector: Array | None, lvl: int, context: int, n: int,
                  scale: float, flip: Any) -> Piece:
-  """Slot 0 of level `lvl` >= 1 where it holds the level-(l - 1) node g = (i - c_l) >> (l - 1) (g even):
-  one node per aligned group of 2^(l - 1) tokens. q [b, n, h, d], the level-(l - 1) arrays (keys, flagged
-  values, real), the slot's relative vector [h, d] (or None) -> logits [b, h, n, 1]."""
-  batch, _, heads, head_dim = q.shape
-  size = 1 << (lvl - 1)
-  c = context * ((1 << lvl) - 1) + 1
-  front = -c % size
-  count = -(-(n + front) // size)
-  first = -((c + front) // size)  # g of group 0
-  kn, vn, real = (_window(x, first, count) for x in nodes)  # [b, G, ...]
-  even = jnp.asarray((np.arange(count) + first) % 2 == 0)  # [G]
-  extent = [(0, 0), (0, 0), (front, count * size - n - front)]
-  qg = _window(q, -front, count * size).reshape(batch, count, size, heads, head_dim)
-  s = jnp.einsum("bgshd,bghd->bhgs", qg, kn).reshape(batch, heads, count * size)
-  cut = lambda x: flip(x[:, :, front:front + n, None])  # noqa: E731  [b, h, n, 1]
-  s = cut(s)
-  if vector is not None:
-    s = s + flip(jnp.einsum("bihd,hd->bhi", q, jnp.broadcast_to(vector, (heads, head_dim))))[..., None]
-  valid = jnp.repeat(real & even, size, axis=1)[:, None]  # [b, 1, G * size]
-
-  def apply(w: Array) -> Array:  # [b, h, n, 1] -> [b, h, n, dv + 1]
-    w = jnp.pad(flip(w[..., 0]), extent).reshape(batch, heads, count, size)
-    out = jnp.einsum("bhgs,bghd->bhgsd", w, vn).reshape(batch, heads, count * size, vn.shape[-1])
-    return flip(out[:, :, front:front + n])
-
-  return Piece(s * scale, cut(valid), apply)
+  """Slot 0 of level `lvl` >= 1 where it holds the level-(l - 1) node g of an even group (`_groups`): q
+  [b, n, h, d], the level-(l - 1) arrays (keys, flagged values, real), the slot's relative vector [h, d]
+  (or None) -> logits [b, h, n, 1]."""
+  size, front, first, even = _groups(n, context, lvl)
+  kn, vn, real = (_window(x, first, even.size)[:, :, None] for x in nodes)  # [b, G, 1, ...]
+  real = real & jnp.asarray(even)[None, :, None]
+  return _group_piece(q, size, front, (kn, vn, real), None if vector is None else vector[:, None], n, scale,
+                      flip)
 
 
 def relative_table(heads: int, head_dim: int, context: int, rel_self: Array | None, rel_left: Array | None,
@@ -452,7 +443,8 @@ def bp_transformer(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | 
       first = int(label_of(np.int32(side), np.int32(lvl), np.int32(0), rows, context))  # slot 0's table row
       vectors = None if table is None else table[:, first:first + context]  # [h, k, d]
       if not windows:
-        pieces.append(_stacked_piece(q_side, levels_of_side, vectors, lvl, context, n, scale, flip_rows))
+        size, front, slots = _context_nodes(levels_of_side, lvl, context, n)
+        pieces.append(_group_piece(q_side, size, front, slots, vectors, n, scale, flip_rows))
         continue
       pieces.append(_level_piece(q_side, levels_of_side[lvl], vectors, _band(n, context, lvl), n, scale,
                                  flip_rows))
