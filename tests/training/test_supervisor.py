@@ -134,7 +134,9 @@ def test_sigterm_is_passed_on_and_the_child_dies_with_its_supervisor(tmp_path, w
   # SIGKILL to the supervisor (its host dies) kills the child too.
   pid_file = tmp_path / "pid"
   proc = _supervised(tmp_path, workdir, f"""
-      open({str(pid_file)!r}, "w").write(str(os.getpid()))
+      with open({str(pid_file)!r} + ".tmp", "w") as f:  # renamed whole: the test never reads it half-written
+        f.write(str(os.getpid()))
+      os.replace({str(pid_file)!r} + ".tmp", {str(pid_file)!r})
       time.sleep(60)
       """)
   _wait_for(pid_file)
@@ -142,9 +144,18 @@ def test_sigterm_is_passed_on_and_the_child_dies_with_its_supervisor(tmp_path, w
   proc.kill()
   proc.wait()
   deadline = time.time() + 10
-  while os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().split(") ")[1][0] != "Z":
+  while _alive(pid):
     assert time.time() < deadline, "the child outlived its supervisor"
     time.sleep(0.02)
+
+
+def _alive(pid: int) -> bool:
+  """Whether process `pid` runs: it exists and is not a zombie."""
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().split(") ")[1][0] != "Z"
+  except FileNotFoundError:
+    return False
 
 
 def test_the_record_of_an_attempt_is_standard_json(workdir):
