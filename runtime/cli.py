@@ -124,13 +124,19 @@ def _check_writable_dir(flag: str, workdir: str, *, tries: int = 20) -> None:
   used as it is (and may stay, empty, when the other's check was still in it), and one removed under this
   check is made again (`tries` times)."""
   path = os.path.abspath(os.path.expanduser(workdir))
+  refused = None  # the last "no such file" whose directory was there: a refusal (/proc), not a race
   for _ in range(tries):
     parent = path
     while not os.path.lexists(parent):  # the nearest part of the path that exists
       parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-      if not os.path.lexists(parent):  # removed by another process since
-        continue
+    try:  # one look: what another process makes and removes between two looks is no file
+      is_dir = stat.S_ISDIR(os.stat(parent).st_mode)
+    except FileNotFoundError:
+      if os.path.islink(parent):
+        raise UsageError(f"{flag} {workdir}: {parent} is a link to nothing") from None
+      refused = None
+      continue  # removed by another process since
+    if not is_dir:
       raise UsageError(f"{flag} {workdir}: {parent} is a file, so no directory can be made under it")
     made = []
     try:
@@ -146,18 +152,25 @@ def _check_writable_dir(flag: str, workdir: str, *, tries: int = 20) -> None:
         f.write("x")
       os.remove(probe)
       return
-    except FileNotFoundError:  # another process removed a directory of the path under this check
-      pass
+    except FileNotFoundError as e:  # another process removed a directory of the path under this check
+      refused = e if e.filename and os.path.isdir(os.path.dirname(os.fspath(e.filename))) else None
     except OSError as e:
-      where = f" ({e.filename})" if e.filename and os.fspath(e.filename) != path else ""
-      raise UsageError(f"{flag} {workdir}: the OS refuses it{where}: {e.strerror or e}") from e
+      raise _refusal(flag, workdir, path, e) from e
     finally:
       for part in reversed(made):
         try:
           os.rmdir(part)
         except OSError:  # another process's check is still in it, or the OS refuses: it stays
           pass
+  if refused is not None:
+    raise _refusal(flag, workdir, path, refused)
   raise UsageError(f"{flag} {workdir}: its directories keep disappearing while it is checked")
+
+
+def _refusal(flag: str, workdir: str, path: str, e: OSError) -> UsageError:
+  """The OS's refusal of a part of the workdir, in one line naming that part when it is not the workdir."""
+  where = f" ({e.filename})" if e.filename and os.fspath(e.filename) != path else ""
+  return UsageError(f"{flag} {workdir}: the OS refuses it{where}: {e.strerror or e}")
 
 
 def _missing_parts(path: str, existing: str) -> list[str]:

@@ -3,6 +3,7 @@ traceback, `--debug` / LSA_DEBUG=1 re-raise user errors; the domain checks name 
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -88,7 +89,14 @@ def test_a_workdir_to_write_is_checked_with_the_os_and_nothing_is_left(tmp_path)
     cli.workdir_dir("--workdir", str(tmp_path / "file" / "run"), must_exist=False)
   with pytest.raises(cli.UsageError, match=r"the OS refuses it .*: File name too long"):
     cli.workdir_dir("--workdir", str(tmp_path / ("x" * 300) / "run"), must_exist=False)
-  assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "run"]
+  (tmp_path / "link").symlink_to(tmp_path / "gone")
+  with pytest.raises(cli.UsageError, match=r"--workdir .*/link/run: .*/link is a link to nothing$"):
+    cli.workdir_dir("--workdir", str(tmp_path / "link" / "run"), must_exist=False)
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "link", "run"]
+  if os.path.isdir("/proc/self"):  # Linux: /proc answers a mkdir "no such file", with its directory there
+    with pytest.raises(cli.UsageError, match=r"^--workdir /proc/self/x/run: the OS refuses it "
+                       r"\(/proc/self/x\): [^\n]+$"):
+      cli.workdir_dir("--workdir", "/proc/self/x/run", must_exist=False)
 
 
 _RACE = """
