@@ -168,9 +168,9 @@ class DeviceOps:
   fusions: int
 
 
-def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
-  """{computation name: its instructions' right-hand sides}, and the entry computation's name."""
-  comps: dict[str, list[str]] = {}
+def _computations(hlo_text: str) -> tuple[dict[str, list[tuple[str, str]]], str]:
+  """{computation name: its instructions' (name, right-hand side)}, and the entry computation's name."""
+  comps: dict[str, list[tuple[str, str]]] = {}
   entry, current = "", None
   for line in hlo_text.splitlines():
     if current is None:
@@ -185,7 +185,7 @@ def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
       continue
     d = _DEFINITION.match(line)
     if d:
-      comps[current].append(d.group("rest"))
+      comps[current].append((d.group("name"), d.group("rest")))
   return comps, entry
 
 
@@ -196,58 +196,89 @@ def _opcode(rest: str) -> str | None:
   return m.group(1) if m else None
 
 
-def _trip_count(rest: str, comps: dict[str, list[str]]) -> int:
+def _trip_count(rest: str, comps: dict[str, list[tuple[str, str]]]) -> int:
   """A while loop's iterations: XLA's known trip count, else the bound N of a condition `i < N` on a counter
   from 0 (what jax.lax.fori_loop emits), else 1."""
   trips = _TRIP_COUNT.search(rest)
   if trips:
     return int(trips.group(1))
   cond = re.search(r"condition=%?([\w.\-]+)", rest)
-  body = comps.get(cond.group(1), []) if cond else []
+  body = [r for _, r in comps.get(cond.group(1), [])] if cond else []
   bound = [re.search(r"constant\((\d+)\)", r) for r in body]
   bound = [int(b.group(1)) for b in bound if b]
   less = any("compare(" in r and "direction=LT" in r for r in body)
   return bound[0] if less and len(bound) == 1 else 1
 
 
-def device_ops(hlo_text: str) -> DeviceOps:
-  """Counts the device operations a compiled program (`compiled.as_text()`) executes: the entry computation's
-  instructions and those of the computations it calls or loops over, bookkeeping left out (BOOKKEEPING), an
-  asynchronous start/done pair counted once (at its start), a loop's body once per iteration (the loop
-  itself and its condition not at all), a conditional's costliest branch. A fusion counts once."""
+def _executed(hlo_text: str) -> list[tuple[str, str, int]]:
+  """(opcode, `origin`, times executed) of each device operation a compiled program runs: the entry
+  computation's instructions and those of the computations it calls or loops over, bookkeeping left out
+  (BOOKKEEPING), an asynchronous start/done pair once (at its start), a loop's body once per iteration (the
+  loop itself and its condition not at all), a conditional's costliest branch."""
   comps, entry = _computations(hlo_text)
-  memo: dict[str, tuple[int, int, int]] = {}
+  memo: dict[str, list[tuple[str, str, int]]] = {}
 
-  def count(name: str) -> tuple[int, int, int]:
+  def walk(name: str) -> list[tuple[str, str, int]]:
     if name in memo:
       return memo[name]
-    ops = calls = fusions = 0
-    for rest in comps.get(name, []):
+    found: list[tuple[str, str, int]] = []
+    for instruction, rest in comps.get(name, []):
       op = _opcode(rest)
       if op is None or op in BOOKKEEPING or op.endswith("-done"):
         continue
       if op == "while":
         n = _trip_count(rest, comps)
         sub = re.search(r"body=%?([\w.\-]+)", rest)
-        o, c, f = count(sub.group(1)) if sub else (0, 0, 0)
-        ops, calls, fusions = ops + n * o, calls + n * c, fusions + n * f
-        continue
+        found += [(o, r, n * k) for o, r, k in (walk(sub.group(1)) if sub else [])]
       elif op == "conditional":
         names = re.findall(r"branch_computations=\{([^}]*)\}", rest)
         branches = ([b.strip().lstrip("%") for b in names[0].split(",")] if names else
                     re.findall(r"(?:true|false)_computation=%?([\w.\-]+)", rest))
-        o, c, f = max((count(b) for b in branches), default=(0, 0, 0))
-        ops, calls, fusions = ops + o, calls + c, fusions + f
-        continue
+        found += max((walk(b) for b in branches), key=lambda f: dataclasses.astuple(_totals(f)), default=[])
       elif op == "call":
         sub = re.search(r"to_apply=%?([\w.\-]+)", rest)
-        o, c, f = count(sub.group(1)) if sub else (0, 0, 0)
-        ops, calls, fusions = ops + o, calls + c, fusions + f
-        continue
-      ops += 1
-      calls += op == "custom-call"
-      fusions += op == "fusion"
-    memo[name] = (ops, calls, fusions)
-    return memo[name]
+        found += walk(sub.group(1)) if sub else []
+      else:
+        found.append((op, origin(instruction, rest), 1))
+    memo[name] = found
+    return found
 
-  return DeviceOps(*count(entry))
+  return walk(entry)
+
+
+def _totals(found: list[tuple[str, str, int]]) -> DeviceOps:
+  return DeviceOps(sum(n for _, _, n in found), sum(n for op, _, n in found if op == "custom-call"),
+                   sum(n for op, _, n in found if op == "fusion"))
+
+
+def device_ops(hlo_text: str) -> DeviceOps:
+  """Counts the device operations a compiled program (`compiled.as_text()`) executes (`_executed`: loops
+  once per iteration, bookkeeping and the done half of async pairs left out). A fusion counts once."""
+  return _totals(_executed(hlo_text))
+
+
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+def origin(name: str, rest: str) -> str:
+  """Where instruction `name` (right-hand side `rest`) comes from, read from its JAX metadata: the primitive
+  (`gather`, `pallas_call`, ...) after the innermost named scope it was traced in (a kernel's name),
+  "(backward)" when traced in a transpose. Without metadata: a kernel's own name (XLA names a custom call
+  after it), "XLA" for what the compiler added (memory-space copies and slices, layout changes)."""
+  m = _OP_NAME.search(rest)
+  if m is None:
+    return re.sub(r"\.\d+$", "", name) if _opcode(rest) == "custom-call" else "XLA"
+  path = m.group(1).split(";")[0].split("/")
+  scopes = [re.sub(r"\)+$", "", part).rsplit("(", 1)[-1] for part in path[1:-1]]
+  scope = next((s for s in reversed(scopes) if s), "")
+  label = f"{scope}/{path[-1]}" if scope else path[-1]
+  return label + (" (backward)" if "transpose(" in m.group(1) else "")
+
+
+def device_op_breakdown(hlo_text: str) -> list[tuple[int, str, str]]:
+  """The device operations of `device_ops` grouped by (opcode, `origin`): (count, opcode, origin), most
+  first. Its counts sum to `device_ops(hlo_text).ops`."""
+  groups: dict[tuple[str, str], int] = {}
+  for op, where, n in _executed(hlo_text):
+    groups[op, where] = groups.get((op, where), 0) + n
+  return sorted(((n, op, where) for (op, where), n in groups.items()), key=lambda t: (-t[0], t[1], t[2]))

@@ -4,6 +4,7 @@
     python -m scripts.tpu_structure --ops combiner_fixed,nsa --lengths 4096 --generations v4,v6e
     python -m scripts.tpu_structure --directions causal --markdown
     python -m scripts.tpu_structure --heads 12 --head_dim 64 --lengths 4096     # the paper models' heads
+    python -m scripts.tpu_structure --ops combiner_routed --lengths 4096 --directions causal --breakdown
 
 Compiles jax.grad of sum(op(q, k, v)) for one chip of each generation with libtpu ahead of time (bfloat16,
 batch 1, 16 heads of head_dim 128 unless --heads / --head_dim say otherwise, `implementation="auto"`, block
@@ -14,7 +15,10 @@ per op, length and direction: the device operations the compiled program execute
 the temporaries XLA allocates in HBM, and two ratios: device ops over dense attention's (Splash on TPU) at the
 same shape, temporaries over the bytes of q + k + v. `--cotangent input` takes the output's cotangent as an
 argument (a layer's backward in training) instead of the gradients of the sum, whose broadcast cotangent XLA
-may materialise once per layout its readers take. Exit status 0, or 2 for a bad flag (one line).
+may materialise once per layout its readers take. `--breakdown` adds, after each row, its device ops grouped
+by opcode and origin (`attention_core.hlo.device_op_breakdown`: the JAX primitive and kernel each comes from,
+"XLA" for what the compiler added): where a count above dense attention's comes from. Exit status 0, or 2
+for a bad flag (one line).
 """
 
 from __future__ import annotations
@@ -70,9 +74,11 @@ def measure(name: str, length: int, causal: bool, device: Any, heads: int = HEAD
   with contract.traced_for("tpu"):  # the TPU choices, whatever platform the caller traces for
     lowered = jax.jit(fwd_bwd).lower(x, x, x) if cotangent == "sum" else jax.jit(vjp).lower(x, x, x, x)
   compiled = lowered.compile()
-  counts = hlo.device_ops(compiled.as_text())
+  text = compiled.as_text()
+  counts = hlo.device_ops(text)
   return {"ops": counts.ops, "custom_calls": counts.custom_calls, "fusions": counts.fusions,
-          "temp_bytes": compiled.memory_analysis().temp_size_in_bytes}
+          "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
+          "breakdown": hlo.device_op_breakdown(text)}
 
 
 def qkv_bytes(length: int, heads: int = HEADS, head_dim: int = HEAD_DIM) -> int:
@@ -116,6 +122,9 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--heads", type=int, default=HEADS)
   parser.add_argument("--head_dim", type=int, default=HEAD_DIM)
   parser.add_argument("--markdown", action="store_true", help="a markdown table (docs/benchmarks.md)")
+  parser.add_argument("--breakdown", action="store_true",
+                      help="each row's device ops by opcode and origin, after the row (after the table with "
+                           "--markdown)")
   args = parser.parse_args(argv)
   for flag, value in (("--heads", args.heads), ("--head_dim", args.head_dim)):
     if value < 1:
@@ -140,12 +149,22 @@ def main(argv: list[str]) -> int:
   header = ("| op | TPU | L | direction | device ops | custom calls | fusions | temporaries MiB | "
             "ops / dense | temporaries / (q+k+v) |")
   print(header + "\n|" + "---|" * 10 if args.markdown else header.replace("|", " ").strip(), flush=True)
+  later = []  # the breakdowns, after a markdown table
   for r in rows(names, lengths, directions, generations, args.cotangent, args.heads, args.head_dim):
     cells = [r["op"], r["generation"], r["length"], "causal" if r["causal"] else "bidirectional", r["ops"],
              r["custom_calls"], r["fusions"], f"{r['temp_bytes'] / 2**20:.1f}", f"{r['ops_ratio']:.2f}",
              f"{r['temp_ratio']:.2f}"]
     line = " | ".join(str(c) for c in cells)
     print(f"| {line} |" if args.markdown else line, flush=True)
+    if args.breakdown:
+      parts = [f"{' '.join(str(c) for c in cells[:4])}: {r['ops']} device ops"]
+      parts += [f"  {n:6d}  {op:<20s} {where}" for n, op, where in r["breakdown"]]
+      if args.markdown:
+        later.append("\n".join(parts))
+      else:
+        print("\n".join(parts[1:]), flush=True)
+  if later:
+    print("\n```\n" + "\n\n".join(later) + "\n```")
   return 0
 
 

@@ -1,4 +1,5 @@
-"""attention_core.hlo.device_ops on HLO text as XLA's TPU backend prints it: what counts as a device op."""
+"""attention_core.hlo.device_ops on HLO text as XLA's TPU backend prints it: what counts as a device op, and
+(device_op_breakdown) where each comes from."""
 
 from __future__ import annotations
 
@@ -58,3 +59,31 @@ def test_known_trip_count_wins_over_the_condition():
   text = PROGRAM.replace("condition=%cond, body=%body",
                          'condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"2"}}')
   assert hlo.device_ops(text).ops == 3 + 2 * 3
+
+
+def test_breakdown_groups_the_same_count_by_where_each_op_comes_from():
+  """Each op's origin is read from its JAX metadata: the primitive after the innermost named scope (a
+  kernel's name), "(backward)" inside a transpose, "XLA" where the compiler added it (the copy-start); the
+  counts sum to device_ops'."""
+  text = PROGRAM.replace(
+      'custom-call(%bitcast.1), custom_call_target="tpu_custom_call"',
+      'custom-call(%bitcast.1), custom_call_target="tpu_custom_call", '
+      'metadata={op_name="jit(f)/jvp(my_kernel)/pallas_call" source_file="x.py"}').replace(
+      'custom-call(%fusion.2), custom_call_target="tpu_custom_call"',
+      'custom-call(%fusion.2), custom_call_target="tpu_custom_call", '
+      'metadata={op_name="jit(f)/transpose(jvp(my_kernel_bwd))/pallas_call"}').replace(
+      "%fusion.1 = f32[8]{0} fusion(%kernel.1), kind=kLoop, calls=%fused_computation",
+      '%fusion.1 = f32[8]{0} fusion(%kernel.1), kind=kLoop, calls=%fused_computation, '
+      'metadata={op_name="jit(f)/transpose(jvp())/gather;jit(f)/jvp()/add"}')
+  got = hlo.device_op_breakdown(text)
+  assert got == [(4, "add", "XLA"), (4, "custom-call", "my_kernel_bwd/pallas_call (backward)"),
+                 (4, "fusion", "XLA"), (1, "copy-start", "XLA"), (1, "custom-call", "my_kernel/pallas_call"),
+                 (1, "fusion", "gather (backward)")]
+  assert sum(n for n, _, _ in got) == hlo.device_ops(text).ops == 15
+
+
+def test_a_kernel_without_metadata_is_named_by_its_instruction():
+  """XLA names a custom call after its kernel (`%splash_mha_fwd.1`); what it added itself is "XLA"."""
+  got = hlo.device_op_breakdown(PROGRAM)
+  assert got == [(5, "custom-call", "kernel"), (5, "fusion", "XLA"), (4, "add", "XLA"),
+                 (1, "copy-start", "XLA")]

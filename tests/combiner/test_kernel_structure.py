@@ -88,3 +88,25 @@ def test_layer_backward_temporaries_stay_within_qkv_at_16k(name):
   attention itself takes 1.01x here)."""
   got = tpu_structure.measure(name, 16384, False, tpu_structure.device("v5e"), 16, cotangent="input")
   assert got["custom_calls"] >= 1 and got["temp_bytes"] <= 1.01 * tpu_structure.qkv_bytes(16384, 16), got
+
+
+def test_breakdown_accounts_for_every_device_op(capsys):
+  """`--breakdown` lists each row's device ops by opcode and origin: they sum to the row's count, the plan's
+  kernels are named, and with --markdown the lists follow the table, whose rows stay contiguous."""
+  argv = ["--ops", "combiner_fixed", "--lengths", "1024", "--directions", "causal", "--heads", "8",
+          "--breakdown"]
+  assert tpu_structure.main(argv) == 0
+  lines = capsys.readouterr().out.splitlines()[1:]  # the header first
+  rows = [i for i, line in enumerate(lines) if not line.startswith(" ")]
+  assert [lines[i].split(" | ")[0] for i in rows] == ["dense", "combiner_fixed"]
+  for start, end in zip(rows, rows[1:] + [len(lines)], strict=True):
+    listed = [line.split() for line in lines[start + 1:end]]
+    assert sum(int(parts[0]) for parts in listed) == int(lines[start].split(" | ")[4]) > 0
+  fixed = lines[rows[1] + 1:]
+  assert any(line.split()[1] == "custom-call" and line.endswith("/pallas_call") for line in fixed), fixed
+
+  assert tpu_structure.main(argv + ["--markdown"]) == 0
+  out = capsys.readouterr().out
+  table, listing = out.split("\n```\n", 1)
+  assert all(line.startswith("|") for line in table.splitlines()) and len(table.splitlines()) == 4
+  assert listing.startswith("dense v5e 1024 causal: ") and "\ncombiner_fixed v5e 1024 causal: " in listing
