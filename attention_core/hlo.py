@@ -239,7 +239,7 @@ def _executed(hlo_text: str) -> list[tuple[str, str, int]]:
         sub = re.search(r"to_apply=%?([\w.\-]+)", rest)
         found += walk(sub.group(1)) if sub else []
       else:
-        found.append((op, origin(instruction, rest), 1))
+        found.append((op, origin(op, instruction, rest), 1))
     memo[name] = found
     return found
 
@@ -260,14 +260,14 @@ def device_ops(hlo_text: str) -> DeviceOps:
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 
 
-def origin(name: str, rest: str) -> str:
-  """Where instruction `name` (right-hand side `rest`) comes from, read from its JAX metadata: the primitive
-  (`gather`, `pallas_call`, ...) after the innermost named scope it was traced in (a kernel's name),
-  "(backward)" when traced in a transpose. Without metadata: a kernel's own name (XLA names a custom call
-  after it), "XLA" for what the compiler added (memory-space copies and slices, layout changes)."""
+def origin(op: str, name: str, rest: str) -> str:
+  """Where instruction `name` (opcode `op`, right-hand side `rest`) comes from, read from its JAX metadata:
+  the primitive (`gather`, `pallas_call`, ...) after the innermost named scope it was traced in (a kernel's
+  name), "(backward)" when traced in a transpose. Without metadata: a kernel's own name (XLA names a custom
+  call after it), "XLA" for what the compiler added (memory-space copies and slices, layout changes)."""
   m = _OP_NAME.search(rest)
   if m is None:
-    return re.sub(r"\.\d+$", "", name) if _opcode(rest) == "custom-call" else "XLA"
+    return re.sub(r"\.\d+$", "", name) if op == "custom-call" else "XLA"
   path = m.group(1).split(";")[0].split("/")
   scopes = [re.sub(r"\)+$", "", part).rsplit("(", 1)[-1] for part in path[1:-1]]
   scope = next((s for s in reversed(scopes) if s), "")
