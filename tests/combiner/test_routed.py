@@ -205,8 +205,16 @@ def test_causal_kernels_equal_xla_over_several_tiles_without_a_mask():
   _assert_equal(*_kernels_against_xla(True, "max", False, length=300, clusters=2, masked=False), tol=5e-5)
 
 
+def test_causal_kernels_carry_base_states_over_many_blocks():
+  """Eight blocks of 8 over 64 tokens in eight skewed chunks: a chunk's block-start state is carried over
+  runs of blocks holding none of its tokens (forward) and its gradient handed back over them to the token
+  that ended it (backward, blocks in reverse), with a mask and DeepSets pools."""
+  _assert_equal(*_kernels_against_xla(True, "max", True, length=64, clusters=8, seed=5))
+
+
 def test_causal_kernels_in_the_gpu_layout(monkeypatch):
-  """The GPU layout (heads packed, one head a program; `kernel_plans.packs_heads`), in interpret mode."""
+  """The GPU layout (heads packed, one head a program; `kernel_plans.packs_heads`), in interpret mode: a GPU
+  runs a head's blocks in parallel, so the base states are gathered per block, not carried."""
   monkeypatch.setattr(kernel_plans, "packs_heads", lambda platform: True)
   monkeypatch.setattr(kernel_plans, "partial_banks", lambda platform: True)
   _assert_equal(*_kernels_against_xla(True, "max", False, length=11, clusters=3))
