@@ -236,9 +236,10 @@ _HEADS = ("lse_ext", "lse", "lse_fin", "cid", "bvalid", "kb", "vb", "dkb", "dvb"
 
 
 def _summary_call(plan: _Plan, program, args: dict[str, Array], outs: dict[str, Any], name: str,
-                  reverse: bool = False) -> dict:
+                  reverse: bool = False, aliases: dict[str, str] | None = None) -> dict:
   """One call of a summary kernel over the position frame's blocks (in reverse order if `reverse`).
-  outs: name -> dtype."""
+  outs: name -> dtype. aliases: {input: output} written over it (each program reads its block of the input
+  before it writes the output's)."""
   f, bank = plan.blocks, plan.bank
   bh = f.batch * f.heads
   d, dv = f.d, f.dv
@@ -273,11 +274,14 @@ def _summary_call(plan: _Plan, program, args: dict[str, Array], outs: dict[str, 
       return jax.ShapeDtypeStruct((bh, f.rows, bank, dims[n]), dtype)
     return frames.tok_shape(f, _ROWS, dims[n], dtype)
 
-  ins = list(args)
+  ins, shapes = list(args), [shape(n, dt) for n, dt in outs.items()]
+  at = {n: i for i, n in enumerate(outs)}
+  alias = {ins.index(i): at[o] for i, o in (aliases or {}).items()
+           if (args[i].shape, args[i].dtype) == (shapes[at[o]].shape, shapes[at[o]].dtype)}
   return frames.call_kernel(
       f, functools.partial(program, f=f, bank=bank), name, f.rows, ins, [spec(n) for n in ins],
-      [args[n] for n in ins], list(outs), [spec(n) for n in outs], [shape(n, dt) for n, dt in outs.items()],
-      tok=_TOK, heads=_HEADS, glen=f.cols, accumulate=plan.carried)
+      [args[n] for n in ins], list(outs), [spec(n) for n in outs], shapes, tok=_TOK, heads=_HEADS,
+      glen=f.cols, aliases=alias, accumulate=plan.carried)
 
 
 # -------------------------------------------------------------------------------------------- layouts
@@ -403,7 +407,7 @@ def _run_bwd(plan: _Plan, residuals: tuple, do: Array):
     args["bvalid"] = a["bvalid"]
     outs.update(dkb=a["q"].dtype, dvb=a["q"].dtype)
   m = _summary_call(plan, _summary_backward_carried if plan.carried else _summary_backward, args, outs,
-                    "combiner_routed_summaries_bwd", reverse=plan.carried)
+                    "combiner_routed_summaries_bwd", reverse=plan.carried, aliases={"ku": "dku", "vu": "dvu"})
 
   def state_grads(tok: Array, bank: Array | None, dim: int) -> Array:  # -> the prefix states' gradients
     x = _to_slots(plan, a, kernel_plans.from_frame(tok, fb, dim))
