@@ -195,7 +195,11 @@ def _run_ordered_bwd(plan: Plan, residual: tuple, do: Array):
   raw, extra, order, inverse, res = residual
   f = plan.frame
   a = _ordered_frames(plan, raw, extra, order)
-  grads = _BACKWARD[plan.name](plan, a, res, to_frame(_permuted(do, order), f))
+  do = to_frame(_permuted(do, order), f)
+  if plan.name == "fixed":  # the cotangent in that order and the output there are this backward's own
+    grads = _fixed_backward(plan, a, res, do, over={"do": "dk", "o_fin": "dv"})
+  else:
+    grads = _BACKWARD[plan.name](plan, a, res, do)
   dims = {n: x.shape[-1] for n, x in raw.items()}
   return ({n: _permuted(from_frame(grads[n], f, dims[n]), inverse) for n in raw}, None, None, None)
 
@@ -233,13 +237,14 @@ def _fixed_forward(plan: Plan, a: dict):
   return m["o"], (s["kbar_row"], s["vt_row"], m["o"], m["lse"])
 
 
-def _fixed_backward(plan: Plan, a: dict, res: tuple, do: Array) -> dict:
+def _fixed_backward(plan: Plan, a: dict, res: tuple, do: Array, over: dict[str, str] | None = None) -> dict:
+  """over: the main pass's gradients written over its inputs (`passes.backward`)."""
   f, (spans, main) = plan.frame, plan.passes
   kbar, vt, o, lse = res
   dt = grad_dtypes(a)
   m = passes.backward(f, main, {**_common(a, ("q", "k", "v", "mask", "bank_valid")), "bk": kbar, "bv": vt,
                                 "do": do, "o_fin": o, "lse_fin": lse}, dtypes=dt, bank_rows=f.rows,
-                      name="combiner_main")
+                      name="combiner_main", over=over)
   s = passes.backward(f, spans, {**_common(a, ("q", "k", "v", "pool_q", "pool_k", "mask")),
                                  "dkbar_row": _bank_total(f, m["dbk"]), "dvt_row": _bank_total(f, m["dbv"]),
                                  "dq_in": m["dq"], "dk_in": m["dk"], "dv_in": m["dv"]},

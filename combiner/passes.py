@@ -492,14 +492,16 @@ def _add_shared(f: Frame, R: dict, name: str, x: Array, g: Array) -> None:
 # -------------------------------------------------------------------------------------------- the calls
 
 def _call(f: Frame, p: Pass, kernel, names: tuple, outs: tuple, args: dict, in_specs: list, out_specs: list,
-          out_shape: list, *, name: str, bank_rows: int, accumulate: bool = False) -> dict[str, Array]:
-  """One kernel call of a pass (`frames.call_kernel`): frame arrays viewed as the pass reads them."""
+          out_shape: list, *, name: str, bank_rows: int, accumulate: bool = False,
+          over: dict[str, str] | None = None) -> dict[str, Array]:
+  """One kernel call of a pass (`frames.call_kernel`): frame arrays viewed as the pass reads them. over:
+  {input: output} written over it besides `ALIASES`."""
   ins = [n for n in names if n not in outs]
   arrays = [tok_in(f, p, args[n]) if n in TOK_INPUTS else args[n] for n in ins]
   res = frames.call_kernel(
       f, functools.partial(kernel, f=f, p=p, bank_rows=bank_rows), name, p.groups(f), ins, in_specs, arrays,
       list(outs), out_specs, out_shape, tok=TOK_INPUTS + TOK_OUTPUTS, heads=HEAD_ARRAYS, glen=p.glen(f),
-      aliases=_aliases(ins, outs, arrays, out_shape), accumulate=accumulate)
+      aliases=_aliases(ins, outs, arrays, out_shape, over), accumulate=accumulate)
   return {n: tok_out(f, p, x) if n in TOK_OUTPUTS else x for n, x in res.items()}
 
 
@@ -510,11 +512,13 @@ ALIASES = {"dq_in": "dq", "dk_in": "dk", "dv_in": "dv", "dpq_in": "dpq", "dpk_in
            "xk": "dxk", "xv": "dxv"}
 
 
-def _aliases(ins: list[str], outs: tuple[str, ...], arrays: list[Array], shapes: list[Any]) -> dict:
+def _aliases(ins: list[str], outs: tuple[str, ...], arrays: list[Array], shapes: list[Any],
+             over: dict[str, str] | None = None) -> dict:
   out_at = {n: i for i, n in enumerate(outs)}
+  rules = {**ALIASES, **(over or {})}
   aliases = {}
   for i, n in enumerate(ins):
-    j = out_at.get(ALIASES.get(n, ""))
+    j = out_at.get(rules.get(n, ""))
     if j is not None and (arrays[i].shape, arrays[i].dtype) == (shapes[j].shape, shapes[j].dtype):
       aliases[i] = j
   return aliases
@@ -538,11 +542,12 @@ def forward(f: Frame, p: Pass, args: dict[str, Array], *, out_dtype: Any, tok_dt
 
 
 def backward(f: Frame, p: Pass, args: dict[str, Array], *, dtypes: dict[str, Any], bank_rows: int = 0,
-             name: str = "combiner") -> dict[str, Array]:
+             name: str = "combiner", over: dict[str, str] | None = None) -> dict[str, Array]:
   """Runs a pass backward. args: the named inputs of `_names(backward=True)`; where dq_in, dk_in, dv_in
   (dpq_in, dpk_in) are given they are updated in place and returned as dq, dk, dv (dpq, dpk); also returns the
   gradients of the summaries the pass read: dxk/dxv (per position, in `dtypes`), dxk_bank, dbk/dbv (float32;
-  per-group partial sums [BH, groups, n, 1, dim] where `accumulates_banks` is False)."""
+  per-group partial sums [BH, groups, n, 1, dim] where `accumulates_banks` is False). over: {input: output}
+  written over it, for inputs the caller does not need after (each program reads its own group's)."""
   ins, outs = _names(f, p, backward=True)
   ins = tuple(n for n in ins if not n.endswith("_in") or n in args)
   bh, groups = f.batch * f.heads, p.groups(f)
@@ -562,4 +567,4 @@ def backward(f: Frame, p: Pass, args: dict[str, Array], *, dtypes: dict[str, Any
       specs.append(tok_spec(f, p, dim))
       shapes.append(tok_shape(f, p, dim, dtypes[n]))
   return _call(f, p, backward_program, ins + outs, outs, args, _in_specs(f, p, ins, bank_rows), specs, shapes,
-               accumulate=accumulate, bank_rows=bank_rows, name=f"{name}_bwd")
+               accumulate=accumulate, bank_rows=bank_rows, name=f"{name}_bwd", over=over)

@@ -159,12 +159,13 @@ def test_registered_ops_run_under_jit():
     assert out.shape == q.shape and bool(jnp.isfinite(out).all())
 
 
-def _kernels_against_xla(causal, pooling, deepsets, *, length=13, clusters=4, masked=True, seed=3):
+def _kernels_against_xla(causal, pooling, deepsets, *, length=13, clusters=4, masked=True, seed=3,
+                         value_dim=5):
   """(pallas, xla): the output and the gradients of q, k, v (and the DeepSets pools) of sum(out * cotangent),
   float32, skewed clusters, value_dim != head_dim; padded query rows (don't-care) carry no cotangent and
   are compared as zeros."""
   q, k, v, ids, mask = (x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x
-                        for x in _inputs(seed, 2, length, 2, 8, 5, clusters))
+                        for x in _inputs(seed, 2, length, 2, 8, value_dim, clusters))
   mask = mask if masked else None
   pools = [jax.random.normal(jax.random.key(s), q.shape) for s in (7, 8)] if deepsets else [None, None]
   real = jnp.ones(q.shape[:2], bool) if mask is None else mask
@@ -210,6 +211,16 @@ def test_causal_kernels_carry_base_states_over_many_blocks():
   runs of blocks holding none of its tokens (forward) and its gradient handed back over them to the token
   that ended it (backward, blocks in reverse), with a mask and DeepSets pools."""
   _assert_equal(*_kernels_against_xla(True, "max", True, length=64, clusters=8, seed=5))
+
+
+@pytest.mark.parametrize("gpu", [False, True], ids=["tpu_layout", "gpu_layout"])
+def test_bidirectional_kernels_write_gradients_over_the_ordered_cotangent_and_output(monkeypatch, gpu):
+  """value_dim == head_dim: the main pass's backward writes dk over the cotangent in rank order and dv over
+  the output there (each program reads its own block of them first), in both layouts."""
+  if gpu:
+    monkeypatch.setattr(kernel_plans, "packs_heads", lambda platform: True)
+    monkeypatch.setattr(kernel_plans, "partial_banks", lambda platform: True)
+  _assert_equal(*_kernels_against_xla(False, "max", False, length=40, clusters=5, value_dim=8))
 
 
 def test_causal_kernels_in_the_gpu_layout(monkeypatch):
