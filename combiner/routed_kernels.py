@@ -20,7 +20,8 @@ backward, over the blocks in reverse, hands each base state's gradient to the to
 whose programs run in parallel, the base states are gathered per block from the prefix states and their
 gradients scatter-added back. Either way gradients come from the final log-sum-exp: the summary kernel's
 backward gives dq and the states' gradients, which flow back to slot layout (a permutation of the per-token
-ones) into the slot pass's backward (its own-chunk attention and the prefix states' construction). Between
+ones) into the slot pass's backward (its own-chunk attention and the prefix states' construction), which
+writes dk and dv over its own slot-order copies of the cotangent and the output. Between
 forward and backward the output, its log-sum-exp, the prefix states and (carried) the base states each block
 used are kept; the backward gathers the per-token states again (in one program with its forward, XLA shares
 those gathers). Padded query rows are don't-care (they see every base state), as the op contract allows.
@@ -422,7 +423,7 @@ def _run_bwd(plan: _Plan, residuals: tuple, do: Array):
       "dkbar_tok": state_grads(m["dku"], m.get("dkb"), fs.d),
       "dvt_tok": state_grads(m["dvu"], m.get("dvb"), fs.dv),
       "dq_in": _to_slots(plan, a, kernel_plans.from_frame(m["dq"], fb, fb.d))},
-      dtypes=kernel_plans.grad_dtypes(a), name="combiner_routed_spans")
+      dtypes=kernel_plans.grad_dtypes(a), name="combiner_routed_spans", over={"do": "dk", "o_fin": "dv"})
   grads = {"q": _to_positions(plan, a, g["dq"], fs.d), "k": _to_positions(plan, a, g["dk"], fs.d),
            "v": _to_positions(plan, a, g["dv"], fs.dv)}
   if "dpq" in g:

@@ -214,13 +214,14 @@ def test_causal_kernels_carry_base_states_over_many_blocks():
 
 
 @pytest.mark.parametrize("gpu", [False, True], ids=["tpu_layout", "gpu_layout"])
-def test_bidirectional_kernels_write_gradients_over_the_ordered_cotangent_and_output(monkeypatch, gpu):
-  """value_dim == head_dim: the main pass's backward writes dk over the cotangent in rank order and dv over
-  the output there (each program reads its own block of them first), in both layouts."""
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_kernels_write_gradients_over_the_reordered_cotangent_and_output(monkeypatch, causal, gpu):
+  """value_dim == head_dim: the backward writes dk over the cotangent in rank (slot) order and dv over the
+  output there, its own copies (each program reads its own block of them first), in both layouts."""
   if gpu:
     monkeypatch.setattr(kernel_plans, "packs_heads", lambda platform: True)
     monkeypatch.setattr(kernel_plans, "partial_banks", lambda platform: True)
-  _assert_equal(*_kernels_against_xla(False, "max", False, length=40, clusters=5, value_dim=8))
+  _assert_equal(*_kernels_against_xla(causal, "max", False, length=40, clusters=5, value_dim=8))
 
 
 def test_causal_kernels_in_the_gpu_layout(monkeypatch):
