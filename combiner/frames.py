@@ -374,6 +374,19 @@ def _kernel_entry(*refs, kernel, f: Frame, names: tuple, outs: tuple, tok: tuple
   each_head(f, names, refs, outs, functools.partial(kernel, b), tok, heads, extra)
 
 
+def aliases_by_name(ins: list[str], outs: list[str] | tuple[str, ...], arrays: list[Array], shapes: list[Any],
+                    rules: dict[str, str]) -> dict[int, int]:
+  """`call_kernel`'s aliases {input index: output index} from rules {input name: output name}, for each
+  input given with the shape and dtype of its output."""
+  out_at = {n: i for i, n in enumerate(outs)}
+  aliases = {}
+  for i, n in enumerate(ins):
+    j = out_at.get(rules.get(n, ""))
+    if j is not None and (arrays[i].shape, arrays[i].dtype) == (shapes[j].shape, shapes[j].dtype):
+      aliases[i] = j
+  return aliases
+
+
 def whole_spec(f: Frame, x: Array) -> pl.BlockSpec:
   """A frame array a program copies tiles out of (`TileLoader`): left in HBM on TPU, whole elsewhere."""
   if f.platform == "tpu":

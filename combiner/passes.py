@@ -501,7 +501,8 @@ def _call(f: Frame, p: Pass, kernel, names: tuple, outs: tuple, args: dict, in_s
   res = frames.call_kernel(
       f, functools.partial(kernel, f=f, p=p, bank_rows=bank_rows), name, p.groups(f), ins, in_specs, arrays,
       list(outs), out_specs, out_shape, tok=TOK_INPUTS + TOK_OUTPUTS, heads=HEAD_ARRAYS, glen=p.glen(f),
-      aliases=_aliases(ins, outs, arrays, out_shape, over), accumulate=accumulate)
+      aliases=frames.aliases_by_name(ins, outs, arrays, out_shape, {**ALIASES, **(over or {})}),
+      accumulate=accumulate)
   return {n: tok_out(f, p, x) if n in TOK_OUTPUTS else x for n, x in res.items()}
 
 
@@ -510,18 +511,6 @@ def _call(f: Frame, p: Pass, kernel, names: tuple, outs: tuple, args: dict, in_s
 # other pass's partial, the summaries' gradients over the summaries (each program reads its group first).
 ALIASES = {"dq_in": "dq", "dk_in": "dk", "dv_in": "dv", "dpq_in": "dpq", "dpk_in": "dpk", "o_ext": "o",
            "xk": "dxk", "xv": "dxv"}
-
-
-def _aliases(ins: list[str], outs: tuple[str, ...], arrays: list[Array], shapes: list[Any],
-             over: dict[str, str] | None = None) -> dict:
-  out_at = {n: i for i, n in enumerate(outs)}
-  rules = {**ALIASES, **(over or {})}
-  aliases = {}
-  for i, n in enumerate(ins):
-    j = out_at.get(rules.get(n, ""))
-    if j is not None and (arrays[i].shape, arrays[i].dtype) == (shapes[j].shape, shapes[j].dtype):
-      aliases[i] = j
-  return aliases
 
 
 def forward(f: Frame, p: Pass, args: dict[str, Array], *, out_dtype: Any, tok_dtype: Any, bank_rows: int = 0,

@@ -275,14 +275,11 @@ def _summary_call(plan: _Plan, program, args: dict[str, Array], outs: dict[str, 
       return jax.ShapeDtypeStruct((bh, f.rows, bank, dims[n]), dtype)
     return frames.tok_shape(f, _ROWS, dims[n], dtype)
 
-  ins, shapes = list(args), [shape(n, dt) for n, dt in outs.items()]
-  at = {n: i for i, n in enumerate(outs)}
-  alias = {ins.index(i): at[o] for i, o in (aliases or {}).items()
-           if (args[i].shape, args[i].dtype) == (shapes[at[o]].shape, shapes[at[o]].dtype)}
+  ins, shapes, arrays = list(args), [shape(n, dt) for n, dt in outs.items()], list(args.values())
   return frames.call_kernel(
-      f, functools.partial(program, f=f, bank=bank), name, f.rows, ins, [spec(n) for n in ins],
-      [args[n] for n in ins], list(outs), [spec(n) for n in outs], shapes, tok=_TOK, heads=_HEADS,
-      glen=f.cols, aliases=alias, accumulate=plan.carried)
+      f, functools.partial(program, f=f, bank=bank), name, f.rows, ins, [spec(n) for n in ins], arrays,
+      list(outs), [spec(n) for n in outs], shapes, tok=_TOK, heads=_HEADS, glen=f.cols,
+      aliases=frames.aliases_by_name(ins, list(outs), arrays, shapes, aliases or {}), accumulate=plan.carried)
 
 
 # -------------------------------------------------------------------------------------------- layouts

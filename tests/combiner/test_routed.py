@@ -162,8 +162,8 @@ def test_registered_ops_run_under_jit():
 def _kernels_against_xla(causal, pooling, deepsets, *, length=13, clusters=4, masked=True, seed=3,
                          value_dim=5):
   """(pallas, xla): the output and the gradients of q, k, v (and the DeepSets pools) of sum(out * cotangent),
-  float32, skewed clusters, value_dim != head_dim; padded query rows (don't-care) carry no cotangent and
-  are compared as zeros."""
+  float32, skewed clusters, value_dim != head_dim unless given; padded query rows (don't-care) carry no
+  cotangent and are compared as zeros."""
   q, k, v, ids, mask = (x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x
                         for x in _inputs(seed, 2, length, 2, 8, value_dim, clusters))
   mask = mask if masked else None
