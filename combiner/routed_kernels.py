@@ -55,7 +55,11 @@ class _Plan:
   pooling: str
   pools: bool  # DeepSets pools given
   out_dtype: Any
-  carried: bool  # base states carried over a head's blocks (programs run in order), else gathered
+
+  @property
+  def carried(self) -> bool:
+    """Base states carried over a head's blocks (its programs run in order), else gathered per block."""
+    return frames.accumulates_banks(self.blocks)
 
   @property
   def spans(self) -> Pass:
@@ -441,7 +445,7 @@ def causal(q: Array, k: Array, v: Array, mask: Array | None, pool_q: Array | Non
   slots = kernel_plans.make_frame(q, v, mask, w, chunks, platform)
   blocks = dataclasses.replace(slots, masked=False)
   plan = _Plan(slots, blocks, kernel_plans.frame_cols(chunks, platform), pooling, pool_q is not None,
-               jnp.dtype(v.dtype), frames.accumulates_banks(blocks))
+               jnp.dtype(v.dtype))
   a = kernel_plans.inputs(q, k, v, pool_q, pool_k, kernel_plans.kernel_dtype(q, k, v))
   a.update(_orders(plan, jax.lax.stop_gradient(cluster_ids), mask, num_clusters))
   if mask is not None:
