@@ -23,7 +23,7 @@ import time
 import pytest
 
 from tests.scripts.test_tpu_launcher import ROOT, worlds
-from tests.training.localhost import CONFIG, final_metrics, uninterrupted
+from tests.training.localhost import CONFIG, final_metrics, uninterrupted, xla_flags
 
 
 @pytest.fixture
@@ -93,7 +93,7 @@ for a in "$@"; do
   esac
 done
 cd @ROOT@
-XLA_FLAGS=--xla_force_host_platform_device_count=2 JAX_PLATFORMS=cpu exec @PYTHON@ -u train.py "${args[@]}"
+XLA_FLAGS="@XLA_FLAGS@" JAX_PLATFORMS=cpu exec @PYTHON@ -u train.py "${args[@]}"
 '''
 
 def _real_world(make):
@@ -101,7 +101,8 @@ def _real_world(make):
 
   w = make(ports=[portpicker.pick_unused_port() for _ in range(3)])
   real = w.root / "real_python.sh"
-  real.write_text(REAL_PYTHON.replace("@PYTHON@", sys.executable).replace("@ROOT@", ROOT))
+  real.write_text(REAL_PYTHON.replace("@PYTHON@", sys.executable).replace("@ROOT@", ROOT)
+                  .replace("@XLA_FLAGS@", xla_flags(2)))
   real.chmod(0o755)
   venv = w.root / "bin" / "python3.11"  # makes the workers' venv: its python is the wrapper above
   standin = f"exec {sys.executable} {w.root / 'standin.py'}"

@@ -13,6 +13,14 @@ CONFIG = ["--config", "configs/default.py:smoke", f"--config.train.num_steps={ST
 _REFERENCE: dict[str, str] = {}
 
 
+def xla_flags(devices: int) -> str:
+  """The test session's XLA flags (tests/conftest.py: the cheap CPU code generation) with `devices` CPU
+  devices in place of its eight."""
+  count = "--xla_force_host_platform_device_count"
+  flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(count)]
+  return " ".join([*flags, f"{count}={devices}"])
+
+
 def launch(script: str, args: list[str], workdir: str, *, processes: int = 2,
            devices: int = 2) -> list[subprocess.Popen]:
   """Starts processes 0 .. processes-1 of `script` (each with `devices` CPU devices) on a fresh localhost
@@ -20,7 +28,7 @@ def launch(script: str, args: list[str], workdir: str, *, processes: int = 2,
   import portpicker
 
   port = portpicker.pick_unused_port()
-  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+  env = dict(os.environ, XLA_FLAGS=xla_flags(devices), JAX_PLATFORMS="cpu")
   procs = []
   for pid in range(processes):
     cmd = [sys.executable, "-u", script, *args, "--workdir", workdir,

@@ -10,6 +10,7 @@ import sys
 import jax
 import pytest
 
+from tests.training.localhost import xla_flags
 from tests.training.smoke import smoke
 from training import config_io, evaluate, kernel_check, loop
 
@@ -20,7 +21,7 @@ INJECTED = "Mosaic failed to compile the flash kernel (injected)"
 def _train(workdir, *flags):
   cmd = [sys.executable, "-u", "train.py", "--config", "configs/default.py:smoke", "--workdir", str(workdir),
          "--noprogress", *flags]
-  env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu", **{kernel_check.INJECT_ENV: INJECTED})
+  env = dict(os.environ, XLA_FLAGS=xla_flags(1), JAX_PLATFORMS="cpu", **{kernel_check.INJECT_ENV: INJECTED})
   return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 

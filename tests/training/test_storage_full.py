@@ -21,13 +21,15 @@ import sys
 
 import pytest
 
+from tests.training.localhost import xla_flags
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 20
 ARGS = ["train.py", "--config", "configs/default.py:smoke", f"--config.train.num_steps={STEPS}",
         "--config.train.checkpoint_every=5", "--config.train.log_every=5", "--noprogress"]
 TMPFS_KB, FILLER_KB = 4096, 3300  # about 800 KB free: one checkpoint of the smoke model (~440 KB), not two
-# One CPU device, the default compiler settings: the checkpoints' sizes the free space is chosen for.
-ENV = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+# One CPU device: the checkpoints' sizes the free space is chosen for.
+ENV = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(1)}
 FSIZE_LIMIT = 64 * 1024  # bytes; a checkpoint's largest data file is larger
 
 # Inside the private mount namespace: the tmpfs, the filler, the run, the filler removed, the rerun; what the

@@ -15,6 +15,7 @@ from flax import nnx
 
 from attention_baselines.dense import dense
 from models import attention, registry
+from tests.training.localhost import xla_flags
 from tests.training.smoke import smoke
 from training import checkpoints, config_io, experiment, listing, loop
 
@@ -193,7 +194,7 @@ def test_sigterm_subprocess_leaves_resumable_checkpoint(tmp_path):
   workdir = str(tmp_path / "run")
   cmd = [sys.executable, "-u", "train.py", "--config", "configs/default.py:smoke", "--workdir", workdir,
          "--config.train.num_steps=100000", "--config.train.checkpoint_every=100000", "--noprogress"]
-  env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+  env = dict(os.environ, XLA_FLAGS=xla_flags(1), JAX_PLATFORMS="cpu")
   proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
   lines = []
   for line in proc.stdout:  # wait until training runs (the first metrics line), then preempt
