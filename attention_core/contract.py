@@ -143,18 +143,31 @@ def _traced_for_call(platforms: tuple[str, ...], fn: Callable[[], Any]) -> Any:
     return fn()
 
 
-def per_platform_op(key: Callable[..., Any], *, per_head: tuple[str, ...] = ()
+def per_platform_op(key: Callable[..., Any], *, per_head: tuple[str, ...] = (),
+                    check: Callable[..., None] | None = None
                     ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
   """Decorator of the ops with fused paths: every call op(*args, **kw) runs through `per_platform`, its
   branches keyed by key(*args, **kw) (which must not raise on bad arguments: the op rejects them in its own
   words), and the op partitions itself (`partition.partitioned`: under any jit, on any mesh, each device
-  runs it on its batch rows and heads). per_head: the op's per-head weight arguments (leading heads axis)."""
+  runs it on its batch rows and heads). per_head: the op's per-head weight arguments (leading heads axis).
+  An eager call on one device runs as one compiled program; check(*args, **kw) checks the argument values
+  the op checks when they are concrete (its trace there sees none)."""
   def wrap(op: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(op)
     def run(*args: Any, **kw: Any) -> Any:
       return per_platform(lambda: op(*args, **kw), key=lambda: key(*args, **kw))
-    return partition.partitioned(run, per_head=per_head)
+    return partition.partitioned(run, per_head=per_head, trace_key=trace_context, check=check)
   return wrap
+
+
+def trace_context() -> tuple[Any, ...] | None:
+  """What an op's trace depends on beyond its arguments: the platform it is traced for (`traced_for`) and
+  `backend()`. None where that platform is not the one the call runs on (the TPU interpreter on a CPU
+  host): such a trace is not reused."""
+  platform = _PLATFORM.get()
+  if platform is not None and platform != platform_of(jax.devices()[0]):
+    return None
+  return platform, _LOWERED_FOR.get(), backend()
 
 
 IMPLEMENTATIONS = ("auto", "xla", "pallas")

@@ -54,6 +54,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -421,11 +422,11 @@ def call(fn: Callable[..., Array], q: Array, k: Array, v: Array, kwargs: dict[st
 
 def _eager(fn: Callable[..., Array], q: Array, k: Array, v: Array, kwargs: dict[str, Any],
            kinds: dict[str, str], op: Callable[..., Any], arrays: list[Array]) -> Array:
-  """A call on concrete arrays: on one device as it is, else jitted on q's placement."""
+  """A call on concrete arrays: on one device compiled whole (`_whole`), else jitted on q's placement."""
   devices = set().union(*(x.sharding.device_set for x in arrays if isinstance(x, jax.Array)))
   sharding = getattr(q, "sharding", None)
   if len(devices) <= 1 or not isinstance(sharding, NamedSharding):
-    return fn(q, k, v, **kwargs)
+    return _whole(fn, q, k, v, kwargs, op)
   spec, sizes = tuple(sharding.spec) + (None,) * 4, dict(sharding.mesh.shape)
   place = Placement(dividing(_axes(spec[0]), sizes, q.shape[0]), dividing(_axes(spec[2]), sizes, q.shape[2]))
   names = [n for n, x in kwargs.items() if _is_array(x)]
@@ -438,10 +439,50 @@ def _eager(fn: Callable[..., Array], q: Array, k: Array, v: Array, kwargs: dict[
   return jax.jit(run)(q, k, v, [kwargs[n] for n in names])
 
 
-def partitioned(op: Callable[..., Array], *, per_head: Sequence[str] = ()) -> Callable[..., Array]:
+def _plain(x: Any) -> bool:
+  """A value that can key a compiled program: None, a bool, number or string, or a tuple of them."""
+  return x is None or isinstance(x, (bool, int, float, str)) or (
+      isinstance(x, tuple) and all(_plain(i) for i in x))
+
+
+def _whole(fn: Callable[..., Array], q: Array, k: Array, v: Array, kwargs: dict[str, Any],
+           op: Callable[..., Any]) -> Array:
+  """fn(q, k, v, **kwargs) on concrete arrays on one device, compiled as one program (cached by shapes,
+  the other arguments and the op's trace context, `partitioned`'s trace_key) rather than run primitive by
+  primitive, which compiles each of a plan's hundreds of operations on its own. Arguments that are not
+  plain values (callables, modules) or a trace context of None run it as it is. The op's `check` reads
+  the concrete values its trace cannot."""
+  trace_key = getattr(op, "trace_key", None)
+  context = trace_key() if trace_key is not None else None
+  names = tuple(n for n, x in kwargs.items() if isinstance(x, (jax.Array, np.ndarray)))  # not numpy scalars
+  static = tuple((n, type(x), x) for n, x in kwargs.items() if n not in names)
+  if context is None or not all(_plain(x) for _, _, x in static):
+    return fn(q, k, v, **kwargs)
+  if getattr(op, "check", None) is not None:
+    op.check(q, k, v, **kwargs)
+  return _compiled(fn, names, static, context, q, k, v, tuple(kwargs[n] for n in names))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _compiled(fn: Callable[..., Array], names: tuple[str, ...], static: tuple, context: Any,
+              q: Array, k: Array, v: Array, xs: tuple[Array, ...]) -> Array:
+  del context  # a key of the cache only: the trace depends on it
+  return fn(q, k, v, **{n: x for n, _, x in static}, **dict(zip(names, xs, strict=True)))
+
+
+def clear_compiled() -> None:
+  """Forgets the programs of eager calls (`_whole`), for code that changes what an op traces to."""
+  _compiled.clear_cache()
+
+
+def partitioned(op: Callable[..., Array], *, per_head: Sequence[str] = (),
+                trace_key: Callable[[], Any] | None = None,
+                check: Callable[..., None] | None = None) -> Callable[..., Array]:
   """op(q, k, v, *, causal, mask=None, **params), partitioning itself (module docstring): under any jit, on
   any mesh, each device runs it on its batch rows and heads. per_head: its per-head weight arguments (a
-  leading heads axis)."""
+  leading heads axis). trace_key() -> what else op's trace depends on (hashable; None: it cannot be
+  cached), so that an eager call on one device runs as one compiled program (`_whole`); check(q, k, v,
+  **kwargs): what op checks of its arguments' values when they are concrete, run before that program."""
   kinds = {n: HEADS for n in per_head}
 
   @functools.wraps(op)
@@ -452,4 +493,5 @@ def partitioned(op: Callable[..., Array], *, per_head: Sequence[str] = ()) -> Ca
     return call(op, *args, kwargs, kinds=kinds, op=run)
 
   run.partitions_itself = True
+  run.trace_key, run.check = trace_key, check
   return run

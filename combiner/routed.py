@@ -46,12 +46,29 @@ def _check_cluster_ids(cluster_ids: Any, shape: tuple[int, int, int], num_cluste
   if not jnp.issubdtype(cluster_ids.dtype, jnp.integer):
     raise TypeError(f"{op}: argument 'cluster_ids' must have an integer dtype, got {cluster_ids.dtype}")
   if not isinstance(cluster_ids, jax.core.Tracer):  # values are checkable only outside a trace
-    concrete = np.asarray(cluster_ids)
-    lo, hi = int(concrete.min()), int(concrete.max())
-    if lo < 0 or hi >= num_clusters:
-      raise ValueError(f"{op}: argument 'cluster_ids' must lie in [0, num_clusters={num_clusters}), "
-                       f"got values in [{lo}, {hi}]")
+    _check_cluster_values(cluster_ids, num_clusters, op)
   return jnp.asarray(cluster_ids).astype(jnp.int32)
+
+
+def _check_cluster_values(cluster_ids: Any, num_clusters: int, op: str) -> None:
+  concrete = np.asarray(cluster_ids)
+  lo, hi = int(concrete.min()), int(concrete.max())
+  if lo < 0 or hi >= num_clusters:
+    raise ValueError(f"{op}: argument 'cluster_ids' must lie in [0, num_clusters={num_clusters}), "
+                     f"got values in [{lo}, {hi}]")
+
+
+def _concrete_ids(q: Any, k: Any, v: Any, *, cluster_ids: Any = None, num_clusters: Any = None,
+                  **_: Any) -> None:
+  """The values of concrete cluster ids, checked before an eager call's compiled program (whose trace
+  cannot read them); ids or a cluster count the op rejects otherwise are left to its own words."""
+  try:
+    n = contract.check_positive_int(num_clusters, name="num_clusters", op="")
+  except ValueError:
+    return
+  shaped = hasattr(cluster_ids, "dtype") and tuple(cluster_ids.shape) == tuple(q.shape[:3])
+  if shaped and jnp.issubdtype(cluster_ids.dtype, jnp.integer):
+    _check_cluster_values(cluster_ids, n, "combiner.routed")
 
 
 class _Slots(NamedTuple):
@@ -101,7 +118,7 @@ def _from_slots(t: Array, p: _Slots) -> Array:
   return jnp.take_along_axis(flat, p.slot_of[..., None], axis=2)
 
 
-@common.per_platform
+@contract.per_platform_op(common.plan_choice, check=_concrete_ids)
 def routed(q: Array, k: Array, v: Array, *, cluster_ids: Array, num_clusters: int, causal: bool = False,
            mask: Array | None = None, pooling: str = "max", pool_q: Array | None = None,
            pool_k: Array | None = None, implementation: str = "auto") -> Array:

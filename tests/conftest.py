@@ -62,3 +62,14 @@ def _traced_for_cpu(request):
 
   with contract.traced_for("cpu"):
     yield
+
+
+@pytest.fixture(autouse=True)
+def _fresh_eager_programs():
+  """Ops called eagerly run as programs cached by their arguments (`attention_core.partition._whole`);
+  tests patch what ops trace to (tile sizes, the backend), so each test starts and ends with none cached."""
+  from attention_core import partition
+
+  partition.clear_compiled()
+  yield
+  partition.clear_compiled()

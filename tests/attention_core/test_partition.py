@@ -225,6 +225,34 @@ def test_eager_vmap_and_shard_map_callers():
   assert seen == [(2, 32, 1, 8)]
 
 
+def test_an_eager_call_on_one_device_is_one_compiled_program():
+  """A call on concrete one-device arrays compiles the op as one program, once per shapes and arguments (not
+  primitive by primitive), equal to the op under jit; another backend or a callable argument traces anew,
+  and the values a trace cannot read are checked before it."""
+  from combiner import routed
+
+  q, k, v = inputs(batch=2)
+  programs = partition._compiled._cache_size
+  out = fixed(q, k, v, causal=True, block_size=8)
+  assert programs() == 1
+  assert_same(fixed(q, k, v, causal=True, block_size=8), out)
+  assert programs() == 1
+  assert_same(out, jax.jit(lambda q, k, v: fixed(q, k, v, causal=True, block_size=8))(q, k, v), tol=0)
+  fixed(q, k, v, causal=False, block_size=8)
+  fixed(q[:, :16], k[:, :16], v[:, :16], causal=True, block_size=8)
+  assert programs() == 3
+  with contract.traced_for("gpu"):  # the GPU choices: not this CPU's program
+    fixed(q, k, v, causal=True, block_size=8, implementation="xla")
+  assert programs() == 3
+  fixed(q, k, v, causal=True, block_size=np.int64(8))  # not a plain value: runs as it is
+  assert programs() == 3
+  ids = jnp.zeros(q.shape[:3], jnp.int32)
+  routed(q, k, v, cluster_ids=ids + 1, num_clusters=2)
+  assert programs() == 4
+  with pytest.raises(ValueError, match=r"must lie in \[0, num_clusters=2\), got values in \[2, 2\]"):
+    routed(q, k, v, cluster_ids=ids + 2, num_clusters=2)
+
+
 def test_bad_input_gets_the_ops_own_error():
   q, k, v = inputs()
   m = mesh()
