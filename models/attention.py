@@ -28,6 +28,7 @@ from attention_core import registry as ops_registry
 from attention_core import sharding
 from attention_core.norm import layer_norm
 from models import layers, recompute
+from runtime import cli
 
 Array = Any
 AUTO = "auto"
@@ -143,10 +144,12 @@ class LayerCache:
 
 
 def check_decodable(spec: ops_registry.OpSpec) -> Any:
-  """The op's decoder, or a ValueError naming the op (and the ops that have one)."""
+  """The op's decoder, or a ValueError naming the op (and the ops that have one): the user's to fix (one
+  line from sample.py), since the config chose the op."""
   if spec.decode is None:
     have = [n for n in ops_registry.names() if ops_registry.get(n).decode is not None]
-    raise ValueError(f"attention op {spec.name!r} has no cached decoding step; ops with one: {have}")
+    raise cli.mark_usage(ValueError(f"attention op {spec.name!r} has no cached decoding step; ops with "
+                                    f"one: {have}"))
   return spec.decode
 
 
@@ -195,13 +198,13 @@ class AttentionBase(nnx.Module):
 
   # Cached decoding (see `models.transformer.Transformer.init_cache`); modules that support it override these.
   def init_cache(self, batch: int, max_length: int) -> LayerCache:
-    raise ValueError(f"attention {self.name!r} has no cached decoding step")
+    raise cli.mark_usage(ValueError(f"attention {self.name!r} has no cached decoding step"))
 
   def decode_step(self, x: Array, cache: LayerCache, position: Array) -> tuple[Array, LayerCache]:
-    raise ValueError(f"attention {self.name!r} has no cached decoding step")
+    raise cli.mark_usage(ValueError(f"attention {self.name!r} has no cached decoding step"))
 
   def prefill(self, x: Array, cache: LayerCache) -> tuple[Array, LayerCache]:
-    raise ValueError(f"attention {self.name!r} has no cached decoding step")
+    raise cli.mark_usage(ValueError(f"attention {self.name!r} has no cached decoding step"))
 
   def decode(self, x: Array, cache: LayerCache, position: Array | None, *, norm: Any) -> tuple[Array, Any]:
     """The block's decoding of x, its raw input: one token at `position`, or a prompt (position None);
@@ -234,12 +237,14 @@ class OpAttention(AttentionBase):
                      dtype=dtype, rngs=rngs)
     self.op_name = str(config.get("op", None) or config.name)
     spec = ops_registry.get(self.op_name)
-    if causal and not spec.causal:
-      raise ValueError(f"attention {self.op_name!r} does not support causal=True "
-                       "(decoder LM / image models); choose a causal op")
+    if causal and not spec.causal:  # the config's choice: one line from the entry points
+      raise cli.mark_usage(ValueError(
+          f"config.model.attention.name: attention {self.op_name!r} does not support causal=True (decoder "
+          f"LM / image models); choose a causal one (train.py --list)"))
     if not causal and not spec.bidirectional:
-      raise ValueError(f"attention {self.op_name!r} does not support causal=False (encoders); "
-                       "choose a bidirectional op")
+      raise cli.mark_usage(ValueError(
+          f"config.model.attention.name: attention {self.op_name!r} does not support causal=False "
+          f"(encoders); choose a bidirectional one (train.py --list)"))
     self.plan_params = plan_params(config, spec.plan, self.op_name, spec.inputs)
     self.implementation = implementation_of(config, spec, self.op_name)
     self.recompute = bool(config.get("recompute", None) or False)

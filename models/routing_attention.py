@@ -60,6 +60,7 @@ from routing import decode, kmeans
 from routing.attention import routed_aux, routing_attention
 from routing.local import local_attention
 from routing.registry import routed_assignments
+from runtime import cli
 
 Array = Any
 # "auto" clusters depend on the length, unknown at construction: allocate this many centroids and use the
@@ -318,7 +319,7 @@ class RoutedCombinerAttention(attention.AttentionBase, _CentroidMixin):
     return self.output(o, deterministic=deterministic)
 
   def init_cache(self, batch: int, max_length: int) -> attention.LayerCache:
-    raise ValueError("attention 'combiner_routed' has no cached decoding step: its balanced partition "
-                     "ranks all tokens by (cluster, position) and cuts chunks of ceil(L / num_clusters), "
-                     "so a later token shifts the chunk boundaries of earlier ones; no cache of the past "
-                     "reproduces that")
+    raise cli.mark_usage(ValueError(
+        "attention 'combiner_routed' has no cached decoding step: its balanced partition ranks all tokens by "
+        "(cluster, position) and cuts chunks of ceil(L / num_clusters), so a later token shifts the chunk "
+        "boundaries of earlier ones; no cache of the past reproduces that"))

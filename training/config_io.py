@@ -24,7 +24,7 @@ import numpy as np
 from etils import epath
 
 from configs import base as config_base
-from runtime import paths
+from runtime import cli, paths
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root, the import root
 DEFAULT_CONFIG = os.path.join(ROOT, "configs", "default.py")
@@ -64,7 +64,13 @@ def write_json(path: Any, obj: Any) -> None:
 
 
 def read_json(path: Any) -> Any:
-  return paths.read_json(path)
+  """The JSON file at `path`; a damaged one (cut short, edited by hand) is the user's to fix, one line naming
+  it, not a traceback."""
+  try:
+    return paths.read_json(path)
+  except json.JSONDecodeError as e:
+    raise cli.mark_usage(ValueError(f"{path} is not valid JSON ({e}): restore it from a copy or move the "
+                                    "workdir aside")) from e
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -206,7 +212,7 @@ def load_config(workdir: str, step: int | None = None) -> ml_collections.ConfigD
   """The config the run in `workdir` trained checkpoint `step` with (default: its latest config)."""
   d = saved_config_dict(paths.path(workdir), step)
   if d is None:
-    raise FileNotFoundError(f"no config.json in {workdir}: is it a train.py workdir?")
+    raise cli.mark_usage(FileNotFoundError(f"no config.json in {workdir}: is it a train.py workdir?"))
   c = ml_collections.ConfigDict(d)
   if c.model.get("image_shape") is not None:
     c.model.image_shape = tuple(c.model.image_shape)

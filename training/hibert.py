@@ -28,6 +28,7 @@ import numpy as np
 from flax import nnx
 
 from data import cnn_dailymail
+from runtime import cli
 
 # -----------------------------------------------------------------------------------------------------------
 # Warm start
@@ -65,13 +66,15 @@ def warm_start(exp: Any, state: Any) -> Any:
   if path is None or state.step != 0:
     return state
   if exp.task != "hibert_summarise":
-    raise ValueError(f"config.model.hibert.init_from is for task 'hibert_summarise', not {exp.task!r}")
+    raise cli.mark_usage(ValueError(f"config.model.hibert.init_from is for task 'hibert_summarise', "
+                                    f"not {exp.task!r}"))
   from training import evaluate
 
   pre_exp, pre_state, mgr = evaluate.restore_workdir(path)
   mgr.close()
   if pre_exp.task != "hibert_pretrain":
-    raise ValueError(f"config.model.hibert.init_from={path!r} is a {pre_exp.task!r} run, not hibert_pretrain")
+    raise cli.mark_usage(ValueError(f"config.model.hibert.init_from={path!r} is a {pre_exp.task!r} run, "
+                                    "not hibert_pretrain"))
   print(f"HIBERT encoder from {path} at step {pre_state.step}", flush=True)
   params = jax.device_put(transfer(state.params, jax.device_get(pre_state.params)), exp.param_shardings)
   return dataclasses.replace(state, params=params)
@@ -126,7 +129,7 @@ def summarise(exp: Any, state: Any, split: str | None = None, *, top: int = 3, m
   """ROUGE of the model's top-`top` summaries of `split` (default config.eval_split), and of the oracle and
   lead-`top` summaries, over its first `max_documents` documents (-1 = all)."""
   if exp.task != "hibert_summarise":
-    raise ValueError(f"ROUGE needs a hibert_summarise model, got task {exp.task!r}")
+    raise cli.mark_usage(ValueError(f"ROUGE needs a hibert_summarise model, got task {exp.task!r}"))
   split = split or exp.config.eval_split
   config, records = _source(exp.config, split)
   docs = cnn_dailymail.Documents(config)

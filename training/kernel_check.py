@@ -272,14 +272,58 @@ def _agree(ok: bool) -> bool:
   return not bool(np.any(flags))
 
 
+def _abstract_inputs(config: ml_collections.ConfigDict, length: int) -> tuple[Any, Any]:
+  """x [1, length, features] in the model dtype and its mask [1, length], as shapes."""
+  return (jax.ShapeDtypeStruct((1, length, int(config.model.features)), _dtype(config)),
+          jax.ShapeDtypeStruct((1, length), jnp.bool_))
+
+
+def check_arguments(config: ml_collections.ConfigDict) -> None:
+  """Traces the model's attention layer (nothing compiled or run: shapes only) at the model's length with
+  every head and one row. What the op itself refuses of the config's choices (a pooling it does not know, a
+  block size the length does not allow) or a module that does not run in the model's direction raises here,
+  as a UsageError naming config.model.attention, before the experiment is built or the workdir written;
+  otherwise it would surface as a traceback when the first step is traced."""
+  from flax import nnx
+
+  from models import registry as model_registry
+  from models import transformer
+  from runtime import cli
+  from training.experiment import dataset_info
+
+  att = config.model.attention
+  name = str(att.get("op", None) or att.name)
+  if name not in ops_registry.names():
+    return  # a model-only module (tests)
+  info = dataset_info(config)
+  features, length = int(config.model.features), int(info.seq_len)
+  try:
+    graph = model_registry.get_module(str(att.name)).GRAPH_NODES
+    if graph is not None:  # it attends over the tokens and the graph's nodes (models.transformer.Encoder)
+      nodes = graph(features, length, dtype=_dtype(config), rngs=nnx.Rngs(0))
+      length = jax.eval_shape(lambda x, m: nodes(x, m)[0], *_abstract_inputs(config, length)).shape[1]
+    layer = Layer(config, int(config.model.num_heads), length, info.task in transformer.CAUSAL_TASKS)
+    graphdef, params, rest = layer.build()
+    jax.eval_shape(lambda p, r, x, m: nnx.merge(graphdef, p, r, copy=True)(x, m, deterministic=True),
+                   params, rest, *_abstract_inputs(config, length))
+  except (ValueError, TypeError) as e:
+    message = cli.user_error(e) or str(e)
+    if message.startswith("config."):
+      raise cli.UsageError(message) from e
+    raise cli.UsageError(f"config.model.attention ({att.name!r} at length {length}): "
+                         f"{cli.one_line(message)}") from e
+
+
 def checked_config(config: ml_collections.ConfigDict, workdir: str, *, devices: list | None = None,
                    record: bool = True) -> ml_collections.ConfigDict:
-  """The config to build the model from: `config` itself when its fused kernel passes (or none runs), a copy
-  on the XLA path when the kernel failed under "auto"; raises KernelCheckFailed when a kernel named
-  explicitly failed. Process 0 prints the outcome. record: write `<workdir>/status/kernel_check.json`
-  (train.py's process 0; eval.py and sample.py check again and record nothing)."""
+  """The config to build the model from (its attention's arguments first traced, `check_arguments`):
+  `config` itself when its fused kernel passes (or none runs), a copy on the XLA path when the kernel failed
+  under "auto"; raises KernelCheckFailed when a kernel named explicitly failed. Process 0 prints the outcome.
+  record: write `<workdir>/status/kernel_check.json` (train.py's process 0; eval.py and sample.py check
+  again and record nothing)."""
   from training import config_io, status
 
+  check_arguments(config)
   choice = kernel_choice(config)
   if choice is None:
     return config

@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from attention_core.sharding import BATCH_AXES  # the batch is split over (data, fsdp)
+from runtime.cli import UsageError
 
 AXES = ("data", "fsdp", "seq", "model")
 # Which axis set to -1 takes the devices the others leave, first to last; any later -1 gets one device.
@@ -50,14 +51,15 @@ def mesh_sizes(config: ml_collections.ConfigDict, n: int) -> tuple[int, ...]:
   given = {name: config.mesh.get(name, 1) for name in AXES}
   sizes = {name: int(value) for name, value in given.items()}
   if sizes["seq"] == -1 and sizes["model"] == -1:
-    raise ValueError("config.mesh: at most one of seq/model may be -1")
+    raise UsageError("config.mesh: at most one of seq/model may be -1")
   auto = [name for name in AUTO_ORDER if sizes[name] == -1]
   for name in auto[1:]:
     sizes[name] = 1
   if auto:
     sizes[auto[0]] = n // max(1, -math.prod(sizes.values()))
   if min(sizes.values()) < 1 or math.prod(sizes.values()) != n:
-    raise ValueError(f"config.mesh {given} does not fit the {n} devices")
+    raise UsageError(f"config.mesh {given} does not fit the {n} devices (their product, with -1 the "
+                     f"devices the other axes leave, must be {n})")
   return tuple(sizes[name] for name in AXES)
 
 

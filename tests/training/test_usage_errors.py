@@ -110,6 +110,30 @@ SLOW = [
 ]
 
 
+# Values only the model or the attention op can judge (the op's choices, its direction, the mesh against the
+# devices): refused at the start, before a step is traced, and the new workdir is left as it was (absent).
+AT_START = [
+    ([f"{SMOKE},pooling=foo"], "argument 'pooling' must be one of"),
+    ([f"{SMOKE},attention=combiner_mixture", "--config.model.attention.params.normalize=foo"], "'normalize'"),
+    ([f"{SMOKE},attention=linformer"], "config.model.attention.name: attention 'linformer' does not support"),
+    ([SMOKE, "--config.model.attention.implementation=bogus"], "'implementation' must be one of"),
+    ([SMOKE, "--config.mesh.data=3"], "config.mesh"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config,name", AT_START, ids=[" ".join(c) for c, _ in AT_START])
+def test_values_the_model_refuses_stop_the_start_and_leave_no_workdir(config, name, dirs, tmp_path):
+  workdir = tmp_path / "run"
+  assert_one_line(run(["train.py", "--config", *config, "--workdir", str(workdir)], dirs), name)
+  assert not workdir.exists()
+
+
+def test_a_damaged_config_json_is_one_line(dirs, tmp_path):
+  (tmp_path / "config.json").write_text('{"truncated": ')
+  assert_one_line(run(["eval.py", "--workdir", str(tmp_path)], dirs), "config.json is not valid JSON")
+
+
 @pytest.mark.parametrize("argv,name", FAST, ids=[" ".join(a[-2:]) for a, _ in FAST])
 def test_bad_command_lines_are_one_line_and_exit_2(argv, name, dirs):
   assert_one_line(run(argv, dirs), name)
