@@ -315,9 +315,27 @@ def run_absl(main: Callable[[list[str]], Any], define: Callable[[], Any] | None 
       define()
     if "debug" not in flags.FLAGS:
       flags.DEFINE_bool("debug", False, f"show the traceback of a user error (also {DEBUG_ENV}=1)")
-    app.run(main, flags_parser=_absl_parse)
+    _show_in_help(flags.FLAGS)
+    try:
+      app.run(main, flags_parser=_absl_parse)
+    except SystemExit as e:  # absl exits 1 after printing the help it was asked for: that is a success
+      help_flags = ("--help", "-h", "-?", "--helpshort", "--helpfull", "--helpxml")
+      if e.code == 1 and any(a in help_flags for a in sys.argv[1:]):
+        raise SystemExit(0) from None
+      raise
 
   run(go)
+
+
+def _show_in_help(flag_values: Any) -> None:
+  """The entry point's flags defined in the project's other modules (`--config`, `--debug`, the processes'
+  flags) listed by `--help` with its own: absl lists only the main module's and its key flags."""
+  main = sys.argv[0]
+  for module, defined in list(flag_values.flags_by_module_dict().items()):
+    if module == main or module.startswith("absl") or "site-packages" in module:
+      continue
+    for flag in defined:
+      flag_values.register_key_flag_for_module(main, flag)
 
 
 class ArgumentParser(argparse.ArgumentParser):

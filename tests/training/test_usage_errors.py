@@ -164,3 +164,12 @@ def test_debug_shows_the_traceback(dirs):
   for env, extra in (({"LSA_DEBUG": "1"}, []), (None, ["--debug"])):
     proc = run(["sample.py", "--workdir", "{w}", "--top_p=2", *extra], dirs, env)
     assert proc.returncode == 1 and "Traceback" in proc.stderr and "--top_p must be in (0, 1]" in proc.stderr
+
+
+def test_help_lists_every_flag_of_the_entry_point_and_exits_0(dirs):
+  """absl lists only the main module's flags and exits 1: --config, --debug and the processes' flags are
+  defined elsewhere."""
+  for script, flag in (("train.py", "--config:"), ("eval.py", "--workdir:"), ("sample.py", "--workdir:")):
+    proc = run([script, "--help"], dirs)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert flag in proc.stdout and "--[no]debug:" in proc.stdout, proc.stdout[-3000:]
