@@ -16,6 +16,11 @@ not restore (missing or damaged files, a corrupt data-iterator state, arrays who
 write, non-finite parameters or optimizer state) is reported with its directory, and the newest step that
 restores is used. Training moves such a step into `<workdir>/unrestorable_checkpoints/` (nothing is
 deleted), so that the step can be trained and saved again.
+
+A step whose files are whole but whose arrays are not the model's (a config change of parameter or optimizer
+state shapes, which `--allow_config_change` cannot make) is not damage: its metadata is compared with the
+model's arrays (in whichever layout of the blocks it was saved in) before its arrays are read, and the restore
+stops with CheckpointMismatch, a usage error naming the first differing array; nothing is moved.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from typing import Any
 import jax
 import ml_collections
 
-from runtime import paths
+from runtime import cli, paths
 from training import integrity, layouts
 from training.experiment import Experiment, TrainState
 
@@ -107,7 +112,8 @@ def restore_checkpoint(mgr: Any, exp: Experiment, data_iter: Any | None,
   """Restores `step` (default the latest) into a sharded TrainState and, when given, the data iterator.
 
   Raises UnrestorableCheckpoint naming the step directory when its files do not restore or the restored
-  parameters / optimizer state are not finite.
+  parameters / optimizer state are not finite, and CheckpointMismatch (a usage error) when its arrays are
+  not the ones the experiment's config builds.
   """
   import orbax.checkpoint as ocp
 
@@ -118,9 +124,10 @@ def restore_checkpoint(mgr: Any, exp: Experiment, data_iter: Any | None,
   if not jax.tree.leaves(target["rest"]):
     del target["rest"]
   saved_in = layouts.saved_layout(mgr, step, exp, target)  # a step saved with the blocks in the other layout
+  step_dir = paths.join(mgr.directory, str(step))
+  check_arrays(mgr, step, target if saved_in is None else saved_in, step_dir)  # another model's: not damage
   items = {"state": ocp.args.StandardRestore(target if saved_in is None else saved_in),
            "meta": ocp.args.JsonRestore()}
-  step_dir = paths.join(mgr.directory, str(step))
   if data_iter is not None:
     from data import resume  # a state this pipeline cannot continue: a clear error
 
@@ -143,6 +150,77 @@ def restore_checkpoint(mgr: Any, exp: Experiment, data_iter: Any | None,
     exp.init_rng_state()
   rest = tree["rest"] if "rest" in tree else exp.empty_rest
   return TrainState(tree["params"], rest, tree["opt_state"], restored_step, tree.get("memory"))
+
+
+# -----------------------------------------------------------------------------------------------------------
+# A step written for another model: not damage
+
+SECTIONS = {"params": "parameter", "opt_state": "optimizer state", "rest": "module state",
+            "memory": "recurrent memory"}  # the state tree's parts, in the order a mismatch is reported
+
+
+class CheckpointMismatch(cli.UsageError):
+  """A checkpoint step whose files are whole but whose arrays (their paths, shapes or dtypes) are not those
+  of the model and optimizer the config builds: a config changed beyond what a resumed run can take. The
+  config is what to fix, so the step is not set aside (it restores with the config it was trained with)."""
+
+
+def _arrays(tree: Any) -> dict[tuple[str, ...], Any]:
+  """A state tree's (or orbax's metadata tree's) leaves by path, the paths compared as strings."""
+  return {tuple(layouts._part(k) for k in path): leaf  # the path strings layouts.py compares
+          for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _described(leaf: Any) -> str:
+  return f"{tuple(leaf.shape)} {_dtype_name(leaf.dtype)}"
+
+
+def _dtype_name(dtype: Any) -> str:
+  try:
+    return str(jax.numpy.dtype(dtype))
+  except TypeError:  # an extended dtype (a PRNG key)
+    return str(dtype)
+
+
+def _same_array(saved: Any, wanted: Any) -> bool:
+  if getattr(saved, "shape", None) is None:  # not an array's metadata: the restore decides
+    return True
+  if tuple(saved.shape) != tuple(wanted.shape):
+    return False
+  if getattr(saved, "dtype", None) is None or jax.dtypes.issubdtype(wanted.dtype, jax.dtypes.extended):
+    return True  # no dtype recorded, or a key (stored as its data): the shape decides
+  return _dtype_name(saved.dtype) == _dtype_name(wanted.dtype)
+
+
+def check_arrays(mgr: Any, step: int, target: dict[str, Any], step_dir: str) -> None:
+  """Raises CheckpointMismatch naming the first array (parameters first) whose path, shape or dtype in the
+  step's metadata differs from `target`, the restore target (in the step's own layout when it was saved in
+  the other one: training/layouts.py). Nothing is checked when the metadata does not read: the restore then
+  reports the damage."""
+  import orbax.checkpoint as ocp
+
+  try:  # the item's own metadata, as layouts.saved_paths reads it
+    saved = _arrays(ocp.StandardCheckpointHandler().metadata(paths.path(mgr.directory) / str(step) / "state"))
+  except Exception:  # missing or damaged metadata: damage, which the restore reports
+    return
+  wanted = _arrays(target)
+  for section in (*SECTIONS, *sorted({p[0] for p in (*saved, *wanted)} - set(SECTIONS))):
+    ours = f"the {'optimizer' if section == 'opt_state' else 'model'} this config builds"
+    for path in sorted({p for p in (*saved, *wanted) if p[0] == section}):
+      name = "/".join(path)
+      if path not in saved:
+        problem = f"{name} of {ours} is not in it"
+      elif path not in wanted:
+        problem = f"it holds {name}, which {ours} has not"
+      elif not _same_array(saved[path], wanted[path]):
+        problem = f"{name} is {_described(saved[path])} there, {_described(wanted[path])} in {ours}"
+      else:
+        continue
+      what = SECTIONS.get(section, section)
+      raise CheckpointMismatch(
+          f"checkpoint {step_dir} (step {step}) was written for other {what} shapes: {problem}. "
+          "--allow_config_change cannot change the shapes of parameters or optimizer state: resume with the "
+          "config the run was trained with (or a change that keeps them), or use a new --workdir")
 
 
 # -----------------------------------------------------------------------------------------------------------
