@@ -8,11 +8,13 @@ What is written depends on the task of the workdir's config:
 - image (cifar10, imagenet64): `<workdir>/samples_<step>.png`, a grid of the sampled images (tokens are
   sub-pixel values in raster order, channels innermost); `--prompt_len` keeps that many sub-pixels of
   validation images (image completion).
-- lm with a tokenizer (wiki40b, c4): `<workdir>/samples_<step>.txt`, the decoded texts, each continuing
-  `--prompt`.
+- lm on text (wiki40b, pg19: SentencePiece; pystdlib, enwik8: bytes; text8: space and a-z):
+  `<workdir>/samples_<step>.txt`, the decoded texts, each continuing `--prompt`, tokenized as the run's data
+  pipeline tokenizes (a smoke run without the data: the generated stand-in's SentencePiece model).
 - synthetic_recall (the default task): the first half of validation records (the key-value pairs) is the
   prompt; the queries of the second half are read from the record, each answer is sampled, and the recalled
-  values are printed next to the right ones.
+  values are printed next to the right ones (`?` where the model sampled a token that is not a value).
+`--prompt` is for lm on text and `--prompt_len` for images; either given to another task is an error.
 Attention plans without a cached decoding step (YOSO, bidirectional-only ops) stop with an error naming the
 op. The driver is training/sample.py.
 """
@@ -62,7 +64,7 @@ def _flags() -> None:
   flags.DEFINE_float("top_p", 1.0, "nucleus sampling: keep the most likely tokens up to this probability")
   flags.DEFINE_integer("seed", 0, "sampling seed")
   flags.DEFINE_integer("step", None, "checkpoint step (default: the latest)")
-  flags.DEFINE_string("prompt", "", "language tasks: the text every sample continues")
+  flags.DEFINE_string("prompt", "", "language tasks on text: the text every sample continues")
   flags.DEFINE_integer("prompt_len", 0, "image tasks: keep this many sub-pixels of validation images")
 
 

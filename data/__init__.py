@@ -47,7 +47,7 @@ from typing import Any
 
 from data.info import DATASETS, DatasetInfo
 
-__all__ = ["DATASETS", "DatasetInfo", "create_dataset", "dataset_info"]
+__all__ = ["DATASETS", "DatasetInfo", "create_dataset", "dataset_info", "resolved_config"]
 
 
 
@@ -82,14 +82,29 @@ def create_dataset(
     raise ValueError(f"batch_size must be >= 1, got {batch_size}")
   kw = dict(batch_size=batch_size, seed=seed, shard_index=shard_index, shard_count=shard_count,
             shuffle=shuffle, num_epochs=num_epochs)
+  return _resolve(config, split, kw)[1]
+
+
+def resolved_config(config: Any, split: str = "train") -> Any:
+  """The config `create_dataset` reads `split` with: with `config.data.stand_in` and the data missing, the
+  generated stand-in's copy (its data_dir holds the stand-in's files, such as the SentencePiece model a smoke
+  run trained with; they last until the process exits); otherwise `config` itself (returned without reading
+  anything when `stand_in` is not set)."""
+  if not _wants_stand_in(config):
+    return config
+  return _resolve(config, split, dict(batch_size=1, seed=0))[0]
+
+
+def _resolve(config: Any, split: str, kw: dict[str, Any]) -> tuple[Any, Any]:
+  """(the config read, its dataset): `config`'s own, or the stand-in's when its data is missing."""
   try:
-    return _create(config, split, kw)
+    return config, _create(config, split, kw)
   except FileNotFoundError as e:
     if not _wants_stand_in(config):
       raise
     missing = e
   with _stand_in(config, missing) as stand_in_config:
-    return _create(stand_in_config, split, kw)
+    return stand_in_config, _create(stand_in_config, split, kw)
 
 
 def _create(config: Any, split: str, kw: dict[str, Any]):
