@@ -29,7 +29,7 @@ import numpy as np
 
 from data import pipeline, pystdlib, records
 from data.info import DatasetInfo
-from runtime import paths
+from runtime import cli, paths
 
 SPLITS = ("train", "validation", "test")
 TEXT8_ALPHABET = " abcdefghijklmnopqrstuvwxyz"  # id = position
@@ -151,7 +151,7 @@ def split_tokens(config: Any, split: str) -> np.ndarray:
   """The split's token ids in file order: uint8 [characters] (memory-mapped when large; cached); the
   "prepare it with ..." FileNotFoundError when the split is not there."""
   if split not in SPLITS:
-    raise ValueError(f"{config.data.name} split must be one of {SPLITS}, got {split!r}")
+    raise cli.mark_usage(ValueError(f"{config.data.name} split must be one of {SPLITS}, got {split!r}"))
   _spec(config.data.name)
   file = paths.join(prepared_dir(config), f"{split}.npy")
   if file not in _TOKENS and not paths.exists(file):

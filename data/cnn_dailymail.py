@@ -31,6 +31,7 @@ import numpy as np
 
 from data import pipeline, tokenizer
 from data.info import DatasetInfo
+from runtime import cli
 
 NAME = "cnn_dailymail"
 VERSION = "3.4.0"
@@ -160,7 +161,7 @@ class JsonLines:
 def source(config: Any, split: str) -> Any:
   """The split's raw records: the stand-in's JSON lines when present, else the prepared TFDS directory."""
   if split not in SPLITS:
-    raise ValueError(f"split must be one of {sorted(SPLITS)}, got {split!r}")
+    raise cli.mark_usage(ValueError(f"split must be one of {sorted(SPLITS)}, got {split!r}"))
   stand_in = os.path.join(data_dir(config), STAND_IN, f"{split}.jsonl")
   if os.path.exists(stand_in):
     return JsonLines(stand_in)

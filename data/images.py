@@ -35,8 +35,8 @@ def tfds_split(table: dict[str, str], split: str) -> str:
   """Our split name -> the tfds split; tfds slicing syntax ("train[:1000]") passes through."""
   base, sep, rest = split.partition("[")
   if base not in table:
-    raise ValueError(f"split must be one of {sorted(table)} (optionally sliced, e.g. 'train[:1000]'), "
-                     f"got {split!r}")
+    raise cli.mark_usage(ValueError(f"split must be one of {sorted(table)} (optionally sliced, e.g. "
+                                    f"'train[:1000]'), got {split!r}"))
   return table[base] + sep + rest
 
 

@@ -39,7 +39,7 @@ import tqdm
 
 from data import pipeline
 from data.info import DatasetInfo
-from runtime import paths
+from runtime import cli, paths
 
 log = logging.getLogger("data")
 
@@ -242,7 +242,7 @@ CACHE_VERSION = 1  # bump when the generator or the stored layout changes: old c
 def cache_spec(config: Any, split: str) -> dict[str, Any]:
   """Every field that changes the examples of `split` (the cache key hashes exactly this)."""
   if split not in SPLIT_SIZES:
-    raise ValueError(f"split must be one of {sorted(SPLIT_SIZES)}, got {split!r}")
+    raise cli.mark_usage(ValueError(f"split must be one of {sorted(SPLIT_SIZES)}, got {split!r}"))
   return {"version": CACHE_VERSION, "split": split, "size": dataset_info(config).split_sizes[split],
           "data_seed": int(pipeline.cfg_get(config, "data_seed", 0)),
           "parens": bool(pipeline.cfg_get(config, "listops_parens", False)),
@@ -397,7 +397,7 @@ def dataset_info(config: Any) -> DatasetInfo:
 def make_source(config: Any, split: str) -> CachedSource | GeneratedSource:
   """The cached split (built on first use) or, with no cache directory configured, the generator itself."""
   if split not in SPLIT_SIZES:
-    raise ValueError(f"split must be one of {sorted(SPLIT_SIZES)}, got {split!r}")
+    raise cli.mark_usage(ValueError(f"split must be one of {sorted(SPLIT_SIZES)}, got {split!r}"))
   if cache_path(config, split) is not None:
     return CachedSource(build_cache(config, split), float(pipeline.cfg_get(config, "cache_in_memory", 512)))
   log.warning("listops_synthetic: no config.data.cache_dir or data_dir, so examples are generated on access "

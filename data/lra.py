@@ -43,6 +43,7 @@ import numpy as np
 
 from data import images, listops, pipeline
 from data.info import DatasetInfo
+from runtime import cli
 
 log = logging.getLogger("data")
 
@@ -346,7 +347,7 @@ def make_source(config: Any, split: str):
   name = config.data.name
   info = dataset_info(config)
   if split not in ("train", "validation", "test"):
-    raise ValueError(f"split must be 'train', 'validation' or 'test', got {split!r}")
+    raise cli.mark_usage(ValueError(f"split must be 'train', 'validation' or 'test', got {split!r}"))
   if name == "lra_listops":
     path = _need(os.path.join(lra_root(config), "listops-1000", LISTOPS_FILES[split]), config)
     parens = bool(pipeline.cfg_get(config, "listops_parens", False))

@@ -24,6 +24,7 @@ import numpy as np
 
 from data import pipeline, records
 from data.info import DatasetInfo
+from runtime import cli
 
 NAME = "pystdlib"
 SPLITS = ("train", "validation", "test")
@@ -78,7 +79,7 @@ _STREAMS: dict[tuple[str, str], np.ndarray] = {}
 def split_bytes(root: str, split: str) -> np.ndarray:
   """The split's byte stream: its files in order, each followed by NUL; uint8 [total bytes] (cached)."""
   if split not in SPLITS:
-    raise ValueError(f"pystdlib split must be one of {SPLITS}, got {split!r}")
+    raise cli.mark_usage(ValueError(f"pystdlib split must be one of {SPLITS}, got {split!r}"))
   key = (root, split)
   if key not in _STREAMS:
     if not os.path.isdir(root):

@@ -25,6 +25,7 @@ import numpy as np
 
 from data import pipeline
 from data.info import DatasetInfo
+from runtime import cli
 
 NAME = "synthetic_recall"
 DEFAULTS = dict(seq_len=512, num_keys=16, num_values=10, num_pairs=8, num_filler=8, train_examples=1_000_000,
@@ -60,7 +61,7 @@ class RecallSource:
 
   def __init__(self, config: Any, split: str, seed: int):
     if split not in _SPLIT_SALT:
-      raise ValueError(f"{NAME}: split must be one of {sorted(_SPLIT_SALT)}, got {split!r}")
+      raise cli.mark_usage(ValueError(f"{NAME}: split must be one of {sorted(_SPLIT_SALT)}, got {split!r}"))
     self.seq_len = _field(config, "seq_len")
     self.num_keys, self.num_values = _field(config, "num_keys"), _field(config, "num_values")
     self.num_pairs, self.num_filler = _field(config, "num_pairs"), _field(config, "num_filler")

@@ -27,6 +27,7 @@ import numpy as np
 from data import pipeline
 from data.info import DatasetInfo
 from data.synthetic import _below, _hash_draws
+from runtime import cli
 
 NAME = "synthetic_local"
 DEFAULTS = dict(seq_len=512, num_symbols=16, order=2, noise=0.1, train_examples=1_000_000, eval_examples=512)
@@ -67,7 +68,7 @@ class LocalSource:
 
   def __init__(self, config: Any, split: str, seed: int):
     if split not in _SPLIT_SALT:
-      raise ValueError(f"{NAME}: split must be one of {sorted(_SPLIT_SALT)}, got {split!r}")
+      raise cli.mark_usage(ValueError(f"{NAME}: split must be one of {sorted(_SPLIT_SALT)}, got {split!r}"))
     self.seq_len, self.order = int(_field(config, "seq_len")), int(_field(config, "order"))
     self.num_symbols, self.noise = int(_field(config, "num_symbols")), float(_field(config, "noise"))
     if not 1 <= self.order < self.seq_len:

@@ -64,7 +64,7 @@ import numpy as np
 from data import order as data_order
 from data import pipeline, tokenizer
 from data.info import DatasetInfo
-from runtime import paths
+from runtime import cli, paths
 
 SPECS: dict[str, dict[str, Any]] = {
   "wiki40b": dict(tfds_name="wiki40b/en", version="1.3.0", task="lm", max_segments=None,
@@ -179,7 +179,7 @@ def text_source(config: Any, split: str):
   spec = _spec(config)
   base, sep, rest = split.partition("[")
   if base not in spec["splits"]:
-    raise ValueError(f"split must be one of {sorted(spec['splits'])}, got {split!r}")
+    raise cli.mark_usage(ValueError(f"split must be one of {sorted(spec['splits'])}, got {split!r}"))
   path = prepared_dir(config)
   if not paths.exists(paths.join(path, "dataset_info.json")):  # local or gs://
     raise pipeline.missing(path, config.data.name, pipeline.cfg_get(config, "data_dir"),

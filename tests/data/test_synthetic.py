@@ -54,3 +54,13 @@ def test_synthetic_recall_draws_are_uniform():
   np.testing.assert_allclose(counts, 1 / source.num_filler, atol=0.01)
   answers = tokens[:, 257::2] - (source.num_filler + source.num_keys * (1 + source.num_values))
   np.testing.assert_allclose(np.bincount(answers.ravel(), minlength=10) / answers.size, 0.1, atol=0.01)
+
+
+def test_an_unknown_split_is_the_users_error():
+  """A split the dataset lacks is a bad --split / config.eval_split: one line from the entry points."""
+  import data
+  from runtime import cli
+
+  with pytest.raises(ValueError, match="split must be one of") as e:
+    data.create_dataset(data_config("synthetic_recall", seq_len=64), "bogus", batch_size=2, seed=0)
+  assert cli.user_error(e.value) == str(e.value)
