@@ -40,6 +40,8 @@ from typing import Any
 import ml_collections
 import numpy as np
 
+from runtime import cli
+
 TASKS = ("local", "recall")
 DATA = {"local": "synthetic_local", "recall": "synthetic_recall"}
 SETTINGS: dict[str, dict[str, Any]] = {
@@ -137,7 +139,7 @@ def to_markdown(records: Sequence[dict[str, Any]]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--workdir_root", required=True, help="one workdir per task under it")
   parser.add_argument("--setting", choices=sorted(SETTINGS), default="default")
   parser.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS))

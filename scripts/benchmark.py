@@ -55,6 +55,7 @@ Extension points (for the other packages' helpers):
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import math
 import os
@@ -120,13 +121,17 @@ def parse_lengths(text: str) -> list[int]:
 
 
 def parse_names(text: str | None, available: Sequence[str], *, flag: str) -> list[str]:
-  """Comma list of names (None or "all" = every available one, in `available`'s order)."""
+  """Comma list of names (None or "all" = every available one, in `available`'s order); an unknown name is a
+  UsageError that lists the available ones (and the closest one to each typo)."""
   if text is None or text.strip() in ("", "all"):
     return list(available)
   names = [t.strip() for t in text.split(",") if t.strip()]
   unknown = [n for n in names if n not in available]
   if unknown:
-    raise ValueError(f"{flag}: unknown {unknown}; available: {list(available)}")
+    close = {n: difflib.get_close_matches(n, list(available), n=1) for n in unknown}
+    hints = [repr(c[0]) if len(unknown) == 1 else f"{c[0]!r} for {n!r}" for n, c in close.items() if c]
+    hint = f" (did you mean {', '.join(hints)}?)" if hints else ""
+    raise cli.UsageError(f"{flag}: unknown {unknown}{hint}; available: {list(available)}")
   return list(dict.fromkeys(names))
 
 
@@ -355,4 +360,4 @@ def main(argv: Iterable[str] | None = None) -> Any:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  sys.exit(cli.run(main))

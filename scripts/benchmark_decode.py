@@ -22,6 +22,8 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
+from runtime import cli
+
 
 def model_config(attention: str, *, layers: int, features: int, heads: int) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict({
@@ -74,7 +76,7 @@ def whole_sequence(attention: str, length: int, args: argparse.Namespace) -> tup
 
 
 def main() -> None:
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--ops", default="dense,combiner_fixed")
   p.add_argument("--position", type=int, default=8191)
   p.add_argument("--image_length", type=int, default=3072, help="0 skips the whole-sequence comparison")

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attention_core import registry
+from runtime import cli
 from training.kernel_check import relative_error
 
 TOLERANCE = {"float32": 1e-2, "bfloat16": 5e-2}
@@ -151,7 +152,7 @@ def check(case: Case, args: argparse.Namespace, key: Any) -> dict[str, float]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--length", type=int, default=1000)
   parser.add_argument("--head_dim", type=int, default=64)
   parser.add_argument("--dtype", default="float32", choices=sorted(TOLERANCE))

@@ -18,13 +18,14 @@ below).
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+
+from runtime import cli
 
 EMPTY, DIRECT = 0, 1  # codes; span r (sorted by first position) has code 2 + r
 COLOURS = {"empty": "#ffffff", "direct": "#1f4e9c", "sparse": "#1a7f4b"}
@@ -173,8 +174,8 @@ def write_pictures(out_dir: str, *, length: int = 16, block: int = 4, sets_fn: S
 
 
 def main(argv: Sequence[str] | None = None) -> list[str]:
-  parser = argparse.ArgumentParser(prog="python -m scripts.plot_patterns",
-                                   description=__doc__.split("\n\n")[0])
+  parser = cli.ArgumentParser(prog="python -m scripts.plot_patterns",
+                              description=__doc__.split("\n\n")[0])
   parser.add_argument("--out_dir", default="docs/patterns")
   parser.add_argument("--length", type=int, default=16, help="sequence length of the pictures")
   parser.add_argument("--block", type=int, default=4, help="block size (fixed) and row length (axial)")

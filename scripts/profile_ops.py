@@ -23,6 +23,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from runtime import cli
+
 
 def device_kernel_times(trace_path: str) -> tuple[collections.Counter, int]:
   """({kernel name: summed µs}, event count) of the complete events of a Perfetto trace's device processes."""
@@ -90,7 +92,7 @@ def profile(name: str, length: int, args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--ops", required=True, help="comma list of registered ops")
   parser.add_argument("--length", type=int, default=16384)
   parser.add_argument("--heads", type=int, default=16)

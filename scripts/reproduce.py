@@ -22,9 +22,9 @@ arguments dropped.
 
 Each run has its workdir `<workdir_root>/<table>/<row>/<scale>[-seed<k>]`; a row whose workdir holds
 train.py's final `metrics.json` is skipped (delete the workdir to rerun it). `--collect`
-(scripts/reproduce_report.py) reads every row's metrics and writes `<workdir_root>/results-<scale>.md` and
-`.csv`: paper value, ours (mean over seeds), delta, steps, scale, date (and the data version where the data
-varies by machine, e.g. the Python of pystdlib).
+(scripts/reproduce_report.py) reads every row's metrics and writes
+`<workdir_root>/results-<table>-<scale>.md` and `.csv`: paper value, ours (mean over seeds), delta, steps,
+scale, date (and the data version where the data varies by machine, e.g. the Python of pystdlib).
 """
 
 from __future__ import annotations
@@ -89,7 +89,8 @@ def _main(argv: Sequence[str] | None = None) -> int:
   p.add_argument("--rows", nargs="*", default=None, help="row ids or labels (default: all of the table)")
   p.add_argument("--list", action="store_true", help="print the rows and their train.py commands")
   p.add_argument("--run", action="store_true", help="run the implemented rows one after another")
-  p.add_argument("--collect", action="store_true", help="write the markdown and CSV result tables")
+  p.add_argument("--collect", action="store_true", help="write the markdown and CSV result tables "
+                 "(<workdir_root>/results-<table>-<scale>.{md,csv})")
   p.add_argument("--plot", action="store_true", help="plot the rows' evaluation curves (one panel per table)")
   p.add_argument("--eval_mem_lens", type=int, nargs="+", default=None, metavar="N",
                  help="rows whose model carries a memory (config.model.mem_len > 0): evaluate the latest "

@@ -21,9 +21,11 @@ import os
 import sys
 import time
 
+from runtime import cli
+
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p = cli.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--length", type=int, default=65536)
   p.add_argument("--batch", type=int, default=1)
   p.add_argument("--heads", type=int, default=8)
@@ -43,6 +45,11 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> dict:
+  """Bad flags (an op with no sequence-parallel form, too few devices): one `ERROR:` line, exit 2."""
+  return cli.run(_main, argv)
+
+
+def _main(argv: list[str] | None) -> dict:
   args = _parse(sys.argv[1:] if argv is None else argv)
   flags = os.environ.get("XLA_FLAGS", "")
   if "xla_force_host_platform_device_count" not in flags:
@@ -57,8 +64,8 @@ def main(argv: list[str] | None = None) -> dict:
   from attention_core.registry import sqrt_pow2
 
   if len(jax.devices()) < args.devices:
-    raise SystemExit(f"needs {args.devices} devices, JAX sees {len(jax.devices())} "
-                     "(was XLA_FLAGS set with a smaller device count?)")
+    raise cli.UsageError(f"--devices {args.devices}: JAX sees {len(jax.devices())} devices (was XLA_FLAGS "
+                         "set with a smaller --xla_force_host_platform_device_count?)")
   mesh = jax.make_mesh((args.devices,), ("seq",), axis_types=(jax.sharding.AxisType.Auto,),
                        devices=jax.devices()[:args.devices])
   length, block = args.length, args.block_size or sqrt_pow2(args.length)
@@ -75,11 +82,13 @@ def main(argv: list[str] | None = None) -> dict:
   results = {}
   with_form = [n for n in registry.names() if registry.get(n).seq_parallel is not None]
   names = ["dense"] + [n for n in with_form if n != "dense"] if args.ops == "all" else args.ops.split(",")
+  for name in names:  # all refused before the first compile
+    if name not in with_form:
+      known = "has no sequence-parallel form" if name in registry.names() else "is no registered op"
+      raise cli.UsageError(f"--ops: {name!r} {known}; ops with one: {with_form}")
   for name in names:
     spec = registry.get(name)
     op = spec.seq_parallel
-    if op is None:
-      raise SystemExit(f"attention op {name!r} has no sequence-parallel form; ops with one: {with_form}")
     params = spec.params(length)
     if "block_size" in params:
       params["block_size"] = block

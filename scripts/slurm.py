@@ -12,6 +12,10 @@ repository and `--python` its venv's interpreter as the nodes see them (a shared
 with jax installed for CUDA (README: GPU clusters). The workdir must be one every node sees: a shared
 filesystem path or `gs://`. SIGTERM comes `--signal_s` seconds before the time limit (and on preemption);
 train.py saves a checkpoint, and the requeued job resumes from it. Everything after `--` goes to train.py.
+
+Before anything is written, the config is loaded the way train.py loads it (training/command_line.py:
+`--config` with the `--config.*` overrides and gin flags after `--`, then validated), from this checkout
+(a relative `--config` path is the repository's); a bad flag or config is one `ERROR:` line, exit 2.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import re
 import shlex
 import sys
 from collections.abc import Sequence
+
+from runtime import cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEMPLATE = os.path.join(ROOT, "scripts", "slurm_train.sbatch")
@@ -47,22 +53,51 @@ def render(args: argparse.Namespace) -> str:
 
 
 def check(args: argparse.Namespace) -> None:
-  """Bad values name their flag (ValueError)."""
+  """Bad values name their flag (UsageError)."""
   for name in ("nodes", "gpus_per_node", "cpus_per_task", "signal_s"):
-    if getattr(args, name) < 1:
-      raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    cli.at_least(f"--{name}", getattr(args, name), 1)
   # #SBATCH lines are read by sbatch, not by a shell: no quoting there.
   for name in ("job_name", "log_dir", "time", "partition", "account", "qos", "mem"):
     value = getattr(args, name)
     if value is not None and (not value or re.search(r"\s", value)):
-      raise ValueError(f"--{name} must be a non-empty value without spaces, got {value!r}")
+      raise cli.UsageError(f"--{name} must be a non-empty value without spaces, got {value!r}")
   if not re.fullmatch(r"(\d+-)?\d+(:\d{1,2}){0,2}", args.time):
-    raise ValueError(f"--time must be SLURM's [days-]hours[:minutes[:seconds]], got {args.time!r}")
+    raise cli.UsageError(f"--time must be SLURM's [days-]hours[:minutes[:seconds]], got {args.time!r}")
+  if args.out is not None:
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    cli.check(os.path.isdir(out_dir), f"--out {args.out}: no such directory {out_dir}")
+    cli.check(not os.path.isdir(args.out), f"--out {args.out} is a directory, not a file")
+    cli.workdir_dir("--log_dir", args.log_dir, must_exist=False)
+  check_config(args.config, args.train_args)
+
+
+def check_config(config: str, train_args: Sequence[str]) -> None:
+  """Loads `--config` with the `--config.*` overrides and gin flags among `train_args` through train.py's
+  own helper (training/command_line.py) and validates it, so that a typo fails here and not on the cluster
+  (UsageError). A relative config path is read from this checkout; train.py's other flags are left alone."""
+  from absl import flags
+
+  from training import command_line, config_io
+
+  path = config.split(":", 1)[0]
+  local = path if os.path.isabs(path) else os.path.join(ROOT, path)
+  cli.check(os.path.isfile(local), f"--config: no config file {path} (the configs: configs/*.py; "
+                                   "`python train.py --list`)")
+  argv = ["train.py", "--config", local + config[len(path):], *train_args]
+  fv = flags.FlagValues()
+  command_line.define_config_flag(config_io.DEFAULT_CONFIG, flag_values=fv, sys_argv=argv)
+  flags.DEFINE_multi_string("gin_file", [], "gin files", flag_values=fv)
+  flags.DEFINE_multi_string("gin_bindings", [], "gin bindings", flag_values=fv)
+  try:
+    fv(argv, known_only=True)
+    command_line.checked_config(fv)
+  except flags.Error as e:
+    raise cli.UsageError(cli.user_error(e) or cli.one_line(str(e).split("\n")[0])) from e
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(prog="python -m scripts.slurm", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = cli.ArgumentParser(prog="python -m scripts.slurm", description=__doc__,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--config", required=True, help="train.py --config value, e.g. configs/c4.py")
   p.add_argument("--workdir", required=True, help="train.py --workdir: a path every node sees, or gs://")
   p.add_argument("--nodes", type=int, required=True, help="nodes (hosts) of the job")
@@ -92,18 +127,23 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+  """Bad flags or config: one `ERROR:` line on stderr, exit 2 (runtime/cli.py), and nothing written."""
+  return cli.run(_main, argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
   args = parse_args(argv)
-  try:
-    check(args)
-  except ValueError as e:
-    raise SystemExit(f"error: {e}") from None
+  check(args)
   text = render(args)
   if args.out is None:
     sys.stdout.write(text)
     return 0
+  try:
+    with open(args.out, "w") as f:
+      f.write(text)
+  except OSError as e:
+    raise cli.UsageError(f"--out {args.out}: {e.strerror or e}") from e
   os.makedirs(args.log_dir, exist_ok=True)  # sbatch does not make the output file's directory
-  with open(args.out, "w") as f:
-    f.write(text)
   print(f"wrote {args.out} ({args.nodes} x {args.gpus_per_node} GPUs, log in {args.log_dir}); submit it "
         f"with: sbatch {shlex.quote(args.out)}")
   return 0

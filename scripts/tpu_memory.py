@@ -16,7 +16,6 @@ two, as the benchmark's; other plan parameters are the op's automatic ones.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import jax
@@ -30,9 +29,11 @@ from jax.sharding import PartitionSpec as P
 from attention_baselines import dense as dense_module
 from attention_baselines import splash as splash_op
 from attention_core import registry as ops_registry
+from runtime import cli
 from scripts import compile_tpu  # noqa: F401  (libtpu for this process: scripts/compile_tpu.py)
 
 HEADS, HEAD_DIM = 16, 128
+KERNELS = ("splash", "splash_contract", "sparse_fixed_splash", "flash_legacy")  # beside the registered ops
 
 
 def _splash(length: int):
@@ -118,22 +119,31 @@ def temp_bytes(name: str, length: int, device) -> int:
 
 
 def main(argv: list[str]) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  """Bad flags: one `ERROR:` line on stderr, exit 2 (runtime/cli.py)."""
+  return cli.run(_main, argv)
+
+
+def _main(argv: list[str]) -> int:
+  parser = cli.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--lengths", default="16384,65536")
   parser.add_argument("--ops", default="splash,splash_contract,combiner_fixed")
   parser.add_argument("--topology", default="v5e",
                       help="a TPU generation: " + ", ".join(compile_tpu.GENERATIONS))
   args = parser.parse_args(argv)
-  if args.topology not in compile_tpu.GENERATIONS:
-    print(f"--topology must be one of {', '.join(compile_tpu.GENERATIONS)}, got {args.topology!r}",
-          file=sys.stderr)
-    return 2
+  cli.one_of("--topology", args.topology, compile_tpu.GENERATIONS)
+  try:
+    lengths = [int(n) for n in args.lengths.split(",")]
+  except ValueError:
+    raise cli.UsageError(f"--lengths must be comma-separated integers, got {args.lengths!r}") from None
+  names = args.ops.split(",")
+  for name in names:
+    cli.one_of("--ops", name, [*KERNELS, *ops_registry.names()])
   gen = compile_tpu.GENERATIONS[args.topology]
   device = compile_tpu.devices(compile_tpu.Slice(gen, min(gen.shapes)))[0]
   print("| op | L | temporaries MiB | / splash_contract |\n|---|---|---|---|")
-  for length in (int(n) for n in args.lengths.split(",")):
+  for length in lengths:
     ref = temp_bytes("splash_contract", length, device)
-    for name in args.ops.split(","):
+    for name in names:
       got = ref if name == "splash_contract" else temp_bytes(name, length, device)
       ratio = f"{got / ref:.2f}" if ref else "-"  # short sequences may need no temporaries at all
       print(f"| {name} | {length} | {got / 2**20:.0f} | {ratio} |", flush=True)

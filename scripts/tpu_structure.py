@@ -23,7 +23,6 @@ for a bad flag (one line).
 
 from __future__ import annotations
 
-import argparse
 import sys
 from typing import Any
 
@@ -35,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from attention_core import contract, hlo
 from attention_core import registry as ops_registry
+from runtime import cli
 from scripts import compile_tpu  # noqa: F401  (libtpu for this process: scripts/compile_tpu.py)
 
 HEADS, HEAD_DIM, DTYPE = 16, 128, jnp.bfloat16
@@ -112,7 +112,7 @@ def rows(names: list[str], lengths: list[int], directions: list[bool], generatio
 
 
 def main(argv: list[str]) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser = cli.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--ops", default=",".join(COMBINER), help="registered attention names")
   parser.add_argument("--lengths", default="4096,16384")
   parser.add_argument("--directions", default="causal,bidirectional")

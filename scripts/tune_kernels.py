@@ -16,6 +16,8 @@ import sys
 import time
 from collections.abc import Sequence
 
+from runtime import cli
+
 VARIANTS = (
     # (tile cap, num_warps, num_stages)
     (128, 4, 2),
@@ -46,7 +48,7 @@ def time_op(name: str, length: int, args: argparse.Namespace) -> float:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--ops", default="combiner_fixed,combiner_mixture")
   parser.add_argument("--length", type=int, default=16384)
   parser.add_argument("--heads", type=int, default=16)

@@ -1,5 +1,6 @@
 """scripts/benchmark.py: pure logic, a tiny end-to-end run, the worker, modes and presets (pictures:
-tests/scripts/test_plot_patterns.py)."""
+tests/scripts/test_plot_patterns.py); bad flags of every mode, and of the other measuring scripts
+(benchmark_decode, seq_parallel), as one `ERROR:` line and exit 2."""
 
 from __future__ import annotations
 
@@ -17,9 +18,11 @@ import numpy as np
 import pytest
 
 from attention_core import registry as ops_registry
+from runtime import cli
 from scripts import benchmark as bm
 from scripts import benchmark_report as br
 from scripts import benchmark_worker as bw
+from tests.training.test_usage_errors import assert_one_line
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -44,8 +47,10 @@ def test_parse_names_and_bool():
   assert bm.parse_names(None, available, flag="--ops") == available
   assert bm.parse_names("all", available, flag="--ops") == available
   assert bm.parse_names("b,dense,b", available, flag="--ops") == ["b", "dense"]
-  with pytest.raises(ValueError, match="--ops.*'zz'"):
+  with pytest.raises(cli.UsageError, match=r"--ops: unknown \['zz'\]; available: \['dense', 'a', 'b'\]"):
     bm.parse_names("a,zz", available, flag="--ops")
+  with pytest.raises(cli.UsageError, match=r"unknown \['dens'\] \(did you mean 'dense'\?\)"):
+    bm.parse_names("dens", available, flag="--ops")
   assert bm.parse_bool("True") is True and bm.parse_bool("0") is False
   with pytest.raises(argparse.ArgumentTypeError):
     bm.parse_bool("maybe")
@@ -420,3 +425,38 @@ def test_input_mode_unknown_dataset_is_one_line_and_exit_2(tmp_path):
   assert proc.returncode == 2 and "Traceback" not in proc.stderr
   (line,) = [ln for ln in proc.stderr.splitlines() if ln.strip()]
   assert line.startswith("ERROR: --datasets: unknown ['nope']; allowed: ") and "listops_synthetic" in line
+
+
+BAD_MODE_FLAGS = [
+    (["--ops", "nope", "--lengths", "256"],
+     "--ops: unknown ['nope'] (did you mean 'none'?); available: ['dense', "),
+    (["--ops", "dense,combiner_fixd", "--lengths", "256"], "(did you mean 'combiner_fixed'?)"),
+    (["--ops", "dense", "--peers", "nope", "--lengths", "256"], "--peers: unknown ['nope']"),
+    (["--mode", "train", "--ops", "nope", "--lengths", "256"], "--ops: unknown ['nope']"),
+    (["--mode", "train", "--preset", "bogus"], "--preset: invalid choice: 'bogus'"),
+    (["--mode", "train", "--layers", "abc"], "--layers: invalid int value: 'abc'"),
+    (["--mode", "input", "--rounds", "x"], "--rounds: invalid int value: 'x'"),
+]
+
+
+@pytest.mark.parametrize("argv,name", BAD_MODE_FLAGS, ids=[" ".join(a) for a, _ in BAD_MODE_FLAGS])
+def test_bad_flags_of_every_mode_are_one_line_and_exit_2(argv, name, tmp_path):
+  """Refused before any worker starts or anything is written; the modes' own flags too."""
+  assert_one_line(_run([*argv, "--out_dir", str(tmp_path / "out")]), name)
+  assert not (tmp_path / "out").exists()
+
+
+BAD_OTHER_FLAGS = [
+    (["scripts.benchmark_decode", "--layers", "x"], "--layers: invalid int value"),
+    (["scripts.seq_parallel", "--length", "x"], "--length: invalid int value"),
+    (["scripts.seq_parallel", "--devices", "2", "--ops", "dense,nope"], "--ops: 'nope' is no registered op"),
+    (["scripts.seq_parallel", "--devices", "2", "--ops", "local"],
+     "--ops: 'local' has no sequence-parallel form; ops with one: ["),
+]
+
+
+@pytest.mark.parametrize("argv,name", BAD_OTHER_FLAGS, ids=[" ".join(a) for a, _ in BAD_OTHER_FLAGS])
+def test_bad_flags_of_the_other_measuring_scripts_are_one_line_and_exit_2(argv, name):
+  proc = subprocess.run([sys.executable, "-m", *argv], cwd=REPO_ROOT, capture_output=True, text=True,
+                        timeout=120)
+  assert_one_line(proc, name)

@@ -1,6 +1,7 @@
 """scripts/compile_tpu.py as a real subprocess: libtpu compiles the default config's whole train step for a
 one-chip v5e slice on this CPU and the table is printed; a config that cannot fit exits 2 with one line, and
-so does an unknown --topology. Skipped where libtpu is not installed."""
+so does an unknown --topology, and a bad flag of scripts/tpu_memory.py and tpu_structure.py. Skipped where
+libtpu is not installed."""
 
 import os
 import subprocess
@@ -9,6 +10,7 @@ import sys
 import pytest
 
 import scripts.compile_tpu  # noqa: F401  (libtpu for this process, as for the script's own)
+from tests.training.test_usage_errors import assert_one_line
 
 pytest.importorskip("libtpu")
 
@@ -18,6 +20,24 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def compile_tpu(*argv: str) -> subprocess.CompletedProcess:
   return subprocess.run([sys.executable, "-m", "scripts.compile_tpu", *argv], cwd=ROOT, text=True,
                         capture_output=True, timeout=300, check=False)
+
+
+BAD_TPU_TOOL_FLAGS = [
+    (["scripts.tpu_memory", "--topology", "v9"], "--topology 'v9' is not one of ['v4', "),
+    (["scripts.tpu_memory", "--lengths", "1k"], "--lengths must be comma-separated integers, got '1k'"),
+    (["scripts.tpu_memory", "--ops", "splash,nope"], "--ops 'nope' is not one of ['splash', "),
+    (["scripts.tpu_structure", "--heads", "0"], "--heads must be at least 1, got 0"),
+    (["scripts.tpu_structure", "--cotangent", "x"], "--cotangent: invalid choice: 'x'"),
+    (["scripts.tpu_structure", "--bogus"], "unrecognized arguments: --bogus"),
+]
+
+
+@pytest.mark.parametrize("argv,name", BAD_TPU_TOOL_FLAGS, ids=[" ".join(a) for a, _ in BAD_TPU_TOOL_FLAGS])
+def test_bad_flags_of_the_tpu_tools_are_one_line_and_exit_2(argv, name):
+  """Refused before anything is compiled."""
+  proc = subprocess.run([sys.executable, "-m", *argv], cwd=ROOT, text=True, capture_output=True, timeout=120)
+  assert_one_line(proc, name)
+  assert proc.stdout == ""
 
 
 def lines(text: str) -> list[str]:

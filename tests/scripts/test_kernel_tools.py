@@ -2,7 +2,8 @@
 
 The scripts are meant for a GPU or TPU host; here they run in interpret mode (or on a hand-written trace) so
 that their logic is checked where CI runs: the checker passes on agreeing paths and fails on a planted
-disagreement, the profiler sums only device events, the tuner restores nothing it should not.
+disagreement, the profiler sums only device events, the tuner restores nothing it should not; a bad flag of
+any of them is one `ERROR:` line and exit 2.
 """
 
 from __future__ import annotations
@@ -11,11 +12,15 @@ import dataclasses
 import functools
 import gzip
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
 from combiner import frames, kernel_plans
 from scripts import check_kernels, profile_ops, tune_kernels
+from tests.training.test_usage_errors import ROOT, assert_one_line
 
 
 @pytest.mark.slow
@@ -47,6 +52,23 @@ def test_check_kernels_rejects_unknown_names(capsys):
   with pytest.raises(SystemExit):
     check_kernels.main(["--only", "combiner,nonsense"])
   assert "nonsense" in capsys.readouterr().err
+
+
+BAD = [
+    (["scripts.check_kernels", "--only", "combiner,nonsense"], "--only: 'nonsense' names no op with a fused"),
+    (["scripts.check_kernels", "--dtype", "int8"], "--dtype: invalid choice: 'int8'"),
+    (["scripts.profile_ops"], "the following arguments are required: --ops"),
+    (["scripts.profile_ops", "--ops", "dense", "--causal", "maybe"], "--causal: invalid choice: 'maybe'"),
+    (["scripts.tune_kernels", "--length", "x"], "--length: invalid int value: 'x'"),
+]
+
+
+@pytest.mark.parametrize("argv,name", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_flags_are_one_line_and_exit_2(argv, name):
+  env = {k: v for k, v in os.environ.items() if k != "LSA_DEBUG"}
+  proc = subprocess.run([sys.executable, "-m", *argv], cwd=ROOT, env=env, capture_output=True, text=True,
+                        timeout=120)
+  assert_one_line(proc, name)
 
 
 def test_check_kernels_covers_every_fused_op_in_both_directions():

@@ -1,14 +1,17 @@
 """scripts/plot_patterns.py: attention-pattern codes from a plan's sets, the reference patterns, the pictures
-it writes and the committed ones in docs/patterns/."""
+it writes and the committed ones in docs/patterns/; a bad flag is one `ERROR:` line and exit 2."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 from scripts import plot_patterns as pp
+from tests.training.test_usage_errors import assert_one_line
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -75,3 +78,12 @@ def test_committed_pattern_pictures_are_present_and_small():
   for name in expected + ["overview.png"]:
     size = os.path.getsize(os.path.join(pictures, name))
     assert 1000 < size < 100_000, name
+
+
+@pytest.mark.parametrize("argv,name", [(["--length", "0"], "--length and --block must be >= 1"),
+                                       (["--block", "x"], "--block: invalid int value: 'x'")])
+def test_bad_flags_are_one_line_and_write_nothing(argv, name, tmp_path):
+  proc = subprocess.run([sys.executable, "-m", "scripts.plot_patterns", "--out_dir", str(tmp_path / "out"),
+                         *argv], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+  assert_one_line(proc, name)
+  assert not (tmp_path / "out").exists()

@@ -87,7 +87,7 @@ def test_stand_in_only_when_asked(tmp_path, capsys):
     data.create_dataset(c, "train", batch_size=2, seed=0, shard_index=0, shard_count=1)
 
 
-def test_list_and_collect(tmp_path, capsys):
+def test_list_and_collect(tmp_path, capsys, monkeypatch):
   assert reproduce.main(["--table", "combiner-2", "--list", "--scale", "cpu"]) == 0
   out = capsys.readouterr().out
   assert "Combiner-Fixed-2k: paper 17.7" in out and "train.py --config configs/wiki40b.py:" in out
@@ -109,6 +109,12 @@ def test_list_and_collect(tmp_path, capsys):
   # a finished row is skipped by --run
   assert runner.run_rows([fixed], "cpu", str(tmp_path)) == []
   assert "finished already" in capsys.readouterr().out
+  monkeypatch.setenv("COLUMNS", "200")  # argparse wraps help lines at the terminal's width, even at hyphens
+  with pytest.raises(SystemExit) as e:  # the help names the files --collect writes
+    reproduce.main(["--help"])
+  help_text = capsys.readouterr().out
+  assert e.value.code == 0 and "results-<scale>" not in help_text
+  assert help_text.count("results-<table>-<scale>") == 2  # the description and --collect's own help
 
 
 def test_curves_and_plot(tmp_path, capsys):
