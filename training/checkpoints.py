@@ -236,9 +236,11 @@ def check_finite(tree: Any, what: str) -> None:
 
 
 def restore_newest(steps: Iterable[int], restore: Callable[[int], Any], directory: Any, *,
-                   say: Callable[[str], None] = print, set_aside: Callable[[int], str] | None = None) -> Any:
+                   say: Callable[[str], None] = print, set_aside: Callable[[int], str] | None = None,
+                   using: str = "resuming from") -> Any:
   """restore(step) for the newest of `steps` that restores; each step whose restore raises
-  UnrestorableCheckpoint (naming its directory) is reported and, with `set_aside`, moved out of the way.
+  UnrestorableCheckpoint (naming its directory) is reported and, with `set_aside`, moved out of the way;
+  `using` says what is done with the one that restores after those.
   Raises UnrestorableCheckpoint when none restores. `directory` is the checkpoints directory (for the
   message)."""
   failures = []
@@ -252,7 +254,7 @@ def restore_newest(steps: Iterable[int], restore: Callable[[int], Any], director
       say(f"WARNING: {e}{note}; trying the previous step")
       continue
     if failures:
-      say(f"resuming from step {step}, the newest checkpoint that restores")
+      say(f"{using} step {step}, the newest checkpoint that restores")
     return result
   raise UnrestorableCheckpoint(f"no checkpoint in {directory} restores:\n  " + "\n  ".join(failures))
 

@@ -78,7 +78,7 @@ def restore_workdir(workdir: str, *, step: int | None = None, devices: list | No
     return exp, checkpoints.restore_checkpoint(mgr, exp, None, s)
 
   steps = available if step is None else [step]
-  exp, state = checkpoints.restore_newest(steps, restore, mgr.directory,
+  exp, state = checkpoints.restore_newest(steps, restore, mgr.directory, using="reading",
                                           say=lambda line: print(line, flush=True))
   return exp, state, mgr
 

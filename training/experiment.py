@@ -275,8 +275,10 @@ class Experiment:
     if self.eval_mem_len:
       memory = recurrence.empty(self.abstract_model, self.mesh, int(self.config.train.eval_batch_size),
                                 self.eval_mem_len, self.eval_compressed_mem_len)
+    whole = True  # the loader ran out before max_batches: every batch of the split was read
     for batch in loader:
       if 0 <= max_batches <= n:
+        whole = False
         break
       args = (state.params, state.rest, self.rng_state, self.global_batch(batch))
       if memory is None:
@@ -293,7 +295,7 @@ class Experiment:
     out = metrics_lib.summarize(self.task, totals)
     out["num_batches"] = n
     out["num_examples"] = examples
-    out["whole_split"] = max_batches < 0 or n < max_batches
+    out["whole_split"] = whole
     return out
 
   def per_host(self, global_batch: int) -> int:

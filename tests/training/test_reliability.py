@@ -273,9 +273,13 @@ def test_eval_agrees_with_train_by_default_and_keeps_each_file(trained, tmp_path
   assert (m["num_batches"], m["num_examples"]) == (1, 8)
   np.testing.assert_allclose(m["loss"], final["loss"], rtol=1e-6)
   assert m["accuracy"] == final["accuracy"]
+  assert not m["whole_split"]
   whole = eval_lib.evaluate_workdir(workdir, max_batches=-1)
   assert (whole["num_batches"], whole["num_examples"], whole["whole_split"]) == (2, 16, True)
   assert whole["path"] != m["path"]
+  # as many batches as the split has: the whole split, though max_batches was not -1
+  exact = eval_lib.evaluate_workdir(workdir, max_batches=2)
+  assert (exact["num_batches"], exact["whole_split"]) == (2, True) and exact["path"] == whole["path"]
   assert strict_json(m["path"])["num_batches"] == 1 and strict_json(whole["path"])["num_batches"] == 2
   assert loop.format_metrics(m).count("num_examples=8") == 1
 
