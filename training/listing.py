@@ -36,7 +36,12 @@ def listing() -> str:
     if paper is not None:
       keys, flags = keys + [f"{k}= (with {paper.FLAG})" for k in paper.KEYS], flags + [paper.FLAG]
     rel = os.path.relpath(path, ROOT)
-    lines.append(f"  {rel:<22} {(module.__doc__ or '').strip().splitlines()[0]}")
+    lines.append(f"  {rel:<22} {_summary(module.__doc__)}")
     lines.append(f"  {'':<22} keys: {', '.join(k if '=' in k else k + '=' for k in keys)}")
     lines.append(f"  {'':<22} flags: {', '.join(flags)}")
   return "\n".join(lines)
+
+
+def _summary(doc: str | None) -> str:
+  """A docstring's first paragraph as one line (its summary may wrap)."""
+  return " ".join((doc or "").strip().split("\n\n")[0].split())

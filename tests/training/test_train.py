@@ -225,3 +225,4 @@ def test_list_names_every_attention_config_and_argument():
     assert config in text
   assert "task=" in text and "yoso_paper" in text and "routing_paper" in text and "smoke" in text
   assert "configs/base.py" not in text and "configs/images.py" not in text  # shared settings, not experiments
+  assert "bits/dim on the test set." in text  # a summary that wraps in its docstring is listed whole
