@@ -25,6 +25,7 @@ stops with CheckpointMismatch, a usage error naming the first differing array; n
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -73,11 +74,27 @@ def checkpoint_manager(workdir: str, config: ml_collections.ConfigDict, *, read_
   """The workdir's checkpoint manager; saves are asynchronous unless `asynchronous=False`."""
   import orbax.checkpoint as ocp
 
-  options = ocp.CheckpointManagerOptions(max_to_keep=int(config.train.keep_checkpoints), create=not read_only,
-                                         read_only=read_only,
-                                         enable_async_checkpointing=asynchronous and not read_only)
-  return _manager_class()(paths.path(workdir) / "checkpoints", options=options,
-                          item_names=("state", "data", "meta"))
+  # Read-only (eval.py, sample.py): no save settings, which orbax would reset with a warning line each.
+  keep = {"save_interval_steps": 0, "max_to_keep": None} if read_only else {
+      "max_to_keep": int(config.train.keep_checkpoints)}
+  options = ocp.CheckpointManagerOptions(create=not read_only, read_only=read_only,
+                                         enable_async_checkpointing=asynchronous and not read_only, **keep)
+  from absl import logging
+
+  with _quiet(logging) if read_only else contextlib.nullcontext():  # "Given directory is read only=..."
+    return _manager_class()(paths.path(workdir) / "checkpoints", options=options,
+                            item_names=("state", "data", "meta"))
+
+
+@contextlib.contextmanager
+def _quiet(logging: Any):
+  """absl logging above warnings inside (orbax's notice that a read-only manager is read-only)."""
+  before = logging.get_verbosity()
+  logging.set_verbosity(logging.ERROR)
+  try:
+    yield
+  finally:
+    logging.set_verbosity(before)
 
 
 def state_tree(state: TrainState) -> dict[str, Any]:
