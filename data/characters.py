@@ -180,7 +180,7 @@ def dataset_info(config: Any) -> DatasetInfo:
   seq_len = int(pipeline.cfg_get(config, "seq_len", DEFAULT_SEQ_LEN))
   sizes = {split: n // seq_len for split, n in split_lengths(PUBLISHED_LENGTH).items()}
   return DatasetInfo(name=name, task="lm", vocab_size=vocab, seq_len=seq_len, input_vocab_size=vocab + 1,
-                     bos_id=vocab, metric="perplexity", split_sizes=sizes)
+                     bos_id=vocab, metric="bits_per_byte", split_sizes=sizes)
 
 
 def create_dataset(config: Any, split: str, *, batch_size: int, seed: int, shard_index=None, shard_count=None,

@@ -31,7 +31,7 @@ class DatasetInfo:
   mask_id: int | None = None
   cls_id: int | None = None
   image_shape: tuple[int, int, int] | None = None  # (height, width, channels) for image tasks
-  metric: str = "accuracy"  # "bits_per_dim" | "perplexity" | "accuracy"
+  metric: str = "accuracy"  # "bits_per_dim" | "perplexity" | "accuracy" | "bits_per_byte" (a token a byte)
   max_segments: int | None = None  # packed text: most documents per row (None = unlimited)
   split_sizes: dict[str, int] = dataclasses.field(default_factory=dict)  # known full-dataset record counts
   version: str | None = None  # what the data was read from, where it varies by machine (pystdlib: the Python)

@@ -122,7 +122,7 @@ def lm_example(window: np.ndarray) -> dict[str, np.ndarray]:
 def dataset_info(config: Any) -> DatasetInfo:
   seq_len = int(pipeline.cfg_get(config, "seq_len", 2048))
   return DatasetInfo(name=NAME, task="lm", vocab_size=256, seq_len=seq_len, input_vocab_size=257, bos_id=256,
-                     metric="perplexity", version=version(config))
+                     metric="bits_per_byte", version=version(config))
 
 
 def create_dataset(config: Any, split: str, *, batch_size: int, seed: int, shard_index=None, shard_count=None,

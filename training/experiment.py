@@ -293,6 +293,8 @@ class Experiment:
       raise ValueError(f"split {split!r} of {self.config.data.name!r} produced no batches")
     examples = int(totals.pop("examples"))
     out = metrics_lib.summarize(self.task, totals)
+    if self.info.metric == "bits_per_byte":  # byte- and character-level text: the papers' unit
+      out["bits_per_byte"] = float(out["loss"] / np.log(2.0))
     out["num_batches"] = n
     out["num_examples"] = examples
     out["whole_split"] = whole

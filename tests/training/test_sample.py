@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -86,6 +87,9 @@ def test_sample_bytes_end_to_end(tmp_path):
   assert text.startswith("def ") and "def " in proc.stdout
   assert "\0" not in text  # a sample ends at the NUL that separates pystdlib's files
   assert_usage_error(entry("sample.py", "--workdir", workdir, "--prompt_len", "4"), "--prompt_len", "image")
+  with open(os.path.join(workdir, "metrics.json")) as f:  # a byte-level LM's evaluation in its paper's unit
+    metrics = json.load(f)
+  assert abs(metrics["bits_per_byte"] - metrics["loss"] / math.log(2.0)) < 1e-6
 
 
 @pytest.mark.slow  # ~50 s: a wiki40b smoke run on the generated stand-in, then sample.py twice
