@@ -12,6 +12,13 @@ section 4, plan `routed`):
   chunk at positions `<= i`, its abstraction is a *prefix* pooling and its value a softmax over that prefix
   only.
 
+Causal outputs are not invariant to later tokens' cluster ids: the balanced chunks are cut from the ranks of
+all L tokens, so a later token's cluster moves the chunk boundaries of earlier ones (the leak of the Routing
+Transformer's balanced top-k, which `routing.attention` only runs as "balanced_leaky"). Later values never
+reach an earlier output and no gradient flows from a later token to an earlier output (membership is
+discrete), but a decoder's outputs at i depend on the clusters of tokens after i; a causal model built on this
+plan says so when it is built (models/routing_attention.py).
+
 Layout: tokens are permuted into a [chunks, w] "slot" grid sorted by (chunk, position), where a chunk is a
 reshape axis, so span abstractions are reductions (or cumulative reductions, causal) over the slot axis: the
 contiguous-segment case of `jax.ops.segment_max` without a scatter. Causal: the prefix state of chunk r seen

@@ -46,6 +46,7 @@ Config fields (`config.model.attention`), besides `name`, `params`, `dropout_rat
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import jax
@@ -285,6 +286,20 @@ class RoutingAttention(attention.AttentionBase, _CentroidMixin):
     return self.out(o), attention.LayerCache(state, cache.max_length)
 
 
+_WARNED: list[bool] = []
+
+
+def _warn_balanced_causal() -> None:
+  """Once per process: a causal combiner_routed model's outputs depend on later tokens' clusters."""
+  if not _WARNED:
+    _WARNED.append(True)
+    print("WARNING: attention 'combiner_routed' in a causal model: its balanced chunks are cut from the "
+          "cluster ids of all tokens, so later tokens' clusters move the chunks of earlier ones (the Routing "
+          "Transformer's balanced top-k leak; no later value or gradient reaches an earlier output). For an "
+          "exactly causal routed model use attention 'routing' (membership 'nearest').", file=sys.stderr,
+          flush=True)
+
+
 class RoutedCombinerAttention(attention.AttentionBase, _CentroidMixin):
   """Combiner-learnable: clusters = nearest k-means centroid of each layer-normed query (and key), per
   head."""
@@ -303,6 +318,8 @@ class RoutedCombinerAttention(attention.AttentionBase, _CentroidMixin):
                                                       "combiner_routed")
     self.num_clusters, rows = _cluster_state(config, params, "combiner_routed")
     self._init_centroids(config, num_heads, rows, head_dim, layer)
+    if causal:
+      _warn_balanced_causal()
 
   def __call__(self, x: Array, mask: Array | None, *, deterministic: bool) -> Array:
     q, k, v = self.project(x)  # [batch, length, heads, head_dim]

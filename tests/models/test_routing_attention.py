@@ -279,3 +279,16 @@ def test_routed_combiner_real_outputs_ignore_padded_content(causal):
     x2 = jnp.where(mask[..., None], x, fill * jax.random.normal(jax.random.key(3), x.shape))
     out2 = m(x2, mask, deterministic=True)
     np.testing.assert_array_equal(np.where(mask[..., None], out2, 0.0), np.where(mask[..., None], out, 0.0))
+
+
+def test_a_causal_routed_combiner_says_its_chunks_depend_on_later_tokens(capsys, monkeypatch):
+  """The balanced partition of the causal routed plan depends on later tokens' clusters: a causal model built
+  on it says so once (a bidirectional one has nothing to leak)."""
+  from models import routing_attention
+
+  monkeypatch.setattr(routing_attention, "_WARNED", [])
+  _build("combiner_routed", causal=False)
+  assert "WARNING" not in capsys.readouterr().err
+  _build("combiner_routed")
+  _build("combiner_routed")
+  assert capsys.readouterr().err.count("WARNING: attention 'combiner_routed' in a causal model") == 1
