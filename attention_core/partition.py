@@ -338,6 +338,15 @@ def _seq_form(op: Callable[..., Any], kwargs: dict[str, Any]) -> tuple[Callable[
   return None
 
 
+def _reshard(call: _Call, mesh: Any, place: Placement) -> None:
+  """On Explicit axes: each array of `call` typed other than `place` splits it (k, v, the mask, per-head
+  weights made as constants) resharded to match, as shard_map's in_specs require."""
+  for i, x in enumerate(call.arrays):
+    want = call.spec(i, place)
+    if _typed_spec(x) != tuple(want) + (None,) * (jnp.ndim(x) - len(want)):
+      call.arrays[i] = jax.sharding.reshard(x, NamedSharding(mesh, want))
+
+
 def _explicit(op: Callable[..., Any], call: _Call, mesh: Any, kwargs: dict[str, Any]) -> Array:
   """Explicit axes: the op on q's typed placement (its sequence-parallel form for a split sequence), the
   other arrays resharded to match."""
@@ -348,10 +357,7 @@ def _explicit(op: Callable[..., Any], call: _Call, mesh: Any, kwargs: dict[str, 
   form = _seq_form(op, kwargs) if len(seq) == 1 and not call.modules and not call.closures else None
   if form is not None:
     place = dataclasses.replace(place, seq=seq)
-  for i, x in enumerate(call.arrays):
-    want = call.spec(i, place)
-    if _typed_spec(x) != tuple(want) + (None,) * (jnp.ndim(x) - len(want)):
-      call.arrays[i] = jax.sharding.reshard(x, NamedSharding(mesh, want))
+  _reshard(call, mesh, place)
   if form is None:
     return call.run(mesh, place)
   fn, rest = form
@@ -403,7 +409,10 @@ def call(fn: Callable[..., Array], q: Array, k: Array, v: Array, kwargs: dict[st
   if _INSIDE.get() or not _contract_shaped(q, k, v, kwargs.get("mask")):
     return direct()
   if placement is not None:
-    return _Call(fn, q, k, v, kwargs, kinds, name).run(mesh, placement, own_vjp=False)
+    c = _Call(fn, q, k, v, kwargs, kinds, name)
+    if jax.sharding.AxisType.Explicit in mesh.axis_types:
+      _reshard(c, mesh, dataclasses.replace(placement, heads=() if c.closures else placement.heads))
+    return c.run(mesh, placement, own_vjp=False)
   context = jax.sharding.get_abstract_mesh()
   if not context.empty and not free_axes(context):
     return direct()  # inside shard_map: q, k, v are this device's already
@@ -445,6 +454,12 @@ def _plain(x: Any) -> bool:
       isinstance(x, tuple) and all(_plain(i) for i in x))
 
 
+def _typed(x: Any) -> Any:
+  """x's types, into tuples: a cache key part, since (0,), (0.0,) and (False,) are equal but an op may take
+  only one of them."""
+  return tuple(_typed(i) for i in x) if isinstance(x, tuple) else type(x)
+
+
 def _whole(fn: Callable[..., Array], q: Array, k: Array, v: Array, kwargs: dict[str, Any],
            op: Callable[..., Any]) -> Array:
   """fn(q, k, v, **kwargs) on concrete arrays on one device, compiled as one program (cached by shapes,
@@ -455,7 +470,7 @@ def _whole(fn: Callable[..., Array], q: Array, k: Array, v: Array, kwargs: dict[
   trace_key = getattr(op, "trace_key", None)
   context = trace_key() if trace_key is not None else None
   names = tuple(n for n, x in kwargs.items() if isinstance(x, (jax.Array, np.ndarray)))  # not numpy scalars
-  static = tuple((n, type(x), x) for n, x in kwargs.items() if n not in names)
+  static = tuple((n, _typed(x), x) for n, x in kwargs.items() if n not in names)
   if context is None or not all(_plain(x) for _, _, x in static):
     return fn(q, k, v, **kwargs)
   if getattr(op, "check", None) is not None:

@@ -251,6 +251,12 @@ def test_an_eager_call_on_one_device_is_one_compiled_program():
   assert programs() == 4
   with pytest.raises(ValueError, match=r"must lie in \[0, num_clusters=2\), got values in \[2, 2\]"):
     routed(q, k, v, cluster_ids=ids + 2, num_clusters=2)
+  # equal values of other types are other programs: the op checks each ((0.0,) is not a position)
+  from attention_baselines.longformer import longformer
+
+  longformer(q, k, v, causal=False, window=4, global_positions=(0,))
+  with pytest.raises(ValueError, match="global_positions"):
+    longformer(q, k, v, causal=False, window=4, global_positions=(0.0,))
 
 
 def test_bad_input_gets_the_ops_own_error():
@@ -299,3 +305,19 @@ def test_every_fused_op_sharded_equals_one_device(name):
   got = fwd_grads(op, q, k, v, mesh(), P("rows") if keyed else BOTH, **arrays)
   assert_same(got[:2], fwd_grads(op, q, k, v, **arrays)[:2], tol=1e-4)
   assert hlo.collectives(got[2]) == []
+
+
+def test_an_eager_call_on_sharded_heads_reshards_per_head_constants():
+  """Eager on heads split over an Explicit axis: the routed plan's per-head centroids, made as a constant the
+  op's registration passes, are resharded to the heads like q (shard_map refused them replicated)."""
+  from attention_core import registry
+
+  spec = registry.get("combiner_routed")
+  q, k, v = inputs(batch=2, length=32, heads=4)
+  want = spec.fn(q, k, v, causal=True, num_clusters=4)
+  m = mesh(EXPLICIT, (4,), ("cols",))
+  with jax.set_mesh(m):
+    qs, ks, vs = (jax.device_put(x, NamedSharding(m, P(None, None, "cols"))) for x in (q, k, v))
+    got = spec.fn(qs, ks, vs, causal=True, num_clusters=4)
+  assert padded(got.sharding.spec) == (None, None, "cols", None)
+  assert_same(got, want)
