@@ -27,10 +27,15 @@ Array = Any
 CENTROID_SEED = 0
 
 
-def _centroids(q: Array, clusters: int) -> np.ndarray:
+def _centroids(q: Array, clusters: int, op: str) -> np.ndarray:
   """Fixed [heads, clusters, head_dim] centroids for q [batch, length, heads, head_dim]: a constant of the
-  compiled program, not a random draw and normalisation run at every call."""
-  return _fixed_centroids(int(q.shape[2]), int(clusters), int(q.shape[3]))
+  compiled program, not a random draw and normalisation run at every call. q's rank and `num_clusters` are
+  checked first (the op's own error), since the centroids are made before the op runs."""
+  clusters = contract.check_positive_int(clusters, name="num_clusters", op=op)
+  if jnp.ndim(q) != 4:
+    raise ValueError(f"{op}: argument 'q' must have rank 4 [batch, length, heads, dim], got shape "
+                     f"{tuple(jnp.shape(q))}")
+  return _fixed_centroids(int(q.shape[2]), clusters, int(q.shape[3]))
 
 
 @functools.cache
@@ -54,8 +59,9 @@ def routing_op(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None
   among the registered `params` on purpose: configs pre-fill every registered param as a plan parameter,
   while the model module takes `membership` as a module field.
   """
-  out, _ = routing_attention(q, k, v, centroids=_centroids(q, num_clusters), window=window, causal=causal,
-                             mask=mask, share_qk=True, membership=membership)
+  centroids = _centroids(q, num_clusters, "routing")
+  out, _ = routing_attention(q, k, v, centroids=centroids, window=window, causal=causal, mask=mask,
+                             share_qk=True, membership=membership)
   return out  # [batch, length, heads, value_dim]
 
 
@@ -65,8 +71,9 @@ def combiner_routed_op(q: Array, k: Array, v: Array, *, causal: bool, mask: Arra
   (on kernels under `implementation`: Combiner-Fixed's when bidirectional, `combiner.routed_kernels` when
   causal). The centroids are made for every head
   here and the rest partitions itself (`_routed_by`), each device routing its heads by theirs."""
-  return _routed_by(q, k, v, centroids=_centroids(q, num_clusters), causal=causal, mask=mask,
-                    num_clusters=num_clusters, pooling=pooling, implementation=implementation)
+  centroids = _centroids(q, num_clusters, "combiner_routed")
+  return _routed_by(q, k, v, centroids=centroids, causal=causal, mask=mask, num_clusters=num_clusters,
+                    pooling=pooling, implementation=implementation)
 
 
 combiner_routed_op.partitions_itself = True  # through `_routed_by` (attention_core.partition)

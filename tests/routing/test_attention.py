@@ -340,3 +340,19 @@ def test_gradients_match_finite_differences(share_qk):
                                mask_self=True, membership="balanced_leaky")[0]
 
     check_grads(f, (q, k, v), order=1, modes=["rev"], eps=1e-6, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["routing", "combiner_routed"])
+def test_registered_ops_check_q_and_num_clusters_before_making_centroids(name):
+  """The registered ops make their fixed centroids from q's shape and num_clusters: both are checked first,
+  with the op's own words (not an IndexError, a silent int() or an argmax of nothing)."""
+  from attention_core import registry
+
+  spec = registry.get(name)
+  q = jnp.ones((1, 16, 2, 8))
+  extra = {"window": 4} if name == "routing" else {}
+  for clusters in (8.5, 0):
+    with pytest.raises(ValueError, match=f"{name}: argument 'num_clusters' must be a positive integer"):
+      spec.fn(q, q, q, causal=True, num_clusters=clusters, **extra)
+  with pytest.raises(ValueError, match=f"{name}: argument 'q' must have rank 4"):
+    spec.fn(q[..., 0], q[..., 0], q[..., 0], causal=True, num_clusters=4, **extra)
