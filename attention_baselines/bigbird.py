@@ -57,6 +57,7 @@ def block_pattern(num: int, *, causal: bool, global_blocks: Any, num_random_bloc
   return allowed, is_global
 
 
+@contract.partitioned_op()
 def bigbird(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None, block_size: int = 64,
             global_blocks: Any = (0, -1), num_random_blocks: int = 3, seed: int = 0,
             row_chunks: int | None = None) -> Array:

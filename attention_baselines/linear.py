@@ -226,6 +226,7 @@ def _safe(denom: Array) -> Array:
   return jnp.where(denom > 0, denom, 1.0)
 
 
+@contract.partitioned_op()
 def linear(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None,
            chunk_size: int = DEFAULT_CHUNK, row_chunks: int | None = None) -> Array:
   """Linear-transformer attention with phi = elu + 1 (no logit scale: the paper applies phi to q and k as is).

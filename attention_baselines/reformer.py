@@ -101,6 +101,7 @@ def _unit(x: Array) -> Array:
   return x * jax.lax.rsqrt(jnp.where(n2 > 0, n2, 1.0))
 
 
+@contract.partitioned_op()
 def reformer(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None, rng: Array,
              n_hashes: int = 2, n_buckets: int | None = None, chunk_size: int = 64,
              row_chunks: int | None = None) -> Array:

@@ -160,6 +160,15 @@ def per_platform_op(key: Callable[..., Any], *, per_head: tuple[str, ...] = (),
   return wrap
 
 
+def partitioned_op(*, per_head: tuple[str, ...] = ()) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+  """Decorator of the ops without fused paths whose XLA form XLA's partitioner cannot split on Explicit axes
+  (a reshape or an update of a sharded axis): the op partitions itself as the fused ones do
+  (`per_platform_op`, with no per-platform choices)."""
+  def wrap(op: Callable[..., Any]) -> Callable[..., Any]:
+    return partition.partitioned(op, per_head=per_head, trace_key=trace_context)
+  return wrap
+
+
 def trace_context() -> tuple[Any, ...] | None:
   """What an op's trace depends on beyond its arguments: the platform it is traced for (`traced_for`) and
   `backend()`. None where that platform is not the one the call runs on (the TPU interpreter on a CPU

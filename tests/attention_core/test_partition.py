@@ -321,3 +321,23 @@ def test_an_eager_call_on_sharded_heads_reshards_per_head_constants():
     got = spec.fn(qs, ks, vs, causal=True, num_clusters=4)
   assert padded(got.sharding.spec) == (None, None, "cols", None)
   assert_same(got, want)
+
+
+@pytest.mark.parametrize("name", ["linear", "bigbird", "reformer"])
+@pytest.mark.parametrize("split", ["batch", "heads", "both"])
+def test_ops_xla_cannot_split_on_explicit_axes_partition_themselves(name, split):
+  """Ops without a fused path whose XLA form updates or reshapes a sharded axis (XLA's partitioner refuses
+  that on Explicit axes: ShardingTypeError) partition themselves and equal one device, gradients included."""
+  from attention_core import registry
+
+  spec = registry.get(name)
+  q, k, v = inputs(batch=4, length=64, heads=4, dim=8)
+  kw = dict(spec.params(64), **spec.bench_inputs(64, registry.Shape(batch=4, heads=4, head_dim=8)))
+
+  def op(q, k, v):
+    return spec.fn(q, k, v, causal=spec.causal, **kw)
+
+  want = fwd_grads(op, q, k, v)
+  got = fwd_grads(op, q, k, v, mesh(EXPLICIT), SPLITS[split])
+  assert padded(got[0].sharding.spec) == padded(SPLITS[split])
+  assert_same(got[:2], want[:2])
