@@ -471,7 +471,8 @@ def _whole(fn: Callable[..., Array], q: Array, k: Array, v: Array, kwargs: dict[
   context = trace_key() if trace_key is not None else None
   names = tuple(n for n, x in kwargs.items() if isinstance(x, (jax.Array, np.ndarray)))  # not numpy scalars
   static = tuple((n, _typed(x), x) for n, x in kwargs.items() if n not in names)
-  if context is None or not all(_plain(x) for _, _, x in static):
+  scalars = any(jnp.ndim(kwargs[n]) == 0 for n in names)  # a size given as an array: the op names it as given
+  if context is None or scalars or not all(_plain(x) for _, _, x in static):
     return fn(q, k, v, **kwargs)
   if getattr(op, "check", None) is not None:
     op.check(q, k, v, **kwargs)

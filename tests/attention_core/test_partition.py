@@ -246,6 +246,9 @@ def test_an_eager_call_on_one_device_is_one_compiled_program():
   assert programs() == 3
   fixed(q, k, v, causal=True, block_size=np.int64(8))  # not a plain value: runs as it is
   assert programs() == 3
+  with pytest.raises(ValueError, match=r"'block_size' must be a positive integer, got Array\(8"):
+    fixed(q, k, v, causal=True, block_size=jnp.int32(8))  # refused as given, not as a traced value
+  assert programs() == 3
   ids = jnp.zeros(q.shape[:3], jnp.int32)
   routed(q, k, v, cluster_ids=ids + 1, num_clusters=2)
   assert programs() == 4
