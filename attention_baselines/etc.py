@@ -177,6 +177,7 @@ def etc_attention(q: Array, k: Array, v: Array, *, mask: Array | None = None, se
   return long_out, global_out
 
 
+@contract.partitioned_op(per_head=("rel_bias",), like_q=("global_q", "global_k", "global_v"))
 def etc(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None, segment_length: int = 32,
         radius: int = 84, max_distance: int = 12, rel_bias: Array | None = None,
         global_q: Array | None = None, global_k: Array | None = None, global_v: Array | None = None,

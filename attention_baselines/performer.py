@@ -76,9 +76,17 @@ def performer(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None 
   q, k, v, mask, causal, chunk, chunks = check_args(q, k, v, mask, op=op, causal=causal,
                                                     chunk_size=chunk_size, row_chunks=row_chunks)
   ct = contract.softmax_dtype(q.dtype, k.dtype, v.dtype)
-  w = resolve_features(features, rng, num_features, q.shape[-1], ct, op=op)
-  return feature_attention(q, k, v, mask, w, _favor_features, causal=causal, chunk=chunk, row_chunks=chunks,
-                           op=op)
+  w = resolve_features(features, rng, num_features, q.shape[-1], ct, op=op)  # [m, head_dim], every head's
+  return _favor(q, k, v, causal=causal, mask=mask, features=w, chunk_size=chunk, row_chunks=chunks)
+
+
+@contract.partitioned_op()
+def _favor(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None, features: Array,
+           chunk_size: int, row_chunks: int | None) -> Array:
+  """`performer` with its features [m, head_dim] drawn: drawn before the op partitions itself, every device
+  uses the features a one-device call does, whatever splits the heads."""
+  return feature_attention(q, k, v, mask, features, _favor_features, causal=causal, chunk=chunk_size,
+                           row_chunks=row_chunks, op="performer")
 
 
 def resolve_features(features: Array | None, rng: Array | None, num_features: int, head_dim: int,

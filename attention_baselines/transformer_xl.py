@@ -131,10 +131,28 @@ def transformer_xl(q: Array, k: Array, v: Array, *, r: Array, u: Array, v_bias: 
   q, k, v, mask = check_inputs(q, k, v, mask)
   check_causal(causal)
   clamp_len = check_clamp_len(clamp_len)
+  r, u, v_bias = check_weights(r, u, v_bias, heads=q.shape[2], head_dim=q.shape[3],
+                               distances=distance_rows(k.shape[1], clamp_len))
+  return heads_first(q, k, v, r_heads=jnp.swapaxes(r, 0, 1), u=u, v_bias=v_bias, causal=True, mask=mask,
+                     clamp_len=clamp_len)
+
+
+@contract.partitioned_op(per_head=("r_heads", "u", "v_bias"))
+def heads_first(q: Array, k: Array, v: Array, *, r_heads: Array, u: Array, v_bias: Array, causal: bool = True,
+                mask: Array | None = None, clamp_len: int = -1) -> Array:
+  """`transformer_xl` with r given heads first, r_heads [heads or 1, distances, head_dim], so that every
+  per-head argument has a leading heads axis, the one a partitioned op splits (here and in the models'
+  `attention_core.sharding.attend`)."""
+  q, k, v, mask = check_inputs(q, k, v, mask)
+  check_causal(causal)
+  clamp_len = check_clamp_len(clamp_len)
   batch, length, heads, head_dim = q.shape
   total = k.shape[1]
   memory = total - length
-  r, u, v_bias = check_weights(r, u, v_bias, heads=heads, head_dim=head_dim,
+  if not hasattr(r_heads, "ndim") or r_heads.ndim != 3:  # argument validation, as `check_weights`
+    raise ValueError(f"{OP}: argument 'r_heads' must have shape [heads, distances, head_dim], got "
+                     f"{getattr(r_heads, 'shape', type(r_heads).__name__)}")
+  r, u, v_bias = check_weights(jnp.swapaxes(r_heads, 0, 1), u, v_bias, heads=heads, head_dim=head_dim,
                                distances=distance_rows(total, clamp_len))
   ct = contract.softmax_dtype(q.dtype, k.dtype, v.dtype)
   real = mask[:, :, None, None]  # [batch, M + L, 1, 1]

@@ -160,12 +160,14 @@ def per_platform_op(key: Callable[..., Any], *, per_head: tuple[str, ...] = (),
   return wrap
 
 
-def partitioned_op(*, per_head: tuple[str, ...] = ()) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def partitioned_op(*, per_head: tuple[str, ...] = (), like_q: tuple[str, ...] = ()
+                   ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
   """Decorator of the ops without fused paths whose XLA form XLA's partitioner cannot split on Explicit axes
   (a reshape or an update of a sharded axis): the op partitions itself as the fused ones do
-  (`per_platform_op`, with no per-platform choices)."""
+  (`per_platform_op`, with no per-platform choices). per_head: arguments with a leading heads axis;
+  like_q: arguments [batch, any length, heads, ...], split like q."""
   def wrap(op: Callable[..., Any]) -> Callable[..., Any]:
-    return partition.partitioned(op, per_head=per_head, trace_key=trace_context)
+    return partition.partitioned(op, per_head=per_head, like_q=like_q, trace_key=trace_context)
   return wrap
 
 

@@ -29,7 +29,8 @@ The sequence: q typed as sharded along its length over an Explicit axis runs the
 Auto axes the op never splits the sequence.
 
 Keyword arguments of the op that are arrays are split by kind (`kinds`, else inferred):
-  QKV     [batch, length, heads, ...] like q (inferred from the leading three dims): split like q
+  QKV     [batch, length, heads, ...] like q (inferred from the leading three dims; an op declares those of
+          another length: `like_q`): split like q (along the sequence only where the length is q's)
   HEADS   a leading heads axis (per-head weights; an op declares them: `per_head`): split like q's heads; a
           leading axis of 1 (shared by the heads) is replicated
   SHARED  the same on every device (inferred for other arrays): replicated (gradients summed over devices)
@@ -491,15 +492,16 @@ def clear_compiled() -> None:
   _compiled.clear_cache()
 
 
-def partitioned(op: Callable[..., Array], *, per_head: Sequence[str] = (),
+def partitioned(op: Callable[..., Array], *, per_head: Sequence[str] = (), like_q: Sequence[str] = (),
                 trace_key: Callable[[], Any] | None = None,
                 check: Callable[..., None] | None = None) -> Callable[..., Array]:
   """op(q, k, v, *, causal, mask=None, **params), partitioning itself (module docstring): under any jit, on
   any mesh, each device runs it on its batch rows and heads. per_head: its per-head weight arguments (a
-  leading heads axis). trace_key() -> what else op's trace depends on (hashable; None: it cannot be
-  cached), so that an eager call on one device runs as one compiled program (`_whole`); check(q, k, v,
-  **kwargs): what op checks of its arguments' values when they are concrete, run before that program."""
-  kinds = {n: HEADS for n in per_head}
+  leading heads axis); like_q: its arguments [batch, any length, heads, ...] (kind QKV). trace_key() -> what
+  else op's trace depends on (hashable; None: it cannot be cached), so that an eager call on one device runs
+  as one compiled program (`_whole`); check(q, k, v, **kwargs): what op checks of its arguments' values when
+  they are concrete, run before that program."""
+  kinds = {**{n: HEADS for n in per_head}, **{n: QKV for n in like_q}}
 
   @functools.wraps(op)
   def run(*args: Any, **kwargs: Any) -> Array:

@@ -25,19 +25,11 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from attention_baselines.transformer_xl import sinusoid, transformer_xl
+from attention_baselines.transformer_xl import heads_first, sinusoid
 from attention_core import sharding
 from models import attention, layers
 
 Array = Any
-
-
-def heads_first(q: Array, k: Array, v: Array, *, r_heads: Array, u: Array, v_bias: Array, causal: bool,
-                mask: Array | None = None, clamp_len: int = -1) -> Array:
-  """`transformer_xl` with r given heads first, r_heads [heads, distances, head_dim], so that
-  `sharding.attend` splits every per-head argument along its leading axis."""
-  return transformer_xl(q, k, v, r=jnp.swapaxes(r_heads, 0, 1), u=u, v_bias=v_bias, causal=causal, mask=mask,
-                        clamp_len=clamp_len)
 
 
 class TransformerXLAttention(attention.OpAttention):

@@ -60,6 +60,15 @@ def routing_op(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None
   while the model module takes `membership` as a module field.
   """
   centroids = _centroids(q, num_clusters, "routing")
+  return _routing_by(q, k, v, centroids=centroids, window=window, causal=causal, mask=mask,
+                     membership=membership)
+
+
+@contract.partitioned_op(per_head=("centroids",))
+def _routing_by(q: Array, k: Array, v: Array, *, centroids: Array, window: int, causal: bool,
+                mask: Array | None, membership: str | None) -> Array:
+  """`routing_op` with its centroids [heads, clusters, head_dim] made for every head: each device routes
+  its heads by theirs."""
   out, _ = routing_attention(q, k, v, centroids=centroids, window=window, causal=causal, mask=mask,
                              share_qk=True, membership=membership)
   return out  # [batch, length, heads, value_dim]

@@ -326,16 +326,26 @@ def test_an_eager_call_on_sharded_heads_reshards_per_head_constants():
   assert_same(got, want)
 
 
-@pytest.mark.parametrize("name", ["linear", "bigbird", "reformer"])
+SLOW = pytest.mark.slow
+SELF_PARTITIONED = ["linear", "bigbird", "reformer", *(pytest.param(name, marks=SLOW) for name in (
+    "blockbert", "performer", "routing", "etc", "transformer_xl", "compressive"))]
+
+
+@pytest.mark.parametrize("name", SELF_PARTITIONED)
 @pytest.mark.parametrize("split", ["batch", "heads", "both"])
 def test_ops_xla_cannot_split_on_explicit_axes_partition_themselves(name, split):
   """Ops without a fused path whose XLA form updates or reshapes a sharded axis (XLA's partitioner refuses
-  that on Explicit axes: ShardingTypeError) partition themselves and equal one device, gradients included."""
+  that on Explicit axes: ShardingTypeError) partition themselves and equal one device, gradients included:
+  what an op makes for every head (blockbert's default shifts, performer's features and reformer's rotations
+  drawn from its key, routing's centroids) is made before the heads are split, so each device uses a
+  one-device call's."""
   from attention_core import registry
 
   spec = registry.get(name)
   q, k, v = inputs(batch=4, length=64, heads=4, dim=8)
   kw = dict(spec.params(64), **spec.bench_inputs(64, registry.Shape(batch=4, heads=4, head_dim=8)))
+  if name == "reformer":  # 4 chunks, so that the rotations decide which keys a query sees
+    kw.update(chunk_size=16, n_buckets=4)
 
   def op(q, k, v):
     return spec.fn(q, k, v, causal=spec.causal, **kw)
@@ -344,3 +354,31 @@ def test_ops_xla_cannot_split_on_explicit_axes_partition_themselves(name, split)
   got = fwd_grads(op, q, k, v, mesh(EXPLICIT), SPLITS[split])
   assert padded(got[0].sharding.spec) == padded(SPLITS[split])
   assert_same(got[:2], want[:2])
+
+
+@pytest.mark.slow
+def test_memory_keys_and_global_tokens_split_like_q_on_explicit_axes():
+  """Arguments of another length than q, split like q: Transformer-XL's keys over [memory; segment] (with a
+  mask), and ETC's given global tokens [batch, g, heads, dim] with its global output returned too."""
+  from attention_baselines.etc import etc
+  from attention_baselines.transformer_xl import transformer_xl
+
+  q, k, v = inputs(batch=4, length=32, heads=4, dim=8)
+  kv = jnp.concatenate([k, v], axis=1)  # [batch, 64, heads, dim]: 32 memory positions, then the segment
+  mask = jax.random.bernoulli(jax.random.key(3), 0.8, (4, 64)).at[:, -1].set(True)
+  r, u, vb = (jax.random.normal(jax.random.key(i), s) for i, s in ((4, (64, 4, 8)), (5, (4, 8)), (6, (1, 8))))
+
+  def xl(q, k, v):
+    return transformer_xl(q, kv, kv[..., ::-1] + v.mean(), r=r, u=u, v_bias=vb, causal=True, mask=mask)
+
+  assert_same(fwd_grads(xl, q, k, v, mesh(EXPLICIT), BOTH)[:2], fwd_grads(xl, q, k, v)[:2])
+  g = tuple(jax.random.normal(jax.random.key(7 + i), (4, 2, 4, 8)) for i in range(3))  # [batch, g, heads, d]
+
+  def global_tokens(q, k, v):
+    long, glob = etc(q, k, v, causal=False, segment_length=16, radius=4, max_distance=2, global_q=g[0],
+                     global_k=g[1], global_v=g[2], return_global=True)
+    return long + glob.sum(axis=1, keepdims=True)
+
+  got = fwd_grads(global_tokens, q, k, v, mesh(EXPLICIT), BOTH)
+  assert padded(got[0].sharding.spec) == padded(BOTH)
+  assert_same(got[:2], fwd_grads(global_tokens, q, k, v)[:2])
