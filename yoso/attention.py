@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from attention_core import contract
 from attention_core.combine import weighted_sum
 from yoso import hashing, tables
-from yoso.backward import BACKWARDS, cotangents, sketch_directions, visible
+from yoso.backward import BACKWARDS, cotangents, directions, sketch_basis, visible
 from yoso.collision import expected_collision
 from yoso.conv import depthwise_conv
 
@@ -112,7 +112,6 @@ def _formulation_choice(*_: Any, formulation: Any = "auto", **__: Any) -> Any:
   return tables.resolve_formulation(formulation, contract.backend())
 
 
-@contract.per_platform_op(_formulation_choice)
 def yoso(q: Array, k: Array, v: Array, *, rng: Array, num_hashes: int, tau: int, causal: bool = False,
          mask: Array | None = None, normalize_output: bool = True, hash: str = "gaussian",
          backward: str = "sampled", backward_features: int | None = None, formulation: str = "auto") -> Array:
@@ -149,9 +148,7 @@ def yoso(q: Array, k: Array, v: Array, *, rng: Array, num_hashes: int, tau: int,
   normalize_output = contract.check_bool(normalize_output, name="normalize_output", op=op)
   contract.check_choice(hash, name="hash", allowed=HASHES, op=op)
   contract.check_choice(backward, name="backward", allowed=BACKWARDS, op=op)
-  formulation = tables.resolve_formulation(
-      contract.check_choice(formulation, name="formulation", allowed=tables.FORMULATIONS, op=op),
-      contract.backend())
+  contract.check_choice(formulation, name="formulation", allowed=tables.FORMULATIONS, op=op)
   if backward_features is not None:
     backward_features = contract.check_positive_int(backward_features, name="backward_features", op=op)
   heads, head_dim = q.shape[2:]
@@ -159,17 +156,41 @@ def yoso(q: Array, k: Array, v: Array, *, rng: Array, num_hashes: int, tau: int,
     raise ValueError(f"{op}: argument 'hash'='fast' needs a power-of-two head_dim, got head_dim={head_dim}; "
                      f"use hash='gaussian'")
   ct = contract.softmax_dtype(q.dtype, k.dtype, v.dtype)
-  batch, length = q.shape[:2]
   hash_rng, sketch_rng = jax.random.split(rng)
+  # Drawn for every head before the op partitions itself, so a heads shard hashes as a one-device call does.
+  functions = hashing.hash_functions(hash_rng, heads=heads, dim=head_dim, num_hashes=num_hashes, tau=tau,
+                                     method=hash, dtype=ct)  # [heads, ...]
+  basis = sketch_basis(sketch_rng, heads, num_hashes, v.shape[-1], backward_features, ct)  # [heads, m, e, s]
+  return _yoso_drawn(q, k, v, functions=functions, basis=basis, num_hashes=num_hashes, tau=tau, causal=causal,
+                     mask=mask, normalize_output=normalize_output, hash=hash, backward=backward,
+                     formulation=formulation)
+
+
+@contract.per_platform_op(_formulation_choice, per_head=("functions", "basis"))
+def _yoso_drawn(q: Array, k: Array, v: Array, *, functions: Array, basis: Array | None, num_hashes: int,
+                tau: int, causal: Any, mask: Array, normalize_output: Any, hash: str, backward: str,
+                formulation: str) -> Array:
+  """`yoso` with its hash functions [heads, ...] (`hashing.hash_functions`) and backward sketch basis
+  [heads, m, e, s] or None (`backward.sketch_basis`) drawn."""
+  op = "yoso"
+  causal = contract.check_bool(causal, name="causal", op=op)
+  normalize_output = contract.check_bool(normalize_output, name="normalize_output", op=op)
+  contract.check_choice(backward, name="backward", allowed=BACKWARDS, op=op)
+  formulation = tables.resolve_formulation(
+      contract.check_choice(formulation, name="formulation", allowed=tables.FORMULATIONS, op=op),
+      contract.backend())
+  ct = contract.softmax_dtype(q.dtype, k.dtype, v.dtype)
+  batch, length, heads = q.shape[:3]
   # Heads-major inside: XLA's CPU dots and gathers are several times faster with (batch, heads) leading.
   qn = l2_normalize(jnp.swapaxes(q, 1, 2).astype(ct))  # [batch, heads, length, head_dim]
   kn = l2_normalize(jnp.swapaxes(k, 1, 2).astype(ct))
   vh = jnp.swapaxes(v, 1, 2).astype(ct)  # [batch, heads, length, value_dim]
   # Codes are integers: no gradient flows through hashing; the custom backward supplies dQ and dK.
   lsh = dict(num_hashes=num_hashes, tau=tau, method=hash)
-  qcodes = hashing.hash_codes(jax.lax.stop_gradient(qn), hash_rng, **lsh)  # [batch, heads, length, m]
-  kcodes = hashing.hash_codes(jax.lax.stop_gradient(kn), hash_rng, **lsh)
-  directions = sketch_directions(sketch_rng, batch, heads, num_hashes, v.shape[-1], backward_features, ct)
+  functions = jax.lax.stop_gradient(functions)
+  qcodes = hashing.codes(jax.lax.stop_gradient(qn), functions, **lsh)  # [batch, heads, length, m]
+  kcodes = hashing.codes(jax.lax.stop_gradient(kn), functions, **lsh)
+  sketch = directions(None if basis is None else jax.lax.stop_gradient(basis), batch)
   groups = batch * heads
 
   def flat(x):  # [batch, heads, length, ...] -> [batch * heads, length, ...]
@@ -179,11 +200,14 @@ def yoso(q: Array, k: Array, v: Array, *, rng: Array, num_hashes: int, tau: int,
   operands = "bfloat16" if all(x.dtype == jnp.bfloat16 for x in (q, k, v)) else "float32"
   out = _make_cumulation(tau, backward, formulation, causal, operands)(
       flat(qn), flat(kn), flat(vh), flat(qcodes), flat(kcodes), flat(kvalid),
-      directions)  # [batch * heads, length, value_dim]
+      sketch)  # [batch * heads, length, value_dim]
   if normalize_output:
     out = l2_normalize(out)
   out = out.reshape(batch, heads, length, -1)
   return jnp.swapaxes(out, 1, 2).astype(v.dtype)  # [batch, length, heads, value_dim]
+
+
+yoso.partitions_itself = True  # through `_yoso_drawn` (attention_core.partition)
 
 
 def yoso_e(q: Array, k: Array, v: Array, *, tau: int, causal: bool = False, mask: Array | None = None,
@@ -220,7 +244,6 @@ def yoso_e(q: Array, k: Array, v: Array, *, tau: int, causal: bool = False, mask
 
 
 
-@contract.per_platform_op(_formulation_choice, per_head=("conv_kernel",))  # the conv partitions too
 def yoso_c(q: Array, k: Array, v: Array, *, rng: Array, num_hashes: int, tau: int, conv_kernel: Array,
            causal: bool = False, mask: Array | None = None, normalize_output: bool = True,
            hash: str = "gaussian", backward: str = "sampled", backward_features: int | None = None,
@@ -239,5 +262,17 @@ def yoso_c(q: Array, k: Array, v: Array, *, rng: Array, num_hashes: int, tau: in
   if len(shape) not in (1, 2) or shape[-1] % 2 == 0 or (len(shape) == 2 and shape[0] != q.shape[2]):
     raise ValueError(f"yoso_c: argument 'conv_kernel' must be [heads={q.shape[2]}, size] or [size] with an "
                      f"odd size, got shape {shape}")
-  conv = depthwise_conv(v, conv_kernel, None if mask is None else jnp.asarray(mask, bool))
+  kernel = jnp.broadcast_to(conv_kernel, (q.shape[2], shape[-1]))  # [heads, size]
+  conv = _conv(q, k, v, conv_kernel=kernel, mask=None if mask is None else jnp.asarray(mask, bool))
   return (out + conv).astype(v.dtype)  # [batch, length, heads, value_dim]
+
+
+yoso_c.partitions_itself = True  # through `_yoso_drawn` and `_conv` (attention_core.partition)
+
+
+@contract.partitioned_op(per_head=("conv_kernel",))
+def _conv(q: Array, k: Array, v: Array, *, conv_kernel: Array, mask: Array | None) -> Array:
+  """YOSO-C's depthwise convolution of v [batch, length, heads, value_dim] by conv_kernel [heads, size]
+  (q, k: the op contract's, unread)."""
+  del q, k
+  return depthwise_conv(v, conv_kernel, mask)

@@ -65,19 +65,33 @@ def _dense_surrogate(qn: Array, kn: Array, v: Array, kvalid: Array, tau: int, ca
   return jnp.einsum("gqk,gke->gqe", p, v)  # [groups, length, value_dim]
 
 
-def sketch_directions(rng: Array, batch: int, heads: int, num_hashes: int, value_dim: int,
-                      features: int | None, dtype: Any) -> Array | None:
-  """[m, batch * heads, e, s] value-space directions per hash with E[R R^T] = I (shared over the batch).
-
-  None (features None or >= value_dim) means the e unit vectors: the exact per-feature decomposition.
-  """
+def sketch_basis(rng: Array, heads: int, num_hashes: int, value_dim: int, features: int | None,
+                 dtype: Any) -> Array | None:
+  """[heads, m, e, s] value-space directions per head and hash with E[R R^T] = I, heads first (so that a
+  heads shard takes its rows); None (features None or >= value_dim) means the e unit vectors: the exact
+  per-feature decomposition."""
   if features is None or features >= value_dim:
     return None
   gauss = jax.random.normal(rng, (num_hashes, heads, value_dim, features), dtype)
   r, _ = jnp.linalg.qr(gauss)  # orthonormal columns spanning a uniformly random s-dim subspace
   r = r * np.sqrt(value_dim / features).astype(dtype)  # E[r r^T] = I
-  return jnp.broadcast_to(r[:, None], (num_hashes, batch, heads, value_dim, features)).reshape(
-      num_hashes, batch * heads, value_dim, features)
+  return jnp.swapaxes(r, 0, 1)
+
+
+def directions(basis: Array | None, batch: int) -> Array | None:
+  """`sketch_basis` [heads, m, e, s] shared over the batch: [m, batch * heads, e, s] (None stays None)."""
+  if basis is None:
+    return None
+  heads, m, e, s = basis.shape
+  return jnp.broadcast_to(jnp.swapaxes(basis, 0, 1)[:, None], (m, batch, heads, e, s)).reshape(
+      m, batch * heads, e, s)
+
+
+def sketch_directions(rng: Array, batch: int, heads: int, num_hashes: int, value_dim: int,
+                      features: int | None, dtype: Any) -> Array | None:
+  """[m, batch * heads, e, s] value-space directions per hash with E[R R^T] = I (shared over the batch), drawn
+  from `rng` (`sketch_basis`); None for the exact per-feature decomposition."""
+  return directions(sketch_basis(rng, heads, num_hashes, value_dim, features, dtype), batch)
 
 
 # Up to this length the exact backward runs on dense collision counts (`_counts_backward`): the same sums,

@@ -39,15 +39,14 @@ def gaussian_projections(rng: Array, *, heads: int, dim: int, num_hashes: int, t
   return jax.random.normal(rng, (heads, dim, num_hashes * tau), dtype)
 
 
-def gaussian_codes(x: Array, rng: Array, *, num_hashes: int, tau: int) -> Array:
-  """Hyperplane LSH with Gaussian projections: x [batch, heads, length, dim] -> int32 codes [b, h, L, m].
+def gaussian_codes(x: Array, r: Array, *, num_hashes: int, tau: int) -> Array:
+  """Hyperplane LSH with Gaussian projections r [heads, dim, num_hashes * tau] (`gaussian_projections`):
+  x [batch, heads, length, dim] -> int32 codes [b, h, L, m].
 
   Bits of different hashes and within a hash are independent, so the collision probability is exactly
   `(1 - theta/pi)^tau`. Cost O(dim * num_hashes * tau) per vector.
   """
-  _, heads, _, dim = x.shape
-  r = gaussian_projections(rng, heads=heads, dim=dim, num_hashes=num_hashes, tau=tau, dtype=x.dtype)
-  proj = jnp.einsum("bhld,hdn->bhln", x, r)  # [batch, heads, length, num_hashes * tau]
+  proj = jnp.einsum("bhld,hdn->bhln", x, r.astype(x.dtype))  # [batch, heads, length, num_hashes * tau]
   return _codes_from_projections(proj, num_hashes, tau)
 
 
@@ -85,35 +84,59 @@ def hadamard(x: Array) -> Array:
   return y.reshape(x.shape)
 
 
-def fast_codes(x: Array, rng: Array, *, num_hashes: int, tau: int) -> Array:
-  """Hyperplane LSH with the fast approximate random rotation H D3 H D2 H D1 (power-of-two dim only).
-
-  x [batch, heads, length, dim] -> int32 codes [b, h, L, num_hashes]. Each rotation yields `dim` pseudo-random
-  hyperplane coordinates, so `ceil(num_hashes * tau / dim)` independent rotations are cut into the
-  `num_hashes * tau` bits. Coordinates of one rotation are orthogonal rather than independent, so the
-  collision probability matches `(1 - theta/pi)^tau` only approximately (closely for dim >= 32). Cost
-  O(num_hashes * tau * log(dim)) per vector.
-  """
-  _, heads, _, dim = x.shape
+def fast_signs(rng: Array, *, heads: int, dim: int, num_hashes: int, tau: int, dtype: Any) -> Array:
+  """The random +-1 diagonals D1, D2, D3 of the fast rotations: [heads, FAST_ROUNDS, rotations, dim], with
+  `ceil(num_hashes * tau / dim)` independent rotations (power-of-two dim only)."""
   if not is_power_of_two(dim):
     raise ValueError(f"fast_codes: argument 'hash'='fast' needs a power-of-two head_dim, got head_dim={dim}; "
                      f"use hash='gaussian'")
   rotations = -(-num_hashes * tau // dim)
-  signs = jax.random.rademacher(rng, (FAST_ROUNDS, heads, rotations, dim), x.dtype)
+  return jnp.swapaxes(jax.random.rademacher(rng, (FAST_ROUNDS, heads, rotations, dim), dtype), 0, 1)
+
+
+def fast_codes(x: Array, signs: Array, *, num_hashes: int, tau: int) -> Array:
+  """Hyperplane LSH with the fast approximate random rotation H D3 H D2 H D1, its diagonals `signs`
+  [heads, FAST_ROUNDS, rotations, dim] (`fast_signs`): x [batch, heads, length, dim] -> int32 codes
+  [b, h, L, num_hashes].
+
+  Each rotation yields `dim` pseudo-random hyperplane coordinates, cut into the `num_hashes * tau` bits.
+  Coordinates of one rotation are orthogonal rather than independent, so the collision probability matches
+  `(1 - theta/pi)^tau` only approximately (closely for dim >= 32). Cost O(num_hashes * tau * log(dim)) per
+  vector.
+  """
+  signs = signs.astype(x.dtype)
   y = x[..., None, :]  # [batch, heads, length, 1, dim]
   for r in range(FAST_ROUNDS):
-    y = hadamard(y * signs[r][:, None])  # signs [heads, 1, rotations, dim] -> y [b, h, L, rotations, dim]
-  proj = y.reshape(*x.shape[:-1], rotations * dim)  # [batch, heads, length, rotations * dim]
+    y = hadamard(y * signs[:, r][:, None])  # signs [heads, 1, rotations, dim] -> y [b, h, L, rotations, dim]
+  proj = y.reshape(*x.shape[:-1], signs.shape[2] * x.shape[-1])  # [batch, heads, length, rotations * dim]
   return _codes_from_projections(proj, num_hashes, tau)
 
 
-HASHES = {"gaussian": gaussian_codes, "fast": fast_codes}
+HASHES = {"gaussian": (gaussian_projections, gaussian_codes), "fast": (fast_signs, fast_codes)}
+
+
+def hash_functions(rng: Array, *, heads: int, dim: int, num_hashes: int, tau: int, method: str = "gaussian",
+                   dtype: Any = jnp.float32) -> Array:
+  """The hash functions of family `method` for every head, drawn from `rng`, heads first (so that a heads
+  shard takes its rows): gaussian [heads, dim, m * tau] normals, fast [heads, FAST_ROUNDS, rotations, dim]
+  signs."""
+  if method not in HASHES:
+    raise ValueError(f"argument 'hash' must be one of {tuple(HASHES)}, got {method!r}")
+  return HASHES[method][0](rng, heads=heads, dim=dim, num_hashes=num_hashes, tau=tau, dtype=dtype)
+
+
+def codes(x: Array, functions: Array, *, num_hashes: int, tau: int, method: str = "gaussian") -> Array:
+  """x [batch, heads, length, dim] hashed by `functions` (`hash_functions`) -> int32 codes [b, h, L, m]."""
+  if x.ndim != 4:
+    raise ValueError(f"hash_codes: x must be [batch, heads, length, dim], got shape {tuple(x.shape)}")
+  return HASHES[method][1](x, functions, num_hashes=num_hashes, tau=tau)
 
 
 def hash_codes(x: Array, rng: Array, *, num_hashes: int, tau: int, method: str = "gaussian") -> Array:
-  """Dispatches to a hash family by name: x [batch, heads, length, dim] -> int32 codes [b, h, L, m]."""
+  """x [batch, heads, length, dim] -> int32 codes [b, h, L, m], the functions drawn from `rng` (in x's
+  dtype)."""
   if x.ndim != 4:
     raise ValueError(f"hash_codes: x must be [batch, heads, length, dim], got shape {tuple(x.shape)}")
-  if method not in HASHES:
-    raise ValueError(f"argument 'hash' must be one of {tuple(HASHES)}, got {method!r}")
-  return HASHES[method](x, rng, num_hashes=num_hashes, tau=tau)
+  functions = hash_functions(rng, heads=x.shape[1], dim=x.shape[3], num_hashes=num_hashes, tau=tau,
+                             method=method, dtype=x.dtype)
+  return codes(x, functions, num_hashes=num_hashes, tau=tau, method=method)

@@ -127,15 +127,22 @@ def test_auto_placement_follows_the_data_x_model_layout():
   assert partition.dividing(["a", "b"], sizes, 4) == ("a",)
 
 
+@contract.per_platform_op(lambda *a, **kw: None)
+def noisy(q, k, v, *, causal, rng, mask=None):
+  """A test op that draws from a key: v plus noise [heads, dim] drawn per head."""
+  del q, k, causal, mask
+  return v + jax.random.normal(rng, v.shape[2:])[None, None]
+
+
 def test_keys_are_shared_over_batch_shards_and_folded_with_the_heads_shard():
-  """YOSO's hashes: with the batch split every device draws the one-device functions; with the heads split
-  too, heads shard j draws with fold_in(key, j), so its heads equal a one-device run on those heads with
-  that key."""
+  """A key passed to a partitioned op (the models pass theirs so): with the batch split every device draws
+  the one-device noise; with the heads split too, heads shard j draws with fold_in(key, j), so its heads
+  equal a one-device run on those heads with that key."""
   q, k, v = inputs()
   key = jax.random.key(3)
 
   def op(q, k, v, rng):
-    return yoso(q, k, v, rng=rng, num_hashes=4, tau=3, formulation="sorted")
+    return noisy(q, k, v, causal=False, rng=rng)
 
   batch_only = fwd_grads(op, q, k, v, mesh(shape=(2, 4)), P("rows"), grads=False, rng=key)[0]
   assert_same(batch_only, op(q, k, v, key))
@@ -143,6 +150,20 @@ def test_keys_are_shared_over_batch_shards_and_folded_with_the_heads_shard():
   blocks = [op(q[:, :, 2 * j:2 * j + 2], k[:, :, 2 * j:2 * j + 2], v[:, :, 2 * j:2 * j + 2],
                jax.random.fold_in(key, j)) for j in range(2)]
   assert_same(out, jnp.concatenate(blocks, axis=2))
+  assert not np.allclose(np.asarray(blocks[1]), np.asarray(op(q, k, v, key)[:, :, 2:]))
+
+
+def test_yoso_hashes_every_head_as_one_device_does_whatever_splits_the_heads():
+  """YOSO draws its hash functions and backward sketch for every head before it partitions itself: with the
+  heads split its outputs and gradients equal one device's."""
+  q, k, v = inputs()
+
+  def op(q, k, v):
+    return yoso(q, k, v, rng=jax.random.key(3), num_hashes=4, tau=3, backward_features=2,
+                formulation="sorted")
+
+  got = fwd_grads(op, q, k, v, mesh(shape=(2, 2), names=("rows", "cols")), BOTH)
+  assert_same(got[:2], fwd_grads(op, q, k, v)[:2])
 
 
 @contract.per_platform_op(lambda *a, **kw: None, per_head=("w",))
@@ -284,9 +305,8 @@ def _fused_ops() -> list[str]:
 def test_every_fused_op_sharded_equals_one_device(name):
   """Every op with a fused path, its kernel interpreted where it runs on CPU (else its XLA path: Splash's
   TPU kernels compile in test_partition_tpu.py), with a key mask: forward and gradients on a (2, 4) mesh equal
-  one device's (NSA's per-head weights split with the heads). Batch and heads both split; ops that draw from
-  a key split the batch alone (their heads shards draw their own functions), which leaves "cols" unused: the
-  op's own VJP."""
+  one device's (NSA's per-head weights split with the heads), the batch and the heads both split (ops that
+  draw from a key draw for every head before they partition themselves)."""
   from attention_core import registry
 
   spec, path = registry.get(name), registry.fused_path(registry.get(name))
@@ -304,8 +324,7 @@ def test_every_fused_op_sharded_equals_one_device(name):
   def op(q, k, v, **xs):
     return spec.fn(q, k, v, causal=causal, mask=mask, **static, **xs)
 
-  keyed = any(jnp.issubdtype(x.dtype, jax.dtypes.prng_key) for x in arrays.values())
-  got = fwd_grads(op, q, k, v, mesh(), P("rows") if keyed else BOTH, **arrays)
+  got = fwd_grads(op, q, k, v, mesh(), BOTH, **arrays)
   assert_same(got[:2], fwd_grads(op, q, k, v, **arrays)[:2], tol=1e-4)
   assert hlo.collectives(got[2]) == []
 
