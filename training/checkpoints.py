@@ -426,19 +426,25 @@ def write_failed(directory: Any, error: str) -> CheckpointWriteFailed:
 
 
 def _quiet_failed_writes() -> None:
-  """orbax logs a failed background write from each of its threads, with a traceback (a screen per failure);
-  the loop reports it in one line (CheckpointWriteFailed), so those log records, and only those, are
-  dropped, as are the "Event loop is closed" errors of its abandoned writes (`_quiet_abandoned_reads`)."""
+  """orbax logs a failed background write from each of its threads, with a traceback (a screen per failure),
+  and asyncio logs the same failure again for each of orbax's write tasks whose exception nobody retrieved
+  ("Task exception was never retrieved"); the loop reports it in one line (CheckpointWriteFailed), so those
+  log records, and only those, are dropped, as are the "Event loop is closed" errors of its abandoned writes
+  (`_quiet_abandoned_reads`)."""
   import logging
 
   _quiet_abandoned_reads()
-  logger = logging.getLogger("absl")
-  if any(getattr(f, "quiet_failed_writes", False) for f in logger.filters):
-    return
 
-  def keep(record: logging.LogRecord) -> bool:
+  def keep_absl(record: logging.LogRecord) -> bool:
     exc = record.exc_info[1] if record.exc_info else None
     return not ("orbax" in record.pathname and exc is not None and write_error(exc) is not None)
 
-  keep.quiet_failed_writes = True
-  logger.addFilter(keep)
+  def keep_asyncio(record: logging.LogRecord) -> bool:  # the process writes nothing else through asyncio
+    exc = record.exc_info[1] if record.exc_info else None
+    return exc is None or write_error(exc) is None
+
+  for name, keep in (("absl", keep_absl), ("asyncio", keep_asyncio)):
+    logger = logging.getLogger(name)
+    if not any(getattr(f, "quiet_failed_writes", False) for f in logger.filters):
+      keep.quiet_failed_writes = True
+      logger.addFilter(keep)
