@@ -94,10 +94,10 @@ def close_on_real(got, want, mask, tol=1e-10):
 def sinkhorn_params(length, block, seed=9, hidden=5):
   ks = jax.random.split(jax.random.key(seed), 4)
   n = -(-length // block) + 1  # one spare output: only the first ceil(L / block) are used
-  return dict(block_size=block, sort_w1=jax.random.normal(ks[0], (H, D, hidden), jnp.float64),
-              sort_b1=jax.random.normal(ks[1], (1, hidden), jnp.float64),
-              sort_w2=jax.random.normal(ks[2], (1, hidden, n), jnp.float64),
-              sort_b2=jax.random.normal(ks[3], (H, n), jnp.float64), sinkhorn_iters=4, temperature=0.75)
+  return dict(block_size=block, sort_w1=jax.random.normal(ks[0], (H, D, hidden), float),
+              sort_b1=jax.random.normal(ks[1], (1, hidden), float),
+              sort_w2=jax.random.normal(ks[2], (1, hidden, n), float),
+              sort_b2=jax.random.normal(ks[3], (H, n), float), sinkhorn_iters=4, temperature=0.75)
 
 
 def synth_params(length, seed=11, hidden=6):

@@ -19,10 +19,11 @@ def _routed(q, k, v, ids, mask, *, num_clusters, causal, pooling="max", pool_q=N
 
 
 def _inputs(seed, b, n, h, d, dv, clusters):
+  """float: float64 inside jax.enable_x64 (the reference checks), float32 outside."""
   ks = jax.random.split(jax.random.key(seed), 5)
-  q = jax.random.normal(ks[0], (b, n, h, d), jnp.float64)
-  k = jax.random.normal(ks[1], (b, n, h, d), jnp.float64)
-  v = jax.random.normal(ks[2], (b, n, h, dv), jnp.float64)
+  q = jax.random.normal(ks[0], (b, n, h, d), float)
+  k = jax.random.normal(ks[1], (b, n, h, d), float)
+  v = jax.random.normal(ks[2], (b, n, h, dv), float)
   # Skewed cluster ids: some clusters large, some empty, so chunks straddle clusters.
   ids = jnp.minimum(jax.random.randint(ks[3], (b, n, h), 0, clusters + 2), clusters - 1)
   mask = jax.random.bernoulli(ks[4], 0.75, (b, n)).at[:, 0].set(True)

@@ -39,12 +39,13 @@ def _softmax_rows(s, keep):
 
 
 def _inputs(key, b, n, h, d, dv=None, mask_p=0.7):
+  """float: float64 inside jax.enable_x64 (the reference checks), float32 outside."""
   ks = jax.random.split(jax.random.key(key), 5)
-  q = jax.random.normal(ks[0], (b, n, h, d), jnp.float64)
-  k = jax.random.normal(ks[1], (b, n, h, d), jnp.float64)
-  v = jax.random.normal(ks[2], (b, n, h, dv or d), jnp.float64)
+  q = jax.random.normal(ks[0], (b, n, h, d), float)
+  k = jax.random.normal(ks[1], (b, n, h, d), float)
+  v = jax.random.normal(ks[2], (b, n, h, dv or d), float)
   mask = jax.random.bernoulli(ks[3], mask_p, (b, n)).at[:, 0].set(True)
-  mu = kmeans.init_centroids(ks[4], h, 3, d, jnp.float64)
+  mu = kmeans.init_centroids(ks[4], h, 3, d, float)
   return q, k, v, mask, mu
 
 
