@@ -79,16 +79,16 @@ def checkpoint_manager(workdir: str, config: ml_collections.ConfigDict, *, read_
       "max_to_keep": int(config.train.keep_checkpoints)}
   options = ocp.CheckpointManagerOptions(create=not read_only, read_only=read_only,
                                          enable_async_checkpointing=asynchronous and not read_only, **keep)
-  from absl import logging
-
-  with _quiet(logging) if read_only else contextlib.nullcontext():  # "Given directory is read only=..."
+  with _quiet() if read_only else contextlib.nullcontext():  # "Given directory is read only=..."
     return _manager_class()(paths.path(workdir) / "checkpoints", options=options,
                             item_names=("state", "data", "meta"))
 
 
 @contextlib.contextmanager
-def _quiet(logging: Any):
+def _quiet():
   """absl logging above warnings inside (orbax's notice that a read-only manager is read-only)."""
+  from absl import logging
+
   before = logging.get_verbosity()
   logging.set_verbosity(logging.ERROR)
   try:
@@ -140,11 +140,12 @@ def restore_checkpoint(mgr: Any, exp: Experiment, data_iter: Any | None,
   target = exp.abstract_state()
   if not jax.tree.leaves(target["rest"]):
     del target["rest"]
-  saved_in = layouts.saved_layout(mgr, step, exp, target)  # a step saved with the blocks in the other layout
+  saved = layouts.saved_arrays(mgr, step)  # the step's metadata, read once
+  saved_in = layouts.saved_layout(saved, exp, target)  # a step saved with the blocks in the other layout
+  wanted = target if saved_in is None else saved_in
   step_dir = paths.join(mgr.directory, str(step))
-  check_arrays(mgr, step, target if saved_in is None else saved_in, step_dir)  # another model's: not damage
-  items = {"state": ocp.args.StandardRestore(target if saved_in is None else saved_in),
-           "meta": ocp.args.JsonRestore()}
+  check_arrays(saved, wanted, step, step_dir)  # another model's: not damage
+  items = {"state": ocp.args.StandardRestore(wanted), "meta": ocp.args.JsonRestore()}
   if data_iter is not None:
     from data import resume  # a state this pipeline cannot continue: a clear error
 
@@ -182,12 +183,6 @@ class CheckpointMismatch(cli.UsageError):
   config is what to fix, so the step is not set aside (it restores with the config it was trained with)."""
 
 
-def _arrays(tree: Any) -> dict[tuple[str, ...], Any]:
-  """A state tree's (or orbax's metadata tree's) leaves by path, the paths compared as strings."""
-  return {tuple(layouts._part(k) for k in path): leaf  # the path strings layouts.py compares
-          for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
-
-
 def _described(leaf: Any) -> str:
   return f"{tuple(leaf.shape)} {_dtype_name(leaf.dtype)}"
 
@@ -209,18 +204,15 @@ def _same_array(saved: Any, wanted: Any) -> bool:
   return _dtype_name(saved.dtype) == _dtype_name(wanted.dtype)
 
 
-def check_arrays(mgr: Any, step: int, target: dict[str, Any], step_dir: str) -> None:
+def check_arrays(saved: dict[tuple[str, ...], Any] | None, target: dict[str, Any], step: int,
+                 step_dir: str) -> None:
   """Raises CheckpointMismatch naming the first array (parameters first) whose path, shape or dtype in the
-  step's metadata differs from `target`, the restore target (in the step's own layout when it was saved in
-  the other one: training/layouts.py). Nothing is checked when the metadata does not read: the restore then
-  reports the damage."""
-  import orbax.checkpoint as ocp
-
-  try:  # the item's own metadata, as layouts.saved_paths reads it
-    saved = _arrays(ocp.StandardCheckpointHandler().metadata(paths.path(mgr.directory) / str(step) / "state"))
-  except Exception:  # missing or damaged metadata: damage, which the restore reports
+  step's metadata `saved` (`layouts.saved_arrays`) differs from `target`, the restore target (in the step's
+  own layout when it was saved in the other one: training/layouts.py). Nothing is checked when the metadata
+  did not read (None): the restore then reports the damage."""
+  if saved is None:
     return
-  wanted = _arrays(target)
+  wanted = layouts.leaf_arrays(target)
   for section in (*SECTIONS, *sorted({p[0] for p in (*saved, *wanted)} - set(SECTIONS))):
     ours = f"the {'optimizer' if section == 'opt_state' else 'model'} this config builds"
     for path in sorted({p for p in (*saved, *wanted) if p[0] == section}):

@@ -30,19 +30,25 @@ def _part(key: Any) -> str:
   return str(key)
 
 
+def leaf_arrays(tree: Any) -> dict[tuple[str, ...], Any]:
+  """A tree's arrays (or orbax's metadata of them) by path, the paths as strings, comparable between a state
+  and orbax's metadata of it."""
+  return {tuple(_part(k) for k in path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
 def leaf_paths(tree: Any) -> frozenset[tuple[str, ...]]:
-  """The paths of a tree's arrays as strings, comparable between a state and orbax's metadata of it."""
-  return frozenset(tuple(_part(k) for k in path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0])
+  """The paths of a tree's arrays as strings (`leaf_arrays`)."""
+  return frozenset(leaf_arrays(tree))
 
 
-def saved_paths(mgr: Any, step: int) -> frozenset[tuple[str, ...]] | None:
-  """The array paths the step's state was saved with; None when its metadata does not read (the restore
-  itself then reports the damage)."""
+def saved_arrays(mgr: Any, step: int) -> dict[tuple[str, ...], Any] | None:
+  """The metadata of the arrays the step's state was saved with, by path (`leaf_arrays`); None when its
+  metadata does not read (the restore itself then reports the damage)."""
   import orbax.checkpoint as ocp
 
   try:  # the item's own metadata: a read-only manager knows no handler for it before a restore
     item = paths.path(mgr.directory) / str(step) / "state"
-    return leaf_paths(ocp.StandardCheckpointHandler().metadata(item))
+    return leaf_arrays(ocp.StandardCheckpointHandler().metadata(item))
   except Exception:  # missing or damaged metadata: the restore reports it as it reports any damage
     return None
 
@@ -70,10 +76,12 @@ def checkpoint_target(target: dict[str, Any]) -> dict[str, Any]:
   return target
 
 
-def saved_layout(mgr: Any, step: int, exp: Any, target: dict[str, Any]) -> dict[str, Any] | None:
-  """The restore target in the other layout when `step` was saved in it; None when the step is in the run's
-  layout (or in neither: the restore reports that as it reports damage)."""
-  saved = saved_paths(mgr, step)
+def saved_layout(saved: dict[tuple[str, ...], Any] | None, exp: Any, target: dict[str, Any]
+                 ) -> dict[str, Any] | None:
+  """The restore target in the other layout when the step whose `saved_arrays` are `saved` was saved in it;
+  None when the step is in the run's layout (or in neither, or its metadata did not read: the restore
+  reports that as it reports damage)."""
+  saved = None if saved is None else frozenset(saved)
   if saved is None or saved == leaf_paths(target):
     return None
   other = _other_layout(exp)
