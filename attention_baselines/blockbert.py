@@ -85,15 +85,14 @@ def blockbert(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None 
                      "(a shifted block reads later positions)")
   n = min(contract.check_positive_int(num_blocks, name="num_blocks", op=op), q.shape[1])
   shift = check_shifts(shifts, q.shape[2], n, op=op)  # [heads], for every head before the heads are split
-  return _blockwise(q, k, v, causal=False, mask=mask, num_blocks=n, shifts=shift, row_chunks=row_chunks)
+  return _blockwise(q, k, v, mask=mask, num_blocks=n, shifts=shift, row_chunks=row_chunks)
 
 
 @contract.partitioned_op(per_head=("shifts",))
-def _blockwise(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None, num_blocks: int,
-               shifts: Array, row_chunks: int | None) -> Array:
-  """`blockbert` with its shifts [heads] in [0, num_blocks) made (the defaults depend on the number of
-  heads, so they are made for every head, and each device takes its own heads' shifts)."""
-  del causal  # False, checked by `blockbert`
+def _blockwise(q: Array, k: Array, v: Array, *, mask: Array | None, num_blocks: int, shifts: Array,
+               row_chunks: int | None) -> Array:
+  """`blockbert` with its arguments checked and its shifts [heads] in [0, num_blocks) made (the defaults
+  depend on the number of heads, so they are made for every head, and each device takes its own heads')."""
   op = "blockbert"
   batch, length, heads, head_dim = q.shape
   n, shift = num_blocks, shifts

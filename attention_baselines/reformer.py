@@ -126,26 +126,25 @@ def reformer(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None =
   if n_buckets % 2 and n_buckets != 1:
     raise ValueError(f"{op}: argument 'n_buckets' must be 1 or even, got {n_buckets}")
   rot = rotations(rng, heads=heads, n_hashes=n_hashes, head_dim=head_dim, n_buckets=max(n_buckets, 2))
-  return _lsh(q, k, v, causal=causal, mask=mask, rotations=rot, n_buckets=n_buckets, chunk_size=chunk_size,
+  return _lsh(q, k, v, causal=causal, mask=mask, rot=rot, n_buckets=n_buckets, chunk_size=chunk_size,
               row_chunks=row_chunks)
 
 
-@contract.partitioned_op(per_head=("rotations",))
-def _lsh(q: Array, k: Array, v: Array, *, causal: bool, mask: Array, rotations: Array, n_buckets: int,
+@contract.partitioned_op(per_head=("rot",))
+def _lsh(q: Array, k: Array, v: Array, *, causal: bool, mask: Array, rot: Array, n_buckets: int,
          chunk_size: int, row_chunks: int | None) -> Array:
-  """`reformer` with its rotations [heads, n_hashes, head_dim, n_buckets // 2] drawn (for every head, before
-  the heads are split: each device hashes its heads with a one-device call's rotations); mask [batch, length]
-  bool; chunk_size at most the length."""
+  """`reformer` with its arguments checked and its rotations rot [heads, n_hashes, head_dim, n_buckets // 2]
+  drawn (for every head, before the heads are split: each device hashes its heads with a one-device call's
+  rotations); mask [batch, length] bool; chunk_size at most the length."""
   op = "reformer"
   batch, length, heads, head_dim = q.shape
-  n_hashes = rotations.shape[1]
+  n_hashes = rot.shape[1]
   n_chunks = num_blocks(length, chunk_size)
   ct = contract.softmax_dtype(q.dtype, k.dtype, v.dtype)
   padded = n_chunks * chunk_size
 
   rows = batch * heads
   valid = pad_to(mask, padded, axis=1)  # [batch, padded]
-  rot = rotations
 
   def attention(block: tuple[Array, ...], aux: tuple[Array, Array], ids: Array) -> Array:
     """A block of rows: q [rows, padded, d], v [rows, padded, dv] -> [rows, padded, dv]; aux: the key mask

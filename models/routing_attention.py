@@ -46,6 +46,7 @@ Config fields (`config.model.attention`), besides `name`, `params`, `dropout_rat
 
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Any
 
@@ -286,18 +287,14 @@ class RoutingAttention(attention.AttentionBase, _CentroidMixin):
     return self.out(o), attention.LayerCache(state, cache.max_length)
 
 
-_WARNED: list[bool] = []
-
-
+@functools.cache
 def _warn_balanced_causal() -> None:
   """Once per process: a causal combiner_routed model's outputs depend on later tokens' clusters."""
-  if not _WARNED:
-    _WARNED.append(True)
-    print("WARNING: attention 'combiner_routed' in a causal model: its balanced chunks are cut from the "
-          "cluster ids of all tokens, so later tokens' clusters move the chunks of earlier ones (the Routing "
-          "Transformer's balanced top-k leak; no later value or gradient reaches an earlier output). For an "
-          "exactly causal routed model use attention 'routing' (membership 'nearest').", file=sys.stderr,
-          flush=True)
+  print("WARNING: attention 'combiner_routed' in a causal model: its balanced chunks are cut from the "
+        "cluster ids of all tokens, so later tokens' clusters move the chunks of earlier ones (the Routing "
+        "Transformer's balanced top-k leak; no later value or gradient reaches an earlier output). For an "
+        "exactly causal routed model use attention 'routing' (membership 'nearest').", file=sys.stderr,
+        flush=True)
 
 
 class RoutedCombinerAttention(attention.AttentionBase, _CentroidMixin):

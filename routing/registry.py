@@ -27,14 +27,12 @@ Array = Any
 CENTROID_SEED = 0
 
 
-def _centroids(q: Array, clusters: int, op: str) -> np.ndarray:
+def _centroids(q: Array, k: Array, v: Array, mask: Array | None, clusters: int, op: str) -> np.ndarray:
   """Fixed [heads, clusters, head_dim] centroids for q [batch, length, heads, head_dim]: a constant of the
-  compiled program, not a random draw and normalisation run at every call. q's rank and `num_clusters` are
-  checked first (the op's own error), since the centroids are made before the op runs."""
+  compiled program, not a random draw and normalisation run at every call. `num_clusters` and the op
+  contract are checked first (the op's own errors), since the centroids are made before the op runs."""
   clusters = contract.check_positive_int(clusters, name="num_clusters", op=op)
-  if jnp.ndim(q) != 4:
-    raise ValueError(f"{op}: argument 'q' must have rank 4 [batch, length, heads, dim], got shape "
-                     f"{tuple(jnp.shape(q))}")
+  q = contract.check_qkv(q, k, v, mask, op=op, keep_none=True)[0]
   return _fixed_centroids(int(q.shape[2]), clusters, int(q.shape[3]))
 
 
@@ -59,7 +57,7 @@ def routing_op(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None
   among the registered `params` on purpose: configs pre-fill every registered param as a plan parameter,
   while the model module takes `membership` as a module field.
   """
-  centroids = _centroids(q, num_clusters, "routing")
+  centroids = _centroids(q, k, v, mask, num_clusters, "routing")
   return _routing_by(q, k, v, centroids=centroids, window=window, causal=causal, mask=mask,
                      membership=membership)
 
@@ -80,7 +78,7 @@ def combiner_routed_op(q: Array, k: Array, v: Array, *, causal: bool, mask: Arra
   (on kernels under `implementation`: Combiner-Fixed's when bidirectional, `combiner.routed_kernels` when
   causal). The centroids are made for every head
   here and the rest partitions itself (`_routed_by`), each device routing its heads by theirs."""
-  centroids = _centroids(q, num_clusters, "combiner_routed")
+  centroids = _centroids(q, k, v, mask, num_clusters, "combiner_routed")
   return _routed_by(q, k, v, centroids=centroids, causal=causal, mask=mask, num_clusters=num_clusters,
                     pooling=pooling, implementation=implementation)
 

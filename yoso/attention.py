@@ -168,17 +168,11 @@ def yoso(q: Array, k: Array, v: Array, *, rng: Array, num_hashes: int, tau: int,
 
 @contract.per_platform_op(_formulation_choice, per_head=("functions", "basis"))
 def _yoso_drawn(q: Array, k: Array, v: Array, *, functions: Array, basis: Array | None, num_hashes: int,
-                tau: int, causal: Any, mask: Array, normalize_output: Any, hash: str, backward: str,
+                tau: int, causal: bool, mask: Array, normalize_output: bool, hash: str, backward: str,
                 formulation: str) -> Array:
-  """`yoso` with its hash functions [heads, ...] (`hashing.hash_functions`) and backward sketch basis
-  [heads, m, e, s] or None (`backward.sketch_basis`) drawn."""
-  op = "yoso"
-  causal = contract.check_bool(causal, name="causal", op=op)
-  normalize_output = contract.check_bool(normalize_output, name="normalize_output", op=op)
-  contract.check_choice(backward, name="backward", allowed=BACKWARDS, op=op)
-  formulation = tables.resolve_formulation(
-      contract.check_choice(formulation, name="formulation", allowed=tables.FORMULATIONS, op=op),
-      contract.backend())
+  """`yoso` with its arguments checked and its hash functions [heads, ...] (`hashing.hash_functions`) and
+  backward sketch basis [heads, m, e, s] or None (`backward.sketch_basis`) drawn."""
+  formulation = tables.resolve_formulation(formulation, contract.backend())  # "auto": per lowering platform
   ct = contract.softmax_dtype(q.dtype, k.dtype, v.dtype)
   batch, length, heads = q.shape[:3]
   # Heads-major inside: XLA's CPU dots and gathers are several times faster with (batch, heads) leading.

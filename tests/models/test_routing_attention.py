@@ -281,12 +281,12 @@ def test_routed_combiner_real_outputs_ignore_padded_content(causal):
     np.testing.assert_array_equal(np.where(mask[..., None], out2, 0.0), np.where(mask[..., None], out, 0.0))
 
 
-def test_a_causal_routed_combiner_says_its_chunks_depend_on_later_tokens(capsys, monkeypatch):
+def test_a_causal_routed_combiner_says_its_chunks_depend_on_later_tokens(capsys):
   """The balanced partition of the causal routed plan depends on later tokens' clusters: a causal model built
   on it says so once (a bidirectional one has nothing to leak)."""
   from models import routing_attention
 
-  monkeypatch.setattr(routing_attention, "_WARNED", [])
+  routing_attention._warn_balanced_causal.cache_clear()  # as in a new process
   _build("combiner_routed", causal=False)
   assert "WARNING" not in capsys.readouterr().err
   _build("combiner_routed")
