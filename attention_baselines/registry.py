@@ -211,7 +211,7 @@ def _adaptive_span_inputs(length: int, shape: Shape) -> dict:
 register(OpSpec(
     "adaptive_span", adaptive_span, params=adaptive_span_params, bench_inputs=_adaptive_span_inputs,
     decode=ADAPTIVE_SPAN, module="models.adaptive_span_attention:AdaptiveSpanAttention",
-    plan={"max_span": POSITIVE, "ramp": FLOAT, "block_size": POSITIVE}, inputs=("spans", "positions"),
+    plan={"max_span": Param(int, 0), "ramp": FLOAT, "block_size": POSITIVE}, inputs=("spans", "positions"),
     memory=True, fused=PALLAS,
     description="adaptive attention span: a learned soft span per head (R=32), clamped to [0, max_span] "
                 "(default max_span = L), key blocks beyond the largest span skipped, O(L*(max z + R)*d)"))

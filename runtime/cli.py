@@ -339,12 +339,14 @@ def _show_in_help(flag_values: Any) -> None:
 
 
 class ArgumentParser(argparse.ArgumentParser):
-  """argparse with one-line errors (exit 2, no usage block) and a `--debug` flag."""
+  """argparse with one-line errors (exit 2, no usage block) and a `--debug` flag (debug=False: none, for the
+  flags of a mode whose shared parser has it)."""
 
-  def __init__(self, *args: Any, **kwargs: Any):
+  def __init__(self, *args: Any, debug: bool = True, **kwargs: Any):
     super().__init__(*args, **kwargs)
-    self.add_argument("--debug", action="store_true",
-                      help=f"show the traceback of a user error (also {DEBUG_ENV}=1)")
+    if debug:
+      self.add_argument("--debug", action="store_true",
+                        help=f"show the traceback of a user error (also {DEBUG_ENV}=1)")
 
   def error(self, message: str) -> NoReturn:
     fail(message)

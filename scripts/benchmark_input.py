@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
   """The flags of `--mode input` (beside the shared ones of scripts.benchmark)."""
   from runtime import cli
 
-  parser = cli.ArgumentParser(prog="python -m scripts.benchmark --mode input", add_help=False)
+  parser = cli.ArgumentParser(prog="python -m scripts.benchmark --mode input", add_help=False, debug=False)
   parser.add_argument("--datasets", default=",".join(DATASETS))
   parser.add_argument("--against", choices=("smoke", "none"), default="smoke",
                       help="smoke: shapes of the smoke config and its train step; none: paper lengths, "

@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
   """The flags of `--mode train` (beside the shared ones of scripts.benchmark)."""
   from runtime import cli
 
-  parser = cli.ArgumentParser(prog="python -m scripts.benchmark --mode train", add_help=False)
+  parser = cli.ArgumentParser(prog="python -m scripts.benchmark --mode train", add_help=False, debug=False)
   parser.add_argument("--layers", type=int, default=6)
   parser.add_argument("--features", type=int, default=512)
   parser.add_argument("--mlp_dim", type=int, default=2048)

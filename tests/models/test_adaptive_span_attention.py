@@ -139,3 +139,18 @@ def test_recompute_gives_the_same_loss_and_gradients(relative_positions):
   assert float(jnp.abs(grads["span_ratio"][...]).max()) > 0
   if relative_positions:
     assert float(jnp.abs(grads["positions"][...]).max()) > 0
+
+
+def test_max_span_zero_is_a_plan_the_module_builds():
+  """max_span = 0 (every span clamped to 0: only the ramp's R keys weigh) is what the op accepts, so a config
+  may set it; a negative one is refused naming the field."""
+  cfg = base.attention_config("adaptive_span")
+  cfg.params.max_span, cfg.params.ramp = 0, 2
+  m = registry.build(cfg, features=FEATURES, num_heads=HEADS, head_dim=HEAD_DIM, causal=True,
+                     dtype=jnp.float32, rngs=nnx.Rngs(0), seq_len=5)
+  out = m(jnp.ones((1, 5, FEATURES)), None, deterministic=True)
+  assert out.shape == (1, 5, FEATURES) and bool(jnp.isfinite(out).all())
+  cfg.params.max_span = -1
+  with pytest.raises(ValueError, match="max_span must be >= 0"):
+    registry.build(cfg, features=FEATURES, num_heads=HEADS, head_dim=HEAD_DIM, causal=True,
+                   dtype=jnp.float32, rngs=nnx.Rngs(0), seq_len=5)

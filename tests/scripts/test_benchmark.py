@@ -399,6 +399,7 @@ def test_mode_help_shows_the_modes_own_flags(mode, flag, capsys):
   assert exit_info.value.code == 0
   out = capsys.readouterr().out
   assert "--lengths" in out and flag in out
+  assert out.count("show the traceback of a user error") == 1  # the shared --debug, listed once
 
 
 def test_memory_budget_defaults_to_this_machines_memory():
