@@ -80,6 +80,9 @@ def performer(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None 
   return _favor(q, k, v, causal=causal, mask=mask, features=w, chunk_size=chunk, row_chunks=chunks)
 
 
+performer.partitions_itself = True  # through `_favor`, its features drawn first
+
+
 @contract.partitioned_op()
 def _favor(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None, features: Array,
            chunk_size: int, row_chunks: int | None) -> Array:

@@ -130,6 +130,9 @@ def reformer(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None =
               row_chunks=row_chunks)
 
 
+reformer.partitions_itself = True  # through `_lsh`, its rotations drawn for every head first
+
+
 @contract.partitioned_op(per_head=("rot",))
 def _lsh(q: Array, k: Array, v: Array, *, causal: bool, mask: Array, rot: Array, n_buckets: int,
          chunk_size: int, row_chunks: int | None) -> Array:

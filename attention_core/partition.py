@@ -17,8 +17,9 @@ when the op is traced:
     are moved there by the partitioner. Use Explicit axes to have the op follow your placement.
   * Inside `jax.shard_map` (every mesh axis manual), on one device, with no mesh in the types or in JAX's
     context (`jax.set_mesh`), or inside another partitioned op: the op is called as it is.
-  * A caller that knows its placement passes it (`call(..., placement=, mesh=)`); the models do
-    (`attention_core.sharding.attend`: the batch over "data"/"fsdp", the heads over "model").
+  * A caller that knows its placement passes it (`call(..., placement=, mesh=)`), or gives it to the ops
+    called inside (`given`); the models do (`attention_core.sharding.attend`: the batch over
+    "data"/"fsdp", the heads over "model").
 A placement that splits nothing still runs under shard_map, every device running the whole op (a fused
 kernel runs only on device-local arrays). One that leaves a mesh axis unused (the batch over one axis of
 two) has its own VJP (`_stacked_vjp`), so that no gradient crosses devices either.
@@ -37,7 +38,8 @@ Keyword arguments of the op that are arrays are split by kind (`kinds`, else inf
   RNG     a PRNG key (inferred from its dtype): replicated over batch shards (ops draw their randomness per
           head and share it over the batch, so every batch shard draws the same functions as one device);
           with heads split, the heads shard's index is folded into it, so that the shards' heads draw
-          independent functions (different draws from a one-device run of the same key, same distribution)
+          independent functions (different draws from a one-device run of the same key, same distribution).
+          The registered ops that take a key draw for every head before they split them: one device's draws
 An argument that is an `nnx.Module` travels as its state, each array of which has the argument's kind
 (default HEADS). Other callables are closed over, and then the heads are not split (their weights are whole).
 Everything else is passed as it is.
@@ -67,6 +69,8 @@ _MASK = "mask"
 
 _INSIDE: contextvars.ContextVar[bool] = contextvars.ContextVar("partition_inside", default=False)
 _PLACED: contextvars.ContextVar[Placement | None] = contextvars.ContextVar("partition_placed", default=None)
+_GIVEN: contextvars.ContextVar[tuple[Placement, Any] | None] = contextvars.ContextVar("partition_given",
+                                                                                      default=None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +132,7 @@ def auto_placement(mesh: Any, batch: int, heads: int) -> Placement:
 # One call: its arrays with kinds, and the op on one device's block of them
 
 
-def _is_key(x: Any) -> bool:  # an argument's value sorted by kind (module docstring), not a capability probe
+def is_key(x: Any) -> bool:  # an argument's value sorted by kind (module docstring), not a capability probe
   return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
@@ -161,7 +165,7 @@ class _Call:
   def _kind(self, name: str, x: Any, kinds: dict[str, str]) -> str:
     kind = kinds.get(name)
     if kind is None:
-      kind = RNG if _is_key(x) else QKV if x.ndim >= 3 and tuple(x.shape[:3]) == (
+      kind = RNG if is_key(x) else QKV if x.ndim >= 3 and tuple(x.shape[:3]) == (
           self.batch, self.length, self.heads) else SHARED
     if kind not in KINDS:
       raise ValueError(f"{self.op}: argument {name!r} has kind {kind!r}; kinds: {KINDS}")
@@ -295,6 +299,18 @@ def _with(xs: Sequence[Array], indices: Sequence[int], values: Sequence[Array]) 
 
 
 @contextlib.contextmanager
+def given(placement: Placement, mesh: Any) -> Iterator[None]:
+  """Ops that partition themselves, called inside, take `placement` on `mesh` (each for its own batch and
+  heads: the axes of it that divide them) instead of the one the types give: a caller that knows its
+  placement and calls an op that draws for every head before it splits them (`attention_core.sharding`)."""
+  token = _GIVEN.set((placement, mesh))
+  try:
+    yield
+  finally:
+    _GIVEN.reset(token)
+
+
+@contextlib.contextmanager
 def _inside() -> Iterator[None]:
   token = _INSIDE.set(True)
   try:
@@ -409,6 +425,10 @@ def call(fn: Callable[..., Array], q: Array, k: Array, v: Array, kwargs: dict[st
 
   if _INSIDE.get() or not _contract_shaped(q, k, v, kwargs.get("mask")):
     return direct()
+  if placement is None and _GIVEN.get() is not None:
+    outer, mesh = _GIVEN.get()
+    sizes = dict(mesh.shape)
+    placement = Placement(dividing(outer.batch, sizes, q.shape[0]), dividing(outer.heads, sizes, q.shape[2]))
   if placement is not None:
     c = _Call(fn, q, k, v, kwargs, kinds, name)
     if jax.sharding.AxisType.Explicit in mesh.axis_types:

@@ -10,7 +10,10 @@ every row or head). Every other mesh axis (e.g. "seq") is replicated inside the 
 sequences. With no mesh, or one device, the op is called as it is.
 
 Keyword arguments of the op are split by kind (`kinds`: QKV, HEADS, SHARED, RNG; `attention_core.partition`
-says what each means and what is inferred when none is given).
+says what each means and what is inferred when none is given). An op that partitions itself and is given a
+key (YOSO's hash functions, Reformer's rotations) is called as it is with this placement given to it
+(`partition.given`): it draws for every head before it splits them, so a heads shard hashes as one device
+does.
 """
 
 from __future__ import annotations
@@ -59,7 +62,18 @@ def attend(fn: Callable[..., Array], q: Array, k: Array, v: Array, *, mask: Arra
   if not batch_axes and heads_axis is None:
     return fn(q, k, v, mask=mask, **kwargs)
   placement = partition.Placement(batch_axes, (heads_axis,) if heads_axis else ())
+  if _draws_for_every_head(fn, kwargs):
+    with partition.given(placement, mesh):
+      return fn(q, k, v, mask=mask, **kwargs)
   return partition.call(fn, q, k, v, {"mask": mask, **kwargs}, kinds=kinds, placement=placement, mesh=mesh)
+
+
+def _draws_for_every_head(fn: Callable[..., Array], kwargs: dict[str, Any]) -> bool:
+  """Whether fn partitions itself (`partition.partitioned`, or an op marked so that draws first) and is
+  given a key: it then makes every head's draws before it splits the heads."""
+  while isinstance(fn, functools.partial):
+    fn = fn.func
+  return getattr(fn, "partitions_itself", False) and any(partition.is_key(x) for x in kwargs.values())
 
 
 def traced_in(mesh: Any, fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -35,7 +35,7 @@ from flax import nnx
 from attention_core import registry as ops_registry
 from attention_core import sharding
 from models import attention, layers
-from yoso.conv import depthwise_conv
+from yoso.attention import convolution
 
 Array = Any
 DEFAULT_CONV_KERNEL = 33
@@ -43,10 +43,11 @@ DEFAULT_CONV_KERNEL = 33
 
 def with_conv(fn: Any) -> Any:
   """`fn` plus a per-head depthwise convolution of V (YOSO-C as an ablation of yoso / yoso_e), the kernel
-  passed as `conv` [heads, size]."""
+  passed as `conv` [heads, size]. It partitions itself where fn does (the convolution always does)."""
   def op(q: Array, k: Array, v: Array, *, conv: Array, mask: Array | None = None, **kwargs: Any) -> Array:
     o = fn(q, k, v, mask=mask, **kwargs)  # [batch, length, heads, head_dim]
-    return o + depthwise_conv(v, conv, mask).astype(o.dtype)
+    return o + convolution(q, k, v, conv_kernel=conv, mask=mask).astype(o.dtype)
+  op.partitions_itself = getattr(fn, "partitions_itself", False)
   return op
 
 
@@ -85,8 +86,8 @@ class YosoAttention(attention.OpAttention):
     self.conv = layers.param(rngs, init, (num_heads, size), ("heads", None)) if size else None
 
   def op_kinds(self) -> dict[str, str]:
-    # The rng is replicated over batch shards (hashes are shared over the batch); a heads shard folds its
-    # index into it, so its heads draw their own hashes (attention_core.sharding).
+    # How the ops that do not partition themselves split these (yoso_e with a convolution); the sampled
+    # ops draw every head's hashes before they split the heads, as one device does (attention_core.sharding).
     return {"rng": sharding.RNG, "conv_kernel": sharding.HEADS, "conv": sharding.HEADS}
 
   def op_fn(self) -> Any:

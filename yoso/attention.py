@@ -257,15 +257,15 @@ def yoso_c(q: Array, k: Array, v: Array, *, rng: Array, num_hashes: int, tau: in
     raise ValueError(f"yoso_c: argument 'conv_kernel' must be [heads={q.shape[2]}, size] or [size] with an "
                      f"odd size, got shape {shape}")
   kernel = jnp.broadcast_to(conv_kernel, (q.shape[2], shape[-1]))  # [heads, size]
-  conv = _conv(q, k, v, conv_kernel=kernel, mask=None if mask is None else jnp.asarray(mask, bool))
+  conv = convolution(q, k, v, conv_kernel=kernel, mask=None if mask is None else jnp.asarray(mask, bool))
   return (out + conv).astype(v.dtype)  # [batch, length, heads, value_dim]
 
 
-yoso_c.partitions_itself = True  # through `_yoso_drawn` and `_conv` (attention_core.partition)
+yoso_c.partitions_itself = True  # through `_yoso_drawn` and `convolution` (attention_core.partition)
 
 
 @contract.partitioned_op(per_head=("conv_kernel",))
-def _conv(q: Array, k: Array, v: Array, *, conv_kernel: Array, mask: Array | None) -> Array:
+def convolution(q: Array, k: Array, v: Array, *, conv_kernel: Array, mask: Array | None) -> Array:
   """YOSO-C's depthwise convolution of v [batch, length, heads, value_dim] by conv_kernel [heads, size]
   (q, k: the op contract's, unread)."""
   del q, k

@@ -13,11 +13,12 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from attention_baselines.reformer import reformer
 from attention_core import sharding
 from configs import base
-from models import transformer, yoso_attention
+from models import transformer
 from training import mesh as mesh_lib
-from yoso.attention import yoso
+from yoso.attention import yoso, yoso_c
 
 AUTO = jax.sharding.AxisType.Auto
 FAST = {"xla_backend_optimization_level": 0}
@@ -42,6 +43,13 @@ def model_config(name: str, heads: int = HEADS) -> tuple:
   elif name == "yoso":
     cfg.attention.params.update(num_hashes=4, tau=3, formulation="pallas")
     task = "mlm"  # YOSO's Pallas tables are its bidirectional form
+  elif name == "yoso_conv":  # yoso with the YOSO-C convolution (`yoso_attention.with_conv`)
+    cfg.attention = base.attention_config("yoso")
+    cfg.attention.params.update(num_hashes=4, tau=3)
+    cfg.attention.conv_kernel_size = 3
+    task = "mlm"
+  elif name == "reformer":
+    cfg.attention.params.chunk_size = 4  # 4 chunks: the rotations hash
   elif name == "dense":
     cfg.attention.implementation = "xla"
   elif name in ("linformer", "synthesizer"):  # weights shared by the heads / per head
@@ -76,14 +84,6 @@ def assert_close(got, want):
     np.testing.assert_allclose(np.asarray(a), b, rtol=1e-5, atol=atol)
 
 
-def by_heads_shard(fn, q, k, v, mask, *, parts, rng, **kw):
-  """One device's definition of yoso under `parts` heads shards: shard j's heads draw from fold_in(rng, j)."""
-  per = q.shape[2] // parts
-  cut = lambda x, j: x[:, :, j * per:(j + 1) * per]  # noqa: E731
-  return jnp.concatenate([fn(cut(q, j), cut(k, j), cut(v, j), mask=mask, rng=jax.random.fold_in(rng, j), **kw)
-                          for j in range(parts)], axis=2)
-
-
 def _fast_first(cases: list) -> list:
   """The first case runs in the fast suite, the others with -m slow (each compiles a model on 8 devices)."""
   return [c if i == 0 else pytest.param(*c, marks=pytest.mark.slow) for i, c in enumerate(cases)]
@@ -91,37 +91,37 @@ def _fast_first(cases: list) -> list:
 
 @pytest.mark.parametrize("data,model,name", _fast_first(sorted(
     [(d, m, n) for d, m in MESHES[:2] for n in ("combiner_fixed", "yoso", "dense")]
-    + [(4, 2, "linformer"), (4, 2, "synthesizer")], key=lambda c: c != (4, 2, "combiner_fixed"))))
-def test_model_equals_single_device(name, data, model, monkeypatch):
-  """Forward and gradients of a model layer on a data x model mesh equal the one-device run. YOSO's batch
-  shards share the key (its hashes are shared over the batch: the same draws); its heads shards fold their
-  index into it, so with model > 1 the reference runs that definition on one device."""
+    + [(4, 2, "linformer"), (4, 2, "synthesizer"), (2, 4, "reformer"), (2, 4, "yoso_conv")],
+    key=lambda c: c != (4, 2, "combiner_fixed"))))
+def test_model_equals_single_device(name, data, model):
+  """Forward and gradients of a model layer on a data x model mesh equal the one-device run. The ops that
+  draw from a key (YOSO's hashes, Reformer's rotations) draw every head's before they split the heads, so
+  a heads shard draws what one device does."""
   cfg, task = model_config(name)
   net = transformer.build_model(cfg, task=task, vocab_size=11, seq_len=LENGTH)
   ids = jax.random.randint(jax.random.key(1), (BATCH, LENGTH), 0, 11)
-  got = loss_and_grads(net, ids, cpu_mesh(data, model))
-  if name == "yoso" and model > 1:
-    monkeypatch.setattr(yoso_attention.YosoAttention, "call_op", lambda self, fn, q, k, v, mask, **kw:
-                        by_heads_shard(fn, q, k, v, mask, parts=model, causal=self.causal, **kw))
-  assert_close(got, loss_and_grads(net, ids))
+  assert_close(loss_and_grads(net, ids, cpu_mesh(data, model)), loss_and_grads(net, ids))
 
 
 @pytest.mark.slow
-def test_yoso_heads_shards_draw_their_own_hashes():
-  """With heads split over "model", shard j's heads run yoso with fold_in(key, j): the op equals that
-  definition run shard by shard on one device; batch shards share the key (hashes are shared over the
-  batch)."""
+@pytest.mark.parametrize("op", [yoso, yoso_c, reformer])
+def test_ops_drawing_from_a_key_equal_one_device_with_heads_split(op):
+  """With heads split over "model" (and the batch over "data"), an op given a key under the models'
+  placement (`sharding.attend`) equals the one-device call with that key: its heads draw their hash functions
+  or rotations as one device does, not per shard."""
   kq, kk, kv = jax.random.split(jax.random.key(3), 3)
   q, k, v = (jax.random.normal(x, (BATCH, LENGTH, HEADS, 4)) for x in (kq, kk, kv))
   mask = jnp.arange(LENGTH)[None, :] < jnp.array([LENGTH - 3 * (i % 2) for i in range(BATCH)])[:, None]
   key = jax.random.key(5)
-  kw = dict(num_hashes=4, tau=3, formulation="pallas", causal=False)
+  kw = {yoso: dict(num_hashes=4, tau=3, formulation="pallas", causal=False),
+        yoso_c: dict(num_hashes=4, tau=3, causal=False, conv_kernel=jax.random.normal(kk, (HEADS, 3))),
+        reformer: dict(n_hashes=2, chunk_size=4, causal=True)}[op]
   mesh = cpu_mesh(4, 2)
   put = lambda x, *spec: jax.device_put(x, NamedSharding(mesh, P(*spec)))  # noqa: E731
   args = (*(put(x, "data", None, "model") for x in (q, k, v)), put(mask, "data"), put(key))
   got = jax.jit(sharding.traced_in(mesh, lambda q, k, v, mask, key: sharding.attend(
-      yoso, q, k, v, mask=mask, rng=key, **kw)), compiler_options=FAST)(*args)
-  want = by_heads_shard(yoso, q, k, v, mask, parts=2, rng=key, **kw)
+      op, q, k, v, mask=mask, rng=key, **kw)), compiler_options=FAST)(*args)
+  want = op(q, k, v, mask=mask, rng=key, **kw)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
 
 
