@@ -60,6 +60,10 @@ def check_qkv(q: Array, k: Array, v: Array, mask: Array | None, *, op: str,
     if mask.shape != (batch, length):
       raise ValueError(f"{op}: argument 'mask' must have shape [batch, length] = {(batch, length)}, "
                        f"got {tuple(mask.shape)}")
+    if not (mask.dtype == bool or jnp.issubdtype(mask.dtype, jnp.integer)):
+      # A float mask is often additive (0 = keep, -inf = drop): cast to bool it would mean the opposite.
+      raise TypeError(f"{op}: argument 'mask' must be a bool (or integer 0/1) array, True = real token, "
+                      f"got dtype {mask.dtype}")
     mask = mask.astype(bool)
   return q, k, v, mask
 

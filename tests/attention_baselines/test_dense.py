@@ -34,6 +34,12 @@ def test_dense_rejects_bad_input():
     dense(q, q, q, causal=True, mask=jnp.ones((1, 3), bool))
   with pytest.raises(TypeError, match="'q'"):
     dense([1, 2], q, q, causal=True)
+  # An additive float mask (0 = keep, -inf = drop) cast to bool would mean the opposite: refused.
+  with pytest.raises(TypeError, match="'mask' must be a bool"):
+    dense(q, q, q, causal=True, mask=jnp.array([[0.0, 0.0, -jnp.inf, -jnp.inf]]))
+  ints = dense(q, q, q, causal=True, mask=jnp.array([[1, 1, 0, 1]]))  # integer 0/1 masks stay accepted
+  bools = dense(q, q, q, causal=True, mask=jnp.array([[True, True, False, True]]))
+  np.testing.assert_array_equal(ints, bools)
 
 
 @pytest.mark.parametrize("causal", [True, False])
