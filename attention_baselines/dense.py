@@ -203,13 +203,18 @@ def _splash(q: Array, k: Array, v: Array, mask: Array | None, causal: bool) -> A
 def dense_xla(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None = None) -> Array:
   """`jax.nn.dot_product_attention` (XLA path) under the op contract: the stock dense baseline, to compare.
 
-  Needs value_dim == head_dim. Inputs are cast to float32 (or wider) so its softmax meets the contract.
+  Inputs are cast to float32 (or wider) so its softmax meets the contract. jax's op takes one dim for q, k
+  and v, so where value_dim != head_dim the narrower side is zero-padded (the logits and the weighted sum are
+  unchanged; the scale stays 1/sqrt(head_dim)).
   """
   q, k, v, mask = contract.check_qkv(q, k, v, mask, op="dense_xla")
   causal = contract.check_bool(causal, name="causal", op="dense_xla")
-  if v.shape[-1] != q.shape[-1]:
-    raise ValueError(f"dense_xla: argument 'v' must have value_dim == head_dim = {q.shape[-1]}, "
-                     f"got {v.shape[-1]}")
+  head_dim, value_dim = q.shape[-1], v.shape[-1]
+  width = max(head_dim, value_dim)
+
+  def padded(x: Array) -> Array:  # [..., dim] -> [..., width], zeros after
+    return jnp.pad(x, ((0, 0),) * 3 + ((0, width - x.shape[-1]),))
+
   ct = contract.softmax_dtype(q.dtype, k.dtype, v.dtype)
   length = q.shape[1]
   keep = mask[:, None, None, :]  # [batch, 1, 1, length_k]
@@ -223,7 +228,7 @@ def dense_xla(q: Array, k: Array, v: Array, *, causal: bool, mask: Array | None 
   v_safe = jnp.where(real & finite, v, 0)
   bad = (~jnp.all(finite, axis=-1) & mask[:, :, None]).astype(jnp.int32)  # [batch, length, heads]
   seen_bad = (jnp.cumsum(bad, axis=1) if causal else jnp.sum(bad, axis=1, keepdims=True)) > 0
-  out = jax.nn.dot_product_attention(q.astype(ct), k.astype(ct), v_safe.astype(ct), mask=keep,
-                                     implementation="xla")
+  out = jax.nn.dot_product_attention(padded(q.astype(ct)), padded(k.astype(ct)), padded(v_safe.astype(ct)),
+                                     mask=keep, scale=head_dim ** -0.5, implementation="xla")[..., :value_dim]
   any_key = jnp.any(keep, axis=-1)[:, 0, :, None, None]  # rows with no visible key give zeros, as in `dense`
   return jnp.where(seen_bad[..., None], jnp.nan, jnp.where(any_key, out, 0.0)).astype(v.dtype)
