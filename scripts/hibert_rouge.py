@@ -13,9 +13,11 @@ import argparse
 import json
 import sys
 
+from runtime import cli
+
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p = cli.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--workdir", required=True)
   p.add_argument("--split", default=None, help="default: the config's eval_split")
   p.add_argument("--top", type=int, default=3, help="sentences per summary (T; 3 for CNN/DailyMail)")
@@ -25,7 +27,13 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> dict:
-  args = _parse(sys.argv[1:] if argv is None else argv)
+  """A bad flag, or a workdir that is not a HIBERT run's, is one line on stderr (exit 2; `--debug`: the
+  traceback)."""
+  return cli.run(_main, sys.argv[1:] if argv is None else argv)
+
+
+def _main(argv: list[str]) -> dict:
+  args = _parse(argv)
   from runtime import paths
   from training import config_io, evaluate, hibert
 

@@ -34,6 +34,12 @@ def test_pretrain_then_summarise(tmp_path, capsys):
   for name in ("model", "oracle", "lead"):
     assert all(0.0 <= rouge[f"{name}_{k}"] <= 100.0 for k in hibert.ROUGE_TYPES)
   assert rouge["oracle_rouge2"] > rouge["lead_rouge2"]  # the stand-in's highlights restate inner sentences
+  # The script restores the run's newest checkpoint and writes the same figures next to it.
+  from scripts import hibert_rouge
+
+  script = hibert_rouge.main(["--workdir", str(tmp_path / "sum"), "--max_documents", "8"])
+  assert script["step"] == 2 and script["model_rouge2"] == rouge["model_rouge2"]
+  assert (tmp_path / "sum" / f"rouge_{script['split']}_2.json").exists()
 
 
 def test_transfer_takes_the_encoder_only():
