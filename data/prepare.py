@@ -44,6 +44,8 @@ from typing import Any
 import ml_collections
 import numpy as np
 
+from runtime import cli
+
 log = logging.getLogger("data.prepare")
 
 LRA_TASKS = ("lra_listops", "lra_text", "lra_retrieval", "lra_image", "lra_pathfinder")
@@ -409,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
 
   generated = ("synthetic_recall", "synthetic_local")  # made on the fly: nothing to prepare
   names = sorted(n for n in DATASETS if n not in generated) + ["lra"]
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("dataset", choices=names)
   parser.add_argument("--data_dir", required=True)
   parser.add_argument("--skip_build", action="store_true", help="only tokenizer training and verification")

@@ -59,9 +59,13 @@ def test_wiki40b_tokenizer_training_from_prepared_directory(tmp_path, capsys):
   assert prepare.verify("wiki40b", str(tmp_path), {"train": 20, "validation": 20, "test": 20})
 
 
-def test_unknown_dataset_is_rejected():
-  with pytest.raises(SystemExit):
+def test_unknown_dataset_is_rejected(capsys):
+  """One line naming the argument and the datasets, exit 2, no usage block."""
+  with pytest.raises(SystemExit) as exit_info:
     prepare.main(["mnist", "--data_dir", "/tmp"])
+  assert exit_info.value.code == 2
+  (line,) = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+  assert line.startswith("ERROR: argument dataset: invalid choice: 'mnist'") and "'cifar10'" in line
 
 
 def test_imagenet64_archives_are_served_from_the_manual_directory(tmp_path):
