@@ -403,10 +403,16 @@ def _contract_shaped(q: Any, k: Any, v: Any, mask: Any) -> bool:
   return mask is None or (_is_array(mask) and tuple(mask.shape) == tuple(k.shape[:2]))
 
 
-def _name(op: Callable[..., Any]) -> str:
-  """module.name of an op, through functools.partial (the models bind plan parameters so)."""
+def unwrapped(op: Callable[..., Any]) -> Callable[..., Any]:
+  """The function under any functools.partial (the models bind plan parameters so)."""
   while isinstance(op, functools.partial):
     op = op.func
+  return op
+
+
+def _name(op: Callable[..., Any]) -> str:
+  """module.name of an op, through functools.partial."""
+  op = unwrapped(op)
   return f"{getattr(op, '__module__', None)}.{getattr(op, '__qualname__', type(op).__name__)}"
 
 

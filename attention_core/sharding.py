@@ -71,9 +71,8 @@ def attend(fn: Callable[..., Array], q: Array, k: Array, v: Array, *, mask: Arra
 def _draws_for_every_head(fn: Callable[..., Array], kwargs: dict[str, Any]) -> bool:
   """Whether fn partitions itself (`partition.partitioned`, or an op marked so that draws first) and is
   given a key: it then makes every head's draws before it splits the heads."""
-  while isinstance(fn, functools.partial):
-    fn = fn.func
-  return getattr(fn, "partitions_itself", False) and any(partition.is_key(x) for x in kwargs.values())
+  return getattr(partition.unwrapped(fn), "partitions_itself", False) and any(
+      partition.is_key(x) for x in kwargs.values())
 
 
 def traced_in(mesh: Any, fn: Callable[..., Any]) -> Callable[..., Any]:
